@@ -1,0 +1,18 @@
+# The two commands of the README: `make demo` and `make test`.
+PYTHON ?= python3
+export PYTHON
+
+.PHONY: demo test generate
+
+demo:
+	scripts/setup.sh
+	$(PYTHON) -m lossbeat demo $(ARGS)
+
+test:
+	scripts/setup.sh --servers
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+# Regenerate every checked-in generated file from the thresholds file.
+generate:
+	$(PYTHON) -m lossbeat rules
+	$(PYTHON) -m lossbeat dashboards

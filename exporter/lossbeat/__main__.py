@@ -1,0 +1,5 @@
+import sys
+
+from lossbeat.cli import main
+
+sys.exit(main())

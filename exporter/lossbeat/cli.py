@@ -1,0 +1,46 @@
+"""The ``lossbeat`` command: one subcommand per module, imported only when used.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "demo": ("lossbeat.demo", "train a small language model on CPU with the exporter live"),
+    "rules": ("lossbeat.rules", "generate Prometheus alert and recording rules from the thresholds file"),
+    "dashboards": ("lossbeat.dashboards", "generate the Grafana dashboards from the thresholds file"),
+    "stack": ("lossbeat.stack", "start or stop a local Prometheus + Alertmanager on loopback"),
+    "analyze": ("lossbeat.analyze", "diagnose a finished run from its log files"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lossbeat", description="Training-health monitor for PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # not built yet in this checkout
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The metric contract: every series lossbeat exports, with its type, labels and help.
+
+Alert rules, dashboards and users' queries depend on these names; they change
+only with a major version. Every series also carries a ``rank`` label.
+The collector that renders them lives in :mod:`lossbeat.collector`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PREFIX"]
+
+PREFIX = "training_"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    """Full metric name; counters include the ``_total`` suffix."""
+    kind: str
+    """``gauge``, ``counter`` or ``info``."""
+    help: str
+    labels: tuple[str, ...] = ()
+    """Labels besides ``rank``."""
+    unit: str = ""
+    """Grafana unit for dashboards."""
+
+
+_SPECS = [
+    # --- gauges: the latest observed values -------------------------------------
+    MetricSpec("training_loss", "gauge", "Training loss of the last observed step; NaN when it was not finite.", unit="none"),
+    MetricSpec("training_eval_loss", "gauge", "Evaluation loss of the last evaluation.", unit="none"),
+    MetricSpec("training_loss_component", "gauge", "Components of a multi-task loss, each on its own.", ("component",), unit="none"),
+    MetricSpec("training_grad_norm", "gauge", "Global L2 norm of the gradients before clipping.", unit="none"),
+    MetricSpec("training_learning_rate", "gauge", "Learning rate of each optimizer param group.", ("param_group",), unit="none"),
+    MetricSpec("training_layer_grad_norm", "gauge", "L2 norm of the gradients of each layer (parameters grouped by module path).", ("layer",), unit="none"),
+    MetricSpec("training_step", "gauge", "The last observed optimizer step.", unit="none"),
+    MetricSpec("training_epoch", "gauge", "The current epoch (may be fractional).", unit="none"),
+    MetricSpec("training_last_step_timestamp_seconds", "gauge", "Unix time at which the last step was observed.", unit="dateTimeAsIso"),
+    MetricSpec("training_step_duration_seconds", "gauge", "Wall time between the last two observed steps.", unit="s"),
+    MetricSpec("training_loss_cv", "gauge", "Coefficient of variation (std / mean) of the finite losses over the volatility window.", unit="none"),
+    MetricSpec("training_loss_trend_ratio", "gauge", "(mean of the previous window - mean of the recent window) / previous mean; positive means the loss falls.", unit="percentunit"),
+    MetricSpec("training_health_status", "gauge", "Diagnosis per check: 0 good, 1 warning, 2 danger.", ("check", "component"), unit="none"),
+    MetricSpec("training_memory_allocated_bytes", "gauge", "Device memory allocated by tensors (CUDA), or process resident memory on CPU.", ("device",), unit="bytes"),
+    MetricSpec("training_memory_peak_bytes", "gauge", "Peak device memory allocated (CUDA), or peak process resident memory on CPU.", ("device",), unit="bytes"),
+    MetricSpec("training_grad_clip_coefficient", "gauge", "Factor the last clip_grad_norm_ through lossbeat scaled gradients by (1 = not clipped).", unit="none"),
+    # --- info ---------------------------------------------------------------------
+    MetricSpec("training_run", "info", "Metadata of the training run.", ("run", "profile", "world_size", "local_rank", "version", "torch_version")),
+    MetricSpec("training_nonfinite_grad_first_layer", "info", "The first layer, in the model's order, whose gradient was last seen non-finite.", ("layer",)),
+    # --- counters: events are never missed between scrapes ------------------------
+    MetricSpec("training_steps_total", "counter", "Observed training steps."),
+    MetricSpec("training_tokens_total", "counter", "Tokens processed, as passed to observe(tokens=...)."),
+    MetricSpec("training_eval_total", "counter", "Observed evaluations."),
+    MetricSpec("training_nonfinite_loss_total", "counter", "Steps whose loss was NaN or infinite."),
+    MetricSpec("training_nonfinite_grad_total", "counter", "Steps whose gradient norm was NaN or infinite."),
+    MetricSpec("training_loss_spikes_total", "counter", "Steps whose loss exceeded mean + spike_sigma * std of the recent window."),
+    MetricSpec("training_grad_explosions_total", "counter", "Steps whose global grad norm exceeded the explosion threshold."),
+    MetricSpec("training_exporter_errors_total", "counter", "Errors inside lossbeat itself, by where they happened; training is never interrupted.", ("where",)),
+]
+
+METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in _SPECS}
+"""Metric name (as exposed, without the ``_info`` suffix for info metrics) to its spec."""
+
+HEALTH_CHECKS = (
+    "loss_range",
+    "loss_trend",
+    "loss_volatility",
+    "grad_norm",
+    "layer_grad_norm",
+    "learning_rate",
+    "warmup",
+    "overfitting",
+    "nonfinite",
+)
+"""Values of the ``check`` label of ``training_health_status``."""

@@ -1,0 +1,319 @@
+"""The thresholds file: typed, validated, one source for diagnosis, rules and dashboards.
+
+``load_thresholds()`` reads the packaged ``thresholds.yaml`` (or a user's file,
+which may override any subset of keys) and returns a frozen :class:`Thresholds`.
+A bad file raises :class:`ThresholdsError` naming the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Mapping
+
+import yaml
+
+__all__ = ["Thresholds", "Profile", "ThresholdsError", "load_thresholds", "DEFAULT_PATH"]
+
+DEFAULT_PATH = "thresholds.yaml"  # package data of ``lossbeat``
+_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+
+
+class ThresholdsError(ValueError):
+    """A thresholds file is malformed; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Windows:
+    cv_steps: int
+    """Steps in the loss coefficient-of-variation window."""
+    trend_steps: int
+    """Steps in each half of the trend comparison (recent vs previous)."""
+    range_steps: int
+    """Steps averaged for the absolute loss-range check."""
+    grad_steps: int
+    """Steps averaged for the global grad-norm check."""
+    diagnose_every: int
+    """The diagnosis runs every N observed steps."""
+
+
+@dataclass(frozen=True)
+class LossThresholds:
+    trend_improving: float
+    """Trend ratio above which the loss is falling well."""
+    trend_rising: float
+    """Trend ratio below which the loss is rising (danger)."""
+    cv_warning: float
+    """Loss CV at or above which volatility is a warning."""
+    cv_danger: float
+    """Loss CV at or above which volatility is dangerous."""
+    spike_sigma: float
+    """A loss above mean + spike_sigma * std of the CV window is a spike."""
+    spike_min_steps: int
+    """Finite losses needed before spikes are called."""
+
+
+@dataclass(frozen=True)
+class GradientThresholds:
+    explosion: float
+    """Global grad norm above which a step counts as an explosion."""
+    vanishing: float
+    """Global grad norm below which gradients vanish."""
+    healthy_low: float
+    """Lower edge of the healthy grad-norm band."""
+    healthy_high: float
+    """Upper edge of the healthy grad-norm band."""
+    layer_explosion: float
+    """A layer's grad norm above which that layer explodes."""
+    layer_vanishing: float
+    """A layer's grad norm below which that layer vanishes."""
+
+
+@dataclass(frozen=True)
+class LearningRateThresholds:
+    too_small: float
+    """LR below which, with little loss decrease, the LR is too small."""
+    too_small_min_decrease: float
+    """Minimum relative loss decrease over ``too_small_window`` steps."""
+    too_small_window: int
+    """Steps over which the loss decrease is measured."""
+    too_large: float
+    """LR above which, with a volatile loss, the LR is too large."""
+    too_large_cv: float
+    """Loss CV above which a large LR is flagged."""
+    warmup_check_step: int
+    """Observed step at which the warmup check compares against the first loss."""
+    warmup_max_ratio: float
+    """Loss at the check step above this fraction of the first loss: warmup insufficient."""
+
+
+@dataclass(frozen=True)
+class OverfittingThresholds:
+    eval_rise: float
+    """Relative rise of the eval loss over its best that counts as overfitting."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    """Task profile name (causal-lm, classification, regression, multi-task)."""
+    loss_good: tuple[float, float] | None
+    """Healthy loss range, or None when the task has no absolute scale."""
+    loss_warn_low: float | None
+    """Mean loss below which it is suspiciously low (leakage, memorisation)."""
+    loss_warn_high: float | None
+    """Mean loss above which it is too high."""
+
+
+@dataclass(frozen=True)
+class AlertSettings:
+    runbook_url: str
+    """Base URL of the runbooks; each alert links ``runbook_url#alertname``."""
+    event_window: str
+    explosion_for: str
+    explosion_events: int
+    vanishing_for: str
+    layer_for: str
+    diverging_for: str
+    plateau_for: str
+    volatile_for: str
+    spikes_events: int
+    spikes_window: str
+    out_of_range_for: str
+    overfitting_for: str
+    learning_rate_for: str
+    stalled_after: str
+    exporter_down_for: str
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    profile: Profile
+    """The active task profile."""
+    profiles: Mapping[str, Profile]
+    """Every profile the file defines."""
+    windows: Windows
+    loss: LossThresholds
+    gradients: GradientThresholds
+    learning_rate: LearningRateThresholds
+    overfitting: OverfittingThresholds
+    alerts: AlertSettings
+    source: str = field(default="<package>", compare=False)
+    """Where the values came from (for error messages and the run info)."""
+
+    def with_profile(self, name: str) -> "Thresholds":
+        if name not in self.profiles:
+            raise ThresholdsError(
+                f"profile: unknown profile {name!r}; known: {', '.join(sorted(self.profiles))}"
+            )
+        return dataclasses.replace(self, profile=self.profiles[name])
+
+
+def _default_document() -> dict:
+    text = resources.files("lossbeat").joinpath(DEFAULT_PATH).read_text(encoding="utf-8")
+    return yaml.safe_load(text)
+
+
+def _merge(base: dict, override: Mapping, path: str = "") -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in base and path not in ("profiles",):
+            raise ThresholdsError(f"{where}: unknown key")
+        if isinstance(value, Mapping) and isinstance(base.get(key), Mapping):
+            out[key] = _merge(base[key], value, where)
+        else:
+            out[key] = value
+    return out
+
+
+def _number(doc: Mapping, key: str, where: str, *, positive: bool = True, integer: bool = False):
+    if key not in doc:
+        raise ThresholdsError(f"{where}.{key}: missing")
+    value = doc[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ThresholdsError(f"{where}.{key}: expected a number, got {value!r}")
+    if integer and not isinstance(value, int):
+        raise ThresholdsError(f"{where}.{key}: expected an integer, got {value!r}")
+    if positive and not value > 0:
+        raise ThresholdsError(f"{where}.{key}: must be > 0, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _section(doc: Mapping, name: str) -> Mapping:
+    value = doc.get(name)
+    if not isinstance(value, Mapping):
+        raise ThresholdsError(f"{name}: expected a mapping, got {value!r}")
+    return value
+
+
+def _build(cls, doc: Mapping, where: str, signed: tuple[str, ...] = ()):
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        integer = f.type in ("int", int)
+        kwargs[f.name] = _number(doc, f.name, where, positive=f.name not in signed, integer=integer)
+    unknown = set(doc) - set(kwargs)
+    if unknown:
+        raise ThresholdsError(f"{where}.{sorted(unknown)[0]}: unknown key")
+    return cls(**kwargs)
+
+
+def _profile(name: str, doc: Any) -> Profile:
+    where = f"profiles.{name}"
+    if not isinstance(doc, Mapping):
+        raise ThresholdsError(f"{where}: expected a mapping, got {doc!r}")
+    good = doc.get("loss_good")
+    if good is not None:
+        if (
+            not isinstance(good, (list, tuple))
+            or len(good) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in good)
+            or not 0 <= good[0] < good[1]
+        ):
+            raise ThresholdsError(f"{where}.loss_good: expected [low, high] with 0 <= low < high, got {good!r}")
+        good = (float(good[0]), float(good[1]))
+    bounds = {}
+    for key in ("loss_warn_low", "loss_warn_high"):
+        value = doc.get(key)
+        if value is not None:
+            value = _number(doc, key, where)
+        bounds[key] = value
+    unknown = set(doc) - {"loss_good", "loss_warn_low", "loss_warn_high"}
+    if unknown:
+        raise ThresholdsError(f"{where}.{sorted(unknown)[0]}: unknown key")
+    low, high = bounds["loss_warn_low"], bounds["loss_warn_high"]
+    if good and low is not None and low > good[0]:
+        raise ThresholdsError(f"{where}.loss_warn_low: must not exceed loss_good's low bound {good[0]}")
+    if good and high is not None and high < good[1]:
+        raise ThresholdsError(f"{where}.loss_warn_high: must not be below loss_good's high bound {good[1]}")
+    return Profile(name=name, loss_good=good, loss_warn_low=low, loss_warn_high=high)
+
+
+def _alerts(doc: Mapping) -> AlertSettings:
+    kwargs = {}
+    for f in dataclasses.fields(AlertSettings):
+        where = f"alerts.{f.name}"
+        if f.name not in doc:
+            raise ThresholdsError(f"{where}: missing")
+        value = doc[f.name]
+        if f.name == "runbook_url":
+            if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+                raise ThresholdsError(f"{where}: expected an http(s) URL, got {value!r}")
+        elif f.type in ("int", int):
+            value = _number(doc, f.name, "alerts", integer=True)
+        elif not isinstance(value, str) or not _DURATION.match(value):
+            raise ThresholdsError(f"{where}: expected a Prometheus duration like 5m, got {value!r}")
+        kwargs[f.name] = value
+    unknown = set(doc) - set(kwargs)
+    if unknown:
+        raise ThresholdsError(f"alerts.{sorted(unknown)[0]}: unknown key")
+    return AlertSettings(**kwargs)
+
+
+def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
+    """Validate a complete thresholds document (already merged with defaults)."""
+    if not isinstance(doc, Mapping):
+        raise ThresholdsError(f"{source}: expected a mapping at the top level")
+    if doc.get("version") != 1:
+        raise ThresholdsError(f"version: expected 1, got {doc.get('version')!r}")
+    profiles_doc = _section(doc, "profiles")
+    profiles = {str(name): _profile(str(name), body) for name, body in profiles_doc.items()}
+    active = doc.get("profile")
+    if active not in profiles:
+        raise ThresholdsError(f"profile: unknown profile {active!r}; known: {', '.join(sorted(profiles))}")
+    loss = _build(LossThresholds, _section(doc, "loss"), "loss", signed=("trend_rising",))
+    if not loss.trend_rising < loss.trend_improving:
+        raise ThresholdsError("loss.trend_rising: must be below loss.trend_improving")
+    if not loss.cv_warning < loss.cv_danger:
+        raise ThresholdsError("loss.cv_warning: must be below loss.cv_danger")
+    grads = _build(GradientThresholds, _section(doc, "gradients"), "gradients")
+    if not grads.vanishing < grads.healthy_low < grads.healthy_high < grads.explosion:
+        raise ThresholdsError(
+            "gradients: expected vanishing < healthy_low < healthy_high < explosion"
+        )
+    return Thresholds(
+        profile=profiles[active],
+        profiles=profiles,
+        windows=_build(Windows, _section(doc, "windows"), "windows"),
+        loss=loss,
+        gradients=grads,
+        learning_rate=_build(LearningRateThresholds, _section(doc, "learning_rate"), "learning_rate"),
+        overfitting=_build(OverfittingThresholds, _section(doc, "overfitting"), "overfitting"),
+        alerts=_alerts(_section(doc, "alerts")),
+        source=source,
+    )
+
+
+def load_thresholds(path: str | os.PathLike | None = None, *, profile: str | None = None) -> Thresholds:
+    """Load the packaged defaults, overlaid with ``path`` when given.
+
+    ``path`` may hold any subset of the keys; unknown keys are errors.
+    ``profile`` selects a task profile by name and wins over the file's ``profile``.
+    """
+    doc = _default_document()
+    source = "<package>"
+    if path is not None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"thresholds: expected a path, got {type(path).__name__}")
+        source = os.fspath(path)
+        try:
+            with open(source, encoding="utf-8") as fh:
+                user = yaml.safe_load(fh)
+        except OSError as exc:
+            raise ThresholdsError(f"{source}: cannot read thresholds file: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ThresholdsError(f"{source}: not valid YAML: {exc}") from exc
+        if user is None:
+            user = {}
+        if not isinstance(user, Mapping):
+            raise ThresholdsError(f"{source}: expected a mapping at the top level")
+        doc = _merge(doc, user)
+    result = parse_thresholds(doc, source)
+    if profile is not None:
+        if not isinstance(profile, str):
+            raise TypeError(f"profile: expected a profile name, got {type(profile).__name__}")
+        result = result.with_profile(profile)
+    return result

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what lossbeat needs on a fresh machine. Idempotent.
+#   scripts/setup.sh          Python packages (torch CPU wheel first, then lossbeat)
+#   scripts/setup.sh --servers  also Debian's prometheus and prometheus-alertmanager
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# Pin torch before anything else asks for it: an unpinned torch pulls CUDA builds (GBs).
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==${LOSSBEAT_TORCH_VERSION:-2.13.0}"
+fi
+if ! "$PY" -c "import lossbeat, prometheus_client, yaml, numpy, pytest, jsonschema" 2>/dev/null \
+   || [ "$("$PY" -c 'import lossbeat,os;print(os.path.realpath(lossbeat.__file__))' 2>/dev/null)" != "$(realpath exporter/lossbeat/__init__.py)" ]; then
+  "$PY" -m pip install -q -e ".[test]"
+fi
+
+if [ "${1:-}" = "--servers" ]; then
+  if ! command -v prometheus >/dev/null || ! command -v alertmanager >/dev/null \
+     || ! command -v promtool >/dev/null || ! command -v amtool >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager >/dev/null
+    else
+      echo "setup: prometheus/alertmanager missing; install them with: sudo apt-get install prometheus prometheus-alertmanager" >&2
+    fi
+  fi
+fi
