@@ -16,7 +16,9 @@ if ! "$PY" -c "import lossbeat, prometheus_client, yaml, numpy, pytest, jsonsche
 fi
 
 if [ "${1:-}" = "--servers" ]; then
-  if ! command -v prometheus >/dev/null || ! command -v alertmanager >/dev/null \
+  # Debian names the Alertmanager binary `prometheus-alertmanager`.
+  if ! command -v prometheus >/dev/null \
+     || ! { command -v alertmanager || command -v prometheus-alertmanager; } >/dev/null \
      || ! command -v promtool >/dev/null || ! command -v amtool >/dev/null; then
     if [ "$(id -u)" = 0 ]; then
       export DEBIAN_FRONTEND=noninteractive
