@@ -33,6 +33,7 @@ __all__ = [
     "MissingBinaryError",
     "render_prometheus_config",
     "write_targets_file",
+    "write_target_groups",
     "find_binary",
     "add_arguments",
     "run",
@@ -57,6 +58,8 @@ def find_binary(server: str) -> str:
     """Path of the ``prometheus`` or ``alertmanager`` binary (env LOSSBEAT_<SERVER> wins)."""
     override = os.environ.get(f"LOSSBEAT_{server.upper()}")
     if override:
+        if not os.access(override, os.X_OK):
+            raise MissingBinaryError(f"LOSSBEAT_{server.upper()}={override} is not an executable")
         return override
     for name in _BINARIES[server]:
         found = shutil.which(name)
@@ -73,6 +76,7 @@ def write_targets_file(path: Path, targets: Iterable[str], job: str = DEFAULT_JO
 
 
 def write_target_groups(path: Path, groups: list[dict]) -> None:
+    """Write file_sd target groups ({"targets": [...], "labels": {...}}) atomically."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(groups, indent=2), encoding="utf-8")
     os.replace(tmp, path)  # a reader never sees half a file

@@ -1,0 +1,35 @@
+"""The result type every diagnosis check returns."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["Status", "Finding"]
+
+
+class Status(enum.IntEnum):
+    """Exported as ``training_health_status``: 0 good, 1 warning, 2 danger."""
+
+    GOOD = 0
+    WARNING = 1
+    DANGER = 2
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    """One of :data:`lossbeat.metrics.HEALTH_CHECKS`."""
+    status: Status
+    message: str
+    """What was seen, with the numbers."""
+    fix: str = ""
+    """What to try; empty when all is well."""
+    component: str = ""
+    """The loss component the finding is about ('' = the total loss)."""
+    known: bool = True
+    """False when there was not enough data to judge (status is then GOOD)."""
+
+    @classmethod
+    def unknown(cls, check: str, message: str = "not enough data yet", component: str = "") -> "Finding":
+        return cls(check, Status.GOOD, message, component=component, known=False)

@@ -1,0 +1,137 @@
+"""Gradient statistics from one fused reduction: per-layer norms, global norm, clipping.
+
+Parameters are grouped into layers by module path (``blocks.3.attn.qkv.weight``
+belongs to layer ``blocks.3.attn.qkv``); ``depth`` keeps only the first
+components for coarser grouping (``depth=3`` -> ``blocks.3.attn``). Everything
+here stays on the device: no ``.item()``, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["LayerGrouping", "GradientNorms", "compute_grad_norms", "clip_with_norms"]
+
+_INDEX_CACHE_SIZE = 8
+
+
+def layer_name(param_name: str, depth: int | None) -> str:
+    parts = param_name.split(".")
+    module = parts[:-1] or parts  # a top-level parameter is its own layer
+    if depth is not None:
+        module = module[:depth]
+    return ".".join(module)
+
+
+class LayerGrouping:
+    """The trainable parameters of a model, in model order, mapped to layer indices.
+
+    ``max_layers`` bounds label cardinality: when the module paths give more
+    layers, the grouping gets coarser (smaller depth) until they fit.
+    """
+
+    def __init__(self, model: torch.nn.Module, depth: int | None = None, max_layers: int = 1000) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if depth is not None and (not isinstance(depth, int) or depth < 1):
+            raise ValueError(f"layer_depth: expected a positive int or None, got {depth!r}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        names = [layer_name(n, depth) for n, _ in named]
+        if depth is None:
+            depth = max((len(n.split(".")) for n in names), default=1)
+        while len(dict.fromkeys(names)) > max_layers and depth > 1:
+            depth -= 1
+            names = [layer_name(n, depth) for n, _ in named]
+        self.depth = depth
+        self.model_ref = model
+        self.params: list[torch.nn.Parameter] = [p for _, p in named]
+        self.layer_names: list[str] = list(dict.fromkeys(names))
+        position = {name: i for i, name in enumerate(self.layer_names)}
+        self.param_layer: list[int] = [position[n] for n in names]
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.layer_names)
+
+    def present_grads(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+        """Gradients that exist this step and their layer indices.
+
+        A Python loop over parameters, but it only reads ``.grad``: no device work.
+        Frozen parameters are excluded at construction; unused ones have no grad.
+        """
+        grads, layers = [], []
+        for p, layer in zip(self.params, self.param_layer):
+            g = p.grad
+            if g is not None:
+                grads.append(g.detach())
+                layers.append(layer)
+        return grads, tuple(layers)
+
+    def layer_index(self, layers: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        key = layers
+        index = self._index_cache.get(key)
+        if index is None or index.device != device:
+            if len(self._index_cache) >= _INDEX_CACHE_SIZE:
+                self._index_cache.clear()
+            index = torch.tensor(layers, dtype=torch.long).to(device, non_blocking=True)
+            self._index_cache[key] = index
+        return index
+
+
+@dataclass
+class GradientNorms:
+    """Device tensors; read them through the monitor's single host transfer."""
+
+    global_norm: torch.Tensor
+    """0-d float32 tensor: the L2 norm over all gradients (NaN/Inf if any is)."""
+    layer_norms: torch.Tensor | None
+    """1-d float32 tensor, one norm per layer of the grouping (0 where no grad)."""
+
+
+def compute_grad_norms(grouping: LayerGrouping, per_layer: bool = True) -> GradientNorms | None:
+    """One fused ``_foreach_norm`` over every gradient; None when no parameter has one."""
+    grads, layers = grouping.present_grads()
+    if not grads:
+        return None
+    # Norms in float32 whatever the gradient dtype (bf16/fp16 norms lose precision).
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    device = norms[0].device
+    if any(n.device != device for n in norms):  # model split over devices
+        norms = [n.to(device, non_blocking=True) for n in norms]
+    # Squares in float64: a per-parameter norm of 1e20 must not overflow to inf.
+    squares = torch.stack(norms).double().square()
+    if not per_layer:
+        return GradientNorms(squares.sum().sqrt().float(), None)
+    index = grouping.layer_index(layers, device)
+    layer_squares = torch.zeros(len(grouping), dtype=torch.float64, device=device).index_add_(0, index, squares)
+    return GradientNorms(layer_squares.sum().sqrt().float(), layer_squares.sqrt().float())
+
+
+def clip_with_norms(
+    grouping: LayerGrouping, max_norm: float, per_layer: bool = True, eps: float = 1e-6
+) -> tuple[GradientNorms | None, torch.Tensor | None]:
+    """Clip like ``torch.nn.utils.clip_grad_norm_`` and return the norms it measured.
+
+    One reduction pass gives the per-layer norms, the global norm and the clip
+    coefficient; the scaling is the only other pass over gradient memory.
+    Returns (norms, clip coefficient as a 0-d tensor); non-finite norms clip to NaN
+    like torch does, so the loss of that step is visible, not hidden.
+    """
+    norms = compute_grad_norms(grouping, per_layer)
+    if norms is None:
+        return None, None
+    grads, _ = grouping.present_grads()
+    coefficient = torch.clamp(max_norm / (norms.global_norm + eps), max=1.0)
+    _scale(grads, coefficient)
+    return norms, coefficient
+
+
+def _scale(grads: Sequence[torch.Tensor], coefficient: torch.Tensor) -> None:
+    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        by_key.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), group in by_key.items():
+        torch._foreach_mul_(group, coefficient.to(device, non_blocking=True))

@@ -1,0 +1,696 @@
+"""The step observer: ``Monitor.observe()`` on the training thread, cheap and bounded.
+
+One step's flow: validate the arguments (programming errors raise at once),
+gather every device value of the step (loss, grad norm, per-layer norms from
+one fused reduction, LR tensors, loss components) into one packed tensor, move
+it to the host with one non-blocking copy that is read when ready (a step
+later on CUDA; at once on CPU, where there is nothing to wait for), then feed
+the plain floats to the event counters, the bounded windows and, every N
+steps, the diagnosis. A scrape renders the resulting state on the server's
+thread (:mod:`lossbeat.collector`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import numbers
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+from prometheus_client.registry import CollectorRegistry
+
+from . import __version__
+from .collector import MonitorCollector
+from .diagnosis import Finding, History, Status, diagnose
+from .gradients import GradientNorms, LayerGrouping, clip_with_norms, compute_grad_norms
+from .metrics import HEALTH_CHECKS
+from .server import MetricsServer, RankContext
+from .thresholds import Thresholds, load_thresholds
+
+__all__ = ["MonitorConfig", "Monitor", "NullMonitor", "Report", "start_exporter", "DEFAULT_PORT"]
+
+log = logging.getLogger("lossbeat")
+
+DEFAULT_PORT = 8470
+"""8470 + LOCAL_RANK: clear of DCGM's 9400 and torchrun's 29400/29500."""
+
+_MAX_PARAM_GROUPS = 32
+_MAX_COMPONENTS = 32
+_MAX_PENDING = 4  # deferred host copies in flight before the oldest is waited for
+_LOG_EVERY = 100  # repeated events (a NaN every step) are logged once per this many
+
+
+@dataclass
+class MonitorConfig:
+    """Settings of a :class:`Monitor`; validated on construction."""
+
+    port: int = DEFAULT_PORT
+    """Base port of /metrics; each local rank serves on ``port + LOCAL_RANK``. 0 picks a free port."""
+    addr: str = "0.0.0.0"
+    """Address to bind; use 127.0.0.1 to keep /metrics on the host."""
+    thresholds: Any = None
+    """A thresholds YAML path (overlaid on the packaged defaults), a loaded Thresholds, or None."""
+    profile: str | None = None
+    """Task profile: causal-lm, classification, regression or multi-task (default: the file's)."""
+    run_name: str = ""
+    """Free-form run name exported in ``training_run_info``."""
+    port_per_local_rank: bool = True
+    """Add LOCAL_RANK to the port so every rank of a node can serve."""
+    layer_depth: int | None = None
+    """Keep the first N module-path components as the layer name (coarser grouping); None = full module path."""
+    max_layers: int = 1000
+    """Upper bound on per-layer series; grouping gets coarser until the model fits."""
+    layer_every: int = 1
+    """Compute per-layer norms every N observed steps (the global norm is computed every step)."""
+    defer_device_reads: bool = True
+    """Read CUDA values one step late with a non-blocking copy instead of waiting for them."""
+    log_status_changes: bool = True
+    """Log a line whenever a health check changes status."""
+    certfile: str | None = None
+    """TLS certificate for /metrics (with keyfile)."""
+    keyfile: str | None = None
+    """TLS key for /metrics."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port: expected an int in 0..65535, got {self.port!r}")
+        if not isinstance(self.addr, str) or not self.addr:
+            raise TypeError(f"addr: expected an address string, got {self.addr!r}")
+        if not (self.thresholds is None or isinstance(self.thresholds, (str, os.PathLike, Thresholds))):
+            raise TypeError(f"thresholds: expected a path or Thresholds, got {type(self.thresholds).__name__}")
+        if self.profile is not None and not isinstance(self.profile, str):
+            raise TypeError(f"profile: expected a profile name, got {type(self.profile).__name__}")
+        if not isinstance(self.run_name, str):
+            raise TypeError(f"run_name: expected a string, got {type(self.run_name).__name__}")
+        if self.layer_depth is not None and (
+            isinstance(self.layer_depth, bool) or not isinstance(self.layer_depth, int) or self.layer_depth < 1
+        ):
+            raise ValueError(f"layer_depth: expected a positive int or None, got {self.layer_depth!r}")
+        for name in ("max_layers", "layer_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if (self.certfile is None) != (self.keyfile is None):
+            raise ValueError("certfile, keyfile: give both or neither")
+
+    def load_thresholds(self) -> Thresholds:
+        if isinstance(self.thresholds, Thresholds):
+            return self.thresholds.with_profile(self.profile) if self.profile else self.thresholds
+        return load_thresholds(self.thresholds, profile=self.profile)
+
+
+class MonitorState:
+    """What a scrape renders. Written by the training thread, read by the scrape thread:
+    scalars are assigned and dicts are swapped whole, never mutated in place."""
+
+    def __init__(self, rank: str, run_info: dict[str, str]) -> None:
+        self.rank = rank
+        self.run_info = run_info
+        self.cuda_device: int | None = None
+        self.loss: float | None = None
+        self.eval_loss: float | None = None
+        self.grad_norm: float | None = None
+        self.step: float | None = None
+        self.epoch: float | None = None
+        self.last_step_time: float | None = None
+        self.step_duration: float | None = None
+        self.loss_cv: float | None = None
+        self.loss_trend_ratio: float | None = None
+        self.clip_coefficient: float | None = None
+        self.components: dict[str, float] = {}
+        self.learning_rates: dict[str, float] = {}
+        self.layer_norms: dict[str, float] = {}
+        self.health: dict[tuple[str, str], int] = {(check, ""): 0 for check in HEALTH_CHECKS}
+        self.first_nonfinite_layer: str | None = None
+        self.steps_total = 0
+        self.tokens_total = 0.0
+        self.evals_total = 0
+        self.nonfinite_loss_total = 0
+        self.nonfinite_grad_total = 0
+        self.loss_spikes_total = 0
+        self.grad_explosions_total = 0
+        self.errors: dict[str, int] = {"observe": 0, "collect": 0, "diagnose": 0}
+        self._error_lock = threading.Lock()
+
+    def count_error(self, where: str) -> None:
+        with self._error_lock:  # both threads count errors
+            errors = dict(self.errors)
+            errors[where] = errors.get(where, 0) + 1
+            self.errors = errors
+
+
+@dataclass
+class _Pending:
+    """One step whose device values are on their way to the host."""
+
+    step: int
+    wall_time: float
+    duration: float | None
+    epoch: float | None
+    host: dict[str, Any]
+    """Values already on the host (Python floats)."""
+    layout: list[tuple[str, int]]
+    """(key, length) of each slice of the packed device tensor."""
+    packed: torch.Tensor | None = None
+    """The packed values: a pinned host buffer filling asynchronously, or a CPU tensor."""
+    event: Any = None
+    """CUDA event recorded after the copy; None when the values are already on the host."""
+    layer_names: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Report:
+    """The end-of-run report: the last findings and the event counts."""
+
+    findings: tuple[Finding, ...]
+    counters: Mapping[str, float]
+    step: float | None
+
+    @property
+    def worst(self) -> Status:
+        return max((f.status for f in self.findings), default=Status.GOOD)
+
+    def __str__(self) -> str:
+        lines = [f"lossbeat report (last step {int(self.step) if self.step is not None else '-'})"]
+        marks = {Status.GOOD: "ok  ", Status.WARNING: "WARN", Status.DANGER: "DANG"}
+        for f in self.findings:
+            if not f.known:
+                continue
+            where = f"{f.check}[{f.component}]" if f.component else f.check
+            lines.append(f"  {marks[f.status]} {where:<24} {f.message}")
+            if f.fix and f.status is not Status.GOOD:
+                lines.append(f"       fix: {f.fix}")
+        lines.append("  events: " + ", ".join(f"{k} {v:g}" for k, v in self.counters.items()))
+        return "\n".join(lines)
+
+
+def _scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.Tensor | None:
+    """A float, or a detached 0-d tensor left on its device (reading it would sync)."""
+    if value is None:
+        if optional:
+            return None
+        raise TypeError(f"{name}: required, got None")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:  # metadata only: no sync
+            raise TypeError(f"{name}: expected a single value, got a tensor of shape {tuple(value.shape)}")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name}: expected a real number, got a {value.dtype} tensor")
+        return value.detach().reshape(())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a float or a 0-d tensor, got {type(value).__name__}")
+    return float(value)
+
+
+def _as_float_list(t: torch.Tensor) -> list[float]:
+    return t.tolist()
+
+
+class Monitor:
+    """Observes training steps and serves them as Prometheus metrics.
+
+    Use :func:`start_exporter` to get one; ``Monitor(config, serve=False)``
+    builds one without an HTTP server (e.g. for tests with their own registry).
+    """
+
+    def __init__(
+        self,
+        config: MonitorConfig | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+        serve: bool = True,
+        rank_context: RankContext | None = None,
+    ) -> None:
+        self.config = config = config or MonitorConfig()
+        if not isinstance(config, MonitorConfig):
+            raise TypeError(f"config: expected a MonitorConfig, got {type(config).__name__}")
+        self.thresholds = config.load_thresholds()
+        self.rank_context = rank_context or RankContext.from_env()
+        self.state = MonitorState(
+            str(self.rank_context.rank),
+            {
+                "run": config.run_name,
+                "profile": self.thresholds.profile.name,
+                "world_size": str(self.rank_context.world_size),
+                "local_rank": str(self.rank_context.local_rank),
+                "version": __version__,
+                "torch_version": torch.__version__.split("+")[0],
+            },
+        )
+        self.history = History(self.thresholds)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._collector = MonitorCollector(self.state)
+        self.registry.register(self._collector)
+        self._grouping: LayerGrouping | None = None
+        self._clipped: tuple[torch.nn.Module, GradientNorms, torch.Tensor] | None = None
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._last_perf: float | None = None
+        self._observed = 0
+        self._findings: tuple[Finding, ...] = ()
+        self._log_counts: dict[str, int] = {}
+        self.host_transfers = 0
+        """Device-to-host reads of packed values (at most one per observed step)."""
+        self.closed = False
+        self._server: MetricsServer | None = None
+        if serve:
+            port = config.port
+            if port and config.port_per_local_rank:
+                port += self.rank_context.local_rank
+            self._server = MetricsServer(self.registry, port, config.addr, config.certfile, config.keyfile)
+
+    # --- public API -----------------------------------------------------------------
+
+    @property
+    def port(self) -> int | None:
+        """The port /metrics is served on (the real one when 0 was asked), or None."""
+        return self._server.port if self._server else None
+
+    def observe(
+        self,
+        step: int,
+        *,
+        loss: Any,
+        optimizer: Any = None,
+        learning_rate: Any = None,
+        grad_norm: Any = None,
+        model: torch.nn.Module | None = None,
+        tokens: Any = None,
+        losses: Mapping[str, Any] | None = None,
+        epoch: float | None = None,
+    ) -> None:
+        """Record one optimizer step. Call after ``backward()`` and before ``zero_grad()``.
+
+        ``loss`` and ``grad_norm`` may be floats or 0-d tensors on any device;
+        ``model`` adds per-layer gradient norms (and the global norm when
+        ``grad_norm`` is not given); ``losses`` are the components of a
+        multi-task loss. Wrong types raise ``TypeError``; NaN, Inf and other
+        anomalies in the values are counted and exported, never raised.
+        """
+        if self.closed:
+            raise RuntimeError("observe: this monitor is closed")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        loss_value = _scalar("loss", loss)
+        grad_value = _scalar("grad_norm", grad_norm, optional=True)
+        tokens_value = _scalar("tokens", tokens, optional=True)
+        lr_values = self._learning_rates(optimizer, learning_rate)
+        component_values = self._components(losses)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, numbers.Real)):
+            raise TypeError(f"epoch: expected a number, got {type(epoch).__name__}")
+
+        now_perf = time.perf_counter()
+        duration = None if self._last_perf is None else now_perf - self._last_perf
+        self._last_perf = now_perf
+        try:
+            self._drain(block=False)
+            values: dict[str, Any] = {"loss": loss_value, "grad_norm": grad_value, "tokens": tokens_value}
+            values.update(lr_values)
+            values.update(component_values)
+            layer_names = self._gradients(model, grad_value is None, values)
+            self._submit(int(step), time.time(), duration, epoch, values, layer_names)
+        except Exception:  # the training loop must go on: count, log, continue
+            self.state.count_error("observe")
+            self._log_limited("error", logging.ERROR, "lossbeat: error in observe(); training continues", exc_info=True)
+
+    def observe_eval(self, step: int, eval_loss: Any) -> None:
+        """Record an evaluation loss (feeds ``training_eval_loss`` and the overfitting check)."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        value = _scalar("eval_loss", eval_loss)
+        try:
+            if isinstance(value, torch.Tensor):
+                value = float(value.item())  # host sync: evaluation is not the per-step hot path
+            self.state.eval_loss = value if math.isfinite(value) else math.nan
+            self.state.evals_total += 1
+            self.history.add_eval(value)
+        except Exception:
+            self.state.count_error("observe")
+            self._log_limited("error", logging.ERROR, "lossbeat: error in observe_eval()", exc_info=True)
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip gradients like ``torch.nn.utils.clip_grad_norm_`` and measure them in the same pass.
+
+        Returns the total norm before clipping (a 0-d tensor, no host sync).
+        The per-layer norms it computed are reused by the next ``observe(model=model)``.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
+            raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
+        grouping = self._grouping_for(model)
+        per_layer = self._observed % self.config.layer_every == 0
+        norms, coefficient = clip_with_norms(grouping, float(max_norm), per_layer)
+        if norms is None:
+            return torch.zeros(())
+        self._clipped = (model, norms, coefficient)
+        return norms.global_norm
+
+    def flush(self) -> None:
+        """Process every step still waiting for its device values (waits for them)."""
+        self._drain(block=True)
+
+    def report(self) -> Report:
+        """Run the diagnosis now and return the end-of-run report."""
+        self.flush()
+        self._diagnose()
+        s = self.state
+        counters = {
+            "steps": s.steps_total,
+            "nonfinite_loss": s.nonfinite_loss_total,
+            "nonfinite_grad": s.nonfinite_grad_total,
+            "loss_spikes": s.loss_spikes_total,
+            "grad_explosions": s.grad_explosions_total,
+            "exporter_errors": sum(s.errors.values()),
+        }
+        return Report(self._findings, counters, s.step)
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        """The findings of the last diagnosis."""
+        return self._findings
+
+    def close(self) -> None:
+        """Process pending values, stop serving. Idempotent."""
+        global _running
+        if self.closed:
+            return
+        try:
+            self.flush()
+        except Exception:
+            self.state.count_error("observe")
+        self.closed = True
+        if self._server is not None:
+            self._server.close()
+        try:
+            self.registry.unregister(self._collector)
+        except KeyError:
+            pass
+        with _lock:
+            if _running is self:
+                _running = None
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- argument handling (raises on programming errors) ------------------------------
+
+    def _learning_rates(self, optimizer: Any, learning_rate: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if optimizer is not None:
+            groups = getattr(optimizer, "param_groups", None)
+            if not isinstance(groups, (list, tuple)):
+                raise TypeError(f"optimizer: expected a torch optimizer with param_groups, got {type(optimizer).__name__}")
+            for i, group in enumerate(groups[:_MAX_PARAM_GROUPS]):
+                label = str(group.get("name", i)) if isinstance(group, Mapping) else str(i)
+                lr = group.get("lr") if isinstance(group, Mapping) else None
+                if lr is not None:
+                    out["lr:" + label] = _scalar("optimizer.param_groups[%d]['lr']" % i, lr)
+        if learning_rate is not None:
+            out["lr:0" if not out else "lr:explicit"] = _scalar("learning_rate", learning_rate)
+        return out
+
+    def _components(self, losses: Mapping[str, Any] | None) -> dict[str, Any]:
+        if losses is None:
+            return {}
+        if not isinstance(losses, Mapping):
+            raise TypeError(f"losses: expected a mapping of component name to loss, got {type(losses).__name__}")
+        out = {}
+        for name, value in list(losses.items())[:_MAX_COMPONENTS]:
+            if not isinstance(name, str):
+                raise TypeError(f"losses: component names must be strings, got {name!r}")
+            out["component:" + name] = _scalar(f"losses[{name!r}]", value)
+        return out
+
+    # --- hot path -------------------------------------------------------------------------
+
+    def _grouping_for(self, model: torch.nn.Module) -> LayerGrouping:
+        grouping = self._grouping
+        if grouping is None or grouping.model_ref is not model:
+            grouping = self._grouping = LayerGrouping(model, self.config.layer_depth, self.config.max_layers)
+        return grouping
+
+    def _gradients(self, model: torch.nn.Module | None, need_global: bool, values: dict[str, Any]) -> list[str]:
+        """Adds device tensors for the global and per-layer norms to ``values``."""
+        clipped, self._clipped = self._clipped, None
+        if model is None:
+            return []
+        per_layer = self._observed % self.config.layer_every == 0
+        if clipped is not None and clipped[0] is model:
+            norms, coefficient = clipped[1], clipped[2]
+            values["clip"] = coefficient
+        elif per_layer or need_global:
+            norms = compute_grad_norms(self._grouping_for(model), per_layer)
+        else:
+            return []
+        if norms is None:  # no parameter has a gradient this step
+            return []
+        if need_global:
+            values["grad_norm"] = norms.global_norm
+        if norms.layer_norms is None:
+            return []
+        values["layers"] = norms.layer_norms
+        return self._grouping.layer_names if self._grouping else []
+
+    def _submit(
+        self, step: int, wall: float, duration: float | None, epoch: float | None, values: dict[str, Any],
+        layer_names: list[str],
+    ) -> None:
+        host: dict[str, Any] = {}
+        device_parts: list[torch.Tensor] = []
+        cpu_parts: list[torch.Tensor] = []
+        layout: list[tuple[str, int]] = []
+        cpu_layout: list[tuple[str, int]] = []
+        device = None
+        for key, value in values.items():
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                host[key] = value
+                continue
+            flat = value.reshape(-1)
+            if flat.dtype != torch.float32:
+                flat = flat.float()
+            if flat.device.type == "cpu":
+                cpu_parts.append(flat)
+                cpu_layout.append((key, flat.numel()))
+                continue
+            if device is None:
+                device = flat.device
+                self.state.cuda_device = device.index if device.type == "cuda" else None
+            elif flat.device != device:
+                flat = flat.to(device, non_blocking=True)
+            device_parts.append(flat)
+            layout.append((key, flat.numel()))
+
+        if cpu_parts:  # CPU tensors: reading them waits for nothing
+            packed = torch.cat(cpu_parts) if len(cpu_parts) > 1 else cpu_parts[0]
+            _unpack(_as_float_list(packed), cpu_layout, host)
+
+        record = _Pending(step, wall, duration, epoch, host, layout, layer_names=layer_names)
+        if device_parts:
+            packed = torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
+            if device.type == "cuda" and self.config.defer_device_reads:
+                # The step's one device->host transfer, asynchronous: a pinned buffer filled
+                # by a non-blocking copy and read at a later observe() once the event is done.
+                buffer = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                buffer.copy_(packed, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                record.packed, record.event = buffer, event
+            else:
+                # The step's one device->host transfer, synchronous (waits for the step's kernels).
+                record.packed = packed.cpu()
+        self._pending.append(record)
+        self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        """Apply pending steps in order, as far as their values have arrived."""
+        pending = self._pending
+        while pending:
+            record = pending[0]
+            if record.event is not None and not record.event.query():
+                if not block and len(pending) <= _MAX_PENDING:
+                    return
+                record.event.synchronize()  # only when too many are in flight, or on flush()
+            pending.popleft()
+            if record.packed is not None:
+                self.host_transfers += 1
+                _unpack(_as_float_list(record.packed), record.layout, record.host)
+            self._apply(record)
+
+    # --- plain floats from here on -----------------------------------------------------
+
+    def _apply(self, record: _Pending) -> None:
+        s, v = self.state, record.host
+        loss = v["loss"]
+        grad_norm = v.get("grad_norm")
+        lrs = {k[3:]: x for k, x in v.items() if k.startswith("lr:")}
+        components = {k[10:]: x for k, x in v.items() if k.startswith("component:")}
+        layers = v.get("layers")
+        lr_max = max(lrs.values()) if lrs else None
+        if lr_max is not None and any(math.isnan(x) for x in lrs.values()):
+            lr_max = math.nan
+
+        events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
+        layer_norms = dict(zip(record.layer_names, layers)) if layers is not None else None
+        layer_nonfinite = layer_norms is not None and not all(map(math.isfinite, layers))
+
+        s.loss = loss if math.isfinite(loss) else math.nan
+        if grad_norm is not None:
+            s.grad_norm = grad_norm if math.isfinite(grad_norm) else math.nan
+        s.step = float(record.step)
+        if record.epoch is not None:
+            s.epoch = float(record.epoch)
+        s.last_step_time = record.wall_time
+        if record.duration is not None:
+            s.step_duration = record.duration
+        if lrs:
+            s.learning_rates = lrs
+        if components:
+            s.components = {k: (x if math.isfinite(x) else math.nan) for k, x in components.items()}
+        if layer_norms is not None:
+            s.layer_norms = layer_norms
+            self.history.layer_norms = layer_norms
+        if "clip" in v:
+            s.clip_coefficient = v["clip"]
+        cv, trend = self.history.loss.cv(), self.history.loss.trend_ratio()
+        s.loss_cv = None if math.isnan(cv) else cv
+        s.loss_trend_ratio = None if math.isnan(trend) else trend
+
+        s.steps_total += 1
+        if "tokens" in v and math.isfinite(v["tokens"]):
+            s.tokens_total += max(v["tokens"], 0.0)
+        if events.nonfinite_loss:
+            s.nonfinite_loss_total += 1
+            self._log_limited("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, record.step)
+        if events.nonfinite_grad or layer_nonfinite:
+            s.nonfinite_grad_total += 1
+            if layer_norms is not None and layer_nonfinite:
+                first = next(name for name, x in layer_norms.items() if not math.isfinite(x))
+                s.first_nonfinite_layer = first
+                self._log_limited(
+                    "nonfinite_grad", logging.WARNING,
+                    "lossbeat: non-finite gradient at step %d; first bad layer (model order): %s", record.step, first,
+                )
+            else:
+                self._log_limited("nonfinite_grad", logging.WARNING, "lossbeat: non-finite gradient norm at step %d", record.step)
+        if events.spike:
+            s.loss_spikes_total += 1
+        if events.explosion:
+            s.grad_explosions_total += 1
+            if layer_norms:
+                top = max((x for x in layer_norms.items() if math.isfinite(x[1])), key=lambda x: x[1], default=None)
+                self._log_limited(
+                    "explosion", logging.WARNING, "lossbeat: gradient norm %.4g at step %d; largest layer: %s",
+                    grad_norm, record.step, top[0] if top else "-",
+                )
+        self._observed += 1
+        if self._observed % self.thresholds.windows.diagnose_every == 0:
+            self._diagnose()
+
+    def _diagnose(self) -> None:
+        try:
+            findings = tuple(diagnose(self.history))
+        except Exception:
+            self.state.count_error("diagnose")
+            log.exception("lossbeat: error in the diagnosis")
+            return
+        health = dict(self.state.health)
+        for f in findings:
+            key = (f.check, f.component)
+            previous = health.get(key)
+            health[key] = int(f.status)
+            if self.config.log_status_changes and previous is not None and previous != int(f.status):
+                level = logging.INFO if f.status is Status.GOOD else logging.WARNING
+                where = f"{f.check}[{f.component}]" if f.component else f.check
+                log.log(level, "lossbeat: %s %s -> %s: %s%s", where, Status(previous).name, f.status.name,
+                        f.message, f"; fix: {f.fix}" if f.fix and f.status else "")
+        self.state.health = health
+        self._findings = findings
+
+    def _log_limited(self, key: str, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
+        n = self._log_counts.get(key, 0)
+        self._log_counts[key] = n + 1
+        if n % _LOG_EVERY == 0:
+            log.log(level, msg + (" (repeated %d times)" % n if n else ""), *args, exc_info=exc_info)
+
+
+def _unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:
+    offset = 0
+    for key, length in layout:
+        if key == "layers":
+            into[key] = values[offset : offset + length]
+        else:
+            into[key] = values[offset]
+        offset += length
+
+
+class NullMonitor:
+    """A monitor that does nothing: same API, so training code needs no ``if enabled:``."""
+
+    port = None
+    closed = False
+    findings: tuple[Finding, ...] = ()
+
+    def observe(self, step: int, **kwargs: Any) -> None:
+        pass
+
+    def observe_eval(self, step: int, eval_loss: Any) -> None:
+        pass
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def flush(self) -> None:
+        pass
+
+    def report(self) -> Report:
+        return Report((), {}, None)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "NullMonitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+_lock = threading.Lock()
+_running: Monitor | None = None
+
+
+def start_exporter(
+    port: int = DEFAULT_PORT, *, addr: str = "0.0.0.0", enabled: bool = True, **settings: Any
+) -> Monitor | NullMonitor:
+    """Serve /metrics on ``port + LOCAL_RANK`` and return the process's :class:`Monitor`.
+
+    Calling it again returns the monitor already running (whatever the port).
+    ``settings`` are :class:`MonitorConfig` fields. ``enabled=False`` or the
+    environment variable ``LOSSBEAT_DISABLED=1`` gives a :class:`NullMonitor`.
+    """
+    global _running
+    if not enabled or os.environ.get("LOSSBEAT_DISABLED", "") not in ("", "0"):
+        return NullMonitor()
+    unknown = set(settings) - set(MonitorConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"start_exporter: unknown setting {sorted(unknown)[0]!r}")
+    config = MonitorConfig(port=port, addr=addr, **settings)
+    with _lock:
+        if _running is not None and not _running.closed:
+            if _running.config.port != port:
+                log.warning("lossbeat: exporter already running on port %s; ignoring port %s", _running.port, port)
+            return _running
+        _running = Monitor(config)
+        return _running

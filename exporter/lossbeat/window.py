@@ -1,0 +1,169 @@
+"""Bounded windows over a series of floats, with O(1) updates.
+
+A :class:`Ring` keeps the last ``capacity`` values; :class:`SlidingSum` keeps
+the sum (and sum of squares) of a sub-window that ends ``offset`` values back,
+updated by one add and one subtract per push. Sums are recomputed from the
+ring once per lap so floating-point drift stays bounded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+__all__ = ["Ring", "SlidingSum", "LossWindow"]
+
+
+class Ring:
+    """The last ``capacity`` floats; memory is fixed at construction."""
+
+    __slots__ = ("_data", "_capacity", "_next", "_count")
+
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
+        self._data = [0.0] * capacity
+        self._capacity = capacity
+        self._next = 0
+        self._count = 0
+
+    def push(self, value: float) -> None:
+        self._data[self._next] = value
+        self._next = (self._next + 1) % self._capacity
+        if self._count < self._capacity:
+            self._count += 1
+
+    def back(self, k: int) -> float:
+        """The value ``k`` pushes ago (0 = the newest)."""
+        if not 0 <= k < self._count:
+            raise IndexError(k)
+        return self._data[(self._next - 1 - k) % self._capacity]
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def __iter__(self) -> Iterator[float]:
+        """Oldest to newest."""
+        for k in range(self._count - 1, -1, -1):
+            yield self.back(k)
+
+    def last(self, n: int) -> list[float]:
+        """The newest ``n`` values (or fewer), oldest first."""
+        n = min(n, self._count)
+        return [self.back(k) for k in range(n - 1, -1, -1)]
+
+    def clear(self) -> None:
+        self._next = 0
+        self._count = 0
+
+
+class SlidingSum:
+    """Sum and sum of squares of ``length`` values ending ``offset`` pushes back."""
+
+    __slots__ = ("offset", "length", "total", "squares", "count")
+
+    def __init__(self, offset: int, length: int) -> None:
+        self.offset = offset
+        self.length = length
+        self.total = 0.0
+        self.squares = 0.0
+        self.count = 0
+
+    def update(self, ring: Ring) -> None:
+        """Call right after ``ring.push``."""
+        n = len(ring)
+        if n > self.offset:
+            entering = ring.back(self.offset)
+            self.total += entering
+            self.squares += entering * entering
+            self.count += 1
+        leaving_at = self.offset + self.length
+        if n > leaving_at:
+            leaving = ring.back(leaving_at)
+            self.total -= leaving
+            self.squares -= leaving * leaving
+            self.count -= 1
+
+    def resync(self, ring: Ring) -> None:
+        """Recompute from the ring (drift control)."""
+        values = [ring.back(k) for k in range(self.offset, min(len(ring), self.offset + self.length))]
+        self.total = math.fsum(values)
+        self.squares = math.fsum(v * v for v in values)
+        self.count = len(values)
+
+    def mean(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+    def std(self) -> float:
+        """Population standard deviation."""
+        if not self.count:
+            return math.nan
+        mean = self.total / self.count
+        return math.sqrt(max(self.squares / self.count - mean * mean, 0.0))
+
+
+class LossWindow:
+    """Finite losses with the derived statistics the exporter publishes every step.
+
+    ``cv()``: std / mean over the last ``cv_steps``; ``trend_ratio()``:
+    (mean of the ``trend_steps`` before the last ``trend_steps`` - mean of the
+    last ``trend_steps``) / the former, positive when the loss falls.
+    """
+
+    __slots__ = ("ring", "_cv", "_recent", "_previous", "_pushes", "trend_steps", "cv_steps")
+
+    def __init__(self, cv_steps: int, trend_steps: int, history: int = 0) -> None:
+        self.cv_steps = cv_steps
+        self.trend_steps = trend_steps
+        # +1 so the value leaving the oldest sub-window is still in the ring.
+        self.ring = Ring(max(cv_steps, 2 * trend_steps, history) + 1)
+        self._cv = SlidingSum(0, cv_steps)
+        self._recent = SlidingSum(0, trend_steps)
+        self._previous = SlidingSum(trend_steps, trend_steps)
+        self._pushes = 0
+
+    def push(self, value: float) -> None:
+        self.ring.push(value)
+        self._pushes += 1
+        if self._pushes % self.ring.capacity == 0:
+            for s in (self._cv, self._recent, self._previous):
+                s.resync(self.ring)
+        else:
+            for s in (self._cv, self._recent, self._previous):
+                s.update(self.ring)
+
+    def __len__(self) -> int:
+        return len(self.ring)
+
+    def mean(self) -> float:
+        return self._cv.mean()
+
+    def std(self) -> float:
+        return self._cv.std()
+
+    def cv(self) -> float:
+        """NaN until the window holds two values or when the mean is not positive."""
+        mean = self._cv.mean()
+        if self._cv.count < 2 or not mean > 0:
+            return math.nan
+        return self._cv.std() / mean
+
+    def trend_ratio(self) -> float:
+        """NaN until both halves are full or when the previous mean is not positive."""
+        if self._previous.count < self.trend_steps:
+            return math.nan
+        previous = self._previous.mean()
+        if not previous > 0:
+            return math.nan
+        return (previous - self._recent.mean()) / previous
+
+    def clear(self) -> None:
+        self.ring.clear()
+        self._cv = SlidingSum(0, self.cv_steps)
+        self._recent = SlidingSum(0, self.trend_steps)
+        self._previous = SlidingSum(self.trend_steps, self.trend_steps)
+        self._pushes = 0
