@@ -215,10 +215,7 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             description=(
                 f"The global gradient norm of {WHO} is {VALUE}, above {explosion} for at least {a.explosion_for}."
             ),
-            condition=(
-                f"global grad norm > {explosion} for {a.explosion_for} (`trigger=sustained`), "
-                f"or >= {a.explosion_events} steps above it within {a.event_window} (`trigger=events`)"
-            ),
+            condition=f"global grad norm > {explosion} for {a.explosion_for} (`trigger=sustained`)",
             action="clip gradients (max_norm 1.0), lower the LR",
             keeps=TARGET,
         ),
@@ -233,8 +230,8 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
                 f"{WHO_CAP} had {VALUE} steps with a global gradient norm above {explosion} "
                 f"in the last {a.event_window} (alert at {a.explosion_events})."
             ),
-            condition="",  # described with the sustained rule
-            action="",
+            condition=f">= {a.explosion_events} steps above {explosion} within {a.event_window} (`trigger=events`)",
+            action="clip gradients (max_norm 1.0), lower the LR",
             keeps=TARGET,
         ),
         AlertRule(

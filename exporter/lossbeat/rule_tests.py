@@ -1,0 +1,435 @@
+"""``promtool test rules`` unit tests for every alert, computed from the thresholds.
+
+Each alert gets a bad series (it fires, with the exact labels and annotations),
+a healthy series and a series just inside the threshold (both silent). Test
+values derive from the thresholds (e.g. explosion * 1.5 and * 0.99), so a
+threshold change regenerates tests that still hold.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from functools import reduce
+
+from lossbeat.alert_rules import (
+    COMPONENT_PROFILES,
+    EVAL_BEST_LOOKBACK_S,
+    RECORDING_GROUP,
+    AlertRule,
+    alert_rules,
+    duration_seconds,
+)
+from lossbeat.thresholds import Thresholds
+
+__all__ = ["rule_test_documents", "render_template"]
+
+JOB, INSTANCE = "train", "127.0.0.1:8470"
+
+
+def _target(rank: str = "0", **extra: str) -> dict[str, str]:
+    return {"job": JOB, "instance": INSTANCE, "rank": rank, **extra}
+
+
+def _fmt(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    text = repr(float(value))
+    return text[:-2] if text.endswith(".0") else text
+
+
+def run(value: float, samples: int) -> str:
+    """``samples`` samples of ``value`` in promtool's expanding notation."""
+    return f"{_fmt(value)}+0x{samples - 1}"
+
+
+def ramp(start: float, step: float, samples: int) -> str:
+    """``samples`` samples from ``start``, changing by ``step`` each interval."""
+    return f"{_fmt(start)}{'-' if step < 0 else '+'}{_fmt(abs(step))}x{samples - 1}"
+
+
+@dataclass
+class Series:
+    metric: str
+    labels: dict[str, str]
+    values: list[str]
+    """Runs in promtool notation (see :func:`run`, :func:`ramp`, ``"stale"``)."""
+
+    def to_doc(self) -> dict:
+        body = ",".join(f'{k}="{v}"' for k, v in self.labels.items())
+        return {"series": f"{self.metric}{{{body}}}", "values": " ".join(self.values)}
+
+
+@dataclass
+class Expect:
+    rule: AlertRule
+    labels: dict[str, str]
+    """Labels of the expression's result, before the rule's labels."""
+    value: float
+
+
+@dataclass
+class Scenario:
+    name: str
+    series: list[Series]
+    checks: list[tuple[float, str, list[Expect]]] = field(default_factory=list)
+    """(eval time in seconds, alert name, the alerts expected to fire)."""
+
+
+_LABEL = re.compile(r"\{\{ \$labels\.(\w+) \}\}")
+_VALUE = re.compile(r'\{\{ \$value \| printf "(%[.0-9]*[fge])" \}\}')
+
+
+def render_template(template: str, labels: dict[str, str], value: float) -> str:
+    """Render the subset of Go templating the alert annotations use, as Prometheus does."""
+
+    def value_text(match: re.Match) -> str:
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "+Inf" if value > 0 else "-Inf"
+        return match.group(1) % value
+
+    text = _VALUE.sub(value_text, _LABEL.sub(lambda m: labels.get(m.group(1), ""), template))
+    if "{{" in text:
+        raise ValueError(f"template: unsupported construct left in {text!r}")
+    return text
+
+
+def _expected(expect: Expect) -> dict:
+    rule = expect.rule
+    doc = rule.to_rule("")  # for the labels only
+    labels = {**expect.labels, **doc["labels"]}
+    return {
+        "exp_labels": labels,
+        "exp_annotations": {
+            "summary": rule.summary,
+            "description": render_template(rule.description, labels, expect.value),
+            "runbook_url": None,  # filled in by the caller
+        },
+    }
+
+
+class _Builder:
+    """Scenario helpers bound to the thresholds and the test interval."""
+
+    def __init__(self, t: Thresholds, interval: int):
+        self.t = t
+        self.i = interval
+        self.rules = alert_rules(t)
+
+    def rule(self, name: str, **labels: str) -> AlertRule:
+        for rule in self.rules:
+            if rule.name == name and all(rule.labels.get(k) == v for k, v in labels.items()):
+                return rule
+        raise KeyError(f"alert {name} with labels {labels}")
+
+    def steps(self, duration: str) -> int:
+        return int(duration_seconds(duration) // self.i)
+
+    def hold(self, metric: str, labels: dict, value: float, samples: int) -> Series:
+        return Series(metric, labels, [run(value, samples)])
+
+    def jump(self, metric: str, labels: dict, window: str, to: float, after: int = 8) -> tuple[Series, float]:
+        """A counter flat at 0 for a full window, then at ``to``; and the eval time
+        at which ``increase(...[window])`` is exactly ``to``."""
+        n = self.steps(window)
+        series = Series(metric, labels, [run(0, n + 1), run(to, after)])
+        return series, (n + 1) * self.i
+
+    def after_for(self, duration: str, start: float = 0) -> float:
+        return start + duration_seconds(duration) + self.i
+
+
+def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
+    a = b.t.alerts
+    nan = b.rule("TrainingLossNaN")
+    counter, at = b.jump("training_nonfinite_loss_total", _target(), a.event_window, 1)
+    loss_ok = b.hold("training_loss", _target(), 2.5, 40)
+    loss_nan = Series("training_loss", _target(), [run(2.5, 3), run(math.nan, 5)])
+    grad = b.rule("TrainingGradientNonFinite")
+    gcounter, gat = b.jump("training_nonfinite_grad_total", _target(), a.event_window, 2)
+    info = b.hold("training_nonfinite_grad_first_layer_info", _target(layer="blocks.1.mlp"), 1, 40)
+    flat = b.hold("training_nonfinite_grad_total", _target(), 0, 40)
+    return {
+        "TrainingLossNaN": [
+            Scenario("a non-finite loss step fires", [counter, loss_ok],
+                     [(at, nan.name, [Expect(nan, _target(), 1)])]),
+            Scenario("a NaN loss fires at once", [loss_nan, b.hold("training_nonfinite_loss_total", _target(), 0, 8)],
+                     [(3 * b.i, nan.name, [Expect(nan, _target(), math.nan)])]),
+            Scenario("a finite loss is silent", [loss_ok, b.hold("training_nonfinite_loss_total", _target(), 0, 40)],
+                     [(at, nan.name, [])]),
+        ],
+        "TrainingGradientNonFinite": [
+            Scenario("fires naming the first bad layer", [gcounter, info],
+                     [(gat, grad.name, [Expect(grad, _target(layer="blocks.1.mlp"), 2)])]),
+            Scenario("fires with layer unknown when the exporter named none", [gcounter],
+                     [(gat, grad.name, [Expect(grad, _target(layer="unknown"), 2)])]),
+            Scenario("finite gradients are silent", [flat, info], [(gat, grad.name, [])]),
+        ],
+    }
+
+
+def _gradients(b: _Builder) -> dict[str, list[Scenario]]:
+    a, g = b.t.alerts, b.t.gradients
+    sustained = b.rule("TrainingGradientExplosion", trigger="sustained")
+    events = b.rule("TrainingGradientExplosion", trigger="events")
+    at = b.after_for(a.explosion_for)
+    samples = int(at // b.i) + 2
+    norm = lambda v: b.hold("training_grad_norm", _target(), v, samples)  # noqa: E731
+    burst, burst_at = b.jump("training_grad_explosions_total", _target(), a.event_window, a.explosion_events)
+    few, _ = b.jump("training_grad_explosions_total", _target(), a.event_window, a.explosion_events - 1)
+    name = sustained.name
+    out = {
+        name: [
+            Scenario("a sustained high grad norm fires", [norm(g.explosion * 1.5)],
+                     [(at, name, [Expect(sustained, _target(), g.explosion * 1.5)]),
+                      (at - 2 * b.i, name, [])]),
+            Scenario("just below the threshold is silent", [norm(g.explosion * 0.99)], [(at, name, [])]),
+            Scenario("enough explosion events fire at once", [burst],
+                     [(burst_at, name, [Expect(events, _target(), a.explosion_events)])]),
+            Scenario("one event fewer is silent", [few], [(burst_at, name, [])]),
+        ],
+    }
+    vanish = b.rule("TrainingGradientVanishing")
+    at = b.after_for(a.vanishing_for)
+    samples = int(at // b.i) + 2
+    out[vanish.name] = [
+        Scenario("a vanishing grad norm fires", [b.hold("training_grad_norm", _target(), g.vanishing * 0.5, samples)],
+                 [(at, vanish.name, [Expect(vanish, _target(), g.vanishing * 0.5)])]),
+        Scenario("just above the threshold is silent",
+                 [b.hold("training_grad_norm", _target(), g.vanishing * 1.01, samples)], [(at, vanish.name, [])]),
+        Scenario("a healthy grad norm is silent",
+                 [b.hold("training_grad_norm", _target(), g.healthy_low, samples)], [(at, vanish.name, [])]),
+    ]
+    at = b.after_for(a.layer_for)
+    samples = int(at // b.i) + 2
+    layer = lambda name, v: b.hold("training_layer_grad_norm", _target(layer=name), v, samples)  # noqa: E731
+    healthy_layer = (g.healthy_low + g.healthy_high) / 2
+    for alert_name, bad, edge in (
+        ("TrainingLayerGradientExplosion", g.layer_explosion * 1.5, g.layer_explosion * 0.99),
+        ("TrainingLayerGradientVanishing", g.layer_vanishing * 0.5, g.layer_vanishing * 1.01),
+    ):
+        rule = b.rule(alert_name)
+        out[alert_name] = [
+            Scenario("fires for the bad layer only", [layer("blocks.0.attn", bad), layer("head", healthy_layer)],
+                     [(at, alert_name, [Expect(rule, _target(layer="blocks.0.attn"), bad)])]),
+            Scenario("just inside the threshold is silent", [layer("blocks.0.attn", edge)], [(at, alert_name, [])]),
+        ]
+    return out
+
+
+def _trend(b: _Builder) -> dict[str, list[Scenario]]:
+    a, loss = b.t.alerts, b.t.loss
+    margin = loss.trend_improving - loss.trend_rising
+    out = {}
+    diverging = b.rule("TrainingLossDiverging")
+    at = b.after_for(a.diverging_for)
+    ratio = lambda v, when: b.hold("training_loss_trend_ratio", _target(), v, int(when // b.i) + 2)  # noqa: E731
+    bad = loss.trend_rising - margin * 0.5
+    out[diverging.name] = [
+        Scenario("a rising loss fires", [ratio(bad, at)], [(at, diverging.name, [Expect(diverging, _target(), bad)])]),
+        Scenario("just above the threshold is silent", [ratio(loss.trend_rising + margin * 0.01, at)],
+                 [(at, diverging.name, [])]),
+    ]
+    plateau = b.rule("TrainingLossPlateau")
+    at = b.after_for(a.plateau_for)
+    flat = loss.trend_rising + margin * 0.5
+    out[plateau.name] = [
+        Scenario("a flat loss fires", [ratio(flat, at)], [(at, plateau.name, [Expect(plateau, _target(), flat)])]),
+        Scenario("a loss falling just fast enough is silent", [ratio(loss.trend_improving + margin * 0.01, at)],
+                 [(at, plateau.name, [])]),
+        Scenario("a rising loss is diverging, not a plateau", [ratio(loss.trend_rising - margin * 0.01, at)],
+                 [(at, plateau.name, [])]),
+    ]
+    volatile = b.rule("TrainingLossVolatile")
+    at = b.after_for(a.volatile_for)
+    cv = lambda v: b.hold("training_loss_cv", _target(), v, int(at // b.i) + 2)  # noqa: E731
+    out[volatile.name] = [
+        Scenario("a volatile loss fires", [cv(loss.cv_danger * 1.5)],
+                 [(at, volatile.name, [Expect(volatile, _target(), loss.cv_danger * 1.5)])]),
+        Scenario("just below the threshold is silent", [cv(loss.cv_danger * 0.99)], [(at, volatile.name, [])]),
+    ]
+    spikes = b.rule("TrainingLossSpikes")
+    many, at = b.jump("training_loss_spikes_total", _target(), a.spikes_window, a.spikes_events)
+    fewer, _ = b.jump("training_loss_spikes_total", _target(), a.spikes_window, a.spikes_events - 1)
+    out[spikes.name] = [
+        Scenario("enough spikes fire", [many], [(at, spikes.name, [Expect(spikes, _target(), a.spikes_events)])]),
+        Scenario("one spike fewer is silent", [fewer], [(at, spikes.name, [])]),
+    ]
+    return out
+
+
+def _out_of_range(b: _Builder) -> dict[str, list[Scenario]]:
+    a = b.t.alerts
+    at = b.after_for(a.out_of_range_for)
+    samples = int(at // b.i) + 2
+    scenarios = []
+    for profile in b.t.profiles.values():
+        info = lambda rank: b.hold(  # noqa: E731
+            "training_run_info", {**_target(rank), "run": "test", "profile": profile.name}, 1, samples
+        )
+        component = profile.name in COMPONENT_PROFILES
+        metric = "training_loss_component" if component else "training_loss"
+        extra = {"component": "lm"} if component else {}
+
+        def loss(rank: str, value: float) -> Series:
+            return b.hold(metric, _target(rank, **extra), value, samples)
+
+        if profile.loss_warn_low is None or profile.loss_warn_high is None:
+            scenarios.append(Scenario(f"profile {profile.name} has no range: silent", [info("0"), loss("0", 1e6)],
+                                      [(at, "TrainingLossOutOfRange", [])]))
+            continue
+        rule = b.rule("TrainingLossOutOfRange", profile=profile.name)
+        high, low = profile.loss_warn_high * 1.5, profile.loss_warn_low * 0.5
+        result = lambda rank: {"job": JOB, "rank": rank, **extra}  # noqa: E731
+        scenarios += [
+            Scenario(f"profile {profile.name}: too high and too low fire",
+                     [info("0"), info("1"), loss("0", high), loss("1", low)],
+                     [(at, rule.name, [Expect(rule, result("0"), high), Expect(rule, result("1"), low)])]),
+            Scenario(f"profile {profile.name}: just inside the range is silent",
+                     [info("0"), info("1"), loss("0", profile.loss_warn_high * 0.99),
+                      loss("1", profile.loss_warn_low * 1.01)],
+                     [(at, rule.name, [])]),
+        ]
+    return {"TrainingLossOutOfRange": scenarios}
+
+
+def _overfitting(b: _Builder) -> dict[str, list[Scenario]]:
+    a = b.t.alerts
+    rule = b.rule("TrainingOverfitting")
+    rise = b.t.overfitting.eval_rise
+    at = b.after_for(a.overfitting_for, start=2 * b.i)  # eval loss rises at 2 intervals
+    samples = int(at // b.i) + 2
+    best = 2.0
+
+    def train(slope: float) -> Series:
+        return Series("training_loss", _target(), [ramp(3.0, slope, samples)])
+
+    def evaluation(after: float) -> Series:
+        return Series("training_eval_loss", _target(), [run(best, 2), run(after, samples - 2)])
+
+    bad = best * (1 + 2 * rise)
+    status = b.hold("training_health_status", _target(check="overfitting"), 1, samples)
+    return {
+        rule.name: [
+            Scenario("eval loss up while training loss falls fires", [train(-0.001), evaluation(bad)],
+                     [(at, rule.name, [Expect(rule, _target(), bad)])]),
+            Scenario("an eval rise just under the threshold is silent",
+                     [train(-0.001), evaluation(best * (1 + 0.9 * rise))], [(at, rule.name, [])]),
+            Scenario("eval up with a flat training loss is silent", [train(0), evaluation(bad)],
+                     [(at, rule.name, [])]),
+            Scenario("both falling is silent", [train(-0.001), evaluation(best * 0.9)], [(at, rule.name, [])]),
+            Scenario("the exporter's overfitting check fires", [train(0), evaluation(best), status],
+                     [(at, rule.name, [Expect(rule, _target(), best)])]),
+        ]
+    }
+
+
+def _progress(b: _Builder) -> dict[str, list[Scenario]]:
+    a = b.t.alerts
+    lr_rule = b.rule("TrainingLearningRateSuspect")
+    at = b.after_for(a.learning_rate_for)
+    samples = int(at // b.i) + 2
+    lr = lambda group, v: b.hold("training_learning_rate", _target(param_group=group), v, samples)  # noqa: E731
+    check = lambda v: b.hold("training_health_status", _target(check="learning_rate"), v, samples)  # noqa: E731
+    good_lr = b.t.learning_rate.too_small * 100
+    out = {
+        lr_rule.name: [
+            Scenario("a zero LR fires for its param group", [lr("0", 0), lr("1", good_lr), check(0)],
+                     [(at, lr_rule.name, [Expect(lr_rule, _target(param_group="0"), 0)])]),
+            Scenario("a NaN LR fires", [lr("0", math.nan)],
+                     [(at, lr_rule.name, [Expect(lr_rule, _target(param_group="0"), math.nan)])]),
+            Scenario("the exporter's LR check fires", [lr("0", good_lr), check(1)],
+                     [(at, lr_rule.name, [Expect(lr_rule, _target(param_group="0"), good_lr)])]),
+            Scenario("a healthy LR is silent", [lr("0", good_lr), check(0)], [(at, lr_rule.name, [])]),
+        ]
+    }
+    stalled = b.rule("TrainingStalled")
+    limit = duration_seconds(a.stalled_after)
+    last = b.i  # the last step happened at t = one interval
+    samples = int((last + limit) // b.i) + 4
+    frozen = b.hold("training_last_step_timestamp_seconds", _target(), last, samples)
+    moving = Series("training_last_step_timestamp_seconds", _target(), [ramp(0, b.i, samples)])
+    out[stalled.name] = [
+        Scenario("no step for too long fires", [frozen],
+                 [(last + limit + b.i, stalled.name, [Expect(stalled, _target(), limit + b.i)]),
+                  (last + limit, stalled.name, [])]),
+        Scenario("a job that keeps stepping is silent", [moving], [(last + limit + b.i, stalled.name, [])]),
+    ]
+    down = b.rule("TrainingExporterDown")
+    up_for = 3
+    fires = b.after_for(a.exporter_down_for, start=up_for * b.i)
+    samples = int(fires // b.i) + 2
+    target = {"job": JOB, "instance": INSTANCE}
+    info = Series("training_run_info", {**_target(), "run": "test", "profile": b.t.profile.name},
+                  [run(1, up_for), "stale"])
+    out[down.name] = [
+        Scenario("a lossbeat target that stops answering fires",
+                 [Series("up", target, [run(1, up_for), run(0, samples - up_for)]), info],
+                 [(fires, down.name, [Expect(down, _target(), 0)]),
+                  (fires - 2 * b.i, down.name, [])]),
+        Scenario("a target that answers is silent", [b.hold("up", target, 1, samples),
+                                                     b.hold("training_run_info", info.labels, 1, samples)],
+                 [(fires, down.name, [])]),
+        Scenario("other jobs' targets are not ours", [b.hold("up", {"job": "node", "instance": "n1:9100"}, 0, samples)],
+                 [(fires, down.name, [])]),
+    ]
+    return out
+
+
+def _interval(t: Thresholds) -> int:
+    """The largest step (<= 60s) that divides every duration the tests use."""
+    a = t.alerts
+    durations = [a.event_window, a.explosion_for, a.vanishing_for, a.layer_for, a.diverging_for,
+                 a.plateau_for, a.volatile_for, a.spikes_window, a.out_of_range_for, a.overfitting_for,
+                 a.learning_rate_for, a.stalled_after, a.exporter_down_for]
+    seconds = [duration_seconds(d) for d in durations]
+    if any(s != int(s) or s < 1 for s in seconds):
+        raise ValueError("alerts: rule tests need durations of whole seconds")
+    return reduce(math.gcd, [int(s) for s in seconds], 60)
+
+
+def _duration_text(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
+
+
+def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml") -> dict[str, dict]:
+    """One promtool test document per alert name, keyed by ``<alertname lowercased>.yml``."""
+    if not isinstance(thresholds, Thresholds):
+        raise TypeError(f"thresholds: expected Thresholds, got {type(thresholds).__name__}")
+    interval = _interval(thresholds)
+    b = _Builder(thresholds, interval)
+    scenarios: dict[str, list[Scenario]] = {}
+    for part in (_nonfinite, _gradients, _trend, _out_of_range, _overfitting, _progress):
+        scenarios.update(part(b))
+    missing = {r.name for r in b.rules} - set(scenarios)
+    if missing:
+        raise ValueError(f"rule tests: no scenarios for {sorted(missing)}")
+    groups = [RECORDING_GROUP] + list(dict.fromkeys(r.group for r in b.rules))
+    runbook = thresholds.alerts.runbook_url
+    documents = {}
+    for alert_name in dict.fromkeys(r.name for r in b.rules):
+        tests = []
+        for scenario in scenarios[alert_name]:
+            checks = []
+            for when, name, expects in scenario.checks:
+                alerts = [_expected(e) for e in expects]
+                for alert in alerts:
+                    alert["exp_annotations"]["runbook_url"] = f"{runbook}#{name.lower()}"
+                checks.append({"eval_time": _duration_text(when), "alertname": name, "exp_alerts": alerts})
+            tests.append({
+                "name": scenario.name,
+                "interval": _duration_text(interval),
+                "input_series": [s.to_doc() for s in scenario.series],
+                "alert_rule_test": checks,
+            })
+        documents[f"{alert_name.lower()}.yml"] = {
+            "rule_files": [rule_file],
+            "evaluation_interval": _duration_text(interval),
+            "group_eval_order": groups,
+            "tests": tests,
+        }
+    return documents
