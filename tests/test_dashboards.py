@@ -21,7 +21,7 @@ import yaml
 
 from lossbeat.cli import main
 from lossbeat.dashboards import (
-    QUIET_WHEN_HEALTHY, build_dashboards, expand_query, panel_queries, render_files,
+    build_dashboards, expand_query, may_be_empty, panel_queries, render_files,
 )
 from lossbeat.metrics import METRICS
 from lossbeat.stack import MissingBinaryError, find_binary, stop_pid
@@ -341,7 +341,11 @@ def test_dashboards_cover_the_required_views(dashboards):
     assert "training_nonfinite_grad_first_layer_info{" in exprs["First layer with a non-finite gradient"]
     learning_rate = _panel(dashboards[OVERVIEW], "Learning rate")["targets"][0]["legendFormat"]
     assert "{{param_group}}" in learning_rate
-    assert QUIET_WHEN_HEALTHY <= set(exprs)
+    quiet = {title for _, title, expr in _all_queries(dashboards) if may_be_empty(title, expr)}
+    assert "Firing alerts" in quiet and "First layer with a non-finite gradient" in quiet
+    assert "Gradient norm" not in quiet and "Steps per second" not in quiet
+    assert may_be_empty("Loss", 'training_loss{job=~"$job", rank=~"$rank"}') is False
+    assert may_be_empty("Loss", 'training_loss_component{job=~"$job", rank=~"$rank"}') is True
 
 
 def test_expand_query_substitutes_every_grafana_variable():

@@ -29,7 +29,7 @@ __all__ = [
     "panel_queries",
     "expand_query",
     "render_files",
-    "QUIET_WHEN_HEALTHY",
+    "may_be_empty",
     "add_arguments",
     "run",
 ]
@@ -56,15 +56,21 @@ HEALTH_MAPPINGS = [{
     },
 }]
 
-QUIET_WHEN_HEALTHY = frozenset({
+# Panels that show events which a healthy run never has: their queries return no series.
+_QUIET_PANELS = frozenset({
     "Firing alerts",
     "Exploding layers",
     "Vanishing layers",
     "Layers outside the healthy range",
     "First layer with a non-finite gradient",
-    "Exporter errors",
 })
-"""Panels whose queries return no series while a run is healthy (events that did not happen)."""
+# Series only some runs export: loss components (multi-task runs).
+_OPTIONAL_METRICS = ("training_loss_component{",)
+
+
+def may_be_empty(title: str, expr: str) -> bool:
+    """True if the query of panel ``title`` may return no series while a run is healthy."""
+    return title in _QUIET_PANELS or any(metric in expr for metric in _OPTIONAL_METRICS)
 
 
 # --- PromQL -------------------------------------------------------------------------
