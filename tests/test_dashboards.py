@@ -132,7 +132,8 @@ def test_changing_the_explosion_threshold_moves_the_dashboard_step(tmp_path):
 def test_loss_stats_are_coloured_at_the_loss_thresholds(tmp_path, dashboards):
     assert _steps(_panel(dashboards[OVERVIEW], "Loss CV")) == [None, 0.15, 0.30]
     assert _steps(_panel(dashboards[OVERVIEW], "Loss trend")) == [None, -0.02, 0.05]
-    colours = [s["color"] for s in _panel(dashboards[OVERVIEW], "Loss trend")["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+    trend = _panel(dashboards[OVERVIEW], "Loss trend")
+    colours = [s["color"] for s in trend["fieldConfig"]["defaults"]["thresholds"]["steps"]]
     assert colours == ["red", "yellow", "green"]  # rising, plateau, learning
     changed = build_dashboards(load_thresholds(_thresholds_file(
         tmp_path, "loss:\n  cv_warning: 0.2\n  cv_danger: 0.4\n  trend_rising: -0.1\n")))
@@ -288,7 +289,8 @@ def test_provisioning_files():
     datasources = yaml.safe_load((ROOT / "grafana/provisioning/datasources/prometheus.yml").read_text())
     assert datasources["apiVersion"] == 1
     [prometheus] = datasources["datasources"]
-    assert (prometheus["type"], prometheus["uid"], prometheus["url"]) == ("prometheus", "prometheus", "http://prometheus:9090")
+    assert (prometheus["type"], prometheus["uid"]) == ("prometheus", "prometheus")
+    assert prometheus["url"] == "http://prometheus:9090"
     assert prometheus["access"] == "proxy"
 
 
@@ -450,5 +452,6 @@ def test_every_variable_query_is_valid(prometheus, dashboards):
             match = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["query"])
             assert match, variable["query"]
             selector, label = expand_query(match.group(1)), match.group(2)
-            answer = _get(f"{prometheus}/api/v1/label/{label}/values?" + urllib.parse.urlencode({"match[]": selector}))
+            params = urllib.parse.urlencode({"match[]": selector})
+            answer = _get(f"{prometheus}/api/v1/label/{label}/values?{params}")
             assert answer["status"] == "success", f"{variable['name']}: {answer.get('error')}"

@@ -336,8 +336,9 @@ def _overview_panels(t: Thresholds) -> list[dict]:
                     defaults={"min": 0, "max": 1}),
         _timeseries("Events", "Steps with a non-finite loss or gradient, loss spikes and gradient explosions, "
                     "counted per rate interval (increase of the counters, so none is missed between scrapes).",
-                    "short", _targets(*[(f"sum by (rank) ({_counter('increase', metric)})", f"{label} rank {{{{rank}}}}")
-                                        for metric, label in events]), bars=True),
+                    "short", _targets(*[(f"sum by (rank) ({_counter('increase', metric)})",
+                                         f"{label} rank {{{{rank}}}}") for metric, label in events]),
+                    bars=True),
         _timeseries("Exporter errors", "Errors inside lossbeat itself, by where they happened, per rate "
                     "interval; training is never interrupted by them.",
                     "short", _targets((f"sum by (where) ({_counter('increase', 'training_exporter_errors_total')})",
@@ -346,7 +347,8 @@ def _overview_panels(t: Thresholds) -> list[dict]:
                     _targets((f"sum by (job, rank) ({_counter('rate', 'training_steps_total')})",
                               "{{job}} rank {{rank}}")), size=(8, 8)),
         _timeseries("Tokens per second", "Tokens per second per rank, and in total per job.", "count:tok/s",
-                    _targets((f"sum by (job, rank) ({_counter('rate', 'training_tokens_total')})", "{{job}} rank {{rank}}"),
+                    _targets((f"sum by (job, rank) ({_counter('rate', 'training_tokens_total')})",
+                              "{{job}} rank {{rank}}"),
                              (f"sum by (job) ({_counter('rate', 'training_tokens_total')})", "{{job}} total")),
                     size=(8, 8)),
         _timeseries("Step duration", "Wall time between the last two observed steps.",
