@@ -1,0 +1,358 @@
+"""`lossbeat rules`: the generated Prometheus rules, their promtool unit tests, drift and contract."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lossbeat import rules
+from lossbeat.alert_rules import alert_rules, recording_rules
+from lossbeat.metrics import METRICS
+from lossbeat.rule_tests import render_template, rule_test_documents
+from lossbeat.thresholds import load_thresholds
+
+REPO = Path(__file__).resolve().parents[1]
+RULES_FILE = REPO / "alerting" / "rules.yml"
+TESTS_DIR = REPO / "alerting" / "tests"
+RUNBOOKS = REPO / "docs" / "runbooks.md"
+
+ALERTS = {  # the contract: name -> severity
+    "TrainingLossNaN": "critical",
+    "TrainingGradientNonFinite": "critical",
+    "TrainingGradientExplosion": "critical",
+    "TrainingGradientVanishing": "warning",
+    "TrainingLayerGradientExplosion": "warning",
+    "TrainingLayerGradientVanishing": "warning",
+    "TrainingLossDiverging": "critical",
+    "TrainingLossPlateau": "warning",
+    "TrainingLossVolatile": "warning",
+    "TrainingLossSpikes": "warning",
+    "TrainingLossOutOfRange": "warning",
+    "TrainingOverfitting": "warning",
+    "TrainingLearningRateSuspect": "warning",
+    "TrainingStalled": "critical",
+    "TrainingExporterDown": "critical",
+}
+
+# A user's thresholds file changing numbers, counts and (short) durations.
+CUSTOM_THRESHOLDS = {
+    "loss": {"trend_rising": -0.05, "trend_improving": 0.1, "cv_danger": 0.4},
+    "gradients": {"explosion": 25, "layer_explosion": 30, "vanishing": 1e-6, "layer_vanishing": 1e-7},
+    "overfitting": {"eval_rise": 0.1},
+    "profiles": {"causal-lm": {"loss_warn_high": 6.0, "loss_warn_low": 0.2}},
+    "alerts": {"event_window": "1m", "explosion_for": "30s", "explosion_events": 5, "spikes_events": 4,
+               "spikes_window": "2m", "stalled_after": "45s", "exporter_down_for": "15s",
+               "overfitting_for": "90s", "plateau_for": "5m"},
+}
+
+
+def tool(name: str) -> str:
+    """Path of a Prometheus tool; missing fails under CI=true and skips elsewhere."""
+    found = shutil.which(name)
+    if found:
+        return found
+    message = f"{name} not installed (apt-get install prometheus prometheus-alertmanager)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([tool("promtool"), *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def checked_in_rules() -> list[dict]:
+    return yaml.safe_load(RULES_FILE.read_text(encoding="utf-8"))["groups"]
+
+
+def all_rules(groups: list[dict]) -> list[dict]:
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def alerts_by_name(groups: list[dict], name: str) -> list[dict]:
+    found = [r for r in all_rules(groups) if r.get("alert") == name]
+    assert found, f"no alert {name}"
+    return found
+
+
+@pytest.fixture
+def custom_thresholds_file(tmp_path) -> Path:
+    path = tmp_path / "thresholds.yaml"
+    path.write_text(yaml.safe_dump(CUSTOM_THRESHOLDS), encoding="utf-8")
+    return path
+
+
+def write_layout(root: Path, thresholds) -> None:
+    """rules.yml and its unit tests in the repository's layout under ``root``."""
+    (root / "tests").mkdir(parents=True)
+    (root / "rules.yml").write_text(rules.render_rules(thresholds), encoding="utf-8")
+    for name, document in rule_test_documents(thresholds).items():
+        (root / "tests" / name).write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+
+
+# --- promtool -------------------------------------------------------------------------
+
+def test_promtool_accepts_the_generated_rules():
+    result = promtool("check", "rules", str(RULES_FILE))
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected = len(all_rules(checked_in_rules()))
+    assert f"SUCCESS: {expected} rules found" in result.stdout
+
+
+def test_promtool_accepts_the_prometheus_rule_groups(tmp_path):
+    manifest = yaml.safe_load((REPO / rules.PROMETHEUS_RULE_PATH).read_text(encoding="utf-8"))
+    extracted = tmp_path / "spec.yml"
+    extracted.write_text(yaml.safe_dump({"groups": manifest["spec"]["groups"]}), encoding="utf-8")
+    result = promtool("check", "rules", str(extracted))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_unit_tests_pass():
+    files = sorted(TESTS_DIR.glob("*.yml"))
+    result = promtool("test", "rules", *map(str, files))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SUCCESS") == len(files) == len(ALERTS)
+
+
+def test_unit_tests_fail_against_rules_with_other_thresholds(tmp_path):
+    """The checked-in unit tests pin the thresholds: rules built from other numbers fail them."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "rules.yml").write_text(rules.render_rules(load_thresholds(_write(tmp_path, CUSTOM_THRESHOLDS))))
+    for name in ("traininggradientexplosion.yml", "traininglossvolatile.yml", "trainingstalled.yml"):
+        shutil.copy(TESTS_DIR / name, tmp_path / "tests" / name)
+        result = promtool("test", "rules", str(tmp_path / "tests" / name))
+        assert result.returncode == 1, f"{name} passed against rules with other thresholds"
+        assert "FAILED" in result.stdout + result.stderr
+
+
+def test_generated_unit_tests_follow_a_threshold_change(tmp_path, custom_thresholds_file):
+    thresholds = load_thresholds(custom_thresholds_file)
+    write_layout(tmp_path, thresholds)
+    files = sorted((tmp_path / "tests").glob("*.yml"))
+    result = promtool("test", "rules", *map(str, files))
+    assert result.returncode == 0, result.stdout + result.stderr
+    explosion = yaml.safe_load((tmp_path / "tests" / "traininggradientexplosion.yml").read_text())
+    assert explosion["tests"][0]["input_series"][0]["values"].startswith("37.5+0x")  # 25 * 1.5
+    assert explosion["evaluation_interval"] == "15s"  # the gcd of the durations
+
+
+def run_rules(*argv: str) -> int:
+    """`lossbeat rules ARGV` in this process (the CLI wiring is tested once by subprocess)."""
+    parser = argparse.ArgumentParser()
+    rules.add_arguments(parser)
+    return rules.run(parser.parse_args(argv))
+
+
+def _write(tmp_path: Path, document: dict) -> Path:
+    path = tmp_path / "override.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+# --- drift ----------------------------------------------------------------------------
+
+def test_checked_in_files_match_the_generator():
+    thresholds = load_thresholds()
+    for path, text in rules.generated_files(thresholds).items():
+        checked_in = (REPO / path).read_text(encoding="utf-8")
+        assert checked_in == text, f"{path} drifted; run `python -m lossbeat rules`"
+    generated_tests = {f"alerting/tests/{n}" for n in rule_test_documents(thresholds)}
+    on_disk = {p.relative_to(REPO).as_posix() for p in TESTS_DIR.glob("*.yml")}
+    assert on_disk == generated_tests
+
+
+def test_readme_alert_table_matches_the_generator():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    region = readme.split(rules.README_START, 1)[1].split(rules.README_END, 1)[0]
+    assert region == "\n" + rules.render_alert_table(load_thresholds())
+
+
+def test_check_passes_on_the_checkout():
+    result = subprocess.run([sys.executable, "-m", "lossbeat", "rules", "--check"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == ""
+
+
+def test_check_reports_drift_with_a_diff(tmp_path, capsys):
+    target = tmp_path / "rules.yml"
+    assert run_rules("--output-dir", str(tmp_path)) == 0
+    assert target.read_text() == RULES_FILE.read_text()
+    target.write_text(target.read_text().replace("training_grad_norm > 10", "training_grad_norm > 11"))
+    capsys.readouterr()
+    assert run_rules("--output-dir", str(tmp_path), "--check") == 1
+    out = capsys.readouterr().out
+    assert "-          training_grad_norm > 11" in out
+    assert "+          training_grad_norm > 10" in out
+    assert target.read_text().count("> 11") == 1  # --check writes nothing
+
+
+# --- thresholds drive the rules -------------------------------------------------------
+
+def test_a_threshold_change_changes_the_alert_expression(tmp_path):
+    override = _write(tmp_path, {"gradients": {"explosion": 25}, "alerts": {"explosion_for": "7m"}})
+    assert run_rules("--thresholds", str(override), "--output-dir", str(tmp_path / "out")) == 0
+    groups = yaml.safe_load((tmp_path / "out" / "rules.yml").read_text())["groups"]
+    sustained, events = alerts_by_name(groups, "TrainingGradientExplosion")
+    assert sustained["expr"].strip() == "training_grad_norm > 25"
+    assert sustained["for"] == "7m"
+    assert "above 25" in sustained["annotations"]["description"]
+    assert "for" not in events  # the event count fires at once
+    default_sustained = alerts_by_name(checked_in_rules(), "TrainingGradientExplosion")[0]
+    assert default_sustained["expr"].strip() == "training_grad_norm > 10"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["rules.yml"]
+    assert promtool("check", "rules", str(tmp_path / "out" / "rules.yml")).returncode == 0
+
+
+def test_each_profile_with_a_range_gets_its_own_rule():
+    thresholds = load_thresholds()
+    ranged = alerts_by_name(rules.build_rule_groups(thresholds), "TrainingLossOutOfRange")
+    by_profile = {rule["labels"]["profile"]: rule["expr"] for rule in ranged}
+    expected = {n for n, p in thresholds.profiles.items() if p.loss_warn_high is not None}
+    assert set(by_profile) == expected and "regression" not in by_profile
+    causal = thresholds.profiles["causal-lm"]
+    assert f"> {causal.loss_warn_high:g}" in by_profile["causal-lm"]
+    assert f"< {causal.loss_warn_low:g}" in by_profile["causal-lm"]
+    assert 'and on(job, rank) training_run_info{profile="causal-lm"}' in by_profile["causal-lm"]
+    assert "training_loss_component" in by_profile["multi-task"]
+
+
+def test_bad_thresholds_file_exits_2_naming_the_key(tmp_path, capsys):
+    override = _write(tmp_path, {"alerts": {"explosion_for": "soon"}})
+    assert run_rules("--thresholds", str(override), "--output-dir", str(tmp_path)) == 2
+    assert "alerts.explosion_for" in capsys.readouterr().err
+    assert not (tmp_path / "rules.yml").exists()
+
+
+def test_api_rejects_a_non_thresholds_argument():
+    with pytest.raises(TypeError, match="thresholds"):
+        rules.build_rule_groups({"gradients": {}})
+
+
+def test_rendering_is_deterministic():
+    thresholds = load_thresholds()
+    assert rules.render_rules(thresholds) == rules.render_rules(load_thresholds())
+    assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
+        "lossbeat.recording", "lossbeat.nonfinite", "lossbeat.gradients", "lossbeat.loss",
+        "lossbeat.optimizer", "lossbeat.liveness",
+    ]
+
+
+# --- the alert contract ---------------------------------------------------------------
+
+def test_alert_names_and_severities_are_the_contract():
+    found = {r["alert"]: r["labels"]["severity"] for r in all_rules(checked_in_rules()) if "alert" in r}
+    assert found == ALERTS
+
+
+def test_every_alert_has_the_required_fields_and_a_runbook_section():
+    headings = set(re.findall(r"^## (\w+)\s*$", RUNBOOKS.read_text(encoding="utf-8"), re.M))
+    base = load_thresholds().alerts.runbook_url
+    for rule in all_rules(checked_in_rules()):
+        if "alert" not in rule:
+            continue
+        name, annotations = rule["alert"], rule["annotations"]
+        assert rule["labels"]["severity"] in ("critical", "warning"), name
+        assert annotations["summary"].strip(), name
+        for needle in ("{{ $value", "{{ $labels.job }}", "{{ $labels.rank }}"):
+            assert needle in annotations["description"], f"{name}: description lacks {needle}"
+        assert annotations["runbook_url"] == f"{base}#{name.lower()}"
+        assert name in headings, f"docs/runbooks.md has no '## {name}' section"
+
+
+def test_runbooks_cover_only_real_alerts_and_the_dashboards():
+    text = RUNBOOKS.read_text(encoding="utf-8")
+    headings = re.findall(r"^## (\w+)\s*$", text, re.M)
+    assert sorted(headings) == sorted(ALERTS)
+    for name in ALERTS:
+        section = text.split(f"## {name}\n", 1)[1].split("\n## ", 1)[0]
+        for part in ("**Meaning**", "**Confirm**", "**Fix**"):
+            assert part in section, f"{name}: runbook lacks {part}"
+        assert "```promql" in section, f"{name}: runbook lacks a query to run"
+        assert "lossbeat / Overview" in section or "lossbeat / Layers" in section, name
+
+
+def _names_in(expr: str) -> set[str]:
+    """Series names in a PromQL expression: identifiers that are not functions,
+    keywords, label lists, strings, numbers or range durations."""
+    text = re.sub(r'"[^"]*"', '""', expr)
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    names = set(re.findall(r"(?<![\w.])([a-zA-Z_:][\w:]*)\b(?!\s*\()", text))
+    return names - {"and", "or", "unless", "bool", "offset", "NaN", "Inf"}
+
+
+def test_expressions_use_only_contract_metrics_and_recording_rules():
+    exported = {spec.name + ("_info" if spec.kind == "info" else "") for spec in METRICS.values()}
+    records = {r.record for r in recording_rules()}
+    for rule in all_rules(checked_in_rules()):
+        for name in _names_in(rule["expr"]):
+            assert name in exported or name in records or name == "up", (
+                f"{rule.get('alert') or rule.get('record')}: unknown series {name}"
+            )
+
+
+def test_metric_name_scan_finds_the_series():
+    """Guard for the test above: the scan must see series in every position they appear."""
+    expr = alerts_by_name(checked_in_rules(), "TrainingGradientNonFinite")[0]["expr"]
+    assert {"training_nonfinite_grad_total", "training_nonfinite_grad_first_layer_info"} <= _names_in(expr)
+    expr = alerts_by_name(checked_in_rules(), "TrainingLossOutOfRange")[0]["expr"]
+    assert {"job_rank:training_loss:avg_over_time5m", "training_run_info"} <= _names_in(expr)
+
+
+def test_recording_rules_follow_level_metric_operations():
+    for rule in recording_rules():
+        level, metric, operations = rule.record.split(":")
+        assert metric in METRICS or metric + "_total" in METRICS, rule.record
+        assert operations and re.fullmatch(r"[a-z0-9_]+", operations), rule.record
+        assert tuple(level.split("_")) == rule.keeps, rule.record
+        assert f"by ({', '.join(rule.keeps)})" in rule.expr, rule.record
+
+
+def test_prometheus_rule_carries_the_same_groups():
+    manifest = yaml.safe_load((REPO / rules.PROMETHEUS_RULE_PATH).read_text(encoding="utf-8"))
+    assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
+    assert manifest["kind"] == "PrometheusRule"
+    assert manifest["metadata"]["labels"]["release"] == "prometheus"
+    assert manifest["spec"]["groups"] == checked_in_rules()
+
+
+def test_readme_table_has_a_row_per_alert_with_numbers_and_runbook_links():
+    table = rules.render_alert_table(load_thresholds())
+    for name, severity in ALERTS.items():
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |"))
+        assert f"| {severity} |" in row
+        assert f"(docs/runbooks.md#{name.lower()})" in row
+    explosion = next(line for line in table.splitlines() if "`TrainingGradientExplosion`" in line)
+    assert "> 10 for 2m" in explosion and ">= 3 steps above 10 within 5m" in explosion
+
+
+def test_annotation_renderer_matches_go_formatting():
+    labels = {"job": "train", "rank": "3"}
+    template = 'rank {{ $labels.rank }} of {{ $labels.job }}: {{ $value | printf "%.4g" }}'
+    assert render_template(template, labels, 15.0) == "rank 3 of train: 15"
+    assert render_template(template, labels, float("nan")) == "rank 3 of train: NaN"
+    assert render_template(template, labels, 5e-05) == "rank 3 of train: 5e-05"
+    with pytest.raises(ValueError, match="unsupported"):
+        render_template("{{ $value | humanize }}", labels, 1.0)
+
+
+def test_every_alert_rule_has_firing_and_silent_unit_tests():
+    documents = rule_test_documents(load_thresholds())
+    for rule in alert_rules(load_thresholds()):
+        doc = documents[f"{rule.name.lower()}.yml"]
+        checks = [c for t in doc["tests"] for c in t["alert_rule_test"]]
+        fired = [a["exp_labels"] for c in checks for a in c["exp_alerts"]]
+        assert any(all(a.get(k) == v for k, v in rule.labels.items()) for a in fired), (
+            f"no test where {rule.name} {rule.labels} fires"
+        )
+        assert any(not c["exp_alerts"] for c in checks), f"no silent test for {rule.name}"
