@@ -73,7 +73,7 @@ def test_rendered_config_passes_promtool(tmp_path, config_files):
     rules, _ = config_files
     targets = tmp_path / "targets.json"
     write_targets_file(targets, ["127.0.0.1:8470", "127.0.0.1:8471"], job="train-a")
-    config = render_prometheus_config(targets_file=targets, rule_files=[rules], alertmanager="127.0.0.1:9093",
+    config = render_prometheus_config(targets_file=targets, rule_files=[rules], alertmanagers=["127.0.0.1:9093"],
                                       scrape_interval="1s")
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))

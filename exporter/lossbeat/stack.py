@@ -82,9 +82,9 @@ def write_target_groups(path: Path, groups: list[dict]) -> None:
     os.replace(tmp, path)  # a reader never sees half a file
 
 
-def render_prometheus_config(*, targets_file: Path, rule_files: Sequence[Path], alertmanager: str,
+def render_prometheus_config(*, targets_file: Path, rule_files: Sequence[Path], alertmanagers: Sequence[str],
                              scrape_interval: str = "5s", evaluation_interval: str | None = None) -> dict:
-    """The Prometheus configuration as a dict: one file_sd scrape job, rules, one Alertmanager.
+    """The Prometheus configuration as a dict: one file_sd scrape job, rules, Alertmanagers.
 
     The scrape job's own name is a fallback: every target group sets its ``job`` label.
     """
@@ -95,7 +95,7 @@ def render_prometheus_config(*, targets_file: Path, rule_files: Sequence[Path], 
             "evaluation_interval": evaluation_interval or scrape_interval,
         },
         "rule_files": [str(p) for p in rule_files],
-        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]},
+        "alerting": {"alertmanagers": [{"static_configs": [{"targets": list(alertmanagers)}]}]},
         "scrape_configs": [{
             "job_name": DEFAULT_JOB,
             # Short refresh as a fallback where inotify is unavailable.
@@ -155,6 +155,8 @@ class Stack:
     evaluation_interval: str | None = None
     rule_files: Sequence[Path] = (_REPO_ALERTING / "rules.yml",)
     alertmanager_config: Path = _REPO_ALERTING / "alertmanager.yml"
+    extra_alertmanagers: Sequence[str] = ()
+    """Further host:port Alertmanagers Prometheus also sends to (started by the caller)."""
     pids: dict[str, int] = field(default_factory=dict)
     binaries: dict[str, str] = field(default_factory=dict)
 
@@ -190,7 +192,7 @@ class Stack:
         self.set_targets(self.targets)
         config = render_prometheus_config(
             targets_file=self.targets_file, rule_files=[Path(p).resolve() for p in self.rule_files],
-            alertmanager=f"127.0.0.1:{self.alertmanager_port}",
+            alertmanagers=[f"127.0.0.1:{self.alertmanager_port}", *self.extra_alertmanagers],
             scrape_interval=self.scrape_interval, evaluation_interval=self.evaluation_interval,
         )
         (self.workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "free_port", "wait_until", "require_binary", "WebhookReceiver", "Delivery",
-    "Prometheus", "DemoRun", "exporter_samples",
+    "Prometheus", "DemoRun", "exporter_samples", "wait_for_page",
 ]
 
 T = TypeVar("T")
@@ -121,9 +121,9 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]
 
-    def query(self, expr: str) -> list[dict]:
-        """Instant vector/scalar result of ``expr`` (a list of {metric, value})."""
-        data = self._get("/api/v1/query", query=expr)
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        """Instant vector/scalar result of ``expr`` (now, or at Unix time ``at``)."""
+        data = self._get("/api/v1/query", query=expr, **({"time": f"{at:.3f}"} if at else {}))
         if data["resultType"] in ("scalar", "string"):
             return [{"metric": {}, "value": data["result"]}]
         return data["result"]
@@ -227,3 +227,11 @@ class DemoRun:
     def log_tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_for_page(receiver: WebhookReceiver, alertname: str, job: str, timeout: float,
+                  path: str = "/page") -> Delivery:
+    """The first firing ``alertname`` for ``job`` delivered on ``path`` (the paging route)."""
+    def delivered():
+        return [d for d in receiver.received(alertname=alertname, job=job) if d.path == path]
+    return wait_until(delivered, timeout, f"{alertname} for job {job} delivered to {path}")[0]

@@ -1,0 +1,65 @@
+"""A real training run, a real Prometheus and a real Alertmanager: the faults page the
+on-call receiver with the job and the rank, within a bounded time; a healthy run pages nobody."""
+
+from __future__ import annotations
+
+import time
+
+from e2e_harness import exporter_samples, wait_for_page, wait_until
+
+STEP_DELAY = "0.1"  # ~7 steps/s: the run outlives startup, target discovery and a few scrapes
+FAULT_STEP = "60"  # ~8 s into training, after Prometheus has found and scraped the target
+MAX_PAGE_LATENCY_S = 30  # scrape 1s + evaluation 1s + group_wait 1s, with room for a busy CI box
+
+
+def _assert_paged(page, run, alertname: str) -> None:
+    assert page.labels["alertname"] == alertname
+    assert page.labels["severity"] == "critical"
+    assert page.labels["job"] == run.job
+    assert page.labels["rank"] == "0"
+
+
+def test_nan_loss_pages_on_call_with_job_and_rank(demo, receiver):
+    run = demo("--steps", "600", "--step-delay", STEP_DELAY, "--fault", "nan", "--fault-step", FAULT_STEP)
+    run.wait_serving()
+    onset = run.first_time("training_nonfinite_loss_total", timeout=120)
+    page = wait_for_page(receiver, "TrainingLossNaN", run.job, timeout=60)
+    latency = page.received_at - onset
+    print(f"\nTrainingLossNaN paged {latency:.1f}s after the exporter first showed a NaN loss")
+    _assert_paged(page, run, "TrainingLossNaN")
+    assert latency < MAX_PAGE_LATENCY_S
+    # Critical alerts go to the paging route only, never to the ticket queue.
+    assert all(d.path == "/page" for d in receiver.received(alertname="TrainingLossNaN", job=run.job))
+
+
+def test_gradient_explosion_pages_on_call_with_job_and_rank(demo, receiver):
+    run = demo("--steps", "600", "--step-delay", STEP_DELAY, "--fault", "explode", "--fault-step", FAULT_STEP)
+    run.wait_serving()
+    onset = run.first_time("training_grad_explosions_total", timeout=120)
+    page = wait_for_page(receiver, "TrainingGradientExplosion", run.job, timeout=60)
+    latency = page.received_at - onset
+    print(f"\nTrainingGradientExplosion paged {latency:.1f}s after the exporter first counted an explosion")
+    _assert_paged(page, run, "TrainingGradientExplosion")
+    assert latency < MAX_PAGE_LATENCY_S
+
+
+def test_healthy_run_pages_nobody(demo, receiver, prometheus):
+    # --linger: a critical alert raised near the end still has time to be delivered.
+    run = demo("--steps", "150", "--step-delay", "0.05", "--eval-every", "30", "--linger", "6")
+    run.wait_serving()
+    wait_until(lambda: prometheus.query(f'training_steps_total{{job="{run.job}"}}'), 30,
+               "Prometheus to scrape the healthy run")
+    assert run.wait_exit(timeout=180) == 0, run.log_tail()
+    ended = time.time()
+    lifetime = f"{int(ended - run.started_at) + 1}s"
+    # Prometheus watched the run to its end ...
+    steps = prometheus.query(f'max_over_time(training_steps_total{{job="{run.job}"}}[{lifetime}])', at=ended)
+    assert float(steps[0]["value"][1]) == 150
+    # ... fired no critical alert while it lived (its exporter going away at exit is not part of the run) ...
+    critical = prometheus.query(
+        f'ALERTS{{job="{run.job}", severity="critical", alertstate="firing"}}[{lifetime}]', at=ended)
+    assert critical == [], [c["metric"] for c in critical]
+    # ... and nobody was paged.
+    pages = [d for d in receiver.deliveries if d.labels.get("job") == run.job and d.path == "/page"]
+    assert pages == [], pages
+    assert exporter_samples(run.port) == {}  # the run ended and its exporter with it
