@@ -161,6 +161,14 @@ class LossWindow:
             return math.nan
         return (previous - self._recent.mean()) / previous
 
+    def trend_noise_ratio(self) -> float:
+        """Standard error of ``trend_ratio()`` if the window were pure noise (0 when unknown)."""
+        previous = self._previous.mean()
+        std = self._cv.std()
+        if self._previous.count < self.trend_steps or not previous > 0 or not math.isfinite(std):
+            return 0.0
+        return std / previous * math.sqrt(2.0 / self.trend_steps)
+
     def clear(self) -> None:
         self.ring.clear()
         self._cv = SlidingSum(0, self.cv_steps)

@@ -30,7 +30,10 @@ def check_learning_rate(
             "check the scheduler (a warmup from 0 that never ends, or a decay that ended)",
         )
     if len(recent_losses) >= t.too_small_window and lr < t.too_small:
-        first, last = recent_losses[0], recent_losses[-1]
+        # Means of the window's first and last tenth: single per-step losses are too noisy.
+        edge = max(1, len(recent_losses) // 10)
+        first = sum(recent_losses[:edge]) / edge
+        last = sum(recent_losses[-edge:]) / edge
         decrease = (first - last) / first if first > 0 else 0.0
         if decrease < t.too_small_min_decrease:
             return Finding(

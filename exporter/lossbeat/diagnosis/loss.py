@@ -46,15 +46,19 @@ def check_loss_range(recent: Sequence[float], profile: Profile, component: str =
     return Finding(check, Status.GOOD, f"mean loss {mean:.4g}", component=component)
 
 
-def check_loss_trend(trend_ratio: float, t: LossThresholds, component: str = "") -> Finding:
-    """Layer 2: is the loss still falling? ``trend_ratio`` > 0 means it falls."""
+def check_loss_trend(trend_ratio: float, t: LossThresholds, component: str = "", noise_ratio: float = 0.0) -> Finding:
+    """Layer 2: is the loss still falling? ``trend_ratio`` > 0 means it falls.
+
+    ``noise_ratio``: the standard error of the trend ratio from step-to-step
+    noise; a rise smaller than ``t.trend_min_z`` of them is a plateau, not a rise.
+    """
     check = "loss_trend"
     if not math.isfinite(trend_ratio):
         return Finding.unknown(check, component=component)
     pct = trend_ratio * 100
     if trend_ratio > t.trend_improving:
         return Finding(check, Status.GOOD, f"loss falling ({pct:.1f}% between windows)", component=component)
-    if trend_ratio >= t.trend_rising:
+    if trend_ratio >= t.trend_rising or -trend_ratio <= t.trend_min_z * noise_ratio:
         return Finding(
             check, Status.WARNING,
             f"loss has plateaued ({pct:+.1f}% between windows)",

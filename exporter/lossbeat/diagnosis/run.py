@@ -21,7 +21,7 @@ def diagnose(history: History) -> list[Finding]:
     trend = loss.trend_ratio()
     findings = [
         check_loss_range(loss.ring.last(t.windows.range_steps), t.profile),
-        check_loss_trend(trend, t.loss),
+        check_loss_trend(trend, t.loss, noise_ratio=loss.trend_noise_ratio()),
         check_loss_volatility(cv, t.loss),
         check_grad_norm(list(history.grad_norms), t.gradients),
         check_layer_grad_norms(history.layer_norms, t.gradients),
@@ -35,7 +35,7 @@ def diagnose(history: History) -> list[Finding]:
     component_profile = t.profiles.get("multi-task", t.profile) if t.profile.name == "multi-task" else t.profile
     for name, window in history.components.items():
         findings.append(check_loss_range(window.ring.last(t.windows.range_steps), component_profile, name))
-        findings.append(check_loss_trend(window.trend_ratio(), t.loss, name))
+        findings.append(check_loss_trend(window.trend_ratio(), t.loss, name, window.trend_noise_ratio()))
         findings.append(check_loss_volatility(window.cv(), t.loss, name))
     return findings
 

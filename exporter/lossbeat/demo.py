@@ -1,0 +1,248 @@
+"""``lossbeat demo``: a small transformer LM learning a synthetic corpus on CPU, monitored live.
+
+The corpus is learnable but not trivial: each sequence counts up by a stride
+drawn per sequence (the model must infer it from the context), and 10% of the
+tokens are random noise, so the loss floor sits near 0.8 nats, inside the
+causal-LM healthy range. ``--fault`` injects a failure at ``--fault-step``:
+
+- ``nan``:     the loss is NaN from that step on (a corrupted batch stream);
+               the optimizer skips non-finite steps, as AMP's GradScaler does.
+- ``explode``: the gradients of ``blocks.1.mlp.fc`` are scaled by 1e4 (clipping
+               keeps the weights alive); that layer tops the per-layer norms.
+- ``lr-high``: the learning rate jumps to 0.3: the loss turns volatile and rises.
+- ``plateau``: the learning rate drops to 1e-8: the loss stops falling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TinyLM", "ModelSize", "SyntheticCorpus", "add_arguments", "run", "FAULTS"]
+
+FAULTS = ("nan", "explode", "lr-high", "plateau")
+EXPLODING_LAYER = "blocks.1.mlp.fc"
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    vocab: int = 64
+    context: int = 32
+    width: int = 64
+    layers: int = 2
+    heads: int = 4
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = Attention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = MLP(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """A GPT-style decoder; module paths read ``blocks.N.attn.qkv`` and so on."""
+
+    def __init__(self, size: ModelSize = ModelSize()) -> None:
+        super().__init__()
+        self.size = size
+        self.tok_emb = nn.Embedding(size.vocab, size.width)
+        self.pos_emb = nn.Embedding(size.context, size.width)
+        self.blocks = nn.ModuleList(Block(size.width, size.heads) for _ in range(size.layers))
+        self.ln_f = nn.LayerNorm(size.width)
+        self.head = nn.Linear(size.width, size.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class SyntheticCorpus:
+    """Sequences x[t+1] = x[t] + stride (mod vocab), stride per sequence, with 10% noise."""
+
+    def __init__(self, vocab: int, context: int, noise: float = 0.1, strides: int = 5, seed: int = 0) -> None:
+        self.vocab, self.context, self.noise, self.strides = vocab, context, noise, strides
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g, n = self.generator, self.context + 1
+        start = torch.randint(0, self.vocab, (size, 1), generator=g)
+        stride = torch.randint(1, self.strides + 1, (size, 1), generator=g)
+        seq = (start + stride * torch.arange(n)) % self.vocab
+        noisy = torch.rand(size, n, generator=g) < self.noise
+        seq = torch.where(noisy, torch.randint(0, self.vocab, (size, n), generator=g), seq)
+        return seq[:, :-1], seq[:, 1:]
+
+
+def learning_rate_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Progress:
+    """A one-line progress bar on stderr: no dependency, redrawn a few times a second."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self._last_draw = 0.0
+        self._start = time.perf_counter()
+
+    def update(self, step: int, loss: float, lr: float, grad_norm: float, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last_draw < 0.2:
+            return
+        self._last_draw = now
+        done = (step + 1) / self.total
+        bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
+        rate = (step + 1) / max(now - self._start, 1e-9)
+        sys.stderr.write(
+            f"\r[{bar}] {step + 1}/{self.total}  loss {loss:7.4f}  lr {lr:.2e}  grad {grad_norm:8.3g}  {rate:5.1f} it/s"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=8470, help="exporter port (default 8470; 0 = a free port)")
+    parser.add_argument("--addr", default="127.0.0.1", help="exporter address (default 127.0.0.1)")
+    parser.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
+    parser.add_argument("--fault", choices=FAULTS, help="inject a failure")
+    parser.add_argument("--fault-step", type=int, help="step at which the fault starts (default: steps / 2)")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step, to watch it live")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--thresholds", help="thresholds YAML overriding the packaged defaults")
+    parser.add_argument("--profile", help="task profile (default causal-lm)")
+    parser.add_argument("--run-name", "--job-name", dest="run_name", default="lossbeat-demo")
+    parser.add_argument("--linger", type=float, default=0.0, help="keep serving /metrics this many seconds after training")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .monitor import start_exporter
+
+    if args.steps < 1:
+        raise SystemExit("lossbeat demo: --steps must be >= 1")
+    fault_step = args.fault_step if args.fault_step is not None else args.steps // 2
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # small model: threads cost more than they give on a 2-core machine
+    size = ModelSize()
+    model = TinyLM(size)
+    corpus = SyntheticCorpus(size.vocab, size.context, seed=args.seed)
+    held_out = SyntheticCorpus(size.vocab, size.context, seed=args.seed + 1).batch(256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    monitor = start_exporter(
+        args.port, addr=args.addr, thresholds=args.thresholds, profile=args.profile, run_name=args.run_name
+    )
+    print(f"lossbeat demo: {sum(p.numel() for p in model.parameters()):,} parameters; "
+          f"metrics on http://{args.addr}:{monitor.port}/metrics"
+          + (f"; fault {args.fault} at step {fault_step}" if args.fault else ""), flush=True)
+
+    if args.fault == "explode":
+        layer = model.get_submodule(EXPLODING_LAYER)
+        for p in layer.parameters():
+            p.register_hook(lambda g, _m=model: g * 1e4 if _m.training_step >= fault_step else g)
+
+    stop = {"now": False}
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    progress = Progress(args.steps, not args.no_progress and sys.stderr.isatty())
+    try:
+        for step in range(args.steps):
+            if stop["now"]:
+                break
+            model.training_step = step
+            faulty = args.fault is not None and step >= fault_step
+            lr = learning_rate_at(step, args.steps, args.lr, warmup=20)
+            if faulty and args.fault == "lr-high":
+                lr = 0.3
+            elif faulty and args.fault == "plateau":
+                lr = 1e-8
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            tokens, targets = corpus.batch(args.batch_size)
+            loss = model(tokens, targets)
+            if faulty and args.fault == "nan":
+                loss = loss * float("nan")
+            loss.backward()
+            grad_norm = monitor.clip_grad_norm_(model, 1.0)
+            monitor.observe(step, loss=loss, optimizer=optimizer, grad_norm=grad_norm, model=model,
+                            tokens=tokens.numel(), epoch=step / 100)
+            # The demo reads its own values for the progress bar and for skipping
+            # non-finite steps (as GradScaler does): a host sync of the demo, not lossbeat's.
+            finite = bool(torch.isfinite(grad_norm))
+            if finite:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.update(step, float(loss), lr, float(grad_norm), force=step == args.steps - 1)
+
+            if args.eval_every and (step + 1) % args.eval_every == 0:
+                with torch.no_grad():
+                    model.eval()
+                    monitor.observe_eval(step, model(*held_out))
+                    model.train()
+            if args.step_delay:
+                time.sleep(args.step_delay)
+    finally:
+        progress.close()
+        signal.signal(signal.SIGTERM, previous_handler)
+    print(monitor.report(), flush=True)
+    if args.linger > 0:
+        print(f"lossbeat demo: serving /metrics for {args.linger:g} more seconds", flush=True)
+        deadline = time.monotonic() + args.linger
+        while time.monotonic() < deadline and not stop["now"]:
+            time.sleep(0.1)
+    monitor.close()
+    return 0
