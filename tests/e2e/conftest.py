@@ -46,8 +46,8 @@ def pytest_collection_modifyitems(config, items):
 
 def retimed_alertmanager_config(source: Path, receiver_url: str) -> dict:
     """The shipped Alertmanager config with test timing and the webhooks pointed at
-    ``receiver_url`` (paths kept: /page stays the paging route). Routing, receivers and
-    inhibitions are untouched."""
+    ``receiver_url`` (its path prefixed: /page stays the paging route). Routing,
+    receivers and inhibitions are untouched."""
     doc = yaml.safe_load(source.read_text(encoding="utf-8"))
 
     def retime(route: dict) -> None:
@@ -62,7 +62,8 @@ def retimed_alertmanager_config(source: Path, receiver_url: str) -> dict:
     for receiver in doc.get("receivers", []):
         for webhook in receiver.get("webhook_configs", []) or []:
             url = urllib.parse.urlsplit(webhook["url"])
-            webhook["url"] = urllib.parse.urlunsplit((base.scheme, base.netloc, url.path, url.query, ""))
+            path = base.path.rstrip("/") + url.path
+            webhook["url"] = urllib.parse.urlunsplit((base.scheme, base.netloc, path, url.query, ""))
     return doc
 
 

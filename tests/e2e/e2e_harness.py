@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "free_port", "wait_until", "require_binary", "WebhookReceiver", "Delivery",
-    "Prometheus", "DemoRun", "exporter_samples", "wait_for_page",
+    "Prometheus", "DemoRun", "exporter_samples", "wait_for_page", "AlertmanagerProcess",
+    "alertmanager_alerts",
 ]
 
 T = TypeVar("T")
@@ -235,3 +236,45 @@ def wait_for_page(receiver: WebhookReceiver, alertname: str, job: str, timeout: 
     def delivered():
         return [d for d in receiver.received(alertname=alertname, job=job) if d.path == path]
     return wait_until(delivered, timeout, f"{alertname} for job {job} delivered to {path}")[0]
+
+
+class AlertmanagerProcess:
+    """A bare Alertmanager on a free loopback port, for a control next to the stack's own."""
+
+    def __init__(self, config: Path, workdir: Path) -> None:
+        from lossbeat.stack import find_binary
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._log = open(workdir / "alertmanager-control.log", "wb")
+        self.proc = subprocess.Popen(
+            [find_binary("alertmanager"), f"--config.file={config}", f"--storage.path={workdir / 'am-control'}",
+             f"--web.listen-address={self.address}", "--cluster.listen-address="],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        def ready():
+            if self.proc.poll() is not None:
+                pytest.fail(f"control alertmanager exited: {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://{self.address}/-/ready", timeout=1) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+        wait_until(ready, timeout, "the control alertmanager")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+def alertmanager_alerts(url: str, alertname: str) -> list[dict]:
+    """Alerts named ``alertname`` as Alertmanager's v2 API reports them (with status)."""
+    query = urllib.parse.urlencode({"filter": f'alertname="{alertname}"'})
+    with urllib.request.urlopen(f"{url}/api/v2/alerts?{query}", timeout=5) as resp:
+        return json.load(resp)

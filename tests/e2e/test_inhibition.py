@@ -1,0 +1,73 @@
+"""While TrainingLossNaN fires for a rank, its loss symptoms reach nobody (inhibition,
+``equal: [job, rank]``), end to end.
+
+The symptom: non-finite losses never enter the loss windows, so the loss CV freezes at
+its value when the NaNs began (0.16 for the demo's seed). With ``loss.cv_danger`` at 0.1
+TrainingLossVolatile holds through the NaN phase, and ``volatile_for: 20s`` makes it fire
+well after TrainingLossNaN has reached Alertmanager. A control Alertmanager, fed by the
+same Prometheus with the same routes but no inhibit rules, proves it would be delivered.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from conftest import E2E_THRESHOLDS, SHIPPED_ALERTMANAGER, retimed_alertmanager_config
+from e2e_harness import AlertmanagerProcess, alertmanager_alerts, wait_for_page, wait_until
+
+SYMPTOM = "TrainingLossVolatile"
+
+
+@pytest.fixture(scope="module")
+def e2e_overrides() -> dict:
+    return {
+        **E2E_THRESHOLDS,
+        "loss": {"cv_warning": 0.05, "cv_danger": 0.1},
+        "alerts": {**E2E_THRESHOLDS["alerts"], "volatile_for": "20s"},
+    }
+
+
+@pytest.fixture(scope="module")
+def control_alertmanager(servers, receiver, tmp_path_factory):
+    """The shipped routing without inhibit rules, delivering under /control/ on the receiver."""
+    workdir = tmp_path_factory.mktemp("am-control")
+    config = retimed_alertmanager_config(SHIPPED_ALERTMANAGER, f"{receiver.url}/control")
+    assert config.pop("inhibit_rules"), "the shipped config should inhibit symptoms of a NaN loss"
+    path = workdir / "alertmanager.yml"
+    path.write_text(yaml.safe_dump(config))
+    am = AlertmanagerProcess(path, workdir)
+    try:
+        am.wait_ready()
+        yield am
+    finally:
+        am.stop()
+
+
+@pytest.fixture(scope="module")
+def extra_alertmanagers(control_alertmanager) -> list[str]:
+    return [control_alertmanager.address]
+
+
+def test_nan_loss_inhibits_its_symptom_alerts(demo, receiver, prometheus, stack):
+    run = demo("--steps", "600", "--step-delay", "0.1", "--fault", "nan", "--fault-step", "40")
+    run.wait_serving()
+    wait_for_page(receiver, "TrainingLossNaN", run.job, timeout=90)
+
+    firing = wait_until(lambda: prometheus.firing(SYMPTOM, job=run.job), 90, f"{SYMPTOM} to fire in Prometheus")
+    assert firing[0]["labels"]["rank"] == "0"
+    assert prometheus.firing("TrainingLossNaN", job=run.job), "the NaN alert must still fire"
+
+    # Without the inhibit rule the symptom reaches the ticket queue ...
+    control = wait_until(lambda: [d for d in receiver.received(alertname=SYMPTOM, job=run.job)
+                                  if d.path.startswith("/control/")], 30, f"{SYMPTOM} via the control")
+    assert control[0].path == "/control/ticket"
+    # ... with the shipped config Alertmanager holds it as inhibited by the NaN alert ...
+    held = [a for a in alertmanager_alerts(stack.alertmanager_url, SYMPTOM) if a["labels"]["job"] == run.job]
+    assert held and held[0]["status"]["state"] == "suppressed" and held[0]["status"]["inhibitedBy"], held
+    # ... and delivers nothing, even after group_wait + group_interval have passed twice over.
+    time.sleep(4)
+    delivered = [d for d in receiver.received(alertname=SYMPTOM, job=run.job) if not d.path.startswith("/control/")]
+    assert delivered == [], delivered
