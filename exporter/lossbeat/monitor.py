@@ -162,6 +162,8 @@ class _Pending:
     event: Any = None
     """CUDA event recorded after the copy; None when the values are already on the host."""
     layer_names: list[str] = field(default_factory=list)
+    has_lrs: bool = False
+    has_components: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,9 @@ class Report:
 
 def _scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.Tensor | None:
     """A float, or a detached 0-d tensor left on its device (reading it would sync)."""
+    kind = type(value)
+    if kind is float or kind is int:  # the common case, without ABC checks
+        return float(value)
     if value is None:
         if optional:
             return None
@@ -414,9 +419,9 @@ class Monitor:
                 label = str(group.get("name", i)) if isinstance(group, Mapping) else str(i)
                 lr = group.get("lr") if isinstance(group, Mapping) else None
                 if lr is not None:
-                    out["lr:" + label] = _scalar("optimizer.param_groups[%d]['lr']" % i, lr)
+                    out[("lr", label)] = _scalar("optimizer.param_groups[%d]['lr']" % i, lr)
         if learning_rate is not None:
-            out["lr:0" if not out else "lr:explicit"] = _scalar("learning_rate", learning_rate)
+            out[("lr", "0" if not out else "explicit")] = _scalar("learning_rate", learning_rate)
         return out
 
     def _components(self, losses: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -428,7 +433,7 @@ class Monitor:
         for name, value in list(losses.items())[:_MAX_COMPONENTS]:
             if not isinstance(name, str):
                 raise TypeError(f"losses: component names must be strings, got {name!r}")
-            out["component:" + name] = _scalar(f"losses[{name!r}]", value)
+            out[("component", name)] = _scalar(f"losses[{name!r}]", value)
         return out
 
     # --- hot path -------------------------------------------------------------------------
@@ -471,9 +476,15 @@ class Monitor:
         layout: list[tuple[str, int]] = []
         cpu_layout: list[tuple[str, int]] = []
         device = None
+        has_lrs = has_components = False
         for key, value in values.items():
             if value is None:
                 continue
+            if type(key) is tuple:
+                if key[0] == "lr":
+                    has_lrs = True
+                else:
+                    has_components = True
             if not isinstance(value, torch.Tensor):
                 host[key] = value
                 continue
@@ -496,7 +507,8 @@ class Monitor:
             packed = torch.cat(cpu_parts) if len(cpu_parts) > 1 else cpu_parts[0]
             _unpack(_as_float_list(packed), cpu_layout, host)
 
-        record = _Pending(step, wall, duration, epoch, host, layout, layer_names=layer_names)
+        record = _Pending(step, wall, duration, epoch, host, layout, layer_names=layer_names,
+                          has_lrs=has_lrs, has_components=has_components)
         if device_parts:
             packed = torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
             if device.type == "cuda" and self.config.defer_device_reads:
@@ -534,8 +546,10 @@ class Monitor:
         s, v = self.state, record.host
         loss = v["loss"]
         grad_norm = v.get("grad_norm")
-        lrs = {k[3:]: x for k, x in v.items() if k.startswith("lr:")}
-        components = {k[10:]: x for k, x in v.items() if k.startswith("component:")}
+        lrs = {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "lr"} if record.has_lrs else None
+        components = (
+            {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "component"} if record.has_components else None
+        )
         layers = v.get("layers")
         lr_max = max(lrs.values()) if lrs else None
         if lr_max is not None and any(math.isnan(x) for x in lrs.values()):

@@ -74,16 +74,16 @@ class SlidingSum:
         self.count = 0
 
     def update(self, ring: Ring) -> None:
-        """Call right after ``ring.push``."""
-        n = len(ring)
+        """Call right after ``ring.push``. Indexes the ring directly: this runs every step."""
+        n, data, capacity, newest = ring._count, ring._data, ring._capacity, ring._next - 1
         if n > self.offset:
-            entering = ring.back(self.offset)
+            entering = data[(newest - self.offset) % capacity]
             self.total += entering
             self.squares += entering * entering
             self.count += 1
         leaving_at = self.offset + self.length
         if n > leaving_at:
-            leaving = ring.back(leaving_at)
+            leaving = data[(newest - leaving_at) % capacity]
             self.total -= leaving
             self.squares -= leaving * leaving
             self.count -= 1

@@ -1,0 +1,28 @@
+"""Shared fixtures: real training loops, real monitors, real scrapes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip outside CI; under CI=true a missing real component is a failure, never a skip."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"CI=true and a real component is missing: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Small models on a 2-core machine: intra-op threads only add noise.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -1,0 +1,63 @@
+import math
+import random
+import statistics
+import tracemalloc
+
+import pytest
+
+from lossbeat.window import LossWindow, Ring
+
+
+def test_ring_keeps_the_last_values_in_order():
+    ring = Ring(3)
+    for v in [1.0, 2.0, 3.0, 4.0, 5.0]:
+        ring.push(v)
+    assert list(ring) == [3.0, 4.0, 5.0]
+    assert ring.back(0) == 5.0 and ring.back(2) == 3.0
+    assert ring.last(2) == [4.0, 5.0]
+    with pytest.raises(IndexError):
+        ring.back(3)
+
+
+def test_ring_rejects_a_bad_capacity():
+    with pytest.raises(ValueError, match="capacity"):
+        Ring(0)
+
+
+def test_loss_window_statistics_match_a_full_recomputation():
+    rng = random.Random(1)
+    window = LossWindow(cv_steps=50, trend_steps=20)
+    values = []
+    for i in range(2345):  # many laps of the ring, so drift control runs
+        v = 2.0 + math.sin(i / 30) + rng.gauss(0, 0.2)
+        values.append(v)
+        window.push(v)
+        if i % 97 == 0 and i >= 40:
+            last50 = values[-50:]
+            assert window.cv() == pytest.approx(statistics.pstdev(last50) / statistics.fmean(last50), rel=1e-9)
+            recent, previous = statistics.fmean(values[-20:]), statistics.fmean(values[-40:-20])
+            assert window.trend_ratio() == pytest.approx((previous - recent) / previous, rel=1e-9, abs=1e-12)
+
+
+def test_trend_is_unknown_until_both_halves_are_full():
+    window = LossWindow(cv_steps=50, trend_steps=20)
+    for i in range(39):
+        window.push(3.0 - i * 0.01)
+    assert math.isnan(window.trend_ratio())
+    window.push(2.6)
+    assert window.trend_ratio() > 0  # falling loss -> positive ratio
+
+
+def test_memory_is_fixed_whatever_the_number_of_pushes():
+    window = LossWindow(cv_steps=50, trend_steps=20)
+    for i in range(1000):
+        window.push(float(i % 13))
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for i in range(200_000):
+        window.push(float(i % 13))
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert grown < 20_000
+    assert len(window) == window.ring.capacity == 51
