@@ -15,11 +15,11 @@ from functools import reduce
 
 from lossbeat.alert_rules import (
     COMPONENT_PROFILES,
-    EVAL_BEST_LOOKBACK_S,
     RECORDING_GROUP,
     AlertRule,
     alert_rules,
     duration_seconds,
+    number,
 )
 from lossbeat.thresholds import Thresholds
 
@@ -33,10 +33,7 @@ def _target(rank: str = "0", **extra: str) -> dict[str, str]:
 
 
 def _fmt(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    text = repr(float(value))
-    return text[:-2] if text.endswith(".0") else text
+    return "NaN" if math.isnan(value) else number(value)
 
 
 def run(value: float, samples: int) -> str:
@@ -97,18 +94,12 @@ def render_template(template: str, labels: dict[str, str], value: float) -> str:
     return text
 
 
-def _expected(expect: Expect) -> dict:
-    rule = expect.rule
-    doc = rule.to_rule("")  # for the labels only
-    labels = {**expect.labels, **doc["labels"]}
-    return {
-        "exp_labels": labels,
-        "exp_annotations": {
-            "summary": rule.summary,
-            "description": render_template(rule.description, labels, expect.value),
-            "runbook_url": None,  # filled in by the caller
-        },
-    }
+def _expected(expect: Expect, runbook_base: str) -> dict:
+    """promtool's ``exp_alerts`` entry: the rule's own labels and annotations, rendered."""
+    rule = expect.rule.to_rule(runbook_base)
+    labels = {**expect.labels, **rule["labels"]}
+    annotations = {k: render_template(v, labels, expect.value) for k, v in rule["annotations"].items()}
+    return {"exp_labels": labels, "exp_annotations": annotations}
 
 
 class _Builder:
@@ -416,9 +407,7 @@ def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml")
         for scenario in scenarios[alert_name]:
             checks = []
             for when, name, expects in scenario.checks:
-                alerts = [_expected(e) for e in expects]
-                for alert in alerts:
-                    alert["exp_annotations"]["runbook_url"] = f"{runbook}#{name.lower()}"
+                alerts = [_expected(e, runbook) for e in expects]
                 checks.append({"eval_time": _duration_text(when), "alertname": name, "exp_alerts": alerts})
             tests.append({
                 "name": scenario.name,
