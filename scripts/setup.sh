@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what lossbeat needs on a fresh machine. Idempotent.
 #   scripts/setup.sh          Python packages (torch CPU wheel first, then lossbeat)
-#   scripts/setup.sh --servers  also Debian's prometheus and prometheus-alertmanager
+#   scripts/setup.sh --servers  also what the tests need: Debian's prometheus and
+#                               prometheus-alertmanager, and the offline Kubernetes schema validators
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,6 +17,11 @@ if ! "$PY" -c "import lossbeat, prometheus_client, yaml, numpy, pytest, jsonsche
 fi
 
 if [ "${1:-}" = "--servers" ]; then
+  # Offline schema validators for deploy/kubernetes (tests/test_deploy.py): Kubernetes API
+  # schemas bundled by kubernetes-validate; prometheus-operator CRD models from cloudcoil.
+  if ! "$PY" -c "import kubernetes_validate, cloudcoil.models.prometheus_operator" 2>/dev/null; then
+    "$PY" -m pip install -q "kubernetes-validate==1.37.0" "cloudcoil-models-prometheus-operator==0.80.1.0"
+  fi
   # Debian names the Alertmanager binary `prometheus-alertmanager`.
   if ! command -v prometheus >/dev/null \
      || ! { command -v alertmanager || command -v prometheus-alertmanager; } >/dev/null \
