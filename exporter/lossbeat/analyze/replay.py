@@ -1,0 +1,149 @@
+"""Replay a parsed log through the live monitor's diagnosis: same History, same checks.
+
+Each train record is one ``History.add_step`` (so windows count records, not
+steps: a log written every k steps gives windows k times longer in steps).
+The diagnosis runs every ``windows.diagnose_every`` records and after each
+eval record, like the live monitor; the worst status each check reached is
+kept with the step where it first did, next to the final findings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from ..diagnosis import Finding, History, Status, check_overfitting, diagnose
+from ..logs import EvalRecord, ParsedLog, TrainRecord
+from ..thresholds import Thresholds
+from ..window import Ring
+
+__all__ = ["Analysis", "WorstFinding", "replay", "EVENT_KINDS"]
+
+EVENT_KINDS = ("nonfinite_loss", "nonfinite_grad", "loss_spikes", "grad_explosions")
+_MAX_EVENT_STEPS = 1000  # steps remembered per event kind (the counters go on)
+_EVAL_RING = 64  # History's own eval ring size, for the per-group rings
+
+
+@dataclass(frozen=True)
+class WorstFinding:
+    finding: Finding
+    step: int
+    """The step at which the check first reached this status."""
+
+
+@dataclass
+class Analysis:
+    path: str
+    format: str
+    train_records: int = 0
+    missing_losses: int = 0
+    eval_records: int = 0
+    eval_groups: tuple[str, ...] = ()
+    first_step: int | None = None
+    last_step: int | None = None
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVENT_KINDS, 0))
+    event_steps: dict[str, list[int]] = field(default_factory=lambda: {k: [] for k in EVENT_KINDS})
+    findings: list[Finding] = field(default_factory=list)
+    """The final diagnosis, at the end of the log."""
+    worst: dict[tuple[str, str], WorstFinding] = field(default_factory=dict)
+    """Per (check, component): the worst status reached during the run."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> Status:
+        """The worst status of the final findings."""
+        return max((f.status for f in self.findings), default=Status.GOOD)
+
+    @property
+    def worst_status(self) -> Status:
+        """The worst status any check reached at any point of the run."""
+        return max((w.finding.status for w in self.worst.values()), default=Status.GOOD)
+
+    def reached(self, check: str, status: Status = Status.WARNING, component: str | None = None) -> bool:
+        """Whether ``check`` (for ``component``, or any) reached ``status`` or worse during the run."""
+        return any(
+            key[0] == check and (component is None or key[1] == component) and w.finding.status >= status
+            for key, w in self.worst.items()
+        )
+
+
+def _merged(train: list[TrainRecord], evals: list[EvalRecord]):
+    """Both lists in file order, interleaved by step; at equal steps the train record first."""
+    i = j = 0
+    while i < len(train) or j < len(evals):
+        if j < len(evals) and (i >= len(train) or evals[j].step < train[i].step):
+            yield evals[j]
+            j += 1
+        else:
+            yield train[i]
+            i += 1
+
+
+class _Replay:
+    def __init__(self, log: ParsedLog, thresholds: Thresholds) -> None:
+        self.t = thresholds
+        self.history = History(thresholds)
+        self.groups: dict[str, Ring] = {}
+        self.a = Analysis(log.path, log.format, notes=list(log.notes),
+                          eval_groups=tuple(log.eval_groups), eval_records=len(log.evals))
+
+    def train(self, r: TrainRecord) -> None:
+        a = self.a
+        a.train_records += 1
+        a.first_step = r.step if a.first_step is None else a.first_step
+        a.last_step = r.step
+        if r.loss is None:  # a missing value is not an observation: nothing to count or window
+            a.missing_losses += 1
+            return
+        events = self.history.add_step(r.step, r.loss, r.grad_norm, r.learning_rate)
+        for kind, hit in zip(EVENT_KINDS, (events.nonfinite_loss, events.nonfinite_grad, events.spike, events.explosion)):
+            if hit:
+                a.counters[kind] += 1
+                if len(a.event_steps[kind]) < _MAX_EVENT_STEPS:
+                    a.event_steps[kind].append(r.step)
+        if a.train_records % self.t.windows.diagnose_every == 0:
+            self.diagnose(r.step)
+
+    def eval(self, r: EvalRecord) -> None:
+        if r.group == "":
+            self.history.add_eval(r.loss)
+        else:
+            ring = self.groups.get(r.group)
+            if ring is None:
+                if len(self.groups) >= 32:  # bounded, like loss components
+                    return
+                ring = self.groups[r.group] = Ring(_EVAL_RING)
+            ring.push(r.loss)
+        self.diagnose(r.step)
+
+    def diagnose(self, step: int) -> list[Finding]:
+        t, h = self.t, self.history
+        findings = diagnose(h)
+        trend = h.loss.trend_ratio()
+        for group, ring in self.groups.items():  # one overfitting check per named eval set
+            f = check_overfitting(list(ring), trend, t.overfitting, t.loss)
+            findings.append(dataclasses.replace(f, component=group))
+        for f in findings:
+            key = (f.check, f.component)
+            seen = self.a.worst.get(key)
+            if f.known and (seen is None or f.status > seen.finding.status):
+                self.a.worst[key] = WorstFinding(f, step)
+        return findings
+
+
+def replay(log: ParsedLog, thresholds: Thresholds) -> Analysis:
+    """Feed every record of ``log`` to a fresh History and diagnose as the live monitor does."""
+    r = _Replay(log, thresholds)
+    for record in _merged(log.train, log.evals):
+        if isinstance(record, TrainRecord):
+            r.train(record)
+        else:
+            r.eval(record)
+    last = r.a.last_step if r.a.last_step is not None else 0
+    r.a.findings = r.diagnose(last)
+    if r.a.missing_losses:
+        r.a.notes.append(f"{r.a.missing_losses} records without a loss value were skipped (missing, not non-finite)")
+    if r.a.train_records and not math.isfinite(r.history.first_loss):
+        r.a.notes.append("no finite loss in the log")
+    return r.a

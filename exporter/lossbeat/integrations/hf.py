@@ -1,0 +1,172 @@
+"""``LossbeatCallback`` for the Hugging Face ``transformers.Trainer`` (extra ``hf``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ..monitor import Monitor, NullMonitor
+from ._common import PreClipNorm, eval_loss_from, resolve_monitor
+
+__all__ = ["LossbeatCallback"]
+
+
+class LossbeatCallback(TrainerCallback):
+    r"""Feed a ``transformers.Trainer`` run to a lossbeat :class:`~lossbeat.monitor.Monitor`.
+
+    Per-step mode (the default, used when the model's output carries a
+    ``loss``, as every ``*ForCausalLM``/``*ForSequenceClassification`` model
+    does when given labels): every optimizer step is observed in
+    ``on_pre_optimizer_step``, after backward and before ``zero_grad``, with
+    the model, so the per-layer gradient norms come from the monitor's fused
+    reduction. Otherwise (a custom ``compute_loss`` whose loss is not the
+    model's output), every logged step is observed in ``on_log`` from the
+    Trainer's logged values, without per-layer norms.
+
+    Hooks and the fields they feed:
+
+    - ``on_train_begin``: registers a forward hook on the model that keeps the
+      training loss of each micro-batch (a running sum on the device, reset
+      every optimizer step: bounded memory).
+    - ``on_pre_optimizer_step``: ``Monitor.observe(step, loss, model, optimizer, epoch,
+      grad_norm)``: ``step`` is ``state.global_step + 1`` (the number the
+      Trainer logs for this step), ``loss`` the step's loss over its
+      micro-batches (the sum of their shares when the model is given
+      ``num_items_in_batch``, else their mean), as the Trainer logs it; the
+      learning rates from the optimizer's param groups, ``epoch`` the
+      fractional ``state.epoch``. ``grad_norm`` is the global norm measured at
+      the end of the last backward pass, i.e. before the Trainer clips
+      (``max_grad_norm``), which it does before this hook; the per-layer norms
+      are read in this hook, so with clipping on they are the clipped ones.
+    - ``on_log``: only in fallback mode: ``loss``, ``grad_norm``,
+      ``learning_rate`` and ``epoch`` of the log record. Eval keys are left to
+      ``on_evaluate`` so nothing is counted twice.
+    - ``on_evaluate``: ``Monitor.observe_eval(state.global_step, metrics[eval_key])``.
+    - ``on_train_end``: removes the hook and flushes the monitor.
+
+    Args:
+        monitor: the monitor to feed; default :func:`~lossbeat.monitor.start_exporter`
+            (serves /metrics on port 8470 + LOCAL_RANK).
+        eval_key: the metric that is the eval loss. Default ``eval_loss``, or
+            with several eval datasets the first ``eval_<name>_loss`` in sorted order.
+        per_step: ``False`` observes logged steps only (``on_log``).
+
+    Raises:
+        TypeError: if ``monitor`` is not a lossbeat monitor.
+
+    Note:
+        With ``fp16=True`` (a GradScaler) the gradients at the end of backward
+        are still scaled, so the pre-clip measurement is skipped and the global
+        norm is read in ``on_pre_optimizer_step`` (unscaled, after clipping).
+
+    Example::
+
+        >>> from transformers import Trainer
+        >>> from lossbeat.integrations.hf import LossbeatCallback
+        >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[LossbeatCallback()])
+    """
+
+    def __init__(
+        self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None, per_step: bool = True
+    ) -> None:
+        self.monitor = resolve_monitor(monitor)
+        self.eval_key = eval_key
+        self.per_step = bool(per_step)
+        self._loss_sum: torch.Tensor | None = None
+        self._micro_batches = 0
+        self._shares = False
+        self._share_scale = 1.0
+        self._observed_steps = 0
+        self._hook: Any = None
+        self._pre_clip = PreClipNorm()
+        self._measure_pre_clip = False
+
+    @property
+    def observed_steps(self) -> int:
+        """Steps observed per step (``on_pre_optimizer_step``); 0 in fallback mode."""
+        return self._observed_steps
+
+    # --- hooks -------------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._remove_hook()
+        self._measure_pre_clip = bool(args.max_grad_norm) and not args.fp16
+        if self.per_step and isinstance(model, torch.nn.Module):
+            self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+        # Across devices, num_items_in_batch counts every rank's tokens: the Trainer then
+        # multiplies each rank's loss by the process count, and so does this callback.
+        self._share_scale = float(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._reset()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self._loss_sum is None:
+            return
+        # A model given num_items_in_batch returns its micro-batch's share of the step's
+        # loss (the shares add up); otherwise each micro-batch loss is a mean.
+        if self._shares:
+            loss = self._loss_sum * self._share_scale
+        else:
+            loss = self._loss_sum / self._micro_batches
+        grad_norm = self._pre_clip.take() if self._measure_pre_clip else None
+        self.monitor.observe(
+            state.global_step + 1, loss=loss, model=model, optimizer=optimizer,
+            grad_norm=grad_norm, epoch=state.epoch,
+        )
+        self._observed_steps += 1
+        self._reset()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._observed_steps or not logs or "loss" not in logs:
+            return
+        loss = logs["loss"]
+        if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+            return
+        grad_norm = logs.get("grad_norm")
+        lr = logs.get("learning_rate")
+        epoch = logs.get("epoch")
+        self.monitor.observe(
+            state.global_step, loss=float(loss),
+            grad_norm=float(grad_norm) if isinstance(grad_norm, (int, float)) else None,
+            learning_rate=float(lr) if isinstance(lr, (int, float)) else None,
+            epoch=float(epoch) if isinstance(epoch, (int, float)) else None,
+        )
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        found = eval_loss_from(metrics, self.eval_key)
+        if found is not None:
+            self.monitor.observe_eval(state.global_step, found[1])
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._remove_hook()
+        self._reset()
+        self.monitor.flush()
+
+    # --- internals ---------------------------------------------------------------
+
+    def _capture_loss(self, module: torch.nn.Module, inputs: Any, kwargs: dict, output: Any) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return
+        if self._measure_pre_clip:
+            self._pre_clip.watch(loss, module)
+        value = loss.detach().float().reshape(())
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._micro_batches += 1
+        self._shares = kwargs.get("num_items_in_batch") is not None
+
+    def _reset(self) -> None:
+        self._loss_sum = None
+        self._micro_batches = 0
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

@@ -1,0 +1,107 @@
+"""``LossbeatCallback`` for ``lightning.Trainer`` (extra ``lightning``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from ..monitor import Monitor, NullMonitor
+from ._common import eval_loss_from, resolve_monitor
+
+__all__ = ["LossbeatCallback"]
+
+
+class LossbeatCallback(Callback):
+    r"""Feed a Lightning run to a lossbeat :class:`~lossbeat.monitor.Monitor`, one observation per optimizer step.
+
+    Hooks and the fields they feed:
+
+    - ``on_before_backward``: keeps the loss of each micro-batch (Lightning has
+      already divided it by ``accumulate_grad_batches``, so the kept values add
+      up to the step's mean loss); a running sum on the device, reset every
+      optimizer step.
+    - ``on_before_optimizer_step``: ``Monitor.observe(step, loss, model, optimizer, epoch)``.
+      Gradients are accumulated, unscaled (AMP) and not yet clipped here, so the
+      global and per-layer norms come from the monitor's fused reduction over
+      the real gradients. ``step`` is ``trainer.global_step + 1`` (steps
+      completed once this one is), ``loss`` the summed micro-batch losses,
+      the learning rates from ``optimizer.param_groups``, ``epoch`` is
+      ``trainer.current_epoch``.
+    - ``on_train_batch_end``: fallback for an optimizer step that came without a
+      loss in ``on_before_backward``: ``outputs["loss"]`` (or ``outputs`` when it
+      is a tensor), observed without gradients.
+    - ``on_validation_epoch_end``: ``Monitor.observe_eval(trainer.global_step,
+      trainer.callback_metrics[eval_key])``; skipped during the sanity check.
+    - ``on_train_end``: flushes the monitor.
+
+    Args:
+        monitor: the monitor to feed; default :func:`~lossbeat.monitor.start_exporter`
+            (serves /metrics on port 8470 + LOCAL_RANK).
+        eval_key: the logged metric that is the validation loss. Default
+            ``val_loss``, else the first ``val_<name>_loss`` in sorted order.
+
+    Raises:
+        TypeError: if ``monitor`` is not a lossbeat monitor.
+
+    Note:
+        With several optimizers (manual optimization) each ``optimizer.step()``
+        is an observation; the monitor's step counter is Lightning's ``global_step``.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lossbeat.integrations.lightning import LossbeatCallback
+        >>> trainer = Trainer(callbacks=[LossbeatCallback()])
+    """
+
+    def __init__(self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None) -> None:
+        self.monitor = resolve_monitor(monitor)
+        self.eval_key = eval_key
+        self._loss_sum: torch.Tensor | None = None
+        self._observed_at: int | None = None  # trainer.global_step at the last observation
+        self._observed_steps = 0
+
+    @property
+    def observed_steps(self) -> int:
+        """Optimizer steps observed with gradients (``on_before_optimizer_step``)."""
+        return self._observed_steps
+
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            value = loss.detach().float().reshape(())
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._loss_sum is None:
+            return
+        step = trainer.global_step + 1
+        self.monitor.observe(
+            step, loss=self._loss_sum, model=pl_module, optimizer=optimizer, epoch=float(trainer.current_epoch)
+        )
+        self._loss_sum = None
+        self._observed_at = step
+        self._observed_steps += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step  # already counts the step this batch completed, if any
+        if step == 0 or step == self._observed_at:
+            return  # accumulating, or observed with gradients
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self.monitor.observe(step, loss=loss, optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+                                 epoch=float(trainer.current_epoch))
+            self._observed_at = step
+        self._loss_sum = None
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        found = eval_loss_from(trainer.callback_metrics, self.eval_key, prefix="val_")
+        if found is not None:
+            self.monitor.observe_eval(trainer.global_step, found[1])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._loss_sum = None
+        self.monitor.flush()

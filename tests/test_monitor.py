@@ -1,0 +1,432 @@
+"""The Monitor on real training loops, read back through real HTTP scrapes."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import shutil
+import subprocess
+import tracemalloc
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lossbeat
+from lossbeat import Monitor, MonitorConfig, NullMonitor, start_exporter
+from lossbeat.demo import ModelSize, SyntheticCorpus, TinyLM
+from lossbeat.metrics import HEALTH_CHECKS, METRICS
+
+from conftest import require
+
+SIZE = ModelSize(vocab=32, context=16, width=32, layers=2, heads=2)
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels without rank): value}"""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "rank"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def value(parsed, name, **labels):
+    return parsed[(name, tuple(sorted(labels.items())))]
+
+
+class Trainer:
+    """A real little training loop (TinyLM on the synthetic corpus)."""
+
+    def __init__(self, seed=0, lr=3e-3):
+        torch.manual_seed(seed)
+        self.model = TinyLM(SIZE)
+        self.corpus = SyntheticCorpus(SIZE.vocab, SIZE.context, seed=seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+
+    def backward(self, poison_layer: str | None = None, grad_scale_layer: str | None = None):
+        tokens, targets = self.corpus.batch(8)
+        loss = self.model(tokens, targets)
+        loss.backward()
+        if poison_layer:
+            next(self.model.get_submodule(poison_layer).parameters()).grad.view(-1)[0] = math.nan
+        if grad_scale_layer:
+            for p in self.model.get_submodule(grad_scale_layer).parameters():
+                p.grad.mul_(1e4)
+        return loss, tokens.numel()
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.fixture
+def monitor():
+    m = Monitor(MonitorConfig(port=0, addr="127.0.0.1"), registry=CollectorRegistry(), rank_context=None)
+    yield m
+    m.close()
+
+
+def test_every_metric_is_exported_with_its_value(monitor):
+    trainer = Trainer()
+    losses = []
+    for step in range(60):
+        loss, tokens = trainer.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1.0)
+        monitor.observe(step, loss=loss, optimizer=trainer.optimizer, grad_norm=grad_norm, model=trainer.model,
+                        tokens=tokens, losses={"lm": loss, "aux": 0.5}, epoch=step / 30)
+        losses.append(loss.item())
+        last_grad_norm = grad_norm.item()
+        trainer.step()
+    monitor.observe_eval(59, 1.25)
+    parsed = samples(scrape(monitor.port))
+
+    assert value(parsed, "training_loss") == pytest.approx(losses[-1], rel=1e-6)
+    assert value(parsed, "training_eval_loss") == 1.25
+    assert value(parsed, "training_loss_component", component="lm") == pytest.approx(losses[-1], rel=1e-6)
+    assert value(parsed, "training_loss_component", component="aux") == 0.5
+    assert value(parsed, "training_grad_norm") == pytest.approx(last_grad_norm, rel=1e-6)
+    assert value(parsed, "training_learning_rate", param_group="0") == 3e-3
+    assert value(parsed, "training_step") == 59
+    assert value(parsed, "training_epoch") == pytest.approx(59 / 30)
+    assert value(parsed, "training_steps_total") == 60
+    assert value(parsed, "training_tokens_total") == 60 * 8 * SIZE.context
+    last50 = torch.tensor(losses[-50:], dtype=torch.float64)
+    assert value(parsed, "training_loss_cv") == pytest.approx((last50.std(unbiased=False) / last50.mean()).item(), rel=1e-6)
+    recent, previous = sum(losses[-20:]) / 20, sum(losses[-40:-20]) / 20
+    assert value(parsed, "training_loss_trend_ratio") == pytest.approx((previous - recent) / previous, rel=1e-6)
+    assert 0 < value(parsed, "training_step_duration_seconds") < 5
+    assert value(parsed, "training_last_step_timestamp_seconds") > 1.7e9
+    layers = {dict(k[1])["layer"]: v for k, v in parsed.items() if k[0] == "training_layer_grad_norm"}
+    assert set(layers) == set(monitor._grouping.layer_names)
+    assert "blocks.1.attn.qkv" in layers and all(v > 0 for v in layers.values())
+    for check in HEALTH_CHECKS:
+        assert value(parsed, "training_health_status", check=check, component="") in (0, 1, 2)
+    assert ("training_health_status", (("check", "loss_trend"), ("component", "aux"))) in parsed
+    assert value(parsed, "training_memory_allocated_bytes", device="cpu") > 10e6
+    assert value(parsed, "training_memory_peak_bytes", device="cpu") >= value(parsed, "training_memory_allocated_bytes", device="cpu") * 0.5
+    info = [dict(k[1]) for k in parsed if k[0] == "training_run_info"]
+    assert info and info[0]["profile"] == "causal-lm" and info[0]["version"] == lossbeat.__version__
+    for counter in ("nonfinite_loss", "nonfinite_grad", "loss_spikes", "grad_explosions"):
+        assert value(parsed, f"training_{counter}_total") == 0
+    # Every name in the contract is present (the first-bad-layer info only after a NaN).
+    exported = {name for name, _ in parsed}
+    for spec in METRICS.values():
+        name = spec.name + ("_info" if spec.kind == "info" else "")
+        if name in ("training_nonfinite_grad_first_layer_info", "training_grad_clip_coefficient"):
+            continue
+        assert name in exported, name
+
+
+def test_a_nan_counts_once_per_bad_step_and_names_the_first_bad_layer(monitor, caplog):
+    trainer = Trainer()
+    bad_steps = {20, 21, 35}
+    with caplog.at_level(logging.WARNING, logger="lossbeat"):
+        for step in range(40):
+            poison = "blocks.1.mlp.fc" if step in bad_steps else None
+            loss, _ = trainer.backward(poison_layer=poison)
+            if step in bad_steps:
+                loss = loss * math.nan
+            monitor.observe(step, loss=loss, optimizer=trainer.optimizer, model=trainer.model)
+            trainer.optimizer.zero_grad(set_to_none=True)  # no update: keep the model finite
+            if step == 20:
+                parsed = samples(scrape(monitor.port))
+                assert value(parsed, "training_nonfinite_loss_total") == 1
+                assert math.isnan(value(parsed, "training_loss"))
+    parsed = samples(scrape(monitor.port))
+    assert value(parsed, "training_nonfinite_loss_total") == 3
+    assert value(parsed, "training_nonfinite_grad_total") == 3
+    assert value(parsed, "training_nonfinite_grad_first_layer_info", layer="blocks.1.mlp.fc") == 1
+    assert math.isfinite(value(parsed, "training_loss"))  # step 39 was fine again
+    assert value(parsed, "training_health_status", check="nonfinite", component="") == 2
+    assert "first bad layer (model order): blocks.1.mlp.fc" in caplog.text
+
+
+def test_first_bad_layer_is_the_earliest_in_model_order(monitor):
+    trainer = Trainer()
+    loss, _ = trainer.backward()
+    for layer in ("blocks.1.attn.qkv", "blocks.0.mlp.proj"):
+        next(trainer.model.get_submodule(layer).parameters()).grad.view(-1)[0] = math.inf
+    monitor.observe(0, loss=loss, model=trainer.model)
+    assert samples(scrape(monitor.port))[
+        ("training_nonfinite_grad_first_layer_info", (("layer", "blocks.0.mlp.proj"),))
+    ] == 1
+
+
+def test_an_exploding_layer_counts_and_tops_the_layer_norms(monitor):
+    trainer = Trainer()
+    for step in range(30):
+        layer = "blocks.0.attn.proj" if step >= 25 else None
+        loss, _ = trainer.backward(grad_scale_layer=layer)
+        grad_norm = monitor.clip_grad_norm_(trainer.model, 1.0)
+        monitor.observe(step, loss=loss, optimizer=trainer.optimizer, grad_norm=grad_norm, model=trainer.model)
+        trainer.step()
+    parsed = samples(scrape(monitor.port))
+    assert value(parsed, "training_grad_explosions_total") == 5
+    assert value(parsed, "training_grad_norm") > 10
+    layers = {dict(k[1])["layer"]: v for k, v in parsed.items() if k[0] == "training_layer_grad_norm"}
+    assert max(layers, key=layers.get) == "blocks.0.attn.proj"
+    assert value(parsed, "training_grad_clip_coefficient") < 0.1
+
+
+def test_bad_arguments_raise_and_name_the_argument(monitor):
+    trainer = Trainer()
+    with pytest.raises(TypeError, match="loss: expected a float or a 0-d tensor, got str"):
+        monitor.observe(0, loss="2.0")
+    with pytest.raises(TypeError, match=r"loss: expected a single value, got a tensor of shape \(3,\)"):
+        monitor.observe(0, loss=torch.ones(3))
+    with pytest.raises(TypeError, match="loss: required"):
+        monitor.observe(0, loss=None)
+    with pytest.raises(TypeError, match="step: expected an int"):
+        monitor.observe(1.5, loss=1.0)
+    with pytest.raises(TypeError, match="grad_norm"):
+        monitor.observe(0, loss=1.0, grad_norm=[1.0])
+    with pytest.raises(TypeError, match="optimizer"):
+        monitor.observe(0, loss=1.0, optimizer=object())
+    with pytest.raises(TypeError, match="model"):
+        monitor.observe(0, loss=1.0, model=trainer.optimizer)
+    with pytest.raises(TypeError, match="losses"):
+        monitor.observe(0, loss=1.0, losses=[1.0, 2.0])
+    with pytest.raises(ValueError, match="max_norm"):
+        monitor.clip_grad_norm_(trainer.model, -1)
+    with pytest.raises(ValueError, match="port"):
+        MonitorConfig(port=70000)
+    with pytest.raises(ValueError, match="layer_every"):
+        MonitorConfig(layer_every=0)
+    with pytest.raises(TypeError, match="unknown setting 'layer_evry'"):
+        start_exporter(0, layer_evry=3)
+    assert monitor.state.steps_total == 0  # nothing half-recorded
+
+
+def test_data_anomalies_are_counted_never_raised(monitor):
+    trainer = Trainer()
+    monitor.observe(5, loss=math.inf, learning_rate=0.0, grad_norm=math.nan)
+    monitor.observe(6, loss=float("nan"), learning_rate=math.nan)
+    monitor.observe(3, loss=2.0)  # the step goes backwards: resumed from a checkpoint
+    trainer.model.head.requires_grad_(False)  # a frozen layer
+    loss, _ = trainer.backward()
+    monitor.observe(4, loss=loss, model=trainer.model)
+    layers = {dict(k[1])["layer"] for k in samples(scrape(monitor.port)) if k[0] == "training_layer_grad_norm"}
+    assert "head" not in layers and "blocks.0.attn.qkv" in layers
+    trainer.optimizer.zero_grad(set_to_none=True)
+    monitor.observe(5, loss=2.0, model=trainer.model)  # no parameter has a gradient
+    half = TinyLM(SIZE).to(torch.bfloat16)
+    half(*trainer.corpus.batch(2)).backward()
+    monitor.observe(6, loss=torch.tensor(2.0, dtype=torch.bfloat16), model=half)
+    parsed = samples(scrape(monitor.port))
+    assert value(parsed, "training_steps_total") == 6
+    assert value(parsed, "training_nonfinite_loss_total") == 2
+    assert value(parsed, "training_nonfinite_grad_total") == 1
+    assert value(parsed, "training_step") == 6
+    assert sum(v for (name, _), v in parsed.items() if name == "training_exporter_errors_total") == 0
+    assert value(parsed, "training_layer_grad_norm", layer="head") > 0  # the bf16 model's layers
+
+
+def test_an_internal_error_is_counted_and_training_goes_on(monitor, monkeypatch):
+    monkeypatch.setattr(monitor.history, "add_step", lambda *a, **k: 1 / 0)
+    monitor.observe(0, loss=1.0)  # must not raise
+    monkeypatch.undo()
+    monitor.observe(1, loss=1.0)
+    parsed = samples(scrape(monitor.port))
+    assert value(parsed, "training_exporter_errors_total", where="observe") == 1
+    assert value(parsed, "training_steps_total") == 1
+
+
+class CountHostSyncs(TorchDispatchMode):
+    """Counts ops that read a device value on the host, and all ops."""
+
+    SYNCS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = 0
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func._schema.name in self.SYNCS:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_observe_causes_at_most_one_host_transfer_and_no_item_calls(monitor):
+    trainer = Trainer()
+    for step in range(12):
+        loss, tokens = trainer.backward()
+        grad_norm = monitor.clip_grad_norm_(trainer.model, 1.0)
+        counter = CountHostSyncs()
+        transfers_before = monitor.host_transfers
+        with counter:
+            monitor.observe(step, loss=loss, optimizer=trainer.optimizer, grad_norm=grad_norm,
+                            model=trainer.model, tokens=torch.tensor(tokens), losses={"lm": loss})
+        assert counter.syncs == 0, "observe() called .item() or an implicit bool() on a tensor"
+        assert monitor.host_transfers - transfers_before <= 1  # the one packed .tolist()
+        trainer.step()
+    # The per-parameter alternative the hot path avoids: one sync per parameter.
+    loss, _ = trainer.backward()
+    naive = CountHostSyncs()
+    with naive:
+        [p.grad.norm().item() for p in trainer.model.parameters()]
+    assert naive.syncs == len(list(trainer.model.parameters()))
+
+
+def test_per_layer_norms_come_from_one_fused_reduction(monitor):
+    trainer = Trainer()
+    loss, _ = trainer.backward()
+
+    class CountNorms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    counter = CountNorms()
+    with counter:
+        monitor.observe(0, loss=loss, model=trainer.model)
+    assert counter.names.count("aten::_foreach_norm") == 1
+    assert "aten::linalg_vector_norm" not in counter.names and "aten::norm" not in counter.names
+
+
+def test_layer_every_limits_per_layer_work(monitor):
+    m = Monitor(MonitorConfig(port=0, layer_every=5), serve=False)
+    trainer = Trainer()
+    computed = []
+    for step in range(10):
+        loss, _ = trainer.backward()
+        m.observe(step, loss=loss, model=trainer.model)
+        computed.append(bool(m.state.layer_norms) and m.state.step == step and id(m.state.layer_norms))
+        trainer.step()
+    assert len({c for c in computed if c}) == 2  # layer norms refreshed at steps 0 and 5 only
+    assert m.state.grad_norm is not None and m.state.grad_norm > 0  # the global norm every step
+    m.close()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * 4096
+
+
+def test_memory_stays_bounded_over_a_million_steps():
+    """RSS over a million steps (cheap to watch), and tracemalloc over a shorter span
+    (precise, but it slows Python ~5x): a leak of one small object per step fails either."""
+    m = Monitor(MonitorConfig(port=0, log_status_changes=False), serve=False)
+    logging.getLogger("lossbeat").setLevel(logging.ERROR)
+
+    def observe(steps):
+        for step in steps:
+            m.observe(step, loss=2.0 + (step % 17) * 0.01 if step % 1000 else math.nan,
+                      learning_rate=1e-4, grad_norm=1.0, tokens=512)
+
+    try:
+        observe(range(20_000))
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot()
+        observe(range(20_000, 60_000))
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        rss_before = _resident_bytes()
+        observe(range(60_000, 1_000_000))
+        gc.collect()
+        rss_grown = _resident_bytes() - rss_before
+    finally:
+        logging.getLogger("lossbeat").setLevel(logging.NOTSET)
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert grown < 32_000, f"traced memory grew by {grown} bytes over 40,000 steps"
+    assert rss_grown < 4 * 2**20, f"resident memory grew by {rss_grown} bytes over 940,000 steps"
+    assert m.state.steps_total == 1_000_000
+    assert m.state.nonfinite_loss_total == 1000
+    m.close()
+
+
+def test_start_exporter_twice_returns_the_running_monitor():
+    first = start_exporter(0, addr="127.0.0.1")
+    try:
+        second = start_exporter(0, addr="127.0.0.1")
+        assert second is first
+        assert isinstance(first.port, int) and first.port > 0
+        first.observe(0, loss=1.0)
+        assert "training_steps_total" in scrape(first.port)
+    finally:
+        first.close()
+    third = start_exporter(0, addr="127.0.0.1")
+    assert third is not first
+    third.close()
+
+
+def test_port_follows_local_rank(monkeypatch):
+    with Monitor(MonitorConfig(port=0), serve=False) as probe:
+        pass
+    import socket
+
+    with socket.socket() as s:  # find two free consecutive ports
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with Monitor(MonitorConfig(port=base - 1, addr="127.0.0.1")) as m:
+        assert m.port == base
+        m.observe(0, loss=1.0)
+        text = scrape(m.port)
+    assert 'training_steps_total{rank="5"} 1.0' in text
+    assert 'world_size="8"' in text and 'local_rank="1"' in text
+    assert probe.closed
+
+
+def test_disabled_monitor_is_a_no_op(monkeypatch):
+    monkeypatch.setenv("LOSSBEAT_DISABLED", "1")
+    m = start_exporter(0)
+    assert isinstance(m, NullMonitor)
+    with m:
+        m.observe(0, loss="not even checked")
+        m.observe_eval(0, 1.0)
+        assert m.report().findings == ()
+
+
+def test_a_closed_monitor_refuses_observations(monitor):
+    monitor.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        monitor.observe(0, loss=1.0)
+    monitor.close()  # idempotent
+
+
+def test_report_summarises_findings_and_events(monitor):
+    for step in range(60):
+        monitor.observe(step, loss=4.0 - step * 0.05 if step != 30 else math.nan, grad_norm=50.0 if step == 40 else 1.0)
+    report = monitor.report()
+    text = str(report)
+    assert "lossbeat report (last step 59)" in text
+    assert "nonfinite_loss 1" in text and "grad_explosions 1" in text
+    assert report.counters["steps"] == 60
+    assert {f.check for f in report.findings} >= set(HEALTH_CHECKS)
+
+
+def test_exposition_passes_promtool_check_metrics(monitor):
+    require(shutil.which("promtool") is not None, "promtool not installed (apt-get install prometheus)")
+    trainer = Trainer()
+    for step in range(25):
+        loss, tokens = trainer.backward(poison_layer="blocks.0.mlp.fc" if step == 20 else None)
+        monitor.observe(step, loss=loss, optimizer=trainer.optimizer, model=trainer.model, tokens=tokens,
+                        losses={"lm": loss})
+        trainer.optimizer.zero_grad(set_to_none=True)
+    monitor.observe_eval(24, 1.0)
+    text = scrape(monitor.port)
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout.strip() == "" and result.stderr.strip() == "", (
+        result.stdout + result.stderr
+    )
