@@ -1,0 +1,69 @@
+"""Multi-rank: a real torchrun job on gloo, two processes, each rank serving its own port."""
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+def free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError("no two consecutive free ports")
+
+
+def scrape(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):
+    base = free_port_pair()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(WORKER), "--port", str(base), "--dir", str(tmp_path), "--steps", "20"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready.{r}").exists() for r in (0, 1)):
+            if job.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"torchrun job ended or timed out:\n{job.stdout.read() if job.poll() is not None else ''}")
+            time.sleep(0.2)
+        assert [(tmp_path / f"ready.{r}").read_text() for r in (0, 1)] == [str(base), str(base + 1)]
+        ranks = {r: scrape(base + r) for r in (0, 1)}
+    finally:
+        (tmp_path / "done").write_text("")
+        try:
+            job.wait(timeout=60)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert job.returncode == 0
+    for r, metrics in ranks.items():
+        steps = metrics["training_steps_total"]
+        assert steps == [({"rank": str(r)}, 20.0)]
+        info = metrics["training_run_info"][0][0]
+        assert info["world_size"] == "2" and info["local_rank"] == str(r) and info["run"] == "ddp-test"
+        assert all(labels["rank"] == str(r) for labels, _ in metrics["training_layer_grad_norm"])
+    # Each rank saw its own data (different losses) but DDP averaged the gradients (same norms).
+    loss0, loss1 = (ranks[r]["training_loss"][0][1] for r in (0, 1))
+    assert loss0 != loss1
+    norm0, norm1 = (ranks[r]["training_grad_norm"][0][1] for r in (0, 1))
+    assert norm0 == pytest.approx(norm1, rel=1e-5)
