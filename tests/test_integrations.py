@@ -1,0 +1,194 @@
+"""Real tiny training runs through the HF Trainer and Lightning callbacks, read back from /metrics text."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lossbeat.monitor import Monitor, MonitorConfig
+
+
+def _require(name: str):
+    """Under CI=true a missing framework fails the test (CI installs the test extra); locally it skips."""
+    if os.environ.get("CI") == "true":
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
+
+def _scrape(monitor: Monitor) -> dict[str, dict[tuple, float]]:
+    """{sample name: {sorted label items without rank: value}}."""
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(generate_latest(monitor.registry).decode()):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "rank"))
+            out.setdefault(s.name, {})[labels] = s.value
+    return out
+
+
+def _value(samples: dict, name: str) -> float:
+    (value,) = samples[name].values()
+    return value
+
+
+def _layers(samples: dict) -> dict[str, float]:
+    return {dict(k)["layer"]: v for k, v in samples.get("training_layer_grad_norm", {}).items()}
+
+
+# --- Hugging Face Trainer ---------------------------------------------------------------
+
+
+def _hf_run(tmp_path, *, per_step: bool, max_grad_norm: float = 0.05):
+    _require("transformers")
+    _require("accelerate")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from lossbeat.integrations.hf import LossbeatCallback
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, n: int, seed: int) -> None:
+            self.x = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                       bos_token_id=0, eos_token_id=0))
+    monitor = Monitor(MonitorConfig(port=0), serve=False)
+    callback = LossbeatCallback(monitor, per_step=per_step)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        logging_steps=1, eval_strategy="steps", eval_steps=3, learning_rate=1e-3, max_grad_norm=max_grad_norm,
+        report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 1), eval_dataset=Tokens(8, 2),
+                      callbacks=[callback])
+    trainer.train()
+    logged = [r for r in trainer.state.log_history if "loss" in r]
+    evals = [r for r in trainer.state.log_history if "eval_loss" in r]
+    return monitor, callback, model, logged, evals
+
+
+def test_hf_trainer_per_step_feeds_loss_grad_norms_and_eval(tmp_path):
+    monitor, callback, model, logged, evals = _hf_run(tmp_path, per_step=True)
+    s = _scrape(monitor)
+    assert callback.observed_steps == 6
+    assert _value(s, "training_steps_total") == 6
+    assert _value(s, "training_step") == 6
+    last = logged[-1]
+    assert last["step"] == 6
+    # Gradient accumulation 2: the model returns each micro-batch's share; their sum is the logged loss.
+    assert _value(s, "training_loss") == pytest.approx(last["loss"], rel=1e-5)
+    # The global norm is measured before the Trainer clips: it equals the Trainer's own (pre-clip) grad_norm.
+    assert last["grad_norm"] > 0.05
+    assert _value(s, "training_grad_norm") == pytest.approx(last["grad_norm"], rel=1e-4)
+    layers = _layers(s)
+    expected = {n.rsplit(".", 1)[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert set(layers) == expected and "transformer.h.0.mlp.c_fc" in layers
+    # Layer norms are read in on_pre_optimizer_step, after clipping: together they make max_grad_norm.
+    assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(0.05, rel=1e-3)
+    lrs = s["training_learning_rate"]
+    assert all(v == pytest.approx(last["learning_rate"]) for v in lrs.values())
+    assert _value(s, "training_epoch") == pytest.approx(logged[-2]["epoch"])  # state.epoch before the step ends
+    assert _value(s, "training_eval_total") == len(evals) == 2
+    assert _value(s, "training_eval_loss") == pytest.approx(evals[-1]["eval_loss"])
+    assert callback._hook is None  # removed at on_train_end
+
+
+def test_hf_trainer_log_fallback_observes_logged_records(tmp_path):
+    monitor, callback, _, logged, evals = _hf_run(tmp_path, per_step=False, max_grad_norm=1.0)
+    s = _scrape(monitor)
+    assert callback.observed_steps == 0
+    assert _value(s, "training_steps_total") == len(logged) == 6
+    assert _value(s, "training_loss") == pytest.approx(logged[-1]["loss"])
+    assert _value(s, "training_grad_norm") == pytest.approx(logged[-1]["grad_norm"])
+    assert _value(s, "training_epoch") == pytest.approx(logged[-1]["epoch"])
+    assert "training_layer_grad_norm" not in s  # gradients are gone by on_log
+    assert _value(s, "training_eval_total") == 2
+
+
+def test_hf_eval_key_picks_named_eval_set():
+    from lossbeat.integrations._common import eval_loss_from
+
+    metrics = {"eval_b_loss": 2.0, "eval_a_loss": 1.0, "eval_a_accuracy": 0.5}
+    assert eval_loss_from(metrics, None) == ("eval_a_loss", 1.0)
+    assert eval_loss_from(metrics, "eval_b_loss") == ("eval_b_loss", 2.0)
+    assert eval_loss_from({"eval_loss": 3.0, "eval_a_loss": 1.0}, None) == ("eval_loss", 3.0)
+    assert eval_loss_from({"eval_runtime": 1.0}, None) is None
+
+
+# --- Lightning ---------------------------------------------------------------------------
+
+
+def _lightning_module():
+    L = _require("lightning")
+
+    class Regressor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+            self.losses: list[float] = []
+            self.val_runs = 0
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+        def on_validation_epoch_end(self) -> None:
+            if not self.trainer.sanity_checking:
+                self.val_runs += 1
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    return L, Regressor
+
+
+def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
+    L, Regressor = _lightning_module()
+    from lossbeat.integrations.lightning import LossbeatCallback
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    monitor = Monitor(MonitorConfig(port=0), serve=False)
+    callback = LossbeatCallback(monitor)
+    module = Regressor()
+    trainer = L.Trainer(
+        max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        val_check_interval=4, limit_val_batches=2, accumulate_grad_batches=2, gradient_clip_val=0.01,
+    )
+    trainer.fit(module, data, data)
+
+    s = _scrape(monitor)
+    assert trainer.global_step == 6 and callback.observed_steps == 6
+    assert _value(s, "training_steps_total") == 6
+    assert _value(s, "training_step") == 6
+    # Lightning divides each micro-batch loss by accumulate_grad_batches: the step's loss is their mean.
+    assert _value(s, "training_loss") == pytest.approx(sum(module.losses[-2:]) / 2, rel=1e-5)
+    layers = _layers(s)
+    assert set(layers) == {"net.0", "net.2"}
+    global_norm = _value(s, "training_grad_norm")
+    # Read before Lightning clips to 0.01: the real norms, consistent with each other.
+    assert global_norm > 0.1
+    assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(global_norm, rel=1e-5)
+    assert list(s["training_learning_rate"].values()) == [pytest.approx(0.05)]
+    assert module.val_runs >= 1
+    assert _value(s, "training_eval_total") == module.val_runs
+    assert _value(s, "training_eval_loss") == pytest.approx(float(trainer.callback_metrics["val_loss"]))
