@@ -222,11 +222,11 @@ def run(args: argparse.Namespace) -> int:
                             tokens=tokens.numel(), epoch=step / 100)
             # The demo reads its own values for the progress bar and for skipping
             # non-finite steps (as GradScaler does): a host sync of the demo, not lossbeat's.
-            finite = bool(torch.isfinite(grad_norm))
-            if finite:
+            if args.fault != "nan" or bool(torch.isfinite(grad_norm)):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            progress.update(step, float(loss), lr, float(grad_norm), force=step == args.steps - 1)
+            if progress.enabled:
+                progress.update(step, float(loss.detach()), lr, float(grad_norm), force=step == args.steps - 1)
 
             if args.eval_every and (step + 1) % args.eval_every == 0:
                 with torch.no_grad():

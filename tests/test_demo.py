@@ -1,0 +1,87 @@
+"""The demo: a healthy run raises no danger; each fault shows up where it should."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from lossbeat.cli import build_parser
+from lossbeat.diagnosis import Status
+from lossbeat import monitor as monitor_module
+
+
+def test_healthy_demo_learns_and_raises_no_danger():
+    result = subprocess.run(
+        [sys.executable, "-m", "lossbeat", "demo", "--port", "0", "--steps", "400", "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "DANGER" not in result.stderr and "DANG " not in result.stdout
+    assert "lossbeat report (last step 399)" in result.stdout
+    assert "events: steps 400, nonfinite_loss 0, nonfinite_grad 0" in result.stdout
+    assert "grad_explosions 0" in result.stdout
+    mean_loss = float(result.stdout.split("mean loss ")[1].split()[0])
+    assert 0.5 < mean_loss < 1.6  # learned from ~4.2 (ln 64) into the healthy band
+
+
+def run_demo(*argv):
+    """The demo in-process, returning the monitor's last findings and counters."""
+    captured = {}
+    original = monitor_module.Monitor.report
+
+    def report(self):
+        result = original(self)
+        captured["report"] = result
+        captured["health"] = dict(self.state.health)
+        return result
+
+    monitor_module.Monitor.report = report
+    try:
+        args = build_parser().parse_args(["demo", "--port", "0", "--no-progress", "--batch-size", "16", *argv])
+        assert args._run(args) == 0
+    finally:
+        monitor_module.Monitor.report = original
+    return captured["report"], captured["health"]
+
+
+def test_nan_fault_counts_every_bad_step(caplog):
+    with caplog.at_level(logging.WARNING, logger="lossbeat"):
+        report, health = run_demo("--steps", "120", "--fault", "nan", "--fault-step", "100")
+    assert report.counters["nonfinite_loss"] == 20
+    assert report.counters["nonfinite_grad"] == 20
+    assert health[("nonfinite", "")] == Status.DANGER
+    assert "non-finite loss nan at step 100" in caplog.text
+
+
+def test_explode_fault_names_the_exploding_layer(caplog):
+    with caplog.at_level(logging.WARNING, logger="lossbeat"):
+        report, health = run_demo("--steps", "120", "--fault", "explode", "--fault-step", "100")
+    assert report.counters["grad_explosions"] == 20
+    assert health[("grad_norm", "")] == Status.DANGER
+    assert health[("layer_grad_norm", "")] == Status.WARNING
+    assert "largest layer: blocks.1.mlp.fc" in caplog.text
+
+
+def test_lr_high_fault_makes_the_loss_volatile():
+    report, health = run_demo("--steps", "160", "--fault", "lr-high", "--fault-step", "100")
+    findings = {f.check: f for f in report.findings}
+    assert findings["learning_rate"].status is Status.WARNING
+    assert "volatile" in findings["learning_rate"].message
+    assert health[("loss_volatility", "")] >= Status.WARNING
+
+
+def test_plateau_fault_flags_the_learning_rate_and_the_trend():
+    report, _ = run_demo("--steps", "260", "--fault", "plateau", "--fault-step", "100")
+    findings = {f.check: f for f in report.findings}
+    assert findings["learning_rate"].status is Status.WARNING and "too small" in findings["learning_rate"].fix
+    assert findings["loss_trend"].status is Status.WARNING  # plateau
+
+
+def test_bad_demo_arguments_are_refused(capsys):
+    with pytest.raises(SystemExit, match="--steps must be >= 1"):
+        args = build_parser().parse_args(["demo", "--steps", "0"])
+        args._run(args)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--fault", "fire"])
+    assert "invalid choice: 'fire'" in capsys.readouterr().err
