@@ -16,3 +16,4 @@ test:
 generate:
 	$(PYTHON) -m lossbeat rules
 	$(PYTHON) -m lossbeat dashboards
+	$(PYTHON) -c "from lossbeat.metrics import update_readme; update_readme('README.md')"
