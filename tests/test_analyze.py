@@ -77,6 +77,7 @@ def test_megatron_nan_strings_are_missing_not_non_finite(defaults):
     assert a.counters["nonfinite_loss"] == a.counters["nonfinite_grad"] == 0
     assert _final(a, "nonfinite").status is Status.GOOD
     assert any("missing" in n for n in a.notes)
+    assert 2845 in a.event_steps["loss_spikes"]  # the bump 3.16 against about 2.99
 
 
 def test_healthy_tinyllama_sft_never_in_danger(defaults):

@@ -85,7 +85,7 @@ class LossbeatCallback(TrainerCallback):
 
     @property
     def observed_steps(self) -> int:
-        """Steps observed per step (``on_pre_optimizer_step``); 0 in fallback mode."""
+        """Optimizer steps observed in ``on_pre_optimizer_step``; 0 in fallback mode."""
         return self._observed_steps
 
     # --- hooks -------------------------------------------------------------------
