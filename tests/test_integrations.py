@@ -192,3 +192,39 @@ def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
     assert module.val_runs >= 1
     assert _value(s, "training_eval_total") == module.val_runs
     assert _value(s, "training_eval_loss") == pytest.approx(float(trainer.callback_metrics["val_loss"]))
+
+
+def test_lightning_fallback_uses_train_batch_outputs_when_backward_bypasses_lightning():
+    L, Regressor = _lightning_module()
+    from lossbeat.integrations.lightning import LossbeatCallback
+
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            loss.backward()  # plain backward: on_before_backward never sees this loss
+            opt.step()
+            self.losses.append(loss.item())
+            return {"loss": loss.detach()}
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 8)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    monitor = Monitor(MonitorConfig(port=0), serve=False)
+    callback = LossbeatCallback(monitor)
+    module = Manual()
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                        limit_val_batches=0)
+    trainer.fit(module, data)
+    s = _scrape(monitor)
+    assert callback.observed_steps == 0
+    assert _value(s, "training_steps_total") == 4
+    assert _value(s, "training_loss") == pytest.approx(module.losses[-1], rel=1e-6)
+    assert "training_layer_grad_norm" not in s
