@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==${LOSSBEAT_TORCH_VERSION:-2.13.0}"
 fi
-if ! "$PY" -c "import lossbeat, prometheus_client, yaml, numpy, pytest, jsonschema" 2>/dev/null \
+if ! "$PY" -c "import lossbeat, prometheus_client, yaml, numpy, pytest, jsonschema, transformers, lightning, matplotlib" 2>/dev/null \
    || [ "$("$PY" -c 'import lossbeat,os;print(os.path.realpath(lossbeat.__file__))' 2>/dev/null)" != "$(realpath exporter/lossbeat/__init__.py)" ]; then
   "$PY" -m pip install -q -e ".[test]"
 fi
