@@ -195,6 +195,26 @@ def test_check_reports_drift_with_a_diff(tmp_path, capsys):
     assert target.read_text().count("> 11") == 1  # --check writes nothing
 
 
+def test_generate_in_a_fresh_tree_and_remove_stale_test_files(tmp_path, monkeypatch, capsys):
+    (tmp_path / "README.md").write_text(f"# x\n\n{rules.README_START}\nPLACEHOLDER-ROW\n{rules.README_END}\n\nkept\n")
+    monkeypatch.setattr(rules, "REPO_ROOT", tmp_path)
+    assert run_rules() == 0
+    for path in rules.generated_files(load_thresholds()):
+        assert (tmp_path / path).read_text() == (REPO / path).read_text(), path
+    readme = (tmp_path / "README.md").read_text()
+    assert "PLACEHOLDER-ROW" not in readme and readme.endswith(f"{rules.README_END}\n\nkept\n")
+    stale = tmp_path / rules.TESTS_DIR / "traininggone.yml"
+    stale.write_text(rules.HEADER + "tests: []\n")
+    own = tmp_path / rules.TESTS_DIR / "handwritten.yml"
+    own.write_text("tests: []\n")
+    capsys.readouterr()
+    assert run_rules("--check") == 1
+    assert "traininggone.yml: generated file no alert produces any more" in capsys.readouterr().out
+    assert run_rules() == 0
+    assert not stale.exists() and own.exists()
+    assert run_rules("--check") == 0
+
+
 # --- thresholds drive the rules -------------------------------------------------------
 
 def test_a_threshold_change_changes_the_alert_expression(tmp_path):
