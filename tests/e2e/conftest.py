@@ -11,30 +11,15 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import urllib.parse
 from pathlib import Path
 
 import pytest
 import yaml
 
-from e2e_harness import DemoRun, Prometheus, WebhookReceiver, free_port, require_binary
 from lossbeat.stack import Stack, write_target_groups
 
-REPO = Path(__file__).resolve().parents[2]
-SHIPPED_ALERTMANAGER = REPO / "alerting" / "alertmanager.yml"
-
-# Overrides of the thresholds file for alerts that fire within seconds, not minutes.
-E2E_THRESHOLDS = {
-    "alerts": {
-        "event_window": "1m",
-        "explosion_for": "5s",
-        "stalled_after": "15s",
-        "exporter_down_for": "5s",
-    },
-}
-
-# Alertmanager timing for tests: send a new group after 1 s, not the shipped 30 s.
-E2E_ALERTMANAGER_TIMING = {"group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"}
+from .e2e_harness import DemoRun, Prometheus, WebhookReceiver, free_port, require_binary
+from .stack_config import E2E_THRESHOLDS, SHIPPED_ALERTMANAGER, retimed_alertmanager_config
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,29 +27,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
-
-
-def retimed_alertmanager_config(source: Path, receiver_url: str) -> dict:
-    """The shipped Alertmanager config with test timing and the webhooks pointed at
-    ``receiver_url`` (its path prefixed: /page stays the paging route). Routing,
-    receivers and inhibitions are untouched."""
-    doc = yaml.safe_load(source.read_text(encoding="utf-8"))
-
-    def retime(route: dict) -> None:
-        for key, value in E2E_ALERTMANAGER_TIMING.items():
-            if key in route or route is doc["route"]:
-                route[key] = value
-        for child in route.get("routes", []) or []:
-            retime(child)
-
-    retime(doc["route"])
-    base = urllib.parse.urlsplit(receiver_url)
-    for receiver in doc.get("receivers", []):
-        for webhook in receiver.get("webhook_configs", []) or []:
-            url = urllib.parse.urlsplit(webhook["url"])
-            path = base.path.rstrip("/") + url.path
-            webhook["url"] = urllib.parse.urlunsplit((base.scheme, base.netloc, path, url.query, ""))
-    return doc
 
 
 @pytest.fixture(scope="session")

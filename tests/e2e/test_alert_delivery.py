@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from e2e_harness import exporter_samples, wait_for_page, wait_until
+from .e2e_harness import exporter_samples, wait_for_page, wait_until
 
 STEP_DELAY = "0.1"  # ~7 steps/s: the run outlives startup, target discovery and a few scrapes
 FAULT_STEP = "60"  # ~8 s into training, after Prometheus has found and scraped the target

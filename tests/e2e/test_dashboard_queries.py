@@ -7,7 +7,7 @@ from __future__ import annotations
 from lossbeat.dashboards import build_dashboards, expand_query, panel_queries
 from lossbeat.thresholds import load_thresholds
 
-from e2e_harness import exporter_samples, wait_until
+from .e2e_harness import exporter_samples, wait_until
 
 # Queries no demo run can fill, with why.
 NEVER_FILLED_BY_THE_DEMO = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from e2e_harness import exporter_samples, wait_for_page, wait_until
+from .e2e_harness import exporter_samples, wait_for_page, wait_until
 
 STALLED_AFTER_S = 15  # alerts.stalled_after in conftest.E2E_THRESHOLDS
 EXPORTER_DOWN_FOR_S = 5  # alerts.exporter_down_for
