@@ -1,0 +1,1 @@
+"""lossbeat's overhead benchmarks: ``python benchmarks/run.py [--quick]`` writes RESULTS.md."""

@@ -1,0 +1,170 @@
+"""Runs every lossbeat benchmark and writes benchmarks/RESULTS.md and results.json.
+
+    python benchmarks/run.py            # full: 1M, 10M, 50M models (about half an hour on 2 cores)
+    python benchmarks/run.py --quick    # under ~3 minutes: 1M and 10M, fewer rounds
+
+The GPU part runs only where CUDA is present. NOTES.md (the causes of missed
+targets, written by hand) is copied into RESULTS.md when it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # `python benchmarks/run.py` from anywhere
+
+import torch  # noqa: E402
+
+from benchmarks.models import MODEL_SPECS, build_workload  # noqa: E402
+from benchmarks.observe_cost import measure_memory, measure_observe_us  # noqa: E402
+from benchmarks.overhead import count_variants, measure_overhead  # noqa: E402
+from benchmarks.render import measure_render, measure_scrape_overhead  # noqa: E402
+from benchmarks.report import render_markdown  # noqa: E402
+from benchmarks.variants import default_variants, package_version  # noqa: E402
+
+# Timing: (model, rounds); on CPU a round is one step per variant, on CUDA a block of CUDA_BLOCK.
+PLANS = {
+    "quick": {
+        "overhead": [("1M", 30), ("10M", 10)], "counted": ["1M"], "count_steps": 10,
+        "scrape": ("1M", 2, 2.5), "render_repeats": 20, "observe_calls": 5_000,
+        "memory": (100_000, 20_000), "cuda": [("10M", 3)],
+    },
+    "full": {
+        "overhead": [("1M", 200), ("10M", 80), ("50M", 40)], "counted": ["1M", "10M", "50M"],
+        "count_steps": 10, "scrape": ("10M", 6, 5.0), "render_repeats": 50, "observe_calls": 20_000,
+        "memory": (1_000_000, 100_000), "cuda": [("10M", 10), ("50M", 10)],
+    },
+}
+CUDA_BLOCK = 10
+
+
+def environment() -> dict:
+    cpu_model = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu_model = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu_model": cpu_model,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "prometheus_client": package_version("prometheus_client"),
+        "lightning": package_version("lightning"),
+        "wandb": package_version("wandb"),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def _log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run_overhead(device: str, plan: list[tuple[str, int]], results: dict, checkpoint) -> None:
+    block = CUDA_BLOCK if device == "cuda" else 1
+    for model_name, rounds in plan:
+        spec = MODEL_SPECS[model_name]
+        workload = build_workload(spec, device)
+        variants = default_variants(workload.device)
+        _log(f"overhead {model_name} on {device}: {len(variants)} variants, {rounds} rounds of {block} step(s)")
+        try:
+            measured = measure_overhead(workload, variants, rounds, block)
+        finally:
+            for v in variants:
+                v.close()
+        results.setdefault("overhead", {}).setdefault(device, {})[model_name] = {
+            "parameters": workload.parameters, "tensors": workload.tensors, "batch": spec.batch,
+            "context": spec.size.context, "rounds": rounds, "block": block,
+            "variants": {name: r.as_dict() for name, r in measured.items()},
+        }
+        checkpoint()
+
+
+def run_counts(device: str, models: list[str], steps: int, results: dict) -> None:
+    for model_name in models:
+        workload = build_workload(MODEL_SPECS[model_name], device)
+        variants = default_variants(workload.device)
+        _log(f"counting ops and host reads: {model_name} on {device}")
+        try:
+            counted = count_variants(workload, variants, steps)
+        finally:
+            for v in variants:
+                v.close()
+        results.setdefault("counts", {}).setdefault(device, {})[model_name] = counted
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a run of under ~3 minutes")
+    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--json", type=Path, default=HERE / "results.json")
+    parser.add_argument("--render-only", action="store_true",
+                        help="rewrite RESULTS.md from the JSON and NOTES.md, measuring nothing")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared 2-core machine more threads only add noise)")
+    args = parser.parse_args(argv)
+
+    if args.render_only:
+        write_outputs(json.loads(args.json.read_text()), args.out, args.json)
+        return 0
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    plan = PLANS["quick" if args.quick else "full"]
+    started = time.perf_counter()
+    results: dict = {"quick": args.quick, "environment": environment()}
+
+    def checkpoint() -> None:  # a crash late in a long run keeps what was measured
+        results["seconds"] = time.perf_counter() - started
+        write_outputs(results, args.out, args.json)
+
+    _log("observe() µs")
+    results["observe_us"] = measure_observe_us(plan["observe_calls"])
+    _log("/metrics render by layer count")
+    results["render"] = measure_render((10, 100, 1000, 5000), plan["render_repeats"])
+    steps, traced = plan["memory"]
+    _log(f"memory over {steps:,} observe() calls")
+    results["memory"] = measure_memory(steps, traced)
+    checkpoint()
+    run_counts("cpu", plan["counted"], plan["count_steps"], results)
+    checkpoint()
+    run_overhead("cpu", plan["overhead"], results, checkpoint)
+    model_name, rounds, block_seconds = plan["scrape"]
+    _log(f"training while scraped: {model_name}")
+    results["scrape"] = {"model": model_name, **measure_scrape_overhead(
+        build_workload(MODEL_SPECS[model_name]), rounds, block_seconds)}
+    checkpoint()
+    if torch.cuda.is_available():
+        try:
+            run_counts("cuda", [m for m, _ in plan["cuda"]], plan["count_steps"], results)
+            run_overhead("cuda", plan["cuda"], results, checkpoint)
+        except Exception as exc:  # a GPU problem must not cost the CPU results
+            results["cuda_error"] = f"{type(exc).__name__}: {exc}"
+
+    results["seconds"] = time.perf_counter() - started
+    write_outputs(results, args.out, args.json)
+    _log(f"wrote {args.out} and {args.json} in {results['seconds']:.0f} s")
+    return 0
+
+
+def write_outputs(results: dict, markdown: Path, raw: Path) -> None:
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    notes_file = HERE / "NOTES.md"
+    notes = notes_file.read_text() if notes_file.exists() else ""
+    markdown.write_text(render_markdown(results, notes))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

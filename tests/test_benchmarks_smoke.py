@@ -1,0 +1,106 @@
+"""Smoke test of the benchmark harness (benchmarks/): tiny model, a handful of steps.
+
+Counts are exact and asserted; timings are only checked for shape, never for value.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import variants as variants_module  # noqa: E402
+from benchmarks.counting import StepCounts, count_host_reads  # noqa: E402
+from benchmarks.models import TINY_SPEC, build_workload  # noqa: E402
+from benchmarks.observe_cost import measure_memory, measure_observe_us  # noqa: E402
+from benchmarks.overhead import count_variants, measure_overhead  # noqa: E402
+from benchmarks.render import measure_render  # noqa: E402
+from benchmarks.report import render_markdown, targets  # noqa: E402
+from benchmarks.run import environment  # noqa: E402
+
+LOSSBEAT = ("lossbeat_scalars", "lossbeat_layers_every_step", "lossbeat_layers_every_10", "lossbeat_clip")
+
+
+@pytest.fixture(scope="module")
+def workload():
+    torch.set_num_threads(1)
+    return build_workload(TINY_SPEC)
+
+
+@pytest.fixture(scope="module")
+def counts(workload):
+    variants = variants_module.default_variants(workload.device, third_party=False)
+    try:
+        yield count_variants(workload, variants, steps=10)
+    finally:
+        for v in variants:
+            v.close()
+
+
+def test_lossbeat_reads_the_host_once_per_step(counts):
+    assert counts["baseline"]["host_reads_delta_per_step"] == 0
+    for name in LOSSBEAT:
+        assert counts[name]["host_reads_delta_per_step"] == 1, name
+        assert counts[name]["method_reads_per_step"] == 1, name  # the one .tolist() of the packed values
+
+
+def test_naive_monitor_reads_every_parameter(counts, workload):
+    # One .item() per parameter tensor, plus the loss.
+    assert counts["naive_per_param"]["host_reads_delta_per_step"] == workload.tensors + 1
+
+
+def test_per_layer_work_launches_more_ops_and_every_10_amortises_it(counts):
+    scalars = counts["lossbeat_scalars"]["ops_delta_per_step"]
+    every_step = counts["lossbeat_layers_every_step"]["ops_delta_per_step"]
+    every_10 = counts["lossbeat_layers_every_10"]["ops_delta_per_step"]
+    assert 0 < scalars < every_10 < every_step
+
+
+def test_counter_restores_what_it_wraps():
+    original_tensor, original_tolist = torch.tensor, torch.Tensor.tolist
+    counts = StepCounts()
+    with count_host_reads(counts):
+        torch.tensor([torch.tensor(1.0), torch.tensor(2.0)]).tolist()
+        torch.tensor(3.0).item()
+    assert (counts.list_reads, counts.method_reads, counts.scalar_reads) == (2, 1, 1)
+    assert torch.tensor is original_tensor and torch.Tensor.tolist is original_tolist
+
+
+def test_overhead_results_have_the_expected_shape(workload, monkeypatch):
+    monkeypatch.setattr(variants_module, "package_version", lambda module: None)  # as if not installed
+    variants = variants_module.default_variants(workload.device)
+    try:
+        results = measure_overhead(workload, variants, rounds=4, window_steps=2, warmup_steps=1)
+    finally:
+        for v in variants:
+            v.close()
+    assert list(results) == [v.name for v in variants]
+    for name in ("lightning_grad_norm", "wandb_watch"):
+        assert not results[name].available and "not installed" in results[name].reason
+    for name in ("baseline", "naive_per_param") + LOSSBEAT:
+        r = results[name]
+        assert r.available and len(r.windows.step_ms) == 2 and len(r.windows.section_ms) == 2
+        assert r.step_ms > 0 and r.paired_ratio > 0 and r.step_ratio_median > 0
+        assert r.direct_overhead_pct is not None
+    assert results["baseline"].paired_ratio == 1.0
+
+
+def test_render_memory_observe_and_report_shapes(counts):
+    render = measure_render((3,), repeats=2)
+    assert render[0]["layer_series"] == 3 and render[0]["bytes"] > 0
+    observe_us = measure_observe_us(calls=50, repeats=1)
+    assert set(observe_us) == {"float", "tensor_0d"}
+    memory = measure_memory(steps=400, traced_steps=50)
+    assert memory["steps"] == 400 and len(memory["rss_checkpoints"]) == 4
+    results = {
+        "quick": True, "seconds": 1.0, "environment": environment(),
+        "observe_us": observe_us, "render": render, "memory": memory, "counts": {"cpu": {"tiny": counts}},
+    }
+    markdown = render_markdown(results)
+    assert "## Targets" in markdown and "not measured: no GPU" in markdown or torch.cuda.is_available()
+    verdicts = {row["target"]: row["ok"] for row in targets(results)}
+    assert verdicts["<= 1 host read per observed step (CPU)"] is True
