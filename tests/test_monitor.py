@@ -430,3 +430,64 @@ def test_exposition_passes_promtool_check_metrics(monitor):
     assert result.returncode == 0 and result.stdout.strip() == "" and result.stderr.strip() == "", (
         result.stdout + result.stderr
     )
+
+
+def test_large_token_counts_stay_exact(monitor):
+    monitor.observe(0, loss=1.0, tokens=torch.tensor(2**24 + 1))
+    monitor.observe(1, loss=1.0, tokens=2**24 + 1)
+    assert monitor.state.tokens_total == 2 * (2**24 + 1)
+
+
+class _StubEvent:
+    """Stands in for torch.cuda.Event (no GPU here): 'done' once the test says so."""
+
+    def __init__(self):
+        self.done = False
+        self.waited = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited = True
+        self.done = True
+
+
+def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
+    """The CUDA path's bookkeeping, driven with stub events: a step whose copy is still
+    in flight is applied later, in order, and only flush() (or too many in flight) waits."""
+    from lossbeat.monitor import _MAX_PENDING, _Pending
+
+    events = []
+    for step in range(3):
+        event = _StubEvent()
+        events.append(event)
+        monitor._pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
+                                         packed=torch.tensor([float(step + 1)], dtype=torch.float64), event=event))
+    monitor._drain(block=False)
+    assert monitor.state.steps_total == 0  # nothing ready: nothing applied, nothing waited for
+    events[1].done = True
+    monitor._drain(block=False)
+    assert monitor.state.steps_total == 0  # step 1 is ready but step 0 is not: order is kept
+    events[0].done = True
+    monitor._drain(block=False)
+    assert monitor.state.steps_total == 2 and monitor.state.loss == 2.0
+    assert not any(e.waited for e in events)
+    for step in range(3, 3 + _MAX_PENDING + 1):
+        event = _StubEvent()
+        events.append(event)
+        monitor._pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
+                                         packed=torch.tensor([1.0], dtype=torch.float64), event=event))
+    monitor._drain(block=False)  # too many in flight: the oldest are waited for, down to the cap
+    assert events[2].waited and len(monitor._pending) == _MAX_PENDING
+    assert monitor.state.steps_total == 3 + _MAX_PENDING + 1 - _MAX_PENDING
+    monitor.flush()
+    assert monitor.state.steps_total == 3 + _MAX_PENDING + 1 and not monitor._pending
+
+
+def test_status_changes_are_logged_with_the_fix(monitor, caplog):
+    with caplog.at_level(logging.INFO, logger="lossbeat"):
+        for step in range(20):
+            monitor.observe(step, loss=2.0, grad_norm=50.0 if step >= 10 else 1.0)
+    assert "lossbeat: grad_norm GOOD -> DANGER: gradient norm" in caplog.text
+    assert "fix: clip gradients" in caplog.text

@@ -489,8 +489,9 @@ class Monitor:
                 host[key] = value
                 continue
             flat = value.reshape(-1)
-            if flat.dtype != torch.float32:
-                flat = flat.float()
+            if flat.dtype != torch.float64:
+                # float64: token counts stay exact past 2**24 and bf16/fp16 values lose nothing.
+                flat = flat.double()
             if flat.device.type == "cpu":
                 cpu_parts.append(flat)
                 cpu_layout.append((key, flat.numel()))
