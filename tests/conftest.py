@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -17,6 +18,16 @@ def require(condition: bool, reason: str) -> None:
     if IN_CI:
         pytest.fail(f"CI=true and a real component is missing: {reason}")
     pytest.skip(reason)
+
+
+def require_binary(*names: str, install: str = "apt-get install prometheus prometheus-alertmanager") -> str:
+    """Path of the first of ``names`` on PATH; missing fails under CI=true and skips elsewhere."""
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return found
+    require(False, f"{' or '.join(names)} not installed ({install})")
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(autouse=True)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -16,26 +14,15 @@ import yaml
 
 from lossbeat.alert_rules import alert_rules
 from lossbeat.thresholds import load_thresholds
+from conftest import require_binary
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "alerting" / "alertmanager.yml"
 INHIBITED_BY_NAN = {"TrainingLossOutOfRange", "TrainingLossVolatile", "TrainingLossDiverging", "TrainingLossSpikes"}
 
 
-def tool(*names: str) -> str:
-    """Path of the first installed binary; missing fails under CI=true and skips elsewhere."""
-    for name in names:
-        found = shutil.which(name)
-        if found:
-            return found
-    message = f"{' or '.join(names)} not installed (apt-get install prometheus-alertmanager)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 def amtool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([tool("amtool"), *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([require_binary("amtool", install="apt-get install prometheus-alertmanager"), *args], capture_output=True, text=True, timeout=60)
 
 
 def receivers_for(*labels: str) -> list[str]:
@@ -115,7 +102,7 @@ def _api(port: int, path: str, body: object | None = None):
 
 @pytest.fixture
 def alertmanager(tmp_path):
-    binary = tool("alertmanager", "prometheus-alertmanager")
+    binary = require_binary("alertmanager", "prometheus-alertmanager")
     port = _free_port()
     process = subprocess.Popen(
         [binary, f"--config.file={CONFIG}", f"--storage.path={tmp_path}", f"--web.listen-address=127.0.0.1:{port}",

@@ -10,8 +10,6 @@ cloudcoil-models-prometheus-operator), with unknown fields rejected.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from functools import lru_cache
@@ -19,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import require, require_binary
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -30,14 +29,11 @@ LOCAL_RANK_PORTS = [8470 + r for r in range(8)]
 
 def _require(what: str):
     """A missing tool or package fails under CI=true and skips elsewhere."""
-    message = f"{what} is not installed (scripts/setup.sh installs it)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
+    require(False, f"{what} is not installed (scripts/setup.sh installs it)")
 
 
 def _promtool() -> str:
-    return shutil.which("promtool") or _require("promtool")
+    return require_binary("promtool")
 
 
 def _yaml_documents(path: Path) -> list[dict]:

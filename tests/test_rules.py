@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ from lossbeat.alert_rules import alert_rules, recording_rules
 from lossbeat.metrics import METRICS
 from lossbeat.rule_tests import render_template, rule_test_documents
 from lossbeat.thresholds import load_thresholds
+from conftest import require_binary
 
 REPO = Path(__file__).resolve().parents[1]
 RULES_FILE = REPO / "alerting" / "rules.yml"
@@ -54,19 +54,8 @@ CUSTOM_THRESHOLDS = {
 }
 
 
-def tool(name: str) -> str:
-    """Path of a Prometheus tool; missing fails under CI=true and skips elsewhere."""
-    found = shutil.which(name)
-    if found:
-        return found
-    message = f"{name} not installed (apt-get install prometheus prometheus-alertmanager)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([tool("promtool"), *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    return subprocess.run([require_binary("promtool"), *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 def checked_in_rules() -> list[dict]:
