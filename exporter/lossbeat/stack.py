@@ -113,7 +113,7 @@ def _http_ok(url: str, timeout: float = 1.0) -> bool:
 
 
 def _is_our_process(pid: int, binary: str) -> bool:
-    """True if ``pid`` is alive and runs ``binary`` (guards against PID reuse).
+    """True if ``pid`` is alive and runs ``binary`` (guards against PID reuse; Linux /proc).
 
     Reads /proc/PID/exe, which is set as soon as exec starts (cmdline is briefly
     empty then) and is gone once the process is a zombie.
@@ -140,6 +140,10 @@ def stop_pid(pid: int, binary: str, timeout: float = 10.0) -> None:
                 return
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
+    try:
+        os.waitpid(pid, 0)  # reap our child; another process's child is reaped by its parent
+    except ChildProcessError:
+        pass
 
 
 @dataclass
