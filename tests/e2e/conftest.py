@@ -119,10 +119,13 @@ def demo(stack, e2e_thresholds, tmp_path, request):
         return run
 
     yield start
-    write_target_groups(stack.targets_file, [])
-    for run in runs:
-        run.stop()
-    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+    try:
+        write_target_groups(stack.targets_file, [])
+    finally:
+        for run in runs:
+            run.stop()
+    call = getattr(request.node, "rep_call", None)
+    if call is not None and call.failed:
         for run in runs:
             print(f"--- demo {run.job} log tail:\n{run.log_tail()}")
 
