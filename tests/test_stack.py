@@ -15,7 +15,8 @@ import yaml
 
 from lossbeat.stack import Stack, render_prometheus_config, write_targets_file
 
-from e2e.e2e_harness import Prometheus, free_port, require_binary, wait_until
+from conftest import require_binary
+from e2e.e2e_harness import Prometheus, free_port, wait_until
 
 RULES = """\
 groups:

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import require_binary
 from lossbeat.stack import Stack, write_target_groups
 
-from .e2e_harness import DemoRun, Prometheus, WebhookReceiver, free_port, require_binary
+from .e2e_harness import DemoRun, Prometheus, WebhookReceiver, free_port
 from .stack_config import E2E_THRESHOLDS, SHIPPED_ALERTMANAGER, retimed_alertmanager_config
 
 

@@ -4,8 +4,6 @@ a demo training process and bounded waits. No mocks: these talk HTTP on loopback
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
-    "free_port", "wait_until", "require_binary", "WebhookReceiver", "Delivery",
+    "free_port", "wait_until", "WebhookReceiver", "Delivery",
     "Prometheus", "DemoRun", "exporter_samples", "wait_for_page", "AlertmanagerProcess",
     "alertmanager_alerts",
 ]
@@ -46,18 +44,6 @@ def wait_until(probe: Callable[[], T], timeout: float, what: str, interval: floa
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
-
-
-def require_binary(*names: str) -> str:
-    """Path of the first installed binary; under CI=true a missing one fails, elsewhere it skips."""
-    for name in names:
-        found = shutil.which(name)
-        if found:
-            return found
-    message = f"{' or '.join(names)} not installed (apt-get install prometheus prometheus-alertmanager)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
 
 
 @dataclass(frozen=True)
