@@ -105,11 +105,13 @@ def test_stack_cli_up_status_down(tmp_path, config_files, exporter):
     require_binary("prometheus")
     require_binary("alertmanager", "prometheus-alertmanager")
     rules, am = config_files
+    thresholds = tmp_path / "thresholds.yaml"
+    thresholds.write_text("alerts:\n  stalled_after: 15s\n")
     workdir = tmp_path / "cli-stack"
     prom_port, am_port = free_port(), free_port()
     up = _lossbeat("up", "--dir", str(workdir), "--prometheus-port", str(prom_port),
                    "--alertmanager-port", str(am_port), "--targets", exporter, "--scrape-interval", "1s",
-                   "--rules", str(rules), "--alertmanager-config", str(am))
+                   "--thresholds", str(thresholds), "--alertmanager-config", str(am))
     try:
         assert up.returncode == 0, up.stderr
         assert f"http://127.0.0.1:{prom_port}" in up.stdout
@@ -118,6 +120,9 @@ def test_stack_cli_up_status_down(tmp_path, config_files, exporter):
         assert again.returncode == 1 and "already running" in again.stderr
 
         prom = Prometheus(f"http://127.0.0.1:{prom_port}")
+        # The rules were generated from the thresholds file given to `up`.
+        stalled = prom.rule_queries("TrainingStalled")
+        assert stalled and "> 15" in stalled[0], stalled
         wait_until(lambda: prom.target_health("training") == ["up"], 20, "the target to be scraped")
         status = _lossbeat("status", "--dir", str(workdir))
         assert status.returncode == 0, status.stdout + status.stderr

@@ -297,7 +297,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alertmanager-port", type=int, default=9093)
     parser.add_argument("--targets", default=DEFAULT_TARGET,
                         help="comma-separated exporter host:port list (default %(default)s; "
-                             "rank r of a node listens on 8470 + LOCAL_RANK)")
+                             "each local rank listens on 8470 + LOCAL_RANK)")
     parser.add_argument("--job-name", default=DEFAULT_JOB, help="the job label of the targets")
     parser.add_argument("--scrape-interval", default="5s", help="scrape and rule evaluation interval")
     parser.add_argument("--rules", type=Path, action="append",
@@ -308,10 +308,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--foreground", action="store_true", help="wait; Ctrl-C stops everything")
 
 
-def _generate_rules(thresholds: Path, out_dir: Path) -> Path:
+def _generate_rules(thresholds: Path | None, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "lossbeat", "rules", "--thresholds", str(thresholds),
-                    "--output-dir", str(out_dir)], check=True)
+    source = ["--thresholds", str(thresholds)] if thresholds else []
+    subprocess.run([sys.executable, "-m", "lossbeat", "rules", *source, "--output-dir", str(out_dir)], check=True)
     return out_dir / "rules.yml"
 
 
@@ -324,7 +324,8 @@ def _up(args: argparse.Namespace) -> int:
     if args.dir.exists():
         shutil.rmtree(args.dir)  # stale data from a stack that is gone
     rules = args.rules or [_REPO_ALERTING / "rules.yml"]
-    if args.thresholds:
+    if args.thresholds or not all(Path(r).is_file() for r in rules) and not args.rules:
+        # A custom thresholds file, or an install without the checkout's alerting/.
         rules = [_generate_rules(args.thresholds, args.dir / "rules")]
     stack = Stack(workdir=args.dir, prometheus_port=args.prometheus_port,
                   alertmanager_port=args.alertmanager_port,

@@ -126,6 +126,10 @@ class Prometheus:
     def firing(self, alertname: str, **labels: str) -> list[dict]:
         return [a for a in self.alerts(alertname=alertname, **labels) if a["state"] == "firing"]
 
+    def rule_queries(self, name: str) -> list[str]:
+        """The PromQL of every loaded alerting or recording rule called ``name``."""
+        return [r["query"] for g in self._get("/api/v1/rules")["groups"] for r in g["rules"] if r["name"] == name]
+
     def target_health(self, job: str) -> list[str]:
         return [t["health"] for t in self._get("/api/v1/targets")["activeTargets"]
                 if t["labels"].get("job") == job]
