@@ -29,6 +29,8 @@ class StepCounts:
     """Totals over a counted stretch of steps."""
 
     ops: int = 0
+    view_ops: int = 0
+    """Of those, views and aliases (detach, view, t...): metadata only, no kernel, no memory traffic."""
     scalar_reads: int = 0
     """``_local_scalar_dense`` calls: ``.item()``, ``float(t)``, ``bool(t)``."""
     method_reads: int = 0
@@ -46,6 +48,11 @@ class StepCounts:
         return self.scalar_reads + self.method_reads + self.list_reads
 
 
+def _is_view(func) -> bool:
+    """An op whose result aliases an input without writing it (in-place ops alias *and* write)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
 class OpCounter(TorchDispatchMode):
     """Counts every aten op dispatched while active (forward, backward, optimizer alike)."""
 
@@ -55,6 +62,8 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts.ops += 1
+        if _is_view(func):
+            self.counts.view_ops += 1
         self.counts.op_names[func.__name__] += 1
         if func is _SCALAR_READ:
             self.counts.scalar_reads += 1

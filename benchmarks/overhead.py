@@ -183,6 +183,7 @@ def count_variant(workload: Workload, variant: Variant, steps: int, warmup: int 
     return {
         "steps": steps,
         "ops_per_step": counts.ops / steps,
+        "compute_ops_per_step": (counts.ops - counts.view_ops) / steps,
         "host_reads_per_step": counts.host_reads / steps,
         "scalar_reads_per_step": counts.scalar_reads / steps,
         "method_reads_per_step": counts.method_reads / steps,
@@ -205,6 +206,7 @@ def count_variants(workload: Workload, variants: list[Variant], steps: int) -> d
     base = counted[variants[0].name]
     for c in counted.values():
         c["ops_delta_per_step"] = c["ops_per_step"] - base["ops_per_step"]
+        c["compute_ops_delta_per_step"] = c["compute_ops_per_step"] - base["compute_ops_per_step"]
         c["host_reads_delta_per_step"] = c["host_reads_per_step"] - base["host_reads_per_step"]
         if c["device_syncs_per_step"] is not None:
             c["device_syncs_delta_per_step"] = c["device_syncs_per_step"] - base["device_syncs_per_step"]

@@ -39,11 +39,10 @@ def targets(results: dict) -> list[dict]:
         })
 
     worst = None
-    for device_results in results.get("counts", {}).values():
-        for model_counts in device_results.values():
-            for name, c in model_counts.items():
-                if name.startswith("lossbeat"):
-                    worst = max(worst or 0.0, c["host_reads_delta_per_step"])
+    for model_counts in results.get("counts", {}).get("cpu", {}).values():
+        for name, c in model_counts.items():
+            if name.startswith("lossbeat"):
+                worst = max(worst or 0.0, c["host_reads_delta_per_step"])
     rows.append({
         "target": "<= 1 host read per observed step (CPU)",
         "measured": "not measured" if worst is None else f"max {worst:.2f} over lossbeat variants",
@@ -105,8 +104,8 @@ def _counts_table(device: str, models: dict) -> list[str]:
             "",
             "| variant | host reads (+ vs baseline) | .item() | .tolist/.cpu/.numpy | torch.tensor(list) | "
             + ("device syncs (+) | " if syncs else "")
-            + "lossbeat host_transfers | aten ops (+ vs baseline) |",
-            "| --- | ---: | ---: | ---: | ---: | " + ("---: | " if syncs else "") + "---: | ---: |",
+            + "lossbeat host_transfers | aten ops (+ vs baseline) | of which not views (+) |",
+            "| --- | ---: | ---: | ---: | ---: | " + ("---: | " if syncs else "") + "---: | ---: | ---: |",
         ]
         for name, c in counts.items():
             sync_cell = f"{c['device_syncs_per_step']:.1f} ({c['device_syncs_delta_per_step']:+.1f}) | " if syncs else ""
@@ -115,7 +114,9 @@ def _counts_table(device: str, models: dict) -> list[str]:
                 f"{c['scalar_reads_per_step']:.1f} | {c['method_reads_per_step']:.1f} | {c['list_reads_per_step']:.1f} | "
                 + sync_cell
                 + f"{_f(c['lossbeat_host_transfers_per_step'], '.1f')} | "
-                f"{c['ops_per_step']:.0f} ({c['ops_delta_per_step']:+.1f}) |"
+                f"{c['ops_per_step']:.0f} ({c['ops_delta_per_step']:+.1f}) | "
+                + (f"{c['compute_ops_per_step']:.0f} ({c['compute_ops_delta_per_step']:+.1f}) |"
+                   if "compute_ops_per_step" in c else "- |")
             )
         lines.append("")
     return lines
@@ -130,6 +131,8 @@ def render_markdown(results: dict, notes: str = "") -> str:
         "",
         f"- machine: {env['cpu_model']}, {env['cores']} cores (shared with other jobs while measured), "
         f"torch threads {env['torch_threads']}",
+        f"- lossbeat at {env.get('lossbeat_commit') or '?'}"
+        + (" (with uncommitted changes in exporter/lossbeat)" if env.get("lossbeat_core_dirty") else ""),
         f"- python {env['python']}, torch {env['torch']}, prometheus-client {env['prometheus_client']}",
         f"- optional: lightning {env['lightning'] or 'not installed'}, wandb {env['wandb'] or 'not installed'}",
         f"- GPU: {env['gpu'] or 'none: the GPU tables were not measured here'}",

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,8 @@ def environment() -> dict:
     except (OSError, StopIteration):
         pass
     return {
+        "lossbeat_commit": _git("rev-parse", "--short", "HEAD"),
+        "lossbeat_core_dirty": bool(_git("status", "--porcelain", "--", "exporter/lossbeat")),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu_model": cpu_model,
         "cores": os.cpu_count(),
@@ -65,6 +68,14 @@ def environment() -> dict:
         "wandb": package_version("wandb"),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True, timeout=10)
+        return done.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _log(message: str) -> None:

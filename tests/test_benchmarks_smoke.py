@@ -67,6 +67,11 @@ def test_counter_restores_what_it_wraps():
         torch.tensor([torch.tensor(1.0), torch.tensor(2.0)]).tolist()
         torch.tensor(3.0).item()
     assert (counts.list_reads, counts.method_reads, counts.scalar_reads) == (2, 1, 1)
+    counts = StepCounts()
+    with count_host_reads(counts):
+        x = torch.ones(3)
+        x.detach().view(3).add_(1)  # two views, one in-place op that writes (not a view)
+    assert (counts.ops - counts.view_ops, counts.view_ops) == (2, 2)  # ones + add_; detach + view
     assert torch.tensor is original_tensor and torch.Tensor.tolist is original_tolist
 
 
@@ -104,3 +109,21 @@ def test_render_memory_observe_and_report_shapes(counts):
     assert "## Targets" in markdown and "not measured: no GPU" in markdown or torch.cuda.is_available()
     verdicts = {row["target"]: row["ok"] for row in targets(results)}
     assert verdicts["<= 1 host read per observed step (CPU)"] is True
+
+
+def test_blocks_of_several_steps_as_on_cuda(workload):
+    variants = variants_module.default_variants(workload.device, third_party=False)[:2]
+    try:
+        results = measure_overhead(workload, variants, rounds=2, block=3, window_steps=3, warmup_steps=0)
+    finally:
+        for v in variants:
+            v.close()
+    assert [len(r.windows.step_ms) for r in results.values()] == [2, 2]
+
+
+def test_deferred_cuda_target_reads_the_cuda_counts():
+    cuda_counts = {"10M": {"lossbeat_layers_every_step": {"device_syncs_delta_per_step": 0.0}}}
+    rows = {row["target"]: row for row in targets({"counts": {"cuda": cuda_counts}})}
+    assert rows["0 blocking syncs per step on the deferred CUDA path"]["ok"] is True
+    rows = {row["target"]: row for row in targets({})}
+    assert rows["0 blocking syncs per step on the deferred CUDA path"]["ok"] is None
