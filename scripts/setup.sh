@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what lossbeat needs on a fresh machine. Idempotent.
 #   scripts/setup.sh          Python packages (torch CPU wheel first, then lossbeat)
-#   scripts/setup.sh --servers  also what the tests need: Debian's prometheus and
-#                               prometheus-alertmanager, and the offline Kubernetes schema validators
+#   scripts/setup.sh --servers  also what the tests need: the `test` extra (integrations,
+#                               schema validators), Debian's prometheus and prometheus-alertmanager,
+#                               and the Compose file schema
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,8 +12,15 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==${LOSSBEAT_TORCH_VERSION:-2.13.0}"
 fi
-if ! "$PY" -c "import lossbeat, prometheus_client, yaml, numpy, pytest, jsonschema, transformers, lightning, matplotlib, kubernetes_validate, cloudcoil.models.prometheus_operator" 2>/dev/null \
-   || [ "$("$PY" -c 'import lossbeat,os;print(os.path.realpath(lossbeat.__file__))' 2>/dev/null)" != "$(realpath exporter/lossbeat/__init__.py)" ]; then
+# The package itself (editable), and for the tests every extra they exercise.
+installed_here() {
+  [ "$("$PY" -c 'import lossbeat, os; print(os.path.realpath(lossbeat.__file__))' 2>/dev/null)" \
+    = "$(realpath exporter/lossbeat/__init__.py)" ]
+}
+if ! installed_here || ! "$PY" -c "import prometheus_client, yaml, numpy" 2>/dev/null; then
+  "$PY" -m pip install -q -e .
+fi
+if [ "${1:-}" = "--servers" ] && ! "$PY" -c "import pytest, jsonschema, transformers, lightning, matplotlib, kubernetes_validate, cloudcoil.models.prometheus_operator" 2>/dev/null; then
   "$PY" -m pip install -q -e ".[test]"
 fi
 
