@@ -47,11 +47,6 @@ def train_step(workload: Workload, variant: Variant, step: int) -> float:
     return section
 
 
-def _sync(workload: Workload) -> None:
-    if workload.device.type == "cuda":
-        torch.cuda.synchronize(workload.device)
-
-
 @dataclass
 class WindowTimes:
     step_ms: list[float] = field(default_factory=list)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         write_outputs(json.loads(args.json.read_text()), args.out, args.json)
         return 0
     torch.set_num_threads(args.threads)
+    logging.getLogger("lossbeat").setLevel(logging.ERROR)  # the synthetic losses trip status-change lines
     os.environ.setdefault("WANDB_MODE", "offline")
     plan = PLANS["quick" if args.quick else "full"]
     started = time.perf_counter()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.metadata
-import logging
 import os
 import shutil
 import tempfile
@@ -29,7 +28,6 @@ __all__ = ["Variant", "default_variants", "package_version"]
 MAX_NORM = 1.0
 WANDB_LOG_FREQ = 10
 
-logging.getLogger("lossbeat").setLevel(logging.ERROR)  # status-change lines would flood the output
 
 
 def package_version(distribution: str) -> str | None:
