@@ -66,7 +66,8 @@ class LayerGrouping:
         for p, layer in zip(self.params, self.param_layer):
             g = p.grad
             if g is not None:
-                grads.append(g.detach())
+                # A grad only requires grad after backward(create_graph=True); detach is a dispatch.
+                grads.append(g.detach() if g.requires_grad else g)
                 layers.append(layer)
         return grads, tuple(layers)
 
@@ -91,9 +92,14 @@ class GradientNorms:
     """1-d float32 tensor, one norm per layer of the grouping (0 where no grad)."""
 
 
-def compute_grad_norms(grouping: LayerGrouping, per_layer: bool = True) -> GradientNorms | None:
-    """One fused ``_foreach_norm`` over every gradient; None when no parameter has one."""
-    grads, layers = grouping.present_grads()
+def compute_grad_norms(
+    grouping: LayerGrouping, per_layer: bool = True, present: tuple[list[torch.Tensor], tuple[int, ...]] | None = None
+) -> GradientNorms | None:
+    """One fused ``_foreach_norm`` over every gradient; None when no parameter has one.
+
+    ``present``: ``grouping.present_grads()`` when the caller already has it.
+    """
+    grads, layers = present if present is not None else grouping.present_grads()
     if not grads:
         return None
     # Norms in float32 whatever the gradient dtype (bf16/fp16 norms lose precision).
@@ -120,10 +126,11 @@ def clip_with_norms(
     Returns (norms, clip coefficient as a 0-d tensor); non-finite norms clip to NaN
     like torch does, so the loss of that step is visible, not hidden.
     """
-    norms = compute_grad_norms(grouping, per_layer)
+    present = grouping.present_grads()
+    norms = compute_grad_norms(grouping, per_layer, present)
     if norms is None:
         return None, None
-    grads, _ = grouping.present_grads()
+    grads = present[0]
     coefficient = torch.clamp(max_norm / (norms.global_norm + eps), max=1.0)
     _scale(grads, coefficient)
     return norms, coefficient

@@ -259,7 +259,8 @@ class Monitor:
         self._findings: tuple[Finding, ...] = ()
         self._log_counts: dict[str, int] = {}
         self.host_transfers = 0
-        """Device-to-host reads of packed values (at most one per observed step)."""
+        """Reads of a step's packed tensor values on the host: at most one per observed step
+        (plus one for CPU tensors when a step mixes CPU and device tensors)."""
         self.closed = False
         self._server: MetricsServer | None = None
         if serve:
@@ -506,6 +507,7 @@ class Monitor:
 
         if cpu_parts:  # CPU tensors: reading them waits for nothing
             packed = torch.cat(cpu_parts) if len(cpu_parts) > 1 else cpu_parts[0]
+            self.host_transfers += 1
             _unpack(_as_float_list(packed), cpu_layout, host)
 
         record = _Pending(step, wall, duration, epoch, host, layout, layer_names=layer_names,
