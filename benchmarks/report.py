@@ -149,9 +149,10 @@ def render_markdown(results: dict, notes: str = "") -> str:
     lines += [
         "",
         "Overhead targets are judged on the *direct* estimate (time in the clip + monitoring section minus the "
-        "baseline's, over the baseline step), which is precise; the *paired* estimate (whole-step block means, "
-        "variant over baseline in the same round) also catches indirect costs but carries about a percent of "
-        "noise on this shared machine. Both are in the tables.",
+        "baseline's, over the baseline step), which is precise; the *paired* estimate (whole-step means over windows "
+        "of 10 steps per variant, variant over baseline in the same window, variants alternating step by step) "
+        "also catches indirect costs but carries one to three percent of noise on this shared machine. Both are "
+        "in the tables.",
         "",
     ]
     if notes:

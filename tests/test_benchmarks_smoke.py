@@ -50,6 +50,7 @@ def test_lossbeat_reads_the_host_once_per_step(counts):
     for name in LOSSBEAT:
         assert counts[name]["host_reads_delta_per_step"] == 1, name
         assert counts[name]["method_reads_per_step"] == 1, name  # the one .tolist() of the packed values
+        assert counts[name]["lossbeat_host_transfers_per_step"] <= 1, name
 
 
 def test_naive_monitor_reads_every_parameter(counts, workload):
