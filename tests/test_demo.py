@@ -85,3 +85,20 @@ def test_bad_demo_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--fault", "fire"])
     assert "invalid choice: 'fire'" in capsys.readouterr().err
+    assert build_parser().parse_args(["demo", "--fault", "explode,vanish"]).fault == ("explode", "vanish")
+
+
+def test_explode_and_vanish_together_name_both_layers():
+    report, health = run_demo("--steps", "60", "--fault", "explode,vanish", "--fault-step", "40")
+    layer = {f.check: f for f in report.findings}["layer_grad_norm"]
+    assert "above 10: blocks.1.mlp.fc" in layer.message and "below 1e-05: blocks.0.attn.qkv" in layer.message
+
+
+def test_multi_task_demo_monitors_each_component_and_stays_healthy(caplog):
+    with caplog.at_level(logging.INFO, logger="lossbeat"):
+        report, health = run_demo("--steps", "300", "--multi-task", "--batch-size", "32")
+    components = {f.component for f in report.findings if f.component}
+    assert components == {"lm", "noise"}
+    assert "-> DANGER" not in caplog.text  # at no diagnosis during the run
+    assert max(health.values()) < Status.DANGER
+    assert {f.check: f for f in report.findings if not f.component}["loss_range"].status is Status.GOOD

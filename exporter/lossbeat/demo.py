@@ -11,6 +11,12 @@ causal-LM healthy range. ``--fault`` injects a failure at ``--fault-step``:
                keeps the weights alive); that layer tops the per-layer norms.
 - ``lr-high``: the learning rate jumps to 0.3: the loss turns volatile and rises.
 - ``plateau``: the learning rate drops to 1e-8: the loss stops falling.
+- ``vanish``:  the gradients of ``blocks.0.attn.qkv`` are scaled by 1e-9: that
+               layer's norm falls below the per-layer vanishing threshold.
+
+Faults combine: ``--fault explode,vanish``. ``--multi-task`` adds a second task
+(tell, for each token, whether it is noise that breaks its sequence's pattern):
+the loss is ``lm + noise``, each component monitored on its own (profile ``multi-task``).
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from torch import nn
 
 __all__ = ["TinyLM", "ModelSize", "SyntheticCorpus", "add_arguments", "run", "FAULTS"]
 
-FAULTS = ("nan", "explode", "lr-high", "plateau")
+FAULTS = ("nan", "explode", "lr-high", "plateau", "vanish")
 EXPLODING_LAYER = "blocks.1.mlp.fc"
+VANISHING_LAYER = "blocks.0.attn.qkv"
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """A GPT-style decoder; module paths read ``blocks.N.attn.qkv`` and so on."""
 
-    def __init__(self, size: ModelSize = ModelSize()) -> None:
+    def __init__(self, size: ModelSize = ModelSize(), noise_head: bool = False) -> None:
         super().__init__()
         self.size = size
         self.tok_emb = nn.Embedding(size.vocab, size.width)
@@ -89,14 +96,28 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(Block(size.width, size.heads) for _ in range(size.layers))
         self.ln_f = nn.LayerNorm(size.width)
         self.head = nn.Linear(size.width, size.vocab, bias=False)
+        # Optional second task for the multi-task demo: is this token noise?
+        self.noise_head = nn.Linear(size.width, 1) if noise_head else None
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
+        return self.ln_f(x)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.hidden(tokens))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def losses(self, tokens: torch.Tensor, targets: torch.Tensor, noisy: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The multi-task losses: next-token ``lm`` and per-token ``noise`` detection."""
+        h = self.hidden(tokens)
+        logits = self.head(h)
+        return {
+            "lm": F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)),
+            "noise": F.binary_cross_entropy_with_logits(self.noise_head(h).squeeze(-1), noisy.float()),
+        }
 
 
 class SyntheticCorpus:
@@ -107,13 +128,18 @@ class SyntheticCorpus:
         self.generator = torch.Generator().manual_seed(seed)
 
     def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, targets, _ = self.batch_with_noise(size)
+        return tokens, targets
+
+    def batch_with_noise(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens, next-token targets, and which input tokens are noise."""
         g, n = self.generator, self.context + 1
         start = torch.randint(0, self.vocab, (size, 1), generator=g)
         stride = torch.randint(1, self.strides + 1, (size, 1), generator=g)
         seq = (start + stride * torch.arange(n)) % self.vocab
         noisy = torch.rand(size, n, generator=g) < self.noise
         seq = torch.where(noisy, torch.randint(0, self.vocab, (size, n), generator=g), seq)
-        return seq[:, :-1], seq[:, 1:]
+        return seq[:, :-1], seq[:, 1:], noisy[:, :-1]
 
 
 def learning_rate_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -156,7 +182,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8470, help="exporter port (default 8470; 0 = a free port)")
     parser.add_argument("--addr", default="127.0.0.1", help="exporter address (default 127.0.0.1)")
     parser.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
-    parser.add_argument("--fault", choices=FAULTS, help="inject a failure")
+    parser.add_argument("--fault", type=_faults, default=(),
+                        help=f"inject failures, comma-separated: {', '.join(FAULTS)}")
+    parser.add_argument("--multi-task", action="store_true",
+                        help="add a noise-detection task; components lm and noise (profile multi-task)")
     parser.add_argument("--fault-step", type=int, help="step at which the fault starts (default: steps / 2)")
     parser.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step, to watch it live")
     parser.add_argument("--batch-size", type=int, default=64)
@@ -170,6 +199,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _faults(text: str) -> tuple[str, ...]:
+    faults = tuple(f.strip() for f in text.split(",") if f.strip())
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"invalid choice: {unknown[0]!r} (choose from {', '.join(FAULTS)})")
+    return faults
+
+
+def _scale_gradients_from(model: "TinyLM", layer: str, factor: float, start: int) -> None:
+    for p in model.get_submodule(layer).parameters():
+        p.register_hook(lambda g, _m=model: g * factor if _m.training_step >= start else g)
+
+
 def run(args: argparse.Namespace) -> int:
     from .monitor import start_exporter
 
@@ -179,21 +221,23 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # small model: threads cost more than they give on a 2-core machine
     size = ModelSize()
-    model = TinyLM(size)
+    model = TinyLM(size, noise_head=args.multi_task)
     corpus = SyntheticCorpus(size.vocab, size.context, seed=args.seed)
     held_out = SyntheticCorpus(size.vocab, size.context, seed=args.seed + 1).batch(256)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    profile = args.profile or ("multi-task" if args.multi_task else None)
     monitor = start_exporter(
-        args.port, addr=args.addr, thresholds=args.thresholds, profile=args.profile, run_name=args.run_name
+        args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name
     )
+    faults = set(args.fault)
     print(f"lossbeat demo: {sum(p.numel() for p in model.parameters()):,} parameters; "
           f"metrics on http://{args.addr}:{monitor.port}/metrics"
-          + (f"; fault {args.fault} at step {fault_step}" if args.fault else ""), flush=True)
+          + (f"; fault {','.join(args.fault)} at step {fault_step}" if faults else ""), flush=True)
 
-    if args.fault == "explode":
-        layer = model.get_submodule(EXPLODING_LAYER)
-        for p in layer.parameters():
-            p.register_hook(lambda g, _m=model: g * 1e4 if _m.training_step >= fault_step else g)
+    if "explode" in faults:
+        _scale_gradients_from(model, EXPLODING_LAYER, 1e4, fault_step)
+    if "vanish" in faults:
+        _scale_gradients_from(model, VANISHING_LAYER, 1e-9, fault_step)
 
     stop = {"now": False}
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -203,26 +247,28 @@ def run(args: argparse.Namespace) -> int:
             if stop["now"]:
                 break
             model.training_step = step
-            faulty = args.fault is not None and step >= fault_step
+            active = faults if step >= fault_step else set()
             lr = learning_rate_at(step, args.steps, args.lr, warmup=20)
-            if faulty and args.fault == "lr-high":
+            if "lr-high" in active:
                 lr = 0.3
-            elif faulty and args.fault == "plateau":
+            elif "plateau" in active:
                 lr = 1e-8
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
-            tokens, targets = corpus.batch(args.batch_size)
-            loss = model(tokens, targets)
-            if faulty and args.fault == "nan":
+            tokens, targets, noisy = corpus.batch_with_noise(args.batch_size)
+            components = model.losses(tokens, targets, noisy) if args.multi_task else None
+            loss = sum(components.values()) if components else model(tokens, targets)
+            if "nan" in active:
                 loss = loss * float("nan")
+                components = {name: value * float("nan") for name, value in components.items()} if components else None
             loss.backward()
             grad_norm = monitor.clip_grad_norm_(model, 1.0)
             monitor.observe(step, loss=loss, optimizer=optimizer, grad_norm=grad_norm, model=model,
-                            tokens=tokens.numel(), epoch=step / 100)
+                            tokens=tokens.numel(), epoch=step / 100, losses=components)
             # The demo reads its own values for the progress bar and for skipping
             # non-finite steps (as GradScaler does): a host sync of the demo, not lossbeat's.
-            if args.fault != "nan" or bool(torch.isfinite(grad_norm)):
+            if "nan" not in faults or bool(torch.isfinite(grad_norm)):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if progress.enabled:

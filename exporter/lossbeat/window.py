@@ -161,6 +161,24 @@ class LossWindow:
             return math.nan
         return (previous - self._recent.mean()) / previous
 
+    def detrended_cv(self) -> float:
+        """Std of the CV window around its least-squares line, over its mean.
+
+        A steadily falling loss has a large plain CV but is not volatile; this
+        measures the jitter around the trend. O(window): for the periodic
+        diagnosis, not the per-step path.
+        """
+        values = self.ring.last(self.cv_steps)
+        n = len(values)
+        mean = math.fsum(values) / n if n else math.nan
+        if n < 3 or not mean > 0:
+            return math.nan
+        x_mean = (n - 1) / 2
+        sxx = sum((i - x_mean) ** 2 for i in range(n))
+        slope = sum((i - x_mean) * (v - mean) for i, v in enumerate(values)) / sxx
+        residuals = [v - (mean + slope * (i - x_mean)) for i, v in enumerate(values)]
+        return math.sqrt(math.fsum(r * r for r in residuals) / n) / mean
+
     def trend_noise_ratio(self) -> float:
         """Standard error of ``trend_ratio()`` if the window were pure noise (0 when unknown)."""
         previous = self._previous.mean()

@@ -45,18 +45,15 @@ def check_layer_grad_norms(layer_norms: Mapping[str, float], t: GradientThreshol
         key=lambda item: -item[1],
     )
     vanishing = [(n, v) for n, v in layer_norms.items() if math.isfinite(v) and v < t.layer_vanishing]
+    messages, fixes = [], []
     if exploding:
         names = ", ".join(f"{n} ({v:.3g})" for n, v in exploding[:shown])
-        return Finding(
-            check, Status.WARNING,
-            f"{len(exploding)} layer(s) above {t.layer_explosion:g}: {names}",
-            "clip gradients; lower the learning rate for these layers; check their initialisation",
-        )
+        messages.append(f"{len(exploding)} layer(s) above {t.layer_explosion:g}: {names}")
+        fixes.append("clip gradients; lower the learning rate for these layers; check their initialisation")
     if vanishing:
         names = ", ".join(n for n, _ in vanishing[:shown])
-        return Finding(
-            check, Status.WARNING,
-            f"{len(vanishing)} layer(s) below {t.layer_vanishing:g}: {names}",
-            "check that these layers are meant to train; add residual connections or normalisation",
-        )
+        messages.append(f"{len(vanishing)} layer(s) below {t.layer_vanishing:g}: {names}")
+        fixes.append("check that the vanishing layers are meant to train; add residual connections or normalisation")
+    if messages:
+        return Finding(check, Status.WARNING, "; ".join(messages), "; ".join(fixes))
     return Finding(check, Status.GOOD, f"all {len(layer_norms)} layers within bounds")

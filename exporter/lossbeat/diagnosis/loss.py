@@ -74,7 +74,8 @@ def check_loss_trend(trend_ratio: float, t: LossThresholds, component: str = "",
 
 
 def check_loss_volatility(cv: float, t: LossThresholds, component: str = "") -> Finding:
-    """Layer 3: how much does the loss jump around its mean?"""
+    """Layer 3: how much does the loss jump around its trend? ``cv``: std / mean of the
+    window, detrended by the caller (:meth:`LossWindow.detrended_cv`)."""
     check = "loss_volatility"
     if not math.isfinite(cv):
         return Finding.unknown(check, component=component)

@@ -17,7 +17,8 @@ def diagnose(history: History) -> list[Finding]:
     """One finding per check (plus range/trend/volatility per loss component)."""
     t = history.thresholds
     loss = history.loss
-    cv = loss.cv()
+    # Volatility is judged around the trend: a steady descent is not jitter.
+    cv = loss.detrended_cv()
     trend = loss.trend_ratio()
     findings = [
         check_loss_range(loss.ring.last(t.windows.range_steps), t.profile),
@@ -36,7 +37,7 @@ def diagnose(history: History) -> list[Finding]:
     for name, window in history.components.items():
         findings.append(check_loss_range(window.ring.last(t.windows.range_steps), component_profile, name))
         findings.append(check_loss_trend(window.trend_ratio(), t.loss, name, window.trend_noise_ratio()))
-        findings.append(check_loss_volatility(window.cv(), t.loss, name))
+        findings.append(check_loss_volatility(window.detrended_cv(), t.loss, name))
     return findings
 
 
