@@ -61,3 +61,15 @@ def test_memory_is_fixed_whatever_the_number_of_pushes():
     grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
     assert grown < 20_000
     assert len(window) == window.ring.capacity == 51
+
+
+def test_detrended_cv_ignores_a_steady_descent_but_not_jitter():
+    steady, jittery = LossWindow(50, 20), LossWindow(50, 20)
+    rng = random.Random(3)
+    for i in range(50):
+        steady.push(4.0 - 0.05 * i)  # falls from 4.0 to 1.55: a large plain CV
+        jittery.push(2.0 + (0.8 if i % 2 else -0.8) + rng.gauss(0, 0.01))
+    assert steady.cv() > 0.2
+    assert steady.detrended_cv() == pytest.approx(0.0, abs=1e-9)
+    assert jittery.detrended_cv() == pytest.approx(0.4, rel=0.02)
+    assert math.isnan(LossWindow(50, 20).detrended_cv())
