@@ -198,7 +198,7 @@ def test_generate_in_a_fresh_tree_and_remove_stale_test_files(tmp_path, monkeypa
     own.write_text("tests: []\n")
     capsys.readouterr()
     assert run_rules("--check") == 1
-    assert "traininggone.yml: generated file no alert produces any more" in capsys.readouterr().out
+    assert "traininggone.yml: generated file no longer generated from the thresholds" in capsys.readouterr().out
     assert run_rules() == 0
     assert not stale.exists() and own.exists()
     assert run_rules("--check") == 0

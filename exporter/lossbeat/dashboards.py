@@ -13,14 +13,14 @@ substitute Grafana's template variables with :func:`expand_query`.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
+from lossbeat.generated import sync_files
 from lossbeat.metrics import METRICS
 from lossbeat.thresholds import Thresholds, ThresholdsError, load_thresholds
 
@@ -562,24 +562,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"lossbeat dashboards: {exc}", file=sys.stderr)
         return 2
     files = render_files(thresholds)
-    if args.check:
-        drifted = False
-        for rel, text in files.items():
-            path = args.root / rel
-            current = path.read_text(encoding="utf-8") if path.exists() else ""
-            if current != text:
-                drifted = True
-                sys.stdout.writelines(difflib.unified_diff(
-                    current.splitlines(keepends=True), text.splitlines(keepends=True),
-                    fromfile=f"{rel} (checked in)", tofile=f"{rel} (generated)"))
-        if drifted:
-            print("lossbeat dashboards: generated files are out of date; run `lossbeat dashboards`", file=sys.stderr)
-            return 1
-        print(f"lossbeat dashboards: {len(files)} files up to date")
-        return 0
-    for rel, text in files.items():
-        path = args.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        print(f"wrote {path}")
-    return 0
+    return sync_files({args.root / rel: text for rel, text in files.items()}, check=args.check,
+                      command="lossbeat dashboards")

@@ -9,12 +9,12 @@ tests), ``deploy/kubernetes/prometheusrule.yaml`` and the alert table of
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from pathlib import Path
 
 import yaml
 
+from lossbeat.generated import sync_files
 from lossbeat.alert_rules import AlertRule, alert_rules, recording_rules, rule_groups
 from lossbeat.rule_tests import rule_test_documents
 from lossbeat.thresholds import Thresholds, ThresholdsError, load_thresholds
@@ -171,33 +171,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"lossbeat rules: no repository checkout at {root}; pass --output-dir", file=sys.stderr)
         return 2
     files, stale = _planned(thresholds, root, args.output_dir)
-    if args.check:
-        return _check(files, stale)
-    for path, text in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {path}")
-    for path in stale:
-        path.unlink()
-        print(f"removed {path}")
-    return 0
-
-
-def _check(files: dict[Path, str], stale: list[Path]) -> int:
-    drift = False
-    for path, text in files.items():
-        current = path.read_text(encoding="utf-8") if path.is_file() else ""
-        if current != text:
-            drift = True
-            sys.stdout.writelines(difflib.unified_diff(
-                current.splitlines(keepends=True), text.splitlines(keepends=True),
-                fromfile=f"{path} (checked in)", tofile=f"{path} (generated)",
-            ))
-    for path in stale:
-        drift = True
-        print(f"{path}: generated file no alert produces any more")
-    if drift:
-        print("lossbeat rules: generated files are out of date; run `python -m lossbeat rules`", file=sys.stderr)
-        return 1
-    return 0
+    return sync_files(files, check=args.check, command="lossbeat rules", stale=stale)

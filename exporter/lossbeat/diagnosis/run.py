@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 from .findings import Finding, Status
 from .gradients import check_grad_norm, check_layer_grad_norms
