@@ -201,14 +201,8 @@ class DemoRun:
 
     def stop(self) -> None:
         """Stop the process by PID: SIGTERM, then SIGKILL after 10 s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            terminate(self.proc)
 
     def kill(self) -> None:
         """SIGKILL, as a crashed or OOM-killed trainer would die."""
@@ -218,6 +212,18 @@ class DemoRun:
     def log_tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """Stop a child we started: SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
 
 
 def wait_for_page(receiver: WebhookReceiver, alertname: str, job: str, timeout: float,
@@ -253,13 +259,7 @@ class AlertmanagerProcess:
         wait_until(ready, timeout, "the control alertmanager")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc)
         self._log.close()
 
 

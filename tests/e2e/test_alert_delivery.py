@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from .e2e_harness import exporter_samples, wait_for_page, wait_until
 
 STEP_DELAY = "0.1"  # ~7 steps/s: the run outlives startup, target discovery and a few scrapes
@@ -19,28 +21,24 @@ def _assert_paged(page, run, alertname: str) -> None:
     assert page.labels["rank"] == "0"
 
 
-def test_nan_loss_pages_on_call_with_job_and_rank(demo, receiver):
-    run = demo("--steps", "600", "--step-delay", STEP_DELAY, "--fault", "nan", "--fault-step", FAULT_STEP)
+@pytest.mark.parametrize(
+    "fault, counter, alertname",
+    [
+        ("nan", "training_nonfinite_loss_total", "TrainingLossNaN"),
+        ("explode", "training_grad_explosions_total", "TrainingGradientExplosion"),
+    ],
+)
+def test_fault_pages_on_call_with_job_and_rank(demo, receiver, fault, counter, alertname):
+    run = demo("--steps", "600", "--step-delay", STEP_DELAY, "--fault", fault, "--fault-step", FAULT_STEP)
     run.wait_serving()
-    onset = run.first_time("training_nonfinite_loss_total", timeout=120)
-    page = wait_for_page(receiver, "TrainingLossNaN", run.job, timeout=60)
+    onset = run.first_time(counter, timeout=120)
+    page = wait_for_page(receiver, alertname, run.job, timeout=60)
     latency = page.received_at - onset
-    print(f"\nTrainingLossNaN paged {latency:.1f}s after the exporter first showed a NaN loss")
-    _assert_paged(page, run, "TrainingLossNaN")
+    print(f"\n{alertname} paged {latency:.1f}s after the exporter first counted {counter}")
+    _assert_paged(page, run, alertname)
     assert latency < MAX_PAGE_LATENCY_S
     # Critical alerts go to the paging route only, never to the ticket queue.
-    assert all(d.path == "/page" for d in receiver.received(alertname="TrainingLossNaN", job=run.job))
-
-
-def test_gradient_explosion_pages_on_call_with_job_and_rank(demo, receiver):
-    run = demo("--steps", "600", "--step-delay", STEP_DELAY, "--fault", "explode", "--fault-step", FAULT_STEP)
-    run.wait_serving()
-    onset = run.first_time("training_grad_explosions_total", timeout=120)
-    page = wait_for_page(receiver, "TrainingGradientExplosion", run.job, timeout=60)
-    latency = page.received_at - onset
-    print(f"\nTrainingGradientExplosion paged {latency:.1f}s after the exporter first counted an explosion")
-    _assert_paged(page, run, "TrainingGradientExplosion")
-    assert latency < MAX_PAGE_LATENCY_S
+    assert all(d.path == "/page" for d in receiver.received(alertname=alertname, job=run.job))
 
 
 def test_healthy_run_pages_nobody(demo, receiver, prometheus):
