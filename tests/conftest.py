@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
+from types import ModuleType
 
 import pytest
 import torch
@@ -28,6 +30,15 @@ def require_binary(*names: str, install: str = "apt-get install prometheus prome
             return found
     require(False, f"{' or '.join(names)} not installed ({install})")
     raise AssertionError("unreachable")
+
+
+def require_module(name: str) -> ModuleType:
+    """The imported module ``name`` (an optional extra); missing fails under CI=true and skips elsewhere."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        require(False, f"{name} not importable ({e}); pip install -e .[test]")
+        raise AssertionError("unreachable")
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,6 @@ until ``<dir>/done`` appears (or 60 s pass).
 """
 
 import argparse
-import os
 import pathlib
 import time
 

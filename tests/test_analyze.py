@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from conftest import require_module
 from lossbeat.analyze import analyze_file
 from lossbeat.cli import main
 from lossbeat.diagnosis import Status
@@ -174,10 +173,7 @@ def test_cli_bad_file_exit_status(tmp_path, capsys):
 
 
 def test_cli_plot(tmp_path, capsys):
-    if os.environ.get("CI") == "true":
-        importlib.import_module("matplotlib")
-    else:
-        pytest.importorskip("matplotlib")
+    require_module("matplotlib")
     out = tmp_path / "run.png"
     paths = [str(_corpus("hf-t5-small-summarization-gradspike-trainer_state.json")),
              str(_corpus("megatron-gpt3-15b-release-sm-golden_values.json"))]

@@ -1,5 +1,7 @@
 """Multi-rank: a real torchrun job on gloo, two processes, each rank serving its own port."""
 
+import json
+import math
 import socket
 import subprocess
 import sys
@@ -9,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import require_module
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -67,3 +71,27 @@ def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):
     assert loss0 != loss1
     norm0, norm1 = (ranks[r]["training_grad_norm"][0][1] for r in (0, 1))
     assert norm0 == pytest.approx(norm1, rel=1e-5)
+
+
+HF_WORKER = Path(__file__).with_name("hf_ddp_worker.py")
+
+
+def test_hf_trainer_under_ddp_exports_the_all_reduced_unclipped_norms(tmp_path):
+    """The end-of-backward measurement runs after DDP writes the averaged gradients back."""
+    require_module("transformers")
+    require_module("accelerate")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HF_WORKER), "--dir", str(tmp_path)]
+    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-4000:]
+    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in (0, 1)]
+    for r in results:
+        assert r["steps"] == 4 and r["trainer_step"] == 4
+        # The Trainer's grad_norm is taken after the all-reduce and before it clips to 0.05.
+        assert r["trainer_grad_norm"] > 0.05
+        assert r["grad_norm"] == pytest.approx(r["trainer_grad_norm"], rel=1e-5)
+        layers = r["layer_norms"]
+        assert "transformer.h.0.mlp.c_fc" in layers
+        assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(r["grad_norm"], rel=1e-4)
+    # Each rank saw its own shard, yet both export the job's (averaged) norms, layer by layer.
+    assert results[0]["layer_norms"] == pytest.approx(results[1]["layer_norms"], rel=1e-5)

@@ -280,24 +280,64 @@ def test_one_observe_causes_at_most_one_host_transfer_and_no_item_calls(monitor)
     assert naive.syncs == len(list(trainer.model.parameters()))
 
 
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
 def test_per_layer_norms_come_from_one_fused_reduction(monitor):
     trainer = Trainer()
     loss, _ = trainer.backward()
 
-    class CountNorms(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func._schema.name)
-            return func(*args, **(kwargs or {}))
-
-    counter = CountNorms()
+    counter = CountOps()
     with counter:
         monitor.observe(0, loss=loss, model=trainer.model)
     assert counter.names.count("aten::_foreach_norm") == 1
     assert "aten::linalg_vector_norm" not in counter.names and "aten::norm" not in counter.names
+
+
+def test_measured_gradients_are_reported_unclipped_without_a_second_read(monitor):
+    trainer = Trainer()
+    loss, _ = trainer.backward()
+    total = torch.nn.utils.get_total_norm([p.grad for p in trainer.model.parameters()]).item()
+    measured = monitor.measure_gradients(trainer.model)
+    assert measured.dim() == 0 and measured.item() == pytest.approx(total, rel=1e-5)
+    torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 0.01)  # what a framework does next
+    counter = CountOps()
+    with counter:
+        monitor.observe(0, loss=loss, model=trainer.model)
+    assert "aten::_foreach_norm" not in counter.names  # the gradients are not read again
+    assert monitor.state.grad_norm == pytest.approx(total, rel=1e-5)
+    layers = monitor.state.layer_norms
+    assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(total, rel=1e-5)
+    # Used once: the next observe reads the (clipped) gradients itself.
+    monitor.observe(1, loss=loss, model=trainer.model)
+    assert monitor.state.grad_norm == pytest.approx(0.01, rel=1e-3)
+    # Measured for another model: ignored.
+    monitor.measure_gradients(TinyLM(SIZE))
+    monitor.observe(2, loss=loss, model=trainer.model)
+    assert monitor.state.grad_norm == pytest.approx(0.01, rel=1e-3)
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        monitor.measure_gradients(trainer.optimizer)
+    assert NullMonitor().measure_gradients(trainer.model) is None
+
+
+def test_a_failed_measurement_is_counted_not_raised(monitor, monkeypatch):
+    """measure_gradients may run inside an autograd callback: raising there would break backward."""
+    trainer = Trainer()
+    loss, _ = trainer.backward()
+    monkeypatch.setattr("lossbeat.monitor.compute_grad_norms", lambda *a, **k: 1 / 0)
+    assert monitor.measure_gradients(trainer.model) is None
+    monkeypatch.undo()
+    monitor.observe(0, loss=loss, model=trainer.model)
+    parsed = samples(scrape(monitor.port))
+    assert value(parsed, "training_exporter_errors_total", where="observe") == 1
+    assert value(parsed, "training_grad_norm") > 0  # observe measured the gradients itself
 
 
 def test_layer_every_limits_per_layer_work(monitor):
@@ -483,6 +523,27 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
     assert monitor.state.steps_total == 3 + _MAX_PENDING + 1 - _MAX_PENDING
     monitor.flush()
     assert monitor.state.steps_total == 3 + _MAX_PENDING + 1 and not monitor._pending
+
+
+def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatch):
+    """On CUDA a step's values arrive a step late: the per-layer cadence must not follow them."""
+    import lossbeat.monitor as monitor_module
+    from lossbeat.monitor import _Pending
+
+    m = Monitor(MonitorConfig(port=0, layer_every=3), serve=False)
+    per_layer = []
+    real = monitor_module.compute_grad_norms
+    monkeypatch.setattr(monitor_module, "compute_grad_norms",
+                        lambda grouping, layers, *a: per_layer.append(layers) or real(grouping, layers, *a))
+    # A step still in flight holds every later step back until the cap makes observe() wait.
+    m._pending.append(_Pending(-1, 0.0, None, None, {}, [("loss", 1)],
+                               packed=torch.tensor([1.0], dtype=torch.float64), event=_StubEvent()))
+    trainer = Trainer()
+    loss, _ = trainer.backward()
+    for step in range(9):
+        m.observe(step, loss=loss, model=trainer.model)
+    assert per_layer == [True, False, False] * 3
+    m.close()
 
 
 def test_status_changes_are_logged_with_the_fix(monitor, caplog):

@@ -252,10 +252,13 @@ class Monitor:
         self._collector = MonitorCollector(self.state)
         self.registry.register(self._collector)
         self._grouping: LayerGrouping | None = None
-        self._clipped: tuple[torch.nn.Module, GradientNorms, torch.Tensor] | None = None
+        # Norms measured ahead of the next observe(model=...) by clip_grad_norm_ or
+        # measure_gradients: (model, norms, clip coefficient or None).
+        self._measured: tuple[torch.nn.Module, GradientNorms, torch.Tensor | None] | None = None
         self._pending: collections.deque[_Pending] = collections.deque()
         self._last_perf: float | None = None
         self._observed = 0
+        self._submitted = 0
         self._findings: tuple[Finding, ...] = ()
         self._log_counts: dict[str, int] = {}
         self.host_transfers = 0
@@ -320,6 +323,7 @@ class Monitor:
             values.update(lr_values)
             values.update(component_values)
             layer_names = self._gradients(model, grad_value is None, values)
+            self._submitted += 1
             self._submit(int(step), time.time(), duration, epoch, values, layer_names)
         except Exception:  # the training loop must go on: count, log, continue
             self.state.count_error("observe")
@@ -351,12 +355,35 @@ class Monitor:
         if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
             raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
         grouping = self._grouping_for(model)
-        per_layer = self._observed % self.config.layer_every == 0
-        norms, coefficient = clip_with_norms(grouping, float(max_norm), per_layer)
+        norms, coefficient = clip_with_norms(grouping, float(max_norm), self._layers_due())
         if norms is None:
             return torch.zeros(())
-        self._clipped = (model, norms, coefficient)
+        self._measured = (model, norms, coefficient)
         return norms.global_norm
+
+    def measure_gradients(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """Measure ``model``'s gradients now; the next ``observe(model=model)`` reports these norms.
+
+        For a training loop or framework that changes the gradients between
+        backward and the point where ``observe`` runs (a Trainer that clips
+        before its callback, say): measured here, the per-layer and global norms
+        are the unclipped ones, and ``observe`` does not read the gradients
+        again. Measuring again before that ``observe`` replaces the norms.
+        Returns the global norm (a 0-d tensor, no host sync), or None when no
+        parameter has a gradient or the measurement failed (counted in
+        ``training_exporter_errors_total``; training goes on).
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        try:
+            norms = compute_grad_norms(self._grouping_for(model), self._layers_due())
+        except Exception:  # may run inside an autograd callback: never break backward
+            self._measured = None
+            self.state.count_error("observe")
+            self._log_limited("error", logging.ERROR, "lossbeat: error in measure_gradients()", exc_info=True)
+            return None
+        self._measured = None if norms is None else (model, norms, None)
+        return None if norms is None else norms.global_norm
 
     def flush(self) -> None:
         """Process every step still waiting for its device values (waits for them)."""
@@ -445,15 +472,23 @@ class Monitor:
             grouping = self._grouping = LayerGrouping(model, self.config.layer_depth, self.config.max_layers)
         return grouping
 
+    def _layers_due(self) -> bool:
+        """Whether this step computes per-layer norms (every ``layer_every`` observe() calls).
+
+        Counted at submission, not when the values arrive: on CUDA they arrive a
+        step late, which would skip or repeat a due step."""
+        return self._submitted % self.config.layer_every == 0
+
     def _gradients(self, model: torch.nn.Module | None, need_global: bool, values: dict[str, Any]) -> list[str]:
         """Adds device tensors for the global and per-layer norms to ``values``."""
-        clipped, self._clipped = self._clipped, None
+        measured, self._measured = self._measured, None
         if model is None:
             return []
-        per_layer = self._observed % self.config.layer_every == 0
-        if clipped is not None and clipped[0] is model:
-            norms, coefficient = clipped[1], clipped[2]
-            values["clip"] = coefficient
+        per_layer = self._layers_due()
+        if measured is not None and measured[0] is model:
+            norms, coefficient = measured[1], measured[2]
+            if coefficient is not None:
+                values["clip"] = coefficient
         elif per_layer or need_global:
             norms = compute_grad_norms(self._grouping_for(model), per_layer)
         else:
@@ -667,6 +702,9 @@ class NullMonitor:
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def measure_gradients(self, model: torch.nn.Module) -> torch.Tensor | None:
+        return None
 
     def flush(self) -> None:
         pass

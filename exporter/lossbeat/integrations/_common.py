@@ -1,4 +1,4 @@
-"""Shared by the integrations: picking the monitor, the eval loss, a pre-clip global norm."""
+"""Shared by the integrations: picking the monitor, the eval loss, measuring gradients before clipping."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from typing import Any, Mapping
 
 import torch
 
-from ..gradients import LayerGrouping, compute_grad_norms
 from ..monitor import Monitor, NullMonitor, start_exporter
 
-__all__ = ["resolve_monitor", "eval_loss_from", "PreClipNorm"]
+__all__ = ["resolve_monitor", "eval_loss_from", "AfterBackward"]
 
 
 def resolve_monitor(monitor: Monitor | NullMonitor | None) -> Monitor | NullMonitor:
@@ -48,37 +47,39 @@ def eval_loss_from(metrics: Mapping[str, Any] | None, key: str | None, prefix: s
     return None
 
 
-class PreClipNorm:
-    """The global grad norm measured at the end of each backward pass, before any clipping.
+class AfterBackward:
+    """Measures a model's gradients once a backward pass has finished, before anything clips them.
 
-    The autograd engine runs a queued callback once a backward pass has
-    finished accumulating every gradient; a hook on the loss tensor queues it.
-    One fused reduction per backward, left on the device (no host sync).
+    A hook on the loss queues an autograd-engine callback for the end of the
+    backward pass; that callback queues the measurement, so it runs after
+    every callback queued during the pass, among them DistributedDataParallel's,
+    which writes the all-reduced gradients back: the norms are the job's, not
+    this rank's local ones. The measurement is ``monitor.measure_gradients``: one
+    fused reduction left on the device (no host sync), reported by the next
+    ``observe(model=model)``.
     """
 
-    def __init__(self) -> None:
-        self._grouping: LayerGrouping | None = None
-        self.value: torch.Tensor | None = None
-        self.available = hasattr(getattr(torch.autograd.Variable, "_execution_engine", None), "queue_callback")
+    def __init__(self, monitor: Monitor | NullMonitor) -> None:
+        self.monitor = monitor
+        engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+        self._queue = getattr(engine, "queue_callback", None)
+
+    @property
+    def available(self) -> bool:
+        """Whether this torch build lets a hook queue end-of-backward callbacks."""
+        return self._queue is not None
 
     def watch(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
         """Measure ``model``'s gradients when the backward pass through ``loss`` ends."""
-        if not self.available or not loss.requires_grad:
+        queue = self._queue
+        if queue is None or not loss.requires_grad:
             return
 
         def measure() -> None:
-            grouping = self._grouping
-            if grouping is None or grouping.model_ref is not model:
-                grouping = self._grouping = LayerGrouping(model)
-            norms = compute_grad_norms(grouping, per_layer=False)
-            self.value = None if norms is None else norms.global_norm
+            self.monitor.measure_gradients(model)  # never raises: errors are counted
 
-        def queue(grad: torch.Tensor) -> None:
-            torch.autograd.Variable._execution_engine.queue_callback(measure)
+        def at_end_of_backward(grad: torch.Tensor) -> None:
+            # Queued from the first callback: it runs after those queued during the pass.
+            queue(lambda: queue(measure))
 
-        loss.register_hook(queue)
-
-    def take(self) -> torch.Tensor | None:
-        value, self.value = self.value, None
-        return value
-
+        loss.register_hook(at_end_of_backward)

@@ -8,7 +8,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..monitor import Monitor, NullMonitor
-from ._common import PreClipNorm, eval_loss_from, resolve_monitor
+from ._common import AfterBackward, eval_loss_from, resolve_monitor
 
 __all__ = ["LossbeatCallback"]
 
@@ -30,16 +30,20 @@ class LossbeatCallback(TrainerCallback):
     - ``on_train_begin``: registers a forward hook on the model that keeps the
       training loss of each micro-batch (a running sum on the device, reset
       every optimizer step: bounded memory).
-    - ``on_pre_optimizer_step``: ``Monitor.observe(step, loss, model, optimizer, epoch,
-      grad_norm)``: ``step`` is ``state.global_step + 1`` (the number the
-      Trainer logs for this step), ``loss`` the step's loss over its
-      micro-batches (the sum of their shares when the model is given
-      ``num_items_in_batch``, else their mean), as the Trainer logs it; the
-      learning rates from the optimizer's param groups, ``epoch`` the
-      fractional ``state.epoch``. ``grad_norm`` is the global norm measured at
-      the end of the last backward pass, i.e. before the Trainer clips
-      (``max_grad_norm``), which it does before this hook; the per-layer norms
-      are read in this hook, so with clipping on they are the clipped ones.
+    - end of each backward pass (an autograd-engine callback queued by a hook
+      on the loss; only when ``max_grad_norm`` clips):
+      ``Monitor.measure_gradients(model)``, the global and per-layer gradient
+      norms before the Trainer clips them, which it does before
+      ``on_pre_optimizer_step``. Under DDP they are measured after the
+      all-reduce. The last micro-batch's measurement covers the whole step.
+    - ``on_pre_optimizer_step``: ``Monitor.observe(step, loss, model, optimizer, epoch)``:
+      ``step`` is ``state.global_step + 1`` (the number the Trainer logs for
+      this step), ``loss`` the step's loss over its micro-batches (the sum of
+      their shares when the model is given ``num_items_in_batch``, else their
+      mean), as the Trainer logs it; the learning rates from the optimizer's
+      param groups, ``epoch`` the fractional ``state.epoch``; the gradient
+      norms are those measured at the end of backward (read here when nothing
+      clips).
     - ``on_log``: only in fallback mode: ``loss``, ``grad_norm``,
       ``learning_rate`` and ``epoch`` of the log record. Eval keys are left to
       ``on_evaluate`` so nothing is counted twice.
@@ -58,8 +62,8 @@ class LossbeatCallback(TrainerCallback):
 
     Note:
         With ``fp16=True`` (a GradScaler) the gradients at the end of backward
-        are still scaled, so the pre-clip measurement is skipped and the global
-        norm is read in ``on_pre_optimizer_step`` (unscaled, after clipping).
+        are still scaled, so the end-of-backward measurement is skipped and the
+        norms are read in ``on_pre_optimizer_step`` (unscaled, after clipping).
 
     Example::
 
@@ -80,7 +84,7 @@ class LossbeatCallback(TrainerCallback):
         self._share_scale = 1.0
         self._observed_steps = 0
         self._hook: Any = None
-        self._pre_clip = PreClipNorm()
+        self._after_backward = AfterBackward(self.monitor)
         self._measure_pre_clip = False
 
     @property
@@ -111,11 +115,7 @@ class LossbeatCallback(TrainerCallback):
             loss = self._loss_sum * self._share_scale
         else:
             loss = self._loss_sum / self._micro_batches
-        grad_norm = self._pre_clip.take() if self._measure_pre_clip else None
-        self.monitor.observe(
-            state.global_step + 1, loss=loss, model=model, optimizer=optimizer,
-            grad_norm=grad_norm, epoch=state.epoch,
-        )
+        self.monitor.observe(state.global_step + 1, loss=loss, model=model, optimizer=optimizer, epoch=state.epoch)
         self._observed_steps += 1
         self._reset()
 
@@ -156,7 +156,7 @@ class LossbeatCallback(TrainerCallback):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
         if self._measure_pre_clip:
-            self._pre_clip.watch(loss, module)
+            self._after_backward.watch(loss, module)
         value = loss.detach().float().reshape(())
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._micro_batches += 1

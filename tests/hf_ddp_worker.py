@@ -1,0 +1,66 @@
+"""A torchrun worker for test_distributed.py: a Hugging Face Trainer on gloo DDP with LossbeatCallback.
+
+Trains a tiny GPT-2 with ``max_grad_norm`` clipping on, then writes
+``<dir>/result.<rank>.json``: what the monitor exported for the last step and
+what the Trainer logged for it.
+"""
+
+import argparse
+import json
+import pathlib
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from lossbeat import Monitor, MonitorConfig
+from lossbeat.integrations.hf import LossbeatCallback
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        self.x = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                       bos_token_id=0, eos_token_id=0))
+    monitor = Monitor(MonitorConfig(port=0), serve=False)
+    training = TrainingArguments(
+        output_dir=args.dir, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        logging_steps=1, learning_rate=1e-3, max_grad_norm=0.05, report_to=[], use_cpu=True,
+        ddp_backend="gloo", save_strategy="no", disable_tqdm=True, seed=0,
+    )
+    # The sampler gives each rank its own shard: different data, gradients all-reduced by DDP.
+    trainer = Trainer(model=model, args=training, train_dataset=Tokens(64, 1),
+                      callbacks=[LossbeatCallback(monitor)])
+    trainer.train()
+    monitor.flush()
+    logged = [r for r in trainer.state.log_history if "grad_norm" in r]
+    s = monitor.state
+    result = {
+        "rank": trainer.args.process_index,
+        "steps": s.steps_total,
+        "grad_norm": s.grad_norm,
+        "layer_norms": s.layer_norms,
+        "trainer_grad_norm": logged[-1]["grad_norm"],
+        "trainer_step": logged[-1]["step"],
+    }
+    path = pathlib.Path(args.dir) / f"result.{trainer.args.process_index}.json"
+    path.write_text(json.dumps(result))
+    monitor.close()
+
+
+if __name__ == "__main__":
+    main()
