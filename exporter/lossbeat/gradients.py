@@ -4,18 +4,43 @@ Parameters are grouped into layers by module path (``blocks.3.attn.qkv.weight``
 belongs to layer ``blocks.3.attn.qkv``); ``depth`` keeps only the first
 components for coarser grouping (``depth=3`` -> ``blocks.3.attn``). Everything
 here stays on the device: no ``.item()``, no host synchronisation.
+
+Sharded parameters (``DTensor``: FSDP2's ``fully_shard``, tensor parallelism)
+hold a shard of their gradient on each rank. Their squared norms are reduced
+locally, then summed over the mesh dimensions they are sharded on with one
+small all-reduce per sharding layout (a vector of one float per layer), so
+every rank gets the model's norms. That all-reduce is a collective: every rank
+of the mesh must measure at the same steps, as training loops do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["LayerGrouping", "GradientNorms", "compute_grad_norms", "clip_with_norms"]
 
 _INDEX_CACHE_SIZE = 8
+
+
+def _shard_groups(param: torch.Tensor) -> tuple[Any, ...]:
+    """Process groups over which a parameter's gradient is sharded: () for a whole tensor.
+
+    A DTensor placed ``Shard``/``_StridedShard`` on a mesh dimension holds a slice
+    there (its squares add up over that dimension's group); ``Replicate`` holds
+    the whole (nothing to add).
+    """
+    placements = getattr(param, "placements", None)
+    mesh = getattr(param, "device_mesh", None)
+    if placements is None or mesh is None or not dist.is_available() or not dist.is_initialized():
+        return ()
+    return tuple(
+        mesh.get_group(dim) for dim, placement in enumerate(placements)
+        if not (placement.is_replicate() or placement.is_partial()) and mesh.size(dim) > 1
+    )
 
 
 def layer_name(param_name: str, depth: int | None) -> str:
@@ -31,6 +56,10 @@ class LayerGrouping:
 
     ``max_layers`` bounds label cardinality: when the module paths give more
     layers, the grouping gets coarser (smaller depth) until they fit.
+
+    Each parameter gets a slot: its layer index, plus ``len(layers)`` times its
+    sharding layout (0 for whole tensors; one per distinct set of process groups
+    for DTensor shards), so one ``index_add_`` sorts squares by layer and layout.
     """
 
     def __init__(self, model: torch.nn.Module, depth: int | None = None, max_layers: int = 1000) -> None:
@@ -51,25 +80,36 @@ class LayerGrouping:
         self.layer_names: list[str] = list(dict.fromkeys(names))
         position = {name: i for i, name in enumerate(self.layer_names)}
         self.param_layer: list[int] = [position[n] for n in names]
+        layouts: dict[tuple[Any, ...], int] = {(): 0}
+        param_layouts = [layouts.setdefault(_shard_groups(p), len(layouts)) for p in self.params]
+        self.shard_groups: list[tuple[Any, ...]] = list(layouts)
+        """Per sharding layout, the process groups its squares are summed over (layout 0: none)."""
+        self.param_slot: list[int] = [
+            layer + len(self.layer_names) * layout for layer, layout in zip(self.param_layer, param_layouts)
+        ]
+        self.sharded = len(self.shard_groups) > 1
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.layer_names)
 
     def present_grads(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
-        """Gradients that exist this step and their layer indices.
+        """Gradients that exist this step (the local shard of a DTensor's) and their slots.
 
         A Python loop over parameters, but it only reads ``.grad``: no device work.
         Frozen parameters are excluded at construction; unused ones have no grad.
         """
-        grads, layers = [], []
-        for p, layer in zip(self.params, self.param_layer):
+        grads, slots = [], []
+        sharded = self.sharded
+        for p, slot in zip(self.params, self.param_slot):
             g = p.grad
             if g is not None:
+                if sharded:  # a DTensor's local shard, by attribute: to_local() is a dispatch
+                    g = getattr(g, "_local_tensor", g)
                 # A grad only requires grad after backward(create_graph=True); detach is a dispatch.
                 grads.append(g.detach() if g.requires_grad else g)
-                layers.append(layer)
-        return grads, tuple(layers)
+                slots.append(slot)
+        return grads, tuple(slots)
 
     def layer_index(self, layers: tuple[int, ...], device: torch.device) -> torch.Tensor:
         key = layers
@@ -109,11 +149,21 @@ def compute_grad_norms(
         norms = [n.to(device, non_blocking=True) for n in norms]
     # Squares in float64: a per-parameter norm of 1e20 must not overflow to inf.
     squares = torch.stack(norms).double().square()
-    if not per_layer:
+    if not per_layer and not grouping.sharded:
         return GradientNorms(squares.sum().sqrt().float(), None)
     index = grouping.layer_index(layers, device)
-    layer_squares = torch.zeros(len(grouping), dtype=torch.float64, device=device).index_add_(0, index, squares)
-    return GradientNorms(layer_squares.sum().sqrt().float(), layer_squares.sqrt().float())
+    n_layers = len(grouping)
+    slot_squares = torch.zeros(n_layers * len(grouping.shard_groups), dtype=torch.float64, device=device)
+    slot_squares.index_add_(0, index, squares)
+    by_layout = slot_squares.view(len(grouping.shard_groups), n_layers)
+    for layout, groups in enumerate(grouping.shard_groups[1:], start=1):
+        for group in groups:
+            # Shards' squares add up over the group. Enqueued on the device like any kernel
+            # (NCCL: no host sync); gloo on CPU completes it here.
+            dist.all_reduce(by_layout[layout], group=group)
+    layer_squares = by_layout.sum(0) if grouping.sharded else slot_squares
+    layer_norms = layer_squares.sqrt().float() if per_layer else None
+    return GradientNorms(layer_squares.sum().sqrt().float(), layer_norms)
 
 
 def clip_with_norms(

@@ -206,6 +206,10 @@ def _scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.T
             raise TypeError(f"{name}: expected a single value, got a tensor of shape {tuple(value.shape)}")
         if value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name}: expected a real number, got a {value.dtype} tensor")
+        if hasattr(value, "full_tensor"):
+            # A DTensor (torch's clip_grad_norm_ returns one under FSDP2): its value on every
+            # rank; a partial one is all-reduced, enqueued on the device like any kernel.
+            value = value.full_tensor()
         return value.detach().reshape(())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a float or a 0-d tensor, got {type(value).__name__}")
