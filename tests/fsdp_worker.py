@@ -1,9 +1,11 @@
-"""A torchrun worker for test_distributed.py: FSDP2 (``fully_shard``) on gloo with the monitor.
+"""A torchrun worker for test_distributed.py: sharded data parallel on gloo with the monitor.
 
-``--replicas R``: a (R, world / R) mesh, HSDP when R > 1 (replicated over the
-first dimension, sharded over the second). Each rank trains on its own data;
-after a few steps it writes ``<dir>/result.<rank>.json`` with what the monitor
-measured and a reference computed from the full (gathered) gradients.
+``--wrap fsdp2`` (``fully_shard``; ``--replicas R``: a (R, world / R) mesh, HSDP
+when R > 1, replicated over the first dimension and sharded over the second),
+``fsdp1`` (``FullyShardedDataParallel`` per block, ``use_orig_params=True``) or
+``fsdp1-flat`` (the same with flat parameters). Each rank trains on its own
+data; after a few steps it writes ``<dir>/result.<rank>.json`` with what the
+monitor measured and a reference computed from the full (gathered) gradients.
 """
 
 import argparse
@@ -11,22 +13,33 @@ import json
 import math
 import pathlib
 
+import contextlib
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lossbeat import Monitor, MonitorConfig
-from lossbeat.demo import ModelSize, SyntheticCorpus, TinyLM
+from lossbeat.demo import Block, ModelSize, SyntheticCorpus, TinyLM
 
 
 def reference_norms(model: torch.nn.Module) -> tuple[float, dict[str, float]]:
-    """Per-module norms from the gathered gradients (a collective per parameter: slow, exact)."""
+    """Per-module norms from the gathered gradients (collectives per parameter: slow, exact)."""
+    if isinstance(model, FullyShardedDataParallel):
+        if not model._use_orig_params:  # per-parameter gradients are not recoverable: the total only
+            return float(model.clip_grad_norm_(math.inf)), {}
+        gathered = FullyShardedDataParallel.summon_full_params(model, with_grads=True)
+    else:
+        gathered = contextlib.nullcontext()
     squares: dict[str, float] = {}
-    for name, p in model.named_parameters():
-        full = p.grad.full_tensor().double()
-        layer = name.rsplit(".", 1)[0]
-        squares[layer] = squares.get(layer, 0.0) + float(full.square().sum())
+    with gathered:
+        for name, p in model.named_parameters():
+            full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            layer = name.replace("_fsdp_wrapped_module.", "").rsplit(".", 1)[0]
+            squares[layer] = squares.get(layer, 0.0) + float(full.double().square().sum())
     return math.sqrt(sum(squares.values())), {k: math.sqrt(v) for k, v in squares.items()}
 
 
@@ -34,22 +47,30 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--wrap", choices=("fsdp2", "fsdp1", "fsdp1-flat"), default="fsdp2")
     args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # FSDP1's deprecation notice
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     model = TinyLM(ModelSize(vocab=32, context=16, width=32, layers=2, heads=2))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if args.wrap == "fsdp2":
+        mesh = init_device_mesh("cpu", (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        layout = str(next(model.parameters()).placements)
+    else:
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                         use_orig_params=args.wrap == "fsdp1", device_id=torch.device("cpu"))
+        layout = str(model.sharding_strategy)
     corpus = SyntheticCorpus(32, 16, seed=100 + rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     monitor = Monitor(MonitorConfig(port=0), serve=False)
 
-    result = {"rank": rank, "placements": str(next(model.parameters()).placements)}
+    result = {"rank": rank, "layout": layout}
     for step in range(3):
         loss = model(*corpus.batch(8))
         loss.backward()
@@ -66,11 +87,15 @@ def main() -> None:
             monitor.observe(step, loss=loss, model=model, grad_norm=returned)
             monitor.flush()
             result["clip_coefficient"] = monitor.state.clip_coefficient
-        else:  # torch's clip returns a DTensor: observe takes it as the grad norm
-            returned = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:  # the framework's own clip; under FSDP2 torch's returns a DTensor, taken whole
+            if isinstance(model, FullyShardedDataParallel):
+                returned = model.clip_grad_norm_(1.0)
+            else:
+                returned = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             monitor.observe(step, loss=loss, model=model, grad_norm=returned)
             monitor.flush()
-            result["torch_clip"] = (float(returned.full_tensor()), monitor.state.grad_norm)
+            full = returned.full_tensor() if hasattr(returned, "full_tensor") else returned
+            result["torch_clip"] = (float(full), monitor.state.grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     result["errors"] = dict(monitor.state.errors)

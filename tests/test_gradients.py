@@ -48,6 +48,22 @@ def test_layer_names_follow_module_paths_in_model_order():
     ]
 
 
+def test_wrapper_components_are_dropped_from_layer_names():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    net = Net()
+    net.blocks[0] = checkpoint_wrapper(net.blocks[0])  # activation checkpointing, as FSDP jobs do
+    compiled = torch.compile(net)  # wraps without compiling until called
+    names = [n for n, _ in compiled.named_parameters()]
+    assert "_orig_mod.blocks.0._checkpoint_wrapped_module.attn.weight" in names
+    grouping = LayerGrouping(compiled)
+    assert grouping.layer_names == [
+        "scale", "embed", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp", "head",
+    ]
+    assert not grouping.sharded and grouping.shard_groups == [()]  # no process group: nothing to reduce
+    assert layer_name("_fsdp_wrapped_module.blocks.0._fsdp_wrapped_module._flat_param", None) == "blocks.0"
+
+
 def test_coarser_grouping_by_depth_and_by_max_layers():
     assert LayerGrouping(Net(), depth=2).layer_names == ["scale", "embed", "blocks.0", "blocks.1", "head"]
     assert LayerGrouping(Net(), max_layers=5).layer_names == ["scale", "embed", "blocks.0", "blocks.1", "head"]

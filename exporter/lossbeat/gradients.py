@@ -5,12 +5,15 @@ belongs to layer ``blocks.3.attn.qkv``); ``depth`` keeps only the first
 components for coarser grouping (``depth=3`` -> ``blocks.3.attn``). Everything
 here stays on the device: no ``.item()``, no host synchronisation.
 
-Sharded parameters (``DTensor``: FSDP2's ``fully_shard``, tensor parallelism)
-hold a shard of their gradient on each rank. Their squared norms are reduced
-locally, then summed over the mesh dimensions they are sharded on with one
-small all-reduce per sharding layout (a vector of one float per layer), so
-every rank gets the model's norms. That all-reduce is a collective: every rank
-of the mesh must measure at the same steps, as training loops do.
+Sharded parameters (``DTensor``: FSDP2's ``fully_shard``, HSDP, tensor
+parallelism; FSDP1's flat parameters) hold a shard of their gradient on each
+rank. Their squared norms are reduced locally, then summed over the process
+groups they are sharded on with one small all-reduce per sharding layout (a
+vector of one float per layer), so every rank gets the model's norms. That
+all-reduce is a collective: every rank must measure at the same steps, as
+training loops do. Wrapper components of parameter names
+(``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``, ``_orig_mod``) are
+dropped, so layers keep the model's own names.
 """
 
 from __future__ import annotations
@@ -26,16 +29,20 @@ __all__ = ["LayerGrouping", "GradientNorms", "compute_grad_norms", "clip_with_no
 _INDEX_CACHE_SIZE = 8
 
 
-def _shard_groups(param: torch.Tensor) -> tuple[Any, ...]:
-    """Process groups over which a parameter's gradient is sharded: () for a whole tensor.
+# Modules that wrappers insert into parameter names; never a user's own module name.
+_WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
-    A DTensor placed ``Shard``/``_StridedShard`` on a mesh dimension holds a slice
-    there (its squares add up over that dimension's group); ``Replicate`` holds
-    the whole (nothing to add).
+
+def _dtensor_groups(param: torch.Tensor) -> tuple[Any, ...]:
+    """Process groups over which a DTensor's gradient is sharded: () for a whole tensor.
+
+    Placed ``Shard``/``_StridedShard`` on a mesh dimension, it holds a slice there
+    (its squares add up over that dimension's group); ``Replicate`` holds the
+    whole (nothing to add).
     """
     placements = getattr(param, "placements", None)
     mesh = getattr(param, "device_mesh", None)
-    if placements is None or mesh is None or not dist.is_available() or not dist.is_initialized():
+    if placements is None or mesh is None:
         return ()
     return tuple(
         mesh.get_group(dim) for dim, placement in enumerate(placements)
@@ -43,8 +50,32 @@ def _shard_groups(param: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
+def _fsdp1_groups(model: torch.nn.Module) -> dict[int, tuple[Any, ...]]:
+    """{id(parameter): (shard process group,)} for the parameters FSDP1 shards.
+
+    A ``FullyShardedDataParallel`` unit flattens its parameters into one
+    ``FlatParameter`` and keeps a 1-D chunk on each rank of its process group
+    (with ``use_orig_params=True`` the original parameters are views into that
+    chunk). Hybrid sharding's process group is the shard group; ``NO_SHARD``
+    holds whole tensors.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    out: dict[int, tuple[Any, ...]] = {}
+    for module in model.modules():
+        if not isinstance(module, FullyShardedDataParallel):
+            continue
+        flat = getattr(getattr(module, "_handle", None), "flat_param", None)
+        group = module.process_group
+        if flat is None or module.sharding_strategy == ShardingStrategy.NO_SHARD or group.size() < 2:
+            continue
+        for param in getattr(flat, "_params", None) or [flat]:
+            out[id(param)] = (group,)
+    return out
+
+
 def layer_name(param_name: str, depth: int | None) -> str:
-    parts = param_name.split(".")
+    parts = [part for part in param_name.split(".") if part not in _WRAPPER_NAMES]
     module = parts[:-1] or parts  # a top-level parameter is its own layer
     if depth is not None:
         module = module[:depth]
@@ -59,7 +90,7 @@ class LayerGrouping:
 
     Each parameter gets a slot: its layer index, plus ``len(layers)`` times its
     sharding layout (0 for whole tensors; one per distinct set of process groups
-    for DTensor shards), so one ``index_add_`` sorts squares by layer and layout.
+    for shards), so one ``index_add_`` sorts squares by layer and layout.
     """
 
     def __init__(self, model: torch.nn.Module, depth: int | None = None, max_layers: int = 1000) -> None:
@@ -81,13 +112,19 @@ class LayerGrouping:
         position = {name: i for i, name in enumerate(self.layer_names)}
         self.param_layer: list[int] = [position[n] for n in names]
         layouts: dict[tuple[Any, ...], int] = {(): 0}
-        param_layouts = [layouts.setdefault(_shard_groups(p), len(layouts)) for p in self.params]
+        distributed = dist.is_available() and dist.is_initialized()
+        fsdp1 = _fsdp1_groups(model) if distributed else {}
+        param_layouts = [
+            layouts.setdefault(fsdp1.get(id(p)) or _dtensor_groups(p), len(layouts)) if distributed else 0
+            for p in self.params
+        ]
         self.shard_groups: list[tuple[Any, ...]] = list(layouts)
         """Per sharding layout, the process groups its squares are summed over (layout 0: none)."""
         self.param_slot: list[int] = [
             layer + len(self.layer_names) * layout for layer, layout in zip(self.param_layer, param_layouts)
         ]
         self.sharded = len(self.shard_groups) > 1
+        self.device = self.params[0].device if self.params else torch.device("cpu")
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -135,20 +172,25 @@ class GradientNorms:
 def compute_grad_norms(
     grouping: LayerGrouping, per_layer: bool = True, present: tuple[list[torch.Tensor], tuple[int, ...]] | None = None
 ) -> GradientNorms | None:
-    """One fused ``_foreach_norm`` over every gradient; None when no parameter has one.
+    """One fused ``_foreach_norm`` over every gradient; None when no parameter has one
+    (a sharded model's ranks always join the all-reduce: zeros where none has).
 
     ``present``: ``grouping.present_grads()`` when the caller already has it.
     """
     grads, layers = present if present is not None else grouping.present_grads()
-    if not grads:
+    if grads:
+        # Norms in float32 whatever the gradient dtype (bf16/fp16 norms lose precision).
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        device = norms[0].device
+        if any(n.device != device for n in norms):  # model split over devices
+            norms = [n.to(device, non_blocking=True) for n in norms]
+        # Squares in float64: a per-parameter norm of 1e20 must not overflow to inf.
+        squares = torch.stack(norms).double().square()
+    elif grouping.sharded:  # no local shard has a gradient, others may: join the all-reduce
+        device = grouping.device
+        squares = torch.zeros(0, dtype=torch.float64, device=device)
+    else:
         return None
-    # Norms in float32 whatever the gradient dtype (bf16/fp16 norms lose precision).
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-    device = norms[0].device
-    if any(n.device != device for n in norms):  # model split over devices
-        norms = [n.to(device, non_blocking=True) for n in norms]
-    # Squares in float64: a per-parameter norm of 1e20 must not overflow to inf.
-    squares = torch.stack(norms).double().square()
     if not per_layer and not grouping.sharded:
         return GradientNorms(squares.sum().sqrt().float(), None)
     index = grouping.layer_index(layers, device)
