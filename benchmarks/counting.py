@@ -5,7 +5,8 @@ reach aten as ``_local_scalar_dense``, which a TorchDispatchMode sees; ``.tolist
 ``.cpu()`` and ``.numpy()`` do not dispatch such an op on CPU, and ``torch.tensor()``
 reads a list of tensors in C++ with the dispatch mode excluded, so those are
 wrapped for the duration of the count. On CPU no read waits for anything; on an
-accelerator each one on a device tensor is a blocking sync.
+accelerator each one on a device tensor is a blocking sync, and so is each wait
+on ``torch.cuda.synchronize()`` or a CUDA event's ``synchronize()``, also counted.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class StepCounts:
     device_list_reads: int = 0
     device_method_reads: int = 0
     """Of those, calls on a non-CPU tensor (each a blocking device sync)."""
+    device_waits: int = 0
+    """``torch.cuda.synchronize()`` and ``torch.cuda.Event.synchronize()`` calls."""
     op_names: collections.Counter = field(default_factory=collections.Counter)
 
     @property
@@ -95,13 +98,25 @@ def count_host_reads(counts: StepCounts) -> Iterator[StepCounts]:
             counts.device_list_reads += sum(x.device.type != "cpu" for x in tensors)
         return original_tensor(data, *args, **kwargs)
 
+    original_sync, original_event_sync = torch.cuda.synchronize, torch.cuda.Event.synchronize
+
+    def counted_sync(*args, **kwargs):
+        counts.device_waits += 1
+        return original_sync(*args, **kwargs)
+
+    def counted_event_sync(self, *args, **kwargs):
+        counts.device_waits += 1
+        return original_event_sync(self, *args, **kwargs)
+
     for name in _WRAPPED_METHODS:
         setattr(torch.Tensor, name, wrap(name))
     torch.tensor = counted_tensor
+    torch.cuda.synchronize, torch.cuda.Event.synchronize = counted_sync, counted_event_sync
     try:
         with OpCounter(counts):
             yield counts
     finally:
         torch.tensor = original_tensor
+        torch.cuda.synchronize, torch.cuda.Event.synchronize = original_sync, original_event_sync
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)

@@ -1,4 +1,4 @@
-"""The benchmark's transformers (lossbeat's demo TinyLM at three sizes) and their data."""
+"""The benchmark's transformers (lossbeat's demo TinyLM, 1M to 1.3B parameters) and their data."""
 
 from __future__ import annotations
 
@@ -17,12 +17,20 @@ class ModelSpec:
     size: ModelSize
     batch: int
     """Sequences per step: sized so a CPU step takes 0.1 to 1.5 s on the reference machine."""
+    dtype: torch.dtype = torch.float32
+    """Parameters, gradients and optimizer state (bf16 for the GPU-sized model)."""
 
 
 MODEL_SPECS = {
     "1M": ModelSpec("1M", ModelSize(vocab=256, context=64, width=128, layers=5, heads=4), batch=16),
     "10M": ModelSpec("10M", ModelSize(vocab=256, context=64, width=256, layers=12, heads=8), batch=8),
     "50M": ModelSpec("50M", ModelSize(vocab=256, context=64, width=512, layers=16, heads=8), batch=4),
+    # GPU only: 1.34e9 parameters in 293 tensors, about 11 GB with grads and AdamW state in bf16.
+    "1.3B": ModelSpec("1.3B", ModelSize(vocab=32768, context=1024, width=2048, layers=24, heads=16), batch=8,
+                      dtype=torch.bfloat16),
+    # The smoke test's stand-in for the GPU plan: the same dtype, milliseconds a step on CPU.
+    "tiny-bf16": ModelSpec("tiny-bf16", ModelSize(vocab=32, context=8, width=16, layers=2, heads=2), batch=2,
+                           dtype=torch.bfloat16),
 }
 TINY_SPEC = ModelSpec("tiny", ModelSize(vocab=32, context=8, width=16, layers=2, heads=2), batch=2)
 """For the smoke test: milliseconds a step."""
@@ -57,7 +65,8 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 def build_workload(spec: ModelSpec, device: torch.device | str = "cpu", seed: int = 0) -> Workload:
     torch.manual_seed(seed)
     device = torch.device(device)
-    model = TinyLM(spec.size).to(device)
+    with device:  # built in place: initialising 1.3e9 parameters on the CPU first takes a minute
+        model = TinyLM(spec.size).to(dtype=spec.dtype)
     optimizer = make_optimizer(model)
     corpus = SyntheticCorpus(spec.size.vocab, spec.size.context, seed=seed)
     batches = [tuple(t.to(device) for t in corpus.batch(spec.batch)) for _ in range(_BATCH_POOL)]

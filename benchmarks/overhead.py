@@ -171,6 +171,7 @@ def count_variant(workload: Workload, variant: Variant, steps: int, warmup: int 
         train_step(workload, variant, i)
     counts = StepCounts()
     transfers_before = variant.host_transfers
+    waits_before = variant.blocking_waits
     with count_host_reads(counts):
         for i in range(steps):
             train_step(workload, variant, warmup + i)
@@ -183,8 +184,11 @@ def count_variant(workload: Workload, variant: Variant, steps: int, warmup: int 
         "scalar_reads_per_step": counts.scalar_reads / steps,
         "method_reads_per_step": counts.method_reads / steps,
         "list_reads_per_step": counts.list_reads / steps,
-        "device_syncs_per_step": (counts.scalar_reads + counts.device_method_reads + counts.device_list_reads) / steps
-        if workload.device.type != "cpu" else None,
+        "device_syncs_per_step": (
+            counts.scalar_reads + counts.device_method_reads + counts.device_list_reads + counts.device_waits
+        ) / steps if workload.device.type != "cpu" else None,
+        "lossbeat_blocking_waits_per_step": None if waits_before is None
+        else (variant.blocking_waits - waits_before) / steps,
         "lossbeat_host_transfers_per_step": None if transfers_before is None
         else (transfers_after - transfers_before) / steps,
         "top_ops": dict(counts.op_names.most_common(8)),

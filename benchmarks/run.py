@@ -2,9 +2,14 @@
 
     python benchmarks/run.py            # full: 1M, 10M, 50M models (about half an hour on 2 cores)
     python benchmarks/run.py --quick    # under ~3 minutes: 1M and 10M, fewer rounds
+    python benchmarks/run.py --gpu-only --json gpu.json --out gpu.md   # the CUDA part alone (~5 min)
+    python benchmarks/run.py --merge-gpu gpu.json   # adds those GPU tables to results.json, RESULTS.md
 
-The GPU part runs only where CUDA is present. NOTES.md (the causes of missed
-targets, written by hand) is copied into RESULTS.md when it exists.
+The GPU part (the 10M model in float32 and a 1.3B model in bf16, blocks of 10
+steps synchronized at their end) runs wherever CUDA is present; ``--gpu-only``
+runs it alone, on a machine lent for minutes (``benchmarks/gpu.sh``), and
+``--merge-gpu`` folds its JSON into the CPU results here. NOTES.md (the causes
+of missed targets, written by hand) is copied into RESULTS.md when it exists.
 """
 
 from __future__ import annotations
@@ -37,14 +42,15 @@ PLANS = {
     "quick": {
         "overhead": [("1M", 30), ("10M", 10)], "counted": ["1M"], "count_steps": 10,
         "scrape": ("1M", 2, 2.5), "render_repeats": 20, "observe_calls": 5_000,
-        "memory": (100_000, 20_000), "cuda": [("10M", 3)],
+        "memory": (100_000, 20_000), "cuda": [("10M", 3), ("1.3B", 2)],
     },
     "full": {
         "overhead": [("1M", 200), ("10M", 80), ("50M", 40)], "counted": ["1M", "10M", "50M"],
         "count_steps": 10, "scrape": ("10M", 6, 5.0), "render_repeats": 50, "observe_calls": 20_000,
-        "memory": (1_000_000, 100_000), "cuda": [("10M", 10), ("50M", 10)],
+        "memory": (1_000_000, 100_000), "cuda": [("10M", 10), ("1.3B", 4)],
     },
 }
+GPU_COUNT_STEPS = 5
 CUDA_BLOCK = 10
 
 
@@ -125,11 +131,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="rewrite RESULTS.md from the JSON and NOTES.md, measuring nothing")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared 2-core machine more threads only add noise)")
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU part (counts and overhead)")
+    parser.add_argument("--device", default="cuda", help="with --gpu-only: the device (cpu rehearses the plan)")
+    parser.add_argument("--gpu-models", default=None,
+                        help="with --gpu-only: MODEL:ROUNDS,... (default: the full plan's)")
+    parser.add_argument("--merge-gpu", type=Path, default=None, metavar="GPU_JSON",
+                        help="fold a --gpu-only run's JSON into --json and rewrite --out; measures nothing")
     args = parser.parse_args(argv)
 
     if args.render_only:
         write_outputs(json.loads(args.json.read_text()), args.out, args.json)
         return 0
+    if args.merge_gpu is not None:
+        merged = merge_gpu(json.loads(args.json.read_text()), json.loads(args.merge_gpu.read_text()))
+        write_outputs(merged, args.out, args.json)
+        _log(f"merged {args.merge_gpu} into {args.json} and {args.out}")
+        return 0
+    if args.gpu_only:
+        return run_gpu_only(args)
     torch.set_num_threads(args.threads)
     logging.getLogger("lossbeat").setLevel(logging.ERROR)  # the synthetic losses trip status-change lines
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -158,16 +177,62 @@ def main(argv: list[str] | None = None) -> int:
         build_workload(MODEL_SPECS[model_name]), rounds, block_seconds)}
     checkpoint()
     if torch.cuda.is_available():
-        try:
-            run_counts("cuda", [m for m, _ in plan["cuda"]], plan["count_steps"], results)
-            run_overhead("cuda", plan["cuda"], results, checkpoint)
-        except Exception as exc:  # a GPU problem must not cost the CPU results
-            results["cuda_error"] = f"{type(exc).__name__}: {exc}"
+        run_gpu_part("cuda", plan["cuda"], results, checkpoint)
 
     results["seconds"] = time.perf_counter() - started
     write_outputs(results, args.out, args.json)
     _log(f"wrote {args.out} and {args.json} in {results['seconds']:.0f} s")
     return 0
+
+
+def run_gpu_part(device: str, plan: list[tuple[str, int]], results: dict, checkpoint) -> None:
+    """Counts, then interleaved timings, on ``device``; a failure is recorded, never raised."""
+    try:
+        run_counts(device, [m for m, _ in plan], GPU_COUNT_STEPS, results)
+        checkpoint()
+        run_overhead(device, plan, results, checkpoint)
+    except Exception as exc:  # a GPU problem must not cost the results already measured
+        results["cuda_error"] = f"{type(exc).__name__}: {exc}"
+        checkpoint()
+
+
+def run_gpu_only(args: argparse.Namespace) -> int:
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        _log("no CUDA device: nothing to measure")
+        return 2
+    torch.set_num_threads(args.threads)
+    logging.getLogger("lossbeat").setLevel(logging.ERROR)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    if args.gpu_models:
+        plan = [(name, int(rounds)) for name, rounds in (item.split(":") for item in args.gpu_models.split(","))]
+    else:
+        plan = PLANS["full"]["cuda"]
+    started = time.perf_counter()
+    results: dict = {"quick": False, "gpu_only": True, "environment": environment()}
+
+    def checkpoint() -> None:
+        results["seconds"] = time.perf_counter() - started
+        write_outputs(results, args.out, args.json)
+
+    run_gpu_part(args.device, plan, results, checkpoint)
+    checkpoint()
+    _log(f"wrote {args.out} and {args.json} in {results['seconds']:.0f} s")
+    return 1 if "cuda_error" in results else 0
+
+
+def merge_gpu(cpu: dict, gpu: dict) -> dict:
+    """The CPU results with a --gpu-only run's device tables, error and GPU name added."""
+    merged = json.loads(json.dumps(cpu))
+    for section in ("overhead", "counts"):
+        for device, models in gpu.get(section, {}).items():
+            if device != "cpu":
+                merged.setdefault(section, {})[device] = models
+    merged["environment"]["gpu"] = gpu["environment"].get("gpu")
+    merged["gpu_environment"] = gpu["environment"]
+    merged.pop("cuda_error", None)
+    if "cuda_error" in gpu:
+        merged["cuda_error"] = gpu["cuda_error"]
+    return merged
 
 
 def write_outputs(results: dict, markdown: Path, raw: Path) -> None:

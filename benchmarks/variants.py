@@ -29,7 +29,6 @@ MAX_NORM = 1.0
 WANDB_LOG_FREQ = 10
 
 
-
 def package_version(distribution: str) -> str | None:
     """The installed version of an optional package, or None; reads metadata, imports nothing."""
     try:
@@ -70,6 +69,11 @@ class Variant:
         """lossbeat's own count of device->host reads, where the variant is lossbeat."""
         return None
 
+    @property
+    def blocking_waits(self) -> int | None:
+        """lossbeat's own count of waits for a deferred device copy, where the variant is lossbeat."""
+        return None
+
 
 class LossbeatVariant(Variant):
     def __init__(self, name: str, title: str, *, per_layer: bool, lossbeat_clip: bool = False, **config: Any) -> None:
@@ -98,6 +102,10 @@ class LossbeatVariant(Variant):
     @property
     def host_transfers(self) -> int | None:
         return self.monitor.host_transfers if self.monitor else None
+
+    @property
+    def blocking_waits(self) -> int | None:
+        return self.monitor.blocking_waits if self.monitor else None
 
 
 class NaiveVariant(Variant):

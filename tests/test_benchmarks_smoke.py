@@ -5,6 +5,7 @@ Counts are exact and asserted; timings are only checked for shape, never for val
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -133,3 +134,39 @@ def test_deferred_cuda_target_reads_the_cuda_counts():
     assert rows["0 blocking syncs per step on the deferred CUDA path"]["ok"] is True
     rows = {row["target"]: row for row in targets({})}
     assert rows["0 blocking syncs per step on the deferred CUDA path"]["ok"] is None
+
+
+def test_gpu_plan_rehearsed_on_cpu_in_bf16_then_merged(tmp_path):
+    """The GPU part's code path (bf16 model, counts, timings, merge) on the CPU, in seconds."""
+    from benchmarks.run import main as run_main
+
+    gpu_json, gpu_md = tmp_path / "results-gpu.json", tmp_path / "RESULTS-gpu.md"
+    assert run_main(["--gpu-only", "--device", "cpu", "--gpu-models", "tiny-bf16:2",
+                     "--json", str(gpu_json), "--out", str(gpu_md)]) == 0
+    gpu = json.loads(gpu_json.read_text())
+    assert gpu["gpu_only"] and "cuda_error" not in gpu
+    counts = gpu["counts"]["cpu"]["tiny-bf16"]
+    for name in LOSSBEAT:
+        assert counts[name]["host_reads_delta_per_step"] == 1, name
+        assert counts[name]["lossbeat_blocking_waits_per_step"] == 0, name
+    assert gpu["overhead"]["cpu"]["tiny-bf16"]["variants"]["lossbeat_scalars"]["available"]
+    assert "tiny-bf16 model on cpu" in gpu_md.read_text()
+
+    # As if measured on CUDA: the tables move under "cuda" with their device syncs.
+    for section in ("counts", "overhead"):
+        gpu[section] = {"cuda": gpu[section].pop("cpu")}
+    for c in gpu["counts"]["cuda"]["tiny-bf16"].values():
+        c["device_syncs_per_step"] = c["scalar_reads_per_step"]
+        c["device_syncs_delta_per_step"] = c["scalar_reads_per_step"] - counts["baseline"]["scalar_reads_per_step"]
+    gpu["environment"]["gpu"] = "Rehearsal GPU"
+    gpu_json.write_text(json.dumps(gpu))
+    cpu_json, cpu_md = tmp_path / "results.json", tmp_path / "RESULTS.md"
+    cpu = {"quick": True, "seconds": 1.0, "environment": environment()}
+    cpu_json.write_text(json.dumps(cpu))
+    assert run_main(["--merge-gpu", str(gpu_json), "--json", str(cpu_json), "--out", str(cpu_md)]) == 0
+    merged = json.loads(cpu_json.read_text())
+    assert set(merged["counts"]) == {"cuda"} and merged["environment"]["gpu"] == "Rehearsal GPU"
+    markdown = cpu_md.read_text()
+    assert "tiny-bf16 model on cuda" in markdown and "GPU tables: `run.py --gpu-only`" in markdown
+    verdicts = {row["target"]: row for row in targets(merged)}
+    assert verdicts["0 blocking syncs per step on the deferred CUDA path"]["ok"] is True

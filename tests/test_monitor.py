@@ -518,11 +518,14 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
         events.append(event)
         monitor._pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
                                          packed=torch.tensor([1.0], dtype=torch.float64), event=event))
+    assert monitor.blocking_waits == 0
     monitor._drain(block=False)  # too many in flight: the oldest are waited for, down to the cap
     assert events[2].waited and len(monitor._pending) == _MAX_PENDING
     assert monitor.state.steps_total == 3 + _MAX_PENDING + 1 - _MAX_PENDING
+    assert monitor.blocking_waits == 2  # steps 2 and 3 were waited for, one wait each
     monitor.flush()
     assert monitor.state.steps_total == 3 + _MAX_PENDING + 1 and not monitor._pending
+    assert monitor.blocking_waits == 2  # flush() waits on purpose: not counted
 
 
 def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatch):

@@ -268,6 +268,9 @@ class Monitor:
         self.host_transfers = 0
         """Reads of a step's packed tensor values on the host: at most one per observed step
         (plus one for CPU tensors when a step mixes CPU and device tensors)."""
+        self.blocking_waits = 0
+        """Times ``observe()`` waited for a deferred device copy (more than ``_MAX_PENDING``
+        steps in flight); 0 while the device keeps up. Waits in ``flush()`` are not counted."""
         self.closed = False
         self._server: MetricsServer | None = None
         if serve:
@@ -575,7 +578,9 @@ class Monitor:
             if record.event is not None and not record.event.query():
                 if not block and len(pending) <= _MAX_PENDING:
                     return
-                record.event.synchronize()  # only when too many are in flight, or on flush()
+                if not block:
+                    self.blocking_waits += 1
+                record.event.synchronize()  # host sync: only when too many are in flight, or on flush()
             pending.popleft()
             if record.packed is not None:
                 self.host_transfers += 1
