@@ -108,6 +108,52 @@ def test_hf_trainer_log_fallback_observes_logged_records(tmp_path):
     assert _value(s, "training_eval_total") == 2
 
 
+def test_hf_fp16_scaler_is_passed_and_unscales_when_the_trainer_does_not_clip():
+    """accelerate's optimizer carries the GradScaler (on CUDA; built here on CPU): without
+    clipping nothing unscaled the gradients before on_pre_optimizer_step, so the callback does."""
+    require_module("transformers")
+    accelerate_optimizer = require_module("accelerate.optimizer")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from lossbeat.integrations.hf import LossbeatCallback
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    # The process state accelerate's optimizer reads, fresh, as a Trainer sets it up.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    Accelerator(cpu=True)
+    optimizer = accelerate_optimizer.AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+    monitor = Monitor(MonitorConfig(port=0), serve=False)
+    callback = LossbeatCallback(monitor)
+    args = TrainingArguments(output_dir="/tmp/lossbeat-hf-fp16", max_grad_norm=0.0, report_to=[], use_cpu=True)
+    state, control = TrainerState(), TrainerControl()
+    callback.on_train_begin(args, state, control, model=model)
+    x = torch.randn(16, 8)
+    for step, poison in enumerate((False, True)):
+        callback.on_step_begin(args, state, control)
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        callback._loss_sum, callback._micro_batches = loss.detach(), 1  # what the forward hook keeps
+        scaler.scale(loss).backward()
+        expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item() / 2.0**10
+        if poison:
+            model[0].weight.grad[0, 0] = math.inf
+        callback.on_pre_optimizer_step(args, state, control, model=model, optimizer=optimizer)
+        monitor.flush()
+        if not poison:  # unscaled by the callback: the real norm, not 1024 times it
+            assert monitor.state.grad_norm == pytest.approx(expected, rel=1e-5)
+        scaler.step(optimizer.optimizer)  # AcceleratedOptimizer.step(): the gradients are already unscaled
+        scaler.update()
+        optimizer.zero_grad()
+        state.global_step += 1
+    s = _scrape(monitor)
+    assert _value(s, "training_grad_scaler_overflows_total") == 1
+    assert _value(s, "training_nonfinite_grad_total") == 0
+    assert _value(s, "training_grad_scale") == 2.0**10  # read before update() halved it
+
+
 def test_hf_eval_key_picks_named_eval_set():
     from lossbeat.integrations._common import eval_loss_from
 
@@ -184,6 +230,39 @@ def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
     assert module.val_runs >= 1
     assert _value(s, "training_eval_total") == module.val_runs
     assert _value(s, "training_eval_loss") == pytest.approx(float(trainer.callback_metrics["val_loss"]))
+
+
+def test_lightning_fp16_scaler_overflow_is_counted_not_paged():
+    """16-mixed precision's GradScaler, on CPU: a step whose gradients overflow is skipped by the
+    scaler and counted as an overflow; the loss scale is exported."""
+    L, Regressor = _lightning_module()
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lossbeat.integrations.lightning import LossbeatCallback
+
+    class Overflowing(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * 1e30 if batch_idx == 2 else loss  # overflows fp16 in backward
+
+    torch.manual_seed(0)
+    x = torch.randn(48, 8)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    monitor = Monitor(MonitorConfig(port=0), serve=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # small enough for this loss in fp16
+    trainer = L.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[LossbeatCallback(monitor)],
+        limit_val_batches=0, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )
+    trainer.fit(Overflowing(), data)
+
+    s = _scrape(monitor)
+    assert _value(s, "training_steps_total") == 6
+    assert _value(s, "training_grad_scaler_overflows_total") == 1
+    assert _value(s, "training_nonfinite_grad_total") == 0
+    assert _value(s, "training_grad_scale") == 2.0**7 == scaler.get_scale()  # halved once, at the overflow
+    assert math.isfinite(_value(s, "training_grad_norm"))
 
 
 def test_lightning_fallback_uses_train_batch_outputs_when_backward_bypasses_lightning():

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lossbeat
 from lossbeat import Monitor, MonitorConfig, NullMonitor, start_exporter
 from lossbeat.demo import ModelSize, SyntheticCorpus, TinyLM
+from lossbeat.diagnosis import Status
 from lossbeat.metrics import HEALTH_CHECKS, METRICS
 
 from conftest import require
@@ -117,13 +118,15 @@ def test_every_metric_is_exported_with_its_value(monitor):
     assert value(parsed, "training_memory_peak_bytes", device="cpu") >= value(parsed, "training_memory_allocated_bytes", device="cpu") * 0.5
     info = [dict(k[1]) for k in parsed if k[0] == "training_run_info"]
     assert info and info[0]["profile"] == "causal-lm" and info[0]["version"] == lossbeat.__version__
-    for counter in ("nonfinite_loss", "nonfinite_grad", "loss_spikes", "grad_explosions"):
+    for counter in ("nonfinite_loss", "nonfinite_grad", "loss_spikes", "grad_explosions", "grad_scaler_overflows"):
         assert value(parsed, f"training_{counter}_total") == 0
-    # Every name in the contract is present (the first-bad-layer info only after a NaN).
+    # Every name in the contract is present: the first-bad-layer info only after a NaN, the clip
+    # coefficient with monitor.clip_grad_norm_, the loss scale with a GradScaler (their own tests).
     exported = {name for name, _ in parsed}
     for spec in METRICS.values():
         name = spec.name + ("_info" if spec.kind == "info" else "")
-        if name in ("training_nonfinite_grad_first_layer_info", "training_grad_clip_coefficient"):
+        if name in ("training_nonfinite_grad_first_layer_info", "training_grad_clip_coefficient",
+                    "training_grad_scale"):
             continue
         assert name in exported, name
 
@@ -230,6 +233,61 @@ def test_data_anomalies_are_counted_never_raised(monitor):
     assert value(parsed, "training_step") == 6
     assert sum(v for (name, _), v in parsed.items() if name == "training_exporter_errors_total") == 0
     assert value(parsed, "training_layer_grad_norm", layer="head") > 0  # the bf16 model's layers
+
+
+def _amp_run(monitor, steps, overflow_steps, scaler):
+    """A loss-scaled loop (the fp16 recipe) on CPU; overflows are injected as inf gradients."""
+    trainer = Trainer()
+    scales = []
+    for step in range(steps):
+        tokens, targets = trainer.corpus.batch(8)
+        loss = trainer.model(tokens, targets)
+        scaler.scale(loss).backward()
+        if step in overflow_steps:  # what an fp16 overflow leaves in the gradients
+            next(trainer.model.get_submodule("blocks.1.mlp.fc").parameters()).grad.view(-1)[0] = math.inf
+        scaler.unscale_(trainer.optimizer)
+        grad_norm = monitor.clip_grad_norm_(trainer.model, 1.0)
+        scales.append(scaler.get_scale())
+        monitor.observe(step, loss=loss, optimizer=trainer.optimizer, grad_norm=grad_norm, model=trainer.model,
+                        grad_scaler=scaler)
+        scaler.step(trainer.optimizer)
+        scaler.update()
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return scales
+
+
+def test_loss_scaler_overflows_are_counted_apart_from_non_finite_gradients(monitor):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    scales = _amp_run(monitor, 15, {3, 11}, scaler)
+    parsed = samples(scrape(monitor.port))
+    assert value(parsed, "training_grad_scaler_overflows_total") == 2
+    assert value(parsed, "training_nonfinite_grad_total") == 0  # routine under loss scaling: no page
+    assert ("training_nonfinite_grad_first_layer_info", (("layer", "blocks.1.mlp.fc"),)) not in parsed
+    assert value(parsed, "training_grad_scale") == scales[-1] == 2.0**14  # halved at each overflow
+    assert math.isfinite(value(parsed, "training_grad_norm")) and value(parsed, "training_grad_norm") > 0
+    assert all(math.isfinite(v) for (name, _), v in parsed.items() if name == "training_layer_grad_norm")
+    assert len(monitor.history.grad_norms) == 13  # the skipped steps are no gradient samples
+    nonfinite = next(f for f in monitor.report().findings if f.check == "nonfinite")
+    assert nonfinite.status is Status.GOOD
+
+
+def test_a_collapsing_loss_scale_is_danger():
+    m = Monitor(MonitorConfig(port=0), serve=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    _amp_run(m, 8, set(range(8)), scaler)  # every step overflows: the scale halves to 2**-3
+    assert m.state.grad_scaler_overflows_total == 8 and m.state.nonfinite_grad_total == 0
+    assert m.state.grad_scale == 2.0**-3
+    nonfinite = next(f for f in m.report().findings if f.check == "nonfinite")
+    assert nonfinite.status is Status.DANGER and "loss scale collapsed" in nonfinite.message
+    m.close()
+
+
+def test_without_an_enabled_scaler_an_overflow_is_a_non_finite_gradient(monitor):
+    _amp_run(monitor, 6, {5}, torch.amp.GradScaler("cpu", enabled=False))  # last: no NaN weights after
+    assert monitor.state.nonfinite_grad_total == 1 and monitor.state.grad_scaler_overflows_total == 0
+    assert monitor.state.grad_scale is None
+    with pytest.raises(TypeError, match="grad_scaler: expected a torch.amp.GradScaler, got object"):
+        monitor.observe(7, loss=1.0, grad_scaler=object())
 
 
 def test_an_internal_error_is_counted_and_training_goes_on(monitor, monkeypatch):

@@ -27,6 +27,7 @@ RUNBOOKS = REPO / "docs" / "runbooks.md"
 ALERTS = {  # the contract: name -> severity
     "TrainingLossNaN": "critical",
     "TrainingGradientNonFinite": "critical",
+    "TrainingLossScaleCollapsed": "critical",
     "TrainingGradientExplosion": "critical",
     "TrainingGradientVanishing": "warning",
     "TrainingLayerGradientExplosion": "warning",

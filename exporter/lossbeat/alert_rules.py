@@ -152,7 +152,7 @@ def recording_rules() -> list[RecordingRule]:
 
 
 def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
-    a = t.alerts
+    a, scale_min = t.alerts, number(t.gradients.loss_scale_min)
     return [
         AlertRule(
             name="TrainingLossNaN",
@@ -196,6 +196,21 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
             condition=f"any step with a NaN/Inf gradient norm within {a.event_window}; names the first bad layer",
             action="inspect the named layer; lower the LR, clip gradients, use bf16 or loss scaling",
             keeps=TARGET + ("layer",),
+        ),
+        AlertRule(
+            name="TrainingLossScaleCollapsed",
+            group="lossbeat.nonfinite",
+            severity="critical",
+            expr=f"training_grad_scale < {scale_min}\n",
+            for_=a.loss_scale_for,
+            summary="The fp16 loss scale collapsed: nearly every step is skipped",
+            description=(
+                f"{WHO_CAP} has a GradScaler loss scale of {VALUE}, below {scale_min}: its gradients overflow "
+                "at almost every step even unscaled, so the scaler skips those steps and the model stops learning."
+            ),
+            condition=f"the fp16 GradScaler's loss scale below {scale_min} for {a.loss_scale_for}",
+            action="lower the LR, check the data for NaN/Inf, train in bf16; find the first bad op with anomaly detection",
+            keeps=TARGET,
         ),
     ]
 

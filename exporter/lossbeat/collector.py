@@ -65,6 +65,7 @@ class MonitorCollector(Collector):
             ("training_loss_cv", s.loss_cv),
             ("training_loss_trend_ratio", s.loss_trend_ratio),
             ("training_grad_clip_coefficient", s.clip_coefficient),
+            ("training_grad_scale", s.grad_scale),
         )
         for name, value in scalars:
             if value is not None:
@@ -112,6 +113,7 @@ class MonitorCollector(Collector):
             ("training_nonfinite_grad_total", s.nonfinite_grad_total),
             ("training_loss_spikes_total", s.loss_spikes_total),
             ("training_grad_explosions_total", s.grad_explosions_total),
+            ("training_grad_scaler_overflows_total", s.grad_scaler_overflows_total),
         )
         for name, value in counters:
             c = _counter(name)

@@ -45,6 +45,7 @@ _SPECS = [
     MetricSpec("training_memory_allocated_bytes", "gauge", "Device memory allocated by tensors (CUDA), or process resident memory on CPU.", ("device",), unit="bytes"),
     MetricSpec("training_memory_peak_bytes", "gauge", "Peak device memory allocated (CUDA), or peak process resident memory on CPU.", ("device",), unit="bytes"),
     MetricSpec("training_grad_clip_coefficient", "gauge", "Factor the last clip_grad_norm_ through lossbeat scaled gradients by (1 = not clipped).", unit="none"),
+    MetricSpec("training_grad_scale", "gauge", "Loss scale of the fp16 GradScaler passed to observe(grad_scaler=...).", unit="none"),
     # --- info ---------------------------------------------------------------------
     MetricSpec("training_run", "info", "Metadata of the training run.", ("run", "profile", "world_size", "local_rank", "version", "torch_version")),
     MetricSpec("training_nonfinite_grad_first_layer", "info", "The first layer, in the model's order, whose gradient was last seen non-finite.", ("layer",)),
@@ -56,6 +57,7 @@ _SPECS = [
     MetricSpec("training_nonfinite_grad_total", "counter", "Steps whose gradient norm was NaN or infinite."),
     MetricSpec("training_loss_spikes_total", "counter", "Steps whose loss exceeded mean + spike_sigma * std of the recent window."),
     MetricSpec("training_grad_explosions_total", "counter", "Steps whose global grad norm exceeded the explosion threshold."),
+    MetricSpec("training_grad_scaler_overflows_total", "counter", "Steps whose gradients overflowed under fp16 loss scaling: the GradScaler skips them (not counted as non-finite gradients)."),
     MetricSpec("training_exporter_errors_total", "counter", "Errors inside lossbeat itself, by where they happened; training is never interrupted.", ("where",)),
 ]
 

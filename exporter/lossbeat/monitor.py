@@ -123,6 +123,7 @@ class MonitorState:
         self.loss_cv: float | None = None
         self.loss_trend_ratio: float | None = None
         self.clip_coefficient: float | None = None
+        self.grad_scale: float | None = None
         self.components: dict[str, float] = {}
         self.learning_rates: dict[str, float] = {}
         self.layer_norms: dict[str, float] = {}
@@ -135,6 +136,7 @@ class MonitorState:
         self.nonfinite_grad_total = 0
         self.loss_spikes_total = 0
         self.grad_explosions_total = 0
+        self.grad_scaler_overflows_total = 0
         self.errors: dict[str, int] = {"observe": 0, "collect": 0, "diagnose": 0}
         self._error_lock = threading.Lock()
 
@@ -214,6 +216,20 @@ def _scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.T
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a float or a 0-d tensor, got {type(value).__name__}")
     return float(value)
+
+
+def _loss_scale(grad_scaler: Any) -> torch.Tensor | None:
+    """The scale of an enabled GradScaler as a 0-d device tensor (no sync), else None."""
+    if grad_scaler is None:
+        return None
+    is_enabled = getattr(grad_scaler, "is_enabled", None)
+    if not callable(is_enabled) or not callable(getattr(grad_scaler, "get_scale", None)):
+        raise TypeError(f"grad_scaler: expected a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+    if not is_enabled():
+        return None
+    # get_scale() would read it with .item(): the tensor behind it is read with the step's values.
+    scale = getattr(grad_scaler, "_scale", None)
+    return scale.detach().reshape(()) if isinstance(scale, torch.Tensor) and scale.numel() == 1 else None
 
 
 def _as_float_list(t: torch.Tensor) -> list[float]:
@@ -298,14 +314,19 @@ class Monitor:
         tokens: Any = None,
         losses: Mapping[str, Any] | None = None,
         epoch: float | None = None,
+        grad_scaler: Any = None,
     ) -> None:
         """Record one optimizer step. Call after ``backward()`` and before ``zero_grad()``.
 
         ``loss`` and ``grad_norm`` may be floats or 0-d tensors on any device;
         ``model`` adds per-layer gradient norms (and the global norm when
         ``grad_norm`` is not given); ``losses`` are the components of a
-        multi-task loss. Wrong types raise ``TypeError``; NaN, Inf and other
-        anomalies in the values are counted and exported, never raised.
+        multi-task loss. ``grad_scaler``: fp16 training's ``torch.amp.GradScaler``
+        (call ``scaler.unscale_(optimizer)`` first, as before clipping): its
+        scale is exported, and a step whose gradients overflow, which the
+        scaler skips, counts as an overflow instead of a non-finite gradient.
+        Wrong types raise ``TypeError``; NaN, Inf and other anomalies in the
+        values are counted and exported, never raised.
         """
         if self.closed:
             raise RuntimeError("observe: this monitor is closed")
@@ -316,6 +337,7 @@ class Monitor:
         tokens_value = _scalar("tokens", tokens, optional=True)
         lr_values = self._learning_rates(optimizer, learning_rate)
         component_values = self._components(losses)
+        scale_value = _loss_scale(grad_scaler)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, numbers.Real)):
@@ -326,7 +348,8 @@ class Monitor:
         self._last_perf = now_perf
         try:
             self._drain(block=False)
-            values: dict[str, Any] = {"loss": loss_value, "grad_norm": grad_value, "tokens": tokens_value}
+            values: dict[str, Any] = {"loss": loss_value, "grad_norm": grad_value, "tokens": tokens_value,
+                                      "grad_scale": scale_value}
             values.update(lr_values)
             values.update(component_values)
             layer_names = self._gradients(model, grad_value is None, values)
@@ -602,10 +625,20 @@ class Monitor:
         if lr_max is not None and any(math.isnan(x) for x in lrs.values()):
             lr_max = math.nan
 
-        events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
         layer_norms = dict(zip(record.layer_names, layers)) if layers is not None else None
         layer_nonfinite = layer_norms is not None and not all(map(math.isfinite, layers))
+        # Under fp16 loss scaling an overflowing step is skipped by the scaler: routine, not a
+        # fault, and no gradient sample. A scale collapsing is the fault (the nonfinite check).
+        overflow = "grad_scale" in v and (
+            layer_nonfinite or (grad_norm is not None and not math.isfinite(grad_norm))
+        )
+        if overflow:
+            grad_norm = layer_norms = None
+            layer_nonfinite = False
+        if "grad_scale" in v:
+            s.grad_scale = self.history.grad_scale = v["grad_scale"]
 
+        events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
         s.loss = loss if math.isfinite(loss) else math.nan
         if grad_norm is not None:
             s.grad_norm = grad_norm if math.isfinite(grad_norm) else math.nan
@@ -645,6 +678,8 @@ class Monitor:
                 )
             else:
                 self._log_limited("nonfinite_grad", logging.WARNING, "lossbeat: non-finite gradient norm at step %d", record.step)
+        if overflow:
+            s.grad_scaler_overflows_total += 1
         if events.spike:
             s.loss_spikes_total += 1
         if events.explosion:

@@ -143,6 +143,10 @@ def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
     gcounter, gat = b.jump("training_nonfinite_grad_total", _target(), a.event_window, 2)
     info = b.hold("training_nonfinite_grad_first_layer_info", _target(layer="blocks.1.mlp"), 1, 40)
     flat = b.hold("training_nonfinite_grad_total", _target(), 0, 40)
+    scale = b.rule("TrainingLossScaleCollapsed")
+    scale_at = b.after_for(a.loss_scale_for)
+    scale_min = b.t.gradients.loss_scale_min
+    loss_scale = lambda v: b.hold("training_grad_scale", _target(), v, int(scale_at // b.i) + 2)  # noqa: E731
     return {
         "TrainingLossNaN": [
             Scenario("a non-finite loss step fires", [counter, loss_ok],
@@ -158,6 +162,13 @@ def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
             Scenario("fires with layer unknown when the exporter named none", [gcounter],
                      [(gat, grad.name, [Expect(grad, _target(layer="unknown"), 2)])]),
             Scenario("finite gradients are silent", [flat, info], [(gat, grad.name, [])]),
+        ],
+        "TrainingLossScaleCollapsed": [
+            Scenario("a collapsed loss scale fires after its for", [loss_scale(scale_min * 0.5)],
+                     [(scale_at, scale.name, [Expect(scale, _target(), scale_min * 0.5)]),
+                      (scale_at - 2 * b.i, scale.name, [])]),
+            Scenario("just above the minimum is silent", [loss_scale(scale_min * 1.01)], [(scale_at, scale.name, [])]),
+            Scenario("a healthy loss scale is silent", [loss_scale(65536)], [(scale_at, scale.name, [])]),
         ],
     }
 
@@ -375,7 +386,7 @@ def _interval(t: Thresholds) -> int:
     a = t.alerts
     durations = [a.event_window, a.explosion_for, a.vanishing_for, a.layer_for, a.diverging_for,
                  a.plateau_for, a.volatile_for, a.spikes_window, a.out_of_range_for, a.overfitting_for,
-                 a.learning_rate_for, a.stalled_after, a.exporter_down_for]
+                 a.learning_rate_for, a.stalled_after, a.exporter_down_for, a.loss_scale_for]
     seconds = [duration_seconds(d) for d in durations]
     if any(s != int(s) or s < 1 for s in seconds):
         raise ValueError("alerts: rule tests need durations of whole seconds")

@@ -72,6 +72,8 @@ class GradientThresholds:
     """A layer's grad norm above which that layer explodes."""
     layer_vanishing: float
     """A layer's grad norm below which that layer vanishes."""
+    loss_scale_min: float
+    """fp16 loss scaling: a GradScaler scale below this means nearly every step overflows."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class AlertSettings:
     learning_rate_for: str
     stalled_after: str
     exporter_down_for: str
+    loss_scale_for: str
 
 
 @dataclass(frozen=True)

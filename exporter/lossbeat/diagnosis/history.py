@@ -47,6 +47,7 @@ class History:
         self.nonfinite_seen = 0
         self.last_nonfinite_at: int | None = None  # steps_seen at the last non-finite value
         self.layer_norms: Mapping[str, float] = {}
+        self.grad_scale: float | None = None  # fp16 GradScaler's loss scale, when one is observed
 
     def reset_windows(self) -> None:
         """The step went backwards (resumed from a checkpoint): old windows no longer apply."""

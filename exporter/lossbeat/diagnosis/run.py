@@ -41,7 +41,17 @@ def diagnose(history: History) -> list[Finding]:
 
 
 def _nonfinite(history: History) -> Finding:
-    """Danger while a non-finite loss or gradient is within the volatility window."""
+    """Danger while a non-finite loss or gradient is within the volatility window, or while
+    the fp16 loss scale has collapsed (nearly every step overflows and is skipped)."""
+    scale, scale_min = history.grad_scale, history.thresholds.gradients.loss_scale_min
+    if scale is not None and not scale >= scale_min:
+        return Finding(
+            "nonfinite", Status.DANGER,
+            f"fp16 loss scale collapsed to {scale:.3g} (below {scale_min:g}): nearly every step overflows and is "
+            "skipped",
+            "the gradients overflow even unscaled: lower the learning rate, check the inputs for NaN/Inf, "
+            "train in bf16, and locate the first bad op with torch.autograd.set_detect_anomaly(True)",
+        )
     last = history.last_nonfinite_at
     if last is not None and history.steps_seen - last < history.thresholds.windows.cv_steps:
         ago = history.steps_seen - last

@@ -63,7 +63,11 @@ class LossbeatCallback(TrainerCallback):
     Note:
         With ``fp16=True`` (a GradScaler) the gradients at the end of backward
         are still scaled, so the end-of-backward measurement is skipped and the
-        norms are read in ``on_pre_optimizer_step`` (unscaled, after clipping).
+        norms are read in ``on_pre_optimizer_step`` (unscaled, after clipping;
+        without clipping the callback unscales them, as ``optimizer.step()``
+        would). The scaler goes to ``observe(grad_scaler=...)``: the loss scale
+        is exported, and a step it skips for overflowing gradients counts as an
+        overflow, not as a non-finite gradient.
 
     Example::
 
@@ -115,7 +119,14 @@ class LossbeatCallback(TrainerCallback):
             loss = self._loss_sum * self._share_scale
         else:
             loss = self._loss_sum / self._micro_batches
-        self.monitor.observe(state.global_step + 1, loss=loss, model=model, optimizer=optimizer, epoch=state.epoch)
+        # fp16 on an accelerator: accelerate's optimizer carries the GradScaler. The Trainer
+        # unscales the gradients when it clips; when it does not, unscale them here, as
+        # optimizer.step() would, so the norms are the real ones.
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None and scaler.is_enabled() and not args.max_grad_norm:
+            scaler.unscale_(getattr(optimizer, "optimizer", optimizer))
+        self.monitor.observe(state.global_step + 1, loss=loss, model=model, optimizer=optimizer, epoch=state.epoch,
+                             grad_scaler=scaler)
         self._observed_steps += 1
         self._reset()
 

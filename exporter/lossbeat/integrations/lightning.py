@@ -77,8 +77,11 @@ class LossbeatCallback(Callback):
         if self._loss_sum is None:
             return
         step = trainer.global_step + 1
+        # "16-mixed" precision's GradScaler (None otherwise): an overflow it skips is no fault.
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         self.monitor.observe(
-            step, loss=self._loss_sum, model=pl_module, optimizer=optimizer, epoch=float(trainer.current_epoch)
+            step, loss=self._loss_sum, model=pl_module, optimizer=optimizer, epoch=float(trainer.current_epoch),
+            grad_scaler=scaler,
         )
         self._loss_sum = None
         self._observed_at = step
