@@ -367,7 +367,8 @@ def test_panel_queries_lists_every_target(dashboards):
     assert [e for t, e in queries if t == "Events"] == [
         f'sum by (rank) (increase({c}{{job=~"$job", rank=~"$rank"}}[$__rate_interval]))'
         for c in ("training_nonfinite_loss_total", "training_nonfinite_grad_total",
-                  "training_loss_spikes_total", "training_grad_explosions_total")]
+                  "training_loss_spikes_total", "training_grad_explosions_total",
+                  "training_grad_scaler_overflows_total")]
     with pytest.raises(TypeError, match="dashboard"):
         panel_queries([])
 

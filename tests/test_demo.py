@@ -54,6 +54,16 @@ def test_nan_fault_counts_every_bad_step(caplog):
     assert "non-finite loss nan at step 100" in caplog.text
 
 
+def test_nan_under_loss_scaling_overflows_and_collapses_the_scale():
+    report, health = run_demo("--steps", "120", "--fault", "nan", "--fault-step", "100", "--grad-scaler")
+    assert report.counters["nonfinite_loss"] == 20  # a NaN loss still is one
+    assert report.counters["grad_scaler_overflows"] == 20  # skipped by the scaler, not non-finite gradients
+    assert report.counters["nonfinite_grad"] == 0
+    assert health[("nonfinite", "")] == Status.DANGER
+    finding = next(f for f in report.findings if f.check == "nonfinite")
+    assert "loss scale collapsed to 0.00781" in finding.message  # 2**12 halved 19 times before the last read
+
+
 def test_explode_fault_names_the_exploding_layer(caplog):
     with caplog.at_level(logging.WARNING, logger="lossbeat"):
         report, health = run_demo("--steps", "120", "--fault", "explode", "--fault-step", "100")

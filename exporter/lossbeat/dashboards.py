@@ -273,6 +273,7 @@ def _overview_panels(t: Thresholds) -> list[dict]:
         ("training_nonfinite_grad_total", "non-finite grad"),
         ("training_loss_spikes_total", "loss spike"),
         ("training_grad_explosions_total", "grad explosion"),
+        ("training_grad_scaler_overflows_total", "fp16 overflow (skipped)"),
     ]
     loss_steps = []
     if profile.loss_warn_low is not None:
@@ -334,8 +335,16 @@ def _overview_panels(t: Thresholds) -> list[dict]:
                     METRICS["training_grad_clip_coefficient"].unit,
                     _targets((_selector("training_grad_clip_coefficient"), "rank {{rank}}")),
                     defaults={"min": 0, "max": 1}),
-        _timeseries("Events", "Steps with a non-finite loss or gradient, loss spikes and gradient explosions, "
-                    "counted per rate interval (increase of the counters, so none is missed between scrapes).",
+        _timeseries("Loss scale (fp16)", "Loss scale of the fp16 GradScaler passed to observe(grad_scaler=...); "
+                    "it halves at each overflowing step (skipped) and grows back. Red below "
+                    f"{g.loss_scale_min} (gradients.loss_scale_min): nearly every step overflows. Log scale.",
+                    METRICS["training_grad_scale"].unit,
+                    _targets((_selector("training_grad_scale"), "rank {{rank}}")),
+                    thresholds=_thresholds("red", (g.loss_scale_min, "green")), threshold_style="dashed",
+                    log_scale=True),
+        _timeseries("Events", "Steps with a non-finite loss or gradient, loss spikes, gradient explosions and "
+                    "fp16 overflows, counted per rate interval (increase of the counters, so none is missed "
+                    "between scrapes).",
                     "short", _targets(*[(f"sum by (rank) ({_counter('increase', metric)})",
                                          f"{label} rank {{{{rank}}}}") for metric, label in events]),
                     bars=True),

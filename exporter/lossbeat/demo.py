@@ -17,6 +17,9 @@ causal-LM healthy range. ``--fault`` injects a failure at ``--fault-step``:
 Faults combine: ``--fault explode,vanish``. ``--multi-task`` adds a second task
 (tell, for each token, whether it is noise that breaks its sequence's pattern):
 the loss is ``lm + noise``, each component monitored on its own (profile ``multi-task``).
+``--grad-scaler`` trains with fp16's dynamic loss scaling (a ``GradScaler``; the
+weights stay float32 on CPU) and passes the scaler to the monitor: with ``nan``,
+every step overflows, the scaler skips it and the loss scale collapses.
 """
 
 from __future__ import annotations
@@ -197,6 +200,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-name", "--job-name", dest="run_name", default="lossbeat-demo")
     parser.add_argument("--linger", type=float, default=0.0, help="keep serving /metrics this many seconds after training")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--grad-scaler", action="store_true",
+                        help="dynamic loss scaling with a GradScaler, as fp16 training does")
 
 
 def _faults(text: str) -> tuple[str, ...]:
@@ -230,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name
     )
     faults = set(args.fault)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if args.grad_scaler else None
     print(f"lossbeat demo: {sum(p.numel() for p in model.parameters()):,} parameters; "
           f"metrics on http://{args.addr}:{monitor.port}/metrics"
           + (f"; fault {','.join(args.fault)} at step {fault_step}" if faults else ""), flush=True)
@@ -262,13 +268,20 @@ def run(args: argparse.Namespace) -> int:
             if "nan" in active:
                 loss = loss * float("nan")
                 components = {name: value * float("nan") for name, value in components.items()} if components else None
-            loss.backward()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)  # measure and clip the real gradients
+            else:
+                loss.backward()
             grad_norm = monitor.clip_grad_norm_(model, 1.0)
             monitor.observe(step, loss=loss, optimizer=optimizer, grad_norm=grad_norm, model=model,
-                            tokens=tokens.numel(), epoch=step / 100, losses=components)
+                            tokens=tokens.numel(), epoch=step / 100, losses=components, grad_scaler=scaler)
+            if scaler is not None:  # skips a step whose gradients are not finite, lowers the scale
+                scaler.step(optimizer)
+                scaler.update()
             # The demo reads its own values for the progress bar and for skipping
             # non-finite steps (as GradScaler does): a host sync of the demo, not lossbeat's.
-            if "nan" not in faults or bool(torch.isfinite(grad_norm)):
+            elif "nan" not in faults or bool(torch.isfinite(grad_norm)):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if progress.enabled:

@@ -430,6 +430,7 @@ class Monitor:
             "nonfinite_grad": s.nonfinite_grad_total,
             "loss_spikes": s.loss_spikes_total,
             "grad_explosions": s.grad_explosions_total,
+            "grad_scaler_overflows": s.grad_scaler_overflows_total,
             "exporter_errors": sum(s.errors.values()),
         }
         return Report(self._findings, counters, s.step)

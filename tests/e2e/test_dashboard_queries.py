@@ -1,6 +1,7 @@
 """Every query of every dashboard panel returns data from a Prometheus that scraped real
-demo runs: a multi-task one where one layer explodes and another vanishes (component and
-layer panels) and one whose loss turns NaN (non-finite panels, firing alerts). A panel
+demo runs: a multi-task one with fp16 loss scaling where one layer explodes and another
+vanishes (component, layer and loss-scale panels) and one whose loss turns NaN (non-finite
+panels, firing alerts). A panel
 that stays empty here would stay empty for users."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from .e2e_harness import exporter_samples, wait_until
 def test_every_panel_query_returns_data_from_real_runs(demo, prometheus, e2e_thresholds):
     common = ("--steps", "120", "--step-delay", "0.05", "--eval-every", "10", "--fault-step", "40",
               "--linger", "120")
-    exploding = demo(*common, "--fault", "explode,vanish", "--multi-task")
+    exploding = demo(*common, "--fault", "explode,vanish", "--multi-task", "--grad-scaler")
     nan = demo(*common, "--fault", "nan")
     for run in (exploding, nan):
         run.wait_serving()
