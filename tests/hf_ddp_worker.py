@@ -17,6 +17,8 @@ from lossbeat.integrations.hf import LossbeatCallback
 
 
 class Tokens(torch.utils.data.Dataset):
+    """Random token sequences as their own labels (test_integrations.py trains on them too)."""
+
     def __init__(self, n: int, seed: int) -> None:
         self.x = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
 
@@ -27,15 +29,19 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                      bos_token_id=0, eos_token_id=0))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                       bos_token_id=0, eos_token_id=0))
+    model = tiny_gpt2()
     monitor = Monitor(MonitorConfig(port=0), serve=False)
     training = TrainingArguments(
         output_dir=args.dir, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,

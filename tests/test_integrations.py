@@ -38,23 +38,12 @@ def _layers(samples: dict) -> dict[str, float]:
 def _hf_run(tmp_path, *, per_step: bool, max_grad_norm: float = 0.05):
     require_module("transformers")
     require_module("accelerate")
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from hf_ddp_worker import Tokens, tiny_gpt2  # imports transformers: only once it is known present
+    from transformers import Trainer, TrainingArguments
 
     from lossbeat.integrations.hf import LossbeatCallback
 
-    class Tokens(torch.utils.data.Dataset):
-        def __init__(self, n: int, seed: int) -> None:
-            self.x = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
-
-        def __len__(self) -> int:
-            return len(self.x)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.x[i], "labels": self.x[i]}
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                       bos_token_id=0, eos_token_id=0))
+    model = tiny_gpt2()
     monitor = Monitor(MonitorConfig(port=0), serve=False)
     callback = LossbeatCallback(monitor, per_step=per_step)
     args = TrainingArguments(
