@@ -68,7 +68,8 @@ def main() -> None:
         layout = str(model.sharding_strategy)
     corpus = SyntheticCorpus(32, 16, seed=100 + rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    monitor = Monitor(MonitorConfig(port=0), serve=False)
+    monitor = Monitor(MonitorConfig(port=0, layer_ranks="all"), serve=False)  # every rank: compared below
+    first_only = Monitor(MonitorConfig(port=0), serve=False)  # the default: only rank 0 exports layers
 
     result = {"rank": rank, "layout": layout}
     for step in range(3):
@@ -79,6 +80,11 @@ def main() -> None:
             monitor.observe(step, loss=loss, model=model)
             monitor.flush()
             result["measured"] = (monitor.state.grad_norm, monitor.state.layer_norms)
+            # With the grad norm given, only rank 0 needs the per-layer norms: the others still
+            # join the all-reduce (else rank 0 would wait forever) and export no layer.
+            first_only.observe(step, loss=loss, model=model, grad_norm=torch.tensor(result["measured"][0]))
+            first_only.flush()
+            result["first_only_layers"] = sorted(first_only.state.layer_norms)
         elif step == 2:  # clipped and measured in one pass, against torch's own clip
             result["clip_reference"] = reference_norms(model)[0]
             returned = monitor.clip_grad_norm_(model, 0.05)
@@ -98,6 +104,7 @@ def main() -> None:
             result["torch_clip"] = (float(full), monitor.state.grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    first_only.close()
     result["errors"] = dict(monitor.state.errors)
     result["steps"] = monitor.state.steps_total
     monitor.close()

@@ -42,7 +42,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     model = tiny_gpt2()
-    monitor = Monitor(MonitorConfig(port=0), serve=False)
+    monitor = Monitor(MonitorConfig(port=0, layer_ranks="all"), serve=False)  # layers compared across ranks
     training = TrainingArguments(
         output_dir=args.dir, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         logging_steps=1, learning_rate=1e-3, max_grad_norm=0.05, report_to=[], use_cpu=True,

@@ -65,7 +65,11 @@ def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):
         assert steps == [({"rank": str(r)}, 20.0)]
         info = metrics["training_run_info"][0][0]
         assert info["world_size"] == "2" and info["local_rank"] == str(r) and info["run"] == "ddp-test"
-        assert all(labels["rank"] == str(r) for labels, _ in metrics["training_layer_grad_norm"])
+    # Per-layer norms from rank 0 only (layer_ranks="first"): the same on every data-parallel rank,
+    # so the series grow with the layers, not layers x ranks.
+    assert len(ranks[0]["training_layer_grad_norm"]) > 5
+    assert all(labels["rank"] == "0" for labels, _ in ranks[0]["training_layer_grad_norm"])
+    assert "training_layer_grad_norm" not in ranks[1]
     # Each rank saw its own data (different losses) but DDP averaged the gradients (same norms).
     loss0, loss1 = (ranks[r]["training_loss"][0][1] for r in (0, 1))
     assert loss0 != loss1
@@ -130,3 +134,5 @@ def test_sharded_gradients_give_the_models_norms_on_every_rank(tmp_path, wrap, r
         # The framework's own clip (a DTensor under FSDP2) is taken as the grad norm, whole.
         assert r["torch_clip"][1] == pytest.approx(r["torch_clip"][0], rel=1e-6)
     assert all(r["measured"] == results[0]["measured"] for r in results)
+    assert results[0]["first_only_layers"] == sorted(results[0]["measured"][1])
+    assert all(r["first_only_layers"] == [] for r in results[1:])

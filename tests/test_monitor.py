@@ -206,6 +206,10 @@ def test_bad_arguments_raise_and_name_the_argument(monitor):
         MonitorConfig(port=70000)
     with pytest.raises(ValueError, match="layer_every"):
         MonitorConfig(layer_every=0)
+    with pytest.raises(ValueError, match="layer_ranks: expected 'first', 'all'"):
+        MonitorConfig(layer_ranks="rank0")
+    with pytest.raises(TypeError, match="layer_ranks"):
+        MonitorConfig(layer_ranks=[-1])
     with pytest.raises(TypeError, match="unknown setting 'layer_evry'"):
         start_exporter(0, layer_evry=3)
     assert monitor.state.steps_total == 0  # nothing half-recorded
@@ -410,6 +414,26 @@ def test_layer_every_limits_per_layer_work(monitor):
     assert len({c for c in computed if c}) == 2  # layer norms refreshed at steps 0 and 5 only
     assert m.state.grad_norm is not None and m.state.grad_norm > 0  # the global norm every step
     m.close()
+
+
+def test_only_the_chosen_ranks_export_per_layer_norms():
+    from lossbeat.server import RankContext
+
+    trainer = Trainer()
+    loss, _ = trainer.backward()
+    exported = {}
+    for layer_ranks, rank in (("first", 0), ("first", 3), ("all", 3), ((1, 3), 3), ((1, 3), 2)):
+        m = Monitor(MonitorConfig(port=0, layer_ranks=layer_ranks), serve=False,
+                    rank_context=RankContext(rank=rank, local_rank=rank % 2, world_size=4))
+        counter = CountOps()
+        with counter:
+            m.observe(0, loss=loss, model=trainer.model)
+        exported[(str(layer_ranks), rank)] = (bool(m.state.layer_norms), counter.names.count("aten::index_add_"))
+        assert m.state.grad_norm > 0  # the global norm on every rank
+        m.close()
+    # (exports layers, per-layer work): a rank that exports none does no per-layer work either.
+    assert exported == {("first", 0): (True, 1), ("first", 3): (False, 0), ("all", 3): (True, 1),
+                        ("(1, 3)", 3): (True, 1), ("(1, 3)", 2): (False, 0)}
 
 
 def _resident_bytes() -> int:

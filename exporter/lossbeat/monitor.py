@@ -68,6 +68,10 @@ class MonitorConfig:
     """Upper bound on per-layer series; grouping gets coarser until the model fits."""
     layer_every: int = 1
     """Compute per-layer norms every N observed steps (the global norm is computed every step)."""
+    layer_ranks: Any = "first"
+    """Ranks that export per-layer norms: ``"first"`` (global rank 0: data, fully sharded and tensor
+    parallel ranks all see the same norms, so series grow with layers, not layers x ranks), ``"all"``
+    (pipeline parallel: each stage holds other layers), or a collection of global ranks."""
     defer_device_reads: bool = True
     """Read CUDA values one step late with a non-blocking copy instead of waiting for them."""
     log_status_changes: bool = True
@@ -98,6 +102,22 @@ class MonitorConfig:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if (self.certfile is None) != (self.keyfile is None):
             raise ValueError("certfile, keyfile: give both or neither")
+        ranks = self.layer_ranks
+        if isinstance(ranks, str):
+            if ranks not in ("first", "all"):
+                raise ValueError(f"layer_ranks: expected 'first', 'all' or a collection of ranks, got {ranks!r}")
+        elif not isinstance(ranks, (list, tuple, set, frozenset, range)) or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
+        ):
+            raise TypeError(f"layer_ranks: expected 'first', 'all' or a collection of ranks >= 0, got {ranks!r}")
+
+    def exports_layers(self, rank: int) -> bool:
+        """Whether global ``rank`` exports per-layer norms (``layer_ranks``)."""
+        if self.layer_ranks == "all":
+            return True
+        if self.layer_ranks == "first":
+            return rank == 0
+        return rank in self.layer_ranks
 
     def load_thresholds(self) -> Thresholds:
         if isinstance(self.thresholds, Thresholds):
@@ -256,6 +276,7 @@ class Monitor:
             raise TypeError(f"config: expected a MonitorConfig, got {type(config).__name__}")
         self.thresholds = config.load_thresholds()
         self.rank_context = rank_context or RankContext.from_env()
+        self._exports_layers = config.exports_layers(self.rank_context.rank)
         self.state = MonitorState(
             str(self.rank_context.rank),
             {
@@ -385,7 +406,8 @@ class Monitor:
         if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
             raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
         grouping = self._grouping_for(model)
-        norms, coefficient = clip_with_norms(grouping, float(max_norm), self._layers_due())
+        per_layer = self._layers_due() and self._exports_layers
+        norms, coefficient = clip_with_norms(grouping, float(max_norm), per_layer)
         if norms is None:
             return torch.zeros(())
         self._measured = (model, norms, coefficient)
@@ -406,7 +428,8 @@ class Monitor:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         try:
-            norms = compute_grad_norms(self._grouping_for(model), self._layers_due())
+            per_layer = self._layers_due() and self._exports_layers
+            norms = compute_grad_norms(self._grouping_for(model), per_layer)
         except Exception:  # may run inside an autograd callback: never break backward
             self._measured = None
             self.state.count_error("observe")
@@ -504,10 +527,10 @@ class Monitor:
         return grouping
 
     def _layers_due(self) -> bool:
-        """Whether this step computes per-layer norms (every ``layer_every`` observe() calls).
+        """Whether this step is one for per-layer norms (every ``layer_every`` observe() calls).
 
-        Counted at submission, not when the values arrive: on CUDA they arrive a
-        step late, which would skip or repeat a due step."""
+        The same on every rank: counted at submission, not when the values arrive
+        (on CUDA they arrive a step late, which would skip or repeat a due step)."""
         return self._submitted % self.config.layer_every == 0
 
     def _gradients(self, model: torch.nn.Module | None, need_global: bool, values: dict[str, Any]) -> list[str]:
@@ -515,12 +538,15 @@ class Monitor:
         measured, self._measured = self._measured, None
         if model is None:
             return []
-        per_layer = self._layers_due()
+        due = self._layers_due()
+        per_layer = due and self._exports_layers
         if measured is not None and measured[0] is model:
             norms, coefficient = measured[1], measured[2]
             if coefficient is not None:
                 values["clip"] = coefficient
-        elif per_layer or need_global:
+        elif per_layer or need_global or (due and self._grouping_for(model).sharded):
+            # A sharded model's ranks all-reduce together: every rank measures on due steps,
+            # whether it exports the layers or not.
             norms = compute_grad_norms(self._grouping_for(model), per_layer)
         else:
             return []
