@@ -436,6 +436,25 @@ def test_only_the_chosen_ranks_export_per_layer_norms():
                         ("(1, 3)", 3): (True, 1), ("(1, 3)", 2): (False, 0)}
 
 
+def test_layers_unfrozen_mid_run_are_picked_up():
+    from lossbeat.monitor import _REGROUP_CHECK_EVERY
+
+    trainer = Trainer()
+    trainer.model.head.requires_grad_(False)  # gradual unfreezing: the head joins later
+    m = Monitor(MonitorConfig(port=0), serve=False)
+    seen = []
+    for step in range(2 * _REGROUP_CHECK_EVERY + 1):
+        if step == _REGROUP_CHECK_EVERY // 2:
+            trainer.model.head.requires_grad_(True)
+        loss, _ = trainer.backward()
+        m.observe(step, loss=loss, model=trainer.model)
+        seen.append("head" in m.state.layer_norms)
+        trainer.optimizer.zero_grad(set_to_none=True)
+    # Picked up at the first check after unfreezing, not before; never lost after.
+    assert seen.index(True) == _REGROUP_CHECK_EVERY and all(seen[_REGROUP_CHECK_EVERY:])
+    m.close()
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * 4096

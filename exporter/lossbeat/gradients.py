@@ -130,6 +130,17 @@ class LayerGrouping:
     def __len__(self) -> int:
         return len(self.layer_names)
 
+    def matches(self, model: torch.nn.Module) -> bool:
+        """Whether ``model``'s trainable parameters are still the ones grouped (one pass over them)."""
+        params = self.params
+        i = 0
+        for p in model.parameters():
+            if p.requires_grad:
+                if i == len(params) or params[i] is not p:
+                    return False
+                i += 1
+        return i == len(params)
+
     def present_grads(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
         """Gradients that exist this step (the local shard of a DTensor's) and their slots.
 

@@ -43,6 +43,10 @@ DEFAULT_PORT = 8470
 _MAX_PARAM_GROUPS = 32
 _MAX_COMPONENTS = 32
 _MAX_PENDING = 4  # deferred host copies in flight before the oldest is waited for
+# Every N observe() calls the trainable parameters are compared with the layer grouping's
+# (a pass over the parameters: too slow for every step, cheap amortised): unfreezing layers
+# mid-run, or adding adapters, regroups.
+_REGROUP_CHECK_EVERY = 100
 _LOG_EVERY = 100  # repeated events (a NaN every step) are logged once per this many
 
 
@@ -300,6 +304,7 @@ class Monitor:
         self._last_perf: float | None = None
         self._observed = 0
         self._submitted = 0
+        self._grouping_checked = 0
         self._findings: tuple[Finding, ...] = ()
         self._log_counts: dict[str, int] = {}
         self.host_transfers = 0
@@ -522,8 +527,15 @@ class Monitor:
 
     def _grouping_for(self, model: torch.nn.Module) -> LayerGrouping:
         grouping = self._grouping
-        if grouping is None or grouping.model_ref is not model:
-            grouping = self._grouping = LayerGrouping(model, self.config.layer_depth, self.config.max_layers)
+        if grouping is not None and grouping.model_ref is model:
+            if self._submitted - self._grouping_checked < _REGROUP_CHECK_EVERY:
+                return grouping
+            # Counted in submitted steps, the same on every rank: a sharded model regroups everywhere.
+            self._grouping_checked = self._submitted
+            if grouping.matches(model):
+                return grouping
+        self._grouping_checked = self._submitted
+        grouping = self._grouping = LayerGrouping(model, self.config.layer_depth, self.config.max_layers)
         return grouping
 
     def _layers_due(self) -> bool:
