@@ -85,6 +85,14 @@ def main() -> None:
             first_only.observe(step, loss=loss, model=model, grad_norm=torch.tensor(result["measured"][0]))
             first_only.flush()
             result["first_only_layers"] = sorted(first_only.state.layer_norms)
+            # reduce_shards=False: no collective, so rank 0 alone may observe (it used to wait
+            # forever for the others); it sees its own shards only.
+            if rank == 0:
+                local = Monitor(MonitorConfig(port=0, reduce_shards=False), serve=False)
+                local.observe(step, loss=loss, model=model)
+                local.flush()
+                result["local_only"] = local.state.grad_norm
+                local.close()
         elif step == 2:  # clipped and measured in one pass, against torch's own clip
             result["clip_reference"] = reference_norms(model)[0]
             returned = monitor.clip_grad_norm_(model, 0.05)

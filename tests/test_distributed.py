@@ -106,8 +106,8 @@ FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 @pytest.mark.parametrize(
     "wrap, ranks, replicas",
-    [("fsdp2", 2, 1), ("fsdp2", 4, 2), ("fsdp1", 2, 1), ("fsdp1-flat", 2, 1)],
-    ids=["fsdp2-2-shards", "hsdp-2x2", "fsdp1-orig-params", "fsdp1-flat-params"],
+    [("fsdp2", 2, 1), ("fsdp2", 4, 2), ("fsdp1", 2, 1), ("fsdp1-flat", 2, 1), ("fsdp2", 1, 1)],
+    ids=["fsdp2-2-shards", "hsdp-2x2", "fsdp1-orig-params", "fsdp1-flat-params", "fsdp2-1-rank"],
 )
 def test_sharded_gradients_give_the_models_norms_on_every_rank(tmp_path, wrap, ranks, replicas):
     """Shards: local squares summed over the shard group only (not over the replicas)."""
@@ -136,3 +136,7 @@ def test_sharded_gradients_give_the_models_norms_on_every_rank(tmp_path, wrap, r
     assert all(r["measured"] == results[0]["measured"] for r in results)
     assert results[0]["first_only_layers"] == sorted(results[0]["measured"][1])
     assert all(r["first_only_layers"] == [] for r in results[1:])
+    if ranks > 1:
+        assert 0 < results[0]["local_only"] < results[0]["measured"][0]  # one shard of the whole
+    else:  # DTensors on a one-rank mesh: nothing to reduce, the local shard is the whole
+        assert results[0]["local_only"] == pytest.approx(results[0]["measured"][0], rel=1e-6)

@@ -93,7 +93,9 @@ class LayerGrouping:
     for shards), so one ``index_add_`` sorts squares by layer and layout.
     """
 
-    def __init__(self, model: torch.nn.Module, depth: int | None = None, max_layers: int = 1000) -> None:
+    def __init__(
+        self, model: torch.nn.Module, depth: int | None = None, max_layers: int = 1000, reduce_shards: bool = True
+    ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if depth is not None and (not isinstance(depth, int) or depth < 1):
@@ -112,7 +114,8 @@ class LayerGrouping:
         position = {name: i for i, name in enumerate(self.layer_names)}
         self.param_layer: list[int] = [position[n] for n in names]
         layouts: dict[tuple[Any, ...], int] = {(): 0}
-        distributed = dist.is_available() and dist.is_initialized()
+        # reduce_shards=False: each rank measures its own shards, with no collective.
+        distributed = reduce_shards and dist.is_available() and dist.is_initialized()
         fsdp1 = _fsdp1_groups(model) if distributed else {}
         param_layouts = [
             layouts.setdefault(fsdp1.get(id(p)) or _dtensor_groups(p), len(layouts)) if distributed else 0
@@ -124,6 +127,8 @@ class LayerGrouping:
             layer + len(self.layer_names) * layout for layer, layout in zip(self.param_layer, param_layouts)
         ]
         self.sharded = len(self.shard_groups) > 1
+        """Whether measuring takes an all-reduce (every rank must measure at the same steps)."""
+        self._dtensors = any(hasattr(p, "_local_tensor") for p in self.params)
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -148,11 +153,11 @@ class LayerGrouping:
         Frozen parameters are excluded at construction; unused ones have no grad.
         """
         grads, slots = [], []
-        sharded = self.sharded
+        dtensors = self._dtensors
         for p, slot in zip(self.params, self.param_slot):
             g = p.grad
             if g is not None:
-                if sharded:  # a DTensor's local shard, by attribute: to_local() is a dispatch
+                if dtensors:  # a DTensor's local shard, by attribute: to_local() is a dispatch
                     g = getattr(g, "_local_tensor", g)
                 # A grad only requires grad after backward(create_graph=True); detach is a dispatch.
                 grads.append(g.detach() if g.requires_grad else g)

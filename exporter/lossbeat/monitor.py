@@ -78,6 +78,10 @@ class MonitorConfig:
     (pipeline parallel: each stage holds other layers), or a collection of global ranks."""
     defer_device_reads: bool = True
     """Read CUDA values one step late with a non-blocking copy instead of waiting for them."""
+    reduce_shards: bool = True
+    """Sharded models (FSDP, tensor parallel): sum the shards' norms over their ranks with an
+    all-reduce, so every rank exports the model's norms. A collective: every rank must call
+    ``observe(model=...)`` at the same steps. False: each rank measures its own shards only."""
     log_status_changes: bool = True
     """Log a line whenever a health check changes status."""
     certfile: str | None = None
@@ -106,6 +110,9 @@ class MonitorConfig:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if (self.certfile is None) != (self.keyfile is None):
             raise ValueError("certfile, keyfile: give both or neither")
+        for name in ("defer_device_reads", "reduce_shards", "log_status_changes", "port_per_local_rank"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         ranks = self.layer_ranks
         if isinstance(ranks, str):
             if ranks not in ("first", "all"):
@@ -535,7 +542,9 @@ class Monitor:
             if grouping.matches(model):
                 return grouping
         self._grouping_checked = self._submitted
-        grouping = self._grouping = LayerGrouping(model, self.config.layer_depth, self.config.max_layers)
+        grouping = self._grouping = LayerGrouping(
+            model, self.config.layer_depth, self.config.max_layers, self.config.reduce_shards
+        )
         return grouping
 
     def _layers_due(self) -> bool:
