@@ -210,6 +210,8 @@ def test_bad_arguments_raise_and_name_the_argument(monitor):
         MonitorConfig(layer_ranks="rank0")
     with pytest.raises(TypeError, match="layer_ranks"):
         MonitorConfig(layer_ranks=[-1])
+    with pytest.raises(TypeError, match="reduce_shards: expected True or False, got 'no'"):
+        MonitorConfig(reduce_shards="no")
     with pytest.raises(TypeError, match="unknown setting 'layer_evry'"):
         start_exporter(0, layer_evry=3)
     assert monitor.state.steps_total == 0  # nothing half-recorded
