@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lossbeat import start_exporter
 from lossbeat.demo import ModelSize, SyntheticCorpus, TinyLM
+from worker_exit import finish
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
     while not (folder / "done").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     monitor.close()
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.demo import Block, ModelSize, SyntheticCorpus, TinyLM
+from worker_exit import finish
 
 
 def reference_norms(model: torch.nn.Module) -> tuple[float, dict[str, float]]:
@@ -117,7 +118,7 @@ def main() -> None:
     result["steps"] = monitor.state.steps_total
     monitor.close()
     (pathlib.Path(args.dir) / f"result.{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

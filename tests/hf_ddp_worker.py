@@ -14,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.integrations.hf import LossbeatCallback
+from worker_exit import finish
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -66,6 +67,7 @@ def main() -> None:
     path = pathlib.Path(args.dir) / f"result.{trainer.args.process_index}.json"
     path.write_text(json.dumps(result))
     monitor.close()
+    finish()
 
 
 if __name__ == "__main__":
