@@ -45,6 +45,14 @@ def _hf_run(tmp_path, *, per_step: bool, max_grad_norm: float = 0.05):
 
     model = tiny_gpt2()
     monitor = Monitor(MonitorConfig(port=0), serve=False)
+    measure = monitor.measure_gradients
+    monitor.measured_calls = 0
+
+    def counted_measure(model):  # counts how often the gradients are read at the end of backward
+        monitor.measured_calls += 1
+        return measure(model)
+
+    monitor.measure_gradients = counted_measure
     callback = LossbeatCallback(monitor, per_step=per_step)
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
@@ -72,6 +80,8 @@ def test_hf_trainer_per_step_feeds_loss_grad_norms_and_eval(tmp_path):
     # The global norm is measured before the Trainer clips: it equals the Trainer's own (pre-clip) grad_norm.
     assert last["grad_norm"] > 0.05
     assert _value(s, "training_grad_norm") == pytest.approx(last["grad_norm"], rel=1e-4)
+    # Measured once per optimizer step (on the micro-batch that completes it), not once per micro-batch.
+    assert monitor.measured_calls == 6
     layers = _layers(s)
     expected = {n.rsplit(".", 1)[0] for n, p in model.named_parameters() if p.requires_grad}
     assert set(layers) == expected and "transformer.h.0.mlp.c_fc" in layers

@@ -7,6 +7,11 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+try:  # the Trainer marks, in accelerate's shared state, the micro-batch that completes a step
+    from accelerate.state import GradientState
+except ImportError:  # pragma: no cover - the Trainer itself needs accelerate
+    GradientState = None
+
 from ..monitor import Monitor, NullMonitor
 from ._common import AfterBackward, eval_loss_from, resolve_monitor
 
@@ -35,7 +40,8 @@ class LossbeatCallback(TrainerCallback):
       ``Monitor.measure_gradients(model)``, the global and per-layer gradient
       norms before the Trainer clips them, which it does before
       ``on_pre_optimizer_step``. Under DDP they are measured after the
-      all-reduce. The last micro-batch's measurement covers the whole step.
+      all-reduce. Only the step's last micro-batch is measured (accelerate's
+      ``GradientState.sync_gradients``): its backward completes the gradients.
     - ``on_pre_optimizer_step``: ``Monitor.observe(step, loss, model, optimizer, epoch)``:
       ``step`` is ``state.global_step + 1`` (the number the Trainer logs for
       this step), ``loss`` the step's loss over its micro-batches (the sum of
@@ -166,7 +172,7 @@ class LossbeatCallback(TrainerCallback):
             loss = output.get("loss")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
-        if self._measure_pre_clip:
+        if self._measure_pre_clip and _completes_step():
             self._after_backward.watch(loss, module)
         value = loss.detach().float().reshape(())
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
@@ -181,3 +187,15 @@ class LossbeatCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def _completes_step() -> bool:
+    """Whether the current micro-batch is the last of its optimizer step.
+
+    The Trainer sets accelerate's ``GradientState.sync_gradients`` before each
+    micro-batch: measuring only then reads the gradients once per step, not
+    once per micro-batch (gradient accumulation 8 would read them 8 times).
+    """
+    if GradientState is None:
+        return True
+    return bool(getattr(GradientState(), "sync_gradients", True))
