@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # `python benchmarks/run.py` from anywhere
@@ -149,17 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gpu_only:
         return run_gpu_only(args)
-    torch.set_num_threads(args.threads)
-    logging.getLogger("lossbeat").setLevel(logging.ERROR)  # the synthetic losses trip status-change lines
-    os.environ.setdefault("WANDB_MODE", "offline")
     plan = PLANS["quick" if args.quick else "full"]
-    started = time.perf_counter()
-    results: dict = {"quick": args.quick, "environment": environment()}
-
-    def checkpoint() -> None:  # a crash late in a long run keeps what was measured
-        results["seconds"] = time.perf_counter() - started
-        write_outputs(results, args.out, args.json)
-
+    results, checkpoint = _start(args, quick=args.quick)
     _log("observe() µs")
     results["observe_us"] = measure_observe_us(plan["observe_calls"])
     _log("/metrics render by layer count")
@@ -178,11 +170,24 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint()
     if torch.cuda.is_available():
         run_gpu_part("cuda", plan["cuda"], results, checkpoint)
-
-    results["seconds"] = time.perf_counter() - started
-    write_outputs(results, args.out, args.json)
+    checkpoint()
     _log(f"wrote {args.out} and {args.json} in {results['seconds']:.0f} s")
     return 0
+
+
+def _start(args: argparse.Namespace, **header) -> tuple[dict, Callable[[], None]]:
+    """A measuring run's set-up: its results, and a checkpoint that writes them so far."""
+    torch.set_num_threads(args.threads)
+    logging.getLogger("lossbeat").setLevel(logging.ERROR)  # the synthetic losses trip status-change lines
+    os.environ.setdefault("WANDB_MODE", "offline")
+    started = time.perf_counter()
+    results: dict = {**header, "environment": environment()}
+
+    def checkpoint() -> None:  # a crash late in a long run keeps what was measured
+        results["seconds"] = time.perf_counter() - started
+        write_outputs(results, args.out, args.json)
+
+    return results, checkpoint
 
 
 def run_gpu_part(device: str, plan: list[tuple[str, int]], results: dict, checkpoint) -> None:
@@ -200,20 +205,11 @@ def run_gpu_only(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         _log("no CUDA device: nothing to measure")
         return 2
-    torch.set_num_threads(args.threads)
-    logging.getLogger("lossbeat").setLevel(logging.ERROR)
-    os.environ.setdefault("WANDB_MODE", "offline")
     if args.gpu_models:
         plan = [(name, int(rounds)) for name, rounds in (item.split(":") for item in args.gpu_models.split(","))]
     else:
         plan = PLANS["full"]["cuda"]
-    started = time.perf_counter()
-    results: dict = {"quick": False, "gpu_only": True, "environment": environment()}
-
-    def checkpoint() -> None:
-        results["seconds"] = time.perf_counter() - started
-        write_outputs(results, args.out, args.json)
-
+    results, checkpoint = _start(args, quick=False, gpu_only=True)
     run_gpu_part(args.device, plan, results, checkpoint)
     checkpoint()
     _log(f"wrote {args.out} and {args.json} in {results['seconds']:.0f} s")
