@@ -196,22 +196,30 @@ def _lightning_module():
     return L, Regressor
 
 
-def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
-    L, Regressor = _lightning_module()
+def _fit_lightning(make_module, samples: int, *, validate: bool = False, **trainer_args):
+    """Fits ``make_module()`` on ``samples`` rows of x -> sum(x) with a quiet CPU Trainer and a
+    LossbeatCallback on a fresh monitor; returns (trainer, module, monitor, callback)."""
+    L = require_module("lightning")
     from lossbeat.integrations.lightning import LossbeatCallback
 
     torch.manual_seed(0)
-    x = torch.randn(64, 8)
+    x = torch.randn(samples, 8)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     monitor = Monitor(MonitorConfig(port=0), serve=False)
     callback = LossbeatCallback(monitor)
-    module = Regressor()
-    trainer = L.Trainer(
-        max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-        val_check_interval=4, limit_val_batches=2, accumulate_grad_batches=2, gradient_clip_val=0.01,
+    module = make_module()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **trainer_args)
+    trainer.fit(module, data, data if validate else None)
+    return trainer, module, monitor, callback
+
+
+def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
+    _, Regressor = _lightning_module()
+    trainer, module, monitor, callback = _fit_lightning(
+        Regressor, 64, validate=True, max_steps=6, val_check_interval=4, limit_val_batches=2,
+        accumulate_grad_batches=2, gradient_clip_val=0.01,
     )
-    trainer.fit(module, data, data)
 
     s = _scrape(monitor)
     assert trainer.global_step == 6 and callback.observed_steps == 6
@@ -234,27 +242,17 @@ def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
 def test_lightning_fp16_scaler_overflow_is_counted_not_paged():
     """16-mixed precision's GradScaler, on CPU: a step whose gradients overflow is skipped by the
     scaler and counted as an overflow; the loss scale is exported."""
-    L, Regressor = _lightning_module()
+    _, Regressor = _lightning_module()
     from lightning.pytorch.plugins.precision import MixedPrecision
-
-    from lossbeat.integrations.lightning import LossbeatCallback
 
     class Overflowing(Regressor):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
             return loss * 1e30 if batch_idx == 2 else loss  # overflows fp16 in backward
 
-    torch.manual_seed(0)
-    x = torch.randn(48, 8)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    monitor = Monitor(MonitorConfig(port=0), serve=False)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # small enough for this loss in fp16
-    trainer = L.Trainer(
-        max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[LossbeatCallback(monitor)],
-        limit_val_batches=0, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-    )
-    trainer.fit(Overflowing(), data)
+    _, _, monitor, _ = _fit_lightning(Overflowing, 48, max_epochs=1, limit_val_batches=0,
+                                      plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
 
     s = _scrape(monitor)
     assert _value(s, "training_steps_total") == 6
@@ -265,8 +263,7 @@ def test_lightning_fp16_scaler_overflow_is_counted_not_paged():
 
 
 def test_lightning_fallback_uses_train_batch_outputs_when_backward_bypasses_lightning():
-    L, Regressor = _lightning_module()
-    from lossbeat.integrations.lightning import LossbeatCallback
+    _, Regressor = _lightning_module()
 
     class Manual(Regressor):
         def __init__(self) -> None:
@@ -283,16 +280,7 @@ def test_lightning_fallback_uses_train_batch_outputs_when_backward_bypasses_ligh
             self.losses.append(loss.item())
             return {"loss": loss.detach()}
 
-    torch.manual_seed(0)
-    x = torch.randn(32, 8)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    monitor = Monitor(MonitorConfig(port=0), serve=False)
-    callback = LossbeatCallback(monitor)
-    module = Manual()
-    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-                        limit_val_batches=0)
-    trainer.fit(module, data)
+    _, module, monitor, callback = _fit_lightning(Manual, 32, max_steps=4, limit_val_batches=0)
     s = _scrape(monitor)
     assert callback.observed_steps == 0
     assert _value(s, "training_steps_total") == 4
