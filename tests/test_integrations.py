@@ -167,6 +167,7 @@ def test_hf_eval_key_picks_named_eval_set():
 
 
 def _lightning_module():
+    """The small regressor LightningModule the Lightning tests train (requires lightning)."""
     L = require_module("lightning")
 
     class Regressor(L.LightningModule):
@@ -193,7 +194,7 @@ def _lightning_module():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
-    return L, Regressor
+    return Regressor
 
 
 def _fit_lightning(make_module, samples: int, *, validate: bool = False, **trainer_args):
@@ -215,7 +216,7 @@ def _fit_lightning(make_module, samples: int, *, validate: bool = False, **train
 
 
 def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
-    _, Regressor = _lightning_module()
+    Regressor = _lightning_module()
     trainer, module, monitor, callback = _fit_lightning(
         Regressor, 64, validate=True, max_steps=6, val_check_interval=4, limit_val_batches=2,
         accumulate_grad_batches=2, gradient_clip_val=0.01,
@@ -242,7 +243,7 @@ def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
 def test_lightning_fp16_scaler_overflow_is_counted_not_paged():
     """16-mixed precision's GradScaler, on CPU: a step whose gradients overflow is skipped by the
     scaler and counted as an overflow; the loss scale is exported."""
-    _, Regressor = _lightning_module()
+    Regressor = _lightning_module()
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     class Overflowing(Regressor):
@@ -263,7 +264,7 @@ def test_lightning_fp16_scaler_overflow_is_counted_not_paged():
 
 
 def test_lightning_fallback_uses_train_batch_outputs_when_backward_bypasses_lightning():
-    _, Regressor = _lightning_module()
+    Regressor = _lightning_module()
 
     class Manual(Regressor):
         def __init__(self) -> None:
