@@ -16,13 +16,12 @@ import argparse
 import json
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Iterable
 
-from lossbeat.generated import sync_files
+from lossbeat.generated import add_generator_arguments, sync_files, thresholds_for
 from lossbeat.metrics import METRICS
-from lossbeat.thresholds import Thresholds, ThresholdsError, load_thresholds
+from lossbeat.thresholds import Thresholds
 
 __all__ = [
     "build_dashboards",
@@ -557,18 +556,14 @@ def render_files(thresholds: Thresholds) -> dict[str, str]:
 # --- the command line -------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--thresholds", type=Path, help="thresholds file overriding the packaged defaults")
+    add_generator_arguments(parser)
     parser.add_argument("--root", type=Path, default=_REPO_ROOT,
                         help="directory the grafana/ and deploy/ files go under (default: this checkout, %(default)s)")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 with a diff if the files differ from what would be generated")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        thresholds = load_thresholds(args.thresholds)
-    except ThresholdsError as exc:
-        print(f"lossbeat dashboards: {exc}", file=sys.stderr)
+    thresholds = thresholds_for(args, "lossbeat dashboards")
+    if thresholds is None:
         return 2
     files = render_files(thresholds)
     return sync_files({args.root / rel: text for rel, text in files.items()}, check=args.check,

@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import sys
 from pathlib import Path
 from typing import Iterable, Mapping
 
-__all__ = ["sync_files"]
+from lossbeat.thresholds import Thresholds, ThresholdsError, load_thresholds
+
+__all__ = ["sync_files", "add_generator_arguments", "thresholds_for"]
+
+
+def add_generator_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--thresholds`` and ``--check``, shared by the generators (``lossbeat rules``, ``lossbeat dashboards``)."""
+    parser.add_argument("--thresholds", metavar="PATH", type=Path,
+                        help="thresholds file overriding the packaged defaults")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 with a diff when the files differ from what would be generated")
+
+
+def thresholds_for(args: argparse.Namespace, command: str) -> Thresholds | None:
+    """The thresholds a generator renders; None, with the error on stderr, when they are invalid."""
+    try:
+        return load_thresholds(args.thresholds)
+    except ThresholdsError as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return None
 
 
 def sync_files(files: Mapping[Path, str], *, check: bool, command: str, stale: Iterable[Path] = ()) -> int:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import yaml
 
-from lossbeat.generated import sync_files
+from lossbeat.generated import add_generator_arguments, sync_files, thresholds_for
 from lossbeat.alert_rules import AlertRule, alert_rules, recording_rules, rule_groups
 from lossbeat.rule_tests import rule_test_documents
-from lossbeat.thresholds import Thresholds, ThresholdsError, load_thresholds
+from lossbeat.thresholds import Thresholds
 
 __all__ = [
     "build_rule_groups",
@@ -151,20 +151,16 @@ def _planned(thresholds: Thresholds, root: Path, output_dir: Path | None) -> tup
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--thresholds", metavar="PATH", help="thresholds file overriding the packaged defaults")
+    add_generator_arguments(parser)
     parser.add_argument(
         "--output-dir", metavar="DIR", type=Path,
         help="write only rules.yml into DIR (default: every generated file in the repository)",
     )
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 with a diff when the files differ from what would be generated")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        thresholds = load_thresholds(args.thresholds)
-    except ThresholdsError as exc:
-        print(f"lossbeat rules: {exc}", file=sys.stderr)
+    thresholds = thresholds_for(args, "lossbeat rules")
+    if thresholds is None:
         return 2
     root = REPO_ROOT
     if args.output_dir is None and not (root / README_PATH).is_file():
