@@ -210,16 +210,16 @@ def compute_grad_norms(
     if not per_layer and not grouping.sharded:
         return GradientNorms(squares.sum().sqrt().float(), None)
     index = grouping.layer_index(layers, device)
-    n_layers = len(grouping)
-    slot_squares = torch.zeros(n_layers * len(grouping.shard_groups), dtype=torch.float64, device=device)
-    slot_squares.index_add_(0, index, squares)
-    by_layout = slot_squares.view(len(grouping.shard_groups), n_layers)
-    for layout, groups in enumerate(grouping.shard_groups[1:], start=1):
-        for group in groups:
-            # Shards' squares add up over the group. Enqueued on the device like any kernel
-            # (NCCL: no host sync); gloo on CPU completes it here.
-            dist.all_reduce(by_layout[layout], group=group)
-    layer_squares = by_layout.sum(0) if grouping.sharded else slot_squares
+    n_layers, n_layouts = len(grouping), len(grouping.shard_groups)
+    layer_squares = torch.zeros(n_layers * n_layouts, dtype=torch.float64, device=device).index_add_(0, index, squares)
+    if grouping.sharded:
+        by_layout = layer_squares.view(n_layouts, n_layers)
+        for layout, groups in enumerate(grouping.shard_groups[1:], start=1):
+            for group in groups:
+                # Shards' squares add up over the group. Enqueued on the device like any kernel
+                # (NCCL: no host sync); gloo on CPU completes it here.
+                dist.all_reduce(by_layout[layout], group=group)
+        layer_squares = by_layout.sum(0)
     layer_norms = layer_squares.sqrt().float() if per_layer else None
     return GradientNorms(layer_squares.sum().sqrt().float(), layer_norms)
 

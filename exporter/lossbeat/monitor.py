@@ -565,12 +565,13 @@ class Monitor:
             norms, coefficient = measured[1], measured[2]
             if coefficient is not None:
                 values["clip"] = coefficient
-        elif per_layer or need_global or (due and self._grouping_for(model).sharded):
+        else:
+            grouping = self._grouping_for(model)
             # A sharded model's ranks all-reduce together: every rank measures on due steps,
             # whether it exports the layers or not.
-            norms = compute_grad_norms(self._grouping_for(model), per_layer)
-        else:
-            return []
+            if not (per_layer or need_global or (due and grouping.sharded)):
+                return []
+            norms = compute_grad_norms(grouping, per_layer)
         if norms is None:  # no parameter has a gradient this step
             return []
         if need_global:
