@@ -64,11 +64,6 @@ class AfterBackward:
         engine = getattr(torch.autograd.Variable, "_execution_engine", None)
         self._queue = getattr(engine, "queue_callback", None)
 
-    @property
-    def available(self) -> bool:
-        """Whether this torch build lets a hook queue end-of-backward callbacks."""
-        return self._queue is not None
-
     def watch(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
         """Measure ``model``'s gradients when the backward pass through ``loss`` ends."""
         queue = self._queue
