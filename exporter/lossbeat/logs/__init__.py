@@ -1,0 +1,160 @@
+"""Parsers for finished runs' logs: each turns one file into step records, one list per run.
+
+Formats (auto-detected by :func:`detect_format`, see docs/analyze.md):
+
+* ``hf``: Hugging Face ``trainer_state.json`` (``log_history``)
+* ``hf-stdout``: the dicts the HF Trainer prints (``{'loss': 2.34, 'grad_norm': 1.2, ...}``)
+* ``llamafactory``: LLaMA-Factory ``trainer_log.jsonl``
+* ``lightning``: PyTorch Lightning CSVLogger ``metrics.csv``
+* ``llmc``: llm.c ``main.log`` (``s:N trl:L lr:X norm:G`` and ``s:N tel:V``)
+* ``llmc-stdout``: llm.c's printed lines (``step 1/19560 | loss 10.98 (+nanz)| norm 15.4 ...``)
+* ``nanogpt``: modded-nanogpt speedrun logs (``step:N/M train_loss:L`` / ``val_loss:V``)
+* ``megatron``: Megatron-LM golden values JSON (``{metric: {values: {step: v}}}``)
+* ``megatron-log``: Megatron-LM's printed log (``iteration 100/ 500000 | ... | lm loss: ...``)
+* ``tensorboard``: TensorBoard event files, or a directory of them (the ``tensorboard`` extra)
+
+Public API::
+
+    log = parse_log(path)            # ParsedLog for the file; raises LogFormatError
+    log.counts                       # ReadCounts: what was read, kept, skipped, unreadable
+    log.notes                        # the same in words, plus what the parser did
+    for run in log.segments:         # one ParsedLog per run in the file (restarts, appended seeds)
+        run.train, run.evals         # TrainRecord / EvalRecord lists in step order
+
+``log.train`` / ``log.evals`` are the last run's records. Missing values are
+``None``; NaN and Inf that a log states as numbers stay floats (the analysis
+counts them as non-finite). Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable
+
+from .csv_logs import is_lightning_header, parse_lightning
+from .json_logs import load_json, parse_hf_state, parse_llamafactory, parse_megatron_golden
+from .records import DEFAULT_MAX_RECORDS, EvalRecord, LogFormatError, ParsedLog, ReadCounts, RecordBuilder, TrainRecord
+from .source import Source, open_source
+from .tensorboard import event_files, is_event_file, parse_tensorboard
+from .text_logs import (
+    HF_DICT, LLMC_MAIN, LLMC_STDOUT, MEGATRON_ITER, NANOGPT,
+    parse_hf_stdout, parse_llmc_main, parse_llmc_stdout, parse_megatron_log, parse_nanogpt,
+)
+
+__all__ = [
+    "TrainRecord",
+    "EvalRecord",
+    "ReadCounts",
+    "ParsedLog",
+    "LogFormatError",
+    "FORMATS",
+    "DEFAULT_MAX_RECORDS",
+    "detect_format",
+    "parse_log",
+]
+
+FORMATS: tuple[str, ...] = ("hf", "hf-stdout", "llamafactory", "lightning", "llmc", "llmc-stdout", "nanogpt",
+                            "megatron", "megatron-log", "tensorboard")
+
+_JSON_FORMATS = {"hf": parse_hf_state, "megatron": parse_megatron_golden}
+_LINE_FORMATS: dict[str, Callable[[Source, RecordBuilder], None]] = {
+    "hf-stdout": parse_hf_stdout,
+    "llamafactory": parse_llamafactory,
+    "lightning": parse_lightning,
+    "llmc": parse_llmc_main,
+    "llmc-stdout": parse_llmc_stdout,
+    "nanogpt": parse_nanogpt,
+    "megatron-log": parse_megatron_log,
+}
+
+
+def _detect(src: Source) -> str:
+    if is_event_file(src.path, src.head_bytes):
+        return "tensorboard"
+    if src.encoding is None:
+        raise LogFormatError(f"{src.path}: binary data, not a text log (and not a TensorBoard event file)")
+    head = src.head
+    stripped = head.lstrip()
+    lines = stripped.splitlines()
+    first = lines[0] if lines else ""
+    if stripped.startswith("{") and not stripped.startswith("{'"):
+        if '"log_history"' in head:
+            return "hf"
+        if '"current_steps"' in first:
+            return "llamafactory"
+        if re.search(r'"lm loss"\s*:\s*\{', head) or re.search(r'"step_interval"|"values"\s*:', head):
+            return "megatron"
+    if HF_DICT.search(head):
+        return "hf-stdout"
+    if is_lightning_header(first):
+        return "lightning"
+    if re.search(LLMC_MAIN.pattern + r"", head, re.M) and re.search(r"^s:\d+\s+(trl|tel):", head, re.M):
+        return "llmc"
+    if any(LLMC_STDOUT.match(line) and "loss" in line for line in lines[:20000]):
+        return "llmc-stdout"
+    if re.search(r"^step:\d+/\d+\s+(train_loss|val_loss):", head, re.M):
+        return "nanogpt"
+    if any(MEGATRON_ITER.search(line) for line in lines[:20000]):
+        return "megatron-log"
+    if stripped.startswith("{"):
+        raise LogFormatError(f"{src.path}: JSON, but none of the known layouts (trainer_state.json "
+                             "log_history, trainer_log.jsonl, Megatron golden values)")
+    raise LogFormatError(f"{src.path}: unknown log format: no record of a known format in the first "
+                         f"{len(head) >> 10 or 1} KiB (known: {', '.join(FORMATS)})")
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """The format of a log file (or a directory of TensorBoard event files); raises :class:`LogFormatError`."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if event_files(path):
+            return "tensorboard"
+        open_source(path)  # raises the directory error
+    return _detect(open_source(path))
+
+
+def parse_log(path: str | os.PathLike, fmt: str | None = None, *, max_records: int = DEFAULT_MAX_RECORDS) -> ParsedLog:
+    """Parse one log file (or a directory of TensorBoard event files).
+
+    Returns the file's :class:`ParsedLog`: ``segments`` holds each run in the file,
+    ``train``/``evals`` are the last run's, ``counts`` and ``notes`` say what was read,
+    skipped and unreadable. Reading stops after ``max_records`` train records (noted).
+    Raises :class:`LogFormatError` (one line naming the file and the problem) for anything
+    that cannot be read: missing, a directory or FIFO, empty, binary, broken JSON, no records.
+    """
+    path = os.fspath(path)
+    if fmt is not None and fmt not in FORMATS:
+        raise LogFormatError(f"{path}: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+    if os.path.isdir(path) and (files := event_files(path)):
+        out = RecordBuilder(path, "tensorboard", "events", max_records)
+        parse_tensorboard(files, out)
+        if len(files) > 1:
+            out.note(f"{len(files)} event files read in name order")
+        return _finished(out)
+    src = open_source(path)
+    fmt = fmt or _detect(src)
+    out = RecordBuilder(path, fmt, "entries" if fmt in _JSON_FORMATS else "lines", max_records)
+    try:
+        if fmt == "tensorboard":
+            parse_tensorboard([path], out)
+        elif fmt in _JSON_FORMATS:
+            _JSON_FORMATS[fmt](load_json(src), out)
+        else:
+            if src.encoding is None:
+                raise LogFormatError(f"{path}: binary data, not a text log")
+            _LINE_FORMATS[fmt](src, out)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        if isinstance(exc, LogFormatError):
+            raise
+        raise LogFormatError(f"{path}: not a valid {fmt} log ({type(exc).__name__}: {exc})") from None
+    except OSError as exc:
+        raise LogFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return _finished(out)
+
+
+def _finished(out: RecordBuilder) -> ParsedLog:
+    log = out.finish()
+    if not log.segments:
+        raise LogFormatError(f"{out.path}: no training or eval records ({out.counts.summary()})")
+    return log

@@ -1,0 +1,167 @@
+"""JSON logs: Hugging Face ``trainer_state.json``, LLaMA-Factory ``trainer_log.jsonl``, Megatron golden values."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping
+
+from .records import LogFormatError, RecordBuilder
+from .source import MAX_JSON_BYTES, Source, iter_lines, parse_number
+
+__all__ = ["parse_hf_state", "parse_llamafactory", "parse_megatron_golden", "load_json", "HF_EVAL_KEY"]
+
+HF_EVAL_KEY = re.compile(r"^eval_(?:(.+)_)?loss$")
+"""``eval_loss`` (group '') and ``eval_<set>_loss`` (group '<set>'), as the HF Trainer names them."""
+_LR_KEYS = ("learning_rate", "lr")
+_SUMMARY_KEYS = ("train_loss", "train_runtime", "total_flos")
+_READ_KEYS = {"step", "current_steps", "loss", "grad_norm", "epoch", *_LR_KEYS}
+
+
+def load_json(src: Source) -> Any:
+    """The whole document (bounded: :data:`MAX_JSON_BYTES`); a broken one is a one-line error."""
+    if src.size > MAX_JSON_BYTES:
+        raise LogFormatError(f"{src.path}: a {src.size / 2**20:.0f} MiB JSON document is larger than the "
+                             f"{MAX_JSON_BYTES >> 20} MiB read at once")
+    try:
+        with open(src.path, encoding=src.encoding or "utf-8", errors="replace") as fh:
+            text = fh.read()
+        return json.loads(text)  # Python's json reads NaN/Infinity literals as floats
+    except json.JSONDecodeError as exc:
+        what = "truncated JSON (the document ends early)" if exc.pos >= len(text.rstrip()) else "invalid JSON"
+        raise LogFormatError(f"{src.path}: {what}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except (RecursionError, MemoryError) as exc:
+        raise LogFormatError(f"{src.path}: JSON too deeply nested or too large ({type(exc).__name__})") from None
+
+
+def _value(out: RecordBuilder, entry: Mapping, key: str) -> float | None:
+    """The number under ``key`` (None when absent or null); an unreadable value is counted."""
+    value, ok = parse_number(entry.get(key))
+    if not ok:
+        out.unreadable(key, entry.get(key))
+    return value
+
+
+def _step(out: RecordBuilder, entry: Mapping, key: str) -> int | None:
+    raw = entry.get(key)
+    value, ok = parse_number(raw)
+    if value is None or value != value or value in (float("inf"), float("-inf")):
+        if raw is not None:
+            out.unreadable(key, raw)
+        return None
+    return int(value)
+
+
+def _train_and_evals(out: RecordBuilder, entry: Mapping, step: int) -> bool:
+    """One HF-style entry: a train record if it has ``loss``, eval records for its ``eval_*loss`` keys."""
+    used = False
+    if "loss" in entry:
+        lr_key = next((k for k in _LR_KEYS if k in entry), None)
+        out.train(step, _value(out, entry, "loss"), _value(out, entry, "grad_norm"),
+                  _value(out, entry, lr_key) if lr_key else None, _value(out, entry, "epoch"))
+        used = True
+    for key in entry:
+        m = HF_EVAL_KEY.match(key)
+        if m:
+            loss = _value(out, entry, key)
+            if loss is not None:
+                out.eval(step, loss, m.group(1) or "")
+                used = True
+    return used
+
+
+def _note_unread_keys(out: RecordBuilder, keys: set[str]) -> None:
+    unread = sorted(k for k in keys if k not in _READ_KEYS and not HF_EVAL_KEY.match(k)
+                    and k not in _SUMMARY_KEYS)
+    if unread:
+        out.note(f"fields not read: {', '.join(unread[:12])}{', ...' if len(unread) > 12 else ''}")
+
+
+def parse_hf_state(doc: Any, out: RecordBuilder) -> None:
+    """``log_history``: entries with ``loss`` are train records, ``eval_*loss`` keys eval records."""
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("log_history"), list):
+        raise LogFormatError(f"{out.path}: no 'log_history' list (not a trainer_state.json)")
+    keys: set[str] = set()
+    for i, entry in enumerate(doc["log_history"]):
+        if isinstance(entry, Mapping) and len(keys) < 256:
+            keys.update(k for k in entry if isinstance(k, str))
+        out.counts.read += 1
+        out.where = f"log_history[{i}]"
+        if not isinstance(entry, Mapping):
+            out.skip("entries that are not objects")
+            continue
+        step = _step(out, entry, "step")
+        if step is None:
+            out.skip("entries without a step")
+            continue
+        if not _train_and_evals(out, entry, step):
+            out.skip("final summaries" if any(k in entry for k in _SUMMARY_KEYS) else "entries without a loss")
+        if out.full:
+            out.stop(out.where)
+            break
+    _note_unread_keys(out, keys)
+
+
+def parse_llamafactory(src: Source, out: RecordBuilder) -> None:
+    """One JSON object per line; ``current_steps`` is the step, ``loss`` / ``eval_loss`` the values.
+
+    Several ranks append the same step (slightly out of order): the latest record of a step wins.
+    A line cut short (a crash while writing) is counted, not fatal.
+    """
+    for line in iter_lines(src, out):
+        line = line.strip()
+        if not line:
+            out.skip("blank lines")
+            continue
+        try:
+            entry = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            out.skip("lines that are not JSON (a line cut short?)")
+            continue
+        if not isinstance(entry, Mapping):
+            out.skip("lines that are not JSON objects")
+            continue
+        step = _step(out, entry, "current_steps")
+        if step is None:
+            out.skip("lines without current_steps")
+            continue
+        if not _train_and_evals(out, entry, step):
+            out.skip("lines without a loss or eval loss (progress only)")
+
+
+def _missing_or_number(out: RecordBuilder, raw: object, name: str, missing: list[int]) -> float | None:
+    # The golden files store the *string* "nan" for steps that were not measured: missing, not NaN.
+    if isinstance(raw, str) and raw.strip().lower() == "nan":
+        missing[0] += 1
+        return None
+    value, ok = parse_number(raw)
+    if not ok:
+        out.unreadable(name, raw)
+    return value
+
+
+def parse_megatron_golden(doc: Any, out: RecordBuilder) -> None:
+    """Megatron-LM functional-test golden values: ``{"lm loss": {"values": {step: value}}, ...}``."""
+    series = doc.get("lm loss") if isinstance(doc, Mapping) else None
+    if not isinstance(series, Mapping) or not isinstance(series.get("values"), Mapping):
+        raise LogFormatError(f"{out.path}: no 'lm loss' series with 'values' (not a Megatron golden-values file)")
+    values = series["values"]
+    pairs = []
+    for key in values:
+        try:
+            pairs.append((int(key), key))
+        except (TypeError, ValueError):
+            out.unreadable("step", key)
+    keys = sorted(pairs)
+    missing = [0]
+    for step, key in keys:
+        out.counts.read += 1
+        out.where = f'"lm loss" step {key}'
+        out.train(step, _missing_or_number(out, values[key], "lm loss", missing))
+        if out.full:
+            out.stop(out.where)
+            break
+    others = sorted(k for k in doc if k != "lm loss")
+    if others:
+        out.note(f"series not read (no check uses them): {', '.join(others)}")
+    out.note(f'{missing[0]} of {len(keys)} "lm loss" values are the string "nan": treated as missing')

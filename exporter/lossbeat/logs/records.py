@@ -1,0 +1,276 @@
+"""What every parser produces: step records, read counts, and the runs found in one file.
+
+A parser reads its format and feeds a :class:`RecordBuilder` in file order; the
+builder keeps the latest record of a repeated step, splits the file into runs
+where the step counter goes back to the start, and counts everything it read,
+skipped or could not read, so that nothing is dropped without a note.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import median
+
+__all__ = [
+    "TrainRecord",
+    "EvalRecord",
+    "ReadCounts",
+    "ParsedLog",
+    "LogFormatError",
+    "RecordBuilder",
+    "DEFAULT_MAX_RECORDS",
+]
+
+DEFAULT_MAX_RECORDS = 1_000_000
+"""Train records read per file before parsing stops (bounded memory; the report says where it stopped)."""
+
+_MIN_STEPS_BEFORE_RESTART = 3
+"""Distinct steps a run must hold before a step at or below its first one starts a new run
+(a step logged twice by two ranks at the start is a repeat, not a restart)."""
+
+
+class LogFormatError(ValueError):
+    """The file cannot be read as a log: unknown format, broken content, not a regular file."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainRecord:
+    """One logged training step. A log records every k-th step: records are not steps."""
+
+    step: int
+    loss: float | None
+    """None when the log has the step but no loss value (a missing value, not a NaN)."""
+    grad_norm: float | None = None
+    learning_rate: float | None = None
+    epoch: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EvalRecord:
+    """One evaluation loss; ``group`` names the eval set ('' = the only or unnamed one)."""
+
+    step: int
+    loss: float
+    group: str = ""
+
+
+@dataclass
+class ReadCounts:
+    """What a parse read, kept, skipped on purpose, and could not read."""
+
+    unit: str = "lines"
+    """What ``read`` counts: lines, entries (JSON), rows (CSV) or events (TensorBoard)."""
+    read: int = 0
+    train: int = 0
+    """Train records kept (after repeated steps were merged)."""
+    evals: int = 0
+    """Eval records kept."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Reason -> units skipped on purpose (not a log record, a final summary, a repeated step...)."""
+    unreadable: dict[str, int] = field(default_factory=dict)
+    """Field -> values present in the log that could not be read as numbers (left out, never guessed)."""
+    unreadable_examples: dict[str, str] = field(default_factory=dict)
+    """Field -> the first unreadable value and where it was."""
+    stopped_at: str | None = None
+    """Where reading stopped early (record cap), or None when the whole file was read."""
+
+    def summary(self) -> str:
+        """One line: read N units: kept ..., skipped ..., unreadable ..."""
+        text = f"read {self.read} {self.unit}: {self.train} train records, {self.evals} eval records"
+        if self.skipped:
+            text += "; skipped " + ", ".join(f"{n} {why}" for why, n in self.skipped.items())
+        if self.unreadable:
+            text += "; unreadable " + ", ".join(
+                f"{n} {name} value{'s' if n > 1 else ''} (first: {self.unreadable_examples[name]})"
+                for name, n in self.unreadable.items()
+            ) + " (left out)"
+        if self.stopped_at:
+            text += f"; STOPPED EARLY {self.stopped_at}"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"unit": self.unit, "read": self.read, "train": self.train, "evals": self.evals,
+                "skipped": dict(self.skipped), "unreadable": dict(self.unreadable), "stopped_at": self.stopped_at}
+
+
+@dataclass
+class ParsedLog:
+    """One run's records (a file holds one run or several, see :attr:`segments`).
+
+    ``parse_log`` returns the file: its ``train``/``evals`` are those of the
+    **last** run in the file (all of them for the usual one-run file), and
+    ``segments`` lists every run, each a ``ParsedLog`` of its own, in file order.
+    Analyse each segment (``for run in log.segments: replay(run, t)``), never
+    the records of several runs as one series.
+    """
+
+    path: str
+    format: str
+    train: list[TrainRecord] = field(default_factory=list)
+    """Train records in step order (one per step: a step logged again keeps its latest record)."""
+    evals: list[EvalRecord] = field(default_factory=list)
+    """Eval records in step order."""
+    notes: list[str] = field(default_factory=list)
+    """What the reader did that a user must know: read counts, skipped and unreadable values, runs."""
+    counts: ReadCounts = field(default_factory=ReadCounts)
+    """For the whole file."""
+    segment: int = 0
+    """Index of this run in the file."""
+    segments: list["ParsedLog"] = field(default_factory=list)
+    """Every run in the file, in order (one element for a one-run file); empty on a segment itself."""
+    derived_steps: bool = False
+    """True when the log prints no step and the steps were derived (see the notes)."""
+
+    @property
+    def losses(self) -> int:
+        """Train records that have a loss value."""
+        return sum(1 for r in self.train if r.loss is not None)
+
+    @property
+    def eval_groups(self) -> list[str]:
+        return sorted({e.group for e in self.evals})
+
+    @property
+    def runs(self) -> list["ParsedLog"]:
+        """The runs to analyse: ``segments``, or this log itself when it is a segment."""
+        return self.segments or [self]
+
+
+class _Run:
+    __slots__ = ("by_step", "evals", "first_step", "max_step", "start", "repeats")
+
+    def __init__(self, start: str) -> None:
+        self.by_step: dict[int, TrainRecord] = {}
+        self.evals: dict[tuple[int, str], EvalRecord] = {}
+        self.first_step: int | None = None
+        self.max_step: int | None = None
+        self.start = start
+        self.repeats = 0
+
+
+def log_interval(steps: list[int]) -> int:
+    """The usual distance between logged steps (median of the positive gaps; 1 when unknown)."""
+    gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
+    return max(1, int(median(gaps))) if gaps else 1
+
+
+class RecordBuilder:
+    """Collects a parser's records in file order; :meth:`finish` returns the :class:`ParsedLog`."""
+
+    def __init__(self, path: str, fmt: str, unit: str = "lines", max_records: int = DEFAULT_MAX_RECORDS) -> None:
+        self.path = path
+        self.format = fmt
+        self.counts = ReadCounts(unit=unit)
+        self.notes: list[str] = []
+        self.max_records = max_records
+        self.derived_steps = False
+        self._runs: list[_Run] = []
+        self._records = 0
+        self.where = ""
+        """Where the parser is (e.g. 'line 12'), for notes and examples; set by the parser."""
+
+    # --- counting ---------------------------------------------------------------------------
+
+    def skip(self, reason: str, n: int = 1) -> None:
+        self.counts.skipped[reason] = self.counts.skipped.get(reason, 0) + n
+
+    def unreadable(self, name: str, raw: object) -> None:
+        """A value the log states for ``name`` that is not a number: counted, shown, left out."""
+        self.counts.unreadable[name] = self.counts.unreadable.get(name, 0) + 1
+        if name not in self.counts.unreadable_examples:
+            text = repr(raw) if not isinstance(raw, str) else repr(raw[:40])
+            self.counts.unreadable_examples[name] = f"{text} at {self.where}" if self.where else text
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    @property
+    def full(self) -> bool:
+        """True once the record cap is reached: the parser stops and says where."""
+        return self._records >= self.max_records
+
+    def stop(self, where: str) -> None:
+        self.counts.stopped_at = f"at {where}: the record cap ({self.max_records}) was reached; the rest was not read"
+
+    # --- records ----------------------------------------------------------------------------
+
+    def _current(self) -> _Run:
+        if not self._runs:
+            self._runs.append(_Run(self.where or "the start"))
+        return self._runs[-1]
+
+    def _maybe_restart(self, step: int) -> _Run:
+        run = self._current()
+        if (run.first_step is not None and step <= run.first_step
+                and len(run.by_step) >= _MIN_STEPS_BEFORE_RESTART):
+            run = _Run(self.where or f"step {step}")
+            self._runs.append(run)
+        return run
+
+    def train(self, step: int, loss: float | None, grad_norm: float | None = None,
+              learning_rate: float | None = None, epoch: float | None = None) -> None:
+        run = self._maybe_restart(step)
+        if step in run.by_step:
+            run.repeats += 1
+            self.skip("repeated steps (the latest record of a step kept)")
+        else:
+            self._records += 1
+        run.by_step[step] = TrainRecord(step, loss, grad_norm, learning_rate, epoch)
+        run.first_step = step if run.first_step is None else min(run.first_step, step)
+        run.max_step = step if run.max_step is None else max(run.max_step, step)
+
+    def eval(self, step: int, loss: float, group: str = "") -> None:
+        run = self._current()
+        if run.first_step is not None and len(run.by_step) >= _MIN_STEPS_BEFORE_RESTART and step <= run.first_step:
+            run = self._maybe_restart(step)  # an eval before the first train record of the next run
+        if (step, group) in run.evals:
+            self.skip("repeated evals (the latest kept)")
+        run.evals[(step, group)] = EvalRecord(step, loss, group)
+
+    # --- result -----------------------------------------------------------------------------
+
+    def finish(self) -> ParsedLog:
+        runs = [r for r in self._runs if r.by_step or r.evals]
+        segments: list[ParsedLog] = []
+        for i, run in enumerate(runs):
+            train = [run.by_step[s] for s in sorted(run.by_step)]
+            evals = sorted(run.evals.values(), key=lambda e: e.step)
+            seg = ParsedLog(self.path, self.format, train, evals, [], self.counts, i, [], self.derived_steps)
+            if len(runs) > 1:
+                span = f"steps {train[0].step}-{train[-1].step}" if train else "no train records"
+                seg.notes.append(f"run {i + 1} of {len(runs)} in this file ({span}, from {run.start})")
+            seg.notes.extend(_start_note(train))
+            segments.append(seg)
+        self.counts.train = sum(len(s.train) for s in segments)
+        self.counts.evals = sum(len(s.evals) for s in segments)
+        notes = [self.counts.summary(), *self.notes]
+        nonfinite = sum(1 for s in segments for r in s.train if r.loss is not None and not math.isfinite(r.loss))
+        if nonfinite:
+            notes.append(f"{nonfinite} non-finite loss values (NaN/Inf as the log states them)")
+        if len(segments) > 1:
+            starts = ", ".join(runs[i].start for i in range(1, len(runs)))
+            notes.append(
+                f"{len(segments)} runs in one file: the step goes back to the start at {starts} "
+                "(a restart, or runs appended to one file); each run is analysed on its own"
+            )
+        for seg in segments:
+            seg.notes[:0] = notes
+        last = segments[-1] if segments else ParsedLog(self.path, self.format, notes=notes, counts=self.counts)
+        # The file's notes: for a one-run file its run's notes, else the notes shared by every run.
+        file_notes = list(last.notes) if len(segments) == 1 else notes
+        return ParsedLog(self.path, self.format, last.train, last.evals, file_notes, self.counts,
+                         last.segment, segments, self.derived_steps)
+
+
+def _start_note(train: list[TrainRecord]) -> list[str]:
+    """A run whose first logged step lies well past one log interval starts mid-way (resumed or trimmed)."""
+    if len(train) < 2:
+        return []
+    interval = log_interval([r.step for r in train])
+    first = train[0].step
+    if first > 2 * interval + 1:
+        return [f"the step counter starts at {first} (logged every {interval} steps): "
+                "the log begins mid-run (a resumed run, or a trimmed log)"]
+    return []

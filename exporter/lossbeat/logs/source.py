@@ -1,0 +1,149 @@
+"""Opening a log safely: refuse what is not a readable log before parsing, read lines with bounded memory.
+
+Every refusal is a :class:`LogFormatError` whose message names the file and the
+problem in one line (a directory, a FIFO, an empty file, binary data...).
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import stat
+from dataclasses import dataclass
+from typing import Iterator
+
+from .records import LogFormatError, RecordBuilder
+
+__all__ = ["Source", "open_source", "iter_lines", "parse_number", "MAX_JSON_BYTES", "MAX_LINE_CHARS"]
+
+MAX_JSON_BYTES = 256 << 20
+"""Largest JSON document read at once (trainer_state.json, golden values): json.load holds it all."""
+MAX_LINE_CHARS = 1 << 16
+"""Longer lines are not log records (embedded data, a binary blob): skipped and counted, read in chunks."""
+SNIFF_BYTES = 1 << 20
+"""Bytes read from the start of the file to detect its format and encoding."""
+
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"),
+)
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str
+    size: int
+    head_bytes: bytes
+    encoding: str | None
+    """The text codec, or None for binary data."""
+    head: str
+    """The first bytes decoded ('' for binary data)."""
+
+
+def _fail(path: str, problem: str) -> LogFormatError:
+    return LogFormatError(f"{path}: {problem}")
+
+
+def open_source(path: str) -> Source:
+    """Stat and sniff ``path``; raises :class:`LogFormatError` for anything that is not a readable file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise _fail(path, "no such file") from None
+    except OSError as exc:
+        raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise _fail(path, "is a directory, not a log file (a directory is read only when it holds "
+                          "TensorBoard event files)")
+    for test, kind in _KINDS:
+        if test(st.st_mode):  # opening a FIFO would block until a writer comes
+            raise _fail(path, f"is {kind}, not a regular file: save the log to a file first")
+    if st.st_size == 0:
+        raise _fail(path, "empty file")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(SNIFF_BYTES)
+    except OSError as exc:
+        raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
+    encoding = _encoding(head)
+    text = head.decode(encoding, errors="replace") if encoding else ""
+    if encoding and text:
+        bad = text.count("\ufffd")
+        if bad > max(8, len(text) // 20):
+            encoding, text = None, ""  # mostly undecodable: binary, or an encoding we would only garble
+    return Source(path, st.st_size, head, encoding, text)
+
+
+def _encoding(head: bytes) -> str | None:
+    for bom, name in _BOMS:
+        if head.startswith(bom):
+            return name
+    if b"\x00" not in head:
+        return "utf-8"
+    sample = head[:4096]
+    even, odd = sample[0::2], sample[1::2]
+    # UTF-16 without a BOM (a Windows redirect): ASCII text has every other byte NUL.
+    if odd and odd.count(0) > 0.9 * len(odd) and even.count(0) < 0.1 * len(even):
+        return "utf-16-le"
+    if even and even.count(0) > 0.9 * len(even) and odd.count(0) < 0.1 * len(odd):
+        return "utf-16-be"
+    return None
+
+
+def iter_lines(src: Source, out: RecordBuilder) -> Iterator[str]:
+    """The file's lines (split at \\n, \\r\\n and bare \\r: progress bars), counted in ``out``.
+
+    Memory stays bounded: a line longer than :data:`MAX_LINE_CHARS` is read in
+    chunks, skipped and counted; bytes that are not valid text are replaced and counted.
+    """
+    assert src.encoding is not None
+    garbled = 0
+    with open(src.path, encoding=src.encoding, errors="replace", newline="") as fh:
+        n = 0
+        while True:
+            line = fh.readline(MAX_LINE_CHARS)
+            if not line:
+                break
+            n += 1
+            out.counts.read += 1
+            out.where = f"line {n}"
+            if len(line) >= MAX_LINE_CHARS and not line.endswith(("\n", "\r")):
+                while True:  # drain the rest of this line without holding it
+                    chunk = fh.readline(MAX_LINE_CHARS)
+                    if not chunk or chunk.endswith(("\n", "\r")):
+                        break
+                out.skip(f"overlong lines (over {MAX_LINE_CHARS} characters)")
+                continue
+            if "\ufffd" in line:
+                garbled += 1
+            yield line
+            if out.full:
+                out.stop(f"line {n}")
+                break
+    if garbled:
+        out.note(f"{garbled} lines hold bytes that are not valid {src.encoding} (replaced by U+FFFD)")
+
+
+def parse_number(raw: object) -> tuple[float | None, bool]:
+    """``(value, ok)``: a float from a number or numeric text; ``ok`` False when ``raw`` is not a number.
+
+    Missing values (None, '', the strings 'none'/'null') are ``(None, True)``; 'nan' and
+    'inf' words are the floats they name.
+    """
+    if raw is None:
+        return None, True
+    if isinstance(raw, bool):
+        return None, False
+    if isinstance(raw, (int, float)):
+        return float(raw), True
+    if isinstance(raw, str):
+        text = raw.strip()
+        if not text or text.lower() in ("none", "null"):
+            return None, True
+        try:
+            return float(text), True
+        except ValueError:
+            return None, False
+    return None, False

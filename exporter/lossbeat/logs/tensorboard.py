@@ -1,0 +1,116 @@
+"""TensorBoard event files, read with TensorBoard's own loader (the ``tensorboard`` extra).
+
+Events are read one at a time (bounded memory) and never downsampled. Scalar tags
+are mapped to the record fields by name (the HF ``TensorBoardCallback``'s
+``train/loss``, Lightning's ``train_loss`` / ``lr-AdamW``, ...); the tags not
+read are listed in the notes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .records import LogFormatError, RecordBuilder
+
+__all__ = ["parse_tensorboard", "event_files", "is_event_file"]
+
+_TRAIN = ("train/loss", "train_loss", "train_loss_step", "loss", "training_loss", "train/lm_loss", "loss/train")
+_GRAD = ("train/grad_norm", "grad_norm", "train/global_grad_norm")
+_LR = ("train/learning_rate", "learning_rate", "train/lr", "lr")
+_EPOCH = ("train/epoch", "epoch")
+_EVAL = re.compile(r"^(?:eval|val|valid|validation)[/_](?:(.+)_)?loss(?:_epoch)?$|^loss/(?:val|eval|validation)$")
+
+
+def is_event_file(path: str, head: bytes = b"") -> bool:
+    return "tfevents" in os.path.basename(path) or b"brain.Event:" in head[:64]
+
+
+def event_files(directory: str) -> list[str]:
+    """The event files directly inside ``directory``, oldest first (their names start with a timestamp)."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if "tfevents" in n)
+    except OSError as exc:
+        raise LogFormatError(f"{directory}: cannot list: {exc.strerror or exc}") from None
+    return [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]
+
+
+def _loader():
+    try:
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+        from tensorboard.util import tensor_util
+    except ImportError:
+        return None, None
+    return EventFileLoader, tensor_util
+
+
+def _pick(tags: dict[str, int], names: tuple[str, ...], prefix: str | None = None) -> str | None:
+    hit = next((n for n in names if n in tags), None)
+    if hit is None and prefix:
+        hit = next((t for t in tags if t.startswith(prefix)), None)
+    return hit
+
+
+def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
+    """Scalars of one or more event files (in order): a train record per step with a train loss."""
+    loader, tensor_util = _loader()
+    if loader is None:
+        raise LogFormatError(f"{out.path}: a TensorBoard event file: reading it needs the tensorboard "
+                             "package (pip install 'lossbeat[tensorboard]')")
+    out.counts.unit = "events"
+    ordered: dict[str, list[tuple[int, int, float]]] = {}  # tag -> (arrival, step, value), in file order
+    latest: dict[str, dict[int, float]] = {}  # tag -> step -> latest value (grad norm, LR, epoch lookups)
+    skipped_tags: set[str] = set()
+    arrival = 0
+    for path in paths:
+        try:
+            for event in loader(path).Load():
+                out.counts.read += 1
+                if not event.HasField("summary"):
+                    out.skip("events without scalars (file version, graphs, metadata)")
+                    continue
+                for v in event.summary.value:
+                    plugin = v.metadata.plugin_data.plugin_name
+                    array = tensor_util.make_ndarray(v.tensor) if v.HasField("tensor") else None
+                    if (plugin and plugin != "scalars") or array is None or array.size != 1:
+                        skipped_tags.add(v.tag)
+                        out.skip("values that are not scalars (histograms, images, text)")
+                        continue
+                    value = float(array.reshape(()))
+                    arrival += 1
+                    ordered.setdefault(v.tag, []).append((arrival, event.step, value))
+                    latest.setdefault(v.tag, {})[event.step] = value
+                if arrival >= 4 * out.max_records:
+                    out.stop(f"event {out.counts.read} of {path}")
+                    break
+        except Exception as exc:  # noqa: BLE001 - a corrupt or truncated file: say which, keep what was read
+            if not ordered:
+                raise LogFormatError(f"{path}: not a readable TensorBoard event file "
+                                     f"({type(exc).__name__}: {exc})") from None
+            out.note(f"{path}: reading stopped at event {out.counts.read} ({type(exc).__name__}: {exc})")
+        if out.counts.stopped_at:
+            break
+    train = _pick(latest, _TRAIN)
+    if train is None:
+        candidates = [t for t in latest if "loss" in t.lower() and not _EVAL.match(t)]
+        train = min(candidates, key=len) if candidates else None
+    grad = _pick(latest, _GRAD)
+    lr = _pick(latest, _LR, "lr-")
+    epoch = _pick(latest, _EPOCH)
+    evals = {t: (m.group(1) or "") for t in latest if t != train and (m := _EVAL.match(t))}
+    used = {train, grad, lr, epoch, *evals}
+    unused = sorted(t for t in latest if t not in used) + sorted(skipped_tags - set(latest))
+    out.note(f"tags read: loss {train!r}, grad norm {grad!r}, LR {lr!r}, eval {sorted(evals) or None}")
+    if unused:
+        out.note(f"tags not read: {', '.join(unused[:12])}{', ...' if len(unused) > 12 else ''}")
+    if train is None:
+        out.note("no train-loss tag found")
+    merged = [(a, s, v, None) for a, s, v in ordered.get(train, [])] if train else []
+    merged += [(a, s, v, group) for tag, group in evals.items() for a, s, v in ordered[tag]]
+    merged.sort(key=lambda item: item[0])
+    for _, step, value, group in merged:  # file order, so that runs split where the step goes back
+        out.where = f"step {step}"
+        if group is None:
+            out.train(step, value, *(latest[t].get(step) if t else None for t in (grad, lr, epoch)))
+        else:
+            out.eval(step, value, group)
