@@ -1,10 +1,13 @@
 """``lossbeat analyze PATH...``: diagnose finished runs from their log files.
 
-Each file is parsed (:mod:`lossbeat.logs`, format auto-detected), replayed
-through the live monitor's History and checks (:mod:`.replay`) and reported:
-the final findings, checks that were worse earlier in the run, and the event
-counts (non-finite values, loss spikes, grad-norm explosions).
-Exit status: 0 when every file was analysed, 2 when one could not be read.
+Each file is parsed (:mod:`lossbeat.logs`, format auto-detected); each run in it
+(a file may hold several: a restart, appended seeds) is replayed on its own through
+the live monitor's History and checks (:mod:`.replay`) and reported: the final
+findings, checks that were worse earlier in the run, and the event counts.
+
+Exit status: 0 every file read and no run's final diagnosis reached ``--fail-on``
+(default ``danger``); 1 the gate failed; 2 a file could not be read (wins over 1).
+A closed stdout (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -13,29 +16,59 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..diagnosis import Status
 from ..logs import FORMATS, LogFormatError, ParsedLog, parse_log
 from ..thresholds import Thresholds, ThresholdsError, load_thresholds
 from .replay import Analysis, WorstFinding, replay
-from .report import format_text, to_dict
+from .report import file_to_dict, format_file
 
-__all__ = ["Analysis", "WorstFinding", "analyze_file", "replay", "add_arguments", "run"]
+__all__ = ["Analysis", "WorstFinding", "FileAnalysis", "analyze_file", "analyze_runs", "replay",
+           "add_arguments", "run", "EXIT_OK", "EXIT_GATE", "EXIT_UNREADABLE"]
+
+EXIT_OK, EXIT_GATE, EXIT_UNREADABLE = 0, 1, 2
+_FAIL_ON = {"warning": Status.WARNING, "danger": Status.DANGER, "never": None}
+
+
+@dataclass
+class FileAnalysis:
+    """One file: its parse (counts, notes) and one :class:`Analysis` per run in it."""
+
+    log: ParsedLog
+    runs: list[Analysis]
+
+    @property
+    def status(self) -> Status:
+        """The worst final status over the file's runs."""
+        return max((a.status for a in self.runs), default=Status.GOOD)
+
+
+def analyze_runs(path: str | os.PathLike, thresholds: Thresholds | None = None, fmt: str | None = None) -> FileAnalysis:
+    """Parse ``path`` and diagnose each run in it on its own."""
+    log = parse_log(path, fmt)
+    t = thresholds or load_thresholds()
+    return FileAnalysis(log, [replay(run, t) for run in log.segments])
 
 
 def analyze_file(path: str | os.PathLike, thresholds: Thresholds | None = None, fmt: str | None = None) -> Analysis:
-    """Parse and diagnose one log file with ``thresholds`` (default: the packaged file)."""
-    return replay(parse_log(path, fmt), thresholds or load_thresholds())
+    """Parse and diagnose one log file; the :class:`Analysis` of its last run (``analyze_runs`` has all)."""
+    return analyze_runs(path, thresholds, fmt).runs[-1]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="log files: " + ", ".join(FORMATS))
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="log files (or a directory of TensorBoard event files): " + ", ".join(FORMATS))
     parser.add_argument("--format", choices=FORMATS, help="skip auto-detection")
     parser.add_argument("--thresholds", metavar="F", help="thresholds YAML overlaid on the packaged defaults")
     parser.add_argument("--profile", metavar="P", help="task profile (causal-lm, classification, regression, multi-task)")
     parser.add_argument("--plot", metavar="OUT.png", help="draw the curves and events (needs the plots extra); "
                         "with several files, OUT-<file>.png each")
     parser.add_argument("--json", action="store_true", help="print one JSON document (a list, one object per file)")
+    parser.add_argument("--fail-on", choices=tuple(_FAIL_ON), default="danger",
+                        help="exit 1 when a run's final diagnosis reaches this status (default: danger); "
+                             "exit 2 when a file cannot be read")
 
 
 def _plot_path(out: str, log_path: str, many: bool) -> str:
@@ -45,36 +78,75 @@ def _plot_path(out: str, log_path: str, many: bool) -> str:
     return str(p.with_name(f"{p.stem}-{Path(log_path).stem}{p.suffix or '.png'}"))
 
 
+def _error(message: str) -> None:
+    print(f"lossbeat analyze: {message}", file=sys.stderr, flush=True)
+
+
+def _analyse(path: str, args: argparse.Namespace, thresholds: Thresholds) -> FileAnalysis | None:
+    """One file, or None after a one-line error on stderr: never a traceback for a bad file."""
+    try:
+        log = parse_log(path, args.format)
+    except LogFormatError as exc:
+        _error(str(exc))
+        return None
+    except MemoryError:
+        _error(f"{path}: out of memory while reading")
+        return None
+    except Exception as exc:  # noqa: BLE001 - a reader bug must still end in one line naming the file
+        _error(f"{path}: could not read ({type(exc).__name__}: {exc}); please report this")
+        return None
+    try:
+        return FileAnalysis(log, [replay(run, thresholds) for run in log.segments])
+    except Exception as exc:  # noqa: BLE001
+        _error(f"{path}: analysis failed ({type(exc).__name__}: {exc}); please report this")
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         thresholds = load_thresholds(args.thresholds, profile=args.profile)
     except ThresholdsError as exc:
-        print(f"lossbeat analyze: {exc}", file=sys.stderr)
-        return 2
-    rc = 0
+        _error(str(exc))
+        return EXIT_UNREADABLE
+    gate = _FAIL_ON[getattr(args, "fail_on", "danger")]
+    unreadable = failed = False
     results = []
-    for path in args.paths:
-        try:
-            log: ParsedLog = parse_log(path, args.format)
-        except (OSError, LogFormatError) as exc:
-            print(f"lossbeat analyze: {exc}", file=sys.stderr)
-            rc = 2
-            continue
-        analysis = replay(log, thresholds)
-        if args.plot:
-            from .plot import plot_run  # matplotlib only when asked
+    try:
+        for path in args.paths:
+            fa = _analyse(path, args, thresholds)
+            if fa is None:
+                unreadable = True
+                continue
+            if args.plot:
+                from .plot import plot_file  # matplotlib only when asked
 
-            try:
-                written = plot_run(log, analysis, thresholds, _plot_path(args.plot, path, len(args.paths) > 1))
-            except RuntimeError as exc:
-                print(f"lossbeat analyze: {exc}", file=sys.stderr)
-                return 2
-            analysis.notes.append(f"plot written to {written}")
+                try:
+                    written = plot_file(fa.log, fa.runs, thresholds, _plot_path(args.plot, path, len(args.paths) > 1))
+                except (RuntimeError, OSError, ValueError) as exc:
+                    _error(f"{path}: plot not written: {exc}")
+                    unreadable = True
+                else:
+                    fa.runs[-1].notes.append(f"plot written to {written}")
+            failed = failed or (gate is not None and fa.status >= gate)
+            if args.json:
+                results.append(file_to_dict(fa.log, fa.runs))
+            else:
+                print(format_file(fa.log, fa.runs), flush=True)
         if args.json:
-            results.append(to_dict(analysis))
-        else:
-            print(format_text(analysis))
-    if args.json:
-        json.dump(results, sys.stdout, indent=2)
-        print()
-    return rc
+            json.dump(results, sys.stdout, indent=2)
+            print(flush=True)
+    except BrokenPipeError:
+        _quiet_stdout()  # the reader went away (| head): stop, say nothing
+    except KeyboardInterrupt:
+        return 130
+    return EXIT_UNREADABLE if unreadable else EXIT_GATE if failed else EXIT_OK
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's flush at exit does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass

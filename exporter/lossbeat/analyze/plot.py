@@ -1,4 +1,15 @@
-"""``--plot``: loss and eval loss, grad norm against its thresholds, LR; events marked.
+"""``--plot``: a file's runs drawn so that a person can check the diagnosis at a glance.
+
+Panels: loss (train, smoothed when dense, and eval per set), grad norm against the
+explosion threshold and the healthy band, learning rate. Readability rules:
+
+* the loss goes on a log axis when it spans more than a decade (the first records of a
+  run from scratch must not squash the rest of the curve);
+* every axis shows a minimum range, so a flat run looks flat, not wild;
+* legends sit outside the axes, never over the data;
+* a few events are markers; many (over :data:`MANY_EVENTS`) are a rug of ticks or a band;
+* overfitting (the span from the step the check first fired) and each run of a file are marked;
+* steps with no loss value are a grey band, non-finite values magenta lines or bands.
 
 Needs matplotlib (the ``plots`` extra), imported here only.
 """
@@ -8,25 +19,83 @@ from __future__ import annotations
 import math
 import os
 
+from ..diagnosis import Status
 from ..logs import ParsedLog
 from ..thresholds import Thresholds
 from .replay import Analysis
 
-__all__ = ["plot_run"]
+__all__ = ["plot_file", "plot_run", "draw", "MANY_EVENTS"]
+
+MANY_EVENTS = 40
+"""More events than this of one kind are drawn as a rug (ticks on the axis) instead of one marker each."""
+_SMOOTH_ABOVE = 300
+"""Runs with more train records than this get a smoothed line over the raw one (drawn faint)."""
+_MIN_RELATIVE_RANGE = 0.2
+"""The y-axis spans at least this fraction of the values' median (a flat run stays flat)."""
 
 
-def _series(log: ParsedLog, attr: str) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
-    for r in log.train:
-        v = getattr(r, attr)
-        if v is not None and math.isfinite(v):
-            xs.append(r.step)
-            ys.append(v)
-    return xs, ys
+def _finite(pairs):
+    return [(x, y) for x, y in pairs if y is not None and math.isfinite(y)]
 
 
-def plot_run(log: ParsedLog, analysis: Analysis, thresholds: Thresholds, out: str | os.PathLike) -> str:
-    """Write a PNG (or any format matplotlib infers from ``out``); returns the path."""
+def _smoothed(ys: list[float], n: int) -> list[float]:
+    """A centred moving average over ``n`` records (shorter at the ends): no lag behind a fast fall."""
+    sums = [0.0]
+    for y in ys:
+        sums.append(sums[-1] + y)
+    half = n // 2
+    out = []
+    for i in range(len(ys)):
+        k = min(half, i, len(ys) - 1 - i)  # symmetric window, so the first records stay where they are
+        out.append((sums[i + k + 1] - sums[i - k]) / (2 * k + 1))
+    return out
+
+
+def _bands(steps: list[int], gap: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of ``steps`` (sorted), joining steps at most ``gap`` apart."""
+    bands: list[tuple[int, int]] = []
+    for s in sorted(steps):
+        if bands and s - bands[-1][1] <= gap:
+            bands[-1] = (bands[-1][0], s)
+        else:
+            bands.append((s, s))
+    return bands
+
+
+def _scale(ax, values: list[float], allow_log: bool = True) -> None:
+    """Log when positive and spanning more than a decade; otherwise a linear axis with a minimum range."""
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return
+    lo, hi = min(values), max(values)
+    if allow_log and lo > 0 and hi / lo > 10:
+        ax.set_yscale("log")
+        return
+    mid = sorted(values)[len(values) // 2]
+    floor = _MIN_RELATIVE_RANGE * abs(mid) or 1e-3
+    if hi - lo < floor:
+        centre = (hi + lo) / 2
+        ax.set_ylim(centre - floor / 2, centre + floor / 2)
+    else:
+        pad = 0.05 * (hi - lo)
+        ax.set_ylim(lo - pad, hi + pad)
+
+
+def _events_on(ax, kind: str, steps: list[int], total: int, at: dict[int, float], marker: str, color: str) -> None:
+    label = f"{kind.replace('_', ' ')} ({total})"
+    if not steps:
+        return
+    if total <= MANY_EVENTS:
+        pts = [(s, at[s]) for s in steps if s in at]
+        if pts:
+            ax.plot(*zip(*pts), marker, color=color, ms=7, mew=1.5, ls="none", label=label, zorder=5)
+            return
+    # many events: a rug of ticks along the bottom edge, one per event step
+    ax.plot(steps, [0.0] * len(steps), "|", color=color, ms=12, mew=0.8, alpha=0.7,
+            transform=ax.get_xaxis_transform(), label=f"{label}: rug", clip_on=False)
+
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -34,57 +103,153 @@ def plot_run(log: ParsedLog, analysis: Analysis, thresholds: Thresholds, out: st
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("--plot needs matplotlib: pip install 'lossbeat[plots]'") from exc
+    return plt
 
-    has_grad = any(r.grad_norm is not None for r in log.train)
-    has_lr = any(r.learning_rate is not None for r in log.train)
-    rows = 1 + has_grad + has_lr
-    fig, axes = plt.subplots(rows, 1, sharex=True, figsize=(10, 3 * rows), squeeze=False)
-    axes = [ax for (ax,) in axes]
-    ax = axes[0]
-    xs, ys = _series(log, "loss")
-    ax.plot(xs, ys, lw=0.8, label="train loss")
-    for group in log.eval_groups:
-        ev = [(e.step, e.loss) for e in log.evals if e.group == group and math.isfinite(e.loss)]
-        if ev:
-            ax.plot(*zip(*ev), "o-", ms=3, lw=1, label=f"eval loss {group}".strip())
-    loss_at = dict(zip(xs, ys))
-    spikes = [s for s in analysis.event_steps["loss_spikes"] if s in loss_at]
-    if spikes:
-        ax.plot(spikes, [loss_at[s] for s in spikes], "rx", label=f"loss spikes ({analysis.counters['loss_spikes']})")
-    if ys and min(ys) > 0 and max(ys) / min(ys) > 50:
-        ax.set_yscale("log")
-    ax.set_ylabel("loss")
-    ax.legend(loc="upper right", fontsize="small")
-    row = 1
-    if has_grad:
-        ax = axes[row]
-        row += 1
-        gx, gy = _series(log, "grad_norm")
-        g = thresholds.gradients
-        ax.plot(gx, gy, lw=0.8, label="grad norm")
-        ax.axhline(g.explosion, color="r", ls="--", lw=1, label=f"explosion {g.explosion:g}")
-        ax.axhspan(g.healthy_low, g.healthy_high, color="g", alpha=0.08, label="healthy band")
-        grad_at = dict(zip(gx, gy))
-        boom = [s for s in analysis.event_steps["grad_explosions"] if s in grad_at]
-        if boom:
-            ax.plot(boom, [grad_at[s] for s in boom], "rv", label=f"explosions ({analysis.counters['grad_explosions']})")
-        if gy and min(gy) > 0:
-            ax.set_yscale("log")
-        ax.set_ylabel("grad norm")
-        ax.legend(loc="upper right", fontsize="small")
-    if has_lr:
-        ax = axes[row]
-        lx, ly = _series(log, "learning_rate")
-        ax.plot(lx, ly, lw=0.8)
-        ax.set_ylabel("learning rate")
-    for kind in ("nonfinite_loss", "nonfinite_grad"):
-        for s in analysis.event_steps[kind]:
-            for a in axes:
-                a.axvline(s, color="m", lw=0.6, alpha=0.6)
-    axes[-1].set_xlabel("step")
-    axes[0].set_title(f"{os.path.basename(log.path)} [{log.format}]: final status {analysis.status.name.lower()}")
-    fig.tight_layout()
+
+def plot_run(log: ParsedLog, analysis: Analysis, thresholds: Thresholds, out: str | os.PathLike) -> str:
+    """One run (kept for callers of the former API); see :func:`plot_file`."""
+    return _save(draw(log, [analysis], thresholds, runs=[log]), out)
+
+
+def plot_file(log: ParsedLog, analyses: list[Analysis], thresholds: Thresholds, out: str | os.PathLike) -> str:
+    """Write a PNG (or any format matplotlib infers from ``out``) of every run in ``log``; returns the path."""
+    return _save(draw(log, analyses, thresholds), out)
+
+
+def _save(fig, out: str | os.PathLike) -> str:
     out = os.fspath(out)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=100, bbox_inches="tight")
+    finally:
+        _pyplot().close(fig)
     return out
+
+
+def draw(log: ParsedLog, analyses: list[Analysis], thresholds: Thresholds, runs: list[ParsedLog] | None = None):
+    """The matplotlib Figure for ``log``'s runs (``analyses``: one per run, in order)."""
+    plt = _pyplot()
+    runs = runs or log.segments or [log]
+    several = len(runs) > 1
+    has_grad = any(r.grad_norm is not None for run in runs for r in run.train)
+    has_lr = any(r.learning_rate is not None for run in runs for r in run.train)
+    heights = [3.2] + [2.2] * (has_grad + has_lr)
+    fig, axes = plt.subplots(len(heights), 1, sharex=True, figsize=(12, sum(heights) + 0.6), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    axes = [ax for (ax,) in axes]
+    loss_ax = axes[0]
+    grad_ax = axes[1] if has_grad else None
+    lr_ax = axes[1 + has_grad] if has_lr else None
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    all_loss: list[float] = []
+    all_grad: list[float] = []
+    all_lr: list[float] = []
+
+    for i, (run, a) in enumerate(zip(runs, analyses)):
+        tag = f"run {i + 1}: " if several else ""
+        c_train = colors[(2 * i) % len(colors)] if several else "C0"
+        c_eval = colors[(2 * i + 1) % len(colors)] if several else "C1"
+        pts = _finite((r.step, r.loss) for r in run.train)
+        loss_at = dict(pts)
+        if pts:
+            xs, ys = zip(*pts)
+            all_loss += ys
+            if len(pts) > _SMOOTH_ABOVE:
+                loss_ax.plot(xs, ys, lw=0.5, color=c_train, alpha=0.3)
+                loss_ax.plot(xs, _smoothed(list(ys), max(5, len(ys) // 100)), lw=1.3, color=c_train,
+                             label=f"{tag}train loss (smoothed; raw faint)")
+            else:
+                loss_ax.plot(xs, ys, lw=1, color=c_train, label=f"{tag}train loss")
+        for g_i, group in enumerate(run.eval_groups):
+            ev = _finite((e.step, e.loss) for e in run.evals if e.group == group)
+            if ev:
+                all_loss += [y for _, y in ev]
+                color = c_eval if not group else colors[(3 + g_i + 2 * i) % len(colors)]
+                loss_ax.plot(*zip(*ev), "o-", ms=3.5, lw=1, color=color, label=f"{tag}eval loss {group}".strip())
+        # steps with no loss value: a grey band (not a fault, a gap in the log)
+        interval = max(1, (run.train[-1].step - run.train[0].step) // max(1, len(run.train) - 1)) if run.train else 1
+        missing = [r.step for r in run.train if r.loss is None]
+        for j, (lo, hi) in enumerate(_bands(missing, 2 * interval)):
+            loss_ax.axvspan(lo, hi + interval, color="0.6", alpha=0.25, lw=0,
+                            label=f"{tag}no loss logged ({len(missing)} records)" if j == 0 else None)
+        # overfitting: one span from the first step the check fired (any eval set) to the end of the run
+        fired = sorted((w.step, component) for (check, component), w in a.worst.items()
+                       if check == "overfitting" and w.finding.status >= Status.WARNING)
+        if fired and run.train:
+            end = max(run.train[-1].step, max((e.step for e in run.evals), default=0))
+            sets = [c for _, c in fired if c]
+            which = f" ({', '.join(sets[:4])}{', ...' if len(sets) > 4 else ''})" if sets else ""
+            loss_ax.axvspan(fired[0][0], end, color="orange", alpha=0.15, lw=0,
+                            label=f"{tag}overfitting{which} from step {fired[0][0]}")
+            bests = []
+            for _, component in fired:
+                ev = _finite((e.step, e.loss) for e in run.evals if e.group == component)
+                if ev:
+                    bests.append(min(ev, key=lambda p: p[1]))
+            if bests:
+                one = bests[0] if len(bests) == 1 else None
+                loss_ax.plot(*zip(*bests), "*", color="orange", ms=11, mec="k", mew=0.5, ls="none", zorder=6,
+                             label=f"{tag}best eval {one[1]:.4g} (step {one[0]})" if one else f"{tag}best eval per set")
+        previous_end = runs[i - 1].train[-1].step if i > 0 and runs[i - 1].train else None
+        if several and run.train and previous_end is not None and run.train[0].step > previous_end:
+            for ax in axes:  # runs one after the other on the step axis: mark where each starts
+                ax.axvline(run.train[0].step, color=c_train, ls=":", lw=1)
+        if grad_ax is not None:
+            gpts = _finite((r.step, r.grad_norm) for r in run.train)
+            if gpts:
+                gx, gy = zip(*gpts)
+                all_grad += gy
+                grad_ax.plot(gx, gy, lw=0.8, color=c_train, label=f"{tag}grad norm")
+        if lr_ax is not None:
+            lpts = _finite((r.step, r.learning_rate) for r in run.train)
+            if lpts:
+                lx, ly = zip(*lpts)
+                all_lr += ly
+                lr_ax.plot(lx, ly, lw=1, color=c_train, label=f"{tag}learning rate")
+        grad_at = dict(_finite((r.step, r.grad_norm) for r in run.train))
+        for kind, steps in a.event_steps.items():
+            total = a.counters.get(kind, len(steps))
+            if not steps:
+                continue
+            if "nonfinite" in kind:
+                bands = _bands(steps, 2 * interval) if total > MANY_EVENTS else [(s, s) for s in steps]
+                for j, (lo, hi) in enumerate(bands):
+                    for ax in axes:
+                        if hi > lo:
+                            ax.axvspan(lo, hi, color="m", alpha=0.25, lw=0)
+                        else:
+                            ax.axvline(lo, color="m", lw=1, alpha=0.7)
+                    if j == 0:
+                        loss_ax.plot([], [], color="m", lw=2, label=f"{tag}{kind.replace('_', ' ')} ({total})")
+            elif "grad" in kind and grad_ax is not None:
+                _events_on(grad_ax, tag + kind, steps, total, grad_at, "v", "red")
+            else:
+                _events_on(loss_ax, tag + kind, steps, total, loss_at, "x", "red")
+
+    _scale(loss_ax, all_loss)
+    loss_ax.set_ylabel("loss" + (" (log)" if loss_ax.get_yscale() == "log" else ""))
+    if grad_ax is not None:
+        g = getattr(thresholds, "gradients", None)
+        explosion = getattr(g, "explosion", None)
+        low, high = getattr(g, "healthy_low", None), getattr(g, "healthy_high", None)
+        if low is not None and high is not None:
+            grad_ax.axhspan(low, high, color="g", alpha=0.08, label=f"healthy band {low:g}-{high:g}")
+        if explosion is not None and all_grad and max(all_grad) > 0.5 * explosion:
+            grad_ax.axhline(explosion, color="r", ls="--", lw=1, label=f"explosion ceiling {explosion:g}")
+        _scale(grad_ax, all_grad + ([explosion] if explosion and all_grad and max(all_grad) > 0.5 * explosion else []))
+        grad_ax.set_ylabel("grad norm" + (" (log)" if grad_ax.get_yscale() == "log" else ""))
+    if lr_ax is not None:
+        _scale(lr_ax, all_lr, allow_log=False)
+        lr_ax.set_ylabel("learning rate")
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+        ax.grid(alpha=0.25)
+    axes[-1].set_xlabel("step" + (" (derived: the log prints none; see the notes)" if log.derived_steps else ""))
+    statuses = ", ".join(a.status.name.lower() for a in analyses)
+    title = f"{os.path.basename(log.path)} [{log.format}]: final status {statuses}"
+    if several:
+        title += f" ({len(runs)} runs in one file)"
+    loss_ax.set_title(title, fontsize="medium")
+    fig.tight_layout()
+    return fig

@@ -1,13 +1,14 @@
-"""Render an :class:`Analysis` as text (one block per file) or as a JSON-ready dict."""
+"""Render analyses as text (one block per file, one section per run) or as JSON-ready dicts."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..diagnosis import Finding, Status
+from ..logs import ParsedLog
 from .replay import EVENT_KINDS, Analysis
 
-__all__ = ["format_text", "to_dict"]
+__all__ = ["format_text", "to_dict", "format_file", "file_to_dict"]
 
 _MARKS = {Status.GOOD: "ok  ", Status.WARNING: "WARN", Status.DANGER: "DANG"}
 _STEPS_SHOWN = 8
@@ -22,29 +23,41 @@ def _steps(steps: list[int], total: int) -> str:
     return f" (steps {shown}{', ...' if total > _STEPS_SHOWN else ''})" if steps else ""
 
 
-def format_text(a: Analysis) -> str:
+def format_text(a: Analysis, header: bool = True, skip_notes: frozenset[str] = frozenset(), indent: str = "   ") -> str:
+    """One run's block; ``header`` False inside a file block (the file header says path and format)."""
     span = f"steps {a.first_step}-{a.last_step}" if a.first_step is not None else "no steps"
     groups = f" in {len(a.eval_groups)} groups ({', '.join(a.eval_groups)})" if len([g for g in a.eval_groups if g]) else ""
-    lines = [
-        f"== {a.path} [{a.format}]",
-        f"   {a.train_records} train records ({span}), {a.eval_records} eval records{groups}",
-    ]
-    lines += [f"   note: {n}" for n in a.notes]
-    lines.append(f"   final diagnosis (step {a.last_step}):")
+    lines = [f"== {a.path} [{a.format}]"] if header else []
+    lines.append(f"{indent}{a.train_records} train records ({span}), {a.eval_records} eval records{groups}")
+    lines += [f"{indent}note: {n}" for n in a.notes if n not in skip_notes]
+    lines.append(f"{indent}final diagnosis (step {a.last_step}):")
     for f in a.findings:
         if f.known:
-            lines.append(f"     {_MARKS[f.status]} {_where(f):<24} {f.message}")
+            lines.append(f"{indent}  {_MARKS[f.status]} {_where(f):<24} {f.message}")
             if f.fix and f.status is not Status.GOOD:
-                lines.append(f"          fix: {f.fix}")
+                lines.append(f"{indent}       fix: {f.fix}")
     final = {(f.check, f.component): f.status for f in a.findings}
     earlier = [w for key, w in a.worst.items() if w.finding.status > final.get(key, Status.GOOD)]
     if earlier:
-        lines.append("   worse earlier in the run:")
+        lines.append(f"{indent}worse earlier in the run:")
         for w in earlier:
-            lines.append(f"     {_MARKS[w.finding.status]} {_where(w.finding):<24} at step {w.step}: {w.finding.message}")
-    lines.append("   events: " + ", ".join(
+            lines.append(f"{indent}  {_MARKS[w.finding.status]} {_where(w.finding):<24} at step {w.step}: {w.finding.message}")
+    lines.append(f"{indent}events: " + ", ".join(
         f"{k} {a.counters[k]}{_steps(a.event_steps[k], a.counters[k])}" for k in EVENT_KINDS
     ))
+    return "\n".join(lines)
+
+
+def format_file(log: ParsedLog, runs: list[Analysis]) -> str:
+    """A file's block: the header and what was read once, then each run (a section per run when several)."""
+    if len(runs) == 1:
+        return format_text(runs[0])
+    shared = frozenset(log.notes)
+    lines = [f"== {log.path} [{log.format}]"]
+    lines += [f"   note: {n}" for n in log.notes]
+    for i, a in enumerate(runs):
+        lines.append(f"   -- run {i + 1} of {len(runs)}: final status {a.status.name.lower()}")
+        lines.append(format_text(a, header=False, skip_notes=shared, indent="      "))
     return "\n".join(lines)
 
 
@@ -71,3 +84,14 @@ def to_dict(a: Analysis) -> dict[str, Any]:
         "worst": [dict(_finding(w.finding), step=w.step) for w in a.worst.values()],
         "notes": list(a.notes),
     }
+
+
+def file_to_dict(log: ParsedLog, runs: list[Analysis]) -> dict[str, Any]:
+    """The last run's fields at the top level (a one-run file reads as before), plus ``read``
+    (the parse counts), ``file_status`` (the worst final status over the runs) and ``runs``."""
+    doc = to_dict(runs[-1])
+    doc["notes"] = list(runs[-1].notes)
+    doc["read"] = log.counts.to_dict()
+    doc["file_status"] = max((a.status for a in runs), default=Status.GOOD).name.lower()
+    doc["runs"] = [to_dict(a) for a in runs]
+    return doc
