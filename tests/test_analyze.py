@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,16 @@ from lossbeat.cli import main
 from lossbeat.diagnosis import Status
 from lossbeat.thresholds import load_thresholds
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared/data/real-logs"
+def _find_corpus() -> Path:
+    """``shared/data/real-logs`` beside the checkout (or above a worktree), or $LOSSBEAT_REAL_LOGS."""
+    if os.environ.get("LOSSBEAT_REAL_LOGS"):
+        return Path(os.environ["LOSSBEAT_REAL_LOGS"])
+    here = Path(__file__).resolve()
+    return next((p / "shared/data/real-logs" for p in here.parents if (p / "shared/data/real-logs").is_dir()),
+                here.parents[1].parent / "shared/data/real-logs")
+
+
+CORPUS = _find_corpus()
 
 
 def _corpus(name: str) -> Path:

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from lossbeat.logs import LogFormatError, detect_format, parse_log
+from conftest import require_module
+from lossbeat.logs import FORMATS, LogFormatError, detect_format, parse_log
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared/data/real-logs"
+def _find_corpus() -> Path:
+    """``shared/data/real-logs`` beside the checkout (or above a worktree), or $LOSSBEAT_REAL_LOGS."""
+    if os.environ.get("LOSSBEAT_REAL_LOGS"):
+        return Path(os.environ["LOSSBEAT_REAL_LOGS"])
+    here = Path(__file__).resolve()
+    return next((p / "shared/data/real-logs" for p in here.parents if (p / "shared/data/real-logs").is_dir()),
+                here.parents[1].parent / "shared/data/real-logs")
+
+
+CORPUS = _find_corpus()
+DATA = Path(__file__).resolve().parent / "data"
 
 # file: (format, train records, train records with a loss, eval records, eval groups) per SOURCES.md
 EXPECTED = {
@@ -69,11 +84,15 @@ def test_llamafactory_dedupes_ranks_and_resume_keeps_lr_key():
     assert steps == sorted(set(steps)) and steps[0] == 10 and steps[-1] == 6560
     assert all(r.learning_rate is not None for r in log.train)  # from the "lr" key
     assert log.train[0].learning_rate == pytest.approx(1e-5, rel=1e-3)
-    assert any("2 lines without a loss" in n for n in log.notes)
+    assert log.counts.read == 1360 and log.counts.train == 656
+    assert log.counts.skipped == {"repeated steps (the latest record of a step kept)": 702,
+                                  "lines without a loss or eval loss (progress only)": 2}
+    assert "read 1360 lines: 656 train records" in log.notes[0]
 
 
 def test_lightning_sparse_columns_and_resumed_counter():
     log = parse_log(_corpus("lightning-wikitext103-slm-resumed-metrics.csv"))
+    assert any("starts at 140749" in n and "mid-run" in n for n in log.notes)
     assert log.train[0].step == 140749 and log.train[-1].step == 196999
     assert [e.loss for e in log.evals] == pytest.approx([3.563, 3.566, 3.570, 3.604], abs=1e-3)
     assert all(r.epoch is not None for r in log.train)
@@ -115,5 +134,251 @@ def test_unknown_format_is_an_error(tmp_path):
         parse_log(path)
     bad = tmp_path / "broken.jsonl"
     bad.write_text('{"current_steps": 1, "loss": 1.0}\n{not json\n')
-    with pytest.raises(LogFormatError, match="not a valid llamafactory log"):
-        parse_log(bad)
+    log = parse_log(bad)  # a line cut short is counted, not fatal (a crash while writing)
+    assert len(log.train) == 1 and log.counts.skipped == {"lines that are not JSON (a line cut short?)": 1}
+
+
+def test_every_corpus_file_is_one_run_and_says_what_it_read():
+    for name in EXPECTED:
+        log = parse_log(_corpus(name))
+        assert len(log.segments) == 1, name
+        assert log.notes[0].startswith(f"read {log.counts.read} "), name
+        assert log.counts.train == len(log.train) and log.counts.evals == len(log.evals), name
+        assert not log.counts.unreadable and log.counts.stopped_at is None, name
+
+
+# --- what used to be lost ------------------------------------------------------------------
+
+
+def test_llamafactory_eval_lines_are_eval_records():
+    log = parse_log(DATA / "llamafactory-with-eval-trainer_log.jsonl")
+    assert [(e.step, e.loss) for e in log.evals] == [(25, 1.0805), (50, 0.9349), (75, 0.8099), (100, 0.7026)]
+    assert len(log.train) == 20 and not log.counts.skipped
+
+
+def test_hf_lr_key_is_the_learning_rate():
+    log = parse_log(DATA / "hf-custom-lr-key-trainer_state.json")
+    assert [r.learning_rate for r in log.train] == [1e-4] * 10
+
+
+def test_lightning_lr_monitor_rows_of_their_own():
+    log = parse_log(DATA / "lightning-lr-monitor-metrics.csv")
+    assert [r.step for r in log.train][:3] == [9, 19, 29]
+    assert log.train[0].learning_rate == pytest.approx(1e-3 * (1 - 9 / 200))
+    assert log.train[-1].learning_rate == pytest.approx(1e-3 * (1 - 199 / 200))
+    assert any("'lr-AdamW'" in n and "lr-AdamW/pg2" in n for n in log.notes)
+    assert not any("mid-run" in n for n in log.notes)  # first step 9 when logging every 10: not a resumed run
+    assert [e.step for e in log.evals] == [99, 199]
+
+
+def test_several_runs_in_one_file_are_segments():
+    log = parse_log(DATA / "llmc-three-seeds-main.log")
+    assert len(log.segments) == 3
+    for seg in log.segments:
+        assert [r.step for r in seg.train] == list(range(60))
+        assert [e.step for e in seg.evals] == [0, 60]  # each run's own evals, none merged across runs
+    assert log.train is log.segments[-1].train
+    assert any("3 runs in one file" in n for n in log.notes)
+    assert "run 2 of 3" in log.segments[1].notes[-1]
+
+
+def test_repeated_and_slightly_late_steps_are_not_runs(tmp_path):
+    path = tmp_path / "trainer_log.jsonl"
+    steps = [10, 10, 20, 30, 20, 40, 30, 50, 40, 60]  # two ranks, one lagging a step behind
+    path.write_text("".join(f'{{"current_steps": {s}, "loss": {1 + s / 100}}}\n' for s in steps))
+    log = parse_log(path)
+    assert len(log.segments) == 1 and [r.step for r in log.train] == [10, 20, 30, 40, 50, 60]
+    assert log.counts.skipped["repeated steps (the latest record of a step kept)"] == 4
+
+
+def test_resume_from_checkpoint_is_not_a_new_run(tmp_path):
+    history = [{"step": s, "loss": 2.0} for s in range(10, 110, 10)] + [{"step": s, "loss": 1.0} for s in range(60, 160, 10)]
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({"log_history": history}))
+    log = parse_log(path)
+    assert len(log.segments) == 1
+    assert [r.step for r in log.train] == list(range(10, 160, 10))
+    assert [r.loss for r in log.train if r.step >= 60] == [1.0] * 10  # the resumed attempt wins
+
+
+# --- new formats ---------------------------------------------------------------------------
+
+
+def test_hf_trainer_stdout_dicts_with_progress_bars():
+    path = DATA / "hf-trainer-stdout.log"
+    assert detect_format(path) == "hf-stdout"
+    log = parse_log(path)
+    assert [r.step for r in log.train] == [10, 20, 30, 40, 50, 60]
+    assert log.derived_steps and any("derived from the progress bar" in n for n in log.notes)
+    assert math.isnan(log.train[4].grad_norm)  # a bare nan
+    assert log.train[0].learning_rate == pytest.approx(1.866e-4, rel=1e-3) and log.train[0].epoch == 0.33
+    assert [e.step for e in log.evals] == [30, 60]
+    assert log.counts.skipped["final summaries"] == 1
+
+
+def test_hf_stdout_without_progress_bar_numbers_records_and_reads_wrapped_values(tmp_path):
+    path = tmp_path / "train.out"
+    path.write_text(
+        "Loading checkpoint shards: done\n"
+        "{'loss': 2.5, 'grad_norm': tensor(1.5, device='cuda:0'), 'learning_rate': 5e-05, 'epoch': 0.1}\n"
+        "{'loss': inf, 'grad_norm': np.float64(2.0), 'learning_rate': 4e-05, 'epoch': 0.2}\n"
+        "{'loss': 'oops', 'grad_norm': 1.0, 'learning_rate': 3e-05, 'epoch': 0.3}\n"
+        "{'eval_loss': 2.1, 'eval_runtime': 3.2, 'epoch': 0.3}\n"
+        "{'loss': 2.4, 'grad_norm': 1.0, 'learning_rate': 5e-05, 'epoch': 0.1}\n"  # epoch went back: a new run
+        "{'loss': 2.3, 'grad_norm': 1.0, 'learning_rate': 4e-05, 'epoch': 0.2}\n"
+        "{'loss': 2.2, 'grad_norm': 1.0, 'learning_rate': 3e-05, 'epoch': 0.3}\n"
+    )
+    log = parse_log(path)
+    first, second = log.segments
+    assert [(r.step, r.loss, r.grad_norm) for r in first.train] == [(1, 2.5, 1.5), (2, math.inf, 2.0), (3, None, 1.0)]
+    assert [(e.step, e.loss) for e in first.evals] == [(3, 2.1)]
+    assert [r.step for r in second.train] == [1, 2, 3]
+    assert log.counts.unreadable == {"loss": 1}
+    assert any("unreadable 1 loss value" in n and "'oops'" in n for n in log.notes)
+    assert any("record numbers" in n for n in log.notes)
+
+
+def test_llmc_stdout():
+    path = DATA / "llmc-stdout.log"
+    assert detect_format(path) == "llmc-stdout"
+    log = parse_log(path)
+    r0 = log.train[0]
+    assert (r0.step, r0.loss, r0.grad_norm, r0.learning_rate) == (1, 10.98, 15.4, 6e-05)  # "(+nanz)" is not a value
+    assert [r.step for r in log.train] == list(range(1, 41))
+    assert [e.step for e in log.evals] == [0, 20, 40]
+    assert log.counts.skipped == {"lines that are not records (banners, progress, warnings)": 10}
+
+
+def test_megatron_text_log():
+    path = DATA / "megatron-train.log"
+    assert detect_format(path) == "megatron-log"
+    log = parse_log(path)
+    assert [r.step for r in log.train] == list(range(10, 310, 10))
+    r100 = next(r for r in log.train if r.step == 100)
+    assert r100.learning_rate == pytest.approx(1.5e-4) and r100.grad_norm is not None
+    assert next(r for r in log.train if r.step == 20).grad_norm is None  # skipped iteration: no grad norm
+    assert math.isnan(next(r for r in log.train if r.step == 200).loss)  # "number of nan iterations: 1"
+    assert [e.step for e in log.evals] == [100, 200, 300]
+    assert any("NaN iterations" in n for n in log.notes) and any("1 iterations skipped" in n for n in log.notes)
+
+
+def test_tensorboard_event_file(tmp_path):
+    require_module("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(1, 31):
+        writer.add_scalar("train/loss", 3.0 - step * 0.05, step)
+        writer.add_scalar("train/grad_norm", 1.0, step)
+        writer.add_scalar("train/learning_rate", 1e-4, step)
+        if step % 10 == 0:
+            writer.add_scalar("eval/loss", 2.9 - step * 0.04, step)
+    writer.add_scalar("train/loss", float("nan"), 31)
+    writer.add_histogram("weights", torch_tensor(), 31)
+    writer.close()
+    (event_file,) = tmp_path.glob("events.out.tfevents.*")
+    for path in (event_file, tmp_path):  # the file, or the directory that holds it
+        assert detect_format(path) == "tensorboard"
+        log = parse_log(path)
+        assert [r.step for r in log.train] == list(range(1, 32))
+        assert log.train[0].loss == pytest.approx(2.95) and log.train[0].learning_rate == pytest.approx(1e-4)
+        assert math.isnan(log.train[-1].loss)
+        assert [e.step for e in log.evals] == [10, 20, 30]
+        assert log.counts.skipped["values that are not scalars (histograms, images, text)"] == 1
+        assert any("tags not read: weights" in n for n in log.notes)
+
+
+def torch_tensor():
+    import torch
+
+    return torch.arange(10.0)
+
+
+def test_formats_list_is_complete():
+    assert set(FORMATS) == {"hf", "hf-stdout", "llamafactory", "lightning", "llmc", "llmc-stdout", "nanogpt",
+                            "megatron", "megatron-log", "tensorboard"}
+
+
+# --- broken inputs: one line naming the file and the problem ----------------------------------
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"", "empty file"),
+    (b'{"log_history": [{"step": 1, "loss": 2.0}, {"step": 2, "lo', "truncated JSON"),
+    (bytes(range(256)) * 64, "binary data"),
+    (b"\x00\x01\x02garbage\xff\xfe" * 1000, "binary data"),
+    (b'{"log_history": []}', "no training or eval records"),
+    (b'{"something": "else"}', "none of the known layouts"),
+])
+def test_broken_files_raise_one_line(tmp_path, content, problem):
+    path = tmp_path / "broken.json"
+    path.write_bytes(content)
+    with pytest.raises(LogFormatError) as info:
+        parse_log(path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and problem in message and "\n" not in message
+
+
+def test_directory_and_fifo_are_refused_without_blocking(tmp_path):
+    with pytest.raises(LogFormatError, match="is a directory"):
+        parse_log(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(LogFormatError, match="FIFO"):  # opening it would wait for a writer forever
+        parse_log(fifo)
+
+
+def test_encodings(tmp_path):
+    text = "".join(f"s:{i} trl:{3 - i / 100:.4f} lr:0.000100 norm:1.00\n" for i in range(10))
+    utf16 = tmp_path / "utf16.log"
+    utf16.write_bytes(text.encode("utf-16"))  # a Windows redirect, with a BOM
+    assert [r.step for r in parse_log(utf16).train] == list(range(10))
+    nobom = tmp_path / "utf16le.log"
+    nobom.write_bytes(text.encode("utf-16-le"))
+    assert len(parse_log(nobom).train) == 10
+    latin = tmp_path / "latin1.log"
+    latin.write_bytes(("# run by Jos\xe9\n" + text).encode("latin-1"))
+    log = parse_log(latin)
+    assert len(log.train) == 10 and any("not valid utf-8" in n for n in log.notes)
+
+
+def test_one_step_is_read(tmp_path):
+    path = tmp_path / "trainer_state.json"
+    path.write_text('{"log_history": [{"step": 1, "loss": 2.0}]}')
+    log = parse_log(path)
+    assert len(log.train) == 1 and len(log.segments) == 1
+
+
+def test_unreadable_values_are_counted_not_dropped(tmp_path):
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({"log_history": [
+        {"step": 1, "loss": 2.0, "grad_norm": "n/a"}, {"step": 2, "loss": "abc"}, {"step": "x", "loss": 1.0},
+    ]}))
+    log = parse_log(path)
+    assert [(r.step, r.loss, r.grad_norm) for r in log.train] == [(1, 2.0, None), (2, None, None)]
+    assert log.counts.unreadable == {"grad_norm": 1, "loss": 1, "step": 1}
+    assert log.counts.skipped == {"entries without a step": 1}
+    assert "unreadable 1 grad_norm value (first: 'n/a' at log_history[0])" in log.notes[0]
+
+
+def test_overlong_lines_and_record_cap_bound_memory(tmp_path):
+    """A 64 MiB line and a file past the record cap: memory stays far below the file size."""
+    path = tmp_path / "big.log"
+    with open(path, "w") as fh:
+        fh.write("s:0 trl:3.0 lr:0.0001 norm:1.0\n")
+        fh.write("x" * (64 << 20) + "\n")  # one enormous line (a binary blob dumped as text)
+        for i in range(1, 300_000):
+            fh.write(f"s:{i} trl:{3 - i * 1e-6:.6f} lr:0.000100 norm:1.00\n")
+    script = (
+        "import resource, sys\n"
+        "from lossbeat.logs import parse_log\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"log = parse_log({str(path)!r}, max_records=100_000)\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(len(log.train), (after - before) // 1024, log.counts.stopped_at is not None, dict(log.counts.skipped))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    records, grew_mib, stopped, skipped = out.stdout.split(maxsplit=3)
+    assert int(records) == 100_000 and stopped == "True"
+    assert "overlong lines" in skipped
+    assert int(grew_mib) < 48, out.stdout  # the file is over 70 MiB; reading it must not hold it

@@ -28,7 +28,9 @@ def load_json(src: Source) -> Any:
             text = fh.read()
         return json.loads(text)  # Python's json reads NaN/Infinity literals as floats
     except json.JSONDecodeError as exc:
-        what = "truncated JSON (the document ends early)" if exc.pos >= len(text.rstrip()) else "invalid JSON"
+        # A document that stops before its closing bracket was cut short (a crash while saving).
+        ends = text.rstrip()[-1:]
+        what = "truncated JSON (the document ends early)" if ends not in ("}", "]") else "invalid JSON"
         raise LogFormatError(f"{src.path}: {what}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except (RecursionError, MemoryError) as exc:
         raise LogFormatError(f"{src.path}: JSON too deeply nested or too large ({type(exc).__name__})") from None
