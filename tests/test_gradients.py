@@ -94,12 +94,43 @@ def test_frozen_layers_and_missing_grads_are_handled():
     assert "head" not in grouping.layer_names
     assert compute_grad_norms(grouping) is None  # no gradients yet
     backward(model)
-    model.blocks[1]["mlp"].weight.grad = None  # a parameter unused this step
+    model.blocks[1]["mlp"].weight.grad = None  # a layer unused this step
     model.blocks[1]["mlp"].bias.grad = None
+    model.blocks[0]["attn"].bias.grad = None  # half a layer: the layer is still measured
     norms = compute_grad_norms(grouping)
     by_name = dict(zip(grouping.layer_names, norms.layer_norms.tolist()))
-    assert by_name["blocks.1.mlp"] == 0.0
+    assert by_name["blocks.1.mlp"] == -1.0  # absent, not a vanishing 0
+    attn = model.blocks[0]["attn"].weight.grad.double().norm().item()
+    assert by_name["blocks.0.attn"] == pytest.approx(attn, rel=1e-5)
     assert by_name["blocks.0.mlp"] > 0
+    present = [p.grad for p in model.parameters() if p.grad is not None]
+    assert norms.global_norm.item() == pytest.approx(torch.nn.utils.get_total_norm(present).item(), rel=1e-5)
+    only_global = compute_grad_norms(grouping, per_layer=False)
+    assert only_global.layer_norms is None
+    assert only_global.global_norm.item() == pytest.approx(norms.global_norm.item(), rel=1e-6)
+
+
+def test_the_layer_index_is_built_once_whatever_gradients_are_absent():
+    """MoE experts and dropped layers change the parameters with gradients every step:
+    the index stays the one built for every parameter (no rebuild, no host-to-device copy)."""
+    model = Net()
+    grouping = LayerGrouping(model)
+    layers = [model.blocks[0]["attn"], model.blocks[0]["mlp"], model.blocks[1]["attn"], model.blocks[1]["mlp"]]
+    seen = set()
+    for step in range(8):
+        model.zero_grad(set_to_none=True)
+        backward(model, seed=step)
+        dropped = layers[step % 4]
+        for p in dropped.parameters():
+            p.grad = None
+        norms = compute_grad_norms(grouping)
+        by_name = dict(zip(grouping.layer_names, norms.layer_norms.tolist()))
+        assert [n for n, v in by_name.items() if v == -1.0] == [grouping.layer_names[2 + step % 4]]
+        reference = reference_layer_norms(model, grouping)
+        assert [v for v in by_name.values() if v >= 0] == pytest.approx(
+            [reference[n] for n, v in by_name.items() if v >= 0], rel=1e-5)
+        seen.add(id(grouping.index(norms.global_norm.device, presence=True)))
+    assert len(seen) == 1 and len(grouping._index_cache) == 1
 
 
 def test_non_finite_gradients_show_in_their_layer():
@@ -146,3 +177,65 @@ def test_clip_and_measure_matches_torch_clip_grad_norm():
     assert coefficient.item() == pytest.approx(0.05 / expected_total.item(), rel=1e-4)
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+class OddDtypes(nn.Module):
+    """A float32 body with an fp64 scalar, a complex layer and a sparse embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8, sparse=True)
+        self.body = nn.Linear(8, 8)
+        self.spectral = nn.Linear(8, 8, dtype=torch.complex64)
+        self.temperature = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+
+    def forward(self, x):
+        h = self.body(self.embed(x))
+        z = self.spectral(h.to(torch.complex64))
+        return (z.abs().mean(-1).double() / self.temperature).float()
+
+
+def odd_backward(model, seed=0):
+    torch.manual_seed(seed)
+    loss = model(torch.randint(0, 10, (4, 5))).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def dense_reference(model):
+    """Per-layer norms from dense float64 copies (complex: magnitudes; sparse: densified)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        layer = layer_name(name, None)
+        out[layer] = out.get(layer, 0.0) + g.abs().double().square().sum().item()
+    return {k: math.sqrt(v) for k, v in out.items()}
+
+
+def test_fp64_complex_and_sparse_gradients_are_measured():
+    model = OddDtypes()
+    odd_backward(model)
+    assert model.embed.weight.grad.is_sparse and model.temperature.grad.dtype == torch.float64
+    model.embed.weight.grad = model.embed.weight.grad + model.embed.weight.grad  # uncoalesced duplicates
+    assert not model.embed.weight.grad.is_coalesced()
+    grouping = LayerGrouping(model)
+    norms = compute_grad_norms(grouping)
+    reference = dense_reference(model)
+    assert dict(zip(grouping.layer_names, norms.layer_norms.tolist())) == pytest.approx(reference, rel=1e-5)
+    assert norms.global_norm.item() == pytest.approx(math.sqrt(sum(v * v for v in reference.values())), rel=1e-5)
+
+
+def test_clipping_odd_dtypes_matches_torch():
+    """torch clips fp64 and complex gradients; ours must too, and measure them on the way.
+    (torch has no norm for sparse gradients: they are checked against dense copies.)"""
+    ours, theirs = OddDtypes(), OddDtypes()
+    theirs.load_state_dict(ours.state_dict())
+    odd_backward(ours), odd_backward(theirs)
+    theirs.embed.weight.grad = theirs.embed.weight.grad.to_dense()  # the only form torch can clip
+    norms, coefficient = clip_with_norms(LayerGrouping(ours), 0.05)
+    expected_total = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05)
+    assert norms.global_norm.item() == pytest.approx(expected_total.item(), rel=1e-5)
+    assert coefficient.item() == pytest.approx(0.05 / expected_total.item(), rel=1e-4)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad.to_dense(), b.grad, rtol=1e-5, atol=1e-7)
+        assert a.grad.dtype == b.grad.dtype

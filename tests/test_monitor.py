@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from torch import nn
 from prometheus_client.parser import text_string_to_metric_families
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -152,18 +153,99 @@ def test_a_nan_counts_once_per_bad_step_and_names_the_first_bad_layer(monitor, c
     assert value(parsed, "training_nonfinite_grad_first_layer_info", layer="blocks.1.mlp.fc") == 1
     assert math.isfinite(value(parsed, "training_loss"))  # step 39 was fine again
     assert value(parsed, "training_health_status", check="nonfinite", component="") == 2
-    assert "first bad layer (model order): blocks.1.mlp.fc" in caplog.text
+    assert "it starts at layer blocks.1.mlp.fc" in caplog.text
 
 
-def test_first_bad_layer_is_the_earliest_in_model_order(monitor):
+class Chain(nn.Module):
+    """Four blocks and a head; ``blocks.2`` takes sqrt(h*h) of an output that is exactly 0 in
+    one column: a finite forward whose backward is 0/0, as a real fault (no .grad written)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"fc": nn.Linear(8, 8)}) for _ in range(4))
+        self.head = nn.Linear(8, 3)
+        self.faulty = False
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block["fc"](x)
+            x = torch.sqrt(x * x) if (self.faulty and i == 2) else torch.tanh(x)
+        return self.head(x)
+
+    def backward(self, fault=False, nan_loss=False):
+        self.zero_grad(set_to_none=True)
+        self.faulty = fault
+        with torch.no_grad():  # column 0 of blocks.2's output is exactly 0
+            self.blocks[2]["fc"].weight[0].zero_()
+            self.blocks[2]["fc"].bias[0] = 0.0
+        loss = self(torch.randn(16, 8)).pow(2).mean()
+        if nan_loss:
+            loss = loss * math.nan
+        loss.backward()
+        return loss
+
+
+def _origin(monitor):
+    infos = [dict(k[1])["layer"] for k in samples(scrape(monitor.port)) if k[0] == "training_nonfinite_grad_first_layer_info"]
+    return infos[0] if infos else None
+
+
+def test_the_non_finite_layer_is_where_the_fault_started_not_the_input_end(monitor):
+    model = Chain()
+    loss = model.backward(fault=True)
+    assert math.isfinite(loss.item())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    # Backprop spread the NaN from blocks.2 to every earlier layer: model order's first is blocks.0.
+    assert not grads["blocks.0.fc.weight"].isfinite().all() and not grads["blocks.2.fc.weight"].isfinite().all()
+    assert grads["blocks.3.fc.weight"].isfinite().all() and grads["head.weight"].isfinite().all()
+    monitor.observe(0, loss=loss, model=model)
+    assert _origin(monitor) == "blocks.2.fc"
+    assert monitor.state.nonfinite_grad_total == 1
+
+    loss = model.backward(nan_loss=True)  # a NaN loss poisons every gradient: no layer to blame
+    monitor.observe(1, loss=loss, model=model)
+    assert _origin(monitor) == "all layers"
+
+    model.backward()
+    monitor.observe(2, loss=1.0, model=model)  # finite again: the last event's layer stays
+    assert _origin(monitor) == "all layers"
+    monitor.observe(3, loss=1.0, grad_norm=math.inf)  # a NaN without per-layer norms: not an old layer
+    assert _origin(monitor) is None and monitor.state.nonfinite_grad_total == 3
+
+
+def test_the_non_finite_layer_is_set_before_the_counter_moves(monitor):
+    """A scrape between the two must never see the new count without its layer."""
+    seen = []
+
+    class Watched(type(monitor.state)):
+        def __setattr__(self, name, value):
+            if name == "nonfinite_grad_total":
+                seen.append((value, self.first_nonfinite_layer))
+            super().__setattr__(name, value)
+
+    monitor.state.__class__ = Watched
+    model = Chain()
+    loss = model.backward(fault=True)
+    monitor.observe(0, loss=loss, model=model)
+    assert seen == [(1, "blocks.2.fc")]
+
+
+def test_layers_without_a_gradient_are_left_out_and_counted(monitor):
+    """An unused head has no gradient: not a vanishing 0 norm (no layer check firing), a count."""
     trainer = Trainer()
-    loss, _ = trainer.backward()
-    for layer in ("blocks.1.attn.qkv", "blocks.0.mlp.proj"):
-        next(trainer.model.get_submodule(layer).parameters()).grad.view(-1)[0] = math.inf
-    monitor.observe(0, loss=loss, model=trainer.model)
-    assert samples(scrape(monitor.port))[
-        ("training_nonfinite_grad_first_layer_info", (("layer", "blocks.0.mlp.proj"),))
-    ] == 1
+    trainer.model.unused_head = nn.Linear(SIZE.width, 4)  # e.g. BERT's pooler under MLM
+    for step in range(40):
+        loss, _ = trainer.backward()
+        monitor.observe(step, loss=loss, optimizer=trainer.optimizer, model=trainer.model)
+        trainer.step()
+    parsed = samples(scrape(monitor.port))
+    layers = {dict(k[1])["layer"] for k in parsed if k[0] == "training_layer_grad_norm"}
+    assert "unused_head" not in layers and "blocks.0.attn.qkv" in layers
+    assert value(parsed, "training_layers_without_grad") == 1
+    layer_check = next(f for f in monitor.report().findings if f.check == "layer_grad_norm")
+    assert layer_check.status is Status.GOOD and "unused_head" not in layer_check.message
+    assert value(parsed, "training_health_status", check="layer_grad_norm", component="") == 0
 
 
 def test_an_exploding_layer_counts_and_tops_the_layer_norms(monitor):
@@ -400,8 +482,62 @@ def test_a_failed_measurement_is_counted_not_raised(monitor, monkeypatch):
     monkeypatch.undo()
     monitor.observe(0, loss=loss, model=trainer.model)
     parsed = samples(scrape(monitor.port))
-    assert value(parsed, "training_exporter_errors_total", where="observe") == 1
+    assert value(parsed, "training_exporter_errors_total", where="gradients") == 1
     assert value(parsed, "training_grad_norm") > 0  # observe measured the gradients itself
+
+
+def test_a_failing_gradient_measurement_still_records_the_step(monitor, monkeypatch):
+    """The step's loss, LR, counters and timestamp (what TrainingStalled needs) survive."""
+    trainer = Trainer()
+    loss, tokens = trainer.backward()
+    monkeypatch.setattr("lossbeat.monitor.compute_grad_norms", lambda *a, **k: 1 / 0)
+    monitor.observe(7, loss=loss, optimizer=trainer.optimizer, model=trainer.model, tokens=tokens)
+    parsed = samples(scrape(monitor.port))
+    assert value(parsed, "training_steps_total") == 1 and value(parsed, "training_step") == 7
+    assert value(parsed, "training_loss") == pytest.approx(loss.item(), rel=1e-6)
+    assert value(parsed, "training_learning_rate", param_group="0") == 3e-3
+    assert value(parsed, "training_last_step_timestamp_seconds") > 1.7e9
+    assert value(parsed, "training_exporter_errors_total", where="gradients") == 1
+    assert value(parsed, "training_exporter_errors_total", where="observe") == 0
+    assert ("training_grad_norm", ()) not in parsed
+
+
+def test_models_with_fp64_complex_and_sparse_gradients_are_observed_and_clipped(monitor):
+    from test_gradients import OddDtypes, dense_reference, odd_backward
+
+    model, reference_model = OddDtypes(), OddDtypes()
+    reference_model.load_state_dict(model.state_dict())
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        loss = odd_backward(model, seed=step)
+        if step < 2:
+            monitor.observe(step, loss=loss, model=model)
+        else:
+            reference = dense_reference(model)
+            returned = monitor.clip_grad_norm_(model, 1e-3)
+            monitor.observe(step, loss=loss, model=model, grad_norm=returned)
+    parsed = samples(scrape(monitor.port))
+    assert value(parsed, "training_steps_total") == 3
+    assert sum(v for (name, _), v in parsed.items() if name == "training_exporter_errors_total") == 0
+    total = math.sqrt(sum(v * v for v in reference.values()))
+    assert value(parsed, "training_grad_norm") == pytest.approx(total, rel=1e-5)
+    layers = {dict(k[1])["layer"]: v for k, v in parsed.items() if k[0] == "training_layer_grad_norm"}
+    assert layers == pytest.approx(reference, rel=1e-5)
+    clipped = math.sqrt(sum(v * v for v in dense_reference(model).values()))
+    assert clipped == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_clip_grad_norm_clips_like_torch_when_the_measurement_fails(monitor, monkeypatch):
+    trainer, reference = Trainer(), Trainer()
+    loss, _ = trainer.backward()
+    reference.backward()
+    monkeypatch.setattr("lossbeat.monitor.clip_with_norms", lambda *a, **k: 1 / 0)
+    returned = monitor.clip_grad_norm_(trainer.model, 0.01)
+    expected = torch.nn.utils.clip_grad_norm_(reference.model.parameters(), 0.01)
+    assert returned.item() == pytest.approx(expected.item(), rel=1e-6)
+    for a, b in zip(trainer.model.parameters(), reference.model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert monitor.state.errors["gradients"] == 1
 
 
 def test_layer_every_limits_per_layer_work(monitor):
@@ -658,3 +794,126 @@ def test_status_changes_are_logged_with_the_fix(monitor, caplog):
             monitor.observe(step, loss=2.0, grad_norm=50.0 if step >= 10 else 1.0)
     assert "lossbeat: grad_norm GOOD -> DANGER: gradient norm" in caplog.text
     assert "fix: clip gradients" in caplog.text
+
+
+def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(monitor, monkeypatch):
+    """A NaN just before a long evaluation shows at the next scrape, not at the next observe();
+    the scrape never waits for the device (a pending copy stays pending)."""
+    import lossbeat.monitor as monitor_module
+    from lossbeat.monitor import _Pending
+
+    monkeypatch.setattr(monitor_module, "_SCRAPE_DRAIN_AFTER_S", 0.2)
+    monitor.observe(0, loss=1.0)
+    events = [_StubEvent(), _StubEvent()]
+    for step, (event, loss) in enumerate(zip(events, (math.nan, 2.0)), start=1):
+        monitor._pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
+                                         packed=torch.tensor([loss], dtype=torch.float64), event=event))
+    events[0].done = True
+    parsed = samples(scrape(monitor.port))  # the loop has just observed: the scrape leaves it be
+    assert value(parsed, "training_steps_total") == 1
+    import time
+
+    time.sleep(0.3)  # the loop is away (evaluating)
+    parsed = samples(scrape(monitor.port))
+    assert value(parsed, "training_steps_total") == 2 and value(parsed, "training_nonfinite_loss_total") == 1
+    assert not events[1].waited and len(monitor._pending) == 1  # still in flight: not waited for
+    events[1].done = True
+    parsed = samples(scrape(monitor.port))
+    assert value(parsed, "training_steps_total") == 3 and value(parsed, "training_loss") == 2.0
+
+
+def test_scrapes_and_observe_apply_deferred_steps_once_and_in_order(monkeypatch):
+    """Both threads drain: every step is applied exactly once, in order, under concurrent scrapes."""
+    import threading
+
+    import lossbeat.monitor as monitor_module
+    from lossbeat.monitor import _Pending
+
+    monkeypatch.setattr(monitor_module, "_SCRAPE_DRAIN_AFTER_S", 0.0)
+    m = Monitor(MonitorConfig(port=0, log_status_changes=False), serve=False)
+    applied = []
+    real_apply = m._apply
+    monkeypatch.setattr(m, "_apply", lambda record: applied.append(record.step) or real_apply(record))
+    stop = threading.Event()
+
+    def scrapes():
+        while not stop.is_set():
+            list(m.registry.collect())
+
+    thread = threading.Thread(target=scrapes)
+    thread.start()
+    try:
+        for step in range(2000):
+            event = _StubEvent()
+            event.done = step % 3 != 0  # some copies still in flight
+            with m._drain_lock:
+                m._pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
+                                           packed=torch.tensor([1.0], dtype=torch.float64), event=event))
+            m._drain(block=False)
+            if step % 3 == 0:
+                event.done = True
+    finally:
+        stop.set()
+        thread.join()
+    m.flush()
+    assert applied == list(range(2000)) and m.state.steps_total == 2000
+    m.close()
+
+
+def test_observe_during_cuda_graph_capture_raises_a_clear_error(monitor, monkeypatch):
+    """Device-only condition (no GPU here): the capture query is faked at torch.cuda's seam."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="observe: called during CUDA graph capture"):
+        monitor.observe(0, loss=torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match="clip_grad_norm_: called during CUDA graph capture"):
+        monitor.clip_grad_norm_(Trainer().model, 1.0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monitor.observe(0, loss=torch.tensor(1.0))
+    assert monitor.state.steps_total == 1
+
+
+def test_the_deferred_copy_and_its_event_use_the_source_devices_stream(monkeypatch):
+    """Device-only path (no GPU here): torch.cuda's device guard, streams, events and the
+    pinned allocation are replaced at the seam by recorders, ONLY for this test of which
+    stream the event is recorded on. A tensor on cuda:1 while cuda:0 is current: the copy
+    runs on cuda:1's current stream, so the event must be recorded there (recorded on the
+    current device's stream it completes before the copy and the buffer is read early),
+    and nothing may touch cuda:0 (no context on GPU 0)."""
+    from lossbeat.monitor import _start_host_copy
+
+    current = [0]
+    calls = []
+
+    class DeviceGuard:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            self.previous, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.previous
+
+    class Buffer:
+        def copy_(self, source, non_blocking=False):
+            calls.append(("copy", current[0], non_blocking))
+
+    class Event:
+        def record(self, stream=None):
+            calls.append(("record", current[0], stream))
+
+    def empty(shape, dtype=None, pin_memory=False):
+        calls.append(("pinned buffer", current[0], pin_memory))
+        return Buffer()
+
+    class Packed:
+        device, shape, dtype = torch.device("cuda", 1), (3,), torch.float64
+
+    monkeypatch.setattr(torch.cuda, "device", DeviceGuard)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", torch.device(device).index))
+    monkeypatch.setattr(torch, "empty", empty)
+    buffer, event = _start_host_copy(Packed())
+    assert calls == [("pinned buffer", 1, True), ("copy", 1, True), ("record", 1, ("stream of", 1))]
+    assert current[0] == 0 and isinstance(event, Event) and isinstance(buffer, Buffer)

@@ -12,7 +12,7 @@ import math
 import os
 import resource
 import sys
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -38,11 +38,19 @@ def _counter(name: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
 
 
 class MonitorCollector(Collector):
-    def __init__(self, state: "MonitorState") -> None:
+    def __init__(self, state: "MonitorState", before_scrape: Callable[[], None] | None = None) -> None:
         self._state = state
+        self._before_scrape = before_scrape
+        """Applies device values that arrived since the training thread last looked (never waits)."""
 
     def collect(self) -> Iterator[Metric]:
         s = self._state
+        try:
+            if self._before_scrape is not None:
+                self._before_scrape()
+        except Exception:
+            s.count_error("collect")
+            log.exception("lossbeat: error applying deferred values at scrape time")
         try:
             families = list(self._families(s))
         except Exception:  # never fail a scrape on our own bug: count it and serve what we can
@@ -66,6 +74,7 @@ class MonitorCollector(Collector):
             ("training_loss_trend_ratio", s.loss_trend_ratio),
             ("training_grad_clip_coefficient", s.clip_coefficient),
             ("training_grad_scale", s.grad_scale),
+            ("training_layers_without_grad", s.layers_without_grad),
         )
         for name, value in scalars:
             if value is not None:

@@ -5,49 +5,79 @@ belongs to layer ``blocks.3.attn.qkv``); ``depth`` keeps only the first
 components for coarser grouping (``depth=3`` -> ``blocks.3.attn``). Everything
 here stays on the device: no ``.item()``, no host synchronisation.
 
-Sharded parameters (``DTensor``: FSDP2's ``fully_shard``, HSDP, tensor
-parallelism; FSDP1's flat parameters) hold a shard of their gradient on each
-rank. Their squared norms are reduced locally, then summed over the process
-groups they are sharded on with one small all-reduce per sharding layout (a
-vector of one float per layer), so every rank gets the model's norms. That
-all-reduce is a collective: every rank must measure at the same steps, as
-training loops do. Wrapper components of parameter names
-(``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``, ``_orig_mod``) are
-dropped, so layers keep the model's own names.
+Every trainable parameter gets a fixed slot once; a parameter without a
+gradient this step (an unrouted MoE expert, a dropped layer, an unused head)
+fills its slot with a marker, so the index never changes from step to step and
+a layer none of whose parameters has a gradient is reported as absent (-1),
+not as a zero norm.
+
+Sharded parameters (``DTensor``: FSDP2's ``fully_shard``, HSDP, tensor and
+sequence parallelism; FSDP1's flat parameters) hold a shard of their gradient
+on each rank. The placements that count are the *gradient's*: under sequence
+parallelism a replicated norm weight has a ``Partial(sum)`` gradient, each
+rank holding a summand. Partial gradients are summed over their groups first
+(one all-reduce of a flat buffer per group, small: norm weights and biases);
+then the squared norms are reduced locally and summed over the groups the
+gradients are sharded on, with one small all-reduce per sharding layout (a
+vector of two floats per layer), so every rank gets the model's norms. Those
+all-reduces are collectives: every rank must measure at the same steps, as
+training loops do. The first time, the ranks check through the process
+group's store, with a short timeout, that they all came (``if rank == 0:
+monitor.observe(...)`` would otherwise wait in the collective forever); if
+not, :class:`ShardedMeasurementError` says so. Wrapper components of
+parameter names (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``,
+``_orig_mod``) are dropped, so layers keep the model's own names.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["LayerGrouping", "GradientNorms", "compute_grad_norms", "clip_with_norms"]
+__all__ = [
+    "LayerGrouping", "GradientNorms", "ShardedMeasurementError", "compute_grad_norms", "clip_with_norms",
+    "deepspeed_zero_stage",
+]
 
-_INDEX_CACHE_SIZE = 8
-
+SHARD_HANDSHAKE_TIMEOUT_S = 30.0
+"""How long the first sharded measurement waits for every rank of its groups to arrive.
+Ranks leave backward within moments of each other (its collectives align them)."""
 
 # Modules that wrappers insert into parameter names; never a user's own module name.
 _WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+# Measured by the fused kernel in float32 (bf16/fp16 norms lose precision; fp32 is exact).
+_FLOAT32_NORM = frozenset({torch.float32, torch.float16, torch.bfloat16})
+_handshakes = itertools.count()  # the same sequence on every rank: keys the store handshakes
 
 
-def _dtensor_groups(param: torch.Tensor) -> tuple[Any, ...]:
-    """Process groups over which a DTensor's gradient is sharded: () for a whole tensor.
+class ShardedMeasurementError(RuntimeError):
+    """Not every rank of a sharded model measures its gradients: the collective would hang."""
 
-    Placed ``Shard``/``_StridedShard`` on a mesh dimension, it holds a slice there
-    (its squares add up over that dimension's group); ``Replicate`` holds the
-    whole (nothing to add).
+
+def _placement_groups(param: torch.Tensor, placements: Any) -> tuple[tuple[Any, ...], tuple[tuple[Any, str], ...]]:
+    """(groups the gradient is sharded over, (group, reduce op) it is partial over) for a DTensor.
+
+    ``Shard``/``_StridedShard`` on a mesh dimension: a slice there (its squares add
+    up over that dimension's group). ``Partial``: a summand (the gradient itself
+    must be reduced before it is squared). ``Replicate``: the whole.
     """
-    placements = getattr(param, "placements", None)
     mesh = getattr(param, "device_mesh", None)
     if placements is None or mesh is None:
-        return ()
-    return tuple(
-        mesh.get_group(dim) for dim, placement in enumerate(placements)
-        if not (placement.is_replicate() or placement.is_partial()) and mesh.size(dim) > 1
-    )
+        return (), ()
+    shards, partials = [], []
+    for dim, placement in enumerate(placements):
+        if mesh.size(dim) < 2 or placement.is_replicate():
+            continue
+        if placement.is_partial():
+            partials.append((mesh.get_group(dim), getattr(placement, "reduce_op", "sum")))
+        else:
+            shards.append(mesh.get_group(dim))
+    return tuple(shards), tuple(partials)
 
 
 def _fsdp1_groups(model: torch.nn.Module) -> dict[int, tuple[Any, ...]]:
@@ -74,6 +104,25 @@ def _fsdp1_groups(model: torch.nn.Module) -> dict[int, tuple[Any, ...]]:
     return out
 
 
+def deepspeed_zero_stage(model: torch.nn.Module) -> int | None:
+    """The ZeRO stage (2 or 3) when DeepSpeed keeps ``model``'s gradients out of ``p.grad``, else None.
+
+    ZeRO-2 reduces gradients into its own partitioned buffers and ZeRO-3 also
+    partitions the parameters (they carry ``ds_id``): ``p.grad`` stays None.
+    """
+    stage_of = getattr(model, "zero_optimization_stage", None)
+    if callable(stage_of) and type(model).__name__ == "DeepSpeedEngine":
+        try:
+            stage = int(stage_of())
+        except Exception:
+            stage = 0
+        if stage >= 2:
+            return stage
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return 3
+    return None
+
+
 def layer_name(param_name: str, depth: int | None) -> str:
     parts = [part for part in param_name.split(".") if part not in _WRAPPER_NAMES]
     module = parts[:-1] or parts  # a top-level parameter is its own layer
@@ -82,15 +131,27 @@ def layer_name(param_name: str, depth: int | None) -> str:
     return ".".join(module)
 
 
+@dataclass
+class _Present:
+    """One step's gradients: the local tensors that exist and their parameters' positions."""
+
+    grads: list[torch.Tensor]
+    positions: list[int]
+    uniform: bool
+    """All strided fp32/fp16/bf16: one fused float32 norm kernel measures them."""
+
+
 class LayerGrouping:
     """The trainable parameters of a model, in model order, mapped to layer indices.
 
     ``max_layers`` bounds label cardinality: when the module paths give more
     layers, the grouping gets coarser (smaller depth) until they fit.
 
-    Each parameter gets a slot: its layer index, plus ``len(layers)`` times its
-    sharding layout (0 for whole tensors; one per distinct set of process groups
-    for shards), so one ``index_add_`` sorts squares by layer and layout.
+    Each parameter gets two fixed slots in a vector of ``2 * len(layers)`` per
+    sharding layout (0 for whole tensors; one per distinct set of process
+    groups for shards): its squared norm goes to its layer's slot, its
+    presence (1 if it has a gradient) to ``len(layers)`` past it, so one
+    ``index_add_`` sorts squares and presence by layer and layout.
     """
 
     def __init__(
@@ -113,24 +174,42 @@ class LayerGrouping:
         self.layer_names: list[str] = list(dict.fromkeys(names))
         position = {name: i for i, name in enumerate(self.layer_names)}
         self.param_layer: list[int] = [position[n] for n in names]
-        layouts: dict[tuple[Any, ...], int] = {(): 0}
         # reduce_shards=False: each rank measures its own shards, with no collective.
-        distributed = reduce_shards and dist.is_available() and dist.is_initialized()
-        fsdp1 = _fsdp1_groups(model) if distributed else {}
-        param_layouts = [
-            layouts.setdefault(fsdp1.get(id(p)) or _dtensor_groups(p), len(layouts)) if distributed else 0
-            for p in self.params
-        ]
-        self.shard_groups: list[tuple[Any, ...]] = list(layouts)
-        """Per sharding layout, the process groups its squares are summed over (layout 0: none)."""
-        self.param_slot: list[int] = [
-            layer + len(self.layer_names) * layout for layer, layout in zip(self.param_layer, param_layouts)
-        ]
-        self.sharded = len(self.shard_groups) > 1
-        """Whether measuring takes an all-reduce (every rank must measure at the same steps)."""
+        self._distributed = reduce_shards and dist.is_available() and dist.is_initialized()
+        self._fsdp1 = _fsdp1_groups(model) if self._distributed else {}
         self._dtensors = any(hasattr(p, "_local_tensor") for p in self.params)
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self.agreed: bool | None = None
+        """Whether every rank measures (the first sharded measurement checks); None before."""
+        self._layout([getattr(p.grad, "placements", None) for p in self.params])
+
+    def _layout(self, grad_placements: list[Any]) -> None:
+        """Slots, sharding layouts and partial-gradient sets, from the gradients' placements
+        (the parameter's own where a gradient has none yet)."""
+        self._grad_placements = grad_placements
+        layouts: dict[tuple[Any, ...], int] = {(): 0}
+        partial_sets: dict[tuple[tuple[Any, str], ...], list[int]] = {}
+        param_layouts = []
+        for i, p in enumerate(self.params):
+            if not self._distributed:
+                param_layouts.append(0)
+                continue
+            shards, partials = _placement_groups(p, grad_placements[i] or getattr(p, "placements", None))
+            shards = self._fsdp1.get(id(p)) or shards
+            param_layouts.append(layouts.setdefault(shards, len(layouts)))
+            if partials:
+                partial_sets.setdefault(partials, []).append(i)
+        self.shard_groups: list[tuple[Any, ...]] = list(layouts)
+        """Per sharding layout, the process groups its squares are summed over (layout 0: none)."""
+        self.partial_sets = partial_sets
+        """{((group, reduce op), ...): positions of the parameters whose gradients are partial there}."""
+        self.sharded = len(self.shard_groups) > 1 or bool(partial_sets)
+        """Whether measuring takes collectives (every rank must measure at the same steps)."""
+        width = 2 * len(self.layer_names)
+        self._square_slots = [layer + width * layout for layer, layout in zip(self.param_layer, param_layouts)]
+        self._slots = self._square_slots + [s + len(self.layer_names) for s in self._square_slots]
+        self._index_cache: dict[tuple[torch.device, bool], torch.Tensor] = {}
+        self._absent: dict[torch.device, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.layer_names)
@@ -146,33 +225,98 @@ class LayerGrouping:
                 i += 1
         return i == len(params)
 
-    def present_grads(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
-        """Gradients that exist this step (the local shard of a DTensor's) and their slots.
+    def present_grads(self) -> _Present:
+        """Gradients that exist this step (the local tensor of a DTensor's) and their positions.
 
-        A Python loop over parameters, but it only reads ``.grad``: no device work.
+        A Python loop over parameters, but it only reads attributes: no device work.
         Frozen parameters are excluded at construction; unused ones have no grad.
         """
-        grads, slots = [], []
+        grads, positions = [], []
+        uniform = True
         dtensors = self._dtensors
-        for p, slot in zip(self.params, self.param_slot):
+        expected = self._grad_placements
+        for i, p in enumerate(self.params):
             g = p.grad
-            if g is not None:
-                if dtensors:  # a DTensor's local shard, by attribute: to_local() is a dispatch
-                    g = getattr(g, "_local_tensor", g)
-                # A grad only requires grad after backward(create_graph=True); detach is a dispatch.
-                grads.append(g.detach() if g.requires_grad else g)
-                slots.append(slot)
-        return grads, tuple(slots)
+            if g is None:
+                continue
+            if dtensors:
+                local = getattr(g, "_local_tensor", None)  # by attribute: to_local() is a dispatch
+                if local is not None:
+                    if g._spec.placements != expected[i]:  # first seen before its gradient, or changed
+                        self._layout([getattr(q.grad, "placements", None) for q in self.params])
+                        expected = self._grad_placements
+                    g = local
+            if uniform and (g.dtype not in _FLOAT32_NORM or g.layout != torch.strided):
+                uniform = False
+            # A grad only requires grad after backward(create_graph=True); detach is a dispatch.
+            grads.append(g.detach() if g.requires_grad else g)
+            positions.append(i)
+        return _Present(grads, positions, uniform)
 
-    def layer_index(self, layers: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        key = layers
+    def index(self, device: torch.device, presence: bool) -> torch.Tensor:
+        """The parameters' slots on ``device`` (squares, then presence when asked); built once."""
+        key = (device, presence)
         index = self._index_cache.get(key)
-        if index is None or index.device != device:
-            if len(self._index_cache) >= _INDEX_CACHE_SIZE:
-                self._index_cache.clear()
-            index = torch.tensor(layers, dtype=torch.long).to(device, non_blocking=True)
-            self._index_cache[key] = index
+        if index is None:
+            slots = self._slots if presence else self._square_slots
+            index = self._index_cache[key] = torch.tensor(slots, dtype=torch.long).to(device)
         return index
+
+    def absent(self, device: torch.device) -> torch.Tensor:
+        """The marker norm of a parameter without a gradient: -1 (a norm is >= 0 or NaN)."""
+        marker = self._absent.get(device)
+        if marker is None:
+            marker = self._absent[device] = torch.full((), -1.0, dtype=torch.float64, device=device)
+        return marker
+
+    def check_all_ranks_measure(self) -> None:
+        """Before the first collective: every rank of the groups must be measuring too.
+
+        Raises :class:`ShardedMeasurementError` (at once after the first time)
+        when some did not arrive within ``SHARD_HANDSHAKE_TIMEOUT_S``.
+        """
+        if self.agreed is None:
+            groups = [g for layout in self.shard_groups[1:] for g in layout]
+            groups += [g for key in self.partial_sets for g, _ in key]
+            self.agreed = _all_ranks_arrive(groups, SHARD_HANDSHAKE_TIMEOUT_S)
+        if not self.agreed:
+            raise ShardedMeasurementError(
+                "the gradients of a sharded model (FSDP, HSDP, tensor/sequence parallel) are measured with a "
+                "collective, but not every rank measured them (e.g. `if rank == 0: monitor.observe(model=...)`). "
+                "Call observe(model=...), clip_grad_norm_ and measure_gradients on every rank at the same steps "
+                "(rank 0 alone exports the layers), or set reduce_shards=False to measure each rank's own shards; "
+                "gradient norms are not exported meanwhile"
+            )
+
+
+def _all_ranks_arrive(groups: Sequence[Any], timeout: float) -> bool:
+    """Whether every rank of ``groups`` arrives at this point within ``timeout`` seconds.
+
+    A handshake through the default process group's store (point to point with
+    the store, not a collective: a rank that never comes cannot block it). One
+    decision, set once for all (compare-and-set): ranks that arrive after a
+    rank gave up read it too, so no rank enters a collective the others skip.
+    """
+    try:
+        ranks = sorted({r for group in groups for r in dist.get_process_group_ranks(group)})
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # no store to meet at (a private API): measure as before
+        return True
+    key = f"lossbeat/shard-handshake/{next(_handshakes)}/{','.join(map(str, ranks))}"
+    decision_key = key + "/decision"
+    arrived = store.add(key + "/arrived", 1)
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        if arrived >= len(ranks):
+            return store.compare_set(decision_key, "", "reduce") == b"reduce"
+        if time.monotonic() > deadline:
+            return store.compare_set(decision_key, "", "skip") == b"reduce"
+        if store.check([decision_key]):
+            return store.get(decision_key) == b"reduce"
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+        arrived = store.add(key + "/arrived", 0)
 
 
 @dataclass
@@ -182,46 +326,134 @@ class GradientNorms:
     global_norm: torch.Tensor
     """0-d float32 tensor: the L2 norm over all gradients (NaN/Inf if any is)."""
     layer_norms: torch.Tensor | None
-    """1-d float32 tensor, one norm per layer of the grouping (0 where no grad)."""
+    """1-d float32 tensor, one norm per layer of the grouping; -1 for a layer none of whose
+    parameters has a gradient this step (on any rank, for a sharded model)."""
 
 
-def compute_grad_norms(
-    grouping: LayerGrouping, per_layer: bool = True, present: tuple[list[torch.Tensor], tuple[int, ...]] | None = None
-) -> GradientNorms | None:
-    """One fused ``_foreach_norm`` over every gradient; None when no parameter has one
-    (a sharded model's ranks always join the all-reduce: zeros where none has).
+def _norms(present: _Present) -> list[torch.Tensor]:
+    """0-d norms of ``present.grads``, in order: one fused kernel per kind of gradient.
+
+    fp32/fp16/bf16 in float32; fp64 and complex in their own precision (a complex
+    gradient's norm is the norm of its magnitudes); sparse ones from their
+    coalesced values (duplicates summed first).
+    """
+    grads = present.grads
+    if present.uniform:
+        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    by_kind: dict[Any, list[int]] = {}
+    for i, g in enumerate(grads):
+        kind = "sparse" if g.layout != torch.strided else ("float32" if g.dtype in _FLOAT32_NORM else g.dtype)
+        by_kind.setdefault(kind, []).append(i)
+    out: list[Any] = [None] * len(grads)
+    for kind, positions in by_kind.items():
+        if kind == "sparse":
+            norms = [_sparse_norm(grads[i]) for i in positions]
+        elif kind == "float32":
+            norms = torch._foreach_norm([grads[i] for i in positions], 2, dtype=torch.float32)
+        else:  # fp64, complex: the kernel's own precision (real norms)
+            norms = torch._foreach_norm([grads[i] for i in positions], 2)
+        for i, n in zip(positions, norms):
+            out[i] = n
+    return out
+
+
+def _sparse_norm(g: torch.Tensor) -> torch.Tensor:
+    values = g.coalesce().values() if g.layout == torch.sparse_coo else g.values()
+    return torch.linalg.vector_norm(values, dtype=torch.float32 if values.dtype in _FLOAT32_NORM else None)
+
+
+def _reduce_partial_grads(grouping: LayerGrouping, present: _Present) -> _Present:
+    """The present gradients with every partial one summed over its groups (a new list).
+
+    One flat buffer per set of groups, all-reduced once per group: the norm of a
+    sum is not the sum of the summands' norms. The gradients are not changed.
+    """
+    grads = list(present.grads)
+    where = {pos: i for i, pos in enumerate(present.positions)}
+    for groups, members in grouping.partial_sets.items():
+        parts = []
+        for pos in members:  # a fixed layout: absent gradients are zeros, so every rank sends the same sizes
+            i = where.get(pos)
+            local = grouping.params[pos]
+            local = getattr(local, "_local_tensor", local)
+            parts.append(grads[i].reshape(-1) if i is not None else local.new_zeros(local.numel()))
+        buffer = torch.cat(parts)
+        if buffer.dtype in (torch.float16, torch.bfloat16):
+            buffer = buffer.float()
+        for group, op in groups:
+            # Enqueued on the device like any kernel (NCCL: no host sync); gloo on CPU completes it here.
+            dist.all_reduce(buffer, op=_REDUCE_OPS.get(op, dist.ReduceOp.SUM), group=group)
+            if op == "avg":
+                buffer /= group.size()
+        for pos, part in zip(members, buffer.split([p.numel() for p in parts])):
+            i = where.get(pos)
+            if i is not None:
+                grads[i] = part
+    return _Present(grads, present.positions, present.uniform)
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def compute_grad_norms(grouping: LayerGrouping, per_layer: bool = True, present: _Present | None = None) -> GradientNorms | None:
+    """Fused norms of every gradient; None when no parameter has one
+    (a sharded model's ranks always join the collectives: zeros where none has).
 
     ``present``: ``grouping.present_grads()`` when the caller already has it.
+    Raises :class:`ShardedMeasurementError` when a sharded model's ranks do not all measure.
     """
-    grads, layers = present if present is not None else grouping.present_grads()
-    if grads:
-        # Norms in float32 whatever the gradient dtype (bf16/fp16 norms lose precision).
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    present = present if present is not None else grouping.present_grads()
+    sharded = grouping.sharded
+    if not present.grads and not sharded:
+        return None
+    if sharded:
+        grouping.check_all_ranks_measure()
+        if grouping.partial_sets:
+            present = _reduce_partial_grads(grouping, present)
+    device = grouping.device
+    if present.grads:
+        norms = _norms(present)
         device = norms[0].device
         if any(n.device != device for n in norms):  # model split over devices
             norms = [n.to(device, non_blocking=True) for n in norms]
-        # Squares in float64: a per-parameter norm of 1e20 must not overflow to inf.
-        squares = torch.stack(norms).double().square()
-    elif grouping.sharded:  # no local shard has a gradient, others may: join the all-reduce
-        device = grouping.device
-        squares = torch.zeros(0, dtype=torch.float64, device=device)
     else:
-        return None
-    if not per_layer and not grouping.sharded:
-        return GradientNorms(squares.sum().sqrt().float(), None)
-    index = grouping.layer_index(layers, device)
-    n_layers, n_layouts = len(grouping), len(grouping.shard_groups)
-    layer_squares = torch.zeros(n_layers * n_layouts, dtype=torch.float64, device=device).index_add_(0, index, squares)
-    if grouping.sharded:
-        by_layout = layer_squares.view(n_layouts, n_layers)
-        for layout, groups in enumerate(grouping.shard_groups[1:], start=1):
-            for group in groups:
-                # Shards' squares add up over the group. Enqueued on the device like any kernel
-                # (NCCL: no host sync); gloo on CPU completes it here.
-                dist.all_reduce(by_layout[layout], group=group)
-        layer_squares = by_layout.sum(0)
-    layer_norms = layer_squares.sqrt().float() if per_layer else None
-    return GradientNorms(layer_squares.sum().sqrt().float(), layer_norms)
+        norms = []
+    n_params, n_layers = len(grouping.params), len(grouping)
+    if len(norms) == n_params and not sharded:  # every parameter has a gradient: no markers, no presence
+        # Squares in float64: each norm fits float32 (an fp32 norm is computed in float32 and is
+        # inf past ~1.8e19), but the sum of many squares of large norms would not.
+        squares = torch.stack(norms).double().square()
+        if not per_layer:
+            return GradientNorms(squares.sum().sqrt().float(), None)
+        layer_squares = torch.zeros(n_layers, dtype=torch.float64, device=device)
+        layer_squares.index_add_(0, grouping.index(device, presence=False), squares)
+        return GradientNorms(layer_squares.sum().sqrt().float(), layer_squares.sqrt().float())
+    if not per_layer and not sharded:
+        return GradientNorms(torch.stack(norms).double().square().sum().sqrt().float(), None)
+    # Some parameters have no gradient: fixed slots, absent ones marked -1 (never rebuilds the index).
+    marker = grouping.absent(device)
+    full = [marker] * n_params
+    for pos, n in zip(present.positions, norms):
+        full[pos] = n
+    values = torch.stack(full).double()  # mixed float32/float64 norms promote to float64
+    present_mask = values.ne(-1.0).double()  # NaN != -1: a NaN gradient is present
+    squares = values.clamp_min(0.0).square()  # the marker counts 0; NaN stays NaN
+    n_layouts = len(grouping.shard_groups)
+    buckets = torch.zeros(n_layouts * 2 * n_layers, dtype=torch.float64, device=device)
+    buckets.index_add_(0, grouping.index(device, presence=True), torch.cat((squares, present_mask)))
+    by_layout = buckets.view(n_layouts, 2 * n_layers)
+    for layout, groups in enumerate(grouping.shard_groups[1:], start=1):
+        for group in groups:
+            # Shards' squares (and presence) add up over the group. Enqueued on the device like any
+            # kernel (NCCL: no host sync); gloo on CPU completes it here.
+            dist.all_reduce(by_layout[layout], group=group)
+    totals = by_layout.sum(0)
+    layer_squares, layer_present = totals[:n_layers], totals[n_layers:]
+    global_norm = layer_squares.sum().sqrt().float()
+    if not per_layer:
+        return GradientNorms(global_norm, None)
+    layer_norms = torch.where(layer_present > 0, layer_squares.sqrt(), -1.0).float()
+    return GradientNorms(global_norm, layer_norms)
 
 
 def clip_with_norms(
@@ -238,15 +470,14 @@ def clip_with_norms(
     norms = compute_grad_norms(grouping, per_layer, present)
     if norms is None:
         return None, None
-    grads = present[0]
     coefficient = torch.clamp(max_norm / (norms.global_norm + eps), max=1.0)
-    _scale(grads, coefficient)
+    _scale(present.grads, coefficient)  # local tensors: a partial gradient's summands scale alike
     return norms, coefficient
 
 
 def _scale(grads: Sequence[torch.Tensor], coefficient: torch.Tensor) -> None:
-    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    by_key: dict[tuple[torch.device, torch.dtype, torch.layout], list[torch.Tensor]] = {}
     for g in grads:
-        by_key.setdefault((g.device, g.dtype), []).append(g)
-    for (device, _), group in by_key.items():
+        by_key.setdefault((g.device, g.dtype, g.layout), []).append(g)
+    for (device, _, _), group in by_key.items():
         torch._foreach_mul_(group, coefficient.to(device, non_blocking=True))

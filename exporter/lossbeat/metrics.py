@@ -46,9 +46,10 @@ _SPECS = [
     MetricSpec("training_memory_peak_bytes", "gauge", "Peak device memory allocated (CUDA), or peak process resident memory on CPU.", ("device",), unit="bytes"),
     MetricSpec("training_grad_clip_coefficient", "gauge", "Factor the last clip_grad_norm_ through lossbeat scaled gradients by (1 = not clipped).", unit="none"),
     MetricSpec("training_grad_scale", "gauge", "Loss scale of the fp16 GradScaler passed to observe(grad_scaler=...).", unit="none"),
+    MetricSpec("training_layers_without_grad", "gauge", "Layers none of whose parameters had a gradient at the last per-layer measurement (unused this step); they are left out of training_layer_grad_norm.", unit="none"),
     # --- info ---------------------------------------------------------------------
     MetricSpec("training_run", "info", "Metadata of the training run.", ("run", "profile", "world_size", "local_rank", "version", "torch_version")),
-    MetricSpec("training_nonfinite_grad_first_layer", "info", "The first layer, in the model's order, whose gradient was last seen non-finite.", ("layer",)),
+    MetricSpec("training_nonfinite_grad_first_layer", "info", "Where the last non-finite gradient started: the last layer in model order whose gradient was non-finite (backprop spreads it to the layers before), or 'all layers' when a non-finite loss poisoned every one.", ("layer",)),
     # --- counters: events are never missed between scrapes ------------------------
     MetricSpec("training_steps_total", "counter", "Observed training steps."),
     MetricSpec("training_tokens_total", "counter", "Tokens processed, as passed to observe(tokens=...)."),

@@ -28,7 +28,9 @@ from prometheus_client.registry import CollectorRegistry
 from . import __version__
 from .collector import MonitorCollector
 from .diagnosis import Finding, History, Status, diagnose
-from .gradients import GradientNorms, LayerGrouping, clip_with_norms, compute_grad_norms
+from .gradients import (
+    GradientNorms, LayerGrouping, ShardedMeasurementError, clip_with_norms, compute_grad_norms, deepspeed_zero_stage,
+)
 from .metrics import HEALTH_CHECKS
 from .server import MetricsServer, RankContext
 from .thresholds import Thresholds, load_thresholds
@@ -48,6 +50,11 @@ _MAX_PENDING = 4  # deferred host copies in flight before the oldest is waited f
 # mid-run, or adding adapters, regroups.
 _REGROUP_CHECK_EVERY = 100
 _LOG_EVERY = 100  # repeated events (a NaN every step) are logged once per this many
+# A scrape applies deferred device values that arrived once the training thread has not
+# observed for this long (an evaluation, a checkpoint): a NaN just before them shows at once.
+_SCRAPE_DRAIN_AFTER_S = 1.0
+ALL_LAYERS = "all layers"
+"""The non-finite layer reported when a non-finite loss made every layer's gradient non-finite."""
 
 
 @dataclass
@@ -160,6 +167,7 @@ class MonitorState:
         self.layer_norms: dict[str, float] = {}
         self.health: dict[tuple[str, str], int] = {(check, ""): 0 for check in HEALTH_CHECKS}
         self.first_nonfinite_layer: str | None = None
+        self.layers_without_grad: int | None = None
         self.steps_total = 0
         self.tokens_total = 0.0
         self.evals_total = 0
@@ -168,7 +176,7 @@ class MonitorState:
         self.loss_spikes_total = 0
         self.grad_explosions_total = 0
         self.grad_scaler_overflows_total = 0
-        self.errors: dict[str, int] = {"observe": 0, "collect": 0, "diagnose": 0}
+        self.errors: dict[str, int] = {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}
         self._error_lock = threading.Lock()
 
     def count_error(self, where: str) -> None:
@@ -263,6 +271,36 @@ def _loss_scale(grad_scaler: Any) -> torch.Tensor | None:
     return scale.detach().reshape(()) if isinstance(scale, torch.Tensor) and scale.numel() == 1 else None
 
 
+def _start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A pinned host buffer that a non-blocking copy of the CUDA tensor ``packed`` fills,
+    and the CUDA event that completes after it.
+
+    The copy runs on the current stream of ``packed``'s device, which need not be the
+    current device (a model on ``cuda:1`` without ``set_device``; the last GPU of
+    ``device_map="auto"``): the event is recorded on that same stream, else it could
+    complete before the copy and the buffer be read early. Everything happens with
+    ``packed``'s device current, so no CUDA context is created on GPU 0 for it.
+    """
+    device = packed.device
+    with torch.cuda.device(device):
+        buffer = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        buffer.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+    return buffer, event
+
+
+def _refuse_graph_capture(where: str) -> None:
+    """Raise if called while the current CUDA stream is capturing a graph: the event query
+    and the pinned allocation would break the capture, and a captured observe() would
+    replay stale values. Checked only once CUDA is initialised (no cost on CPU)."""
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{where}: called during CUDA graph capture; call it outside the captured region "
+            "(after graph.replay(), with the step's output tensors)"
+        )
+
+
 def _as_float_list(t: torch.Tensor) -> list[float]:
     return t.tolist()
 
@@ -301,9 +339,14 @@ class Monitor:
         )
         self.history = History(self.thresholds)
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._collector = MonitorCollector(self.state)
+        self._collector = MonitorCollector(self.state, before_scrape=self._drain_at_scrape)
         self.registry.register(self._collector)
         self._grouping: LayerGrouping | None = None
+        self._warned_deepspeed = False
+        # Deferred device values are applied by the training thread and, once it has been idle
+        # for _SCRAPE_DRAIN_AFTER_S, by a scrape: one at a time, in order.
+        self._drain_lock = threading.RLock()
+        self._last_submit = time.monotonic()
         # Norms measured ahead of the next observe(model=...) by clip_grad_norm_ or
         # measure_gradients: (model, norms, clip coefficient or None).
         self._measured: tuple[torch.nn.Module, GradientNorms, torch.Tensor | None] | None = None
@@ -365,6 +408,7 @@ class Monitor:
             raise RuntimeError("observe: this monitor is closed")
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        _refuse_graph_capture("observe")
         loss_value = _scalar("loss", loss)
         grad_value = _scalar("grad_norm", grad_norm, optional=True)
         tokens_value = _scalar("tokens", tokens, optional=True)
@@ -417,9 +461,19 @@ class Monitor:
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
             raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
-        grouping = self._grouping_for(model)
-        per_layer = self._layers_due() and self._exports_layers
-        norms, coefficient = clip_with_norms(grouping, float(max_norm), per_layer)
+        _refuse_graph_capture("clip_grad_norm_")
+        self._measured = None
+        try:
+            grouping = self._grouping_for(model)
+            per_layer = self._layers_due() and self._exports_layers
+            norms, coefficient = clip_with_norms(grouping, float(max_norm), per_layer)
+        except ShardedMeasurementError as e:
+            # torch's clip would wait in the same collective forever: say why instead
+            self._gradient_error("clip_grad_norm_", e)
+            raise RuntimeError(f"clip_grad_norm_: {e}") from None
+        except Exception as e:  # clip as torch does; only the measurement is lost
+            self._gradient_error("clip_grad_norm_", e)
+            return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
         if norms is None:
             return torch.zeros(())
         self._measured = (model, norms, coefficient)
@@ -435,17 +489,17 @@ class Monitor:
         again. Measuring again before that ``observe`` replaces the norms.
         Returns the global norm (a 0-d tensor, no host sync), or None when no
         parameter has a gradient or the measurement failed (counted in
-        ``training_exporter_errors_total``; training goes on).
+        ``training_exporter_errors_total{where="gradients"}``; training goes on).
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        _refuse_graph_capture("measure_gradients")
         try:
             per_layer = self._layers_due() and self._exports_layers
             norms = compute_grad_norms(self._grouping_for(model), per_layer)
-        except Exception:  # may run inside an autograd callback: never break backward
+        except Exception as e:  # may run inside an autograd callback: never break backward
             self._measured = None
-            self.state.count_error("observe")
-            self._log_limited("error", logging.ERROR, "lossbeat: error in measure_gradients()", exc_info=True)
+            self._gradient_error("measure_gradients", e)
             return None
         self._measured = None if norms is None else (model, norms, None)
         return None if norms is None else norms.global_norm
@@ -545,6 +599,12 @@ class Monitor:
         grouping = self._grouping = LayerGrouping(
             model, self.config.layer_depth, self.config.max_layers, self.config.reduce_shards
         )
+        stage = deepspeed_zero_stage(model)
+        if stage is not None and not self._warned_deepspeed:
+            self._warned_deepspeed = True
+            log.warning("lossbeat: DeepSpeed ZeRO-%d keeps partitioned gradients outside p.grad: per-layer and "
+                        "global gradient norms cannot be measured from the model; pass "
+                        "grad_norm=engine.get_global_grad_norm() to observe() (see the README)", stage)
         return grouping
 
     def _layers_due(self) -> bool:
@@ -555,23 +615,32 @@ class Monitor:
         return self._submitted % self.config.layer_every == 0
 
     def _gradients(self, model: torch.nn.Module | None, need_global: bool, values: dict[str, Any]) -> list[str]:
-        """Adds device tensors for the global and per-layer norms to ``values``."""
+        """Adds device tensors for the global and per-layer norms to ``values``.
+
+        Isolated: a failure here (an unsupported gradient, a sharded model some rank
+        does not measure) is counted under ``where="gradients"`` and the step is still
+        recorded with its loss, learning rates and timestamp, without gradient values."""
         measured, self._measured = self._measured, None
         if model is None:
             return []
-        due = self._layers_due()
-        per_layer = due and self._exports_layers
-        if measured is not None and measured[0] is model:
-            norms, coefficient = measured[1], measured[2]
-            if coefficient is not None:
-                values["clip"] = coefficient
-        else:
-            grouping = self._grouping_for(model)
-            # A sharded model's ranks all-reduce together: every rank measures on due steps,
-            # whether it exports the layers or not.
-            if not (per_layer or need_global or (due and grouping.sharded)):
-                return []
-            norms = compute_grad_norms(grouping, per_layer)
+        try:
+            due = self._layers_due()
+            per_layer = due and self._exports_layers
+            if measured is not None and measured[0] is model:
+                norms, coefficient = measured[1], measured[2]
+            else:
+                coefficient = None
+                grouping = self._grouping_for(model)
+                # A sharded model's ranks all-reduce together: every rank measures on due steps,
+                # whether it exports the layers or not.
+                if not (per_layer or need_global or (due and grouping.sharded)):
+                    return []
+                norms = compute_grad_norms(grouping, per_layer)
+        except Exception as e:
+            self._gradient_error("observe", e)
+            return []
+        if coefficient is not None:
+            values["clip"] = coefficient
         if norms is None:  # no parameter has a gradient this step
             return []
         if need_global:
@@ -580,6 +649,14 @@ class Monitor:
             return []
         values["layers"] = norms.layer_norms
         return self._grouping.layer_names if self._grouping else []
+
+    def _gradient_error(self, where: str, error: Exception) -> None:
+        self.state.count_error("gradients")
+        if isinstance(error, ShardedMeasurementError):  # a usage error: say what to do, without a traceback
+            self._log_limited("sharded", logging.ERROR, "lossbeat: %s(): %s", where, error)
+        else:
+            self._log_limited("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
+                              "norms are skipped, the step and training go on", where, exc_info=True)
 
     def _submit(
         self, step: int, wall: float, duration: float | None, epoch: float | None, values: dict[str, Any],
@@ -629,35 +706,54 @@ class Monitor:
         if device_parts:
             packed = torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
             if device.type == "cuda" and self.config.defer_device_reads:
-                # The step's one device->host transfer, asynchronous: a pinned buffer filled
-                # by a non-blocking copy and read at a later observe() once the event is done.
-                buffer = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-                buffer.copy_(packed, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                record.packed, record.event = buffer, event
+                # The step's one device->host transfer, asynchronous: read at a later observe()
+                # (or scrape) once its event is done.
+                record.packed, record.event = _start_host_copy(packed)
             else:
                 # The step's one device->host transfer, synchronous (waits for the step's kernels).
                 record.packed = packed.cpu()
-        self._pending.append(record)
-        self._drain(block=False)
+        with self._drain_lock:
+            self._pending.append(record)
+            self._last_submit = time.monotonic()
+            self._drain(block=False)
 
-    def _drain(self, block: bool) -> None:
-        """Apply pending steps in order, as far as their values have arrived."""
-        pending = self._pending
-        while pending:
-            record = pending[0]
-            if record.event is not None and not record.event.query():
-                if not block and len(pending) <= _MAX_PENDING:
-                    return
-                if not block:
-                    self.blocking_waits += 1
-                record.event.synchronize()  # host sync: only when too many are in flight, or on flush()
-            pending.popleft()
-            if record.packed is not None:
-                self.host_transfers += 1
-                _unpack(_as_float_list(record.packed), record.layout, record.host)
-            self._apply(record)
+    def _drain(self, block: bool, may_wait: bool = True) -> None:
+        """Apply pending steps in order, as far as their values have arrived.
+
+        ``block``: wait for all (flush); else wait only when more than ``_MAX_PENDING``
+        are in flight, and never when ``may_wait`` is False (a scrape)."""
+        with self._drain_lock:  # the training thread and a scrape: one applies at a time, in order
+            pending = self._pending
+            while pending:
+                record = pending[0]
+                if record.event is not None and not record.event.query():
+                    if not block and (len(pending) <= _MAX_PENDING or not may_wait):
+                        return
+                    if not block:
+                        self.blocking_waits += 1
+                    record.event.synchronize()  # host sync: only when too many are in flight, or on flush()
+                pending.popleft()
+                if record.packed is not None:
+                    self.host_transfers += 1
+                    _unpack(_as_float_list(record.packed), record.layout, record.host)
+                self._apply(record)
+
+    def _drain_at_scrape(self) -> None:
+        """On the scrape thread: apply the steps whose device values have arrived while the
+        training thread is away (an evaluation, a checkpoint). Never waits for the device or
+        for the training thread: an event query only, and only if the lock is free.
+
+        Caveat: an event query from this thread during a CUDA-graph capture in global mode on
+        another thread would invalidate that capture; captures happen while the loop steps,
+        and this runs only once the loop has not observed for ``_SCRAPE_DRAIN_AFTER_S``."""
+        if not self._pending or time.monotonic() - self._last_submit < _SCRAPE_DRAIN_AFTER_S:
+            return
+        if not self._drain_lock.acquire(blocking=False):
+            return
+        try:
+            self._drain(block=False, may_wait=False)
+        finally:
+            self._drain_lock.release()
 
     # --- plain floats from here on -----------------------------------------------------
 
@@ -674,8 +770,13 @@ class Monitor:
         if lr_max is not None and any(math.isnan(x) for x in lrs.values()):
             lr_max = math.nan
 
-        layer_norms = dict(zip(record.layer_names, layers)) if layers is not None else None
-        layer_nonfinite = layer_norms is not None and not all(map(math.isfinite, layers))
+        layer_norms = without_grad = None
+        if layers is not None:
+            # -1: no parameter of the layer had a gradient this step (unused head, unrouted
+            # expert): omitted, not a zero norm, and counted apart.
+            layer_norms = {name: x for name, x in zip(record.layer_names, layers) if not x < 0}
+            without_grad = len(layers) - len(layer_norms)
+        layer_nonfinite = layer_norms is not None and not all(map(math.isfinite, layer_norms.values()))
         # Under fp16 loss scaling an overflowing step is skipped by the scaler: routine, not a
         # fault, and no gradient sample. A scale collapsing is the fault (the nonfinite check).
         overflow = "grad_scale" in v and (
@@ -703,6 +804,7 @@ class Monitor:
             s.components = {k: (x if math.isfinite(x) else math.nan) for k, x in components.items()}
         if layer_norms is not None:
             s.layer_norms = layer_norms
+            s.layers_without_grad = without_grad
             self.history.layer_norms = layer_norms
         if "clip" in v:
             s.clip_coefficient = v["clip"]
@@ -717,13 +819,15 @@ class Monitor:
             s.nonfinite_loss_total += 1
             self._log_limited("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, record.step)
         if events.nonfinite_grad or layer_nonfinite:
+            origin = _nonfinite_origin(layer_norms, loss) if layer_nonfinite else None
+            # Set before the counter moves (a scrape in between sees the counter with its layer),
+            # and cleared when this step has no per-layer norms: never an earlier event's layer.
+            s.first_nonfinite_layer = origin
             s.nonfinite_grad_total += 1
-            if layer_norms is not None and layer_nonfinite:
-                first = next(name for name, x in layer_norms.items() if not math.isfinite(x))
-                s.first_nonfinite_layer = first
+            if origin is not None:
                 self._log_limited(
                     "nonfinite_grad", logging.WARNING,
-                    "lossbeat: non-finite gradient at step %d; first bad layer (model order): %s", record.step, first,
+                    "lossbeat: non-finite gradient at step %d; it starts at layer %s", record.step, origin,
                 )
             else:
                 self._log_limited("nonfinite_grad", logging.WARNING, "lossbeat: non-finite gradient norm at step %d", record.step)
@@ -768,6 +872,16 @@ class Monitor:
         self._log_counts[key] = n + 1
         if n % _LOG_EVERY == 0:
             log.log(level, msg + (" (repeated %d times)" % n if n else ""), *args, exc_info=exc_info)
+
+
+def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float) -> str:
+    """Where a non-finite gradient started: backprop carries a NaN or Inf born in one layer's
+    backward to every layer before it, so the origin is the last non-finite layer in model
+    order; a non-finite loss poisons every layer (``ALL_LAYERS``)."""
+    bad = [name for name, x in layer_norms.items() if not math.isfinite(x)]
+    if not math.isfinite(loss) and len(bad) == len(layer_norms):
+        return ALL_LAYERS
+    return bad[-1]
 
 
 def _unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:
