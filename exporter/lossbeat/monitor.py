@@ -324,7 +324,7 @@ class Monitor:
         if not isinstance(config, MonitorConfig):
             raise TypeError(f"config: expected a MonitorConfig, got {type(config).__name__}")
         self.thresholds = config.load_thresholds()
-        self.rank_context = rank_context or RankContext.from_env()
+        self.rank_context = rank_context or RankContext.detect()
         self._exports_layers = config.exports_layers(self.rank_context.rank)
         self.state = MonitorState(
             str(self.rank_context.rank),
@@ -934,13 +934,16 @@ _running: Monitor | None = None
 
 
 def start_exporter(
-    port: int = DEFAULT_PORT, *, addr: str = "0.0.0.0", enabled: bool = True, **settings: Any
+    port: int = DEFAULT_PORT, *, addr: str = "0.0.0.0", enabled: bool = True,
+    rank_context: RankContext | None = None, **settings: Any
 ) -> Monitor | NullMonitor:
     """Serve /metrics on ``port + LOCAL_RANK`` and return the process's :class:`Monitor`.
 
     Calling it again returns the monitor already running (whatever the port).
     ``settings`` are :class:`MonitorConfig` fields. ``enabled=False`` or the
     environment variable ``LOSSBEAT_DISABLED=1`` gives a :class:`NullMonitor`.
+    ``rank_context``: the process's rank, local rank and world size; default
+    :meth:`RankContext.detect` (the process group's, else the launcher's variables).
     """
     global _running
     if not enabled or os.environ.get("LOSSBEAT_DISABLED", "") not in ("", "0"):
@@ -954,5 +957,13 @@ def start_exporter(
             if _running.config.port != port:
                 log.warning("lossbeat: exporter already running on port %s; ignoring port %s", _running.port, port)
             return _running
-        _running = Monitor(config)
+        _running = Monitor(config, rank_context=rank_context)
         return _running
+
+
+def _forget_running() -> None:
+    global _running
+    _running = None  # a forked child (a ddp_fork rank) starts its own; the copy serves nothing
+
+
+os.register_at_fork(after_in_child=_forget_running)
