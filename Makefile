@@ -12,8 +12,9 @@ test:
 	scripts/setup.sh --servers
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
-# Regenerate every checked-in generated file from the thresholds file.
+# Regenerate every checked-in generated file from the thresholds file: the one command
+# that writes into the checkout (users write into a folder: lossbeat generate --output-dir DIR).
 generate:
-	$(PYTHON) -m lossbeat rules
-	$(PYTHON) -m lossbeat dashboards
+	$(PYTHON) -m lossbeat rules --checkout
+	$(PYTHON) -m lossbeat dashboards --checkout
 	$(PYTHON) -c "from lossbeat.metrics import update_readme; update_readme('README.md')"

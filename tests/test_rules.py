@@ -188,7 +188,7 @@ def test_check_reports_drift_with_a_diff(tmp_path, capsys):
 def test_generate_in_a_fresh_tree_and_remove_stale_test_files(tmp_path, monkeypatch, capsys):
     (tmp_path / "README.md").write_text(f"# x\n\n{rules.README_START}\nPLACEHOLDER-ROW\n{rules.README_END}\n\nkept\n")
     monkeypatch.setattr(rules, "REPO_ROOT", tmp_path)
-    assert run_rules() == 0
+    assert run_rules("--checkout") == 0
     for path in rules.generated_files(load_thresholds()):
         assert (tmp_path / path).read_text() == (REPO / path).read_text(), path
     readme = (tmp_path / "README.md").read_text()
@@ -200,7 +200,7 @@ def test_generate_in_a_fresh_tree_and_remove_stale_test_files(tmp_path, monkeypa
     capsys.readouterr()
     assert run_rules("--check") == 1
     assert "traininggone.yml: generated file no longer generated from the thresholds" in capsys.readouterr().out
-    assert run_rules() == 0
+    assert run_rules("--checkout") == 0
     assert not stale.exists() and own.exists()
     assert run_rules("--check") == 0
 
@@ -218,8 +218,12 @@ def test_a_threshold_change_changes_the_alert_expression(tmp_path):
     assert "for" not in events  # the event count fires at once
     default_sustained = alerts_by_name(checked_in_rules(), "TrainingGradientExplosion")[0]
     assert default_sustained["expr"].strip() == "training_grad_norm > 10"
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["rules.yml"]
+    # The folder gets the rules, their unit tests (which pass) and the PrometheusRule; nothing else.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["kubernetes", "rules.yml", "tests"]
     assert promtool("check", "rules", str(tmp_path / "out" / "rules.yml")).returncode == 0
+    tests = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out" / "tests").glob("*.yml"))
+    tested = promtool("test", "rules", *tests, cwd=tmp_path / "out")
+    assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
 def test_each_profile_with_a_range_gets_its_own_rule():

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lossbeat.stack import Stack, render_prometheus_config, write_targets_file
+import json
+import socket
+import urllib.error
+import urllib.request
+
+from lossbeat.stack import Stack, alert_lines, render_prometheus_config, write_targets_file
+from lossbeat.webhook import read_notifications, serve
 
 from conftest import require_binary
 from e2e.e2e_harness import Prometheus, free_port, wait_until
@@ -110,7 +116,8 @@ def test_stack_cli_up_status_down(tmp_path, config_files, exporter):
     workdir = tmp_path / "cli-stack"
     prom_port, am_port = free_port(), free_port()
     up = _lossbeat("up", "--dir", str(workdir), "--prometheus-port", str(prom_port),
-                   "--alertmanager-port", str(am_port), "--targets", exporter, "--scrape-interval", "1s",
+                   "--alertmanager-port", str(am_port), "--receiver-port", "0",
+                   "--targets", exporter, "--scrape-interval", "1s",
                    "--thresholds", str(thresholds), "--alertmanager-config", str(am))
     try:
         assert up.returncode == 0, up.stderr
@@ -144,3 +151,98 @@ def test_stack_up_says_how_to_install_missing_binaries(tmp_path, config_files):
                        "--alertmanager-config", str(am), env=env)
     assert result.returncode == 2
     assert "apt-get install prometheus prometheus-alertmanager" in result.stderr
+
+
+# --- the local receiver and `stack status` ----------------------------------------------
+
+NAN = {"alertname": "TrainingLossNaN", "job": "train", "rank": "0", "severity": "critical"}
+PLATEAU = {"alertname": "TrainingLossPlateau", "job": "train", "rank": "0", "severity": "warning"}
+VOLATILE = {"alertname": "TrainingLossVolatile", "job": "train", "rank": "0", "severity": "warning"}
+
+
+def _post(url: str, document: dict) -> int:
+    request = urllib.request.Request(url, data=json.dumps(document).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return resp.status
+
+
+def test_receiver_records_webhooks_and_serves_the_runbooks(tmp_path):
+    log = tmp_path / "notifications.jsonl"
+    server = serve(0, log, runbooks="# Runbooks\n\n## TrainingLossNaN\n\nStop <the> run.\n")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        payload = {"receiver": "page", "status": "firing", "alerts": [{"status": "firing", "labels": NAN}]}
+        assert _post(f"{url}/page", payload) == 200
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(urllib.request.Request(f"{url}/page", data=b"{nope", method="POST"), timeout=10)
+        assert bad.value.code == 400
+        (note,) = read_notifications(log)
+        assert note["receiver"] == "page" and note["path"] == "/page"
+        assert note["alerts"] == [{"labels": NAN, "status": "firing", "startsAt": None}]
+        with urllib.request.urlopen(f"{url}/runbooks", timeout=10) as resp:
+            page = resp.read().decode()
+        assert '<h2 id="traininglossnan">TrainingLossNaN</h2>' in page and "Stop &lt;the&gt; run." in page
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"{url}/other", timeout=10)
+        assert missing.value.code == 404
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_status_lines_name_the_receiver_and_the_delivery():
+    prometheus = [{"labels": NAN, "state": "firing"}, {"labels": PLATEAU, "state": "firing"},
+                  {"labels": VOLATILE, "state": "firing"},
+                  {"labels": {**NAN, "rank": "1"}, "state": "pending"}]
+    alertmanager = [
+        {"labels": NAN, "receivers": [{"name": "page"}], "status": {"state": "active"}},
+        {"labels": PLATEAU, "receivers": [{"name": "ticket"}], "status": {"state": "active"}},
+        {"labels": VOLATILE, "receivers": [{"name": "ticket"}], "status": {"state": "suppressed"}},
+    ]
+    notifications = [{"receiver": "page", "received_at": 0.0, "alerts": [{"labels": NAN, "status": "firing"}]},
+                     # delivered to another receiver, or resolved: not this alert's delivery
+                     {"receiver": "ticket", "received_at": 0.0, "alerts": [{"labels": NAN, "status": "firing"}]},
+                     {"receiver": "ticket", "received_at": 0.0, "alerts": [{"labels": PLATEAU, "status": "resolved"}]}]
+    lines = alert_lines(prometheus, alertmanager, notifications)
+    by_name = {}
+    for line in lines:
+        by_name.setdefault(line.split()[1], []).append(line)
+    assert "receiver page" in by_name["TrainingLossNaN"][0] and "paged: TrainingLossNaN" in by_name["TrainingLossNaN"][0]
+    assert "receiver ticket" in by_name["TrainingLossPlateau"][0]
+    assert "not delivered yet" in by_name["TrainingLossPlateau"][0]
+    assert "suppressed" in by_name["TrainingLossVolatile"][0] and "no notification" in by_name["TrainingLossVolatile"][0]
+    assert "pending" in by_name["TrainingLossNaN"][1] and "paged" not in by_name["TrainingLossNaN"][1]
+    assert lines[-1] == by_name["TrainingLossNaN"][1]  # firing first
+
+
+def test_a_busy_port_is_one_line_naming_it(tmp_path):
+    require_binary("prometheus")
+    require_binary("alertmanager", "prometheus-alertmanager")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _lossbeat("up", "--dir", str(tmp_path / "s"), "--prometheus-port", str(free_port()),
+                           "--alertmanager-port", str(free_port()), "--receiver-port", str(port))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"lossbeat stack: port {port} (receiver) is in use on 127.0.0.1; pass --receiver-port with a free one"]
+    assert not (tmp_path / "s" / "state.json").exists()
+
+
+def test_up_leaves_foreign_files_in_its_folder(tmp_path):
+    require_binary("prometheus")
+    require_binary("alertmanager", "prometheus-alertmanager")
+    workdir = tmp_path / "mine"
+    workdir.mkdir()
+    (workdir / "notes.txt").write_text("keep me")
+    (workdir / "prometheus.log").write_text("an old stack's log")
+    with socket.socket() as busy:  # stops `up` after it cleared its own files
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result = _lossbeat("up", "--dir", str(workdir), "--prometheus-port", str(busy.getsockname()[1]),
+                           "--alertmanager-port", str(free_port()), "--receiver-port", "0")
+    assert result.returncode == 1
+    assert (workdir / "notes.txt").read_text() == "keep me" and not (workdir / "prometheus.log").exists()

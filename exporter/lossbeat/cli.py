@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "demo": ("lossbeat.demo", "train a small language model on CPU with the exporter live"),
     "rules": ("lossbeat.rules", "generate Prometheus alert and recording rules from the thresholds file"),
     "dashboards": ("lossbeat.dashboards", "generate the Grafana dashboards from the thresholds file"),
+    "generate": ("lossbeat.bundle", "write rules, rule tests, Alertmanager config, runbooks and dashboards into a folder"),
     "stack": ("lossbeat.stack", "start or stop a local Prometheus + Alertmanager on loopback"),
     "analyze": ("lossbeat.analyze", "diagnose a finished run from its log files"),
 }

@@ -3,8 +3,9 @@
 Two dashboards (``lossbeat / Overview`` and ``lossbeat / Layers``) are built as plain
 Grafana JSON models: every threshold line, band and colour step comes from
 :mod:`lossbeat.thresholds`, every metric name from :mod:`lossbeat.metrics`.  The command
-writes them under ``grafana/`` plus a Kubernetes ConfigMap for Grafana's dashboard
-sidecar; ``--check`` fails on drift instead.
+writes them, plus a Kubernetes ConfigMap for Grafana's dashboard sidecar, into
+``--output-dir`` (``grafana/``, ``kubernetes/``) or, with ``--checkout`` (``make generate``),
+the repository's ``grafana/`` and ``deploy/kubernetes/``; ``--check`` fails on drift instead.
 
 Tests and the end-to-end harness read the queries back with :func:`panel_queries` and
 substitute Grafana's template variables with :func:`expand_query`.
@@ -19,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Iterable
 
-from lossbeat.generated import add_generator_arguments, sync_files, thresholds_for
+from lossbeat.generated import add_generator_arguments, output_root, sync_files, thresholds_for
 from lossbeat.metrics import METRICS
 from lossbeat.thresholds import Thresholds
 
@@ -28,6 +29,7 @@ __all__ = [
     "panel_queries",
     "expand_query",
     "render_files",
+    "output_files",
     "may_be_empty",
     "add_arguments",
     "run",
@@ -557,14 +559,26 @@ def render_files(thresholds: Thresholds) -> dict[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_generator_arguments(parser)
-    parser.add_argument("--root", type=Path, default=_REPO_ROOT,
-                        help="directory the grafana/ and deploy/ files go under (default: this checkout, %(default)s)")
+    parser.add_argument("--root", type=Path, default=None,
+                        help="write grafana/ and deploy/ files in the repository's layout under ROOT")
+
+
+def output_files(thresholds: Thresholds) -> dict[str, str]:
+    """The files for an output folder: ``grafana/*.json`` and ``kubernetes/<the ConfigMap>``."""
+    return {path if path.startswith("grafana/") else f"kubernetes/{Path(path).name}": text
+            for path, text in render_files(thresholds).items()}
 
 
 def run(args: argparse.Namespace) -> int:
     thresholds = thresholds_for(args, "lossbeat dashboards")
     if thresholds is None:
         return 2
-    files = render_files(thresholds)
-    return sync_files({args.root / rel: text for rel, text in files.items()}, check=args.check,
+    if args.root is not None:
+        root, files = args.root, render_files(thresholds)
+    else:
+        root = output_root(args, "lossbeat dashboards", _REPO_ROOT)
+        if root is None:
+            return 2
+        files = render_files(thresholds) if args.output_dir is None else output_files(thresholds)
+    return sync_files({root / rel: text for rel, text in files.items()}, check=args.check,
                       command="lossbeat dashboards")

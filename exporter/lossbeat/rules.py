@@ -1,9 +1,10 @@
 """``lossbeat rules``: write the Prometheus rules and their tests from the thresholds file.
 
-One command produces every checked-in file that depends on the thresholds'
-alerting side: ``alerting/rules.yml``, ``alerting/tests/*.yml`` (promtool unit
-tests), ``deploy/kubernetes/prometheusrule.yaml`` and the alert table of
-``README.md``. ``--check`` reports drift instead of writing.
+``--output-dir DIR`` writes ``rules.yml``, ``tests/*.yml`` (promtool unit tests) and
+``kubernetes/prometheusrule.yaml`` there. ``--checkout`` (``make generate``) writes the repository's
+checked-in files instead: ``alerting/rules.yml``, ``alerting/tests/*.yml``,
+``deploy/kubernetes/prometheusrule.yaml`` and the alert table of ``README.md``.
+``--check`` reports drift instead of writing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from lossbeat.generated import add_generator_arguments, sync_files, thresholds_for
+from lossbeat.generated import add_generator_arguments, output_root, sync_files, thresholds_for
 from lossbeat.alert_rules import AlertRule, alert_rules, recording_rules, rule_groups
 from lossbeat.rule_tests import rule_test_documents
 from lossbeat.thresholds import Thresholds
@@ -25,6 +26,7 @@ __all__ = [
     "render_prometheus_rule",
     "render_alert_table",
     "generated_files",
+    "output_files",
     "add_arguments",
     "run",
 ]
@@ -129,6 +131,14 @@ def generated_files(thresholds: Thresholds) -> dict[str, str]:
     return files
 
 
+def output_files(thresholds: Thresholds) -> dict[str, str]:
+    """The files for an output folder, keyed by their path in it: ``rules.yml``, ``tests/*.yml``
+    (their ``rule_files: [../rules.yml]`` holds there too), ``kubernetes/prometheusrule.yaml``."""
+    renamed = {RULES_PATH: "rules.yml", PROMETHEUS_RULE_PATH: "kubernetes/prometheusrule.yaml"}
+    return {renamed.get(path, path.removeprefix("alerting/")): text
+            for path, text in generated_files(thresholds).items()}
+
+
 def _stale_tests(root: Path, expected: dict[str, str]) -> list[str]:
     """Generated test files that no alert produces any more."""
     stale = []
@@ -139,32 +149,30 @@ def _stale_tests(root: Path, expected: dict[str, str]) -> list[str]:
     return stale
 
 
-def _planned(thresholds: Thresholds, root: Path, output_dir: Path | None) -> tuple[dict[Path, str], list[Path]]:
-    """(files to write with their content, files to delete)."""
-    if output_dir is not None:
-        return {output_dir / "rules.yml": render_rules(thresholds)}, []
-    files = {root / path: text for path, text in generated_files(thresholds).items()}
+def _planned(thresholds: Thresholds, root: Path, *, checkout: bool) -> tuple[dict[Path, str], list[Path]]:
+    """(files to write with their content, files to delete). The checkout gets the checked-in
+    paths and the README's alert table; an output folder gets ``rules.yml``, ``tests/`` (whose
+    ``rule_files: [../rules.yml]`` finds it there too) and ``kubernetes/prometheusrule.yaml``."""
+    if not checkout:
+        return {root / path: text for path, text in output_files(thresholds).items()}, []
+    generated = generated_files(thresholds)
+    files = {root / path: text for path, text in generated.items()}
     readme = root / README_PATH
     files[readme] = _replace_region(readme.read_text(encoding="utf-8"), render_alert_table(thresholds))
-    stale = [root / p for p in _stale_tests(root, generated_files(thresholds))]
+    stale = [root / p for p in _stale_tests(root, generated)]
     return files, stale
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_generator_arguments(parser)
-    parser.add_argument(
-        "--output-dir", metavar="DIR", type=Path,
-        help="write only rules.yml into DIR (default: every generated file in the repository)",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
     thresholds = thresholds_for(args, "lossbeat rules")
     if thresholds is None:
         return 2
-    root = REPO_ROOT
-    if args.output_dir is None and not (root / README_PATH).is_file():
-        print(f"lossbeat rules: no repository checkout at {root}; pass --output-dir", file=sys.stderr)
+    root = output_root(args, "lossbeat rules", REPO_ROOT)
+    if root is None:
         return 2
-    files, stale = _planned(thresholds, root, args.output_dir)
+    files, stale = _planned(thresholds, root, checkout=args.output_dir is None)
     return sync_files(files, check=args.check, command="lossbeat rules", stale=stale)

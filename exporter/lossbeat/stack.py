@@ -1,10 +1,14 @@
 """``lossbeat stack``: Debian's Prometheus and Alertmanager on loopback, wired to lossbeat.
 
 ``stack up`` writes a Prometheus config that scrapes the exporter targets (through a
-file_sd targets file, so targets can change while it runs), loads the shipped
-``alerting/rules.yml`` and sends alerts to an Alertmanager running the shipped
-``alerting/alertmanager.yml``. Everything lives in one folder under the temp dir; its
-``state.json`` records the PIDs so that ``stack down`` stops exactly what ``up`` started.
+file_sd targets file, so targets can change while it runs), loads rules generated from the
+thresholds (the packaged ones, or ``--thresholds``) and sends alerts to an Alertmanager
+running the packaged ``alertmanager.yml``, whose page and ticket webhooks reach a local
+receiver (:mod:`lossbeat.webhook`) that records what arrives. It needs nothing from the
+repository: it works from an installed package in an empty folder. Everything lives in one
+folder under the temp dir; its ``state.json`` records the PIDs so that ``stack down`` stops
+exactly what ``up`` started, and ``stack status`` shows each firing alert, the receiver
+Alertmanager routed it to and whether the notification arrived.
 
 The end-to-end tests reuse :class:`Stack` with their own ports, rules and timing.
 """
@@ -12,6 +16,7 @@ The end-to-end tests reuse :class:`Stack` with their own ports, rules and timing
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -28,6 +33,11 @@ from typing import Iterable, Sequence
 
 import yaml
 
+from lossbeat import rules as rules_module
+from lossbeat.generated import shipped_text
+from lossbeat.thresholds import ThresholdsError, load_thresholds
+from lossbeat.webhook import read_notifications
+
 __all__ = [
     "Stack",
     "MissingBinaryError",
@@ -35,6 +45,7 @@ __all__ = [
     "write_targets_file",
     "write_target_groups",
     "find_binary",
+    "alert_lines",
     "add_arguments",
     "run",
 ]
@@ -42,7 +53,11 @@ __all__ = [
 INSTALL_HINT = "install them with: sudo apt-get install prometheus prometheus-alertmanager"
 DEFAULT_TARGET = "127.0.0.1:8470"
 DEFAULT_JOB = "training"
-_REPO_ALERTING = Path(__file__).resolve().parents[2] / "alerting"
+# Where the shipped alertmanager.yml sends its page and ticket webhooks; the stack's receiver
+# listens there (or the stack rewrites these URLs to the receiver's own port).
+SHIPPED_RECEIVER = "127.0.0.1:5001"
+# What a delivered notification means to a user, by receiver name (the shipped alertmanager.yml's).
+_DELIVERED = {"page": "paged", "ticket": "ticketed"}
 # Debian ships Alertmanager as `prometheus-alertmanager`; upstream tarballs as `alertmanager`.
 _BINARIES = {
     "prometheus": ("prometheus",),
@@ -52,6 +67,22 @@ _BINARIES = {
 
 class MissingBinaryError(RuntimeError):
     """A server binary is not installed; the message says how to install it."""
+
+
+class PortInUseError(RuntimeError):
+    """A port the stack needs is taken; the message names it and the option to change it."""
+
+
+def _port_free(port: int) -> bool:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the servers do: a port in TIME_WAIT is free, one with a listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def find_binary(server: str) -> str:
@@ -157,8 +188,15 @@ class Stack:
     job: str = DEFAULT_JOB
     scrape_interval: str = "5s"
     evaluation_interval: str | None = None
-    rule_files: Sequence[Path] = (_REPO_ALERTING / "rules.yml",)
-    alertmanager_config: Path = _REPO_ALERTING / "alertmanager.yml"
+    rule_files: Sequence[Path] = ()
+    """Rules to load; empty: ``rules.yml`` generated into ``workdir`` from ``thresholds``."""
+    alertmanager_config: Path | None = None
+    """Alertmanager configuration; None: the packaged ``alertmanager.yml``."""
+    thresholds: Path | None = None
+    """Thresholds file the generated rules use (None: the packaged defaults)."""
+    receiver_port: int | None = None
+    """Port of the local webhook receiver to run (None: none). Webhooks of the configuration
+    that point at the shipped receiver address (127.0.0.1:5001) are sent to it."""
     extra_alertmanagers: Sequence[str] = ()
     """Further host:port Alertmanagers Prometheus also sends to (started by the caller)."""
     pids: dict[str, int] = field(default_factory=dict)
@@ -173,6 +211,14 @@ class Stack:
         return f"http://127.0.0.1:{self.alertmanager_port}"
 
     @property
+    def receiver_url(self) -> str | None:
+        return None if self.receiver_port is None else f"http://127.0.0.1:{self.receiver_port}"
+
+    @property
+    def notifications_file(self) -> Path:
+        return Path(self.workdir) / "notifications.jsonl"
+
+    @property
     def targets_file(self) -> Path:
         return Path(self.workdir) / "targets.json"
 
@@ -185,24 +231,40 @@ class Stack:
         write_targets_file(self.targets_file, targets, job or self.job)
 
     def start(self, timeout: float = 30.0) -> None:
-        """Write the configs, start both servers and wait until both report ready."""
+        """Write the configs, start the servers (and the receiver) and wait until all report ready."""
         self.workdir = Path(self.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         for server in ("prometheus", "alertmanager"):
             self.binaries[server] = find_binary(server)
-        missing = [p for p in (*self.rule_files, self.alertmanager_config) if not Path(p).is_file()]
+        ports = {"prometheus": self.prometheus_port, "alertmanager": self.alertmanager_port,
+                 "receiver": self.receiver_port}
+        for server, port in ports.items():
+            if port is not None and not _port_free(port):
+                raise PortInUseError(f"port {port} ({server}) is in use on 127.0.0.1; "
+                                     f"pass --{server}-port with a free one")
+        missing = [p for p in (*self.rule_files, self.alertmanager_config) if p and not Path(p).is_file()]
         if missing:
-            raise FileNotFoundError(f"missing {', '.join(map(str, missing))}; generate with `lossbeat rules`")
+            raise FileNotFoundError(f"missing {', '.join(map(str, missing))}; "
+                                    "write them with `lossbeat generate --output-dir DIR`")
+        rule_files = [Path(p).resolve() for p in self.rule_files] or [self._generate_rules()]
+        am_config = self._alertmanager_config()
         self.set_targets(self.targets)
         config = render_prometheus_config(
-            targets_file=self.targets_file, rule_files=[Path(p).resolve() for p in self.rule_files],
+            targets_file=self.targets_file, rule_files=rule_files,
             alertmanagers=[f"127.0.0.1:{self.alertmanager_port}", *self.extra_alertmanagers],
             scrape_interval=self.scrape_interval, evaluation_interval=self.evaluation_interval,
         )
         (self.workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
         try:
+            if self.receiver_port is not None:
+                self.binaries["receiver"] = sys.executable
+                runbooks = self.workdir / "runbooks.md"
+                runbooks.write_text(shipped_text("runbooks.md"), encoding="utf-8")
+                # Run as a file in isolated mode: stdlib only, without importing lossbeat (and torch).
+                self._spawn("receiver", ["-I", str(Path(__file__).with_name("webhook.py")), f"--port={self.receiver_port}",
+                                         f"--log={self.notifications_file}", f"--runbooks={runbooks}"])
             self._spawn("alertmanager", [
-                f"--config.file={Path(self.alertmanager_config).resolve()}",
+                f"--config.file={am_config}",
                 f"--storage.path={self.workdir / 'alertmanager-data'}",
                 f"--web.listen-address=127.0.0.1:{self.alertmanager_port}",
                 "--cluster.listen-address=",  # no gossip port: a single local instance
@@ -220,9 +282,35 @@ class Stack:
             self.stop()
             raise
 
+    def _generate_rules(self) -> Path:
+        """``rules.yml`` from the thresholds; with a receiver, runbook links point at its /runbooks."""
+        thresholds = load_thresholds(self.thresholds)
+        if self.receiver_url:
+            thresholds = dataclasses.replace(thresholds, alerts=dataclasses.replace(
+                thresholds.alerts, runbook_url=f"{self.receiver_url}/runbooks"))
+        path = self.workdir / "rules.yml"
+        path.write_text(rules_module.render_rules(thresholds), encoding="utf-8")
+        return path
+
+    def _alertmanager_config(self) -> Path:
+        """The configuration Alertmanager runs: the given or packaged one, its webhooks to the
+        shipped receiver address sent to this stack's receiver."""
+        if self.alertmanager_config is not None and self.receiver_port is None:
+            return Path(self.alertmanager_config).resolve()
+        text = (Path(self.alertmanager_config).read_text(encoding="utf-8") if self.alertmanager_config
+                else shipped_text("alertmanager.yml"))
+        config = yaml.safe_load(text)
+        if self.receiver_port is not None:
+            for receiver in config.get("receivers") or []:
+                for hook in receiver.get("webhook_configs") or []:
+                    hook["url"] = hook["url"].replace(f"//{SHIPPED_RECEIVER}/", f"//127.0.0.1:{self.receiver_port}/")
+        path = self.workdir / "alertmanager.yml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+        return path
+
     def stop(self) -> None:
-        """Stop both servers by PID (Prometheus first, so it sends no alerts to a dead peer)."""
-        for server in ("prometheus", "alertmanager"):
+        """Stop the servers by PID (Prometheus first, so it sends no alerts to a dead peer)."""
+        for server in ("prometheus", "alertmanager", "receiver"):
             pid = self.pids.pop(server, None)
             if pid is not None:
                 stop_pid(pid, self.binaries.get(server, server))
@@ -253,12 +341,15 @@ class Stack:
 
     def _wait_ready(self, timeout: float) -> None:
         urls = {"prometheus": self.prometheus_url, "alertmanager": self.alertmanager_url}
+        if self.receiver_url:
+            urls["receiver"] = self.receiver_url
         deadline = time.monotonic() + timeout
         pending = dict(urls)
         while pending:
             for server, url in list(pending.items()):
                 if not self.running().get(server):
-                    raise RuntimeError(f"{server} exited on start:\n{self.log_tail(server)}")
+                    raise RuntimeError(f"{server} exited on start: {self.log_tail(server, 1) or '(no output)'} "
+                                       f"(log: {self.workdir / (server + '.log')})")
                 if _http_ok(f"{url}/-/ready"):
                     del pending[server]
             if pending and time.monotonic() > deadline:
@@ -269,6 +360,7 @@ class Stack:
         state = {
             "pids": self.pids, "binaries": self.binaries,
             "prometheus_url": self.prometheus_url, "alertmanager_url": self.alertmanager_url,
+            "receiver_url": self.receiver_url,
         }
         self.state_file.write_text(json.dumps(state, indent=2), encoding="utf-8")
 
@@ -280,13 +372,19 @@ class Stack:
             return None
         state = json.loads(path.read_text(encoding="utf-8"))
         ports = [int(state[f"{s}_url"].rsplit(":", 1)[1]) for s in ("prometheus", "alertmanager")]
+        receiver = state.get("receiver_url")
         return cls(workdir=Path(workdir), prometheus_port=ports[0], alertmanager_port=ports[1],
+                   receiver_port=int(receiver.rsplit(":", 1)[1]) if receiver else None,
                    pids={k: int(v) for k, v in state["pids"].items()}, binaries=state["binaries"])
 
 
 # --- the command line ----------------------------------------------------------------
 
 DEFAULT_DIR = Path(tempfile.gettempdir()) / "lossbeat-stack"
+# What `up` may delete in --dir from an earlier stack; anything else there is left alone.
+_STACK_FILES = ("prometheus-data", "alertmanager-data", "prometheus.log", "alertmanager.log", "receiver.log",
+                "prometheus.yml", "alertmanager.yml", "rules.yml", "runbooks.md", "targets.json", "targets.tmp",
+                "notifications.jsonl", "state.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -295,24 +393,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"config, data, logs and state (default {DEFAULT_DIR})")
     parser.add_argument("--prometheus-port", type=int, default=9090)
     parser.add_argument("--alertmanager-port", type=int, default=9093)
+    parser.add_argument("--receiver-port", type=int, default=5001,
+                        help="the local webhook receiver for pages and tickets (default %(default)s; "
+                             "0: run none)")
     parser.add_argument("--targets", default=DEFAULT_TARGET,
                         help="comma-separated exporter host:port list (default %(default)s; "
                              "each local rank listens on 8470 + LOCAL_RANK)")
     parser.add_argument("--job-name", default=DEFAULT_JOB, help="the job label of the targets")
     parser.add_argument("--scrape-interval", default="5s", help="scrape and rule evaluation interval")
     parser.add_argument("--rules", type=Path, action="append",
-                        help="rules file (repeatable; default: alerting/rules.yml)")
+                        help="rules file (repeatable; default: generated from the thresholds)")
     parser.add_argument("--thresholds", type=Path,
-                        help="generate the rules from this thresholds file instead")
-    parser.add_argument("--alertmanager-config", type=Path, default=_REPO_ALERTING / "alertmanager.yml")
+                        help="thresholds file the rules are generated from (default: the packaged one)")
+    parser.add_argument("--alertmanager-config", type=Path,
+                        help="Alertmanager configuration (default: the packaged alertmanager.yml)")
     parser.add_argument("--foreground", action="store_true", help="wait; Ctrl-C stops everything")
 
 
-def _generate_rules(thresholds: Path | None, out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    source = ["--thresholds", str(thresholds)] if thresholds else []
-    subprocess.run([sys.executable, "-m", "lossbeat", "rules", *source, "--output-dir", str(out_dir)], check=True)
-    return out_dir / "rules.yml"
+def _clear(workdir: Path) -> None:
+    """Remove what an earlier stack left in ``workdir`` (its own files only)."""
+    for name in _STACK_FILES:
+        path = workdir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -321,20 +426,20 @@ def _up(args: argparse.Namespace) -> int:
         print(f"stack already running ({previous.prometheus_url}); `lossbeat stack down` first",
               file=sys.stderr)
         return 1
-    if args.dir.exists():
-        shutil.rmtree(args.dir)  # stale data from a stack that is gone
-    rules = args.rules or [_REPO_ALERTING / "rules.yml"]
-    if args.thresholds or not all(Path(r).is_file() for r in rules) and not args.rules:
-        # A custom thresholds file, or an install without the checkout's alerting/.
-        rules = [_generate_rules(args.thresholds, args.dir / "rules")]
+    _clear(args.dir)  # stale data from a stack that is gone
     stack = Stack(workdir=args.dir, prometheus_port=args.prometheus_port,
                   alertmanager_port=args.alertmanager_port,
                   targets=[t.strip() for t in args.targets.split(",") if t.strip()],
                   job=args.job_name, scrape_interval=args.scrape_interval,
-                  rule_files=rules, alertmanager_config=args.alertmanager_config)
+                  rule_files=args.rules or (), thresholds=args.thresholds,
+                  alertmanager_config=args.alertmanager_config,
+                  receiver_port=args.receiver_port or None)
     try:
         stack.start()
     except MissingBinaryError as exc:
+        print(f"lossbeat stack: {exc}", file=sys.stderr)
+        return 2
+    except ThresholdsError as exc:
         print(f"lossbeat stack: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
@@ -342,12 +447,19 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     print(f"Prometheus:   {stack.prometheus_url}  (targets: {', '.join(stack.targets)}; "
           f"edit {stack.targets_file} to change them)")
-    print(f"Alertmanager: {stack.alertmanager_url}")
+    print(f"              alerts: {stack.prometheus_url}/classic/alerts")
+    print(f"Alertmanager: {stack.alertmanager_url}  (no web UI in Debian's package: "
+          f"amtool --alertmanager.url={stack.alertmanager_url} alert query)")
+    if stack.receiver_url:
+        print(f"Receiver:     {stack.receiver_url}  (pages and tickets land in {stack.notifications_file}; "
+              f"runbooks at {stack.receiver_url}/runbooks)")
     print(f"Logs and data: {stack.workdir}")
+    where = "" if args.dir == DEFAULT_DIR else f" --dir {args.dir}"
+    print(f"Firing alerts and their notifications: lossbeat stack status{where}")
     if not args.foreground:
-        print("Stop with: lossbeat stack down" + ("" if args.dir == DEFAULT_DIR else f" --dir {args.dir}"))
+        print(f"Stop with: lossbeat stack down{where}")
         return 0
-    print("Ctrl-C stops both.")
+    print("Ctrl-C stops everything.")
     try:
         while all(stack.running().values()):
             time.sleep(0.5)
@@ -365,8 +477,58 @@ def _down(args: argparse.Namespace) -> int:
         print(f"no stack recorded in {args.dir}")
         return 0
     stack.stop()
-    print(f"stopped prometheus and alertmanager ({args.dir})")
+    print(f"stopped {', '.join(sorted(stack.binaries))} ({args.dir})")
     return 0
+
+
+def _get_json(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.load(resp)
+
+
+def alert_lines(prometheus_alerts: list[dict], alertmanager_alerts: list[dict],
+                notifications: list[dict]) -> list[str]:
+    """One line per alert Prometheus holds: its state, the receiver Alertmanager routed it to,
+    and whether that receiver got the notification (``paged: TrainingLossNaN``)."""
+    routed = {_key(a["labels"]): a for a in alertmanager_alerts}
+    delivered: dict[tuple, tuple[str, float]] = {}
+    for note in notifications:
+        for alert in note.get("alerts", []):
+            if alert.get("status") == "firing":
+                delivered[(_key(alert["labels"]), note.get("receiver"))] = (note.get("receiver"), note["received_at"])
+    lines = []
+    for alert in sorted(prometheus_alerts, key=lambda a: (a["state"] != "firing", a["labels"]["alertname"])):
+        labels = alert["labels"]
+        name, where = labels["alertname"], " ".join(
+            f"{k}={labels[k]}" for k in ("job", "rank", "instance") if k in labels)
+        head = f"  alert  {name:30} {alert['state']:8}"
+        if alert["state"] != "firing":
+            lines.append(f"{head} (fires once its condition holds for the rule's `for`) {where}")
+            continue
+        am = routed.get(_key(labels))
+        if am is None:
+            lines.append(f"{head} not yet in Alertmanager {where}")
+            continue
+        receivers = [r["name"] for r in am.get("receivers", [])]
+        state = am.get("status", {}).get("state", "active")
+        if state != "active":
+            lines.append(f"{head} receiver {','.join(receivers):8} {state}: inhibited or silenced, "
+                         f"no notification  {where}")
+            continue
+        for receiver in receivers:
+            got = delivered.get((_key(labels), receiver))
+            if got:
+                verb = _DELIVERED.get(receiver, f"notified ({receiver})")
+                at = time.strftime("%H:%M:%S", time.localtime(got[1]))
+                lines.append(f"{head} receiver {receiver:8} {verb}: {name} at {at}  {where}")
+            else:
+                lines.append(f"{head} receiver {receiver:8} not delivered yet (Alertmanager waits its "
+                             f"group_wait; see alertmanager.log)  {where}")
+    return lines
+
+
+def _key(labels: dict) -> tuple:
+    return tuple(sorted(labels.items()))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -375,18 +537,26 @@ def _status(args: argparse.Namespace) -> int:
         print(f"no stack recorded in {args.dir}")
         return 3
     ok = True
-    for server, url in (("prometheus", stack.prometheus_url), ("alertmanager", stack.alertmanager_url)):
+    servers = [("prometheus", stack.prometheus_url), ("alertmanager", stack.alertmanager_url)]
+    if stack.receiver_url:
+        servers.append(("receiver", stack.receiver_url))
+    for server, url in servers:
         alive = stack.running().get(server, False) and _http_ok(f"{url}/-/ready")
         ok &= alive
         print(f"{server:13} {url:24} {'up' if alive else 'DOWN'}")
-    if ok:
-        with urllib.request.urlopen(f"{stack.prometheus_url}/api/v1/targets", timeout=2) as resp:
-            for target in json.load(resp)["data"]["activeTargets"]:
-                print(f"  target {target['scrapeUrl']:32} {target['health']}")
-        with urllib.request.urlopen(f"{stack.prometheus_url}/api/v1/alerts", timeout=2) as resp:
-            for alert in json.load(resp)["data"]["alerts"]:
-                print(f"  alert  {alert['labels']['alertname']:32} {alert['state']}")
-    return 0 if ok else 1
+    if not ok:
+        return 1
+    try:
+        for target in _get_json(f"{stack.prometheus_url}/api/v1/targets")["data"]["activeTargets"]:
+            print(f"  target {target['scrapeUrl']:32} {target['health']}")
+        prometheus_alerts = _get_json(f"{stack.prometheus_url}/api/v1/alerts")["data"]["alerts"]
+        alertmanager_alerts = _get_json(f"{stack.alertmanager_url}/api/v2/alerts")
+    except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
+        print(f"lossbeat stack: cannot read the servers' APIs: {exc}", file=sys.stderr)
+        return 1
+    lines = alert_lines(prometheus_alerts, alertmanager_alerts, read_notifications(stack.notifications_file))
+    print("\n".join(lines) if lines else "  no alerts pending or firing")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
