@@ -34,6 +34,8 @@ from .gradients import (
 from .metrics import HEALTH_CHECKS
 from .server import MetricsServer, RankContext
 from .thresholds import Thresholds, load_thresholds
+from .webconfig import ENV_VAR as WEB_CONFIG_ENV
+from .webconfig import WebConfig, load_web_config
 
 __all__ = ["MonitorConfig", "Monitor", "NullMonitor", "Report", "start_exporter", "DEFAULT_PORT"]
 
@@ -95,6 +97,9 @@ class MonitorConfig:
     """TLS certificate for /metrics (with keyfile)."""
     keyfile: str | None = None
     """TLS key for /metrics."""
+    web_config: str | os.PathLike | None = None
+    """A web configuration file in the Prometheus exporter-toolkit format (TLS, mutual TLS, basic
+    auth; see :mod:`lossbeat.webconfig`); None reads the path from ``LOSSBEAT_WEB_CONFIG`` if set."""
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -120,6 +125,9 @@ class MonitorConfig:
         for name in ("defer_device_reads", "reduce_shards", "log_status_changes", "port_per_local_rank"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        if self.web_config is not None and not isinstance(self.web_config, (str, os.PathLike)):
+            raise TypeError(f"web_config: expected a path, got {type(self.web_config).__name__}")
+        self.load_web_config()  # a bad file fails here, naming its key, not at the first scrape
         ranks = self.layer_ranks
         if isinstance(ranks, str):
             if ranks not in ("first", "all"):
@@ -136,6 +144,19 @@ class MonitorConfig:
         if self.layer_ranks == "first":
             return rank == 0
         return rank in self.layer_ranks
+
+    def load_web_config(self) -> WebConfig | None:
+        """The /metrics security settings: ``web_config``, ``LOSSBEAT_WEB_CONFIG``, or certfile/keyfile."""
+        path = self.web_config if self.web_config is not None else os.environ.get(WEB_CONFIG_ENV) or None
+        if path is not None and self.certfile is not None:
+            # Never drop one silently: the file's basic auth would be lost to a bare certfile.
+            where = "web_config" if self.web_config is not None else WEB_CONFIG_ENV
+            raise ValueError(f"{where}, certfile: give one of them (put the certificate in the web config)")
+        if path is not None:
+            return load_web_config(path)
+        if self.certfile is not None and self.keyfile is not None:
+            return WebConfig.from_tls_files(self.certfile, self.keyfile)
+        return None
 
     def load_thresholds(self) -> Thresholds:
         if isinstance(self.thresholds, Thresholds):
@@ -369,7 +390,7 @@ class Monitor:
             port = config.port
             if port and config.port_per_local_rank:
                 port += self.rank_context.local_rank
-            self._server = MetricsServer(self.registry, port, config.addr, config.certfile, config.keyfile)
+            self._server = MetricsServer(self.registry, port, config.addr, web_config=config.load_web_config())
 
     # --- public API -----------------------------------------------------------------
 

@@ -10,8 +10,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import start_http_server
 from prometheus_client.registry import CollectorRegistry
+
+from .endpoint import start_server
+from .webconfig import WebConfig
 
 __all__ = ["RankContext", "MetricsServer"]
 
@@ -132,7 +134,9 @@ def _local_rank_from_store(dist: Any, rank: int) -> int:
 
 
 class MetricsServer:
-    """prometheus_client's WSGI server on a daemon thread; ``port=0`` picks a free port."""
+    """The /metrics endpoint (:mod:`lossbeat.endpoint`) on a daemon thread; ``port=0`` picks a free port.
+
+    ``web_config``: TLS, mutual TLS and basic auth; ``certfile``/``keyfile`` are TLS alone."""
 
     def __init__(
         self,
@@ -141,11 +145,12 @@ class MetricsServer:
         addr: str = "0.0.0.0",
         certfile: str | None = None,
         keyfile: str | None = None,
+        web_config: WebConfig | None = None,
     ) -> None:
+        if web_config is None and certfile is not None and keyfile is not None:
+            web_config = WebConfig.from_tls_files(certfile, keyfile)
         try:
-            self._server, self._thread = start_http_server(
-                port, addr=addr, registry=registry, certfile=certfile, keyfile=keyfile
-            )
+            self._server, self._thread = start_server(registry, port, addr, web_config)
         except OSError as exc:
             raise OSError(
                 f"lossbeat: cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); "
