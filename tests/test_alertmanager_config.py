@@ -1,4 +1,5 @@
-"""alerting/alertmanager.yml: valid for amtool, routes by severity, inhibits loss echoes of a NaN."""
+"""alerting/alertmanager.yml: valid for amtool, routes by severity, inhibits echoes of a NaN
+loss for the same rank of the same run only."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lossbeat.alert_rules import alert_rules
+from lossbeat.alert_rules import TARGET, alert_rules
 from lossbeat.thresholds import load_thresholds
 from conftest import require_binary
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "alerting" / "alertmanager.yml"
-INHIBITED_BY_NAN = {"TrainingLossOutOfRange", "TrainingLossVolatile", "TrainingLossDiverging", "TrainingLossSpikes"}
+INHIBITED_BY_NAN = {"TrainingLossOutOfRange", "TrainingLossVolatile", "TrainingLossDiverging", "TrainingLossSpikes",
+                    "TrainingGradientNonFinite"}
 
 
 def amtool(*args: str) -> subprocess.CompletedProcess:
@@ -39,7 +41,7 @@ def test_amtool_accepts_the_config():
     result = amtool("check-config", str(CONFIG))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
-    assert "1 inhibit rules" in result.stdout and "2 receivers" in result.stdout
+    assert "2 inhibit rules" in result.stdout and "2 receivers" in result.stdout
 
 
 def test_every_alert_routes_by_its_severity():
@@ -73,14 +75,18 @@ def test_receivers_post_to_the_local_webhooks():
 
 
 def test_inhibition_rule_content():
-    (rule,) = config()["inhibit_rules"]
-    assert rule["source_matchers"] == ['alertname="TrainingLossNaN"']
-    (target,) = rule["target_matchers"]
-    names = target.removeprefix('alertname=~"').removesuffix('"').split("|")
-    assert set(names) == INHIBITED_BY_NAN
-    assert rule["equal"] == ["job", "rank"]
-    alert_names = {r.name for r in alert_rules(load_thresholds())}
-    assert INHIBITED_BY_NAN | {"TrainingLossNaN"} <= alert_names
+    names = set()
+    for rule in config()["inhibit_rules"]:
+        assert rule["source_matchers"] == ['alertname="TrainingLossNaN"']
+        (target,) = rule["target_matchers"]
+        names |= set(target.removeprefix('alertname=~"').removeprefix('alertname="').removesuffix('"').split("|"))
+        # One rank of one run: the labels every alert keeps (instance tells runs apart).
+        assert rule["equal"] == list(TARGET)
+    assert names == INHIBITED_BY_NAN
+    rules = {r.name: r for r in alert_rules(load_thresholds())}
+    assert INHIBITED_BY_NAN | {"TrainingLossNaN"} <= set(rules)
+    for name in INHIBITED_BY_NAN | {"TrainingLossNaN"}:
+        assert set(TARGET) <= set(rules[name].keeps), name
 
 
 # --- a real Alertmanager applies the inhibition -----------------------------------------
@@ -125,8 +131,25 @@ def alertmanager(tmp_path):
         process.wait(timeout=10)
 
 
-def _alert(name: str, rank: str, severity: str) -> dict:
-    return {"labels": {"alertname": name, "job": "train", "rank": rank, "severity": severity}}
+RUN_A, RUN_B = "gpu-a:8470", "gpu-b:8470"  # two runs under one job label, each rank 0 on its node
+
+
+def _alert(name: str, rank: str, severity: str, instance: str = RUN_A) -> dict:
+    return {"labels": {"alertname": name, "job": "train", "instance": instance, "rank": rank, "severity": severity}}
+
+
+def _states(port: int) -> dict:
+    return {(a["labels"]["alertname"], a["labels"]["instance"], a["labels"]["rank"]): a["status"]
+            for a in _api(port, "alerts")}
+
+
+def _wait_suppressed(port: int, key: tuple) -> dict:
+    deadline = time.monotonic() + 10
+    while True:
+        seen = _states(port)
+        if seen.get(key, {}).get("state") == "suppressed" or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.2)
 
 
 def test_real_alertmanager_mutes_loss_alerts_of_the_nan_rank_only(alertmanager):
@@ -138,18 +161,39 @@ def test_real_alertmanager_mutes_loss_alerts_of_the_nan_rank_only(alertmanager):
         _alert("TrainingGradientVanishing", "0", "warning"),
     ])
 
-    def states() -> dict:
-        return {(a["labels"]["alertname"], a["labels"]["rank"]): a["status"] for a in _api(alertmanager, "alerts")}
+    seen = _wait_suppressed(alertmanager, ("TrainingLossVolatile", RUN_A, "0"))
+    assert seen[("TrainingLossVolatile", RUN_A, "0")]["state"] == "suppressed"
+    assert seen[("TrainingLossVolatile", RUN_A, "0")]["inhibitedBy"]
+    assert seen[("TrainingLossDiverging", RUN_A, "0")]["state"] == "suppressed"
+    assert seen[("TrainingLossVolatile", RUN_A, "1")]["state"] == "active"  # another rank: not muted
+    assert seen[("TrainingGradientVanishing", RUN_A, "0")]["state"] == "active"  # not a loss echo
+    assert seen[("TrainingLossNaN", RUN_A, "0")]["state"] == "active"
 
-    deadline = time.monotonic() + 10
-    while True:
-        seen = states()
-        if seen.get(("TrainingLossVolatile", "0"), {}).get("state") == "suppressed" or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert seen[("TrainingLossVolatile", "0")]["state"] == "suppressed"
-    assert seen[("TrainingLossVolatile", "0")]["inhibitedBy"]
-    assert seen[("TrainingLossDiverging", "0")]["state"] == "suppressed"
-    assert seen[("TrainingLossVolatile", "1")]["state"] == "active"  # another rank: not muted
-    assert seen[("TrainingGradientVanishing", "0")]["state"] == "active"  # not a loss echo
-    assert seen[("TrainingLossNaN", "0")]["state"] == "active"
+
+def test_real_alertmanager_keeps_another_run_under_the_same_job_label(alertmanager):
+    """Run A's NaN mutes run A's echoes only; run B, same job and rank, still reaches people."""
+    _api(alertmanager, "alerts", [
+        _alert("TrainingLossNaN", "0", "critical", RUN_A),
+        _alert("TrainingLossVolatile", "0", "warning", RUN_A),
+        _alert("TrainingLossVolatile", "0", "warning", RUN_B),
+        _alert("TrainingLossDiverging", "0", "critical", RUN_B),
+    ])
+    seen = _wait_suppressed(alertmanager, ("TrainingLossVolatile", RUN_A, "0"))
+    assert seen[("TrainingLossVolatile", RUN_A, "0")]["state"] == "suppressed"
+    assert seen[("TrainingLossVolatile", RUN_B, "0")]["state"] == "active"
+    assert seen[("TrainingLossDiverging", RUN_B, "0")]["state"] == "active"
+
+
+def test_real_alertmanager_pages_a_forward_nan_once(alertmanager):
+    """A NaN loss makes the gradients NaN too: TrainingGradientNonFinite of that rank is
+    held; a non-finite gradient with a finite loss (run B) still pages."""
+    _api(alertmanager, "alerts", [
+        _alert("TrainingLossNaN", "0", "critical", RUN_A),
+        {"labels": {**_alert("TrainingGradientNonFinite", "0", "critical", RUN_A)["labels"], "layer": "all layers"}},
+        {"labels": {**_alert("TrainingGradientNonFinite", "0", "critical", RUN_B)["labels"], "layer": "blocks.2"}},
+    ])
+    seen = _wait_suppressed(alertmanager, ("TrainingGradientNonFinite", RUN_A, "0"))
+    assert seen[("TrainingGradientNonFinite", RUN_A, "0")]["state"] == "suppressed"
+    assert seen[("TrainingGradientNonFinite", RUN_A, "0")]["inhibitedBy"]
+    assert seen[("TrainingGradientNonFinite", RUN_B, "0")]["state"] == "active"
+    assert seen[("TrainingLossNaN", RUN_A, "0")]["state"] == "active"

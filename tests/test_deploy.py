@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -325,3 +326,65 @@ def test_deploy_readme_covers_the_ways_to_scrape():
     text = (DEPLOY / "README.md").read_text()
     for needle in ("8470 + LOCAL_RANK", "rank", "file_sd", "PodMonitor", "static_configs", "docker compose"):
         assert needle in text, f"deploy/README.md does not mention {needle}"
+
+
+# --- the end of a run: finished or died (issue 13, item 7) ------------------------------
+
+def _run_sbatch(tmp_path: Path, srun_body: str, *, terminate_after: float | None = None) -> tuple[int, Path]:
+    """Run train.sbatch as Slurm would, with `scontrol` and `srun` replaced by small
+    scripts (no Slurm here; lossbeat_file_sd.py and the trap are the real ones).
+    Returns the exit status and the targets file path."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node01\necho node02\n")
+    (bin_dir / "srun").write_text(f"#!/bin/bash\n{srun_body}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    sd_dir = tmp_path / "sd"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NAME": "lm-train", "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2",
+           "LOSSBEAT_SD_DIR": str(sd_dir)}
+    proc = subprocess.Popen(["bash", str(SLURM / "train.sbatch")], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    sd_file = sd_dir / "lossbeat-42.json"
+    if terminate_after is not None:  # scancel: SIGTERM to the batch script while training runs
+        deadline = time.monotonic() + 60
+        while not sd_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(terminate_after)
+        proc.terminate()
+    out, _ = proc.communicate(timeout=60)
+    assert sd_file.parent.is_dir(), out
+    return proc.returncode, sd_file
+
+
+def test_sbatch_removes_the_targets_after_a_clean_finish(tmp_path):
+    status, sd_file = _run_sbatch(tmp_path, "exit 0")
+    assert status == 0
+    assert not sd_file.exists()
+
+
+@pytest.mark.parametrize("srun_body", ["exit 1", "kill -9 $$"], ids=["rank-failed", "killed"])
+def test_sbatch_keeps_the_targets_when_training_fails(tmp_path, srun_body):
+    """Kept targets go down (up == 0): TrainingExporterDown pages for a crash."""
+    status, sd_file = _run_sbatch(tmp_path, srun_body)
+    assert status != 0
+    groups = json.loads(sd_file.read_text())
+    assert [g["labels"]["node"] for g in groups] == ["node01", "node02"]
+
+
+def test_sbatch_keeps_the_targets_on_scancel(tmp_path):
+    status, sd_file = _run_sbatch(tmp_path, "sleep 30", terminate_after=0.5)
+    assert status != 0
+    assert sd_file.exists()
+
+
+def test_podmonitor_keeps_the_targets_of_failed_pods():
+    endpoints = _one("PodMonitor")["spec"]["podMetricsEndpoints"]
+    assert endpoints and all(e.get("filterRunning") is False for e in endpoints)
+
+
+def test_training_job_fails_on_a_crash_instead_of_restarting_in_place():
+    job = _one("Job")
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    assert job["spec"]["backoffLimit"] == 0

@@ -41,6 +41,7 @@ ALERTS = {  # the contract: name -> severity
     "TrainingLearningRateSuspect": "warning",
     "TrainingStalled": "critical",
     "TrainingExporterDown": "critical",
+    "TrainingExporterErrors": "warning",
 }
 
 # A user's thresholds file changing numbers, counts and (short) durations.
@@ -235,7 +236,8 @@ def test_each_profile_with_a_range_gets_its_own_rule():
     causal = thresholds.profiles["causal-lm"]
     assert f"> {causal.loss_warn_high:g}" in by_profile["causal-lm"]
     assert f"< {causal.loss_warn_low:g}" in by_profile["causal-lm"]
-    assert 'and on(job, rank) training_run_info{profile="causal-lm"}' in by_profile["causal-lm"]
+    # Joined per rank of each run: runs that share a job label stay apart.
+    assert 'and on(job, instance, rank) training_run_info{profile="causal-lm"}' in by_profile["causal-lm"]
     assert "training_loss_component" in by_profile["multi-task"]
 
 
@@ -320,7 +322,7 @@ def test_metric_name_scan_finds_the_series():
     expr = alerts_by_name(checked_in_rules(), "TrainingGradientNonFinite")[0]["expr"]
     assert {"training_nonfinite_grad_total", "training_nonfinite_grad_first_layer_info"} <= _names_in(expr)
     expr = alerts_by_name(checked_in_rules(), "TrainingLossOutOfRange")[0]["expr"]
-    assert {"job_rank:training_loss:avg_over_time5m", "training_run_info"} <= _names_in(expr)
+    assert {"job_instance_rank:training_loss:avg_over_time5m", "training_run_info"} <= _names_in(expr)
 
 
 def test_recording_rules_follow_level_metric_operations():
@@ -330,6 +332,18 @@ def test_recording_rules_follow_level_metric_operations():
         assert operations and re.fullmatch(r"[a-z0-9_]+", operations), rule.record
         assert tuple(level.split("_")) == rule.keeps, rule.record
         assert f"by ({', '.join(rule.keeps)})" in rule.expr, rule.record
+
+
+def test_every_per_rank_aggregation_and_join_keeps_the_run_identity():
+    """`instance` tells apart concurrent runs that share a job label (issue 13, item 8)."""
+    for rule in recording_rules():
+        if "rank" in rule.keeps:
+            assert "instance" in rule.keeps, rule.record
+    for rule in alert_rules(load_thresholds()):
+        assert "rank" not in rule.keeps or "instance" in rule.keeps, rule.name
+        for labels in re.findall(r"\b(?:on|by)\s*\(([^)]*)\)", rule.expr):
+            names = {n.strip() for n in labels.split(",")}
+            assert "rank" not in names or "instance" in names, f"{rule.name}: joins on ({labels})"
 
 
 def test_prometheus_rule_carries_the_same_groups():

@@ -22,6 +22,12 @@ __all__ = [
     "rule_groups",
     "number",
     "duration_seconds",
+    "TARGET",
+    "JOB_RANK",
+    "ON_TARGET",
+    "LOSS_AVG_5M",
+    "LOSS_COMPONENT_AVG_5M",
+    "new_events",
 ]
 
 RECORDING_GROUP = "lossbeat.recording"
@@ -109,42 +115,70 @@ def _duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
-JOB_RANK = ("job", "rank")
+# The identity of one rank of one run. `instance` (the host:port its exporter serves on)
+# keeps concurrent runs apart when they share a `job` label (every resubmission of one
+# sbatch template, say): each per-rank aggregation, join and Alertmanager `equal:` keeps
+# all three. JOB_RANK is the same tuple under its historical name.
 TARGET = ("job", "instance", "rank")
+JOB_RANK = TARGET
+ON_TARGET = f"on({', '.join(TARGET)})"
+"""The vector matching of a join between two per-rank series of the same run."""
+
+
+def level(keeps: tuple[str, ...]) -> str:
+    """The ``level`` part of a recording rule's name: the labels it keeps."""
+    return "_".join(keeps)
+
+
+LOSS_AVG_5M = f"{level(TARGET)}:training_loss:avg_over_time5m"
+"""Per-rank 5m mean of the training loss (recording rule)."""
+LOSS_COMPONENT_AVG_5M = f"{level(TARGET + ('component',))}:training_loss_component:avg_over_time5m"
+"""Per-rank 5m mean of each loss component (recording rule)."""
+
+
+def new_events(counter: str, window: str) -> str:
+    """Events a counter counted within ``window``, as a vector (> 0 only).
+
+    ``increase()`` needs two samples: the events a run counted before its first
+    scrape (a NaN at step 1) would never show. The second branch takes a series
+    that did not exist ``window`` ago at its face value.
+    """
+    return f"(increase({counter}[{window}]) > 0 or ({counter} unless {counter} offset {window}) > 0)"
 
 
 def recording_rules() -> list[RecordingRule]:
     """Shared aggregations for dashboards and alerts (fixed 5m windows: stable names)."""
+
+    def per_rank(metric_operations: str, expr: str, extra: tuple[str, ...] = ()) -> RecordingRule:
+        """A rule per rank of each run: ``{by}`` in ``expr`` becomes the labels it keeps."""
+        keeps = TARGET + extra
+        return RecordingRule(f"{level(keeps)}:{metric_operations}", expr.format(by=", ".join(keeps)), keeps)
+
     return [
-        RecordingRule("job_rank:training_loss:avg_over_time5m",
-                      "avg by (job, rank) (avg_over_time(training_loss[5m]))", JOB_RANK),
-        RecordingRule("job_rank_component:training_loss_component:avg_over_time5m",
-                      "avg by (job, rank, component) (avg_over_time(training_loss_component[5m]))",
-                      ("job", "rank", "component")),
+        per_rank("training_loss:avg_over_time5m", "avg by ({by}) (avg_over_time(training_loss[5m]))"),
+        per_rank("training_loss_component:avg_over_time5m",
+                 "avg by ({by}) (avg_over_time(training_loss_component[5m]))", ("component",)),
         RecordingRule("job:training_loss:avg", "avg by (job) (training_loss)", ("job",)),
         RecordingRule("job:training_eval_loss:avg", "avg by (job) (training_eval_loss)", ("job",)),
-        RecordingRule("job_rank:training_grad_norm:avg_over_time5m",
-                      "avg by (job, rank) (avg_over_time(training_grad_norm[5m]))", JOB_RANK),
+        per_rank("training_grad_norm:avg_over_time5m", "avg by ({by}) (avg_over_time(training_grad_norm[5m]))"),
         RecordingRule("job:training_grad_norm:max", "max by (job) (training_grad_norm)", ("job",)),
         RecordingRule("job_layer:training_layer_grad_norm:max",
                       "max by (job, layer) (training_layer_grad_norm)", ("job", "layer")),
         # Every rank takes the same steps: the job's step rate is their mean; tokens add up.
         RecordingRule("job:training_steps:rate5m",
                       "avg by (job) (rate(training_steps_total[5m]))", ("job",)),
-        RecordingRule("job_rank:training_steps:rate5m",
-                      "sum by (job, rank) (rate(training_steps_total[5m]))", JOB_RANK),
+        per_rank("training_steps:rate5m", "sum by ({by}) (rate(training_steps_total[5m]))"),
         RecordingRule("job:training_tokens:rate5m",
                       "sum by (job) (rate(training_tokens_total[5m]))", ("job",)),
-        RecordingRule("job_rank:training_step_duration_seconds:avg_over_time5m",
-                      "avg by (job, rank) (avg_over_time(training_step_duration_seconds[5m]))", JOB_RANK),
-        RecordingRule("job_rank:training_nonfinite_loss:increase5m",
-                      "sum by (job, rank) (increase(training_nonfinite_loss_total[5m]))", JOB_RANK),
-        RecordingRule("job_rank:training_nonfinite_grad:increase5m",
-                      "sum by (job, rank) (increase(training_nonfinite_grad_total[5m]))", JOB_RANK),
-        RecordingRule("job_rank:training_loss_spikes:increase5m",
-                      "sum by (job, rank) (increase(training_loss_spikes_total[5m]))", JOB_RANK),
-        RecordingRule("job_rank:training_grad_explosions:increase5m",
-                      "sum by (job, rank) (increase(training_grad_explosions_total[5m]))", JOB_RANK),
+        per_rank("training_step_duration_seconds:avg_over_time5m",
+                 "avg by ({by}) (avg_over_time(training_step_duration_seconds[5m]))"),
+        per_rank("training_nonfinite_loss:increase5m",
+                 "sum by ({by}) (increase(training_nonfinite_loss_total[5m]))"),
+        per_rank("training_nonfinite_grad:increase5m",
+                 "sum by ({by}) (increase(training_nonfinite_grad_total[5m]))"),
+        per_rank("training_loss_spikes:increase5m", "sum by ({by}) (increase(training_loss_spikes_total[5m]))"),
+        per_rank("training_grad_explosions:increase5m",
+                 "sum by ({by}) (increase(training_grad_explosions_total[5m]))"),
         # Worst status of each check across the job's ranks (0 good, 1 warning, 2 danger).
         RecordingRule("job_check:training_health_status:max",
                       "max by (job, check) (training_health_status)", ("job", "check")),
@@ -159,7 +193,7 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.nonfinite",
             severity="critical",
             expr=(
-                f"increase(training_nonfinite_loss_total[{a.event_window}]) > 0\n"
+                f"{new_events('training_nonfinite_loss_total', a.event_window)}\n"
                 "or\n"
                 "training_loss != training_loss\n"
             ),
@@ -178,13 +212,13 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.nonfinite",
             severity="critical",
             expr=(
-                f"(increase(training_nonfinite_grad_total[{a.event_window}]) > 0)\n"
-                "  * on(job, instance, rank) group_left(layer)\n"
+                f"{new_events('training_nonfinite_grad_total', a.event_window)}\n"
+                f"  * {ON_TARGET} group_left(layer)\n"
                 "    training_nonfinite_grad_first_layer_info\n"
                 "or\n"
                 "label_replace(\n"
-                f"  (increase(training_nonfinite_grad_total[{a.event_window}]) > 0)\n"
-                "    unless on(job, instance, rank) training_nonfinite_grad_first_layer_info,\n"
+                f"  {new_events('training_nonfinite_grad_total', a.event_window)}\n"
+                f"    unless {ON_TARGET} training_nonfinite_grad_first_layer_info,\n"
                 '  "layer", "unknown", "__name__", ".*"\n'
                 ")\n"
             ),
@@ -303,19 +337,19 @@ def _range_alert(t: Thresholds, profile: Profile) -> AlertRule:
     per_component = profile.name in COMPONENT_PROFILES
     if per_component:
         series, keeps, what = (
-            "job_rank_component:training_loss_component:avg_over_time5m",
-            ("job", "rank", "component"),
+            LOSS_COMPONENT_AVG_5M,
+            TARGET + ("component",),
             "loss component {{ $labels.component }} of " + WHO,
         )
     else:
-        series, keeps, what = "job_rank:training_loss:avg_over_time5m", JOB_RANK, "training loss of " + WHO
+        series, keeps, what = LOSS_AVG_5M, TARGET, "training loss of " + WHO
     return AlertRule(
         name="TrainingLossOutOfRange",
         group="lossbeat.loss",
         severity="warning",
         expr=(
             f"(\n  {series} > {high}\nor\n  {series} < {low}\n)\n"
-            f'and on(job, rank) training_run_info{{profile="{profile.name}"}}\n'
+            f'and {ON_TARGET} training_run_info{{profile="{profile.name}"}}\n'
         ),
         for_=a.out_of_range_for,
         labels={"profile": profile.name},
@@ -474,49 +508,86 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
             action="check the scheduler and warmup; scale the LR 3x in the suggested direction",
             keeps=TARGET + ("param_group",),
         ),
-        AlertRule(
-            name="TrainingStalled",
-            group="lossbeat.liveness",
-            severity="critical",
-            expr=(
-                f"time() - training_last_step_timestamp_seconds > {number(duration_seconds(a.stalled_after))}\n"
-                "and\n"
-                "training_last_step_timestamp_seconds > 0\n"
-            ),
-            summary="Training has stopped making steps",
-            description=(
-                f"{WHO_CAP} completed its last step {{{{ $value | printf \"%.0f\" }}}}s ago "
-                f"(alert after {a.stalled_after}) while its exporter is still up."
-            ),
-            condition=f"no completed step for {a.stalled_after} while the exporter is up",
-            action="look for a hang: data loader, NCCL collective, checkpoint I/O",
-            keeps=TARGET,
-        ),
+        _stalled_alert(t),
         AlertRule(
             name="TrainingExporterDown",
             group="lossbeat.liveness",
             severity="critical",
-            # Only targets that served lossbeat metrics lately; `rank` comes from their run info.
+            # A rank's lossbeat series were scraped in the lookback and are gone now (its
+            # target answers no more, or service discovery removed it), and the last thing
+            # it said was not "completed" (Monitor.close() publishes that and lingers one
+            # scrape interval). The value: the steps it had taken.
             expr=(
-                "up\n"
-                "  * on(job, instance) group_left(rank)\n"
-                f"    topk by (job, instance) (1, present_over_time(training_run_info[{EXPORTER_SEEN_LOOKBACK}]))\n"
-                "== 0\n"
+                f"max by ({', '.join(TARGET)}) (last_over_time(training_steps_total[{EXPORTER_SEEN_LOOKBACK}]))\n"
+                f"unless {ON_TARGET}\n"
+                "  training_steps_total\n"
+                f"unless {ON_TARGET}\n"
+                f"  (last_over_time(training_run_completed[{EXPORTER_SEEN_LOOKBACK}]) == 1)\n"
             ),
             for_=a.exporter_down_for,
-            summary="Prometheus cannot scrape a training exporter",
+            summary="A training process stopped sending metrics without finishing",
             description=(
-                f"Prometheus has failed to scrape {{{{ $labels.instance }}}} ({WHO}) for at least "
-                f"{a.exporter_down_for} (up = {VALUE}): the process died, hangs, or is unreachable."
+                f"Prometheus has had no lossbeat metrics from {{{{ $labels.instance }}}} ({WHO}) for at least "
+                f"{a.exporter_down_for}, after {{{{ $value | printf \"%.0f\" }}}} steps, and the run never "
+                "reported completion: the process died (crash, OOM kill, scancel, eviction), hangs, "
+                "or is unreachable."
             ),
             condition=(
-                f"`up == 0` for {a.exporter_down_for} on a target that exposed lossbeat metrics "
-                f"in the last {EXPORTER_SEEN_LOOKBACK}"
+                f"a rank's lossbeat metrics vanished (target down or removed) for {a.exporter_down_for} "
+                f"without its completion marker; looks back {EXPORTER_SEEN_LOOKBACK}"
             ),
-            action="check whether the process crashed (OOM?) or finished; check the network",
+            action="check whether the process crashed (OOM? exit code?) or was killed; check the network",
             keeps=TARGET,
         ),
+        AlertRule(
+            name="TrainingExporterErrors",
+            group="lossbeat.liveness",
+            severity="warning",
+            expr=f"{new_events('training_exporter_errors_total', a.event_window)}\n",
+            summary="lossbeat itself failed while training went on",
+            description=(
+                f"The lossbeat exporter of {WHO} counted {VALUE} errors in {{{{ $labels.where }}}} within "
+                f"{a.event_window}; training continues, but its metrics may be partial or missing "
+                "(a failing observe() records no step)."
+            ),
+            condition=f"any error counted by the exporter itself (`training_exporter_errors_total`) within {a.event_window}",
+            action="read the training log for the 'lossbeat: error' traceback; report it",
+            keeps=TARGET + ("where",),
+        ),
     ]
+
+
+def _stalled_alert(t: Thresholds) -> AlertRule:
+    """No sign of progress: a long limit inside an evaluation or a checkpoint, the short one in training."""
+    a = t.alerts
+    train, other = number(duration_seconds(a.stalled_after)), number(duration_seconds(a.stalled_phase_after))
+    age = "(time() - training_last_heartbeat_timestamp_seconds)"
+    return AlertRule(
+        name="TrainingStalled",
+        group="lossbeat.liveness",
+        severity="critical",
+        expr=(
+            f"{age}\n"
+            f'  * {ON_TARGET} group_left(phase) (training_phase{{phase="train"}} == 1)\n'
+            f"> {train}\n"
+            "or\n"
+            f"{age}\n"
+            f'  * {ON_TARGET} group_left(phase) (training_phase{{phase!="train"}} == 1)\n'
+            f"> {other}\n"
+        ),
+        summary="Training has stopped making progress",
+        description=(
+            f"{WHO_CAP} showed no progress for {{{{ $value | printf \"%.0f\" }}}}s in phase "
+            f"{{{{ $labels.phase }}}} (alert after {a.stalled_after} in training, {a.stalled_phase_after} "
+            "in an evaluation or checkpoint) while its exporter is still up."
+        ),
+        condition=(
+            f"no step, evaluation or heartbeat for {a.stalled_after} while training, or for "
+            f"{a.stalled_phase_after} inside `monitor.phase(\"eval\")` / `phase(\"checkpoint\")`; the exporter is up"
+        ),
+        action="look for a hang: data loader, NCCL collective, checkpoint I/O",
+        keeps=TARGET + ("phase",),
+    )
 
 
 def alert_rules(thresholds: Thresholds) -> list[AlertRule]:

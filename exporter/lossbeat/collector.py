@@ -7,17 +7,19 @@ scrape, and a scrape never blocks training.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
 import resource
 import sys
+import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .metrics import METRICS
+from .metrics import METRICS, PHASES
 
 if TYPE_CHECKING:
     from .monitor import MonitorState
@@ -26,6 +28,7 @@ __all__ = ["MonitorCollector"]
 
 log = logging.getLogger("lossbeat")
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_SCRAPES_KEPT = 8  # recent scrape times, enough to tell the scrape interval
 
 
 def _gauge(name: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
@@ -42,8 +45,20 @@ class MonitorCollector(Collector):
         self._state = state
         self._before_scrape = before_scrape
         """Applies device values that arrived since the training thread last looked (never waits)."""
+        self._scrapes: collections.deque[float] = collections.deque(maxlen=_SCRAPES_KEPT)
+
+    def scrape_interval(self) -> float | None:
+        """The longest gap between the recent scrapes (with several Prometheus servers
+        scraping, the gap in which each has scraped once), or None when nobody scrapes
+        periodically: fewer than two scrapes, or none for two intervals."""
+        times = list(self._scrapes)
+        if len(times) < 2:
+            return None
+        interval = max(b - a for a, b in zip(times, times[1:]))
+        return interval if time.monotonic() - times[-1] <= 2 * interval + 1 else None
 
     def collect(self) -> Iterator[Metric]:
+        self._scrapes.append(time.monotonic())
         s = self._state
         try:
             if self._before_scrape is not None:
@@ -81,6 +96,7 @@ class MonitorCollector(Collector):
                 g = _gauge(name)
                 g.add_metric([rank], value)
                 yield g
+        yield from self._progress(s)
 
         labelled = (
             ("training_loss_component", "component", s.components),
@@ -128,6 +144,26 @@ class MonitorCollector(Collector):
             c = _counter(name)
             c.add_metric([rank], value)
             yield c
+
+    def _progress(self, s: "MonitorState") -> Iterator[Metric]:
+        """Heartbeat, phase, time per phase and the completion marker (liveness alerts)."""
+        beats = [t for t in (s.last_step_time, s.last_activity_time) if t is not None]
+        if beats:
+            g = _gauge("training_last_heartbeat_timestamp_seconds")
+            g.add_metric([s.rank], max(beats))
+            yield g
+        current, since, totals = s.phase  # swapped whole by the training thread
+        now = time.monotonic()
+        phase = _gauge("training_phase", ("phase",))
+        seconds = _counter("training_phase_seconds_total", ("phase",))
+        for name in PHASES:
+            phase.add_metric([s.rank, name], 1.0 if name == current else 0.0)
+            seconds.add_metric([s.rank, name], totals.get(name, 0.0) + (now - since if name == current else 0.0))
+        yield phase
+        yield seconds
+        done = _gauge("training_run_completed")
+        done.add_metric([s.rank], 1.0 if s.completed else 0.0)
+        yield done
 
     def _memory(self, s: "MonitorState") -> Iterator[Metric]:
         allocated = _gauge("training_memory_allocated_bytes", ("device",))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PREFIX"]
+__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PHASES", "PREFIX"]
 
 PREFIX = "training_"
 
@@ -38,6 +38,9 @@ _SPECS = [
     MetricSpec("training_step", "gauge", "The last observed optimizer step.", unit="none"),
     MetricSpec("training_epoch", "gauge", "The current epoch (may be fractional).", unit="none"),
     MetricSpec("training_last_step_timestamp_seconds", "gauge", "Unix time at which the last step was observed.", unit="dateTimeAsIso"),
+    MetricSpec("training_last_heartbeat_timestamp_seconds", "gauge", "Unix time of the last sign of progress: a step, an evaluation, a phase change or heartbeat().", unit="dateTimeAsIso"),
+    MetricSpec("training_phase", "gauge", "1 for the phase the run is in (set by Monitor.phase()), 0 for the others.", ("phase",), unit="none"),
+    MetricSpec("training_run_completed", "gauge", "1 once Monitor.close() ended the run normally, else 0: a target that vanishes without it died.", unit="none"),
     MetricSpec("training_step_duration_seconds", "gauge", "Wall time between the last two observed steps.", unit="s"),
     MetricSpec("training_loss_cv", "gauge", "Coefficient of variation (std / mean) of the finite losses over the volatility window.", unit="none"),
     MetricSpec("training_loss_trend_ratio", "gauge", "(mean of the previous window - mean of the recent window) / previous mean; positive means the loss falls.", unit="percentunit"),
@@ -59,6 +62,7 @@ _SPECS = [
     MetricSpec("training_loss_spikes_total", "counter", "Steps whose loss exceeded mean + spike_sigma * std of the recent window."),
     MetricSpec("training_grad_explosions_total", "counter", "Steps whose global grad norm exceeded the explosion threshold."),
     MetricSpec("training_grad_scaler_overflows_total", "counter", "Steps whose gradients overflowed under fp16 loss scaling: the GradScaler skips them (not counted as non-finite gradients)."),
+    MetricSpec("training_phase_seconds_total", "counter", "Wall time spent in each phase since the monitor started (the current phase up to the scrape).", ("phase",)),
     MetricSpec("training_exporter_errors_total", "counter", "Errors inside lossbeat itself, by where they happened; training is never interrupted.", ("where",)),
 ]
 
@@ -77,6 +81,11 @@ HEALTH_CHECKS = (
     "nonfinite",
 )
 """Values of the ``check`` label of ``training_health_status``."""
+
+
+PHASES = ("train", "eval", "checkpoint")
+"""Values of the ``phase`` label: what the run is doing (``Monitor.phase``). Alerts judge
+progress and throughput against the phase; a new phase (a pause, say) is a new value here."""
 
 
 README_START = "<!-- metrics:start -->"
@@ -98,6 +107,8 @@ def markdown_table() -> str:
         rows.append(f"| `{name}` | {spec.kind} | {labels} | {spec.help} |")
     rows.append("")
     rows.append("`training_health_status` checks: " + ", ".join(f"`{c}`" for c in HEALTH_CHECKS) + ".")
+    rows.append("")
+    rows.append("`training_phase` phases: " + ", ".join(f"`{p}`" for p in PHASES) + ".")
     rows.append(README_END)
     return "\n".join(rows)
 

@@ -31,13 +31,13 @@ from .diagnosis import Finding, History, Status, diagnose
 from .gradients import (
     GradientNorms, LayerGrouping, ShardedMeasurementError, clip_with_norms, compute_grad_norms, deepspeed_zero_stage,
 )
-from .metrics import HEALTH_CHECKS
+from .metrics import HEALTH_CHECKS, PHASES
 from .server import MetricsServer, RankContext
 from .thresholds import Thresholds, load_thresholds
 from .webconfig import ENV_VAR as WEB_CONFIG_ENV
 from .webconfig import WebConfig, load_web_config
 
-__all__ = ["MonitorConfig", "Monitor", "NullMonitor", "Report", "start_exporter", "DEFAULT_PORT"]
+__all__ = ["MonitorConfig", "Monitor", "NullMonitor", "PhaseScope", "Report", "start_exporter", "DEFAULT_PORT"]
 
 log = logging.getLogger("lossbeat")
 
@@ -57,6 +57,7 @@ _LOG_EVERY = 100  # repeated events (a NaN every step) are logged once per this 
 _SCRAPE_DRAIN_AFTER_S = 1.0
 ALL_LAYERS = "all layers"
 """The non-finite layer reported when a non-finite loss made every layer's gradient non-finite."""
+_MAX_LINGER_S = 600.0
 
 
 @dataclass
@@ -93,6 +94,11 @@ class MonitorConfig:
     ``observe(model=...)`` at the same steps. False: each rank measures its own shards only."""
     log_status_changes: bool = True
     """Log a line whenever a health check changes status."""
+    linger_seconds: float = 90.0
+    """The most ``close()`` keeps /metrics up after a normal end: one scrape interval (measured
+    from the scrapes seen, x1.2), so every Prometheus scrapes the completion marker and the
+    last values; no wait when nothing scraped periodically. 0 never waits (the end of a run
+    then looks like a crash to TrainingExporterDown); at most 600."""
     certfile: str | None = None
     """TLS certificate for /metrics (with keyfile)."""
     keyfile: str | None = None
@@ -120,6 +126,12 @@ class MonitorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if (
+            isinstance(self.linger_seconds, bool) or not isinstance(self.linger_seconds, numbers.Real)
+            or not 0 <= self.linger_seconds <= _MAX_LINGER_S
+        ):
+            raise ValueError(f"linger_seconds: expected a number of seconds in 0..{_MAX_LINGER_S:g}, "
+                             f"got {self.linger_seconds!r}")
         if (self.certfile is None) != (self.keyfile is None):
             raise ValueError("certfile, keyfile: give both or neither")
         for name in ("defer_device_reads", "reduce_shards", "log_status_changes", "port_per_local_rank"):
@@ -179,6 +191,11 @@ class MonitorState:
         self.epoch: float | None = None
         self.last_step_time: float | None = None
         self.step_duration: float | None = None
+        self.last_activity_time: float | None = None
+        """Wall time of the last sign of progress other than a step (evaluation, phase, heartbeat)."""
+        self.phase: tuple[str, float, dict[str, float]] = ("train", time.monotonic(), {})
+        """(current phase, its monotonic start, seconds of the finished spans per phase): swapped whole."""
+        self.completed = False
         self.loss_cv: float | None = None
         self.loss_trend_ratio: float | None = None
         self.clip_coefficient: float | None = None
@@ -458,10 +475,13 @@ class Monitor:
             self._log_limited("error", logging.ERROR, "lossbeat: error in observe(); training continues", exc_info=True)
 
     def observe_eval(self, step: int, eval_loss: Any) -> None:
-        """Record an evaluation loss (feeds ``training_eval_loss`` and the overfitting check)."""
+        """Record an evaluation loss (feeds ``training_eval_loss`` and the overfitting check).
+
+        Also a sign of progress: it refreshes the heartbeat TrainingStalled watches."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise TypeError(f"step: expected an int, got {type(step).__name__}")
         value = _scalar("eval_loss", eval_loss)
+        self.state.last_activity_time = time.time()
         try:
             if isinstance(value, torch.Tensor):
                 value = float(value.item())  # host sync: evaluation is not the per-step hot path
@@ -471,6 +491,38 @@ class Monitor:
         except Exception:
             self.state.count_error("observe")
             self._log_limited("error", logging.ERROR, "lossbeat: error in observe_eval()", exc_info=True)
+
+    def phase(self, name: str) -> "PhaseScope":
+        """Say what the run is doing now: ``"train"``, ``"eval"`` or ``"checkpoint"``.
+
+        Takes effect at once (for framework hooks: ``phase("eval")`` when validation starts,
+        ``phase("train")`` when it ends); as a context manager it restores the previous
+        phase on exit::
+
+            with monitor.phase("checkpoint"):
+                save(model)
+
+        Exported as ``training_phase`` and ``training_phase_seconds_total``: TrainingStalled
+        allows ``alerts.stalled_phase_after`` outside training instead of ``stalled_after``.
+        """
+        if name not in PHASES:
+            raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {name!r}")
+        previous = self.state.phase[0]
+        self._set_phase(name)
+        return PhaseScope(self, previous)
+
+    def heartbeat(self) -> None:
+        """Mark progress without a step (an evaluation batch, a checkpoint shard): TrainingStalled
+        measures from the latest step, evaluation, phase change or heartbeat. Cheap: no sync."""
+        self.state.last_activity_time = time.time()
+
+    def _set_phase(self, name: str) -> None:
+        current, since, totals = self.state.phase
+        now = time.monotonic()
+        if name != current:
+            totals = {**totals, current: totals.get(current, 0.0) + now - since}
+            self.state.phase = (name, now, totals)  # one swap: a scrape sees all or nothing
+        self.state.last_activity_time = time.time()
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip gradients like ``torch.nn.utils.clip_grad_norm_`` and measure them in the same pass.
@@ -550,8 +602,14 @@ class Monitor:
         """The findings of the last diagnosis."""
         return self._findings
 
-    def close(self) -> None:
-        """Process pending values, stop serving. Idempotent."""
+    def close(self, *, completed: bool = True) -> None:
+        """End the run: process pending values, publish the completion marker
+        (``training_run_completed``), keep /metrics up one scrape interval so Prometheus
+        reads it and the last values (bounded by ``linger_seconds``), stop serving. Idempotent.
+
+        ``completed=False`` (what leaving a ``with`` block on an exception does): the run
+        failed; no marker and no wait, so its exporter vanishing pages TrainingExporterDown.
+        """
         global _running
         if self.closed:
             return
@@ -560,6 +618,10 @@ class Monitor:
         except Exception:
             self.state.count_error("observe")
         self.closed = True
+        if completed:
+            self.state.completed = True
+            if self._server is not None:
+                self._linger()
         if self._server is not None:
             self._server.close()
         try:
@@ -573,8 +635,18 @@ class Monitor:
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(completed=exc_type is None)
+
+    def _linger(self) -> None:
+        """Serve one more scrape interval, as measured from the scrapes seen; none when
+        nothing scrapes periodically (a script run by hand, a test)."""
+        interval = self._collector.scrape_interval()
+        if interval is None or not self.config.linger_seconds:
+            return
+        wait = min(float(self.config.linger_seconds), 1.2 * interval + 0.5)
+        log.info("lossbeat: run completed; serving /metrics %.1fs more for the last scrape", wait)
+        time.sleep(wait)
 
     # --- argument handling (raises on programming errors) ------------------------------
 
@@ -915,6 +987,22 @@ def _unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, 
         offset += length
 
 
+class PhaseScope:
+    """What :meth:`Monitor.phase` returns: the phase is already set; leaving the ``with``
+    block restores the one before."""
+
+    def __init__(self, monitor: Monitor | None, previous: str) -> None:
+        self._monitor = monitor
+        self.previous = previous
+
+    def __enter__(self) -> "PhaseScope":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._monitor is not None and not self._monitor.closed:
+            self._monitor._set_phase(self.previous)
+
+
 class NullMonitor:
     """A monitor that does nothing: same API, so training code needs no ``if enabled:``."""
 
@@ -926,6 +1014,14 @@ class NullMonitor:
         pass
 
     def observe_eval(self, step: int, eval_loss: Any) -> None:
+        pass
+
+    def phase(self, name: str) -> "PhaseScope":
+        if name not in PHASES:
+            raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {name!r}")
+        return PhaseScope(None, name)
+
+    def heartbeat(self) -> None:
         pass
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -940,7 +1036,7 @@ class NullMonitor:
     def report(self) -> Report:
         return Report((), {}, None)
 
-    def close(self) -> None:
+    def close(self, *, completed: bool = True) -> None:
         pass
 
     def __enter__(self) -> "NullMonitor":

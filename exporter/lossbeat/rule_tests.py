@@ -26,10 +26,11 @@ from lossbeat.thresholds import Thresholds
 __all__ = ["rule_test_documents", "render_template"]
 
 JOB, INSTANCE = "train", "127.0.0.1:8470"
+OTHER_INSTANCE = "gpu-b:8470"  # a concurrent run under the same job label
 
 
-def _target(rank: str = "0", **extra: str) -> dict[str, str]:
-    return {"job": JOB, "instance": INSTANCE, "rank": rank, **extra}
+def _target(rank: str = "0", instance: str = INSTANCE, **extra: str) -> dict[str, str]:
+    return {"job": JOB, "instance": instance, "rank": rank, **extra}
 
 
 def _fmt(value: float) -> str:
@@ -132,10 +133,21 @@ class _Builder:
     def after_for(self, duration: str, start: float = 0) -> float:
         return start + duration_seconds(duration) + self.i
 
+    def first_scrape(self, metric: str, labels: dict, value: float, window: str,
+                     absent: int = 3) -> tuple[Series, float, float]:
+        """A counter whose first sample, after ``absent`` intervals, is already ``value``
+        (events before the first scrape); the first eval time and the last one inside ``window``."""
+        n = self.steps(window)
+        series = Series(metric, labels, [f"_x{absent}", run(value, n + 4)])
+        first = absent * self.i
+        return series, first, first + (n - 1) * self.i
+
 
 def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
     a = b.t.alerts
     nan = b.rule("TrainingLossNaN")
+    early_nan, early_at, early_last = b.first_scrape("training_nonfinite_loss_total", _target(), 1, a.event_window)
+    early_grad, _, _ = b.first_scrape("training_nonfinite_grad_total", _target(), 3, a.event_window)
     counter, at = b.jump("training_nonfinite_loss_total", _target(), a.event_window, 1)
     loss_ok = b.hold("training_loss", _target(), 2.5, 40)
     loss_nan = Series("training_loss", _target(), [run(2.5, 3), run(math.nan, 5)])
@@ -151,6 +163,11 @@ def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
         "TrainingLossNaN": [
             Scenario("a non-finite loss step fires", [counter, loss_ok],
                      [(at, nan.name, [Expect(nan, _target(), 1)])]),
+            Scenario("a NaN counted before the first scrape fires for the window, then stops",
+                     [early_nan, loss_ok],
+                     [(early_at, nan.name, [Expect(nan, _target(), 1)]),
+                      (early_last, nan.name, [Expect(nan, _target(), 1)]),
+                      (early_last + 2 * b.i, nan.name, [])]),
             Scenario("a NaN loss fires at once", [loss_nan, b.hold("training_nonfinite_loss_total", _target(), 0, 8)],
                      [(3 * b.i, nan.name, [Expect(nan, _target(), math.nan)])]),
             Scenario("a finite loss is silent", [loss_ok, b.hold("training_nonfinite_loss_total", _target(), 0, 40)],
@@ -161,6 +178,9 @@ def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
                      [(gat, grad.name, [Expect(grad, _target(layer="blocks.1.mlp"), 2)])]),
             Scenario("fires with layer unknown when the exporter named none", [gcounter],
                      [(gat, grad.name, [Expect(grad, _target(layer="unknown"), 2)])]),
+            Scenario("non-finite gradients counted before the first scrape fire", [early_grad, info],
+                     [(early_at, grad.name, [Expect(grad, _target(layer="blocks.1.mlp"), 3)]),
+                      (early_last + 2 * b.i, grad.name, [])]),
             Scenario("finite gradients are silent", [flat, info], [(gat, grad.name, [])]),
         ],
         "TrainingLossScaleCollapsed": [
@@ -285,7 +305,7 @@ def _out_of_range(b: _Builder) -> dict[str, list[Scenario]]:
             continue
         rule = b.rule("TrainingLossOutOfRange", profile=profile.name)
         high, low = profile.loss_warn_high * 1.5, profile.loss_warn_low * 0.5
-        result = lambda rank: {"job": JOB, "rank": rank, **extra}  # noqa: E731
+        result = lambda rank: _target(rank, **extra)  # noqa: E731
         scenarios += [
             Scenario(f"profile {profile.name}: too high and too low fire",
                      [info("0"), info("1"), loss("0", high), loss("1", low)],
@@ -348,37 +368,115 @@ def _progress(b: _Builder) -> dict[str, list[Scenario]]:
             Scenario("a healthy LR is silent", [lr("0", good_lr), check(0)], [(at, lr_rule.name, [])]),
         ]
     }
-    stalled = b.rule("TrainingStalled")
-    limit = duration_seconds(a.stalled_after)
-    last = b.i  # the last step happened at t = one interval
-    samples = int((last + limit) // b.i) + 4
-    frozen = b.hold("training_last_step_timestamp_seconds", _target(), last, samples)
-    moving = Series("training_last_step_timestamp_seconds", _target(), [ramp(0, b.i, samples)])
-    out[stalled.name] = [
-        Scenario("no step for too long fires", [frozen],
-                 [(last + limit + b.i, stalled.name, [Expect(stalled, _target(), limit + b.i)]),
-                  (last + limit, stalled.name, [])]),
-        Scenario("a job that keeps stepping is silent", [moving], [(last + limit + b.i, stalled.name, [])]),
+    out.update(_stalled(b))
+    out.update(_exporter_down(b))
+    errors = b.rule("TrainingExporterErrors")
+    failing, err_at = b.jump("training_exporter_errors_total", _target(where="observe"), a.event_window, 2)
+    quiet = lambda where: b.hold("training_exporter_errors_total", _target(where=where), 0, 20)  # noqa: E731
+    early, early_at, _ = b.first_scrape("training_exporter_errors_total", _target(where="collect"), 1,
+                                        a.event_window)
+    out[errors.name] = [
+        Scenario("errors in observe() fire, naming where", [failing, quiet("collect")],
+                 [(err_at, errors.name, [Expect(errors, _target(where="observe"), 2)])]),
+        Scenario("errors counted before the first scrape fire", [early],
+                 [(early_at, errors.name, [Expect(errors, _target(where="collect"), 1)])]),
+        Scenario("no error is silent", [quiet("observe"), quiet("collect")], [(err_at, errors.name, [])]),
     ]
+    return out
+
+
+def _stalled(b: _Builder) -> dict[str, list[Scenario]]:
+    a = b.t.alerts
+    stalled = b.rule("TrainingStalled")
+    limit, phase_limit = duration_seconds(a.stalled_after), duration_seconds(a.stalled_phase_after)
+    last = b.i  # the last sign of progress happened at t = one interval
+    samples = int((last + phase_limit) // b.i) + 4
+    frozen = b.hold("training_last_heartbeat_timestamp_seconds", _target(), last, samples)
+    moving = Series("training_last_heartbeat_timestamp_seconds", _target(), [ramp(0, b.i, samples)])
+
+    def in_phase(current: str) -> list[Series]:
+        return [b.hold("training_phase", _target(phase=p), 1 if p == current else 0, samples)
+                for p in ("train", "eval", "checkpoint")]
+
+    return {stalled.name: [
+        Scenario("no progress while training fires", [frozen, *in_phase("train")],
+                 [(last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
+                  (last + limit, stalled.name, [])]),
+        Scenario("a job that keeps stepping is silent", [moving, *in_phase("train")],
+                 [(last + limit + b.i, stalled.name, [])]),
+        Scenario("an evaluation longer than stalled_after is silent, a hung one fires",
+                 [frozen, *in_phase("eval")],
+                 [(last + limit + b.i, stalled.name, []),
+                  (last + phase_limit, stalled.name, []),
+                  (last + phase_limit + b.i, stalled.name,
+                   [Expect(stalled, _target(phase="eval"), phase_limit + b.i)])]),
+        Scenario("a long checkpoint is silent", [frozen, *in_phase("checkpoint")],
+                 [(last + limit + b.i, stalled.name, []), (last + phase_limit, stalled.name, [])]),
+    ]}
+
+
+def _exporter_down(b: _Builder) -> dict[str, list[Scenario]]:
+    """A rank that vanished without its completion marker pages; one that finished does not."""
+    a = b.t.alerts
     down = b.rule("TrainingExporterDown")
-    up_for = 3
+    up_for = 3  # scraped for 3 intervals, then gone
     fires = b.after_for(a.exporter_down_for, start=up_for * b.i)
     samples = int(fires // b.i) + 2
     target = {"job": JOB, "instance": INSTANCE}
+    steps = Series("training_steps_total", _target(), [ramp(0, 10, up_for), "stale"])
     info = Series("training_run_info", {**_target(), "run": "test", "profile": b.t.profile.name},
                   [run(1, up_for), "stale"])
-    out[down.name] = [
-        Scenario("a lossbeat target that stops answering fires",
-                 [Series("up", target, [run(1, up_for), run(0, samples - up_for)]), info],
-                 [(fires, down.name, [Expect(down, _target(), 0)]),
-                  (fires - 2 * b.i, down.name, [])]),
-        Scenario("a target that answers is silent", [b.hold("up", target, 1, samples),
-                                                     b.hold("training_run_info", info.labels, 1, samples)],
-                 [(fires, down.name, [])]),
-        Scenario("other jobs' targets are not ours", [b.hold("up", {"job": "node", "instance": "n1:9100"}, 0, samples)],
-                 [(fires, down.name, [])]),
-    ]
-    return out
+    running = Series("training_run_completed", _target(), [run(0, up_for), "stale"])
+    finished = Series("training_run_completed", _target(), [run(0, up_for - 1), "1", "stale"])
+    up_then_down = Series("up", target, [run(1, up_for), run(0, samples - up_for)])
+    up_then_removed = Series("up", target, [run(1, up_for), "stale"])
+    last_steps = 10 * (up_for - 1)
+    checks = lambda *expected: [(fires, down.name, list(expected)), (fires - 2 * b.i, down.name, [])]  # noqa: E731
+    return {down.name: [
+        Scenario("a crash with the target kept (up == 0) fires",
+                 [up_then_down, info, steps, running], checks(Expect(down, _target(), last_steps))),
+        Scenario("a crash whose target service discovery removed fires",
+                 [up_then_removed, info, steps, running], checks(Expect(down, _target(), last_steps))),
+        Scenario("a normal finish with the target kept is silent", [up_then_down, info, steps, finished],
+                 checks()),
+        Scenario("a normal finish whose target was removed is silent", [up_then_removed, info, steps, finished],
+                 checks()),
+        Scenario("a target that answers is silent",
+                 [b.hold("up", target, 1, samples), b.hold("training_steps_total", _target(), 5, samples),
+                  b.hold("training_run_completed", _target(), 0, samples)], checks()),
+        Scenario("other jobs' targets are not ours",
+                 [b.hold("up", {"job": "node", "instance": "n1:9100"}, 0, samples)], checks()),
+    ]}
+
+
+def _concurrent_runs(b: _Builder) -> dict[str, list[Scenario]]:
+    """Two runs under one job label (two submissions of one sbatch template), each rank 0
+    on its own instance, with profiles of different ranges: neither is judged by their mix."""
+    ranged = sorted((p for p in b.t.profiles.values() if p.loss_warn_high is not None
+                     and p.loss_warn_low is not None and p.name not in COMPONENT_PROFILES),
+                    key=lambda p: p.loss_warn_high)
+    if len(ranged) < 2 or ranged[0].loss_warn_high == ranged[-1].loss_warn_high:
+        return {}
+    narrow, wide = ranged[0], ranged[-1]
+    at = b.after_for(b.t.alerts.out_of_range_for)
+    samples = int(at // b.i) + 2
+
+    def series(instance: str, profile, loss: float) -> list[Series]:
+        labels = _target(instance=instance)
+        return [b.hold("training_run_info", {**labels, "run": instance, "profile": profile.name}, 1, samples),
+                b.hold("training_loss", labels, loss, samples)]
+
+    healthy_wide, healthy_narrow = wide.loss_warn_high * 0.99, narrow.loss_warn_high * 0.99
+    high_narrow = narrow.loss_warn_high * 1.5
+    rule = b.rule("TrainingLossOutOfRange", profile=narrow.name)
+    return {"TrainingLossOutOfRange": [
+        Scenario(f"two healthy runs ({wide.name}, {narrow.name}) under one job are silent",
+                 series(INSTANCE, wide, healthy_wide) + series(OTHER_INSTANCE, narrow, healthy_narrow),
+                 [(at, rule.name, [])]),
+        Scenario("a bad run next to a healthy one fires for itself alone",
+                 series(INSTANCE, wide, healthy_wide) + series(OTHER_INSTANCE, narrow, high_narrow),
+                 [(at, rule.name, [Expect(rule, _target(instance=OTHER_INSTANCE), high_narrow)])]),
+    ]}
 
 
 def _interval(t: Thresholds) -> int:
@@ -386,7 +484,8 @@ def _interval(t: Thresholds) -> int:
     a = t.alerts
     durations = [a.event_window, a.explosion_for, a.vanishing_for, a.layer_for, a.diverging_for,
                  a.plateau_for, a.volatile_for, a.spikes_window, a.out_of_range_for, a.overfitting_for,
-                 a.learning_rate_for, a.stalled_after, a.exporter_down_for, a.loss_scale_for]
+                 a.learning_rate_for, a.stalled_after, a.stalled_phase_after, a.exporter_down_for,
+                 a.loss_scale_for]
     seconds = [duration_seconds(d) for d in durations]
     if any(s != int(s) or s < 1 for s in seconds):
         raise ValueError("alerts: rule tests need durations of whole seconds")
@@ -405,8 +504,9 @@ def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml")
     interval = _interval(thresholds)
     b = _Builder(thresholds, interval)
     scenarios: dict[str, list[Scenario]] = {}
-    for part in (_nonfinite, _gradients, _trend, _out_of_range, _overfitting, _progress):
-        scenarios.update(part(b))
+    for part in (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress):
+        for name, more in part(b).items():
+            scenarios.setdefault(name, []).extend(more)
     missing = {r.name for r in b.rules} - set(scenarios)
     if missing:
         raise ValueError(f"rule tests: no scenarios for {sorted(missing)}")

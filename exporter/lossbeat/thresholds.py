@@ -130,6 +130,8 @@ class AlertSettings:
     overfitting_for: str
     learning_rate_for: str
     stalled_after: str
+    stalled_phase_after: str
+    """Stall limit inside an evaluation or checkpoint phase (``Monitor.phase``)."""
     exporter_down_for: str
     loss_scale_for: str
 

@@ -1,5 +1,5 @@
 """While TrainingLossNaN fires for a rank, its loss symptoms reach nobody (inhibition,
-``equal: [job, rank]``), end to end.
+``equal: [job, instance, rank]``), end to end.
 
 The symptom: non-finite losses never enter the loss windows, so the loss CV freezes at
 its value when the NaNs began (0.16 for the demo's seed). With ``loss.cv_danger`` at 0.1
