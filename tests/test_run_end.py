@@ -186,3 +186,51 @@ def test_heartbeat_follows_steps_evaluations_phases_and_heartbeat_calls():
 def _render(monitor: Monitor) -> str:
     from prometheus_client import generate_latest
     return generate_latest(monitor.registry).decode()
+
+
+# --- a script that never calls close() ------------------------------------------------
+
+_SCRIPT = """
+import sys, time
+from lossbeat.monitor import Monitor, MonitorConfig
+monitor = Monitor(MonitorConfig(port=int(sys.argv[1]), addr="127.0.0.1"))
+monitor.observe(1, loss=1.0)
+print("serving", flush=True)
+time.sleep(float(sys.argv[2]))
+if sys.argv[3] == "crash":
+    raise RuntimeError("the training loop crashed")
+"""
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("ending", ["exit", "crash"])
+def test_a_script_without_close_says_completed_at_exit_unless_it_crashed(ending):
+    import subprocess
+    import sys
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(port), "3", ending],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "serving", proc.stderr.read()
+        scraper = Scraper(port, interval=0.3)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            scraper.stop()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    completed = [a["training_run_completed"] for _, a in scraper.answers]
+    assert completed and completed[0] == 0
+    if ending == "exit":
+        assert proc.returncode == 0 and completed[-1] == 1, completed
+    else:
+        assert proc.returncode == 1 and "the training loop crashed" in proc.stderr.read()
+        assert 1 not in completed, completed
