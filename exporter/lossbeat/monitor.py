@@ -12,11 +12,13 @@ thread (:mod:`lossbeat.collector`).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import math
 import numbers
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -408,6 +410,10 @@ class Monitor:
             if port and config.port_per_local_rank:
                 port += self.rank_context.local_rank
             self._server = MetricsServer(self.registry, port, config.addr, web_config=config.load_web_config())
+            # A script that ends without close() (or a framework callback that only flushes)
+            # still says "completed" at exit, unless an uncaught exception ends it.
+            _watch_uncaught_exceptions()
+            atexit.register(self._close_at_exit)
 
     # --- public API -----------------------------------------------------------------
 
@@ -613,6 +619,8 @@ class Monitor:
         global _running
         if self.closed:
             return
+        if self._server is not None:
+            atexit.unregister(self._close_at_exit)
         try:
             self.flush()
         except Exception:
@@ -637,6 +645,12 @@ class Monitor:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(completed=exc_type is None)
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close(completed=not _uncaught_exception_seen)
+        except Exception:  # the interpreter is going away: never fail its exit
+            log.debug("lossbeat: close at exit failed", exc_info=True)
 
     def _linger(self) -> None:
         """Serve one more scrape interval, as measured from the scrapes seen; none when
@@ -1048,6 +1062,23 @@ class NullMonitor:
 
 _lock = threading.Lock()
 _running: Monitor | None = None
+_uncaught_exception_seen = False
+
+
+def _watch_uncaught_exceptions() -> None:
+    """Chain sys.excepthook once: an uncaught exception ends the process as a failure, so
+    the close at exit publishes no completion marker (TrainingExporterDown then pages)."""
+    previous = sys.excepthook
+    if getattr(previous, "_lossbeat", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        global _uncaught_exception_seen
+        _uncaught_exception_seen = True
+        previous(exc_type, exc, tb)
+
+    hook._lossbeat = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def start_exporter(

@@ -71,3 +71,20 @@ def test_nan_loss_inhibits_its_symptom_alerts(demo, receiver, prometheus, stack)
     time.sleep(4)
     delivered = [d for d in receiver.received(alertname=SYMPTOM, job=run.job) if not d.path.startswith("/control/")]
     assert delivered == [], delivered
+
+
+def test_a_forward_nan_pages_once(demo, receiver, prometheus, stack):
+    """The NaN loss makes every gradient NaN: TrainingGradientNonFinite fires in Prometheus
+    and the control pages it, but the shipped config pages only TrainingLossNaN."""
+    echo = "TrainingGradientNonFinite"
+    run = demo("--steps", "600", "--step-delay", "0.1", "--fault", "nan", "--fault-step", "40")
+    run.wait_serving()
+    wait_for_page(receiver, "TrainingLossNaN", run.job, timeout=90)
+    wait_until(lambda: prometheus.firing(echo, job=run.job), 60, f"{echo} to fire in Prometheus")
+    wait_for_page(receiver, echo, run.job, timeout=30, path="/control/page")
+    held = [a for a in alertmanager_alerts(stack.alertmanager_url, echo) if a["labels"]["job"] == run.job]
+    assert held and held[0]["status"]["state"] == "suppressed", held
+    time.sleep(4)
+    pages = [d.labels["alertname"] for d in receiver.deliveries
+             if d.labels.get("job") == run.job and d.path == "/page" and d.status == "firing"]
+    assert pages and set(pages) == {"TrainingLossNaN"}, pages

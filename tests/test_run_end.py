@@ -1,0 +1,236 @@
+"""How a run ends and what it is doing: the completion marker close() publishes and keeps
+scrapeable, the phase, and the heartbeat TrainingStalled watches (issue 13, items 7 and minor).
+
+Real monitors serving real HTTP, scraped by a thread that plays Prometheus.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor
+
+
+def samples(text: str) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "rank")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return samples(response.read().decode())
+
+
+class Scraper:
+    """Scrapes /metrics every ``interval`` seconds, as Prometheus would, keeping every answer."""
+
+    def __init__(self, port: int, interval: float) -> None:
+        self.port, self.interval = port, interval
+        self.answers: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.answers.append((time.monotonic(), scrape(self.port)))
+            except OSError:
+                pass  # the exporter is gone: what Prometheus records as up == 0
+            self._stop.wait(self.interval)
+
+    def wait_for(self, count: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.answers) < count:
+            assert time.monotonic() < deadline, f"only {len(self.answers)} scrapes"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def serving(**settings) -> Monitor:
+    return Monitor(MonitorConfig(port=0, addr="127.0.0.1", **settings))
+
+
+def test_close_publishes_the_completion_marker_and_lingers_one_scrape_interval():
+    monitor = serving()
+    scraper = Scraper(monitor.port, interval=0.4)
+    try:
+        monitor.observe(1, loss=2.5)
+        scraper.wait_for(3)
+        assert scraper.answers[-1][1]["training_run_completed"] == 0
+        monitor.observe(2, loss=1.75)  # the last step: close() flushes it, a scrape must see it
+        started = time.monotonic()
+        monitor.close()
+        took = time.monotonic() - started
+    finally:
+        scraper.stop()
+    after = [answer for at, answer in scraper.answers if at >= started]
+    finished = [a for a in after if a.get("training_run_completed") == 1]
+    assert finished, f"no scrape saw the completion marker in {took:.2f}s"
+    assert finished[-1]["training_loss"] == 1.75 and finished[-1]["training_steps_total"] == 2
+    # One interval (x1.2 + 0.5 s), measured from the scrapes: not the 90 s bound.
+    assert 0.4 <= took < 3.0, took
+
+
+def test_close_without_periodic_scrapes_returns_at_once():
+    monitor = serving()
+    monitor.observe(1, loss=1.0)
+    scrape(monitor.port)  # one look by hand is not a Prometheus
+    started = time.monotonic()
+    monitor.close()
+    assert time.monotonic() - started < 1.0  # stopping the server polls every 0.5 s
+    assert monitor.state.completed
+
+
+def test_linger_seconds_bounds_the_wait_and_zero_disables_it():
+    # One interval would be 3 s (x1.2 + 0.5); stopping the server itself takes up to 0.5 s.
+    for limit, most in ((0.3, 1.3), (0, 1.0)):
+        monitor = serving(linger_seconds=limit)
+        scraper = Scraper(monitor.port, interval=3.0)
+        try:
+            scraper.wait_for(2)
+            started = time.monotonic()
+            monitor.close()
+            took = time.monotonic() - started
+        finally:
+            scraper.stop()
+        assert took < most, (limit, took)
+
+
+def test_leaving_a_with_block_on_an_exception_is_no_completion():
+    monitor = serving()
+    scraper = Scraper(monitor.port, interval=0.3)
+    try:
+        scraper.wait_for(2)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            with monitor:
+                monitor.observe(1, loss=1.0)
+                raise RuntimeError("the training loop crashed")
+        took = time.monotonic() - started
+    finally:
+        scraper.stop()
+    assert monitor.closed and not monitor.state.completed
+    assert took < 1.0  # no marker to deliver: no wait (one interval would be 0.86 s + the 0.5 s stop)
+    assert all(a["training_run_completed"] == 0 for _, a in scraper.answers)
+
+
+def test_close_is_idempotent_and_observe_after_close_raises():
+    monitor = serving()
+    monitor.close()
+    monitor.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        monitor.observe(1, loss=1.0)
+
+
+@pytest.mark.parametrize("value", [-1, 601, "30", True, float("nan")])
+def test_linger_seconds_is_validated(value):
+    with pytest.raises(ValueError, match="linger_seconds"):
+        MonitorConfig(linger_seconds=value)
+
+
+def test_phase_sets_at_once_and_restores_as_a_context_manager():
+    monitor = Monitor(MonitorConfig(), serve=False)
+    state = monitor.state
+    assert state.phase[0] == "train"
+    with monitor.phase("eval") as scope:
+        assert state.phase[0] == "eval" and scope.previous == "train"
+        with monitor.phase("checkpoint"):
+            assert state.phase[0] == "checkpoint"
+            time.sleep(0.2)
+        assert state.phase[0] == "eval"
+    assert state.phase[0] == "train"
+    monitor.phase("eval")  # a framework hook: validation starts ...
+    assert state.phase[0] == "eval"
+    monitor.phase("train")  # ... and ends
+    values = samples(_render(monitor))
+    assert values['training_phase{phase="train"}'] == 1
+    assert values['training_phase{phase="eval"}'] == 0
+    assert values['training_phase_seconds_total{phase="checkpoint"}'] >= 0.2
+    assert values['training_phase_seconds_total{phase="train"}'] > 0
+    with pytest.raises(ValueError, match="phase"):
+        monitor.phase("evaluate")
+    with NullMonitor().phase("checkpoint"):
+        pass
+    with pytest.raises(ValueError, match="phase"):
+        NullMonitor().phase("paused")
+
+
+def test_heartbeat_follows_steps_evaluations_phases_and_heartbeat_calls():
+    monitor = Monitor(MonitorConfig(), serve=False)
+    assert "training_last_heartbeat_timestamp_seconds" not in samples(_render(monitor))  # no sign yet
+    monitor.observe(1, loss=2.0)
+    beat = lambda: samples(_render(monitor))["training_last_heartbeat_timestamp_seconds"]  # noqa: E731
+    first = beat()
+    assert first == monitor.state.last_step_time
+    for sign in (lambda: monitor.observe_eval(1, 1.5), lambda: monitor.phase("checkpoint"), monitor.heartbeat):
+        time.sleep(0.02)
+        before = beat()
+        sign()
+        assert beat() > before
+    assert samples(_render(monitor))["training_last_step_timestamp_seconds"] == first  # steps unchanged
+
+
+def _render(monitor: Monitor) -> str:
+    from prometheus_client import generate_latest
+    return generate_latest(monitor.registry).decode()
+
+
+# --- a script that never calls close() ------------------------------------------------
+
+_SCRIPT = """
+import sys, time
+from lossbeat.monitor import Monitor, MonitorConfig
+monitor = Monitor(MonitorConfig(port=int(sys.argv[1]), addr="127.0.0.1"))
+monitor.observe(1, loss=1.0)
+print("serving", flush=True)
+time.sleep(float(sys.argv[2]))
+if sys.argv[3] == "crash":
+    raise RuntimeError("the training loop crashed")
+"""
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("ending", ["exit", "crash"])
+def test_a_script_without_close_says_completed_at_exit_unless_it_crashed(ending):
+    import subprocess
+    import sys
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(port), "3", ending],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "serving", proc.stderr.read()
+        scraper = Scraper(port, interval=0.3)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            scraper.stop()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    completed = [a["training_run_completed"] for _, a in scraper.answers]
+    assert completed and completed[0] == 0
+    if ending == "exit":
+        assert proc.returncode == 0 and completed[-1] == 1, completed
+    else:
+        assert proc.returncode == 1 and "the training loop crashed" in proc.stderr.read()
+        assert 1 not in completed, completed
