@@ -15,9 +15,11 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import require, require_binary
 from e2e.e2e_harness import free_port
@@ -122,6 +124,13 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
         assert line, f"no page arrived within 240 s:\n{status}\n{(stack_dir / 'alertmanager.log').read_text()[-2000:]}"
         assert "firing" in line and "receiver page" in line
         assert (stack_dir / "notifications.jsonl").read_text().count("TrainingLossNaN") >= 1
+        # The paged alert's runbook link leads somewhere: the receiver serves the runbooks.
+        rules = yaml.safe_load((stack_dir / "rules.yml").read_text())
+        url = next(r["annotations"]["runbook_url"] for g in rules["groups"] for r in g["rules"]
+                   if r.get("alert") == "TrainingLossNaN")
+        page, _, anchor = url.partition("#")
+        with urllib.request.urlopen(page, timeout=10) as resp:
+            assert f'id="{anchor}"' in resp.read().decode()
     finally:
         if demo is not None:
             demo.terminate()

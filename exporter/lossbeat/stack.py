@@ -487,12 +487,13 @@ def _get_json(url: str) -> object:
 
 
 def alert_lines(prometheus_alerts: list[dict], alertmanager_alerts: list[dict],
-                notifications: list[dict]) -> list[str]:
+                notifications: list[dict] | None) -> list[str]:
     """One line per alert Prometheus holds: its state, the receiver Alertmanager routed it to,
-    and whether that receiver got the notification (``paged: TrainingLossNaN``)."""
+    and whether that receiver got the notification (``paged: TrainingLossNaN``); with
+    ``notifications`` None (no local receiver) delivery is unknown."""
     routed = {_key(a["labels"]): a for a in alertmanager_alerts}
     delivered: dict[tuple, tuple[str, float]] = {}
-    for note in notifications:
+    for note in notifications or ():
         for alert in note.get("alerts", []):
             if alert.get("status") == "firing":
                 delivered[(_key(alert["labels"]), note.get("receiver"))] = (note.get("receiver"), note["received_at"])
@@ -517,7 +518,9 @@ def alert_lines(prometheus_alerts: list[dict], alertmanager_alerts: list[dict],
             continue
         for receiver in receivers:
             got = delivered.get((_key(labels), receiver))
-            if got:
+            if notifications is None:
+                lines.append(f"{head} receiver {receiver:8} (no local receiver: delivery not recorded)  {where}")
+            elif got:
                 verb = _DELIVERED.get(receiver, f"notified ({receiver})")
                 at = time.strftime("%H:%M:%S", time.localtime(got[1]))
                 lines.append(f"{head} receiver {receiver:8} {verb}: {name} at {at}  {where}")
@@ -554,7 +557,8 @@ def _status(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
         print(f"lossbeat stack: cannot read the servers' APIs: {exc}", file=sys.stderr)
         return 1
-    lines = alert_lines(prometheus_alerts, alertmanager_alerts, read_notifications(stack.notifications_file))
+    notifications = read_notifications(stack.notifications_file) if stack.receiver_url else None
+    lines = alert_lines(prometheus_alerts, alertmanager_alerts, notifications)
     print("\n".join(lines) if lines else "  no alerts pending or firing")
     return 0
 
