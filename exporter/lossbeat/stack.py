@@ -16,7 +16,6 @@ The end-to-end tests reuse :class:`Stack` with their own ports, rules and timing
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +33,7 @@ from typing import Iterable, Sequence
 import yaml
 
 from lossbeat import rules as rules_module
-from lossbeat.generated import shipped_text
+from lossbeat.generated import shipped_text, with_runbook_base
 from lossbeat.thresholds import ThresholdsError, load_thresholds
 from lossbeat.webhook import read_notifications
 
@@ -179,7 +178,8 @@ def stop_pid(pid: int, binary: str, timeout: float = 10.0) -> None:
 
 @dataclass
 class Stack:
-    """A Prometheus and an Alertmanager on 127.0.0.1, with config and data in ``workdir``."""
+    """A Prometheus and an Alertmanager (and, with ``receiver_port``, the webhook receiver) on
+    127.0.0.1, with config, data and logs in ``workdir``."""
 
     workdir: Path
     prometheus_port: int = 9090
@@ -261,8 +261,9 @@ class Stack:
                 runbooks = self.workdir / "runbooks.md"
                 runbooks.write_text(shipped_text("runbooks.md"), encoding="utf-8")
                 # Run as a file in isolated mode: stdlib only, without importing lossbeat (and torch).
-                self._spawn("receiver", ["-I", str(Path(__file__).with_name("webhook.py")), f"--port={self.receiver_port}",
-                                         f"--log={self.notifications_file}", f"--runbooks={runbooks}"])
+                self._spawn("receiver", ["-I", str(Path(__file__).with_name("webhook.py")),
+                                         f"--port={self.receiver_port}", f"--log={self.notifications_file}",
+                                         f"--runbooks={runbooks}"])
             self._spawn("alertmanager", [
                 f"--config.file={am_config}",
                 f"--storage.path={self.workdir / 'alertmanager-data'}",
@@ -286,8 +287,7 @@ class Stack:
         """``rules.yml`` from the thresholds; with a receiver, runbook links point at its /runbooks."""
         thresholds = load_thresholds(self.thresholds)
         if self.receiver_url:
-            thresholds = dataclasses.replace(thresholds, alerts=dataclasses.replace(
-                thresholds.alerts, runbook_url=f"{self.receiver_url}/runbooks"))
+            thresholds = with_runbook_base(thresholds, f"{self.receiver_url}/runbooks")
         path = self.workdir / "rules.yml"
         path.write_text(rules_module.render_rules(thresholds), encoding="utf-8")
         return path
