@@ -52,10 +52,12 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
           "-w", str(root / "dist"), str(source)], cwd=root, env=env)
     (wheel,) = (root / "dist").glob("lossbeat-*.whl")
     venv = root / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=root, env=env)
+    # --without-pip: no ensurepip needed (Debian splits it into python3-venv); this pip installs into it.
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], cwd=root, env=env)
     bin_dir = venv / "bin"
     # --no-deps: torch, numpy, prometheus-client and PyYAML come from the system site-packages.
-    _run([str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)], cwd=root, env=env)
+    _run([sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install", "--no-deps", "--no-index",
+          str(wheel)], cwd=root, env=env)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     return bin_dir, env
 
