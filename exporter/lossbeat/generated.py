@@ -112,8 +112,8 @@ def sync_files(files: Mapping[Path, str], *, check: bool, command: str, stale: I
             drift = True
             print(f"{path}: generated file no longer generated from the thresholds")
         if drift:
-            print(f"{command}: generated files are out of date; regenerate them "
-                  "(in the repository: `make generate`)", file=sys.stderr)
+            print(f"{command}: generated files are out of date; rerun without --check to rewrite them "
+                  "(this repository's: `make generate`)", file=sys.stderr)
             return 1
         print(f"{command}: {len(files)} generated files up to date", file=sys.stderr)
         return 0
