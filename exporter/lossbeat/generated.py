@@ -88,7 +88,8 @@ def output_root(args: argparse.Namespace, command: str, checkout_root: Path = RE
             return None
         return checkout_root
     if args.output_dir is None:
-        print(f"{command}: pass --output-dir DIR (the folder to write into)", file=sys.stderr)
+        print(f"{command}: pass --output-dir DIR (the folder to write into; the repository's "
+              "checked-in files: `make generate`)", file=sys.stderr)
         return None
     return args.output_dir
 
