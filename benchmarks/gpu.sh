@@ -3,7 +3,7 @@
 # counts and interleaved timings on the 10M model (float32) and a 1.3B model (bf16).
 # Uses the machine's own torch; lossbeat from this checkout. Results land in $OUT
 # (or ./gpu-results): merge them here with
-#   python benchmarks/run.py --merge-gpu <dir>/results-gpu.json
+#   python benchmarks/run.py --merge-gpu <dir>/results-gpu.json --update-committed
 # About 5 minutes on an H200; GPU_MODELS overrides the plan (MODEL:ROUNDS,...).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,9 +1,13 @@
-"""Runs every lossbeat benchmark and writes benchmarks/RESULTS.md and results.json.
+"""Runs every lossbeat benchmark and writes RESULTS.md and results.json into a results folder.
 
     python benchmarks/run.py            # full: 1M, 10M, 50M models (about half an hour on 2 cores)
     python benchmarks/run.py --quick    # under ~3 minutes: 1M and 10M, fewer rounds
     python benchmarks/run.py --gpu-only --json gpu.json --out gpu.md   # the CUDA part alone (~5 min)
-    python benchmarks/run.py --merge-gpu gpu.json   # adds those GPU tables to results.json, RESULTS.md
+    python benchmarks/run.py --merge-gpu gpu.json --update-committed   # adds those GPU tables to the committed ones
+
+Results go to ``--results-dir`` (default ``benchmarks/results/``, ignored by git), never over
+the committed ``benchmarks/RESULTS.md`` and ``results.json`` unless ``--update-committed``
+says so (or ``--out``/``--json`` name them).
 
 The GPU part (the 10M model in float32 and a 1.3B model in bf16, blocks of 10
 steps synchronized at their end) runs wherever CUDA is present; ``--gpu-only``
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 HERE = Path(__file__).resolve().parent
+DEFAULT_RESULTS_DIR = HERE / "results"
 sys.path.insert(0, str(HERE.parent))  # `python benchmarks/run.py` from anywhere
 
 import torch  # noqa: E402
@@ -44,6 +49,12 @@ PLANS = {
         "overhead": [("1M", 30), ("10M", 10)], "counted": ["1M"], "count_steps": 10,
         "scrape": ("1M", 2, 2.5), "render_repeats": 20, "observe_calls": 5_000,
         "memory": (100_000, 20_000), "cuda": [("10M", 3), ("1.3B", 2)],
+    },
+    # Seconds: proves every path of the harness (tests/test_readme_clean.py); measures nothing.
+    "smoke": {
+        "overhead": [("1M", 2)], "counted": ["1M"], "count_steps": 2,
+        "scrape": ("1M", 1, 0.5), "render_repeats": 2, "observe_calls": 200,
+        "memory": (2_000, 1_000), "cuda": [("10M", 1)], "third_party": False,
     },
     "full": {
         "overhead": [("1M", 200), ("10M", 80), ("50M", 40)], "counted": ["1M", "10M", "50M"],
@@ -90,12 +101,13 @@ def _log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run_overhead(device: str, plan: list[tuple[str, int]], results: dict, checkpoint) -> None:
+def run_overhead(device: str, plan: list[tuple[str, int]], results: dict, checkpoint,
+                 third_party: bool = True) -> None:
     block = CUDA_BLOCK if device == "cuda" else 1
     for model_name, rounds in plan:
         spec = MODEL_SPECS[model_name]
         workload = build_workload(spec, device)
-        variants = default_variants(workload.device)
+        variants = default_variants(workload.device, third_party=third_party)
         _log(f"overhead {model_name} on {device}: {len(variants)} variants, {rounds} rounds of {block} step(s)")
         try:
             measured = measure_overhead(workload, variants, rounds, block)
@@ -110,10 +122,10 @@ def run_overhead(device: str, plan: list[tuple[str, int]], results: dict, checkp
         checkpoint()
 
 
-def run_counts(device: str, models: list[str], steps: int, results: dict) -> None:
+def run_counts(device: str, models: list[str], steps: int, results: dict, third_party: bool = True) -> None:
     for model_name in models:
         workload = build_workload(MODEL_SPECS[model_name], device)
-        variants = default_variants(workload.device)
+        variants = default_variants(workload.device, third_party=third_party)
         _log(f"counting ops and host reads: {model_name} on {device}")
         try:
             counted = count_variants(workload, variants, steps)
@@ -126,8 +138,14 @@ def run_counts(device: str, models: list[str], steps: int, results: dict) -> Non
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a run of under ~3 minutes")
-    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
-    parser.add_argument("--json", type=Path, default=HERE / "results.json")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a run of seconds that only exercises the harness (the numbers mean nothing)")
+    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
+                        help="folder for RESULTS.md and results.json (default: %(default)s, ignored by git)")
+    parser.add_argument("--update-committed", action="store_true",
+                        help="write the committed benchmarks/RESULTS.md and results.json instead")
+    parser.add_argument("--out", type=Path, default=None, help="the Markdown file (overrides the folder)")
+    parser.add_argument("--json", type=Path, default=None, help="the JSON file (overrides the folder)")
     parser.add_argument("--render-only", action="store_true",
                         help="rewrite RESULTS.md from the JSON and NOTES.md, measuring nothing")
     parser.add_argument("--threads", type=int, default=1,
@@ -139,19 +157,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge-gpu", type=Path, default=None, metavar="GPU_JSON",
                         help="fold a --gpu-only run's JSON into --json and rewrite --out; measures nothing")
     args = parser.parse_args(argv)
+    folder = HERE if args.update_committed else args.results_dir
+    args.out = args.out or folder / "RESULTS.md"
+    args.json = args.json or folder / "results.json"
 
     if args.render_only:
-        write_outputs(json.loads(args.json.read_text()), args.out, args.json)
+        base = args.json if args.json.exists() else HERE / "results.json"
+        write_outputs(json.loads(base.read_text()), args.out, args.json)
         return 0
     if args.merge_gpu is not None:
-        merged = merge_gpu(json.loads(args.json.read_text()), json.loads(args.merge_gpu.read_text()))
+        # Onto the CPU results of this folder, else the committed ones.
+        base = args.json if args.json.exists() else HERE / "results.json"
+        merged = merge_gpu(json.loads(base.read_text()), json.loads(args.merge_gpu.read_text()))
         write_outputs(merged, args.out, args.json)
         _log(f"merged {args.merge_gpu} into {args.json} and {args.out}")
         return 0
     if args.gpu_only:
         return run_gpu_only(args)
-    plan = PLANS["quick" if args.quick else "full"]
-    results, checkpoint = _start(args, quick=args.quick)
+    plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
+    results, checkpoint = _start(args, quick=args.quick or args.smoke, **({"smoke": True} if args.smoke else {}))
     _log("observe() µs")
     results["observe_us"] = measure_observe_us(plan["observe_calls"])
     _log("/metrics render by layer count")
@@ -160,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"memory over {steps:,} observe() calls")
     results["memory"] = measure_memory(steps, traced)
     checkpoint()
-    run_counts("cpu", plan["counted"], plan["count_steps"], results)
+    third_party = plan.get("third_party", True)
+    run_counts("cpu", plan["counted"], plan["count_steps"], results, third_party)
     checkpoint()
-    run_overhead("cpu", plan["overhead"], results, checkpoint)
+    run_overhead("cpu", plan["overhead"], results, checkpoint, third_party)
     model_name, rounds, block_seconds = plan["scrape"]
     _log(f"training while scraped: {model_name}")
     results["scrape"] = {"model": model_name, **measure_scrape_overhead(

@@ -215,6 +215,8 @@ def test_status_lines_name_the_receiver_and_the_delivery():
     assert "suppressed" in by_name["TrainingLossVolatile"][0] and "no notification" in by_name["TrainingLossVolatile"][0]
     assert "pending" in by_name["TrainingLossNaN"][1] and "paged" not in by_name["TrainingLossNaN"][1]
     assert lines[-1] == by_name["TrainingLossNaN"][1]  # firing first
+    unknown = alert_lines(prometheus[:1], alertmanager[:1], None)
+    assert "delivery not recorded" in unknown[0] and "paged" not in unknown[0]
 
 
 def test_a_busy_port_is_one_line_naming_it(tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import os
 import resource
 import sys
 import time
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["MonitorCollector"]
 
 log = logging.getLogger("lossbeat")
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _SCRAPES_KEPT = 8  # recent scrape times, enough to tell the scrape interval
 
 
@@ -175,8 +173,9 @@ class MonitorCollector(Collector):
             allocated.add_metric([s.rank, f"cuda:{device}"], float(torch.cuda.memory_allocated(device)))
             peak.add_metric([s.rank, f"cuda:{device}"], float(torch.cuda.max_memory_allocated(device)))
         else:
-            allocated.add_metric([s.rank, "cpu"], _resident_bytes())
-            peak.add_metric([s.rank, "cpu"], _peak_resident_bytes())
+            current, highest = _cpu_memory()
+            allocated.add_metric([s.rank, "cpu"], current)
+            peak.add_metric([s.rank, "cpu"], highest)
         yield allocated
         yield peak
 
@@ -187,17 +186,33 @@ class MonitorCollector(Collector):
         return c
 
 
-def _resident_bytes() -> float:
+_cpu_peak_seen = 0.0  # the highest resident size read so far in this process
+
+
+def _cpu_memory() -> tuple[float, float]:
+    """(resident, peak resident) bytes of this process. The kernel's high-water mark (``ru_maxrss``,
+    VmHWM) is only updated at some events and can read below the live RSS, and drop back to its
+    stale value once memory is freed: the peak is the highest of it and every RSS read so far."""
+    global _cpu_peak_seen
+    current = peak = math.nan
     try:
-        with open("/proc/self/statm") as fh:
-            return float(int(fh.read().split()[1]) * _PAGE_SIZE)
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    value = float(line.split()[1]) * 1024  # kB
+                    if line.startswith("VmRSS:"):
+                        current = value
+                    else:
+                        peak = value
     except (OSError, ValueError, IndexError):
-        return _peak_resident_bytes()
-
-
-def _peak_resident_bytes() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return float(peak if sys.platform == "darwin" else peak * 1024)
+        pass
+    if math.isnan(peak):  # not Linux: the rusage peak (bytes on macOS, KiB elsewhere)
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = float(maxrss if sys.platform == "darwin" else maxrss * 1024)
+    if math.isnan(current):
+        current = peak
+    _cpu_peak_seen = max(_cpu_peak_seen, current, peak)  # a race between scrapes only loses a read
+    return current, _cpu_peak_seen
 
 
 def _finite_or_nan(value: float) -> float:

@@ -231,9 +231,13 @@ def run(args: argparse.Namespace) -> int:
     held_out = SyntheticCorpus(size.vocab, size.context, seed=args.seed + 1).batch(256)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     profile = args.profile or ("multi-task" if args.multi_task else None)
-    monitor = start_exporter(
-        args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name
-    )
+    try:
+        monitor = start_exporter(
+            args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name
+        )
+    except OSError as exc:  # a busy port: the message names it and the fix; no traceback
+        print(str(exc) if str(exc).startswith("lossbeat") else f"lossbeat demo: {exc}", file=sys.stderr)
+        return 1
     faults = set(args.fault)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if args.grad_scaler else None
     print(f"lossbeat demo: {sum(p.numel() for p in model.parameters()):,} parameters; "

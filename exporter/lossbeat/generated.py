@@ -16,7 +16,8 @@ from typing import Iterable, Mapping
 
 from lossbeat.thresholds import Thresholds, ThresholdsError, load_thresholds
 
-__all__ = ["sync_files", "add_generator_arguments", "thresholds_for", "output_root", "shipped_text", "SHIPPED_FILES"]
+__all__ = ["sync_files", "add_generator_arguments", "thresholds_for", "with_runbook_base", "output_root",
+           "shipped_text", "SHIPPED_FILES"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Hand-written files the package carries (exporter/lossbeat/shipped/ links to them in the checkout).
@@ -58,10 +59,18 @@ def thresholds_for(args: argparse.Namespace, command: str) -> Thresholds | None:
     base = getattr(args, "runbook_url_base", None)
     if base is None:
         return thresholds
-    if not base.startswith(("http://", "https://")) or "#" in base:
-        print(f"{command}: --runbook-url-base: expected an http(s) URL without #anchor, got {base!r}",
-              file=sys.stderr)
+    try:
+        return with_runbook_base(thresholds, base)
+    except ValueError as exc:
+        print(f"{command}: --runbook-url-base: {exc}", file=sys.stderr)
         return None
+
+
+def with_runbook_base(thresholds: Thresholds, base: str) -> Thresholds:
+    """``thresholds`` whose alerts link ``base#alertname``; ValueError unless ``base`` is an
+    http(s) URL without an anchor."""
+    if not isinstance(base, str) or not base.startswith(("http://", "https://")) or "#" in base:
+        raise ValueError(f"expected an http(s) URL without #anchor, got {base!r}")
     return dataclasses.replace(thresholds, alerts=dataclasses.replace(thresholds.alerts, runbook_url=base))
 
 
@@ -79,7 +88,8 @@ def output_root(args: argparse.Namespace, command: str, checkout_root: Path = RE
             return None
         return checkout_root
     if args.output_dir is None:
-        print(f"{command}: pass --output-dir DIR (the folder to write into)", file=sys.stderr)
+        print(f"{command}: pass --output-dir DIR (the folder to write into; the repository's "
+              "checked-in files: `make generate`)", file=sys.stderr)
         return None
     return args.output_dir
 
@@ -103,8 +113,8 @@ def sync_files(files: Mapping[Path, str], *, check: bool, command: str, stale: I
             drift = True
             print(f"{path}: generated file no longer generated from the thresholds")
         if drift:
-            print(f"{command}: generated files are out of date; regenerate them "
-                  "(in the repository: `make generate`)", file=sys.stderr)
+            print(f"{command}: generated files are out of date; rerun without --check to rewrite them "
+                  "(this repository's: `make generate`)", file=sys.stderr)
             return 1
         print(f"{command}: {len(files)} generated files up to date", file=sys.stderr)
         return 0

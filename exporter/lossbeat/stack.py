@@ -16,7 +16,6 @@ The end-to-end tests reuse :class:`Stack` with their own ports, rules and timing
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +33,7 @@ from typing import Iterable, Sequence
 import yaml
 
 from lossbeat import rules as rules_module
-from lossbeat.generated import shipped_text
+from lossbeat.generated import shipped_text, with_runbook_base
 from lossbeat.thresholds import ThresholdsError, load_thresholds
 from lossbeat.webhook import read_notifications
 
@@ -179,7 +178,8 @@ def stop_pid(pid: int, binary: str, timeout: float = 10.0) -> None:
 
 @dataclass
 class Stack:
-    """A Prometheus and an Alertmanager on 127.0.0.1, with config and data in ``workdir``."""
+    """A Prometheus and an Alertmanager (and, with ``receiver_port``, the webhook receiver) on
+    127.0.0.1, with config, data and logs in ``workdir``."""
 
     workdir: Path
     prometheus_port: int = 9090
@@ -261,8 +261,9 @@ class Stack:
                 runbooks = self.workdir / "runbooks.md"
                 runbooks.write_text(shipped_text("runbooks.md"), encoding="utf-8")
                 # Run as a file in isolated mode: stdlib only, without importing lossbeat (and torch).
-                self._spawn("receiver", ["-I", str(Path(__file__).with_name("webhook.py")), f"--port={self.receiver_port}",
-                                         f"--log={self.notifications_file}", f"--runbooks={runbooks}"])
+                self._spawn("receiver", ["-I", str(Path(__file__).with_name("webhook.py")),
+                                         f"--port={self.receiver_port}", f"--log={self.notifications_file}",
+                                         f"--runbooks={runbooks}"])
             self._spawn("alertmanager", [
                 f"--config.file={am_config}",
                 f"--storage.path={self.workdir / 'alertmanager-data'}",
@@ -286,8 +287,7 @@ class Stack:
         """``rules.yml`` from the thresholds; with a receiver, runbook links point at its /runbooks."""
         thresholds = load_thresholds(self.thresholds)
         if self.receiver_url:
-            thresholds = dataclasses.replace(thresholds, alerts=dataclasses.replace(
-                thresholds.alerts, runbook_url=f"{self.receiver_url}/runbooks"))
+            thresholds = with_runbook_base(thresholds, f"{self.receiver_url}/runbooks")
         path = self.workdir / "rules.yml"
         path.write_text(rules_module.render_rules(thresholds), encoding="utf-8")
         return path
@@ -487,12 +487,13 @@ def _get_json(url: str) -> object:
 
 
 def alert_lines(prometheus_alerts: list[dict], alertmanager_alerts: list[dict],
-                notifications: list[dict]) -> list[str]:
+                notifications: list[dict] | None) -> list[str]:
     """One line per alert Prometheus holds: its state, the receiver Alertmanager routed it to,
-    and whether that receiver got the notification (``paged: TrainingLossNaN``)."""
+    and whether that receiver got the notification (``paged: TrainingLossNaN``); with
+    ``notifications`` None (no local receiver) delivery is unknown."""
     routed = {_key(a["labels"]): a for a in alertmanager_alerts}
     delivered: dict[tuple, tuple[str, float]] = {}
-    for note in notifications:
+    for note in notifications or ():
         for alert in note.get("alerts", []):
             if alert.get("status") == "firing":
                 delivered[(_key(alert["labels"]), note.get("receiver"))] = (note.get("receiver"), note["received_at"])
@@ -517,7 +518,9 @@ def alert_lines(prometheus_alerts: list[dict], alertmanager_alerts: list[dict],
             continue
         for receiver in receivers:
             got = delivered.get((_key(labels), receiver))
-            if got:
+            if notifications is None:
+                lines.append(f"{head} receiver {receiver:8} (no local receiver: delivery not recorded)  {where}")
+            elif got:
                 verb = _DELIVERED.get(receiver, f"notified ({receiver})")
                 at = time.strftime("%H:%M:%S", time.localtime(got[1]))
                 lines.append(f"{head} receiver {receiver:8} {verb}: {name} at {at}  {where}")
@@ -554,7 +557,8 @@ def _status(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
         print(f"lossbeat stack: cannot read the servers' APIs: {exc}", file=sys.stderr)
         return 1
-    lines = alert_lines(prometheus_alerts, alertmanager_alerts, read_notifications(stack.notifications_file))
+    notifications = read_notifications(stack.notifications_file) if stack.receiver_url else None
+    lines = alert_lines(prometheus_alerts, alertmanager_alerts, notifications)
     print("\n".join(lines) if lines else "  no alerts pending or firing")
     return 0
 
