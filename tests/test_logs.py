@@ -382,3 +382,29 @@ def test_overlong_lines_and_record_cap_bound_memory(tmp_path):
     assert int(records) == 100_000 and stopped == "True"
     assert "overlong lines" in skipped
     assert int(grew_mib) < 48, out.stdout  # the file is over 70 MiB; reading it must not hold it
+
+
+# --- real outputs (tests/data/make_fixtures.py): one HF Trainer run, printed and as TensorBoard events --
+
+
+def test_hf_trainer_real_stdout_matches_its_own_tensorboard_events():
+    require_module("tensorboard")
+    printed = parse_log(DATA / "hf-trainer-real-stdout.log")  # transformers 5 prints '3.899' (quoted)
+    events = parse_log(DATA / "hf-trainer-real-tfevents")
+    assert (printed.format, events.format) == ("hf-stdout", "tensorboard")
+    assert [r.step for r in printed.train] == [r.step for r in events.train] == list(range(5, 45, 5))
+    for p, e in zip(printed.train, events.train):
+        for field in ("loss", "grad_norm", "learning_rate", "epoch"):
+            assert getattr(p, field) == pytest.approx(getattr(e, field), rel=1e-3), field
+    assert [e.step for e in printed.evals] == [e.step for e in events.evals] == [10, 20, 30, 40]
+    assert [e.loss for e in printed.evals] == pytest.approx([e.loss for e in events.evals], rel=1e-3)
+    assert not printed.counts.unreadable and printed.counts.skipped["final summaries"] == 1
+
+
+def test_lightning_real_lr_monitor_two_param_groups():
+    log = parse_log(DATA / "lightning-real-lr-monitor-metrics.csv")
+    assert [r.step for r in log.train] == list(range(9, 100, 10))
+    assert [r.learning_rate for r in log.train] == [0.01] * 3 + [0.005] * 3 + [0.0025] * 3 + [0.00125]
+    assert any("'lr-AdamW/pg1'" in n for n in log.notes)
+    assert not any("mid-run" in n for n in log.notes)
+    assert len(log.evals) == 5

@@ -203,6 +203,8 @@ def _dict_items(body: str) -> dict[str, str]:
 def _py_number(out: RecordBuilder, name: str, raw: str | None) -> float | None:
     if raw is None:
         return None
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        raw = raw[1:-1]  # transformers >= 4.5x prints floats formatted as strings: '2.34'
     value, ok = parse_number(raw)
     if not ok and (w := _WRAPPED.match(raw)):
         value, ok = parse_number(w.group(1))
