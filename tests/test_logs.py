@@ -408,3 +408,13 @@ def test_lightning_real_lr_monitor_two_param_groups():
     assert any("'lr-AdamW/pg1'" in n for n in log.notes)
     assert not any("mid-run" in n for n in log.notes)
     assert len(log.evals) == 5
+
+
+def test_karpathy_nanogpt_stdout():
+    path = DATA / "nanogpt-karpathy-stdout.log"
+    assert detect_format(path) == "nanogpt"
+    log = parse_log(path)
+    assert [r.step for r in log.train] == list(range(0, 140, 10))
+    assert log.train[0].loss == 4.2654 and math.isnan(log.train[12].loss)
+    assert [(e.step, e.loss) for e in log.evals] == [(0, 4.2823), (100, 2.4619)]  # val loss, not the train estimate
+    assert log.counts.skipped == {"lines that are not records (banners, progress, warnings)": 11}

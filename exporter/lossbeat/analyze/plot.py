@@ -153,12 +153,15 @@ def draw(log: ParsedLog, analyses: list[Analysis], thresholds: Thresholds, runs:
         if pts:
             xs, ys = zip(*pts)
             all_loss += ys
+            # the raw line breaks where the loss is missing or non-finite (never drawn across a NaN)
+            gx = [r.step for r in run.train]
+            gy = [r.loss if r.loss is not None and math.isfinite(r.loss) else math.nan for r in run.train]
             if len(pts) > _SMOOTH_ABOVE:
-                loss_ax.plot(xs, ys, lw=0.5, color=c_train, alpha=0.3)
+                loss_ax.plot(gx, gy, lw=0.5, color=c_train, alpha=0.3)
                 loss_ax.plot(xs, _smoothed(list(ys), max(5, len(ys) // 100)), lw=1.3, color=c_train,
                              label=f"{tag}train loss (smoothed; raw faint)")
             else:
-                loss_ax.plot(xs, ys, lw=1, color=c_train, label=f"{tag}train loss")
+                loss_ax.plot(gx, gy, lw=1, color=c_train, label=f"{tag}train loss")
         for g_i, group in enumerate(run.eval_groups):
             ev = _finite((e.step, e.loss) for e in run.evals if e.group == group)
             if ev:
