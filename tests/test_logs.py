@@ -418,3 +418,29 @@ def test_karpathy_nanogpt_stdout():
     assert log.train[0].loss == 4.2654 and math.isnan(log.train[12].loss)
     assert [(e.step, e.loss) for e in log.evals] == [(0, 4.2823), (100, 2.4619)]  # val loss, not the train estimate
     assert log.counts.skipped == {"lines that are not records (banners, progress, warnings)": 11}
+
+
+def test_tensorboard_cut_short_or_garbage(tmp_path):
+    require_module("tensorboard")
+    whole = (DATA / "hf-trainer-real-tfevents/events.out.tfevents.fixture").read_bytes()
+    cut = tmp_path / "events.out.tfevents.cut"
+    cut.write_bytes(whole[:6500])  # a crash while writing: the last record is incomplete
+    log = parse_log(cut)
+    assert [r.step for r in log.train] == [5, 10, 15, 20, 25, 30]
+    assert any("not a complete event" in n for n in log.notes)
+    garbage = tmp_path / "events.out.tfevents.garbage"
+    garbage.write_bytes(os.urandom(3000))
+    with pytest.raises(LogFormatError, match="no TensorBoard event could be read"):
+        parse_log(garbage)
+    with pytest.raises(LogFormatError, match="no TensorBoard event could be read"):
+        parse_log(DATA / "llmc-stdout.log", "tensorboard")
+
+
+def test_json_document_over_the_limit_is_refused(tmp_path, monkeypatch):
+    from lossbeat.logs import json_logs
+
+    monkeypatch.setattr(json_logs, "MAX_JSON_BYTES", 1 << 10)
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({"log_history": [{"step": i, "loss": 1.0} for i in range(100)]}))
+    with pytest.raises(LogFormatError, match="larger than the 1024 bytes read at once"):
+        parse_log(path)
