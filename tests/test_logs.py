@@ -444,3 +444,14 @@ def test_json_document_over_the_limit_is_refused(tmp_path, monkeypatch):
     path.write_text(json.dumps({"log_history": [{"step": i, "loss": 1.0} for i in range(100)]}))
     with pytest.raises(LogFormatError, match="larger than the 1024 bytes read at once"):
         parse_log(path)
+
+
+def test_hf_stdout_logging_first_step_and_a_lagging_bar(tmp_path):
+    bar = lambda n: f"\r {n}/100 [00:01<00:10,  9.1it/s]"  # noqa: E731
+    path = tmp_path / "out.log"
+    positions = [1, 10, 20, 29, 40, 50]  # step 1 (logging_first_step), then every 10; the bar lags once
+    path.write_text("".join(f"{bar(p)}\n{{'loss': {3 - p / 100}, 'learning_rate': 1e-4, 'epoch': {p / 100}}}\n"
+                            for p in positions))
+    log = parse_log(path)
+    assert [r.step for r in log.train] == [1, 10, 20, 30, 40, 50]
+    assert len(log.train) == len(positions)

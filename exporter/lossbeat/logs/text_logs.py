@@ -294,7 +294,15 @@ def _derived_steps(out: RecordBuilder, raw_train: list[tuple[str, int | None, di
         interval = log_interval(positions)
         out.note(f"the Trainer prints no step: steps derived from the progress bar, snapped to the "
                  f"logging interval ({interval})")
-        return [max(1, round(p / interval)) * interval for p in positions]
+        steps: list[int] = []
+        for i, p in enumerate(positions):
+            snapped = round(p / interval) * interval
+            # keep the bar's own position where snapping would lose a record: step 1 of
+            # logging_first_step, or two records landing on one multiple
+            if snapped <= 0 or (steps and snapped == steps[-1] and p != positions[i - 1]):
+                snapped = p
+            steps.append(snapped)
+        return steps
     out.note("the Trainer prints no step and the log has no progress bar: steps are record numbers (1, 2, ...)")
     steps, k, last_epoch = [], 0, None
     for _, _, items in raw_train:
