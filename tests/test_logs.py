@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import require_module
 from lossbeat.logs import FORMATS, LogFormatError, detect_format, parse_log
@@ -455,3 +457,41 @@ def test_hf_stdout_logging_first_step_and_a_lagging_bar(tmp_path):
     log = parse_log(path)
     assert [r.step for r in log.train] == [1, 10, 20, 30, 40, 50]
     assert len(log.train) == len(positions)
+
+
+# --- fuzzing: any bytes, any forced format: records or a LogFormatError, never another exception ----
+
+_FRAGMENTS = [
+    '{"log_history": [', '{"step": 1, "loss": 2.0}', '"loss": "x"', "]}", '{"current_steps": 3, "loss": NaN}',
+    '{"lm loss": {"values": {"1": "nan", "x": 2}}}', "epoch,step,train_loss,lr-AdamW", ",,1.5,", "9,9,nan,0.1",
+    "s:0 trl:11.0 lr:0.0001 norm:1.5", "s:x tel:", "step 1/10 | loss 2.0 (+nanz)| norm 1.0 | lr 1e-4",
+    "val loss abc", "step:1/10 train_loss:3.0", "iter 5: loss inf, time 3ms", "step 5: train loss 2, val loss",
+    " iteration 10/ 100 | lm loss: 4.0E+00 | grad norm: x | number of nan iterations: 2 |",
+    "validation loss at iteration 10 | lm loss value: 3.0 |", "{'loss': nan, 'grad_norm': tensor(1.0), 'epoch': 1}",
+    "{'eval_loss': '2.0', 'epoch': 'x'}", " 10/100 [00:01<00:10]", "\r", "\x00", "\ufffd", "}", "{", ",", "|",
+]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(st.sampled_from(_FRAGMENTS) | st.text(max_size=20), max_size=30),
+       sep=st.sampled_from(["\n", "\r\n", "\r", ""]), fmt=st.sampled_from([None, *FORMATS]))
+def test_fuzzed_text_never_raises_anything_but_log_format_error(tmp_path, parts, sep, fmt):
+    path = tmp_path / "fuzz.log"
+    path.write_text(sep.join(parts), encoding="utf-8", errors="replace")
+    try:
+        log = parse_log(path, fmt)
+    except LogFormatError as exc:
+        assert "\n" not in str(exc) and str(path) in str(exc)
+    else:
+        assert log.segments and log.counts.train == sum(len(s.train) for s in log.segments)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(min_size=1, max_size=4096), fmt=st.sampled_from([None, *FORMATS]))
+def test_fuzzed_bytes_never_raise_anything_but_log_format_error(tmp_path, data, fmt):
+    path = tmp_path / "events.out.tfevents.fuzz" if fmt == "tensorboard" else tmp_path / "fuzz.bin"
+    path.write_bytes(data)
+    try:
+        parse_log(path, fmt)
+    except LogFormatError as exc:
+        assert "\n" not in str(exc)
