@@ -495,3 +495,16 @@ def test_fuzzed_bytes_never_raise_anything_but_log_format_error(tmp_path, data, 
         parse_log(path, fmt)
     except LogFormatError as exc:
         assert "\n" not in str(exc)
+
+
+def test_compressed_files_and_log_directories_get_a_hint(tmp_path):
+    import gzip
+
+    packed = tmp_path / "main.log.gz"
+    packed.write_bytes(gzip.compress(b"s:0 trl:11.0\n" * 100))
+    with pytest.raises(LogFormatError, match="gzip-compressed: decompress it first"):
+        parse_log(packed)
+    (tmp_path / "checkpoint-500").mkdir()
+    (tmp_path / "checkpoint-500" / "trainer_state.json").write_text('{"log_history": []}')
+    with pytest.raises(LogFormatError, match="it holds trainer_state.json: pass that file"):
+        parse_log(tmp_path / "checkpoint-500")

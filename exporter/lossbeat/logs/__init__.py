@@ -36,7 +36,7 @@ from typing import Callable
 from .csv_logs import is_lightning_header, parse_lightning
 from .json_logs import load_json, parse_hf_state, parse_llamafactory, parse_megatron_golden
 from .records import DEFAULT_MAX_RECORDS, EvalRecord, LogFormatError, ParsedLog, ReadCounts, RecordBuilder, TrainRecord
-from .source import Source, open_source
+from .source import Source, compressed, open_source
 from .tensorboard import event_files, is_event_file, parse_tensorboard
 from .text_logs import (
     HF_DICT_START, LLMC_STDOUT, MEGATRON_ITER, NANOGPT_EVAL, NANOGPT_ITER,
@@ -74,6 +74,9 @@ def _detect(src: Source) -> str:
     if is_event_file(src.path, src.head_bytes):
         return "tensorboard"
     if src.encoding is None:
+        if kind := compressed(src.head_bytes):
+            raise LogFormatError(f"{src.path}: {kind}-compressed: decompress it first "
+                                 f"(e.g. {'zcat' if kind == 'gzip' else kind + ' -dc'} FILE > log)")
         raise LogFormatError(f"{src.path}: binary data, not a text log (and not a TensorBoard event file)")
     head = src.head
     stripped = head.lstrip()
