@@ -365,3 +365,15 @@ def test_plot_marks_runs_and_overfitting(defaults, tmp_path):
     handles, labels = fig.axes[0].get_legend_handles_labels()
     assert any(label.startswith("overfitting from step") for label in labels)
     assert any(label.startswith("best eval 0.321") for label in labels)
+
+
+def test_plot_many_non_finite_steps_are_one_band(tmp_path, defaults):
+    from matplotlib.colors import to_rgb
+
+    path = _history(tmp_path, [3.0 - i / 1000 if i < 200 else float("nan") for i in range(500)])
+    fig = _figure(path, defaults)
+    ax = fig.axes[0]
+    magenta = [p for p in ax.patches if tuple(p.get_facecolor()[:3]) == to_rgb("m")]
+    assert len(magenta) == 1  # 300 consecutive NaN records: one band, not 300 lines
+    assert magenta[0].get_x() == pytest.approx(2010)
+    assert any(label.startswith("non-finite (loss 300") for label in ax.get_legend_handles_labels()[1])
