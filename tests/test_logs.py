@@ -508,3 +508,21 @@ def test_compressed_files_and_log_directories_get_a_hint(tmp_path):
     (tmp_path / "checkpoint-500" / "trainer_state.json").write_text('{"log_history": []}')
     with pytest.raises(LogFormatError, match="it holds trainer_state.json: pass that file"):
         parse_log(tmp_path / "checkpoint-500")
+
+
+@pytest.mark.parametrize("text, expected", [
+    # llm.c's older C trainer
+    ("step 1/74: train loss 4.677316 (acc 0.12) (1.52 ms, 336842 tok/s)\nval loss 4.3\n"
+     "step 2/74: train loss 4.1 (1.4 ms, 336842 tok/s)\n", [(1, 4.677316, None, None), (2, 4.1, None, None)]),
+    # llm.c's train_gpt2.py
+    ("step    1/5000 | train loss 10.985306 | norm 15.4521 | lr 1.00e-06 | (3200.53 ms | 163828 tok/s)\n"
+     "step    2/5000 | train loss nan | norm inf | lr 2.00e-06 | (320.53 ms | 163828 tok/s)\n",
+     [(1, 10.985306, 15.4521, 1e-06), (2, math.nan, math.inf, 2e-06)]),
+])
+def test_llmc_stdout_variants(tmp_path, text, expected):
+    path = tmp_path / "train.out"
+    path.write_text(text)
+    log = parse_log(path)
+    assert log.format == "llmc-stdout"
+    got = [(r.step, r.loss, r.grad_norm, r.learning_rate) for r in log.train]
+    assert [[str(v) for v in row] for row in got] == [[str(v) for v in row] for row in expected]  # nan == nan
