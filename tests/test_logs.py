@@ -526,3 +526,19 @@ def test_llmc_stdout_variants(tmp_path, text, expected):
     assert log.format == "llmc-stdout"
     got = [(r.step, r.loss, r.grad_norm, r.learning_rate) for r in log.train]
     assert [[str(v) for v in row] for row in got] == [[str(v) for v in row] for row in expected]  # nan == nan
+
+
+def test_tensorboard_lightning_tags_and_a_sparser_lr(tmp_path):
+    require_module("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(0, 40):
+        writer.add_scalar("train_loss", 2.0 - step / 100, step)
+        if step % 10 == 0:
+            writer.add_scalar("lr-AdamW", 1e-3 / (1 + step // 10), step)
+    writer.add_scalar("val_loss", 1.9, 39)
+    writer.close()
+    log = parse_log(tmp_path)
+    assert [r.learning_rate for r in log.train][9:12] == [1e-3, 5e-4, 5e-4]  # the LR holds until its next value
+    assert [(e.step, e.loss) for e in log.evals] == [(39, pytest.approx(1.9))]

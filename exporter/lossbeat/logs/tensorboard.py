@@ -8,6 +8,7 @@ read are listed in the notes.
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 
@@ -137,9 +138,14 @@ def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
     merged = [(a, s, v, None) for a, s, v in ordered.get(train, [])] if train else []
     merged += [(a, s, v, group) for tag, group in evals.items() for a, s, v in ordered[tag]]
     merged.sort(key=lambda item: item[0])
+    lr_steps = sorted(latest[lr]) if lr else []
     for _, step, value, group in merged:  # file order, so that runs split where the step goes back
         out.where = f"step {step}"
         if group is None:
-            out.train(step, value, *(latest[t].get(step) if t else None for t in (grad, lr, epoch)))
+            # the LR holds until its next value (a LearningRateMonitor may log at other steps)
+            i = bisect.bisect_right(lr_steps, step)
+            rate = latest[lr][lr_steps[i - 1]] if i else None
+            out.train(step, value, latest[grad].get(step) if grad else None, rate,
+                      latest[epoch].get(step) if epoch else None)
         else:
             out.eval(step, value, group)
