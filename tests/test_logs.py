@@ -540,5 +540,5 @@ def test_tensorboard_lightning_tags_and_a_sparser_lr(tmp_path):
     writer.add_scalar("val_loss", 1.9, 39)
     writer.close()
     log = parse_log(tmp_path)
-    assert [r.learning_rate for r in log.train][9:12] == [1e-3, 5e-4, 5e-4]  # the LR holds until its next value
+    assert [r.learning_rate for r in log.train][9:12] == pytest.approx([1e-3, 5e-4, 5e-4])  # held until the next LR
     assert [(e.step, e.loss) for e in log.evals] == [(39, pytest.approx(1.9))]
