@@ -30,6 +30,9 @@ _MIN_STEPS_BEFORE_RESTART = 3
 (a step logged twice by two ranks at the start is a repeat, not a restart)."""
 
 
+_SINGULAR = {"lines": "line", "entries": "entry", "rows": "row", "events": "event"}
+
+
 class LogFormatError(ValueError):
     """The file cannot be read as a log: unknown format, broken content, not a regular file."""
 
@@ -77,7 +80,8 @@ class ReadCounts:
 
     def summary(self) -> str:
         """One line: read N units: kept ..., skipped ..., unreadable ..."""
-        text = f"read {self.read} {self.unit}: {self.train} train records, {self.evals} eval records"
+        unit = self.unit if self.read != 1 else _SINGULAR.get(self.unit, self.unit)
+        text = f"read {self.read} {unit}: {self.train} train records, {self.evals} eval records"
         if self.skipped:
             text += "; skipped " + ", ".join(f"{n} {why}" for why, n in self.skipped.items())
         if self.unreadable:
