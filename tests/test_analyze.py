@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import require_module
-from lossbeat.analyze import analyze_file
+from lossbeat.analyze import analyze_file, analyze_runs
 from lossbeat.cli import main
 from lossbeat.diagnosis import Status
 from lossbeat.thresholds import load_thresholds
@@ -24,6 +26,8 @@ def _find_corpus() -> Path:
 
 
 CORPUS = _find_corpus()
+DATA = Path(__file__).resolve().parent / "data"
+EXPORTER = Path(__file__).resolve().parents[1] / "exporter"
 
 
 def _corpus(name: str) -> Path:
@@ -143,7 +147,7 @@ def test_nonfinite_values_are_counted(tmp_path, defaults):
 
 def test_cli_json_report(capsys):
     rc = main(["analyze", str(_corpus("hf-t5-small-summarization-gradspike-trainer_state.json")),
-               str(_corpus("hf-qwen2.5-3b-lora-law-hugeloss-trainer_state.json")), "--json"])
+               str(_corpus("hf-qwen2.5-3b-lora-law-hugeloss-trainer_state.json")), "--json", "--fail-on", "never"])
     assert rc == 0
     docs = json.loads(capsys.readouterr().out)
     assert [d["format"] for d in docs] == ["hf", "hf"]
@@ -155,12 +159,12 @@ def test_cli_json_report(capsys):
 
 def test_cli_text_report_and_thresholds_file(tmp_path, capsys):
     path = str(_corpus("hf-t5-small-summarization-gradspike-trainer_state.json"))
-    assert main(["analyze", path]) == 0
+    assert main(["analyze", path, "--fail-on", "never"]) == 0
     out = capsys.readouterr().out
     assert "grad_explosions 2 (steps 164000, 190000)" in out and "430 train records" in out
     custom = tmp_path / "thresholds.yaml"
     custom.write_text("gradients:\n  explosion: 40.0\n")
-    assert main(["analyze", path, "--thresholds", str(custom)]) == 0
+    assert main(["analyze", path, "--thresholds", str(custom), "--fail-on", "never"]) == 0
     assert "grad_explosions 0" in capsys.readouterr().out
 
 
@@ -187,9 +191,189 @@ def test_cli_plot(tmp_path, capsys):
     out = tmp_path / "run.png"
     paths = [str(_corpus("hf-t5-small-summarization-gradspike-trainer_state.json")),
              str(_corpus("megatron-gpt3-15b-release-sm-golden_values.json"))]
-    assert main(["analyze", paths[0], "--plot", str(out)]) == 0
+    assert main(["analyze", paths[0], "--plot", str(out), "--fail-on", "never"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["analyze", *paths, "--plot", str(out)]) == 0
+    assert main(["analyze", *paths, "--plot", str(out), "--fail-on", "never"]) == 0
     written = sorted(p.name for p in tmp_path.glob("run-*.png"))
     assert written == ["run-hf-t5-small-summarization-gradspike-trainer_state.png",
                        "run-megatron-gpt3-15b-release-sm-golden_values.png"]
+
+
+# --- several runs in one file -----------------------------------------------------------------
+
+
+def test_each_run_in_a_file_is_analysed_on_its_own(tmp_path, defaults):
+    def run(seed_offset):
+        train = [{"step": s, "loss": 3.0 - s / 100 + seed_offset, "learning_rate": 1e-4} for s in range(10, 210, 10)]
+        evals = [{"step": s, "eval_loss": 3.0 - s / 100 + seed_offset} for s in (50, 100, 150, 200)]
+        return sorted(train + evals, key=lambda e: e["step"])
+
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({"log_history": run(0.0) + run(0.01)}))  # a restart from step 10
+    fa = analyze_runs(path, defaults)
+    assert len(fa.runs) == 2
+    for a in fa.runs:
+        assert (a.first_step, a.last_step, a.train_records, a.eval_records) == (10, 200, 20, 4)
+        # Merged, the second run's first eval (2.51) would read as 'overfitting: far above the best 1.0'.
+        assert not a.reached("overfitting")
+    assert analyze_file(path, defaults).first_step == 10  # the last run
+
+
+def test_text_report_says_what_was_read_and_shows_each_run(capsys):
+    assert main(["analyze", str(DATA / "llmc-three-seeds-main.log"), "--fail-on", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "read 186 lines: 180 train records, 6 eval records" in out
+    assert out.count("-- run ") == 3 and "3 runs in one file" in out
+
+
+# --- the gate -----------------------------------------------------------------------------------
+
+
+def test_gate_exit_status(tmp_path, capsys):
+    nan_run = str(DATA / "megatron-train.log")  # a NaN interval: the final diagnosis holds a DANGER
+    assert main(["analyze", nan_run]) == 1
+    assert main(["analyze", nan_run, "--fail-on", "danger"]) == 1
+    assert main(["analyze", nan_run, "--fail-on", "never"]) == 0
+    healthy = str(DATA / "hf-custom-lr-key-trainer_state.json")
+    assert main(["analyze", healthy]) == 0
+    overfit = str(_corpus("hf-whisper-large-v2-ja-overfit-trainer_state.json"))  # eval loss up at every eval
+    assert main(["analyze", overfit, "--fail-on", "warning"]) == 1
+    missing = str(tmp_path / "missing.json")
+    assert main(["analyze", nan_run, missing]) == 2  # could not read wins over the gate
+    capsys.readouterr()
+    assert main(["analyze", nan_run, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)[0]
+    assert doc["file_status"] == "danger" and doc["read"]["train"] == 30 and len(doc["runs"]) == 1
+
+
+def _lossbeat(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lossbeat", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(EXPORTER)}, **kwargs)
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_closed_pipe_ends_quietly(json_flag):
+    """``lossbeat analyze ... | head -n 2``: a real pipe that the reader closes early."""
+    files = [str(DATA / "llmc-three-seeds-main.log")] * 40  # well over a pipe buffer (64 KiB) of output
+    proc = subprocess.Popen([sys.executable, "-m", "lossbeat", "analyze", *files, *json_flag, "--fail-on", "never"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(EXPORTER)})
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what head does after its lines
+    err = proc.stderr.read().decode()
+    rc = proc.wait(timeout=300)
+    assert first.strip()
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert rc == 0
+
+
+def test_broken_inputs_one_line_each_never_a_traceback(tmp_path):
+    cases = {
+        "truncated.json": b'{"log_history": [{"step": 1, "loss": 2.0}, {"step": 2, "lo',
+        "garbage.bin": os.urandom(200_000),
+        "empty.log": b"",
+        "unknown.txt": b"hello\nworld\n" * 100,
+        "jsonl-bad.jsonl": b'{"current_steps": 1\n',
+        "csv-no-rows.csv": b"epoch,step,train_loss\n",
+    }
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+    os.mkfifo(tmp_path / "a-fifo")
+    (tmp_path / "a-dir").mkdir()
+    paths = [str(tmp_path / name) for name in [*cases, "a-fifo", "a-dir", "no-such-file.json"]]
+    result = _lossbeat("analyze", *paths)  # one process for all: each file gets its own line
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == len(paths)
+    for path, line in zip(paths, lines):
+        assert line.startswith(f"lossbeat analyze: {path}: "), line
+
+
+def test_readable_odd_inputs_are_analysed(tmp_path):
+    one = tmp_path / "one-step-trainer_state.json"
+    one.write_text('{"log_history": [{"step": 1, "loss": 2.0}]}')
+    utf16 = tmp_path / "utf16.log"
+    utf16.write_bytes("".join(f"s:{i} trl:{3 - i / 100:.4f}\n" for i in range(30)).encode("utf-16"))
+    result = _lossbeat("analyze", str(one), str(utf16))
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert f"== {one} [hf]" in result.stdout and f"== {utf16} [llmc]" in result.stdout
+
+
+# --- plots ----------------------------------------------------------------------------------------
+
+
+def _figure(path, defaults, edit=None):
+    require_module("matplotlib")
+    from lossbeat.analyze.plot import draw
+
+    fa = analyze_runs(path, defaults)
+    if edit:
+        edit(fa.runs)
+    return draw(fa.log, fa.runs, defaults)
+
+
+def _history(tmp_path, losses, name="trainer_state.json", evals=()):
+    entries = [{"step": 10 * (i + 1), "loss": v, "learning_rate": 1e-4} for i, v in enumerate(losses)]
+    entries += [{"step": s, "eval_loss": v} for s, v in evals]
+    path = tmp_path / name
+    path.write_text(json.dumps({"log_history": sorted(entries, key=lambda e: e["step"])}))
+    return path
+
+
+def test_plot_log_axis_past_a_decade_and_minimum_range_when_flat(tmp_path, defaults):
+    falling = _history(tmp_path, [11.0 * 0.9 ** i for i in range(60)], "falling.json")
+    fig = _figure(falling, defaults)
+    assert fig.axes[0].get_yscale() == "log"
+    flat = _history(tmp_path, [2.0 + (1e-4 if i % 2 else -1e-4) for i in range(60)], "flat.json")
+    fig = _figure(flat, defaults)
+    lo, hi = fig.axes[0].get_ylim()
+    assert fig.axes[0].get_yscale() == "linear" and hi - lo >= 0.2 * 2.0 * 0.99  # not a wild zoom on 2e-4 noise
+
+
+def test_plot_legends_sit_outside_the_data(tmp_path, defaults):
+    fig = _figure(_corpus("hf-qwen2.5-3b-lora-law-hugeloss-trainer_state.json"), defaults)
+    fig.canvas.draw()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        assert legend is not None
+        assert legend.get_window_extent().x0 >= ax.get_window_extent().x1  # right of the axes, never over markers
+
+
+def test_plot_many_events_are_a_rug_few_are_markers(tmp_path, defaults):
+    path = _history(tmp_path, [3.0 - i / 1000 for i in range(500)])
+
+    def events(n):
+        def edit(runs):
+            steps = [10 * (i + 1) for i in range(0, 500, 500 // n)][:n]
+            runs[-1].event_steps["loss_spikes"] = steps
+            runs[-1].counters["loss_spikes"] = len(steps)
+        return edit
+
+    many = _figure(path, defaults, events(250))
+    labels = [line.get_label() for line in many.axes[0].get_lines()]
+    assert any("loss spikes (250): rug" in label for label in labels)
+    few = _figure(path, defaults, events(5))
+    (marks,) = [line for line in few.axes[0].get_lines() if line.get_label() == "loss spikes (5)"]
+    assert len(marks.get_xdata()) == 5 and marks.get_marker() == "x"
+
+
+def test_plot_marks_runs_and_overfitting(defaults, tmp_path):
+    fig = _figure(DATA / "llmc-three-seeds-main.log", defaults)
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert {"run 1: train loss", "run 2: train loss", "run 3: train loss"} <= set(labels)
+    fig = _figure(_corpus("hf-whisper-large-v2-ja-overfit-trainer_state.json"), defaults)
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    assert any(label.startswith("overfitting from step") for label in labels)
+    assert any(label.startswith("best eval 0.321") for label in labels)
+
+
+def test_plot_many_non_finite_steps_are_one_band(tmp_path, defaults):
+    from matplotlib.colors import to_rgb
+
+    path = _history(tmp_path, [3.0 - i / 1000 if i < 200 else float("nan") for i in range(500)])
+    fig = _figure(path, defaults)
+    ax = fig.axes[0]
+    magenta = [p for p in ax.patches if tuple(p.get_facecolor()[:3]) == to_rgb("m")]
+    assert len(magenta) == 1  # 300 consecutive NaN records: one band, not 300 lines
+    assert magenta[0].get_x() == pytest.approx(2010)
+    assert any(label.startswith("non-finite (loss 300") for label in ax.get_legend_handles_labels()[1])

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import require_module
 from lossbeat.logs import FORMATS, LogFormatError, detect_format, parse_log
@@ -382,3 +384,161 @@ def test_overlong_lines_and_record_cap_bound_memory(tmp_path):
     assert int(records) == 100_000 and stopped == "True"
     assert "overlong lines" in skipped
     assert int(grew_mib) < 48, out.stdout  # the file is over 70 MiB; reading it must not hold it
+
+
+# --- real outputs (tests/data/make_fixtures.py): one HF Trainer run, printed and as TensorBoard events --
+
+
+def test_hf_trainer_real_stdout_matches_its_own_tensorboard_events():
+    require_module("tensorboard")
+    printed = parse_log(DATA / "hf-trainer-real-stdout.log")  # transformers 5 prints '3.899' (quoted)
+    events = parse_log(DATA / "hf-trainer-real-tfevents")
+    assert (printed.format, events.format) == ("hf-stdout", "tensorboard")
+    assert [r.step for r in printed.train] == [r.step for r in events.train] == list(range(5, 45, 5))
+    for p, e in zip(printed.train, events.train):
+        for field in ("loss", "grad_norm", "learning_rate", "epoch"):
+            assert getattr(p, field) == pytest.approx(getattr(e, field), rel=1e-3), field
+    assert [e.step for e in printed.evals] == [e.step for e in events.evals] == [10, 20, 30, 40]
+    assert [e.loss for e in printed.evals] == pytest.approx([e.loss for e in events.evals], rel=1e-3)
+    assert not printed.counts.unreadable and printed.counts.skipped["final summaries"] == 1
+
+
+def test_lightning_real_lr_monitor_two_param_groups():
+    log = parse_log(DATA / "lightning-real-lr-monitor-metrics.csv")
+    assert [r.step for r in log.train] == list(range(9, 100, 10))
+    assert [r.learning_rate for r in log.train] == [0.01] * 3 + [0.005] * 3 + [0.0025] * 3 + [0.00125]
+    assert any("'lr-AdamW/pg1'" in n for n in log.notes)
+    assert not any("mid-run" in n for n in log.notes)
+    assert len(log.evals) == 5
+
+
+def test_karpathy_nanogpt_stdout():
+    path = DATA / "nanogpt-karpathy-stdout.log"
+    assert detect_format(path) == "nanogpt"
+    log = parse_log(path)
+    assert [r.step for r in log.train] == list(range(0, 140, 10))
+    assert log.train[0].loss == 4.2654 and math.isnan(log.train[12].loss)
+    assert [(e.step, e.loss) for e in log.evals] == [(0, 4.2823), (100, 2.4619)]  # val loss, not the train estimate
+    assert log.counts.skipped == {"lines that are not records (banners, progress, warnings)": 11}
+
+
+def test_tensorboard_cut_short_or_garbage(tmp_path):
+    require_module("tensorboard")
+    whole = (DATA / "hf-trainer-real-tfevents/events.out.tfevents.fixture").read_bytes()
+    cut = tmp_path / "events.out.tfevents.cut"
+    cut.write_bytes(whole[:6500])  # a crash while writing: the last record is incomplete
+    log = parse_log(cut)
+    assert [r.step for r in log.train] == [5, 10, 15, 20, 25, 30]
+    assert any("not a complete event" in n for n in log.notes)
+    garbage = tmp_path / "events.out.tfevents.garbage"
+    garbage.write_bytes(os.urandom(3000))
+    with pytest.raises(LogFormatError, match="no TensorBoard event could be read"):
+        parse_log(garbage)
+    with pytest.raises(LogFormatError, match="no TensorBoard event could be read"):
+        parse_log(DATA / "llmc-stdout.log", "tensorboard")
+
+
+def test_json_document_over_the_limit_is_refused(tmp_path, monkeypatch):
+    from lossbeat.logs import json_logs
+
+    monkeypatch.setattr(json_logs, "MAX_JSON_BYTES", 1 << 10)
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({"log_history": [{"step": i, "loss": 1.0} for i in range(100)]}))
+    with pytest.raises(LogFormatError, match="larger than the 1024 bytes read at once"):
+        parse_log(path)
+
+
+def test_hf_stdout_logging_first_step_and_a_lagging_bar(tmp_path):
+    bar = lambda n: f"\r {n}/100 [00:01<00:10,  9.1it/s]"  # noqa: E731
+    path = tmp_path / "out.log"
+    positions = [1, 10, 20, 29, 40, 50]  # step 1 (logging_first_step), then every 10; the bar lags once
+    path.write_text("".join(f"{bar(p)}\n{{'loss': {3 - p / 100}, 'learning_rate': 1e-4, 'epoch': {p / 100}}}\n"
+                            for p in positions))
+    log = parse_log(path)
+    assert [r.step for r in log.train] == [1, 10, 20, 30, 40, 50]
+    assert len(log.train) == len(positions)
+
+
+# --- fuzzing: any bytes, any forced format: records or a LogFormatError, never another exception ----
+
+_FRAGMENTS = [
+    '{"log_history": [', '{"step": 1, "loss": 2.0}', '"loss": "x"', "]}", '{"current_steps": 3, "loss": NaN}',
+    '{"lm loss": {"values": {"1": "nan", "x": 2}}}', "epoch,step,train_loss,lr-AdamW", ",,1.5,", "9,9,nan,0.1",
+    "s:0 trl:11.0 lr:0.0001 norm:1.5", "s:x tel:", "step 1/10 | loss 2.0 (+nanz)| norm 1.0 | lr 1e-4",
+    "val loss abc", "step:1/10 train_loss:3.0", "iter 5: loss inf, time 3ms", "step 5: train loss 2, val loss",
+    " iteration 10/ 100 | lm loss: 4.0E+00 | grad norm: x | number of nan iterations: 2 |",
+    "validation loss at iteration 10 | lm loss value: 3.0 |", "{'loss': nan, 'grad_norm': tensor(1.0), 'epoch': 1}",
+    "{'eval_loss': '2.0', 'epoch': 'x'}", " 10/100 [00:01<00:10]", "\r", "\x00", "\ufffd", "}", "{", ",", "|",
+]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(st.sampled_from(_FRAGMENTS) | st.text(max_size=20), max_size=30),
+       sep=st.sampled_from(["\n", "\r\n", "\r", ""]), fmt=st.sampled_from([None, *FORMATS]))
+def test_fuzzed_text_never_raises_anything_but_log_format_error(tmp_path, parts, sep, fmt):
+    path = tmp_path / "fuzz.log"
+    path.write_text(sep.join(parts), encoding="utf-8", errors="replace")
+    try:
+        log = parse_log(path, fmt)
+    except LogFormatError as exc:
+        assert "\n" not in str(exc) and str(path) in str(exc)
+    else:
+        assert log.segments and log.counts.train == sum(len(s.train) for s in log.segments)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(min_size=1, max_size=4096), fmt=st.sampled_from([None, *FORMATS]))
+def test_fuzzed_bytes_never_raise_anything_but_log_format_error(tmp_path, data, fmt):
+    path = tmp_path / "events.out.tfevents.fuzz" if fmt == "tensorboard" else tmp_path / "fuzz.bin"
+    path.write_bytes(data)
+    try:
+        parse_log(path, fmt)
+    except LogFormatError as exc:
+        assert "\n" not in str(exc)
+
+
+def test_compressed_files_and_log_directories_get_a_hint(tmp_path):
+    import gzip
+
+    packed = tmp_path / "main.log.gz"
+    packed.write_bytes(gzip.compress(b"s:0 trl:11.0\n" * 100))
+    with pytest.raises(LogFormatError, match="gzip-compressed: decompress it first"):
+        parse_log(packed)
+    (tmp_path / "checkpoint-500").mkdir()
+    (tmp_path / "checkpoint-500" / "trainer_state.json").write_text('{"log_history": []}')
+    with pytest.raises(LogFormatError, match="it holds trainer_state.json: pass that file"):
+        parse_log(tmp_path / "checkpoint-500")
+
+
+@pytest.mark.parametrize("text, expected", [
+    # llm.c's older C trainer
+    ("step 1/74: train loss 4.677316 (acc 0.12) (1.52 ms, 336842 tok/s)\nval loss 4.3\n"
+     "step 2/74: train loss 4.1 (1.4 ms, 336842 tok/s)\n", [(1, 4.677316, None, None), (2, 4.1, None, None)]),
+    # llm.c's train_gpt2.py
+    ("step    1/5000 | train loss 10.985306 | norm 15.4521 | lr 1.00e-06 | (3200.53 ms | 163828 tok/s)\n"
+     "step    2/5000 | train loss nan | norm inf | lr 2.00e-06 | (320.53 ms | 163828 tok/s)\n",
+     [(1, 10.985306, 15.4521, 1e-06), (2, math.nan, math.inf, 2e-06)]),
+])
+def test_llmc_stdout_variants(tmp_path, text, expected):
+    path = tmp_path / "train.out"
+    path.write_text(text)
+    log = parse_log(path)
+    assert log.format == "llmc-stdout"
+    got = [(r.step, r.loss, r.grad_norm, r.learning_rate) for r in log.train]
+    assert [[str(v) for v in row] for row in got] == [[str(v) for v in row] for row in expected]  # nan == nan
+
+
+def test_tensorboard_lightning_tags_and_a_sparser_lr(tmp_path):
+    require_module("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(0, 40):
+        writer.add_scalar("train_loss", 2.0 - step / 100, step)
+        if step % 10 == 0:
+            writer.add_scalar("lr-AdamW", 1e-3 / (1 + step // 10), step)
+    writer.add_scalar("val_loss", 1.9, 39)
+    writer.close()
+    log = parse_log(tmp_path)
+    assert [r.learning_rate for r in log.train][9:12] == pytest.approx([1e-3, 5e-4, 5e-4])  # held until the next LR
+    assert [(e.step, e.loss) for e in log.evals] == [(39, pytest.approx(1.9))]

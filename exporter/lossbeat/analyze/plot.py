@@ -153,12 +153,15 @@ def draw(log: ParsedLog, analyses: list[Analysis], thresholds: Thresholds, runs:
         if pts:
             xs, ys = zip(*pts)
             all_loss += ys
+            # the raw line breaks where the loss is missing or non-finite (never drawn across a NaN)
+            gx = [r.step for r in run.train]
+            gy = [r.loss if r.loss is not None and math.isfinite(r.loss) else math.nan for r in run.train]
             if len(pts) > _SMOOTH_ABOVE:
-                loss_ax.plot(xs, ys, lw=0.5, color=c_train, alpha=0.3)
+                loss_ax.plot(gx, gy, lw=0.5, color=c_train, alpha=0.3)
                 loss_ax.plot(xs, _smoothed(list(ys), max(5, len(ys) // 100)), lw=1.3, color=c_train,
                              label=f"{tag}train loss (smoothed; raw faint)")
             else:
-                loss_ax.plot(xs, ys, lw=1, color=c_train, label=f"{tag}train loss")
+                loss_ax.plot(gx, gy, lw=1, color=c_train, label=f"{tag}train loss")
         for g_i, group in enumerate(run.eval_groups):
             ev = _finite((e.step, e.loss) for e in run.evals if e.group == group)
             if ev:
@@ -206,24 +209,28 @@ def draw(log: ParsedLog, analyses: list[Analysis], thresholds: Thresholds, runs:
                 all_lr += ly
                 lr_ax.plot(lx, ly, lw=1, color=c_train, label=f"{tag}learning rate")
         grad_at = dict(_finite((r.step, r.grad_norm) for r in run.train))
+        nonfinite: set[int] = set()
+        nonfinite_labels = []
         for kind, steps in a.event_steps.items():
             total = a.counters.get(kind, len(steps))
             if not steps:
                 continue
-            if "nonfinite" in kind:
-                bands = _bands(steps, 2 * interval) if total > MANY_EVENTS else [(s, s) for s in steps]
-                for j, (lo, hi) in enumerate(bands):
-                    for ax in axes:
-                        if hi > lo:
-                            ax.axvspan(lo, hi, color="m", alpha=0.25, lw=0)
-                        else:
-                            ax.axvline(lo, color="m", lw=1, alpha=0.7)
-                    if j == 0:
-                        loss_ax.plot([], [], color="m", lw=2, label=f"{tag}{kind.replace('_', ' ')} ({total})")
+            if "nonfinite" in kind:  # drawn once below, whatever value was non-finite
+                nonfinite.update(steps)
+                nonfinite_labels.append(f"{kind.replace('nonfinite_', '')} {total}")
             elif "grad" in kind and grad_ax is not None:
                 _events_on(grad_ax, tag + kind, steps, total, grad_at, "v", "red")
             else:
                 _events_on(loss_ax, tag + kind, steps, total, loss_at, "x", "red")
+        if nonfinite:
+            many = len(nonfinite) > MANY_EVENTS
+            for lo, hi in _bands(sorted(nonfinite), 2 * interval) if many else [(s, s) for s in sorted(nonfinite)]:
+                for ax in axes:
+                    if hi > lo:
+                        ax.axvspan(lo, hi, color="m", alpha=0.15, lw=0)
+                    else:
+                        ax.axvline(lo, color="m", lw=1, alpha=0.7)
+            loss_ax.plot([], [], color="m", lw=2, label=f"{tag}non-finite ({', '.join(nonfinite_labels)})")
 
     _scale(loss_ax, all_loss)
     loss_ax.set_ylabel("loss" + (" (log)" if loss_ax.get_yscale() == "log" else ""))

@@ -30,7 +30,7 @@ def format_text(a: Analysis, header: bool = True, skip_notes: frozenset[str] = f
     lines = [f"== {a.path} [{a.format}]"] if header else []
     lines.append(f"{indent}{a.train_records} train records ({span}), {a.eval_records} eval records{groups}")
     lines += [f"{indent}note: {n}" for n in a.notes if n not in skip_notes]
-    lines.append(f"{indent}final diagnosis (step {a.last_step}):")
+    lines.append(f"{indent}final diagnosis" + (f" (step {a.last_step}):" if a.last_step is not None else ":"))
     for f in a.findings:
         if f.known:
             lines.append(f"{indent}  {_MARKS[f.status]} {_where(f):<24} {f.message}")

@@ -8,7 +8,8 @@ Formats (auto-detected by :func:`detect_format`, see docs/analyze.md):
 * ``lightning``: PyTorch Lightning CSVLogger ``metrics.csv``
 * ``llmc``: llm.c ``main.log`` (``s:N trl:L lr:X norm:G`` and ``s:N tel:V``)
 * ``llmc-stdout``: llm.c's printed lines (``step 1/19560 | loss 10.98 (+nanz)| norm 15.4 ...``)
-* ``nanogpt``: modded-nanogpt speedrun logs (``step:N/M train_loss:L`` / ``val_loss:V``)
+* ``nanogpt``: karpathy/nanoGPT (``iter N: loss L, ...`` / ``step N: train loss A, val loss B``) and
+  modded-nanogpt speedrun logs (``step:N/M train_loss:L`` / ``val_loss:V``)
 * ``megatron``: Megatron-LM golden values JSON (``{metric: {values: {step: v}}}``)
 * ``megatron-log``: Megatron-LM's printed log (``iteration 100/ 500000 | ... | lm loss: ...``)
 * ``tensorboard``: TensorBoard event files, or a directory of them (the ``tensorboard`` extra)
@@ -35,10 +36,10 @@ from typing import Callable
 from .csv_logs import is_lightning_header, parse_lightning
 from .json_logs import load_json, parse_hf_state, parse_llamafactory, parse_megatron_golden
 from .records import DEFAULT_MAX_RECORDS, EvalRecord, LogFormatError, ParsedLog, ReadCounts, RecordBuilder, TrainRecord
-from .source import Source, open_source
+from .source import Source, compressed, open_source
 from .tensorboard import event_files, is_event_file, parse_tensorboard
 from .text_logs import (
-    HF_DICT, LLMC_MAIN, LLMC_STDOUT, MEGATRON_ITER, NANOGPT,
+    HF_DICT_START, LLMC_STDOUT, MEGATRON_ITER, NANOGPT_EVAL, NANOGPT_ITER,
     parse_hf_stdout, parse_llmc_main, parse_llmc_stdout, parse_megatron_log, parse_nanogpt,
 )
 
@@ -73,6 +74,9 @@ def _detect(src: Source) -> str:
     if is_event_file(src.path, src.head_bytes):
         return "tensorboard"
     if src.encoding is None:
+        if kind := compressed(src.head_bytes):
+            raise LogFormatError(f"{src.path}: {kind}-compressed: decompress it first "
+                                 f"(e.g. {'zcat' if kind == 'gzip' else kind + ' -dc'} FILE > log)")
         raise LogFormatError(f"{src.path}: binary data, not a text log (and not a TensorBoard event file)")
     head = src.head
     stripped = head.lstrip()
@@ -85,15 +89,16 @@ def _detect(src: Source) -> str:
             return "llamafactory"
         if re.search(r'"lm loss"\s*:\s*\{', head) or re.search(r'"step_interval"|"values"\s*:', head):
             return "megatron"
-    if HF_DICT.search(head):
+    if HF_DICT_START.search(head):
         return "hf-stdout"
     if is_lightning_header(first):
         return "lightning"
-    if re.search(LLMC_MAIN.pattern + r"", head, re.M) and re.search(r"^s:\d+\s+(trl|tel):", head, re.M):
+    if re.search(r"^s:\d+\s+(trl|tel):", head, re.M):
         return "llmc"
     if any(LLMC_STDOUT.match(line) and "loss" in line for line in lines[:20000]):
         return "llmc-stdout"
-    if re.search(r"^step:\d+/\d+\s+(train_loss|val_loss):", head, re.M):
+    if re.search(r"^step:\d+/\d+\s+(train_loss|val_loss):", head, re.M) or any(
+            NANOGPT_ITER.match(line) or NANOGPT_EVAL.match(line) for line in lines[:20000]):
         return "nanogpt"
     if any(MEGATRON_ITER.search(line) for line in lines[:20000]):
         return "megatron-log"

@@ -18,11 +18,15 @@ _SUMMARY_KEYS = ("train_loss", "train_runtime", "total_flos")
 _READ_KEYS = {"step", "current_steps", "loss", "grad_norm", "epoch", *_LR_KEYS}
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 1 << 20 else f"{n} bytes"
+
+
 def load_json(src: Source) -> Any:
     """The whole document (bounded: :data:`MAX_JSON_BYTES`); a broken one is a one-line error."""
     if src.size > MAX_JSON_BYTES:
-        raise LogFormatError(f"{src.path}: a {src.size / 2**20:.0f} MiB JSON document is larger than the "
-                             f"{MAX_JSON_BYTES >> 20} MiB read at once")
+        raise LogFormatError(f"{src.path}: a {_size(src.size)} JSON document is larger than the "
+                             f"{_size(MAX_JSON_BYTES)} read at once")
     try:
         with open(src.path, encoding=src.encoding or "utf-8", errors="replace") as fh:
             text = fh.read()

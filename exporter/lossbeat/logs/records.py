@@ -30,6 +30,9 @@ _MIN_STEPS_BEFORE_RESTART = 3
 (a step logged twice by two ranks at the start is a repeat, not a restart)."""
 
 
+_SINGULAR = {"lines": "line", "entries": "entry", "rows": "row", "events": "event"}
+
+
 class LogFormatError(ValueError):
     """The file cannot be read as a log: unknown format, broken content, not a regular file."""
 
@@ -77,7 +80,8 @@ class ReadCounts:
 
     def summary(self) -> str:
         """One line: read N units: kept ..., skipped ..., unreadable ..."""
-        text = f"read {self.read} {self.unit}: {self.train} train records, {self.evals} eval records"
+        unit = self.unit if self.read != 1 else _SINGULAR.get(self.unit, self.unit)
+        text = f"read {self.read} {unit}: {self.train} train records, {self.evals} eval records"
         if self.skipped:
             text += "; skipped " + ", ".join(f"{n} {why}" for why, n in self.skipped.items())
         if self.unreadable:
@@ -138,15 +142,13 @@ class ParsedLog:
 
 
 class _Run:
-    __slots__ = ("by_step", "evals", "first_step", "max_step", "start", "repeats")
+    __slots__ = ("by_step", "evals", "first_step", "start")
 
     def __init__(self, start: str) -> None:
         self.by_step: dict[int, TrainRecord] = {}
         self.evals: dict[tuple[int, str], EvalRecord] = {}
         self.first_step: int | None = None
-        self.max_step: int | None = None
         self.start = start
-        self.repeats = 0
 
 
 def log_interval(steps: list[int]) -> int:
@@ -213,13 +215,11 @@ class RecordBuilder:
               learning_rate: float | None = None, epoch: float | None = None) -> None:
         run = self._maybe_restart(step)
         if step in run.by_step:
-            run.repeats += 1
             self.skip("repeated steps (the latest record of a step kept)")
         else:
             self._records += 1
         run.by_step[step] = TrainRecord(step, loss, grad_norm, learning_rate, epoch)
         run.first_step = step if run.first_step is None else min(run.first_step, step)
-        run.max_step = step if run.max_step is None else max(run.max_step, step)
 
     def eval(self, step: int, loss: float, group: str = "") -> None:
         run = self._current()

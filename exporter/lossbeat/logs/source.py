@@ -14,7 +14,7 @@ from typing import Iterator
 
 from .records import LogFormatError, RecordBuilder
 
-__all__ = ["Source", "open_source", "iter_lines", "parse_number", "MAX_JSON_BYTES", "MAX_LINE_CHARS"]
+__all__ = ["Source", "open_source", "iter_lines", "parse_number", "compressed", "MAX_JSON_BYTES", "MAX_LINE_CHARS"]
 
 MAX_JSON_BYTES = 256 << 20
 """Largest JSON document read at once (trainer_state.json, golden values): json.load holds it all."""
@@ -56,7 +56,7 @@ def open_source(path: str) -> Source:
         raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
     if stat.S_ISDIR(st.st_mode):
         raise _fail(path, "is a directory, not a log file (a directory is read only when it holds "
-                          "TensorBoard event files)")
+                          f"TensorBoard event files){_known_inside(path)}")
     for test, kind in _KINDS:
         if test(st.st_mode):  # opening a FIFO would block until a writer comes
             raise _fail(path, f"is {kind}, not a regular file: save the log to a file first")
@@ -74,6 +74,27 @@ def open_source(path: str) -> Source:
         if bad > max(8, len(text) // 20):
             encoding, text = None, ""  # mostly undecodable: binary, or an encoding we would only garble
     return Source(path, st.st_size, head, encoding, text)
+
+
+_KNOWN_NAMES = ("trainer_state.json", "trainer_log.jsonl", "metrics.csv", "main.log")
+
+
+def _known_inside(directory: str) -> str:
+    try:
+        names = set(os.listdir(directory))
+    except OSError:
+        return ""
+    found = [n for n in _KNOWN_NAMES if n in names]
+    return f"; it holds {', '.join(found)}: pass that file" if found else ""
+
+
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"(\xb5/\xfd", "zstd"),
+               (b"PK\x03\x04", "zip"))
+
+
+def compressed(head: bytes) -> str | None:
+    """The compression format of a file from its first bytes, or None."""
+    return next((name for magic, name in _COMPRESSED if head.startswith(magic)), None)
 
 
 def _encoding(head: bytes) -> str | None:

@@ -8,6 +8,7 @@ read are listed in the notes.
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 
@@ -36,12 +37,33 @@ def event_files(directory: str) -> list[str]:
 
 
 def _loader():
+    """A generator of ``(event, bytes consumed so far)`` for one file, or None without tensorboard.
+
+    TensorBoard's own pieces, as its ``EventFileLoader`` chains them, with the byte count kept so
+    that a file cut short (a crash while writing) can be told from a complete one.
+    """
     try:
-        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-        from tensorboard.util import tensor_util
+        from tensorboard import data_compat, dataclass_compat
+        from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+        from tensorboard.compat.proto import event_pb2
     except ImportError:
-        return None, None
-    return EventFileLoader, tensor_util
+        return None
+
+    def events(path: str):
+        consumed, metadata = 0, {}
+        for raw in RawEventFileLoader(path).Load():
+            consumed += len(raw) + 16  # TFRecord framing: length (8), its CRC (4), data, data CRC (4)
+            event = data_compat.migrate_event(event_pb2.Event.FromString(raw))
+            for migrated in dataclass_compat.migrate_event(event, metadata):
+                yield migrated, consumed
+
+    return events
+
+
+def _tensor_util():
+    from tensorboard.util import tensor_util
+
+    return tensor_util
 
 
 def _pick(tags: dict[str, int], names: tuple[str, ...], prefix: str | None = None) -> str | None:
@@ -53,18 +75,20 @@ def _pick(tags: dict[str, int], names: tuple[str, ...], prefix: str | None = Non
 
 def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
     """Scalars of one or more event files (in order): a train record per step with a train loss."""
-    loader, tensor_util = _loader()
+    loader = _loader()
     if loader is None:
         raise LogFormatError(f"{out.path}: a TensorBoard event file: reading it needs the tensorboard "
                              "package (pip install 'lossbeat[tensorboard]')")
     out.counts.unit = "events"
+    tensor_util = _tensor_util()
     ordered: dict[str, list[tuple[int, int, float]]] = {}  # tag -> (arrival, step, value), in file order
     latest: dict[str, dict[int, float]] = {}  # tag -> step -> latest value (grad norm, LR, epoch lookups)
     skipped_tags: set[str] = set()
     arrival = 0
     for path in paths:
+        consumed = 0
         try:
-            for event in loader(path).Load():
+            for event, consumed in loader(path):
                 out.counts.read += 1
                 if not event.HasField("summary"):
                     out.skip("events without scalars (file version, graphs, metadata)")
@@ -90,6 +114,12 @@ def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
             out.note(f"{path}: reading stopped at event {out.counts.read} ({type(exc).__name__}: {exc})")
         if out.counts.stopped_at:
             break
+        size = os.path.getsize(path)
+        if consumed < size:
+            out.note(f"{path}: the last {size - consumed} bytes are not a complete event "
+                     "(the file was cut short while being written): not read")
+    if out.counts.read == 0:
+        raise LogFormatError(f"{out.path}: no TensorBoard event could be read (not an event file, or a corrupt one)")
     train = _pick(latest, _TRAIN)
     if train is None:
         candidates = [t for t in latest if "loss" in t.lower() and not _EVAL.match(t)]
@@ -108,9 +138,14 @@ def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
     merged = [(a, s, v, None) for a, s, v in ordered.get(train, [])] if train else []
     merged += [(a, s, v, group) for tag, group in evals.items() for a, s, v in ordered[tag]]
     merged.sort(key=lambda item: item[0])
+    lr_steps = sorted(latest[lr]) if lr else []
     for _, step, value, group in merged:  # file order, so that runs split where the step goes back
         out.where = f"step {step}"
         if group is None:
-            out.train(step, value, *(latest[t].get(step) if t else None for t in (grad, lr, epoch)))
+            # the LR holds until its next value (a LearningRateMonitor may log at other steps)
+            i = bisect.bisect_right(lr_steps, step)
+            rate = latest[lr][lr_steps[i - 1]] if i else None
+            out.train(step, value, latest[grad].get(step) if grad else None, rate,
+                      latest[epoch].get(step) if epoch else None)
         else:
             out.eval(step, value, group)

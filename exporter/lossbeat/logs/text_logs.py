@@ -14,7 +14,7 @@ from .source import Source, iter_lines, parse_number
 
 __all__ = [
     "parse_llmc_main", "parse_llmc_stdout", "parse_nanogpt", "parse_megatron_log", "parse_hf_stdout",
-    "LLMC_MAIN", "LLMC_STDOUT", "NANOGPT", "MEGATRON_ITER", "HF_DICT",
+    "LLMC_MAIN", "LLMC_STDOUT", "NANOGPT", "NANOGPT_ITER", "NANOGPT_EVAL", "MEGATRON_ITER", "HF_DICT", "HF_DICT_START",
 ]
 
 _NOT_RECORD = "lines that are not records (banners, progress, warnings)"
@@ -93,27 +93,39 @@ def parse_llmc_stdout(src: Source, out: RecordBuilder) -> None:
         out.skip(_NOT_RECORD)
 
 
-# --- modded-nanogpt speedrun: "step:N/M train_loss:L ..." / "step:N/M val_loss:V ..." --------
+# --- nanoGPT: the speedrun's "step:N/M train_loss:L" / "step:N/M val_loss:V", and karpathy/nanoGPT's
+# "iter N: loss L, time T ms, mfu M%" / "step N: train loss A, val loss B" ---------------------------
 
 NANOGPT = re.compile(r"^step:(\d+)/\d+\s+(.*)$")
+NANOGPT_ITER = re.compile(r"^iter (\d+): loss (\S+?),")
+NANOGPT_EVAL = re.compile(r"^step (\d+): train loss (\S+?), val loss (\S+)")
 
 
 def parse_nanogpt(src: Source, out: RecordBuilder) -> None:
+    """The "train loss" of karpathy/nanoGPT's eval line is an estimate over eval batches of the
+    training split, not a training step: only its val loss is read."""
     for line in iter_lines(src, out):
-        m = NANOGPT.match(line.strip())
-        if not m:
-            out.skip(_NOT_RECORD)
-            continue
-        step = int(m.group(1))
-        fields = dict(_KV.findall(m.group(2)))
-        if "train_loss" in fields:
-            out.train(step, _number(out, "train_loss", fields["train_loss"]))
-        elif "val_loss" in fields:
-            loss = _number(out, "val_loss", fields["val_loss"])
+        text = line.strip()
+        m = NANOGPT.match(text)
+        if m:
+            step = int(m.group(1))
+            fields = dict(_KV.findall(m.group(2)))
+            if "train_loss" in fields:
+                out.train(step, _number(out, "train_loss", fields["train_loss"]))
+            elif "val_loss" in fields:
+                loss = _number(out, "val_loss", fields["val_loss"])
+                if loss is not None:
+                    out.eval(step, loss)
+            else:
+                out.skip("step lines without train_loss or val_loss")
+        elif m := NANOGPT_ITER.match(text):
+            out.train(int(m.group(1)), _number(out, "loss", m.group(2)))
+        elif m := NANOGPT_EVAL.match(text):
+            loss = _number(out, "val loss", m.group(3).rstrip(","))
             if loss is not None:
-                out.eval(step, loss)
+                out.eval(int(m.group(1)), loss)
         else:
-            out.skip("step lines without train_loss or val_loss")
+            out.skip(_NOT_RECORD)
 
 
 # --- Megatron-LM: " iteration 100/ 500000 | ... | lm loss: 4.12E+00 | ... | grad norm: 1.234 | ..." --
@@ -170,6 +182,8 @@ def parse_megatron_log(src: Source, out: RecordBuilder) -> None:
 # --- Hugging Face Trainer stdout: "{'loss': 2.34, 'grad_norm': 1.2, 'learning_rate': 1.5e-04, 'epoch': 0.5}"
 
 HF_DICT = re.compile(r"\{'(?:loss|eval_[\w/.-]*loss|grad_norm|learning_rate|train_runtime|train_loss)'\s*:[^{}]*\}")
+HF_DICT_START = re.compile(r"\{'(?:loss|eval_[\w/.-]*loss)'\s*:")
+"""What detection looks for: a printed dict that starts with a train or eval loss."""
 _BAR = re.compile(r"(\d+)/(\d+)\s*\[")  # tqdm: " 5%|▌   | 50/1000 [00:10<03:00,  5.2it/s]"
 _WRAPPED = re.compile(r"^[\w.]+\(\s*([-+0-9.eEinfatINFAT]+)")  # tensor(1.2, device=...), np.float64(2.3)
 _HF_EVAL = re.compile(r"^eval_(?:(.+)_)?loss$")
@@ -203,6 +217,8 @@ def _dict_items(body: str) -> dict[str, str]:
 def _py_number(out: RecordBuilder, name: str, raw: str | None) -> float | None:
     if raw is None:
         return None
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        raw = raw[1:-1]  # transformers >= 4.5x prints floats formatted as strings: '2.34'
     value, ok = parse_number(raw)
     if not ok and (w := _WRAPPED.match(raw)):
         value, ok = parse_number(w.group(1))
@@ -278,7 +294,15 @@ def _derived_steps(out: RecordBuilder, raw_train: list[tuple[str, int | None, di
         interval = log_interval(positions)
         out.note(f"the Trainer prints no step: steps derived from the progress bar, snapped to the "
                  f"logging interval ({interval})")
-        return [max(1, round(p / interval)) * interval for p in positions]
+        steps: list[int] = []
+        for i, p in enumerate(positions):
+            snapped = round(p / interval) * interval
+            # keep the bar's own position where snapping would lose a record: step 1 of
+            # logging_first_step, or two records landing on one multiple
+            if snapped <= 0 or (steps and snapped == steps[-1] and p != positions[i - 1]):
+                snapped = p
+            steps.append(snapped)
+        return steps
     out.note("the Trainer prints no step and the log has no progress bar: steps are record numbers (1, 2, ...)")
     steps, k, last_epoch = [], 0, None
     for _, _, items in raw_train:
