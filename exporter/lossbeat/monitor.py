@@ -13,6 +13,7 @@ thread (:mod:`lossbeat.collector`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import numbers
@@ -286,7 +287,7 @@ class Monitor:
         if not isinstance(config, MonitorConfig):
             raise TypeError(f"config: expected a MonitorConfig, got {type(config).__name__}")
         self.thresholds = config.load_thresholds()
-        self.rank_context = rank_context or RankContext.from_env()
+        self.rank_context = rank_context or RankContext.detect()
         self._exports_layers = config.exports_layers(self.rank_context.rank)
         self.state = MonitorState(
             str(self.rank_context.rank),
@@ -425,7 +426,7 @@ class Monitor:
         self._measured = (model, norms, coefficient)
         return norms.global_norm
 
-    def measure_gradients(self, model: torch.nn.Module) -> torch.Tensor | None:
+    def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None) -> torch.Tensor | None:
         """Measure ``model``'s gradients now; the next ``observe(model=model)`` reports these norms.
 
         For a training loop or framework that changes the gradients between
@@ -435,13 +436,20 @@ class Monitor:
         again. Measuring again before that ``observe`` replaces the norms.
         Returns the global norm (a 0-d tensor, no host sync), or None when no
         parameter has a gradient or the measurement failed (counted in
-        ``training_exporter_errors_total``; training goes on).
+        ``training_exporter_errors_total``; training goes on). ``grad_scaler``: fp16's
+        GradScaler when the gradients still carry its scale (not yet ``unscale_``-d): the
+        norms are divided by the scale on the device.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        scale = _loss_scale(grad_scaler)
         try:
             per_layer = self._layers_due() and self._exports_layers
             norms = compute_grad_norms(self._grouping_for(model), per_layer)
+            if norms is not None and scale is not None:
+                layers = norms.layer_norms
+                norms = dataclasses.replace(norms, global_norm=norms.global_norm / scale,
+                                            layer_norms=None if layers is None else layers / scale)
         except Exception:  # may run inside an autograd callback: never break backward
             self._measured = None
             self.state.count_error("observe")
@@ -796,7 +804,7 @@ class NullMonitor:
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
-    def measure_gradients(self, model: torch.nn.Module) -> torch.Tensor | None:
+    def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None) -> torch.Tensor | None:
         return None
 
     def flush(self) -> None:
@@ -820,13 +828,16 @@ _running: Monitor | None = None
 
 
 def start_exporter(
-    port: int = DEFAULT_PORT, *, addr: str = "0.0.0.0", enabled: bool = True, **settings: Any
+    port: int = DEFAULT_PORT, *, addr: str = "0.0.0.0", enabled: bool = True,
+    rank_context: RankContext | None = None, **settings: Any
 ) -> Monitor | NullMonitor:
     """Serve /metrics on ``port + LOCAL_RANK`` and return the process's :class:`Monitor`.
 
     Calling it again returns the monitor already running (whatever the port).
     ``settings`` are :class:`MonitorConfig` fields. ``enabled=False`` or the
     environment variable ``LOSSBEAT_DISABLED=1`` gives a :class:`NullMonitor`.
+    ``rank_context``: the process's rank, local rank and world size; default
+    :meth:`RankContext.detect` (the process group's, else the launcher's variables).
     """
     global _running
     if not enabled or os.environ.get("LOSSBEAT_DISABLED", "") not in ("", "0"):
@@ -840,5 +851,13 @@ def start_exporter(
             if _running.config.port != port:
                 log.warning("lossbeat: exporter already running on port %s; ignoring port %s", _running.port, port)
             return _running
-        _running = Monitor(config)
+        _running = Monitor(config, rank_context=rank_context)
         return _running
+
+
+def _forget_running() -> None:
+    global _running
+    _running = None  # a forked child (a ddp_fork rank) starts its own; the copy serves nothing
+
+
+os.register_at_fork(after_in_child=_forget_running)

@@ -1,9 +1,14 @@
-"""HTTP serving of /metrics on a daemon thread, one port per local rank."""
+"""HTTP serving of /metrics on a daemon thread, one port per local rank; where this process sits in the job."""
 
 from __future__ import annotations
 
+import datetime
+import logging
 import os
-from dataclasses import dataclass
+import socket
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import start_http_server
 from prometheus_client.registry import CollectorRegistry
@@ -11,10 +16,25 @@ from prometheus_client.registry import CollectorRegistry
 __all__ = ["RankContext", "MetricsServer"]
 
 
-def _env_int(name: str, default: int) -> int:
+log = logging.getLogger("lossbeat")
+
+# Launchers' variables as (launcher, rank, local rank, world size), most specific first:
+# torchrun inside an srun step, or mpirun inside an sbatch script, inherit the Slurm
+# variables of the step that launched them (SLURM_PROCID=0 in every process).
+_LAUNCHERS = (
+    ("torchrun", "RANK", "LOCAL_RANK", "WORLD_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("mpich", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE"),
+    ("slurm", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
+)
+_HOST_WAIT_S = 30.0
+"""How long a rank waits, once, for the lower ranks' host names in the process group's store."""
+
+
+def _env_int(name: str) -> int | None:
     raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+    if raw is None or raw.strip() == "":
+        return None
     try:
         return int(raw)
     except ValueError:
@@ -23,15 +43,93 @@ def _env_int(name: str, default: int) -> int:
 
 @dataclass(frozen=True)
 class RankContext:
-    """Where this process sits in a torch.distributed job (from torchrun's variables)."""
+    """Where this process sits in a distributed job: global rank, rank on its node, world size."""
 
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    source: str = field(default="default", compare=False)
+    """Where the values came from: a launcher's name, "process group", "trainer" or "default"."""
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "local_rank", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "world_size" else 0):
+                raise ValueError(f"{name}: expected an int >= {1 if name == 'world_size' else 0}, got {value!r}")
+
+    @classmethod
+    def detect(cls) -> "RankContext":
+        """From the initialised default process group (rank, world size) when there is one, else
+        from the launcher's variables (:meth:`from_env`).
+
+        A group started without launcher variables (``torch.multiprocessing.spawn`` with
+        ``init_process_group(rank=..., world_size=...)``) gives no local rank: each rank then
+        writes its host name to the group's store and counts the lower ranks on its host
+        (waiting up to 30 s, once, for them to start their monitors; no collective).
+        """
+        try:
+            import torch.distributed as dist
+
+            initialised = dist.is_available() and dist.is_initialized()
+        except ImportError:  # pragma: no cover - torch without distributed support
+            initialised = False
+        env = cls.from_env()
+        if not initialised:
+            return env
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        # The launcher's local rank holds when its ranks are the group's: not when one srun task
+        # (SLURM_LOCALID=0) spawns the group's processes itself.
+        if env.source != "default" and (env.rank, env.world_size) == (rank, world_size):
+            return cls(rank, env.local_rank, world_size, env.source)
+        return cls(rank, _local_rank_from_store(dist, rank), world_size, "process group")
 
     @classmethod
     def from_env(cls) -> "RankContext":
-        return cls(_env_int("RANK", 0), _env_int("LOCAL_RANK", 0), _env_int("WORLD_SIZE", 1))
+        """From the launcher's variables: torchrun (RANK, LOCAL_RANK, WORLD_SIZE), Open MPI
+        (OMPI_COMM_WORLD_*), MPICH/Intel MPI (PMI_RANK, MPI_LOCALRANKID, PMI_SIZE), Slurm
+        (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS), or Lightning's launcher (LOCAL_RANK,
+        NODE_RANK, WORLD_SIZE, no RANK); rank 0 of 1 when there are none."""
+        for launcher, rank_name, local_name, size_name in _LAUNCHERS:
+            rank = _env_int(rank_name)
+            if rank is None:
+                continue
+            local_rank = _env_int(local_name)
+            world_size = _env_int(size_name)
+            return cls(rank, rank if local_rank is None else local_rank, world_size or rank + 1, launcher)
+        local_rank = _env_int("LOCAL_RANK")
+        if local_rank is not None:  # Lightning's subprocess launcher: no global rank given
+            world_size = _env_int("WORLD_SIZE") or local_rank + 1
+            node_rank = _env_int("NODE_RANK") or _env_int("GROUP_RANK") or 0
+            per_node = _env_int("LOCAL_WORLD_SIZE") or (world_size if node_rank == 0 else None)
+            if per_node is None:
+                log.warning("lossbeat: NODE_RANK=%s without LOCAL_WORLD_SIZE: the global rank is unknown "
+                            "until the process group starts; using LOCAL_RANK", node_rank)
+                return cls(local_rank, local_rank, world_size, "lightning")
+            return cls(node_rank * per_node + local_rank, local_rank, world_size, "lightning")
+        return cls()
+
+
+def _local_rank_from_store(dist: Any, rank: int) -> int:
+    """The number of lower ranks on this host, through the default group's key-value store.
+
+    Key writes and reads only: a rank waits for the lower ranks' keys, never for a
+    collective, so a rank that builds its monitor alone cannot hang the job.
+    """
+    host = socket.gethostname()
+    try:
+        store = dist.PrefixStore("lossbeat/host/", dist.distributed_c10d._get_default_store())
+        store.set(str(rank), host)
+        if rank == 0:
+            return 0
+        keys = [str(r) for r in range(rank)]
+        store.wait(keys, datetime.timedelta(seconds=_HOST_WAIT_S))
+        hosts = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+        return sum(1 for h in hosts if h.decode() == host)
+    except Exception as exc:  # noqa: BLE001 - a store without the API, or lower ranks without a monitor
+        log.warning("lossbeat: no local rank from the launcher or the process group's store (%s); "
+                    "using the global rank %d; pass rank_context=RankContext(...) to start_exporter to choose",
+                    exc, rank)
+        return rank
 
 
 class MetricsServer:
@@ -56,8 +154,28 @@ class MetricsServer:
             ) from exc
         self.addr = addr
         self.port: int = self._server.server_address[1]
+        self._pid = os.getpid()
+        _serving.add(self)
 
     def close(self) -> None:
+        _serving.discard(self)
+        if self._pid != os.getpid():  # a forked copy: its serving thread stayed in the parent
+            self._server.server_close()
+            return
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+_serving: "weakref.WeakSet[MetricsServer]" = weakref.WeakSet()
+
+
+def _close_inherited_sockets() -> None:
+    """In a forked child (a DataLoader worker, a ddp_fork rank): close the listening sockets it
+    inherited, so the parent's close() frees the port and no scrape reaches a process that
+    never answers."""
+    for server in list(_serving):
+        server.close()
+
+
+os.register_at_fork(after_in_child=_close_inherited_sockets)
