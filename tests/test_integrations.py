@@ -48,9 +48,9 @@ def _hf_run(tmp_path, *, per_step: bool, max_grad_norm: float = 0.05):
     measure = monitor.measure_gradients
     monitor.measured_calls = 0
 
-    def counted_measure(model):  # counts how often the gradients are read at the end of backward
+    def counted_measure(model, **kwargs):  # counts how often the gradients are read at the end of backward
         monitor.measured_calls += 1
-        return measure(model)
+        return measure(model, **kwargs)
 
     monitor.measure_gradients = counted_measure
     callback = LossbeatCallback(monitor, per_step=per_step)
@@ -89,7 +89,7 @@ def test_hf_trainer_per_step_feeds_loss_grad_norms_and_eval(tmp_path):
     assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(last["grad_norm"], rel=1e-4)
     lrs = s["training_learning_rate"]
     assert all(v == pytest.approx(last["learning_rate"]) for v in lrs.values())
-    assert _value(s, "training_epoch") == pytest.approx(logged[-2]["epoch"])  # state.epoch before the step ends
+    assert _value(s, "training_epoch") == pytest.approx(last["epoch"])  # the epoch the Trainer gives the step
     assert _value(s, "training_eval_total") == len(evals) == 2
     assert _value(s, "training_eval_loss") == pytest.approx(evals[-1]["eval_loss"])
     assert callback._hook is None  # removed at on_train_end
@@ -287,3 +287,118 @@ def test_lightning_fallback_uses_train_batch_outputs_when_backward_bypasses_ligh
     assert _value(s, "training_steps_total") == 4
     assert _value(s, "training_loss") == pytest.approx(module.losses[-1], rel=1e-6)
     assert "training_layer_grad_norm" not in s
+
+
+# --- end of backward under fp16, the step's epoch, failures at the end of training ------------
+
+
+def test_hf_fp16_with_clipping_measures_before_the_clip_and_exports_each_steps_epoch(tmp_path):
+    """fp16=True with max_grad_norm: the norms are read at the end of backward, where the
+    gradients carry the loss scale, and divided by it: the Trainer's own pre-clip grad_norm, not
+    at most max_grad_norm. On CPU accelerate builds no GradScaler (its fp16 needs an
+    accelerator), so the real Trainer's accelerator is given a CPU GradScaler as accelerate
+    gives one on CUDA (scaler and native_amp): backward scales the loss, the clip unscales the
+    gradients, the optimizer step goes through the scaler.
+    The exported epoch is the one the Trainer gives each step, across epoch ends."""
+    require_module("transformers")
+    require_module("accelerate")
+    from hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from lossbeat.integrations.hf import LossbeatCallback
+
+    monitor = Monitor(MonitorConfig(port=0), serve=False)
+    epochs: list[tuple[float, float]] = []
+
+    class Epochs(TrainerCallback):  # after each step: (exported epoch, the Trainer's)
+        def on_step_end(self, args, state, control, **kwargs):
+            epochs.append((monitor.state.epoch, state.epoch))
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=7, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        logging_steps=1, learning_rate=1e-3, max_grad_norm=0.05, fp16=True, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, seed=0,
+    )
+    # 20 samples: 5 micro-batches per epoch, the last step of each epoch has one.
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(20, 1),
+                      callbacks=[LossbeatCallback(monitor), Epochs()])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True
+    trainer.train()
+
+    logged = [r for r in trainer.state.log_history if "loss" in r]
+    s = _scrape(monitor)
+    assert _value(s, "training_steps_total") == len(logged) == 7
+    last = logged[-1]
+    assert last["grad_norm"] > 0.05
+    assert _value(s, "training_grad_norm") == pytest.approx(last["grad_norm"], rel=1e-4)
+    layers = _layers(s)
+    assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(last["grad_norm"], rel=1e-4)
+    assert _value(s, "training_grad_scale") == 2.0**12
+    assert _value(s, "training_grad_scaler_overflows_total") == 0
+    assert [e for e, _ in epochs] == pytest.approx([t for _, t in epochs])
+    assert [t for _, t in epochs] == pytest.approx([0.4, 0.8, 1.0, 1.4, 1.8, 2.0, 2.4])
+    assert _value(s, "training_epoch") == pytest.approx(last["epoch"])
+
+
+class _FailingFlush(Monitor):
+    """A monitor whose last deferred read fails, as a device error surfaces there on CUDA."""
+
+    def flush(self) -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+def test_a_failing_flush_at_train_end_is_counted_not_raised_into_the_trainer(tmp_path):
+    Regressor = _lightning_module()
+    L = require_module("lightning")
+    from lossbeat.integrations.lightning import LossbeatCallback as LightningCallback
+
+    monitor = _FailingFlush(MonitorConfig(port=0), serve=False)
+    x = torch.randn(32, 8)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[LightningCallback(monitor)])
+    trainer.fit(Regressor(), data)  # on_train_end flushes: no exception escapes
+    assert trainer.global_step == 3
+    assert monitor.state.errors["observe"] == 1
+
+    require_module("transformers")
+    from hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer, TrainingArguments
+
+    from lossbeat.integrations.hf import LossbeatCallback as HFCallback
+
+    hf_monitor = _FailingFlush(MonitorConfig(port=0), serve=False)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(16, 1), callbacks=[HFCallback(hf_monitor)]).train()
+    assert _value(_scrape(hf_monitor), "training_steps_total") == 2
+    assert hf_monitor.state.errors["observe"] == 1
+
+
+def test_hf_callback_starts_its_exporter_when_training_begins_with_the_trainers_ranks(tmp_path):
+    """Built with settings, the callback starts no server until on_train_begin, in the process
+    that trains (a forked or spawned rank's own), labelled with the Trainer's ranks."""
+    require_module("transformers")
+    import urllib.request
+
+    from hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer, TrainingArguments
+
+    from lossbeat.integrations.hf import LossbeatCallback
+
+    with pytest.raises(TypeError, match="unknown exporter setting 'run'"):
+        LossbeatCallback(run="x")
+    callback = LossbeatCallback(port=0, addr="127.0.0.1", run_name="hf-rank-process")
+    assert callback.monitor is None
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(16, 1), callbacks=[callback]).train()
+    monitor = callback.monitor
+    try:
+        assert monitor.rank_context.source == "trainer"
+        assert (monitor.rank_context.rank, monitor.rank_context.world_size) == (args.process_index, args.world_size)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{monitor.port}/metrics", timeout=10).read().decode()
+        assert 'training_steps_total{rank="0"} 2.0' in body and 'run="hf-rank-process"' in body
+    finally:
+        monitor.close()

@@ -12,12 +12,16 @@ import sys
 import time
 from pathlib import Path
 
+import pickle
+
 import pytest
 
 from lossbeat.server import MetricsServer, RankContext
+from conftest import require_module
 from test_distributed import scrape
 
-WORKER = Path(__file__).with_name("launch_worker.py")
+WORKER = str(Path(__file__).with_name("launch_worker.py"))
+LIGHTNING_WORKER = str(Path(__file__).with_name("lightning_launch_worker.py"))
 LAUNCHER_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
     "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -55,9 +59,9 @@ def clean_env(**variables: object) -> dict[str, str]:
 
 
 def run_ranks(tmp_path: Path, launches: list[tuple[list[str], dict[str, str]]], ranks: list[int]) -> dict[int, dict]:
-    """Starts each (arguments, environment) worker, waits for ``ready.<rank>`` of every rank,
-    scrapes each rank's port; returns {rank: {"ready": ..., "metrics": ...}}."""
-    jobs = [subprocess.Popen([sys.executable, str(WORKER), *argv, "--dir", str(tmp_path)], env=env,
+    """Starts each (script and arguments, environment) worker, waits for ``ready.<rank>`` of every
+    rank, scrapes each rank's port; returns {rank: {"ready": ..., "metrics": ...}}."""
+    jobs = [subprocess.Popen([sys.executable, *argv, "--dir", str(tmp_path)], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for argv, env in launches]
     out: dict[int, dict] = {}
@@ -120,14 +124,14 @@ NODE_OF_TWO = [
 @pytest.mark.parametrize("launcher, variables, ranks, world, source", NODE_OF_TWO, ids=[c[0] for c in NODE_OF_TWO])
 def test_each_launcher_gives_each_rank_its_port_and_rank_label(tmp_path, launcher, variables, ranks, world, source):
     base = free_ports(2)
-    launches = [(["env", "--port", str(base)], clean_env(**variables(i))) for i in range(2)]
+    launches = [([WORKER, "env", "--port", str(base)], clean_env(**variables(i))) for i in range(2)]
     results = run_ranks(tmp_path, launches, ranks)
     assert_served(results, base, {r: (i, world) for i, r in enumerate(ranks)}, source)
 
 
 def test_srun_ranks_that_start_a_process_group_keep_slurms_local_rank(tmp_path):
     base = free_ports(2)
-    launches = [(["group", "--port", str(base), "--rank", str(i), "--world", "2"],
+    launches = [([WORKER, "group", "--port", str(base), "--rank", str(i), "--world", "2"],
                  clean_env(SLURM_PROCID=i, SLURM_LOCALID=i, SLURM_NTASKS=2)) for i in range(2)]
     assert_served(run_ranks(tmp_path, launches, [0, 1]), base, {0: (0, 2), 1: (1, 2)}, "slurm")
 
@@ -138,8 +142,46 @@ def test_multiprocessing_spawn_ranks_come_from_the_process_group(tmp_path, inher
     """mp.spawn + init_process_group(rank=i): no variable names the rank (or only the one srun
     task's, the same in every process); the group and its store give rank and local rank."""
     base = free_ports(2)
-    results = run_ranks(tmp_path, [(["spawn", "--port", str(base), "--world", "2"], clean_env(**inherited))], [0, 1])
+    results = run_ranks(tmp_path, [([WORKER, "spawn", "--port", str(base), "--world", "2"], clean_env(**inherited))], [0, 1])
     assert_served(results, base, {0: (0, 2), 1: (1, 2)}, "process group")
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
+def test_lightning_ranks_in_spawned_or_forked_children_serve_their_steps(tmp_path, strategy):
+    """The callback is built in the launching process; each rank's process starts its own
+    exporter in setup(), labelled with the trainer's ranks, and /metrics shows its steps."""
+    require_module("lightning")
+    base = free_ports(2)
+    argv = [LIGHTNING_WORKER, "--strategy", strategy, "--port", str(base), "--steps", "4"]
+    results = run_ranks(tmp_path, [(argv, clean_env())], [0, 1])
+    for rank in (0, 1):
+        ready, metrics = results[rank]["ready"], results[rank]["metrics"]
+        assert ready["port"] == base + rank and ready["global_step"] == 4 and ready["observed"] == 4
+        assert metrics["training_steps_total"] == [({"rank": str(rank)}, 4.0)]
+        assert metrics["training_step"] == [({"rank": str(rank)}, 4.0)]
+        info = metrics["training_run_info"][0][0]
+        assert (info["local_rank"], info["world_size"], info["run"]) == (str(rank), "2", "lightning-launch")
+    assert results[0]["ready"]["pid"] != results[1]["ready"]["pid"]
+    # Per-layer norms from rank 0 only, as under torchrun.
+    assert "training_layer_grad_norm" in results[0]["metrics"]
+    assert "training_layer_grad_norm" not in results[1]["metrics"]
+
+
+def test_a_monitor_built_in_the_launching_process_cannot_go_to_spawned_ranks():
+    require_module("lightning")
+    from lossbeat import Monitor, MonitorConfig
+    from lossbeat.integrations.lightning import LossbeatCallback
+
+    with pytest.raises(TypeError, match="pass exporter settings instead"):
+        pickle.dumps(LossbeatCallback(Monitor(MonitorConfig(port=0), serve=False)))  # what ddp_spawn does
+    restored = pickle.loads(pickle.dumps(LossbeatCallback(port=9999, run_name="r")))
+    assert restored.monitor is None and restored._settings == {"port": 9999, "run_name": "r"}
+    with pytest.raises(TypeError, match="unknown exporter setting 'prot'"):
+        LossbeatCallback(prot=9000)
+    with pytest.raises(ValueError, match="port"):
+        LossbeatCallback(port=-1)
+    with pytest.raises(TypeError, match="not both"):
+        LossbeatCallback(Monitor(MonitorConfig(port=0), serve=False), port=9000)
 
 
 # --- in-process: the variables' precedence and errors -----------------------------------------
@@ -205,5 +247,18 @@ def test_a_forked_child_does_not_keep_the_port(tmp_path):
     finally:
         os.write(write, b"x")
         os.close(write)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+        status = wait_or_kill(pid, 30)
+    assert status == 0, "the child's close() of its inherited server hung or failed"
+
+
+def wait_or_kill(pid: int, seconds: float) -> int | None:
+    """The child's exit code, or None after killing it once ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import logging
 import math
 import numbers
@@ -558,7 +559,7 @@ class Monitor:
         self._measured = (model, norms, coefficient)
         return norms.global_norm
 
-    def measure_gradients(self, model: torch.nn.Module) -> torch.Tensor | None:
+    def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None) -> torch.Tensor | None:
         """Measure ``model``'s gradients now; the next ``observe(model=model)`` reports these norms.
 
         For a training loop or framework that changes the gradients between
@@ -568,14 +569,21 @@ class Monitor:
         again. Measuring again before that ``observe`` replaces the norms.
         Returns the global norm (a 0-d tensor, no host sync), or None when no
         parameter has a gradient or the measurement failed (counted in
-        ``training_exporter_errors_total{where="gradients"}``; training goes on).
+        ``training_exporter_errors_total{where="gradients"}``; training goes on). ``grad_scaler``: fp16's
+        GradScaler when the gradients still carry its scale (not yet ``unscale_``-d): the
+        norms are divided by the scale on the device.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         _refuse_graph_capture("measure_gradients")
+        scale = _loss_scale(grad_scaler)
         try:
             per_layer = self._layers_due() and self._exports_layers
             norms = compute_grad_norms(self._grouping_for(model), per_layer)
+            if norms is not None and scale is not None:
+                layers = norms.layer_norms
+                norms = dataclasses.replace(norms, global_norm=norms.global_norm / scale,
+                                            layer_norms=None if layers is None else layers / scale)
         except Exception as e:  # may run inside an autograd callback: never break backward
             self._measured = None
             self._gradient_error("measure_gradients", e)
@@ -1041,7 +1049,7 @@ class NullMonitor:
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
-    def measure_gradients(self, model: torch.nn.Module) -> torch.Tensor | None:
+    def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None) -> torch.Tensor | None:
         return None
 
     def flush(self) -> None:

@@ -129,7 +129,8 @@ def _local_rank_from_store(dist: Any, rank: int) -> int:
         return sum(1 for h in hosts if h.decode() == host)
     except Exception as exc:  # noqa: BLE001 - a store without the API, or lower ranks without a monitor
         log.warning("lossbeat: no local rank from the launcher or the process group's store (%s); "
-                    "using the global rank %d (set LOCAL_RANK to choose)", exc, rank)
+                    "using the global rank %d; pass rank_context=RankContext(...) to start_exporter to choose",
+                    exc, rank)
         return rank
 
 

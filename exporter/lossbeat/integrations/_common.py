@@ -1,24 +1,74 @@
-"""Shared by the integrations: picking the monitor, the eval loss, measuring gradients before clipping."""
+"""Shared by the integrations: the rank process's monitor, the eval loss, measuring gradients before clipping."""
 
 from __future__ import annotations
 
+import logging
 import numbers
+import os
 from typing import Any, Mapping
 
 import torch
 
-from ..monitor import Monitor, NullMonitor, start_exporter
+from ..monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
+from ..server import RankContext
 
-__all__ = ["resolve_monitor", "eval_loss_from", "AfterBackward"]
+__all__ = ["check_monitor", "rank_monitor", "flush_quietly", "eval_loss_from", "AfterBackward"]
+
+log = logging.getLogger("lossbeat")
 
 
-def resolve_monitor(monitor: Monitor | NullMonitor | None) -> Monitor | NullMonitor:
-    """The given monitor, or the process's exporter (:func:`start_exporter`, default port)."""
+def check_monitor(monitor: Monitor | NullMonitor | None, settings: Mapping[str, Any]) -> None:
+    """Raises at once for a callback given a wrong ``monitor``, both a monitor and exporter
+    settings, or settings :func:`start_exporter` does not take."""
+    if monitor is not None:
+        if not isinstance(monitor, (Monitor, NullMonitor)):
+            raise TypeError(f"monitor: expected a lossbeat Monitor, got {type(monitor).__name__}")
+        if settings:
+            raise TypeError(f"{sorted(settings)[0]}: give a monitor or exporter settings, not both")
+        return
+    fields = {k: v for k, v in settings.items() if k != "enabled"}
+    unknown = set(fields) - set(MonitorConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"LossbeatCallback: unknown exporter setting {sorted(unknown)[0]!r}")
+    MonitorConfig(**fields)  # bad values raise here, not in the rank processes
+
+
+def rank_monitor(
+    given: Monitor | NullMonitor | None, given_in_pid: int, settings: Mapping[str, Any], ranks: RankContext
+) -> Monitor | NullMonitor:
+    """The monitor of this rank process: ``given`` when it was built in this process, else the
+    process's exporter (:func:`start_exporter` with ``settings``) labelled with the trainer's ranks.
+
+    A trainer that runs its ranks in forked or spawned children (Lightning's ``ddp_spawn``,
+    ``ddp_fork``, ``ddp_notebook``; ``accelerate``'s notebook launcher) calls this in each
+    child: a monitor built in the launching process would be a copy that nothing serves.
+    """
+    if isinstance(given, NullMonitor):
+        return given
+    if given is not None:
+        if given_in_pid != os.getpid():
+            raise RuntimeError(
+                "LossbeatCallback(monitor=...): the monitor was built in the launching process "
+                f"(pid {given_in_pid}), and this rank runs in process {os.getpid()} (ddp_spawn, ddp_fork, "
+                "ddp_notebook), where nothing serves it; pass exporter settings instead "
+                "(LossbeatCallback(port=..., run_name=...)) and each rank starts its own"
+            )
+        return given
+    return start_exporter(rank_context=ranks, **settings)
+
+
+def flush_quietly(monitor: Monitor | NullMonitor | None) -> None:
+    """``monitor.flush()`` at the end of training: an error is counted and logged, never raised
+    into the trainer (like :meth:`Monitor.close`)."""
     if monitor is None:
-        return start_exporter()
-    if not isinstance(monitor, (Monitor, NullMonitor)):
-        raise TypeError(f"monitor: expected a lossbeat Monitor, got {type(monitor).__name__}")
-    return monitor
+        return
+    try:
+        monitor.flush()
+    except Exception:  # noqa: BLE001 - e.g. a device error surfacing at the last deferred read
+        state = getattr(monitor, "state", None)
+        if state is not None:
+            state.count_error("observe")
+        log.error("lossbeat: error flushing the monitor at the end of training", exc_info=True)
 
 
 def _real(value: Any) -> float | torch.Tensor | None:
@@ -56,11 +106,13 @@ class AfterBackward:
     which writes the all-reduced gradients back: the norms are the job's, not
     this rank's local ones. The measurement is ``monitor.measure_gradients``: one
     fused reduction left on the device (no host sync), reported by the next
-    ``observe(model=model)``.
+    ``observe(model=model)``. ``grad_scaler``: fp16's GradScaler, whose scale the gradients
+    still carry at that point: the norms are divided by it on the device.
     """
 
-    def __init__(self, monitor: Monitor | NullMonitor) -> None:
+    def __init__(self, monitor: Monitor | NullMonitor, grad_scaler: Any = None) -> None:
         self.monitor = monitor
+        self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         engine = getattr(torch.autograd.Variable, "_execution_engine", None)
         self._queue = getattr(engine, "queue_callback", None)
 
@@ -71,7 +123,7 @@ class AfterBackward:
             return
 
         def measure() -> None:
-            self.monitor.measure_gradients(model)  # never raises: errors are counted
+            self.monitor.measure_gradients(model, grad_scaler=self.grad_scaler)  # errors are counted
 
         def at_end_of_backward(grad: torch.Tensor) -> None:
             # Queued from the first callback: it runs after those queued during the pass.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -13,7 +14,8 @@ except ImportError:  # pragma: no cover - the Trainer itself needs accelerate
     GradientState = None
 
 from ..monitor import Monitor, NullMonitor
-from ._common import AfterBackward, eval_loss_from, resolve_monitor
+from ..server import RankContext
+from ._common import AfterBackward, check_monitor, eval_loss_from, flush_quietly, rank_monitor
 
 __all__ = ["LossbeatCallback"]
 
@@ -32,14 +34,20 @@ class LossbeatCallback(TrainerCallback):
 
     Hooks and the fields they feed:
 
-    - ``on_train_begin``: registers a forward hook on the model that keeps the
+    - ``on_train_begin`` (in each rank's process, once the Trainer has started
+      the process group): the monitor, unless one was given: the process's
+      exporter (:func:`~lossbeat.monitor.start_exporter` with ``settings``)
+      labelled with ``args.process_index``, ``local_process_index`` and
+      ``world_size``, serving on ``port + local_process_index``. Then it registers a forward hook on the model that keeps the
       training loss of each micro-batch (a running sum on the device, reset
       every optimizer step: bounded memory).
     - end of each backward pass (an autograd-engine callback queued by a hook
       on the loss; only when ``max_grad_norm`` clips):
       ``Monitor.measure_gradients(model)``, the global and per-layer gradient
       norms before the Trainer clips them, which it does before
-      ``on_pre_optimizer_step``. Under DDP they are measured after the
+      ``on_pre_optimizer_step``. With ``fp16=True`` the gradients still carry
+      the GradScaler's loss scale there: the norms are divided by it on the
+      device (no host sync). Under DDP they are measured after the
       all-reduce. Only the step's last micro-batch is measured (accelerate's
       ``GradientState.sync_gradients``): its backward completes the gradients.
     - ``on_pre_optimizer_step``: ``Monitor.observe(step, loss, model, optimizer, epoch)``:
@@ -47,33 +55,40 @@ class LossbeatCallback(TrainerCallback):
       this step), ``loss`` the step's loss over its micro-batches (the sum of
       their shares when the model is given ``num_items_in_batch``, else their
       mean), as the Trainer logs it; the learning rates from the optimizer's
-      param groups, ``epoch`` the fractional ``state.epoch``; the gradient
+      param groups, ``epoch`` the fractional epoch the Trainer gives this step
+      (``state.epoch`` is still the previous step's here: the step's micro-batches
+      are added, as the Trainer adds them after the step); the gradient
       norms are those measured at the end of backward (read here when nothing
       clips).
     - ``on_log``: only in fallback mode: ``loss``, ``grad_norm``,
       ``learning_rate`` and ``epoch`` of the log record. Eval keys are left to
       ``on_evaluate`` so nothing is counted twice.
     - ``on_evaluate``: ``Monitor.observe_eval(state.global_step, metrics[eval_key])``.
-    - ``on_train_end``: removes the hook and flushes the monitor.
+    - ``on_train_end``: removes the hook and flushes the monitor (an error there is
+      counted, never raised).
 
     Args:
-        monitor: the monitor to feed; default :func:`~lossbeat.monitor.start_exporter`
-            (serves /metrics on port 8470 + LOCAL_RANK).
+        monitor: the monitor to feed, built in the process that trains; default: each
+            rank's exporter, started in ``on_train_begin`` (/metrics on port 8470 + local rank).
         eval_key: the metric that is the eval loss. Default ``eval_loss``, or
             with several eval datasets the first ``eval_<name>_loss`` in sorted order.
         per_step: ``False`` observes logged steps only (``on_log``).
+        **settings: :func:`~lossbeat.monitor.start_exporter` arguments (``port``,
+            ``addr``, ``run_name``, any :class:`~lossbeat.monitor.MonitorConfig`
+            field) for the exporter each rank starts; checked here.
 
     Raises:
-        TypeError: if ``monitor`` is not a lossbeat monitor.
+        TypeError: if ``monitor`` is not a lossbeat monitor, is given with settings,
+            or a setting is unknown; ValueError for a bad setting value.
+        RuntimeError: in ``on_train_begin``, if ``monitor`` was built in another
+            process than the one that trains (a forked or spawned rank).
 
     Note:
-        With ``fp16=True`` (a GradScaler) the gradients at the end of backward
-        are still scaled, so the end-of-backward measurement is skipped and the
-        norms are read in ``on_pre_optimizer_step`` (unscaled, after clipping;
-        without clipping the callback unscales them, as ``optimizer.step()``
-        would). The scaler goes to ``observe(grad_scaler=...)``: the loss scale
-        is exported, and a step it skips for overflowing gradients counts as an
-        overflow, not as a non-finite gradient.
+        With ``fp16=True`` (a GradScaler) and no clipping, the norms are read in
+        ``on_pre_optimizer_step``, after the callback unscales the gradients as
+        ``optimizer.step()`` would. The scaler goes to ``observe(grad_scaler=...)``:
+        the loss scale is exported, and a step it skips for overflowing gradients
+        counts as an overflow, not as a non-finite gradient.
 
     Example::
 
@@ -83,9 +98,15 @@ class LossbeatCallback(TrainerCallback):
     """
 
     def __init__(
-        self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None, per_step: bool = True
+        self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None, per_step: bool = True,
+        **settings: Any,
     ) -> None:
-        self.monitor = resolve_monitor(monitor)
+        check_monitor(monitor, settings)
+        self._monitor = monitor
+        self._given = monitor
+        self._given_in_pid = os.getpid()
+        self._settings = settings
+        self._started_in = os.getpid()
         self.eval_key = eval_key
         self.per_step = bool(per_step)
         self._loss_sum: torch.Tensor | None = None
@@ -94,8 +115,15 @@ class LossbeatCallback(TrainerCallback):
         self._share_scale = 1.0
         self._observed_steps = 0
         self._hook: Any = None
-        self._after_backward = AfterBackward(self.monitor)
+        self._after_backward: AfterBackward | None = None
         self._measure_pre_clip = False
+        self._steps_in_epoch: float | None = None  # micro-batches per epoch, as the Trainer counts them
+        self._epoch_at_step_begin = 0.0
+
+    @property
+    def monitor(self) -> Monitor | NullMonitor | None:
+        """The monitor fed: the one given, else the rank's exporter once training has begun (None before)."""
+        return self._monitor
 
     @property
     def observed_steps(self) -> int:
@@ -104,9 +132,14 @@ class LossbeatCallback(TrainerCallback):
 
     # --- hooks -------------------------------------------------------------------
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         self._remove_hook()
-        self._measure_pre_clip = bool(args.max_grad_norm) and not args.fp16
+        self._start(args)
+        # fp16: accelerate's optimizer carries the GradScaler; the norms measured at the end of
+        # backward are divided by its scale, read there as a device tensor.
+        self._after_backward = AfterBackward(self._monitor, getattr(optimizer, "scaler", None))
+        self._measure_pre_clip = bool(args.max_grad_norm)
+        self._steps_in_epoch = _batches_per_epoch(train_dataloader, state, args)
         if self.per_step and isinstance(model, torch.nn.Module):
             self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
         # Across devices, num_items_in_batch counts every rank's tokens: the Trainer then
@@ -115,6 +148,7 @@ class LossbeatCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._reset()
+        self._epoch_at_step_begin = float(state.epoch or 0.0)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self._loss_sum is None:
@@ -131,7 +165,11 @@ class LossbeatCallback(TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and scaler.is_enabled() and not args.max_grad_norm:
             scaler.unscale_(getattr(optimizer, "optimizer", optimizer))
-        self.monitor.observe(state.global_step + 1, loss=loss, model=model, optimizer=optimizer, epoch=state.epoch,
+        # The Trainer sets state.epoch after the step: epoch + micro-batches seen / micro-batches per epoch.
+        epoch = self._epoch_at_step_begin
+        if self._steps_in_epoch:
+            epoch += self._micro_batches / self._steps_in_epoch
+        self.monitor.observe(state.global_step + 1, loss=loss, model=model, optimizer=optimizer, epoch=epoch,
                              grad_scaler=scaler)
         self._observed_steps += 1
         self._reset()
@@ -145,7 +183,7 @@ class LossbeatCallback(TrainerCallback):
         grad_norm = logs.get("grad_norm")
         lr = logs.get("learning_rate")
         epoch = logs.get("epoch")
-        self.monitor.observe(
+        self._start(args).observe(
             state.global_step, loss=float(loss),
             grad_norm=float(grad_norm) if isinstance(grad_norm, (int, float)) else None,
             learning_rate=float(lr) if isinstance(lr, (int, float)) else None,
@@ -155,14 +193,22 @@ class LossbeatCallback(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         found = eval_loss_from(metrics, self.eval_key)
         if found is not None:
-            self.monitor.observe_eval(state.global_step, found[1])
+            self._start(args).observe_eval(state.global_step, found[1])
 
     def on_train_end(self, args, state, control, **kwargs):
         self._remove_hook()
         self._reset()
-        self.monitor.flush()
+        flush_quietly(self._monitor)
 
     # --- internals ---------------------------------------------------------------
+
+    def _start(self, args: Any) -> Monitor | NullMonitor:
+        """The monitor, started in this (rank) process on first use."""
+        if self._monitor is None or self._monitor is self._given or self._started_in != os.getpid():
+            ranks = RankContext(args.process_index, args.local_process_index, args.world_size, "trainer")
+            self._monitor = rank_monitor(self._given, self._given_in_pid, self._settings, ranks)
+            self._started_in = os.getpid()  # a forked child that trains again starts its own
+        return self._monitor
 
     def _capture_loss(self, module: torch.nn.Module, inputs: Any, kwargs: dict, output: Any) -> None:
         if not module.training or not torch.is_grad_enabled():
@@ -172,7 +218,7 @@ class LossbeatCallback(TrainerCallback):
             loss = output.get("loss")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
-        if self._measure_pre_clip and _completes_step():
+        if self._measure_pre_clip and self._after_backward is not None and _completes_step():
             self._after_backward.watch(loss, module)
         value = loss.detach().float().reshape(())
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
@@ -187,6 +233,20 @@ class LossbeatCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def _batches_per_epoch(train_dataloader: Any, state: Any, args: Any) -> float | None:
+    """Micro-batches per epoch as the Trainer counts them for ``state.epoch``: the training
+    dataloader's length, else (no length) ``max_steps`` times the accumulation steps."""
+    try:
+        length = len(train_dataloader) if train_dataloader is not None else None
+    except (TypeError, NotImplementedError):
+        length = None
+    if length:
+        return float(length)
+    if getattr(state, "max_steps", 0) and getattr(args, "gradient_accumulation_steps", 0):
+        return float(state.max_steps * args.gradient_accumulation_steps)
+    return None
 
 
 def _completes_step() -> bool:

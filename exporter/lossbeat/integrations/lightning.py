@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from ..monitor import Monitor, NullMonitor
-from ._common import eval_loss_from, resolve_monitor
+from ..server import RankContext
+from ._common import check_monitor, eval_loss_from, flush_quietly, rank_monitor
 
 __all__ = ["LossbeatCallback"]
 
@@ -18,6 +20,13 @@ class LossbeatCallback(Callback):
 
     Hooks and the fields they feed:
 
+    - ``setup`` (stage ``fit``, in each rank's process, after the process group
+      starts): the monitor. Without ``monitor``, the process's exporter
+      (:func:`~lossbeat.monitor.start_exporter` with ``settings``), labelled
+      with ``trainer.global_rank``, ``local_rank`` and ``world_size`` and
+      serving on ``port + local_rank``: under ``ddp_spawn``, ``ddp_fork`` and
+      ``ddp_notebook`` the ranks run in children of the launching process, and
+      each starts its own.
     - ``on_before_backward``: keeps the loss of each micro-batch (Lightning has
       already divided it by ``accumulate_grad_batches``, so the kept values add
       up to the step's mean loss); a running sum on the device, reset every
@@ -34,16 +43,23 @@ class LossbeatCallback(Callback):
       is a tensor), observed without gradients.
     - ``on_validation_epoch_end``: ``Monitor.observe_eval(trainer.global_step,
       trainer.callback_metrics[eval_key])``; skipped during the sanity check.
-    - ``on_train_end``: flushes the monitor.
+    - ``on_train_end``: flushes the monitor (an error there is counted, never raised).
 
     Args:
-        monitor: the monitor to feed; default :func:`~lossbeat.monitor.start_exporter`
-            (serves /metrics on port 8470 + LOCAL_RANK).
+        monitor: the monitor to feed, built in the process that trains (not with
+            ``ddp_spawn``/``ddp_fork``/``ddp_notebook``: pass settings instead); default:
+            each rank's exporter, started in ``setup`` (/metrics on port 8470 + local rank).
         eval_key: the logged metric that is the validation loss. Default
             ``val_loss``, else the first ``val_<name>_loss`` in sorted order.
+        **settings: :func:`~lossbeat.monitor.start_exporter` arguments (``port``,
+            ``addr``, ``run_name``, any :class:`~lossbeat.monitor.MonitorConfig`
+            field) for the exporter each rank starts; checked here.
 
     Raises:
-        TypeError: if ``monitor`` is not a lossbeat monitor.
+        TypeError: if ``monitor`` is not a lossbeat monitor, is given with settings,
+            or a setting is unknown; ValueError for a bad setting value.
+        RuntimeError: in ``setup``, if ``monitor`` was built in another process
+            than the rank's (a spawned or forked rank).
 
     Note:
         With several optimizers (manual optimization) each ``optimizer.step()``
@@ -56,17 +72,45 @@ class LossbeatCallback(Callback):
         >>> trainer = Trainer(callbacks=[LossbeatCallback()])
     """
 
-    def __init__(self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None) -> None:
-        self.monitor = resolve_monitor(monitor)
+    def __init__(
+        self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None, **settings: Any
+    ) -> None:
+        check_monitor(monitor, settings)
+        self._monitor = monitor
+        self._given = monitor
+        self._given_in_pid = os.getpid()
+        self._settings = settings
         self.eval_key = eval_key
         self._loss_sum: torch.Tensor | None = None
         self._observed_at: int | None = None  # trainer.global_step at the last observation
         self._observed_steps = 0
 
     @property
+    def monitor(self) -> Monitor | NullMonitor | None:
+        """The monitor fed: the one given, else the rank's exporter once ``fit`` has set up (None before)."""
+        return self._monitor
+
+    @property
     def observed_steps(self) -> int:
         """Optimizer steps observed with gradients (``on_before_optimizer_step``)."""
         return self._observed_steps
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the trainer to its ranks: they start their own exporters in setup().
+        state = self.__dict__.copy()
+        if isinstance(self._given, Monitor):
+            raise TypeError(
+                "LossbeatCallback(monitor=...) cannot go to spawned ranks (ddp_spawn, ddp_notebook): "
+                "pass exporter settings instead (LossbeatCallback(port=..., run_name=...)), each rank starts its own"
+            )
+        state["_monitor"] = self._given
+        return state
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        ranks = RankContext(trainer.global_rank, trainer.local_rank, trainer.world_size, "trainer")
+        self._monitor = rank_monitor(self._given, self._given_in_pid, self._settings, ranks)
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -99,7 +143,7 @@ class LossbeatCallback(Callback):
         self._loss_sum = None
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking:
+        if trainer.sanity_checking or self._monitor is None:  # None: trainer.validate() outside a fit
             return
         found = eval_loss_from(trainer.callback_metrics, self.eval_key, prefix="val_")
         if found is not None:
@@ -107,4 +151,4 @@ class LossbeatCallback(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._loss_sum = None
-        self.monitor.flush()
+        flush_quietly(self._monitor)
