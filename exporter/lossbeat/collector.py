@@ -11,7 +11,6 @@ import collections
 import logging
 import math
 import os
-import resource
 import sys
 import time
 from typing import TYPE_CHECKING, Iterator
@@ -19,6 +18,8 @@ from typing import TYPE_CHECKING, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .diagnosis.patterns import PATTERNS
+from .memory import read_memory
 from .metrics import METRICS, PHASES
 
 if TYPE_CHECKING:
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["MonitorCollector"]
 
 log = logging.getLogger("lossbeat")
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _SCRAPES_KEPT = 8  # recent scrape times, enough to tell the scrape interval
 
 
@@ -108,6 +108,7 @@ class MonitorCollector(Collector):
             yield g
 
         yield from self._memory(s)
+        yield from self._pattern(s)
 
         info = InfoMetricFamily("training_run", METRICS["training_run"].help, labels=("rank",))
         info.add_metric([rank], s.run_info)
@@ -156,39 +157,34 @@ class MonitorCollector(Collector):
         done.add_metric([s.rank], 1.0 if s.completed else 0.0)
         yield done
 
+    def _pattern(self, s: "MonitorState") -> Iterator[Metric]:
+        current, since = s.pattern  # swapped whole
+        if current is None:
+            return
+        g = _gauge("training_loss_pattern", ("pattern",))
+        for p in PATTERNS:
+            g.add_metric([s.rank, p.name], 1.0 if p.name == current else 0.0)
+        yield g
+        if since is not None:
+            g = _gauge("training_loss_pattern_since_step")
+            g.add_metric([s.rank], float(since))
+            yield g
+
     def _memory(self, s: "MonitorState") -> Iterator[Metric]:
-        allocated = _gauge("training_memory_allocated_bytes", ("device",))
-        peak = _gauge("training_memory_peak_bytes", ("device",))
-        torch = sys.modules.get("torch")
-        device = s.cuda_device
-        if device is not None and torch is not None and torch.cuda.is_initialized():
-            # Host-side allocator counters: no device synchronisation.
-            allocated.add_metric([s.rank, f"cuda:{device}"], float(torch.cuda.memory_allocated(device)))
-            peak.add_metric([s.rank, f"cuda:{device}"], float(torch.cuda.max_memory_allocated(device)))
-        else:
-            allocated.add_metric([s.rank, "cpu"], _resident_bytes())
-            peak.add_metric([s.rank, "cpu"], _peak_resident_bytes())
-        yield allocated
-        yield peak
+        reading = read_memory(s.cuda_device)
+        for name, value in (("training_memory_allocated_bytes", reading.allocated),
+                            ("training_memory_peak_bytes", reading.peak),
+                            ("training_memory_limit_bytes", reading.limit)):
+            if value is not None:
+                g = _gauge(name, ("device",))
+                g.add_metric([s.rank, reading.device], value)
+                yield g
 
     def _errors(self, s: "MonitorState") -> Metric:
         c = _counter("training_exporter_errors_total", ("where",))
         for where, count in sorted(s.errors.items()):
             c.add_metric([s.rank, where], count)
         return c
-
-
-def _resident_bytes() -> float:
-    try:
-        with open("/proc/self/statm") as fh:
-            return float(int(fh.read().split()[1]) * _PAGE_SIZE)
-    except (OSError, ValueError, IndexError):
-        return _peak_resident_bytes()
-
-
-def _peak_resident_bytes() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return float(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def _finite_or_nan(value: float) -> float:

@@ -32,6 +32,7 @@ from .gradients import GradientNorms, LayerGrouping, clip_with_norms, compute_gr
 from .metrics import HEALTH_CHECKS, PHASES
 from .server import MetricsServer, RankContext
 from .thresholds import Thresholds, load_thresholds
+from .vitals import Vitals, as_schedule
 
 __all__ = ["MonitorConfig", "Monitor", "NullMonitor", "PhaseScope", "Report", "start_exporter", "DEFAULT_PORT"]
 
@@ -90,6 +91,11 @@ class MonitorConfig:
     from the scrapes seen, x1.2), so every Prometheus scrapes the completion marker and the
     last values; no wait when nothing scraped periodically. 0 never waits (the end of a run
     then looks like a crash to TrainingExporterDown); at most 600."""
+    lr_schedule: Any = None
+    """The LR schedule the run intends, checked against the LR it gets (``lr_schedule``
+    check): an :class:`~lossbeat.diagnosis.schedule.LRSchedule` or a mapping of its fields
+    (warmup_steps, peak_lr, total_steps, decay, min_lr), or the run's own LR scheduler
+    (catches one not stepped, stepped per micro-batch, or reset by a resume). None: no check."""
     certfile: str | None = None
     """TLS certificate for /metrics (with keyfile)."""
     keyfile: str | None = None
@@ -125,6 +131,7 @@ class MonitorConfig:
         for name in ("defer_device_reads", "reduce_shards", "log_status_changes", "port_per_local_rank"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        as_schedule(self.lr_schedule)  # raises TypeError/ValueError naming lr_schedule
         ranks = self.layer_ranks
         if isinstance(ranks, str):
             if ranks not in ("first", "all"):
@@ -168,6 +175,8 @@ class MonitorState:
         self.phase: tuple[str, float, dict[str, float]] = ("train", time.monotonic(), {})
         """(current phase, its monotonic start, seconds of the finished spans per phase): swapped whole."""
         self.completed = False
+        self.pattern: tuple[str | None, int | None] = (None, None)
+        """(loss-curve pattern name, the step it began at): swapped whole."""
         self.loss_cv: float | None = None
         self.loss_trend_ratio: float | None = None
         self.clip_coefficient: float | None = None
@@ -223,6 +232,8 @@ class Report:
     findings: tuple[Finding, ...]
     counters: Mapping[str, float]
     step: float | None
+    pattern: str = ""
+    """The loss curve's pattern (article section 1.3), in words, with the step it began at."""
 
     @property
     def worst(self) -> Status:
@@ -230,6 +241,8 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"lossbeat report (last step {int(self.step) if self.step is not None else '-'})"]
+        if self.pattern:
+            lines.append(f"  this run {self.pattern}")
         marks = {Status.GOOD: "ok  ", Status.WARNING: "WARN", Status.DANGER: "DANG"}
         for f in self.findings:
             if not f.known:
@@ -317,6 +330,7 @@ class Monitor:
             },
         )
         self.history = History(self.thresholds)
+        self._vitals = Vitals(self.thresholds, config.lr_schedule)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state)
         self.registry.register(self._collector)
@@ -457,6 +471,7 @@ class Monitor:
         if name != current:
             totals = {**totals, current: totals.get(current, 0.0) + now - since}
             self.state.phase = (name, now, totals)  # one swap: a scrape sees all or nothing
+            self._last_perf = None  # the step that spans a phase change is no step time
         self.state.last_activity_time = time.time()
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -520,7 +535,7 @@ class Monitor:
             "grad_scaler_overflows": s.grad_scaler_overflows_total,
             "exporter_errors": sum(s.errors.values()),
         }
-        return Report(self._findings, counters, s.step)
+        return Report(self._findings, counters, s.step, self._vitals.describe_pattern())
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -811,13 +826,20 @@ class Monitor:
                     "explosion", logging.WARNING, "lossbeat: gradient norm %.4g at step %d; largest layer: %s",
                     grad_norm, record.step, top[0] if top else "-",
                 )
+        self._vitals.add_step_time(record.duration, s.phase[0] == "train")
         self._observed += 1
         if self._observed % self.thresholds.windows.diagnose_every == 0:
             self._diagnose()
 
     def _diagnose(self) -> None:
+        s = self.state
+        step = int(s.step) if s.step is not None else None
         try:
             findings = tuple(diagnose(self.history))
+            lrs = s.learning_rates
+            findings += tuple(self._vitals.findings(step, max(lrs.values()) if lrs else None, s.cuda_device))
+            pattern = self._vitals.pattern(findings, step)
+            s.pattern = (pattern.name if pattern else None, self._vitals.pattern_since)
         except Exception:
             self.state.count_error("diagnose")
             log.exception("lossbeat: error in the diagnosis")
