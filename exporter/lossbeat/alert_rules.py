@@ -596,7 +596,7 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
     near = number(m.near_limit)
     horizon = number(duration_seconds(m.oom_horizon))
     allocated, limit = "training_memory_allocated_bytes", "training_memory_limit_bytes"
-    rate = "rate(training_steps_total[5m])"
+    rate = f"rate(training_steps_total[{tp.rate_window}])"
     return [
         AlertRule(
             name="TrainingMemoryNearLimit",
@@ -662,7 +662,7 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
                 f"{number(100 * tp.drop_fraction)}% of its median over the {tp.baseline} before, for {tp.for_}."
             ),
             condition=(
-                f"steps/s (5m rate) < {number(tp.drop_fraction)} x its median over the previous {tp.baseline}, "
+                f"steps/s ({tp.rate_window} rate) < {number(tp.drop_fraction)} x its median over the previous {tp.baseline}, "
                 f"while in the train phase and not stopped; for {tp.for_}"
             ),
             action="find the slow node: GPU clocks/thermals, data loader, storage, checkpoint I/O in the step",

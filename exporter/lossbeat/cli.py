@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "dashboards": ("lossbeat.dashboards", "generate the Grafana dashboards from the thresholds file"),
     "stack": ("lossbeat.stack", "start or stop a local Prometheus + Alertmanager on loopback"),
     "analyze": ("lossbeat.analyze", "diagnose a finished run from its log files"),
+    "checklist": ("lossbeat.checklist", "the article's daily checklist for a live job or a finished log"),
 }
 
 

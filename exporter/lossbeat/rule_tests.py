@@ -553,7 +553,7 @@ def _interval(t: Thresholds) -> int:
                  a.plateau_for, a.volatile_for, a.spikes_window, a.out_of_range_for, a.overfitting_for,
                  a.learning_rate_for, a.stalled_after, a.stalled_phase_after, a.exporter_down_for,
                  a.loss_scale_for, t.memory.near_limit_for, t.memory.growing_for, t.memory.window,
-                 t.throughput.baseline, t.throughput.for_]
+                 t.throughput.baseline, t.throughput.for_, t.throughput.rate_window]
     seconds = [duration_seconds(d) for d in durations]
     if any(s != int(s) or s < 1 for s in seconds):
         raise ValueError("alerts: rule tests need durations of whole seconds")

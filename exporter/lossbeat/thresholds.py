@@ -124,12 +124,16 @@ class MemoryThresholds:
 class ThroughputThresholds:
     drop_fraction: float
     """Steps/s below this fraction of the run's own median is a drop."""
+    rate_window: str
+    """Prometheus: the steps/s compared is a rate over this window."""
     baseline: str
     """Prometheus: window of the median the current rate is compared with."""
     for_: str
     """Prometheus: how long the drop holds before the alert fires (key ``for``)."""
     steps: int
-    """Live check: step times in each of the two compared windows."""
+    """Live check: step times per block; a block's median is one throughput sample."""
+    baseline_blocks: int
+    """Live check: the run's level is the median of this many normal blocks."""
     warmup_steps: int
     """Live check: steps ignored at the start (compilation, warm-up)."""
 
@@ -322,6 +326,13 @@ def _fraction(doc: Mapping, key: str, where: str) -> float:
     return value
 
 
+def _non_negative(doc: Mapping, key: str, where: str) -> int:
+    value = _number(doc, key, where, positive=False, integer=True)
+    if value < 0:
+        raise ThresholdsError(f"{where}.{key}: must be >= 0, got {value!r}")
+    return value
+
+
 def _memory(doc: Mapping) -> MemoryThresholds:
     where = "memory"
     known = {f.name for f in dataclasses.fields(MemoryThresholds)}
@@ -332,23 +343,25 @@ def _memory(doc: Mapping) -> MemoryThresholds:
         near_limit=_fraction(doc, "near_limit", where),
         growth_fraction=_fraction(doc, "growth_fraction", where),
         samples=_number(doc, "samples", where, integer=True),
-        warmup_samples=_number(doc, "warmup_samples", where, positive=False, integer=True),
+        warmup_samples=_non_negative(doc, "warmup_samples", where),
         **_durations(doc, where, ("window", "oom_horizon", "near_limit_for", "growing_for")),
     )
 
 
 def _throughput(doc: Mapping) -> ThroughputThresholds:
     where = "throughput"
-    unknown = set(doc) - {"drop_fraction", "baseline", "for", "steps", "warmup_steps"}
+    unknown = set(doc) - {"drop_fraction", "rate_window", "baseline", "for", "steps", "baseline_blocks", "warmup_steps"}
     if unknown:
         raise ThresholdsError(f"{where}.{sorted(unknown)[0]}: unknown key")
-    durations = _durations(doc, where, ("baseline", "for"))
+    durations = _durations(doc, where, ("rate_window", "baseline", "for"))
     return ThroughputThresholds(
         drop_fraction=_fraction(doc, "drop_fraction", where),
+        rate_window=durations["rate_window"],
         baseline=durations["baseline"],
         for_=durations["for"],
         steps=_number(doc, "steps", where, integer=True),
-        warmup_steps=_number(doc, "warmup_steps", where, positive=False, integer=True),
+        baseline_blocks=_number(doc, "baseline_blocks", where, integer=True),
+        warmup_steps=_non_negative(doc, "warmup_steps", where),
     )
 
 

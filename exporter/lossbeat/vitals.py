@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 from .diagnosis.findings import Finding
 from .diagnosis.patterns import Pattern, PatternTracker
-from .diagnosis.resources import check_memory, check_throughput
+from .diagnosis.resources import ThroughputTracker, check_memory
 from .diagnosis.schedule import LRSchedule, ScheduleTracker
 from .memory import read_memory
 from .thresholds import Thresholds
@@ -55,20 +55,13 @@ class Vitals:
         self._memory_seen = 0
         self._peak = 0.0
         self._limit: float | None = None
-        tp = thresholds.throughput
-        # The baseline is the median of everything before the last `steps`: 10x gives a
-        # level that a short slowdown does not move and a long one eventually becomes.
-        self._step_times = Ring(10 * tp.steps)
-        self._timed_steps = 0
+        self._throughput = ThroughputTracker(thresholds.throughput)
         self._patterns = PatternTracker()
 
     def add_step_time(self, seconds: float | None, training: bool) -> None:
         """One step's wall time; None (unknown) or outside the train phase is skipped."""
-        if seconds is None or not training:
-            return
-        self._timed_steps += 1
-        if self._timed_steps > self.t.throughput.warmup_steps:
-            self._step_times.push(seconds)
+        if seconds is not None and training:
+            self._throughput.add(seconds)
 
     def findings(self, step: int | None, lr: float | None, cuda_device: int | None) -> list[Finding]:
         reading = read_memory(cuda_device)
@@ -80,7 +73,7 @@ class Vitals:
         counter = self._scheduler.last_epoch if self._scheduler is not None else None
         return [
             check_memory(list(self._memory), self._peak, self._limit, self.t.memory),
-            check_throughput(list(self._step_times), self.t.throughput),
+            self._throughput.finding(),
             self._schedule.update(step, lr, counter),
         ]
 
