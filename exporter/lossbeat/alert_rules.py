@@ -597,6 +597,8 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
     horizon = number(duration_seconds(m.oom_horizon))
     allocated, limit = "training_memory_allocated_bytes", "training_memory_limit_bytes"
     rate = f"rate(training_steps_total[{tp.rate_window}])"
+    # The baseline's subquery samples the rate every minute, or every rate window when shorter.
+    resolution = _duration(min(60, duration_seconds(tp.rate_window)))
     return [
         AlertRule(
             name="TrainingMemoryNearLimit",
@@ -651,7 +653,7 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
             # the run says it trains (Monitor.phase), and not when it stopped (TrainingStalled).
             expr=(
                 f"{rate}\n"
-                f"  < {number(tp.drop_fraction)} * quantile_over_time(0.5, {rate}[{tp.baseline}:1m] offset {tp.for_})\n"
+                f"  < {number(tp.drop_fraction)} * quantile_over_time(0.5, {rate}[{tp.baseline}:{resolution}] offset {tp.for_})\n"
                 f"and {ON_TARGET} (training_phase{{phase=\"train\"}} == 1)\n"
                 f"and {rate} > 0\n"
             ),
