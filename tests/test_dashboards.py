@@ -178,7 +178,7 @@ def test_uids_titles_and_panel_types(dashboards):
     }
     assert all(d["schemaVersion"] >= 39 for d in dashboards.values())
     types = {p["type"] for d in dashboards.values() for p in d["panels"]}
-    assert types == {"timeseries", "stat", "heatmap", "table", "state-timeline"}
+    assert types == {"timeseries", "stat", "heatmap", "table", "state-timeline", "row"}
     assert _panel(dashboards[LAYERS], "Gradient norm per layer (log10)")["type"] == "heatmap"
     assert _panel(dashboards[OVERVIEW], "Firing alerts")["type"] == "table"
 

@@ -42,6 +42,9 @@ ALERTS = {  # the contract: name -> severity
     "TrainingStalled": "critical",
     "TrainingExporterDown": "critical",
     "TrainingExporterErrors": "warning",
+    "TrainingMemoryNearLimit": "critical",
+    "TrainingMemoryGrowing": "warning",
+    "TrainingThroughputDropped": "warning",
 }
 
 # A user's thresholds file changing numbers, counts and (short) durations.
@@ -258,7 +261,7 @@ def test_rendering_is_deterministic():
     assert rules.render_rules(thresholds) == rules.render_rules(load_thresholds())
     assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
         "lossbeat.recording", "lossbeat.nonfinite", "lossbeat.gradients", "lossbeat.loss",
-        "lossbeat.optimizer", "lossbeat.liveness",
+        "lossbeat.optimizer", "lossbeat.liveness", "lossbeat.resources",
     ]
 
 

@@ -590,6 +590,89 @@ def _stalled_alert(t: Thresholds) -> AlertRule:
     )
 
 
+def _resource_alerts(t: Thresholds) -> list[AlertRule]:
+    """The daily checklist's memory and speed items: a leak, an OOM coming, a slowdown."""
+    m, tp = t.memory, t.throughput
+    near = number(m.near_limit)
+    horizon = number(duration_seconds(m.oom_horizon))
+    allocated, limit = "training_memory_allocated_bytes", "training_memory_limit_bytes"
+    rate = f"rate(training_steps_total[{tp.rate_window}])"
+    # The baseline's subquery samples the rate every minute, or every rate window when shorter.
+    resolution = _duration(min(60, duration_seconds(tp.rate_window)))
+    return [
+        AlertRule(
+            name="TrainingMemoryNearLimit",
+            group="lossbeat.resources",
+            severity="critical",
+            expr=f"100 * training_memory_peak_bytes / {limit} > {number(100 * m.near_limit)}\n",
+            for_=m.near_limit_for,
+            summary="Memory is close to the device's limit: an out-of-memory error is coming",
+            description=(
+                f"The peak memory of {WHO} on {{{{ $labels.device }}}} is "
+                f'{{{{ $value | printf "%.1f" }}}}% of its limit (alert above {number(100 * m.near_limit)}%): '
+                "a longer batch or an evaluation can fail with an out-of-memory error."
+            ),
+            condition=f"peak allocated memory / the device's total > {near} for {m.near_limit_for}",
+            action="lower the micro-batch size (raise accumulation), activation checkpointing",
+            keeps=TARGET + ("device",),
+        ),
+        AlertRule(
+            name="TrainingMemoryGrowing",
+            group="lossbeat.resources",
+            severity="warning",
+            # Grown by a share of the device within the window, on course to reach the limit
+            # within the horizon, and the run is older than the window (start-up allocation is
+            # not a leak).
+            expr=(
+                f"100 * ({allocated} - min_over_time({allocated}[{m.window}])) / {limit} > {number(100 * m.growth_fraction)}\n"
+                f"and\n"
+                f"predict_linear({allocated}[{m.window}], {horizon}) > {limit}\n"
+                f"and\n"
+                f"{allocated} offset {m.window}\n"
+            ),
+            for_=m.growing_for,
+            summary="Memory keeps growing: a leak",
+            description=(
+                f"The allocated memory of {WHO} on {{{{ $labels.device }}}} grew by "
+                f'{{{{ $value | printf "%.1f" }}}}% of its limit in the last {m.window} and, at that rate, '
+
+                f"reaches the limit within {m.oom_horizon}."
+            ),
+            condition=(
+                f"allocated memory grew > {number(100 * m.growth_fraction)}% of the limit within {m.window} and "
+                f"would reach the limit within {m.oom_horizon}; for {m.growing_for}"
+            ),
+            action="look for tensors kept across steps (losses not .item()'d, caches, retain_graph)",
+            keeps=TARGET + ("device",),
+        ),
+        AlertRule(
+            name="TrainingThroughputDropped",
+            group="lossbeat.resources",
+            severity="warning",
+            # The baseline ends `for` ago so a drop never lowers its own reference; only while
+            # the run says it trains (Monitor.phase), and not when it stopped (TrainingStalled).
+            expr=(
+                f"{rate}\n"
+                f"  < {number(tp.drop_fraction)} * quantile_over_time(0.5, {rate}[{tp.baseline}:{resolution}] offset {tp.for_})\n"
+                f"and {ON_TARGET} (training_phase{{phase=\"train\"}} == 1)\n"
+                f"and {rate} > 0\n"
+            ),
+            for_=tp.for_,
+            summary="Training runs much slower than it did",
+            description=(
+                f"{WHO_CAP} makes {{{{ $value | printf \"%.3g\" }}}} steps/s, below "
+                f"{number(100 * tp.drop_fraction)}% of its median over the {tp.baseline} before, for {tp.for_}."
+            ),
+            condition=(
+                f"steps/s ({tp.rate_window} rate) < {number(tp.drop_fraction)} x its median over the previous {tp.baseline}, "
+                f"while in the train phase and not stopped; for {tp.for_}"
+            ),
+            action="find the slow node: GPU clocks/thermals, data loader, storage, checkpoint I/O in the step",
+            keeps=TARGET,
+        ),
+    ]
+
+
 def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
     """Every alerting rule, in the order of the rule groups."""
     if not isinstance(thresholds, Thresholds):
@@ -599,6 +682,7 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
         + _gradient_alerts(thresholds)
         + _loss_alerts(thresholds)
         + _progress_alerts(thresholds)
+        + _resource_alerts(thresholds)
     )
 
 

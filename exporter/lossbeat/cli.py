@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "generate": ("lossbeat.bundle", "write rules, rule tests, Alertmanager config, runbooks and dashboards into a folder"),
     "stack": ("lossbeat.stack", "start or stop a local Prometheus + Alertmanager on loopback"),
     "analyze": ("lossbeat.analyze", "diagnose a finished run from its log files"),
+    "checklist": ("lossbeat.checklist", "the article's daily checklist for a live job or a finished log"),
 }
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import resource
-import sys
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .diagnosis.patterns import PATTERNS
+from .memory import read_memory
 from .metrics import METRICS, PHASES
 
 if TYPE_CHECKING:
@@ -115,6 +115,7 @@ class MonitorCollector(Collector):
             yield g
 
         yield from self._memory(s)
+        yield from self._pattern(s)
 
         info = InfoMetricFamily("training_run", METRICS["training_run"].help, labels=("rank",))
         info.add_metric([rank], s.run_info)
@@ -163,56 +164,34 @@ class MonitorCollector(Collector):
         done.add_metric([s.rank], 1.0 if s.completed else 0.0)
         yield done
 
+    def _pattern(self, s: "MonitorState") -> Iterator[Metric]:
+        current, since = s.pattern  # swapped whole
+        if current is None:
+            return
+        g = _gauge("training_loss_pattern", ("pattern",))
+        for p in PATTERNS:
+            g.add_metric([s.rank, p.name], 1.0 if p.name == current else 0.0)
+        yield g
+        if since is not None:
+            g = _gauge("training_loss_pattern_since_step")
+            g.add_metric([s.rank], float(since))
+            yield g
+
     def _memory(self, s: "MonitorState") -> Iterator[Metric]:
-        allocated = _gauge("training_memory_allocated_bytes", ("device",))
-        peak = _gauge("training_memory_peak_bytes", ("device",))
-        torch = sys.modules.get("torch")
-        device = s.cuda_device
-        if device is not None and torch is not None and torch.cuda.is_initialized():
-            # Host-side allocator counters: no device synchronisation.
-            allocated.add_metric([s.rank, f"cuda:{device}"], float(torch.cuda.memory_allocated(device)))
-            peak.add_metric([s.rank, f"cuda:{device}"], float(torch.cuda.max_memory_allocated(device)))
-        else:
-            current, highest = _cpu_memory()
-            allocated.add_metric([s.rank, "cpu"], current)
-            peak.add_metric([s.rank, "cpu"], highest)
-        yield allocated
-        yield peak
+        reading = read_memory(s.cuda_device)
+        for name, value in (("training_memory_allocated_bytes", reading.allocated),
+                            ("training_memory_peak_bytes", reading.peak),
+                            ("training_memory_limit_bytes", reading.limit)):
+            if value is not None:
+                g = _gauge(name, ("device",))
+                g.add_metric([s.rank, reading.device], value)
+                yield g
 
     def _errors(self, s: "MonitorState") -> Metric:
         c = _counter("training_exporter_errors_total", ("where",))
         for where, count in sorted(s.errors.items()):
             c.add_metric([s.rank, where], count)
         return c
-
-
-_cpu_peak_seen = 0.0  # the highest resident size read so far in this process
-
-
-def _cpu_memory() -> tuple[float, float]:
-    """(resident, peak resident) bytes of this process. The kernel's high-water mark (``ru_maxrss``,
-    VmHWM) is only updated at some events and can read below the live RSS, and drop back to its
-    stale value once memory is freed: the peak is the highest of it and every RSS read so far."""
-    global _cpu_peak_seen
-    current = peak = math.nan
-    try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    value = float(line.split()[1]) * 1024  # kB
-                    if line.startswith("VmRSS:"):
-                        current = value
-                    else:
-                        peak = value
-    except (OSError, ValueError, IndexError):
-        pass
-    if math.isnan(peak):  # not Linux: the rusage peak (bytes on macOS, KiB elsewhere)
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak = float(maxrss if sys.platform == "darwin" else maxrss * 1024)
-    if math.isnan(current):
-        current = peak
-    _cpu_peak_seen = max(_cpu_peak_seen, current, peak)  # a race between scrapes only loses a read
-    return current, _cpu_peak_seen
 
 
 def _finite_or_nan(value: float) -> float:

@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Iterable
 
+from lossbeat.checklist import ITEMS as CHECKLIST_ITEMS
 from lossbeat.generated import add_generator_arguments, output_root, sync_files, thresholds_for
 from lossbeat.metrics import METRICS
 from lossbeat.thresholds import Thresholds
@@ -267,6 +268,36 @@ def _layout(panels: list[dict]) -> list[dict]:
 
 # --- the two dashboards -----------------------------------------------------------------
 
+CHECKLIST_MAPPINGS = [{
+    "type": "value",
+    "options": {
+        "0": {"color": "green", "index": 0, "text": "\u2713"},
+        "1": {"color": "yellow", "index": 1, "text": "\u2717 warning"},
+        "2": {"color": "red", "index": 2, "text": "\u2717 danger"},
+    },
+}]
+
+
+def _checklist_panels() -> list[dict]:
+    """The article's daily checklist (section 6.1): a row of eight ticks, the worst status of
+    each item's checks over the selected ranks (``lossbeat checklist`` prints the same)."""
+    row = {"collapsed": False, "panels": [], "title": "Daily checklist", "type": "row", "_size": (24, 1)}
+    panels = [row]
+    for number, (name, checks, alerts) in enumerate(CHECKLIST_ITEMS, 1):
+        selector = _selector("training_health_status", matchers=f'check=~"{"|".join(checks)}", component=""')
+        panels.append(_stat(
+            f"{number}. {name}",
+            f"Worst status of the {', '.join(checks)} check(s) over the selected ranks; "
+            f"its alerts: {', '.join(alerts)}.",
+            "none", _targets((f"max({selector})", name)), size=(3, 3),
+            thresholds=_thresholds("green", (1, "yellow"), (2, "red")), mappings=CHECKLIST_MAPPINGS,
+        ))
+    for panel in panels[1:]:
+        panel["options"]["graphMode"] = "none"
+        panel["options"]["textMode"] = "value"
+    return panels
+
+
 def _overview_panels(t: Thresholds) -> list[dict]:
     g, loss, lr, profile = t.gradients, t.loss, t.learning_rate, t.profile
     events = [
@@ -283,7 +314,7 @@ def _overview_panels(t: Thresholds) -> list[dict]:
         loss_steps.append((profile.loss_warn_high, "red"))
     loss_base = "orange" if profile.loss_warn_low is not None else "green"
     stalled = _seconds(t.alerts.stalled_after)
-    return [
+    return _checklist_panels() + [
         _stat("Health", "Worst diagnosis over every check and the selected ranks: good, warning or danger.",
               "none", _targets((f"max({_selector('training_health_status')})", "worst")), size=(6, 5),
               thresholds=_thresholds("green", (1, "yellow"), (2, "red")), mappings=HEALTH_MAPPINGS),

@@ -13,6 +13,10 @@ causal-LM healthy range. ``--fault`` injects a failure at ``--fault-step``:
 - ``plateau``: the learning rate drops to 1e-8: the loss stops falling.
 - ``vanish``:  the gradients of ``blocks.0.attn.qkv`` are scaled by 1e-9: that
                layer's norm falls below the per-layer vanishing threshold.
+- ``leak``:    every step keeps a 4 MiB tensor alive (a list that is never
+               emptied): the process's memory grows step after step.
+- ``slow``:    every step takes four times as long (a throttled node, a stalled
+               data loader): the throughput falls below the run's own level.
 
 Faults combine: ``--fault explode,vanish``. ``--multi-task`` adds a second task
 (tell, for each token, whether it is noise that breaks its sequence's pattern):
@@ -37,7 +41,8 @@ from torch import nn
 
 __all__ = ["TinyLM", "ModelSize", "SyntheticCorpus", "add_arguments", "run", "FAULTS"]
 
-FAULTS = ("nan", "explode", "lr-high", "plateau", "vanish")
+FAULTS = ("nan", "explode", "lr-high", "plateau", "vanish", "leak", "slow")
+LEAK_BYTES_PER_STEP = 4 * 2**20
 EXPLODING_LAYER = "blocks.1.mlp.fc"
 VANISHING_LAYER = "blocks.0.attn.qkv"
 
@@ -249,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
     if "vanish" in faults:
         _scale_gradients_from(model, VANISHING_LAYER, 1e-9, fault_step)
 
+    leaked: list[torch.Tensor] = []  # the ``leak`` fault's tensors, never freed
     stop = {"now": False}
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     progress = Progress(args.steps, not args.no_progress and sys.stderr.isatty())
@@ -256,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
         for step in range(args.steps):
             if stop["now"]:
                 break
+            step_started = time.perf_counter()
             model.training_step = step
             active = faults if step >= fault_step else set()
             lr = learning_rate_at(step, args.steps, args.lr, warmup=20)
@@ -292,10 +299,15 @@ def run(args: argparse.Namespace) -> int:
                 progress.update(step, float(loss.detach()), lr, float(grad_norm), force=step == args.steps - 1)
 
             if args.eval_every and (step + 1) % args.eval_every == 0:
-                with torch.no_grad():
+                with torch.no_grad(), monitor.phase("eval"):
                     model.eval()
                     monitor.observe_eval(step, model(*held_out))
                     model.train()
+            if "leak" in active:
+                leaked.append(torch.ones(LEAK_BYTES_PER_STEP // 4))  # filled: the pages are resident
+            step_started = time.perf_counter() - step_started
+            if "slow" in active:
+                time.sleep(3 * (step_started + args.step_delay))
             if args.step_delay:
                 time.sleep(args.step_delay)
     finally:

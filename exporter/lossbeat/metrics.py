@@ -47,6 +47,9 @@ _SPECS = [
     MetricSpec("training_health_status", "gauge", "Diagnosis per check: 0 good, 1 warning, 2 danger.", ("check", "component"), unit="none"),
     MetricSpec("training_memory_allocated_bytes", "gauge", "Device memory allocated by tensors (CUDA), or process resident memory on CPU.", ("device",), unit="bytes"),
     MetricSpec("training_memory_peak_bytes", "gauge", "Peak device memory allocated (CUDA), or peak process resident memory on CPU.", ("device",), unit="bytes"),
+    MetricSpec("training_memory_limit_bytes", "gauge", "Total memory of the device (CUDA), or the memory limit of the process (its cgroup's, else the machine's RAM) on CPU.", ("device",), unit="bytes"),
+    MetricSpec("training_loss_pattern", "gauge", "1 for the loss-curve pattern the run shows now (converging, oscillating, overfitting, diverging, no_progress), 0 for the others.", ("pattern",), unit="none"),
+    MetricSpec("training_loss_pattern_since_step", "gauge", "The step at which the current loss-curve pattern began.", unit="none"),
     MetricSpec("training_grad_clip_coefficient", "gauge", "Factor the last clip_grad_norm_ through lossbeat scaled gradients by (1 = not clipped).", unit="none"),
     MetricSpec("training_grad_scale", "gauge", "Loss scale of the fp16 GradScaler passed to observe(grad_scaler=...).", unit="none"),
     MetricSpec("training_layers_without_grad", "gauge", "Layers none of whose parameters had a gradient at the last per-layer measurement (unused this step); they are left out of training_layer_grad_norm.", unit="none"),
@@ -79,6 +82,9 @@ HEALTH_CHECKS = (
     "warmup",
     "overfitting",
     "nonfinite",
+    "memory",
+    "throughput",
+    "lr_schedule",
 )
 """Values of the ``check`` label of ``training_health_status``."""
 

@@ -39,6 +39,7 @@ from .server import MetricsServer, RankContext
 from .thresholds import Thresholds, load_thresholds
 from .webconfig import ENV_VAR as WEB_CONFIG_ENV
 from .webconfig import WebConfig, load_web_config
+from .vitals import Vitals, as_schedule
 
 __all__ = ["MonitorConfig", "Monitor", "NullMonitor", "PhaseScope", "Report", "start_exporter", "DEFAULT_PORT"]
 
@@ -102,6 +103,11 @@ class MonitorConfig:
     from the scrapes seen, x1.2), so every Prometheus scrapes the completion marker and the
     last values; no wait when nothing scraped periodically. 0 never waits (the end of a run
     then looks like a crash to TrainingExporterDown); at most 600."""
+    lr_schedule: Any = None
+    """The LR schedule the run intends, checked against the LR it gets (``lr_schedule``
+    check): an :class:`~lossbeat.diagnosis.schedule.LRSchedule` or a mapping of its fields
+    (warmup_steps, peak_lr, total_steps, decay, min_lr), or the run's own LR scheduler
+    (catches one not stepped, stepped per micro-batch, or reset by a resume). None: no check."""
     certfile: str | None = None
     """TLS certificate for /metrics (with keyfile)."""
     keyfile: str | None = None
@@ -143,6 +149,7 @@ class MonitorConfig:
         if self.web_config is not None and not isinstance(self.web_config, (str, os.PathLike)):
             raise TypeError(f"web_config: expected a path, got {type(self.web_config).__name__}")
         self.load_web_config()  # a bad file fails here, naming its key, not at the first scrape
+        as_schedule(self.lr_schedule)  # raises TypeError/ValueError naming lr_schedule
         ranks = self.layer_ranks
         if isinstance(ranks, str):
             if ranks not in ("first", "all"):
@@ -199,6 +206,8 @@ class MonitorState:
         self.phase: tuple[str, float, dict[str, float]] = ("train", time.monotonic(), {})
         """(current phase, its monotonic start, seconds of the finished spans per phase): swapped whole."""
         self.completed = False
+        self.pattern: tuple[str | None, int | None] = (None, None)
+        """(loss-curve pattern name, the step it began at): swapped whole."""
         self.loss_cv: float | None = None
         self.loss_trend_ratio: float | None = None
         self.clip_coefficient: float | None = None
@@ -255,6 +264,8 @@ class Report:
     findings: tuple[Finding, ...]
     counters: Mapping[str, float]
     step: float | None
+    pattern: str = ""
+    """The loss curve's pattern (article section 1.3), in words, with the step it began at."""
 
     @property
     def worst(self) -> Status:
@@ -262,6 +273,8 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"lossbeat report (last step {int(self.step) if self.step is not None else '-'})"]
+        if self.pattern:
+            lines.append(f"  this run {self.pattern}")
         marks = {Status.GOOD: "ok  ", Status.WARNING: "WARN", Status.DANGER: "DANG"}
         for f in self.findings:
             if not f.known:
@@ -379,6 +392,7 @@ class Monitor:
             },
         )
         self.history = History(self.thresholds)
+        self._vitals = Vitals(self.thresholds, config.lr_schedule)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._drain_at_scrape)
         self.registry.register(self._collector)
@@ -529,6 +543,7 @@ class Monitor:
         if name != current:
             totals = {**totals, current: totals.get(current, 0.0) + now - since}
             self.state.phase = (name, now, totals)  # one swap: a scrape sees all or nothing
+            self._last_perf = None  # the step that spans a phase change is no step time
         self.state.last_activity_time = time.time()
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -609,7 +624,7 @@ class Monitor:
             "grad_scaler_overflows": s.grad_scaler_overflows_total,
             "exporter_errors": sum(s.errors.values()),
         }
-        return Report(self._findings, counters, s.step)
+        return Report(self._findings, counters, s.step, self._vitals.describe_pattern())
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -958,13 +973,20 @@ class Monitor:
                     "explosion", logging.WARNING, "lossbeat: gradient norm %.4g at step %d; largest layer: %s",
                     grad_norm, record.step, top[0] if top else "-",
                 )
+        self._vitals.add_step_time(record.duration, s.phase[0] == "train")
         self._observed += 1
         if self._observed % self.thresholds.windows.diagnose_every == 0:
             self._diagnose()
 
     def _diagnose(self) -> None:
+        s = self.state
+        step = int(s.step) if s.step is not None else None
         try:
             findings = tuple(diagnose(self.history))
+            lrs = s.learning_rates
+            findings += tuple(self._vitals.findings(step, max(lrs.values()) if lrs else None, s.cuda_device))
+            pattern = self._vitals.pattern(findings, step)
+            s.pattern = (pattern.name if pattern else None, self._vitals.pattern_since)
         except Exception:
             self.state.count_error("diagnose")
             log.exception("lossbeat: error in the diagnosis")

@@ -479,13 +479,81 @@ def _concurrent_runs(b: _Builder) -> dict[str, list[Scenario]]:
     ]}
 
 
+def _resources(b: _Builder) -> dict[str, list[Scenario]]:
+    """Memory near the limit, memory that grows, throughput that drops: firing and silent."""
+    m, tp = b.t.memory, b.t.throughput
+    gib = 2.0**30
+    limit = 80 * gib
+    dev = _target(device="cuda:0")
+    out = {}
+
+    near = b.rule("TrainingMemoryNearLimit")
+    at = b.after_for(m.near_limit_for)
+    n = int(at // b.i) + 2
+    high, safe = limit * (m.near_limit + 0.02), limit * (m.near_limit - 0.05)
+    out[near.name] = [
+        Scenario("a peak near the limit fires", [b.hold("training_memory_peak_bytes", dev, high, n),
+                                                   b.hold("training_memory_limit_bytes", dev, limit, n)],
+                 [(at, near.name, [Expect(near, dev, 100 * high / limit)])]),
+        Scenario("a peak with headroom is silent", [b.hold("training_memory_peak_bytes", dev, safe, n),
+                                                     b.hold("training_memory_limit_bytes", dev, limit, n)],
+                 [(at, near.name, [])]),
+    ]
+
+    growing = b.rule("TrainingMemoryGrowing")
+    window, horizon = duration_seconds(m.window), duration_seconds(m.oom_horizon)
+    start = 0.3 * limit
+    # Fast enough that the growth over the window and the projection both cross.
+    per_s = max(1.2 * m.growth_fraction * limit / window, 1.2 * (limit - start) / (window + horizon + 3600))
+    steps = b.steps(m.window) + b.steps(m.growing_for) + 3
+    leak = Series("training_memory_allocated_bytes", dev, [ramp(start, per_s * b.i, steps + 1)])
+    flat = b.hold("training_memory_allocated_bytes", dev, start, steps + 1)
+    young = Series("training_memory_allocated_bytes", dev,
+                   [f"_x{b.steps(m.window)}", ramp(start, per_s * b.i, b.steps(m.growing_for) + 3)])
+    lim = b.hold("training_memory_limit_bytes", dev, limit, steps + 1)
+    at = (b.steps(m.window) + b.steps(m.growing_for) + 2) * b.i
+    grown = 100 * per_s * duration_seconds(m.window) / limit
+    out[growing.name] = [
+        Scenario("memory rising towards the limit fires", [leak, lim],
+                 [(at, growing.name, [Expect(growing, dev, grown)])]),
+        Scenario("flat memory is silent", [flat, lim], [(at, growing.name, [])]),
+        Scenario("start-up allocation of a young run is silent", [young, lim], [(at, growing.name, [])]),
+    ]
+
+    dropped = b.rule("TrainingThroughputDropped")
+    base_s, for_s = duration_seconds(tp.baseline), duration_seconds(tp.for_)
+    rate, slow = 2.0, 2.0 * tp.drop_fraction * 0.5
+    before = int((base_s + for_s) // b.i) + 2
+    after = int((for_s + 600) // b.i) + 2
+    at = (before + after - 2) * b.i
+
+    def steps_total(second_rate: float) -> Series:
+        return Series("training_steps_total", _target(),
+                      [ramp(0, rate * b.i, before), ramp(rate * b.i * before, second_rate * b.i, after)])
+
+    def phase(current: str) -> list[Series]:
+        return [b.hold("training_phase", _target(phase=p), 1 if p == current else 0, before + after + 1)
+                for p in ("train", "eval", "checkpoint")]
+
+    out[dropped.name] = [
+        Scenario("a run slowed to a quarter fires", [steps_total(slow), *phase("train")],
+                 [(at, dropped.name, [Expect(dropped, _target(), slow)])]),
+        Scenario("a steady run is silent", [steps_total(rate), *phase("train")], [(at, dropped.name, [])]),
+        Scenario("a long evaluation is silent", [steps_total(slow), *phase("eval")], [(at, dropped.name, [])]),
+        Scenario("a stopped run is TrainingStalled's, silent here", [steps_total(0), *phase("train")],
+                 [(at, dropped.name, [])]),
+    ]
+    return out
+
+
 def _interval(t: Thresholds) -> int:
     """The largest step (<= 60s) that divides every duration the tests use."""
     a = t.alerts
     durations = [a.event_window, a.explosion_for, a.vanishing_for, a.layer_for, a.diverging_for,
                  a.plateau_for, a.volatile_for, a.spikes_window, a.out_of_range_for, a.overfitting_for,
                  a.learning_rate_for, a.stalled_after, a.stalled_phase_after, a.exporter_down_for,
-                 a.loss_scale_for]
+                 a.loss_scale_for, t.memory.near_limit_for, t.memory.growing_for, t.memory.window,
+                 t.throughput.baseline, t.throughput.for_, t.throughput.rate_window]
     seconds = [duration_seconds(d) for d in durations]
     if any(s != int(s) or s < 1 for s in seconds):
         raise ValueError("alerts: rule tests need durations of whole seconds")
@@ -504,7 +572,7 @@ def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml")
     interval = _interval(thresholds)
     b = _Builder(thresholds, interval)
     scenarios: dict[str, list[Scenario]] = {}
-    for part in (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress):
+    for part in (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress, _resources):
         for name, more in part(b).items():
             scenarios.setdefault(name, []).extend(more)
     missing = {r.name for r in b.rules} - set(scenarios)

@@ -101,6 +101,52 @@ class OverfittingThresholds:
 
 
 @dataclass(frozen=True)
+class MemoryThresholds:
+    near_limit: float
+    """Peak allocated / device total above which an OOM is near."""
+    growth_fraction: float
+    """Growth over ``window``, as a fraction of the device total, that counts as a leak ..."""
+    window: str
+    """... over this Prometheus duration ..."""
+    oom_horizon: str
+    """... when the trend would reach the limit within this duration."""
+    near_limit_for: str
+    """How long the near-limit condition holds before its alert fires."""
+    growing_for: str
+    """How long the growth condition holds before its alert fires."""
+    samples: int
+    """Memory samples (one per diagnosis) in the live check's slope window."""
+    warmup_samples: int
+    """Samples skipped at the start of a run (allocation of weights and optimizer state)."""
+
+
+@dataclass(frozen=True)
+class ThroughputThresholds:
+    drop_fraction: float
+    """Steps/s below this fraction of the run's own median is a drop."""
+    rate_window: str
+    """Prometheus: the steps/s compared is a rate over this window."""
+    baseline: str
+    """Prometheus: window of the median the current rate is compared with."""
+    for_: str
+    """Prometheus: how long the drop holds before the alert fires (key ``for``)."""
+    steps: int
+    """Live check: step times per block; a block's median is one throughput sample."""
+    baseline_blocks: int
+    """Live check: the run's level is the median of this many normal blocks."""
+    warmup_steps: int
+    """Live check: steps ignored at the start (compilation, warm-up)."""
+
+
+@dataclass(frozen=True)
+class ScheduleThresholds:
+    tolerance: float
+    """Relative difference between the observed and the declared LR that counts as a departure."""
+    consecutive: int
+    """Departures in a row before the schedule check warns."""
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     """Task profile name (causal-lm, classification, regression, multi-task)."""
@@ -148,6 +194,9 @@ class Thresholds:
     learning_rate: LearningRateThresholds
     overfitting: OverfittingThresholds
     alerts: AlertSettings
+    memory: MemoryThresholds
+    throughput: ThroughputThresholds
+    lr_schedule: ScheduleThresholds
     source: str = field(default="<package>", compare=False)
     """Where the values came from (for error messages and the run info)."""
 
@@ -260,6 +309,62 @@ def _alerts(doc: Mapping) -> AlertSettings:
     return AlertSettings(**kwargs)
 
 
+def _durations(doc: Mapping, where: str, keys: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for key in keys:
+        value = doc.get(key)
+        if not isinstance(value, str) or not _DURATION.match(value):
+            raise ThresholdsError(f"{where}.{key}: expected a Prometheus duration like 5m, got {value!r}")
+        out[key] = value
+    return out
+
+
+def _fraction(doc: Mapping, key: str, where: str) -> float:
+    value = _number(doc, key, where)
+    if not value < 1:
+        raise ThresholdsError(f"{where}.{key}: expected a fraction between 0 and 1, got {value!r}")
+    return value
+
+
+def _non_negative(doc: Mapping, key: str, where: str) -> int:
+    value = _number(doc, key, where, positive=False, integer=True)
+    if value < 0:
+        raise ThresholdsError(f"{where}.{key}: must be >= 0, got {value!r}")
+    return value
+
+
+def _memory(doc: Mapping) -> MemoryThresholds:
+    where = "memory"
+    known = {f.name for f in dataclasses.fields(MemoryThresholds)}
+    unknown = set(doc) - known
+    if unknown:
+        raise ThresholdsError(f"{where}.{sorted(unknown)[0]}: unknown key")
+    return MemoryThresholds(
+        near_limit=_fraction(doc, "near_limit", where),
+        growth_fraction=_fraction(doc, "growth_fraction", where),
+        samples=_number(doc, "samples", where, integer=True),
+        warmup_samples=_non_negative(doc, "warmup_samples", where),
+        **_durations(doc, where, ("window", "oom_horizon", "near_limit_for", "growing_for")),
+    )
+
+
+def _throughput(doc: Mapping) -> ThroughputThresholds:
+    where = "throughput"
+    unknown = set(doc) - {"drop_fraction", "rate_window", "baseline", "for", "steps", "baseline_blocks", "warmup_steps"}
+    if unknown:
+        raise ThresholdsError(f"{where}.{sorted(unknown)[0]}: unknown key")
+    durations = _durations(doc, where, ("rate_window", "baseline", "for"))
+    return ThroughputThresholds(
+        drop_fraction=_fraction(doc, "drop_fraction", where),
+        rate_window=durations["rate_window"],
+        baseline=durations["baseline"],
+        for_=durations["for"],
+        steps=_number(doc, "steps", where, integer=True),
+        baseline_blocks=_number(doc, "baseline_blocks", where, integer=True),
+        warmup_steps=_non_negative(doc, "warmup_steps", where),
+    )
+
+
 def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
     """Validate a complete thresholds document (already merged with defaults)."""
     if not isinstance(doc, Mapping):
@@ -290,6 +395,9 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         learning_rate=_build(LearningRateThresholds, _section(doc, "learning_rate"), "learning_rate"),
         overfitting=_build(OverfittingThresholds, _section(doc, "overfitting"), "overfitting"),
         alerts=_alerts(_section(doc, "alerts")),
+        memory=_memory(_section(doc, "memory")),
+        throughput=_throughput(_section(doc, "throughput")),
+        lr_schedule=_build(ScheduleThresholds, _section(doc, "lr_schedule"), "lr_schedule"),
         source=source,
     )
 

@@ -1,0 +1,119 @@
+"""Checks on the run's resources: memory that grows or nears the device's limit, and
+throughput that falls below the run's own level (the article's daily checklist, items 7-8).
+
+Pure and torch-free: the monitor samples memory (host-side allocator counters) and step
+times, and these judge the samples.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Sequence
+
+from ..thresholds import MemoryThresholds, ThroughputThresholds
+from ..window import Ring
+from .findings import Finding, Status
+
+__all__ = ["check_memory", "ThroughputTracker"]
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
+def check_memory(
+    allocated: Sequence[float], peak: float | None, limit: float | None, t: MemoryThresholds
+) -> Finding:
+    """``allocated``: memory samples (bytes), one per diagnosis, oldest first, the run's
+    first ``t.warmup_samples`` already dropped by the caller; ``peak``: peak allocated bytes;
+    ``limit``: the device's (or the process's) memory limit in bytes."""
+    check = "memory"
+    if not allocated or not limit or not limit > 0:
+        return Finding.unknown(check, "no memory samples or no known limit")
+    current = allocated[-1]
+    top = max(current, peak or 0.0)
+    if top > t.near_limit * limit:
+        return Finding(
+            check, Status.DANGER,
+            f"peak memory {_gib(top)} is {top / limit:.0%} of the {_gib(limit)} limit: an out-of-memory error is near",
+            "lower the micro-batch size and raise gradient accumulation, enable activation checkpointing, "
+            "or free cached tensors (torch.cuda.empty_cache() only hides fragmentation)",
+        )
+    if len(allocated) < max(6, t.samples // 2):
+        return Finding(check, Status.GOOD, f"memory {_gib(current)} ({current / limit:.0%} of the limit)", known=True)
+    # Medians of the window's first and last thirds: robust to one eval's or one step's bump.
+    third = len(allocated) // 3
+    first = statistics.median(allocated[:third])
+    middle = statistics.median(allocated[third:-third])
+    last = statistics.median(allocated[-third:])
+    growth = last - first
+    if growth > t.growth_fraction * limit and first < middle < last:
+        return Finding(
+            check, Status.WARNING,
+            f"memory keeps growing: {_gib(first)} -> {_gib(last)} over the last {len(allocated)} samples "
+            f"(+{growth / limit:.1%} of the limit): a leak",
+            "look for tensors kept across steps (losses appended without .item() or .detach(), "
+            "growing caches, a graph retained by retain_graph=True)",
+        )
+    return Finding(check, Status.GOOD, f"memory stable at {_gib(current)} ({current / limit:.0%} of the limit)")
+
+
+class ThroughputTracker:
+    """Step times in blocks of ``t.steps``; each block's median is compared with the run's
+    own level, the median of the last ``t.baseline_blocks`` normal blocks.
+
+    A slow block does not enter the level (a drop must not become its own reference) until
+    ``t.baseline_blocks`` slow blocks came in a row: then the slower pace is the run's new
+    normal (a longer sequence length on purpose) and the level restarts from them.
+    Bounded: one block of floats and a ring of block medians.
+    """
+
+    def __init__(self, t: ThroughputThresholds) -> None:
+        self.t = t
+        self._block: list[float] = []
+        self._level = Ring(t.baseline_blocks)
+        self._slow = Ring(t.baseline_blocks)
+        self._recent: float | None = None
+        self._seen = 0
+
+    def add(self, seconds: float) -> None:
+        """One training step's wall time (steps that spanned an evaluation excluded)."""
+        self._seen += 1
+        if self._seen <= self.t.warmup_steps or not (math.isfinite(seconds) and seconds > 0):
+            return
+        self._block.append(seconds)
+        if len(self._block) < self.t.steps:
+            return
+        median, self._block = statistics.median(self._block), []
+        self._recent = median
+        level = self.level()
+        if level is not None and level / median < self.t.drop_fraction:
+            self._slow.push(median)
+            if len(self._slow) == self._slow.capacity:  # the new normal
+                self._level.clear()
+                for value in self._slow:
+                    self._level.push(value)
+                self._slow.clear()
+            return
+        self._slow.clear()
+        self._level.push(median)
+
+    def level(self) -> float | None:
+        """The run's own step time (median of its normal blocks), once two blocks are in."""
+        return statistics.median(self._level) if len(self._level) >= 2 else None
+
+    def finding(self) -> Finding:
+        check = "throughput"
+        level, recent = self.level(), self._recent
+        if level is None or recent is None:
+            return Finding.unknown(check, "not enough timed steps yet")
+        ratio = level / recent  # steps/s now over the run's own steps/s
+        if ratio < self.t.drop_fraction:
+            return Finding(
+                check, Status.WARNING,
+                f"throughput fell to {ratio:.0%} of the run's own level ({1 / recent:.3g} steps/s, was {1 / level:.3g})",
+                "look for a slow node (thermal throttling, a failing GPU), a data-loader stall (workers, storage), "
+                "or checkpoint I/O inside the step; mark evaluations and checkpoints with monitor.phase()",
+            )
+        return Finding(check, Status.GOOD, f"{1 / recent:.3g} steps/s ({ratio:.0%} of the run's own level)")

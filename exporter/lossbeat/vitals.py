@@ -1,0 +1,88 @@
+"""The run's vitals beyond the loss: memory, throughput, the LR against its schedule, and
+the loss-curve pattern, for :class:`lossbeat.Monitor` (the article's daily checklist).
+
+The monitor feeds one step time per step (plain float, no sync) and asks for findings at
+each diagnosis (every ``windows.diagnose_every`` steps), when memory is read from the
+allocator's host-side counters and the scheduler's step counter is read as an int.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from .diagnosis.findings import Finding
+from .diagnosis.patterns import Pattern, PatternTracker
+from .diagnosis.resources import ThroughputTracker, check_memory
+from .diagnosis.schedule import LRSchedule, ScheduleTracker
+from .memory import read_memory
+from .thresholds import Thresholds
+from .window import Ring
+
+__all__ = ["Vitals", "as_schedule"]
+
+
+def as_schedule(value: Any) -> tuple[LRSchedule | None, Any]:
+    """``MonitorConfig.lr_schedule`` as (declared schedule, scheduler object): an
+    :class:`LRSchedule`, a mapping of its fields, or the run's LR scheduler (anything with
+    an integer ``last_epoch``, as torch's schedulers have)."""
+    if value is None:
+        return None, None
+    if isinstance(value, LRSchedule):
+        return value, None
+    if isinstance(value, Mapping):
+        try:
+            return LRSchedule(**value), None
+        except TypeError as exc:
+            raise TypeError(f"lr_schedule: {exc}") from None
+    if isinstance(getattr(value, "last_epoch", None), int):
+        if type(value).__name__ == "ReduceLROnPlateau":
+            raise TypeError("lr_schedule: ReduceLROnPlateau follows the eval loss, not a schedule; "
+                            "pass None (its LR is still exported and checked)")
+        return None, value
+    raise TypeError(
+        f"lr_schedule: expected an LRSchedule, a mapping of its fields or an LR scheduler, got {type(value).__name__}"
+    )
+
+
+class Vitals:
+    """Bounded state: a memory ring, a step-time ring and two small trackers."""
+
+    def __init__(self, thresholds: Thresholds, lr_schedule: Any = None) -> None:
+        self.t = thresholds
+        schedule, self._scheduler = as_schedule(lr_schedule)
+        self._schedule = ScheduleTracker(thresholds.lr_schedule, schedule)
+        self._memory = Ring(thresholds.memory.samples)
+        self._memory_seen = 0
+        self._peak = 0.0
+        self._limit: float | None = None
+        self._throughput = ThroughputTracker(thresholds.throughput)
+        self._patterns = PatternTracker()
+
+    def add_step_time(self, seconds: float | None, training: bool) -> None:
+        """One step's wall time; None (unknown) or outside the train phase is skipped."""
+        if seconds is not None and training:
+            self._throughput.add(seconds)
+
+    def findings(self, step: int | None, lr: float | None, cuda_device: int | None) -> list[Finding]:
+        reading = read_memory(cuda_device)
+        self._memory_seen += 1
+        self._peak = max(self._peak, reading.peak)
+        self._limit = reading.limit
+        if self._memory_seen > self.t.memory.warmup_samples:
+            self._memory.push(reading.allocated)
+        counter = self._scheduler.last_epoch if self._scheduler is not None else None
+        return [
+            check_memory(list(self._memory), self._peak, self._limit, self.t.memory),
+            self._throughput.finding(),
+            self._schedule.update(step, lr, counter),
+        ]
+
+    def pattern(self, findings: Iterable[Finding], step: int | None) -> Pattern | None:
+        return self._patterns.update(findings, step)
+
+    @property
+    def pattern_since(self) -> int | None:
+        return self._patterns.since_step
+
+    def describe_pattern(self) -> str:
+        return self._patterns.describe()
