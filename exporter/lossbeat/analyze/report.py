@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..diagnosis import Finding, Status
+from ..diagnosis.patterns import classify
 from ..logs import ParsedLog
 from .replay import EVENT_KINDS, Analysis
 
@@ -30,6 +31,10 @@ def format_text(a: Analysis, header: bool = True, skip_notes: frozenset[str] = f
     lines = [f"== {a.path} [{a.format}]"] if header else []
     lines.append(f"{indent}{a.train_records} train records ({span}), {a.eval_records} eval records{groups}")
     lines += [f"{indent}note: {n}" for n in a.notes if n not in skip_notes]
+    pattern = classify(a.findings)
+    if pattern is not None:
+        lines.append(f"{indent}the loss curve looks like pattern {pattern.number}, {pattern.name.replace('_', ' ')}: "
+                     f"{pattern.meaning}")
     lines.append(f"{indent}final diagnosis" + (f" (step {a.last_step}):" if a.last_step is not None else ":"))
     for f in a.findings:
         if f.known:
@@ -66,6 +71,12 @@ def _finding(f: Finding) -> dict[str, Any]:
             "message": f.message, "fix": f.fix, "known": f.known}
 
 
+def _pattern(a: Analysis) -> dict[str, Any] | None:
+    """The loss curve's pattern (article section 1.3) from the final diagnosis."""
+    pattern = classify(a.findings)
+    return None if pattern is None else {"number": pattern.number, "name": pattern.name}
+
+
 def to_dict(a: Analysis) -> dict[str, Any]:
     return {
         "path": a.path,
@@ -77,6 +88,7 @@ def to_dict(a: Analysis) -> dict[str, Any]:
         "first_step": a.first_step,
         "last_step": a.last_step,
         "status": a.status.name.lower(),
+        "pattern": _pattern(a),
         "worst_status": a.worst_status.name.lower(),
         "events": dict(a.counters),
         "event_steps": {k: list(v) for k, v in a.event_steps.items()},
