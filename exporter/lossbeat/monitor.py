@@ -774,7 +774,10 @@ class Monitor:
         if layers is not None:
             # -1: no parameter of the layer had a gradient this step (unused head, unrouted
             # expert): omitted, not a zero norm, and counted apart.
-            layer_norms = {name: x for name, x in zip(record.layer_names, layers) if not x < 0}
+            if -1.0 in layers:  # a C-level scan; the filter only when some layer had no gradient
+                layer_norms = {name: x for name, x in zip(record.layer_names, layers) if not x < 0}
+            else:
+                layer_norms = dict(zip(record.layer_names, layers))
             without_grad = len(layers) - len(layer_norms)
         layer_nonfinite = layer_norms is not None and not all(map(math.isfinite, layer_norms.values()))
         # Under fp16 loss scaling an overflowing step is skipped by the scaler: routine, not a
