@@ -207,11 +207,13 @@ def test_the_non_finite_layer_is_where_the_fault_started_not_the_input_end(monit
     monitor.observe(1, loss=loss, model=model)
     assert _origin(monitor) == "all layers"
 
-    model.backward()
-    monitor.observe(2, loss=1.0, model=model)  # finite again: the last event's layer stays
+    monitor.observe(2, loss=1.0, grad_norm=math.inf)  # the same event, without per-layer norms: its layer
     assert _origin(monitor) == "all layers"
-    monitor.observe(3, loss=1.0, grad_norm=math.inf)  # a NaN without per-layer norms: not an old layer
-    assert _origin(monitor) is None and monitor.state.nonfinite_grad_total == 3
+    model.backward()
+    monitor.observe(3, loss=1.0, model=model)  # finite again: the last event's layer stays on show
+    assert _origin(monitor) == "all layers"
+    monitor.observe(4, loss=1.0, grad_norm=math.inf)  # a new event without per-layer norms: not the old layer
+    assert _origin(monitor) is None and monitor.state.nonfinite_grad_total == 4
 
 
 def test_the_non_finite_layer_is_set_before_the_counter_moves(monitor):

@@ -343,6 +343,7 @@ class Monitor:
         self.registry.register(self._collector)
         self._grouping: LayerGrouping | None = None
         self._warned_deepspeed = False
+        self._nonfinite_run = False  # the last applied step had a non-finite gradient
         # Deferred device values are applied by the training thread and, once it has been idle
         # for _SCRAPE_DRAIN_AFTER_S, by a scrape: one at a time, in order.
         self._drain_lock = threading.RLock()
@@ -822,11 +823,14 @@ class Monitor:
             s.nonfinite_loss_total += 1
             self._log_limited("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, record.step)
         if events.nonfinite_grad or layer_nonfinite:
-            origin = _nonfinite_origin(layer_norms, loss) if layer_nonfinite else None
-            # Set before the counter moves (a scrape in between sees the counter with its layer),
-            # and cleared when this step has no per-layer norms: never an earlier event's layer.
+            if layer_nonfinite:
+                origin = _nonfinite_origin(layer_norms, loss)
+            else:  # no per-layer norms this step: the layer of this event (consecutive bad steps), never an earlier one's
+                origin = s.first_nonfinite_layer if self._nonfinite_run else None
+            # Set before the counter moves: a scrape in between sees the new count with its layer.
             s.first_nonfinite_layer = origin
             s.nonfinite_grad_total += 1
+            self._nonfinite_run = True
             if origin is not None:
                 self._log_limited(
                     "nonfinite_grad", logging.WARNING,
@@ -834,6 +838,8 @@ class Monitor:
                 )
             else:
                 self._log_limited("nonfinite_grad", logging.WARNING, "lossbeat: non-finite gradient norm at step %d", record.step)
+        else:
+            self._nonfinite_run = False
         if overflow:
             s.grad_scaler_overflows_total += 1
         if events.spike:
