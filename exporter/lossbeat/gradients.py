@@ -177,6 +177,9 @@ class LayerGrouping:
         self._fsdp1 = _fsdp1_groups(model) if self._distributed else {}
         self._dtensors = any(hasattr(p, "_local_tensor") for p in self.params)
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.uniform = True
+        """Whether the gradients are all strided fp32/fp16/bf16 (one fused float32 norm kernel);
+        False once a step showed otherwise (fp64, complex, sparse): dtypes do not change."""
         self.agreed: bool | None = None
         """Whether every rank measures (the first sharded measurement checks); None before."""
         self._layout([getattr(p.grad, "placements", None) for p in self.params])
@@ -208,9 +211,6 @@ class LayerGrouping:
         self._slots = self._square_slots + [s + len(self.layer_names) for s in self._square_slots]
         self._index_cache: dict[tuple[torch.device, bool], torch.Tensor] = {}
         self._absent: dict[torch.device, torch.Tensor] = {}
-        self.uniform = True
-        """Whether the gradients are all strided fp32/fp16/bf16 (one fused float32 norm kernel);
-        False once a step showed otherwise (fp64, complex, sparse): dtypes do not change."""
 
     def __len__(self) -> int:
         return len(self.layer_names)

@@ -346,7 +346,7 @@ class Monitor:
         self._nonfinite_run = False  # the last applied step had a non-finite gradient
         # Deferred device values are applied by the training thread and, once it has been idle
         # for _SCRAPE_DRAIN_AFTER_S, by a scrape: one at a time, in order.
-        self._drain_lock = threading.RLock()
+        self._drain_lock = threading.Lock()
         self._last_submit = time.monotonic()
         # Norms measured ahead of the next observe(model=...) by clip_grad_norm_ or
         # measure_gradients: (model, norms, clip coefficient or None).
@@ -716,28 +716,33 @@ class Monitor:
         with self._drain_lock:
             self._pending.append(record)
             self._last_submit = time.monotonic()
-            self._drain(block=False)
+            self._drain_locked(block=False, may_wait=True)
 
     def _drain(self, block: bool, may_wait: bool = True) -> None:
         """Apply pending steps in order, as far as their values have arrived.
 
         ``block``: wait for all (flush); else wait only when more than ``_MAX_PENDING``
         are in flight, and never when ``may_wait`` is False (a scrape)."""
+        if not self._pending:  # nothing in flight (always, on CPU): no lock to take
+            return
         with self._drain_lock:  # the training thread and a scrape: one applies at a time, in order
-            pending = self._pending
-            while pending:
-                record = pending[0]
-                if record.event is not None and not record.event.query():
-                    if not block and (len(pending) <= _MAX_PENDING or not may_wait):
-                        return
-                    if not block:
-                        self.blocking_waits += 1
-                    record.event.synchronize()  # host sync: only when too many are in flight, or on flush()
-                pending.popleft()
-                if record.packed is not None:
-                    self.host_transfers += 1
-                    _unpack(_as_float_list(record.packed), record.layout, record.host)
-                self._apply(record)
+            self._drain_locked(block, may_wait)
+
+    def _drain_locked(self, block: bool, may_wait: bool) -> None:
+        pending = self._pending
+        while pending:
+            record = pending[0]
+            if record.event is not None and not record.event.query():
+                if not block and (len(pending) <= _MAX_PENDING or not may_wait):
+                    return
+                if not block:
+                    self.blocking_waits += 1
+                record.event.synchronize()  # host sync: only when too many are in flight, or on flush()
+            pending.popleft()
+            if record.packed is not None:
+                self.host_transfers += 1
+                _unpack(_as_float_list(record.packed), record.layout, record.host)
+            self._apply(record)
 
     def _drain_at_scrape(self) -> None:
         """On the scrape thread: apply the steps whose device values have arrived while the
@@ -752,7 +757,7 @@ class Monitor:
         if not self._drain_lock.acquire(blocking=False):
             return
         try:
-            self._drain(block=False, may_wait=False)
+            self._drain_locked(block=False, may_wait=False)
         finally:
             self._drain_lock.release()
 
