@@ -301,12 +301,18 @@ def _all_ranks_arrive(groups: Sequence[Any], timeout: float) -> bool:
     except Exception:  # no store to meet at (a private API): measure as before
         return True
     key = f"lossbeat/shard-handshake/{next(_handshakes)}/{','.join(map(str, ranks))}"
+    return _store_handshake(store, key, len(ranks), timeout)
+
+
+def _store_handshake(store: Any, key: str, ranks: int, timeout: float) -> bool:
+    """``ranks`` callers meet at ``key`` in ``store``: True for all when all arrive within
+    ``timeout`` of each other's waiting; False for all (early and late) otherwise."""
     decision_key = key + "/decision"
     arrived = store.add(key + "/arrived", 1)
     deadline = time.monotonic() + timeout
     delay = 0.001
     while True:
-        if arrived >= len(ranks):
+        if arrived >= ranks:
             return store.compare_set(decision_key, "", "reduce") == b"reduce"
         if time.monotonic() > deadline:
             return store.compare_set(decision_key, "", "skip") == b"reduce"
