@@ -293,7 +293,8 @@ def _start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
 def _refuse_graph_capture(where: str) -> None:
     """Raise if called while the current CUDA stream is capturing a graph: the event query
     and the pinned allocation would break the capture, and a captured observe() would
-    replay stale values. Checked only once CUDA is initialised (no cost on CPU)."""
+    replay stale values. Checked only once CUDA is initialised (no cost on CPU); the query
+    creates no CUDA context on the current device when it has none."""
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"{where}: called during CUDA graph capture; call it outside the captured region "
