@@ -118,7 +118,7 @@ def test_sharded_gradients_give_the_models_norms_on_every_rank(tmp_path, wrap, r
     results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(ranks)]
     for r in results:
         assert "Shard(dim=0)" in r["layout"] or r["layout"] == "ShardingStrategy.FULL_SHARD"
-        assert r["errors"] == {"observe": 0, "collect": 0, "diagnose": 0} and r["steps"] == 3
+        assert r["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0} and r["steps"] == 3
         (ref_global, ref_layers), (global_norm, layers) = r["reference"], r["measured"]
         assert global_norm == pytest.approx(ref_global, rel=1e-5)
         assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(global_norm, rel=1e-5)
@@ -140,3 +140,48 @@ def test_sharded_gradients_give_the_models_norms_on_every_rank(tmp_path, wrap, r
         assert 0 < results[0]["local_only"] < results[0]["measured"][0]  # one shard of the whole
     else:  # DTensors on a one-rank mesh: nothing to reduce, the local shard is the whole
         assert results[0]["local_only"] == pytest.approx(results[0]["measured"][0], rel=1e-6)
+
+
+TP_WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+def _run_tp_worker(tmp_path, scenario):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(TP_WORKER), "--dir", str(tmp_path), "--scenario", scenario]
+    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-4000:]
+    return [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_tensor_and_sequence_parallel_norms_reduce_partial_gradients(tmp_path):
+    """SequenceParallel norms: replicated weights, Partial(sum) gradients. Measured as if each
+    rank's summand were whole, the norm layers came out ~1/sqrt(2) of the truth and
+    monitor.clip_grad_norm_ clipped with the wrong norm."""
+    results = _run_tp_worker(tmp_path, "tp-sp")
+    for r in results:
+        assert r["placements"] == ["(Replicate(),)", "(Partial(sum),)"]  # the case at hand
+        assert r["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}
+        (ref_global, ref_layers), (global_norm, layers) = r["reference"], r["measured"]
+        assert global_norm == pytest.approx(ref_global, rel=1e-5)  # torch.nn.utils.get_total_norm
+        assert set(layers) == set(ref_layers) == {"blocks.0.norm", "blocks.0.up", "blocks.0.down", "blocks.1.norm",
+                                                  "blocks.1.up", "blocks.1.down", "norm"}
+        assert layers == pytest.approx(ref_layers, rel=1e-5)
+        assert r["clip_returned"] == pytest.approx(r["torch_clip"], rel=1e-5)
+        assert r["after_clip"] == pytest.approx(r["after_torch_clip"], rel=1e-5)
+        assert r["after_clip"] == pytest.approx(0.05, rel=1e-4)
+    assert results[0]["measured"] == results[1]["measured"]
+
+
+def test_observing_a_sharded_model_on_rank_0_alone_fails_fast_with_a_clear_message(tmp_path):
+    """`if rank == 0: monitor.observe(model=...)`: rank 0 used to wait alone in the all-reduce
+    (gloo: until its 30-minute timeout; NCCL: pairing with the next all-gather or a hang)."""
+    started = time.monotonic()
+    results = _run_tp_worker(tmp_path, "rank0-only")
+    assert time.monotonic() - started < 200
+    r = results[0]
+    assert 2.5 < r["seconds"] < 30  # the 3 s handshake, once: the second step does not wait again
+    assert r["steps"] == 2 and r["loss"] > 0 and r["grad_norm"] is None  # the steps are still recorded
+    assert r["errors"]["gradients"] == 3 and r["errors"]["observe"] == 0
+    assert len(r["log"]) == 1 and "not every rank measured them" in r["log"][0]
+    assert "if rank == 0: monitor.observe" in r["log"][0] and "reduce_shards=False" in r["log"][0]
+    assert "not every rank measured them" in r["clip_error"]  # torch's clip would hang there too

@@ -239,3 +239,37 @@ def test_clipping_odd_dtypes_matches_torch():
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(a.grad.to_dense(), b.grad, rtol=1e-5, atol=1e-7)
         assert a.grad.dtype == b.grad.dtype
+
+
+def test_the_shard_handshake_agrees_on_one_decision_for_early_and_late_ranks():
+    """Through a real TCPStore: all arrive -> every rank reduces; one missing -> the ones
+    waiting give up after the timeout, and a rank that comes later reads that decision
+    instead of entering a collective the others skipped."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from lossbeat.gradients import _store_handshake
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+
+    def meet(key, ranks, timeout, delays):
+        out = [None] * len(delays)
+
+        def one(i, delay):
+            time.sleep(delay)
+            out[i] = _store_handshake(store, key, ranks, timeout)
+
+        threads = [threading.Thread(target=one, args=(i, d)) for i, d in enumerate(delays)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    assert meet("all", 3, 5.0, [0.0, 0.2, 0.4]) == [True, True, True]
+    started = time.monotonic()
+    assert meet("one-missing", 2, 0.5, [0.0]) == [False]  # rank 1 never came: no hang
+    assert time.monotonic() - started < 5
+    assert meet("one-missing", 2, 5.0, [0.0]) == [False]  # it comes late: it skips too, at once
+    assert meet("late", 2, 0.3, [0.0, 1.0]) == [False, False]

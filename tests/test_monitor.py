@@ -207,11 +207,13 @@ def test_the_non_finite_layer_is_where_the_fault_started_not_the_input_end(monit
     monitor.observe(1, loss=loss, model=model)
     assert _origin(monitor) == "all layers"
 
-    model.backward()
-    monitor.observe(2, loss=1.0, model=model)  # finite again: the last event's layer stays
+    monitor.observe(2, loss=1.0, grad_norm=math.inf)  # the same event, without per-layer norms: its layer
     assert _origin(monitor) == "all layers"
-    monitor.observe(3, loss=1.0, grad_norm=math.inf)  # a NaN without per-layer norms: not an old layer
-    assert _origin(monitor) is None and monitor.state.nonfinite_grad_total == 3
+    model.backward()
+    monitor.observe(3, loss=1.0, model=model)  # finite again: the last event's layer stays on show
+    assert _origin(monitor) == "all layers"
+    monitor.observe(4, loss=1.0, grad_norm=math.inf)  # a new event without per-layer norms: not the old layer
+    assert _origin(monitor) is None and monitor.state.nonfinite_grad_total == 4
 
 
 def test_the_non_finite_layer_is_set_before_the_counter_moves(monitor):
@@ -917,3 +919,17 @@ def test_the_deferred_copy_and_its_event_use_the_source_devices_stream(monkeypat
     buffer, event = _start_host_copy(Packed())
     assert calls == [("pinned buffer", 1, True), ("copy", 1, True), ("record", 1, ("stream of", 1))]
     assert current[0] == 0 and isinstance(event, Event) and isinstance(buffer, Buffer)
+
+
+def test_deepspeed_zero_partitioned_gradients_are_reported_once(monitor, caplog):
+    """ZeRO-3 parameters carry ``ds_id`` and their gradients live in DeepSpeed's partitions, not
+    in p.grad (DeepSpeed is not installed here: the marker attribute stands in for it)."""
+    trainer = Trainer()
+    for p in trainer.model.parameters():
+        p.ds_id = 0
+    with caplog.at_level(logging.WARNING, logger="lossbeat"):
+        for step in range(3):
+            monitor.observe(step, loss=1.0, model=trainer.model)  # p.grad stays None
+    warnings = [r.getMessage() for r in caplog.records if "DeepSpeed" in r.getMessage()]
+    assert len(warnings) == 1 and "ZeRO-3" in warnings[0] and "get_global_grad_norm" in warnings[0]
+    assert monitor.state.steps_total == 3 and monitor.state.grad_norm is None

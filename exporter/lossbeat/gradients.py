@@ -137,8 +137,6 @@ class _Present:
 
     grads: list[torch.Tensor]
     positions: list[int]
-    uniform: bool
-    """All strided fp32/fp16/bf16: one fused float32 norm kernel measures them."""
 
 
 class LayerGrouping:
@@ -179,6 +177,9 @@ class LayerGrouping:
         self._fsdp1 = _fsdp1_groups(model) if self._distributed else {}
         self._dtensors = any(hasattr(p, "_local_tensor") for p in self.params)
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.uniform = True
+        """Whether the gradients are all strided fp32/fp16/bf16 (one fused float32 norm kernel);
+        False once a step showed otherwise (fp64, complex, sparse): dtypes do not change."""
         self.agreed: bool | None = None
         """Whether every rank measures (the first sharded measurement checks); None before."""
         self._layout([getattr(p.grad, "placements", None) for p in self.params])
@@ -232,7 +233,6 @@ class LayerGrouping:
         Frozen parameters are excluded at construction; unused ones have no grad.
         """
         grads, positions = [], []
-        uniform = True
         dtensors = self._dtensors
         expected = self._grad_placements
         for i, p in enumerate(self.params):
@@ -246,12 +246,10 @@ class LayerGrouping:
                         self._layout([getattr(q.grad, "placements", None) for q in self.params])
                         expected = self._grad_placements
                     g = local
-            if uniform and (g.dtype not in _FLOAT32_NORM or g.layout != torch.strided):
-                uniform = False
             # A grad only requires grad after backward(create_graph=True); detach is a dispatch.
             grads.append(g.detach() if g.requires_grad else g)
             positions.append(i)
-        return _Present(grads, positions, uniform)
+        return _Present(grads, positions)
 
     def index(self, device: torch.device, presence: bool) -> torch.Tensor:
         """The parameters' slots on ``device`` (squares, then presence when asked); built once."""
@@ -303,12 +301,18 @@ def _all_ranks_arrive(groups: Sequence[Any], timeout: float) -> bool:
     except Exception:  # no store to meet at (a private API): measure as before
         return True
     key = f"lossbeat/shard-handshake/{next(_handshakes)}/{','.join(map(str, ranks))}"
+    return _store_handshake(store, key, len(ranks), timeout)
+
+
+def _store_handshake(store: Any, key: str, ranks: int, timeout: float) -> bool:
+    """``ranks`` callers meet at ``key`` in ``store``: True for all when all arrive within
+    ``timeout`` of each other's waiting; False for all (early and late) otherwise."""
     decision_key = key + "/decision"
     arrived = store.add(key + "/arrived", 1)
     deadline = time.monotonic() + timeout
     delay = 0.001
     while True:
-        if arrived >= len(ranks):
+        if arrived >= ranks:
             return store.compare_set(decision_key, "", "reduce") == b"reduce"
         if time.monotonic() > deadline:
             return store.compare_set(decision_key, "", "skip") == b"reduce"
@@ -330,16 +334,22 @@ class GradientNorms:
     parameters has a gradient this step (on any rank, for a sharded model)."""
 
 
-def _norms(present: _Present) -> list[torch.Tensor]:
-    """0-d norms of ``present.grads``, in order: one fused kernel per kind of gradient.
+def _norms(grouping: LayerGrouping, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """0-d norms of ``grads``, in order: one fused kernel per kind of gradient.
 
     fp32/fp16/bf16 in float32; fp64 and complex in their own precision (a complex
     gradient's norm is the norm of its magnitudes); sparse ones from their
     coalesced values (duplicates summed first).
     """
-    grads = present.grads
-    if present.uniform:
-        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    if grouping.uniform:
+        # Tried as one float32 kernel, without a per-gradient dtype check on the hot path: the
+        # kernel refuses fp64 (narrowing), complex and sparse inputs before computing.
+        try:
+            return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        except (RuntimeError, NotImplementedError):
+            if all(g.dtype in _FLOAT32_NORM and g.layout == torch.strided for g in grads):
+                raise  # not a matter of dtypes
+            grouping.uniform = False
     by_kind: dict[Any, list[int]] = {}
     for i, g in enumerate(grads):
         kind = "sparse" if g.layout != torch.strided else ("float32" if g.dtype in _FLOAT32_NORM else g.dtype)
@@ -389,7 +399,7 @@ def _reduce_partial_grads(grouping: LayerGrouping, present: _Present) -> _Presen
             i = where.get(pos)
             if i is not None:
                 grads[i] = part
-    return _Present(grads, present.positions, present.uniform)
+    return _Present(grads, present.positions)
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -412,7 +422,7 @@ def compute_grad_norms(grouping: LayerGrouping, per_layer: bool = True, present:
             present = _reduce_partial_grads(grouping, present)
     device = grouping.device
     if present.grads:
-        norms = _norms(present)
+        norms = _norms(grouping, present.grads)
         device = norms[0].device
         if any(n.device != device for n in norms):  # model split over devices
             norms = [n.to(device, non_blocking=True) for n in norms]

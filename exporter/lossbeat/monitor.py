@@ -347,7 +347,8 @@ def _start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
 def _refuse_graph_capture(where: str) -> None:
     """Raise if called while the current CUDA stream is capturing a graph: the event query
     and the pinned allocation would break the capture, and a captured observe() would
-    replay stale values. Checked only once CUDA is initialised (no cost on CPU)."""
+    replay stale values. Checked only once CUDA is initialised (no cost on CPU); the query
+    creates no CUDA context on the current device when it has none."""
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"{where}: called during CUDA graph capture; call it outside the captured region "
@@ -398,9 +399,10 @@ class Monitor:
         self.registry.register(self._collector)
         self._grouping: LayerGrouping | None = None
         self._warned_deepspeed = False
+        self._nonfinite_run = False  # the last applied step had a non-finite gradient
         # Deferred device values are applied by the training thread and, once it has been idle
         # for _SCRAPE_DRAIN_AFTER_S, by a scrape: one at a time, in order.
-        self._drain_lock = threading.RLock()
+        self._drain_lock = threading.Lock()
         self._last_submit = time.monotonic()
         # Norms measured ahead of the next observe(model=...) by clip_grad_norm_ or
         # measure_gradients: (model, norms, clip coefficient or None).
@@ -845,28 +847,33 @@ class Monitor:
         with self._drain_lock:
             self._pending.append(record)
             self._last_submit = time.monotonic()
-            self._drain(block=False)
+            self._drain_locked(block=False, may_wait=True)
 
     def _drain(self, block: bool, may_wait: bool = True) -> None:
         """Apply pending steps in order, as far as their values have arrived.
 
         ``block``: wait for all (flush); else wait only when more than ``_MAX_PENDING``
         are in flight, and never when ``may_wait`` is False (a scrape)."""
+        if not self._pending:  # nothing in flight (always, on CPU): no lock to take
+            return
         with self._drain_lock:  # the training thread and a scrape: one applies at a time, in order
-            pending = self._pending
-            while pending:
-                record = pending[0]
-                if record.event is not None and not record.event.query():
-                    if not block and (len(pending) <= _MAX_PENDING or not may_wait):
-                        return
-                    if not block:
-                        self.blocking_waits += 1
-                    record.event.synchronize()  # host sync: only when too many are in flight, or on flush()
-                pending.popleft()
-                if record.packed is not None:
-                    self.host_transfers += 1
-                    _unpack(_as_float_list(record.packed), record.layout, record.host)
-                self._apply(record)
+            self._drain_locked(block, may_wait)
+
+    def _drain_locked(self, block: bool, may_wait: bool) -> None:
+        pending = self._pending
+        while pending:
+            record = pending[0]
+            if record.event is not None and not record.event.query():
+                if not block and (len(pending) <= _MAX_PENDING or not may_wait):
+                    return
+                if not block:
+                    self.blocking_waits += 1
+                record.event.synchronize()  # host sync: only when too many are in flight, or on flush()
+            pending.popleft()
+            if record.packed is not None:
+                self.host_transfers += 1
+                _unpack(_as_float_list(record.packed), record.layout, record.host)
+            self._apply(record)
 
     def _drain_at_scrape(self) -> None:
         """On the scrape thread: apply the steps whose device values have arrived while the
@@ -881,7 +888,7 @@ class Monitor:
         if not self._drain_lock.acquire(blocking=False):
             return
         try:
-            self._drain(block=False, may_wait=False)
+            self._drain_locked(block=False, may_wait=False)
         finally:
             self._drain_lock.release()
 
@@ -904,7 +911,10 @@ class Monitor:
         if layers is not None:
             # -1: no parameter of the layer had a gradient this step (unused head, unrouted
             # expert): omitted, not a zero norm, and counted apart.
-            layer_norms = {name: x for name, x in zip(record.layer_names, layers) if not x < 0}
+            if -1.0 in layers:  # a C-level scan; the filter only when some layer had no gradient
+                layer_norms = {name: x for name, x in zip(record.layer_names, layers) if not x < 0}
+            else:
+                layer_norms = dict(zip(record.layer_names, layers))
             without_grad = len(layers) - len(layer_norms)
         layer_nonfinite = layer_norms is not None and not all(map(math.isfinite, layer_norms.values()))
         # Under fp16 loss scaling an overflowing step is skipped by the scaler: routine, not a
@@ -949,11 +959,14 @@ class Monitor:
             s.nonfinite_loss_total += 1
             self._log_limited("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, record.step)
         if events.nonfinite_grad or layer_nonfinite:
-            origin = _nonfinite_origin(layer_norms, loss) if layer_nonfinite else None
-            # Set before the counter moves (a scrape in between sees the counter with its layer),
-            # and cleared when this step has no per-layer norms: never an earlier event's layer.
+            if layer_nonfinite:
+                origin = _nonfinite_origin(layer_norms, loss)
+            else:  # no per-layer norms this step: the layer of this event (consecutive bad steps), never an earlier one's
+                origin = s.first_nonfinite_layer if self._nonfinite_run else None
+            # Set before the counter moves: a scrape in between sees the new count with its layer.
             s.first_nonfinite_layer = origin
             s.nonfinite_grad_total += 1
+            self._nonfinite_run = True
             if origin is not None:
                 self._log_limited(
                     "nonfinite_grad", logging.WARNING,
@@ -961,6 +974,8 @@ class Monitor:
                 )
             else:
                 self._log_limited("nonfinite_grad", logging.WARNING, "lossbeat: non-finite gradient norm at step %d", record.step)
+        else:
+            self._nonfinite_run = False
         if overflow:
             s.grad_scaler_overflows_total += 1
         if events.spike:

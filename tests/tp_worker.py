@@ -1,0 +1,153 @@
+"""A torchrun worker for test_distributed.py: tensor + sequence parallelism on gloo.
+
+``--scenario tp-sp``: a Llama-style block stack parallelised with ``parallelize_module``
+(``SequenceParallel`` norms, whose replicated weights get ``Partial(sum)``
+gradients; ``ColwiseParallel``/``RowwiseParallel`` linears). Every rank observes;
+``<dir>/result.<rank>.json`` holds what the monitor measured and the reference
+from the full gradients (``torch.nn.utils.get_total_norm``).
+
+``--scenario rank0-only``: the common logging idiom ``if rank == 0:
+monitor.observe(...)`` on the same model: rank 0 must fail fast with a clear
+message (the step still recorded) instead of waiting in a collective alone.
+"""
+
+import argparse
+import json
+import logging
+import math
+import pathlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+import lossbeat.gradients
+from lossbeat import Monitor, MonitorConfig
+from worker_exit import finish
+
+WIDTH, SEQ = 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def parallel_model(mesh) -> Model:
+    torch.manual_seed(0)
+    model = Model()
+    for block in model.blocks:
+        parallelize_module(block, mesh, {
+            "norm": SequenceParallel(),
+            "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    parallelize_module(model.norm, mesh, SequenceParallel())
+    return model
+
+
+def backward(model, rank, world, seed):
+    torch.manual_seed(seed)
+    x, target = torch.randn(2, SEQ, WIDTH), torch.randn(2, SEQ, WIDTH)
+    mine = slice(rank * SEQ // world, (rank + 1) * SEQ // world)  # each rank holds its slice of the sequence
+    out = model(x[:, mine])
+    loss = ((out.to_local() if hasattr(out, "to_local") else out) - target[:, mine]).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def reference(model) -> tuple[float, dict[str, float]]:
+    """From the full gradients (collectives per parameter: slow, exact)."""
+    full = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    layers: dict[str, float] = {}
+    for name, g in full.items():
+        layer = name.rsplit(".", 1)[0]
+        layers[layer] = layers.get(layer, 0.0) + float(g.double().square().sum())
+    total = float(torch.nn.utils.get_total_norm(list(full.values())))
+    return total, {k: math.sqrt(v) for k, v in layers.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--scenario", choices=("tp-sp", "rank0-only"), default="tp-sp")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallel_model(mesh)
+    result: dict = {"rank": rank}
+    backward(model, rank, world, 0)
+    weight = model.blocks[0].norm.weight  # a replicated weight with a partial gradient
+    result["placements"] = [str(weight.placements), str(weight.grad.placements)]
+    model.zero_grad(set_to_none=True)
+    # tp-sp compares every rank's layers; rank0-only keeps the default (rank 0 exports the layers)
+    monitor = Monitor(MonitorConfig(port=0, layer_ranks="all" if args.scenario == "tp-sp" else "first"), serve=False)
+
+    if args.scenario == "tp-sp":
+        loss = backward(model, rank, world, 1)
+        result["reference"] = reference(model)
+        monitor.observe(0, loss=loss, model=model)
+        monitor.flush()
+        result["measured"] = (monitor.state.grad_norm, monitor.state.layer_norms)
+        # monitor.clip_grad_norm_ clips with the corrected norm, as torch's does
+        clipped_reference = parallel_model(mesh)
+        backward(clipped_reference, rank, world, 1)
+        result["torch_clip"] = float(torch.nn.utils.clip_grad_norm_(clipped_reference.parameters(), 0.05).full_tensor())
+        result["clip_returned"] = float(monitor.clip_grad_norm_(model, 0.05))
+        result["after_clip"] = reference(model)[0]
+        result["after_torch_clip"] = reference(clipped_reference)[0]
+        result["errors"] = dict(monitor.state.errors)
+    else:
+        lossbeat.gradients.SHARD_HANDSHAKE_TIMEOUT_S = 3.0
+        loss = backward(model, rank, world, 1)
+        if rank == 0:  # the idiom: only rank 0 logs
+            records = []
+            handler = logging.Handler()
+            handler.emit = records.append
+            logging.getLogger("lossbeat").addHandler(handler)
+            started = time.monotonic()
+            monitor.observe(0, loss=loss, model=model)
+            monitor.observe(1, loss=loss, model=model)  # decided once: no second wait
+            result["seconds"] = time.monotonic() - started
+            try:
+                monitor.clip_grad_norm_(model, 1.0)
+            except RuntimeError as e:
+                result["clip_error"] = str(e)
+            monitor.flush()
+            result["steps"] = monitor.state.steps_total
+            result["loss"] = monitor.state.loss
+            result["grad_norm"] = monitor.state.grad_norm
+            result["errors"] = dict(monitor.state.errors)
+            result["log"] = [r.getMessage() for r in records]
+    monitor.close()
+    dist.barrier()
+    (pathlib.Path(args.dir) / f"result.{rank}.json").write_text(json.dumps(result))
+    finish()
+
+
+if __name__ == "__main__":
+    main()
