@@ -178,7 +178,7 @@ def test_uids_titles_and_panel_types(dashboards):
     }
     assert all(d["schemaVersion"] >= 39 for d in dashboards.values())
     types = {p["type"] for d in dashboards.values() for p in d["panels"]}
-    assert types == {"timeseries", "stat", "heatmap", "table", "state-timeline", "row"}
+    assert types == {"timeseries", "stat", "heatmap", "table", "state-timeline"}
     assert _panel(dashboards[LAYERS], "Gradient norm per layer (log10)")["type"] == "heatmap"
     assert _panel(dashboards[OVERVIEW], "Firing alerts")["type"] == "table"
 
@@ -454,3 +454,15 @@ def test_every_variable_query_is_valid(prometheus, dashboards):
             params = urllib.parse.urlencode({"match[]": selector})
             answer = _get(f"{prometheus}/api/v1/label/{label}/values?{params}")
             assert answer["status"] == "success", f"{variable['name']}: {answer.get('error')}"
+
+
+def test_overview_opens_with_the_daily_checklist(dashboards):
+    """The article's eight items, in its order, across the first row, each the worst
+    training_health_status of its checks."""
+    from lossbeat.checklist import ITEMS
+
+    first = dashboards[OVERVIEW]["panels"][:8]
+    assert [p["title"] for p in first] == [f"Daily checklist {n}: {name}" for n, (name, _, _) in enumerate(ITEMS, 1)]
+    assert {p["gridPos"]["y"] for p in first} == {0} and sum(p["gridPos"]["w"] for p in first) == 24
+    assert 'check=~"lr_schedule|learning_rate"' in first[4]["targets"][0]["expr"]
+    assert 'check=~"memory"' in first[6]["targets"][0]["expr"] and 'check=~"throughput"' in first[7]["targets"][0]["expr"]

@@ -279,20 +279,20 @@ CHECKLIST_MAPPINGS = [{
 
 
 def _checklist_panels() -> list[dict]:
-    """The article's daily checklist (section 6.1): a row of eight ticks, the worst status of
-    each item's checks over the selected ranks (``lossbeat checklist`` prints the same)."""
-    row = {"collapsed": False, "panels": [], "title": "Daily checklist", "type": "row", "_size": (24, 1)}
-    panels = [row]
+    """The article's daily checklist (section 6.1): the dashboard's first row, eight ticks, the
+    worst status of each item's checks over the selected ranks (``lossbeat checklist`` prints
+    the same)."""
+    panels = []
     for number, (name, checks, alerts) in enumerate(CHECKLIST_ITEMS, 1):
         selector = _selector("training_health_status", matchers=f'check=~"{"|".join(checks)}", component=""')
         panels.append(_stat(
-            f"{number}. {name}",
+            f"Daily checklist {number}: {name}",
             f"Worst status of the {', '.join(checks)} check(s) over the selected ranks; "
             f"its alerts: {', '.join(alerts)}.",
             "none", _targets((f"max({selector})", name)), size=(3, 3),
             thresholds=_thresholds("green", (1, "yellow"), (2, "red")), mappings=CHECKLIST_MAPPINGS,
         ))
-    for panel in panels[1:]:
+    for panel in panels:
         panel["options"]["graphMode"] = "none"
         panel["options"]["textMode"] = "value"
     return panels
