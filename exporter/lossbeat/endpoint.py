@@ -22,11 +22,12 @@ import os
 import socket
 import ssl
 import threading
+import time
 from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client.exposition import ThreadingWSGIServer, _bake_output
+from prometheus_client.exposition import ThreadingWSGIServer, _bake_output, choose_encoder, gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 
 from . import __version__
@@ -93,11 +94,39 @@ class BasicAuth:
             return False
 
 
+class _SharedRenders:
+    """Scrapes arriving together share one render of the registry (per format), never a stale one.
+
+    A scrape is answered with a render that started after the scrape arrived: its values are
+    as fresh as a render of its own. Fifty scrapers at once cost the training process about two
+    renders, not fifty (every render holds the interpreter lock the training thread needs).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._locks: dict[tuple, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._latest: dict[tuple, tuple[float, Response]] = {}
+
+    def get(self, accept: str | None, accept_encoding: str | None) -> Response:
+        arrived = time.monotonic()
+        # By what is served, not by the raw headers: a handful of keys whatever clients send.
+        key = (choose_encoder(accept)[1], gzip_accepted(accept_encoding))
+        with self._locks[key]:  # one render per format at a time; the others wait for it
+            latest = self._latest.get(key)
+            if latest is not None and latest[0] >= arrived:
+                return latest[1]
+            started = time.monotonic()
+            response = _bake_output(self._registry, accept, accept_encoding, {}, False)
+            self._latest[key] = (started, response)
+            return response
+
+
 def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None) -> Callable:
     """The WSGI application serving ``registry`` by the exporter conventions above."""
     auth = BasicAuth(dict(web_config.basic_auth_users)) if web_config and web_config.basic_auth_users else None
     extra_headers = _COMMON_HEADERS + list(web_config.headers.items() if web_config else ())
     failed_once = threading.Event()
+    renders = _SharedRenders(registry)
 
     def route(environ: dict[str, Any]) -> Response:
         method, path = environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")
@@ -113,10 +142,12 @@ def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None) -
             return "200 OK", [("Content-Type", "text/html; charset=utf-8")], _LANDING
         if path == HEALTH_PATH:
             return "200 OK", [("Content-Type", "text/plain; charset=utf-8")], b"OK\n"
+        accept, encoding = environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING")
         params = parse_qs(environ.get("QUERY_STRING", ""))
-        status, headers, body = _bake_output(
-            registry, environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING"), params, False
-        )
+        if params:  # name[] filters: rare, rendered on their own
+            status, headers, body = _bake_output(registry, accept, encoding, params, False)
+        else:
+            status, headers, body = renders.get(accept, encoding)
         return status, list(headers) + [("Vary", "Accept, Accept-Encoding")], body
 
     def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
