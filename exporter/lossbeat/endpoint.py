@@ -202,6 +202,9 @@ class _TLSContexts:
 
 class _Server(ThreadingWSGIServer):
     tls: _TLSContexts | None = None
+    # socketserver's default backlog is 5: a sixth scraper connecting at the same moment has its
+    # SYN dropped and retries after 1, 3, 7... seconds (scrapes timing out under load).
+    request_queue_size = 128
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
         if self.tls is not None:

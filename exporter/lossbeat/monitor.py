@@ -192,11 +192,13 @@ class MonitorState:
         self.errors: dict[str, int] = {"observe": 0, "collect": 0, "diagnose": 0}
         self._error_lock = threading.Lock()
 
-    def count_error(self, where: str) -> None:
+    def count_error(self, where: str) -> int:
+        """Count one error at ``where``; returns how many there have been there (log the first)."""
         with self._error_lock:  # both threads count errors
             errors = dict(self.errors)
             errors[where] = errors.get(where, 0) + 1
             self.errors = errors
+            return errors[where]
 
 
 @dataclass
@@ -798,7 +800,7 @@ class Monitor:
             findings = tuple(diagnose(self.history))
         except Exception:
             self.state.count_error("diagnose")
-            log.exception("lossbeat: error in the diagnosis")
+            self._log_limited("diagnose", logging.ERROR, "lossbeat: error in the diagnosis", exc_info=True)
             return
         health = dict(self.state.health)
         for f in findings:
