@@ -65,7 +65,8 @@ class BasicAuth:
         self._decoy = next(iter(self._users.values()))
         self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         # One bcrypt check at a time: a password guesser gets at most one core away from training.
-        self._lock = threading.Lock()
+        self._bcrypt_lock = threading.Lock()
+        self._cache_lock = threading.Lock()  # apart, so a known scraper never queues behind guesses
 
     def allows(self, header: str | None) -> bool:
         if not header or not header[:6].lower() == "basic ":
@@ -78,20 +79,22 @@ class BasicAuth:
             return False
         hashed = self._users.get(user)
         digest = hashlib.sha256(b"\0".join((user.encode(), password.encode(), hashed or b""))).digest()
-        with self._lock:
+        with self._cache_lock:
             if hashed is not None and digest in self._verified:
                 self._verified.move_to_end(digest)
                 return True
+        with self._bcrypt_lock:
             try:
                 good = self._bcrypt.checkpw(password.encode(), hashed or self._decoy)
             except ValueError:  # bcrypt refuses passwords over 72 bytes: no such password can match
                 good = False
-            if good and hashed is not None:
-                self._verified[digest] = None
-                if len(self._verified) > _AUTH_CACHE:
-                    self._verified.popitem(last=False)
-                return True
+        if not (good and hashed is not None):
             return False
+        with self._cache_lock:
+            self._verified[digest] = None
+            if len(self._verified) > _AUTH_CACHE:
+                self._verified.popitem(last=False)
+        return True
 
 
 class _SharedRenders:
