@@ -9,6 +9,7 @@ import http.client
 import socket
 import ssl
 import sys
+import threading
 import time
 
 import pytest
@@ -273,3 +274,35 @@ def test_the_legacy_certfile_keyfile_still_serve_tls(certs):
         assert status == 200 and b'training_loss{rank="0"} 0.5' in body
     with pytest.raises(ValueError, match="cert_file/key_file: cannot load"):
         MonitorConfig(certfile=str(certs.server_key), keyfile=str(certs.server_key))
+
+
+def test_password_guessers_do_not_hold_up_a_known_scraper(tmp_path):
+    bcrypt = require_module("bcrypt")
+    slow = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=12)).decode()  # a production cost
+    start = time.monotonic()
+    bcrypt.checkpw(b"guess", slow.encode())
+    one_check = time.monotonic() - start
+    config = write_config(tmp_path, {"basic_auth_users": {"prometheus": slow}})
+    with Monitor(MonitorConfig(port=0, addr="127.0.0.1", web_config=str(config))) as m:
+        assert request(m.port, headers=basic("prometheus", "s3cret"))[0] == 200  # verified once, then cached
+        stop = threading.Event()
+
+        def guess():
+            while not stop.is_set():
+                assert request(m.port, headers=basic("prometheus", "guess"), timeout=60)[0] == 401
+
+        guessers = [threading.Thread(target=guess) for _ in range(4)]
+        for t in guessers:
+            t.start()
+        try:
+            time.sleep(one_check)  # the guesses are queued on the bcrypt check now
+            latencies = []
+            for _ in range(5):
+                start = time.monotonic()
+                assert request(m.port, headers=basic("prometheus", "s3cret"))[0] == 200
+                latencies.append(time.monotonic() - start)
+        finally:
+            stop.set()
+            for t in guessers:
+                t.join(60)
+        assert sorted(latencies)[2] < one_check, (latencies, one_check)

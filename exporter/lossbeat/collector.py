@@ -67,8 +67,8 @@ class MonitorCollector(Collector):
         try:
             families = list(self._families(s))
         except Exception:  # never fail a scrape on our own bug: count it and serve what we can
-            s.count_error("collect")
-            log.exception("lossbeat: error while rendering metrics")
+            if s.count_error("collect") % 100 == 1:  # the first, then every 100th: not one per scrape
+                log.exception("lossbeat: error while rendering metrics (counted in training_exporter_errors_total)")
             families = []
         families.append(self._errors(s))
         yield from families

@@ -22,11 +22,12 @@ import os
 import socket
 import ssl
 import threading
+import time
 from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client.exposition import ThreadingWSGIServer, _bake_output
+from prometheus_client.exposition import ThreadingWSGIServer, _bake_output, choose_encoder, gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 
 from . import __version__
@@ -64,7 +65,8 @@ class BasicAuth:
         self._decoy = next(iter(self._users.values()))
         self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         # One bcrypt check at a time: a password guesser gets at most one core away from training.
-        self._lock = threading.Lock()
+        self._bcrypt_lock = threading.Lock()
+        self._cache_lock = threading.Lock()  # apart, so a known scraper never queues behind guesses
 
     def allows(self, header: str | None) -> bool:
         if not header or not header[:6].lower() == "basic ":
@@ -77,20 +79,49 @@ class BasicAuth:
             return False
         hashed = self._users.get(user)
         digest = hashlib.sha256(b"\0".join((user.encode(), password.encode(), hashed or b""))).digest()
-        with self._lock:
+        with self._cache_lock:
             if hashed is not None and digest in self._verified:
                 self._verified.move_to_end(digest)
                 return True
+        with self._bcrypt_lock:
             try:
                 good = self._bcrypt.checkpw(password.encode(), hashed or self._decoy)
             except ValueError:  # bcrypt refuses passwords over 72 bytes: no such password can match
                 good = False
-            if good and hashed is not None:
-                self._verified[digest] = None
-                if len(self._verified) > _AUTH_CACHE:
-                    self._verified.popitem(last=False)
-                return True
+        if not (good and hashed is not None):
             return False
+        with self._cache_lock:
+            self._verified[digest] = None
+            if len(self._verified) > _AUTH_CACHE:
+                self._verified.popitem(last=False)
+        return True
+
+
+class _SharedRenders:
+    """Scrapes arriving together share one render of the registry (per format), never a stale one.
+
+    A scrape is answered with a render that started after the scrape arrived: its values are
+    as fresh as a render of its own. Fifty scrapers at once cost the training process about two
+    renders, not fifty (every render holds the interpreter lock the training thread needs).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._locks: dict[tuple, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._latest: dict[tuple, tuple[float, Response]] = {}
+
+    def get(self, accept: str | None, accept_encoding: str | None) -> Response:
+        arrived = time.monotonic()
+        # By what is served, not by the raw headers: a handful of keys whatever clients send.
+        key = (choose_encoder(accept)[1], gzip_accepted(accept_encoding))
+        with self._locks[key]:  # one render per format at a time; the others wait for it
+            latest = self._latest.get(key)
+            if latest is not None and latest[0] >= arrived:
+                return latest[1]
+            started = time.monotonic()
+            response = _bake_output(self._registry, accept, accept_encoding, {}, False)
+            self._latest[key] = (started, response)
+            return response
 
 
 def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None) -> Callable:
@@ -98,6 +129,7 @@ def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None) -
     auth = BasicAuth(dict(web_config.basic_auth_users)) if web_config and web_config.basic_auth_users else None
     extra_headers = _COMMON_HEADERS + list(web_config.headers.items() if web_config else ())
     failed_once = threading.Event()
+    renders = _SharedRenders(registry)
 
     def route(environ: dict[str, Any]) -> Response:
         method, path = environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")
@@ -113,10 +145,12 @@ def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None) -
             return "200 OK", [("Content-Type", "text/html; charset=utf-8")], _LANDING
         if path == HEALTH_PATH:
             return "200 OK", [("Content-Type", "text/plain; charset=utf-8")], b"OK\n"
+        accept, encoding = environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING")
         params = parse_qs(environ.get("QUERY_STRING", ""))
-        status, headers, body = _bake_output(
-            registry, environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING"), params, False
-        )
+        if params:  # name[] filters: rare, rendered on their own
+            status, headers, body = _bake_output(registry, accept, encoding, params, False)
+        else:
+            status, headers, body = renders.get(accept, encoding)
         return status, list(headers) + [("Vary", "Accept, Accept-Encoding")], body
 
     def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
@@ -171,6 +205,9 @@ class _TLSContexts:
 
 class _Server(ThreadingWSGIServer):
     tls: _TLSContexts | None = None
+    # socketserver's default backlog is 5: a sixth scraper connecting at the same moment has its
+    # SYN dropped and retries after 1, 3, 7... seconds (scrapes timing out under load).
+    request_queue_size = 128
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
         if self.tls is not None:

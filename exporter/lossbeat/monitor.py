@@ -229,11 +229,13 @@ class MonitorState:
         self.errors: dict[str, int] = {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}
         self._error_lock = threading.Lock()
 
-    def count_error(self, where: str) -> None:
+    def count_error(self, where: str) -> int:
+        """Count one error at ``where``; returns how many there have been there (log the first)."""
         with self._error_lock:  # both threads count errors
             errors = dict(self.errors)
             errors[where] = errors.get(where, 0) + 1
             self.errors = errors
+            return errors[where]
 
 
 @dataclass
@@ -290,8 +292,10 @@ class Report:
 def _scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.Tensor | None:
     """A float, or a detached 0-d tensor left on its device (reading it would sync)."""
     kind = type(value)
-    if kind is float or kind is int:  # the common case, without ABC checks
-        return float(value)
+    if kind is float:  # the common case, without ABC checks
+        return value
+    if kind is int:
+        return _int_to_float(value)
     if value is None:
         if optional:
             return None
@@ -301,6 +305,8 @@ def _scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.T
             raise TypeError(f"{name}: expected a single value, got a tensor of shape {tuple(value.shape)}")
         if value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name}: expected a real number, got a {value.dtype} tensor")
+        if value.is_meta:
+            raise TypeError(f"{name}: a meta tensor holds no value")
         if hasattr(value, "full_tensor"):
             # A DTensor (torch's clip_grad_norm_ returns one under FSDP2): its value on every
             # rank; a partial one is all-reduced, enqueued on the device like any kernel.
@@ -308,7 +314,23 @@ def _scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.T
         return value.detach().reshape(())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a float or a 0-d tensor, got {type(value).__name__}")
-    return float(value)
+    return _real_to_float(value)
+
+
+def _real_to_float(value: numbers.Real) -> float:
+    if isinstance(value, numbers.Integral):
+        return _int_to_float(int(value))
+    try:
+        return float(value)
+    except OverflowError:  # a Fraction beyond float range: a huge value is data, not an error
+        return math.inf if value > 0 else -math.inf
+
+
+def _int_to_float(value: int) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond 1.8e308: data (counted as non-finite), never raised
+        return math.inf if value > 0 else -math.inf
 
 
 def _loss_scale(grad_scaler: Any) -> torch.Tensor | None:
@@ -480,6 +502,8 @@ class Monitor:
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, numbers.Real)):
             raise TypeError(f"epoch: expected a number, got {type(epoch).__name__}")
+        if epoch is not None:
+            epoch = _real_to_float(epoch)
 
         now_perf = time.perf_counter()
         duration = None if self._last_perf is None else now_perf - self._last_perf
@@ -490,7 +514,14 @@ class Monitor:
                                       "grad_scale": scale_value}
             values.update(lr_values)
             values.update(component_values)
-            layer_names = self._gradients(model, grad_value is None, values)
+            try:
+                layer_names = self._gradients(model, grad_value is None, values)
+            except Exception:  # gradients we cannot measure: the step's loss and LR still count
+                layer_names = []
+                values.pop("layers", None)
+                self.state.count_error("observe")
+                self._log_limited("error", logging.ERROR, "lossbeat: cannot measure the gradients; training continues",
+                                  exc_info=True)
             self._submitted += 1
             self._submit(int(step), time.time(), duration, epoch, values, layer_names)
         except Exception:  # the training loop must go on: count, log, continue
@@ -1004,7 +1035,7 @@ class Monitor:
             s.pattern = (pattern.name if pattern else None, self._vitals.pattern_since)
         except Exception:
             self.state.count_error("diagnose")
-            log.exception("lossbeat: error in the diagnosis")
+            self._log_limited("diagnose", logging.ERROR, "lossbeat: error in the diagnosis", exc_info=True)
             return
         health = dict(self.state.health)
         for f in findings:

@@ -8,6 +8,7 @@ A bad file raises :class:`ThresholdsError` naming the offending key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ __all__ = ["Thresholds", "Profile", "ThresholdsError", "load_thresholds", "DEFAU
 
 DEFAULT_PATH = "thresholds.yaml"  # package data of ``lossbeat``
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+# Every window is a ring buffer allocated in full at start-up (and one per loss component):
+# a typo like 10000000000 must be an error here, not a MemoryError in the training script.
+MAX_WINDOW_STEPS = 100_000
 
 
 class ThresholdsError(ValueError):
@@ -208,6 +212,24 @@ class Thresholds:
         return dataclasses.replace(self, profile=self.profiles[name])
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (no tags beyond plain YAML), refusing a key given twice in one mapping:
+    safe_load keeps the last silently, so an edited threshold could be overridden unnoticed."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # SafeLoader refuses it below ("found unhashable key")
+            if key in seen:
+                raise ThresholdsError(f"{key}: duplicate key (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _default_document() -> dict:
     text = resources.files("lossbeat").joinpath(DEFAULT_PATH).read_text(encoding="utf-8")
     return yaml.safe_load(text)
@@ -232,6 +254,8 @@ def _number(doc: Mapping, key: str, where: str, *, positive: bool = True, intege
     value = doc[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ThresholdsError(f"{where}.{key}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ThresholdsError(f"{where}.{key}: expected a finite number, got {value!r}")
     if integer and not isinstance(value, int):
         raise ThresholdsError(f"{where}.{key}: expected an integer, got {value!r}")
     if positive and not value > 0:
@@ -374,11 +398,13 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
     profiles_doc = _section(doc, "profiles")
     profiles = {str(name): _profile(str(name), body) for name, body in profiles_doc.items()}
     active = doc.get("profile")
-    if active not in profiles:
+    if not isinstance(active, str) or active not in profiles:
         raise ThresholdsError(f"profile: unknown profile {active!r}; known: {', '.join(sorted(profiles))}")
     loss = _build(LossThresholds, _section(doc, "loss"), "loss", signed=("trend_rising",))
     if not loss.trend_rising < loss.trend_improving:
         raise ThresholdsError("loss.trend_rising: must be below loss.trend_improving")
+    if loss.trend_rising > 0:
+        raise ThresholdsError(f"loss.trend_rising: must be <= 0 (a falling loss is not rising), got {loss.trend_rising}")
     if not loss.cv_warning < loss.cv_danger:
         raise ThresholdsError("loss.cv_warning: must be below loss.cv_danger")
     grads = _build(GradientThresholds, _section(doc, "gradients"), "gradients")
@@ -386,13 +412,24 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         raise ThresholdsError(
             "gradients: expected vanishing < healthy_low < healthy_high < explosion"
         )
+    if not grads.layer_vanishing < grads.layer_explosion:
+        raise ThresholdsError("gradients.layer_vanishing: must be below gradients.layer_explosion")
+    windows = _build(Windows, _section(doc, "windows"), "windows")
+    learning_rate = _build(LearningRateThresholds, _section(doc, "learning_rate"), "learning_rate")
+    if not learning_rate.too_small < learning_rate.too_large:
+        raise ThresholdsError("learning_rate.too_small: must be below learning_rate.too_large")
+    for where, steps in [(f"windows.{f.name}", getattr(windows, f.name)) for f in dataclasses.fields(Windows)] + [
+        ("learning_rate.too_small_window", learning_rate.too_small_window)
+    ]:
+        if steps > MAX_WINDOW_STEPS:
+            raise ThresholdsError(f"{where}: at most {MAX_WINDOW_STEPS} steps (memory is allocated up front), got {steps}")
     return Thresholds(
         profile=profiles[active],
         profiles=profiles,
-        windows=_build(Windows, _section(doc, "windows"), "windows"),
+        windows=windows,
         loss=loss,
         gradients=grads,
-        learning_rate=_build(LearningRateThresholds, _section(doc, "learning_rate"), "learning_rate"),
+        learning_rate=learning_rate,
         overfitting=_build(OverfittingThresholds, _section(doc, "overfitting"), "overfitting"),
         alerts=_alerts(_section(doc, "alerts")),
         memory=_memory(_section(doc, "memory")),
@@ -416,9 +453,13 @@ def load_thresholds(path: str | os.PathLike | None = None, *, profile: str | Non
         source = os.fspath(path)
         try:
             with open(source, encoding="utf-8") as fh:
-                user = yaml.safe_load(fh)
+                user = yaml.load(fh, Loader=_UniqueKeyLoader)  # yaml.safe_load, plus duplicate keys refused
         except OSError as exc:
             raise ThresholdsError(f"{source}: cannot read thresholds file: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ThresholdsError(f"{source}: not UTF-8 text: {exc}") from exc
+        except ThresholdsError as exc:  # a duplicate key, found while reading
+            raise ThresholdsError(f"{source}: {exc}") from exc
         except yaml.YAMLError as exc:
             raise ThresholdsError(f"{source}: not valid YAML: {exc}") from exc
         if user is None:

@@ -11,7 +11,16 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
-__all__ = ["Ring", "SlidingSum", "LossWindow"]
+__all__ = ["Ring", "SlidingSum", "LossWindow", "fsum"]
+
+
+def fsum(values) -> float:
+    """``math.fsum``, except that a sum beyond the float range is +-inf (data), not an OverflowError."""
+    values = list(values)
+    try:
+        return math.fsum(values)
+    except OverflowError:  # finite values near 1.8e308: the exact sum does not fit a float
+        return sum(values)
 
 
 class Ring:
@@ -91,8 +100,8 @@ class SlidingSum:
     def resync(self, ring: Ring) -> None:
         """Recompute from the ring (drift control)."""
         values = [ring.back(k) for k in range(self.offset, min(len(ring), self.offset + self.length))]
-        self.total = math.fsum(values)
-        self.squares = math.fsum(v * v for v in values)
+        self.total = fsum(values)
+        self.squares = fsum(v * v for v in values)
         self.count = len(values)
 
     def mean(self) -> float:
@@ -170,14 +179,14 @@ class LossWindow:
         """
         values = self.ring.last(self.cv_steps)
         n = len(values)
-        mean = math.fsum(values) / n if n else math.nan
+        mean = fsum(values) / n if n else math.nan
         if n < 3 or not mean > 0:
             return math.nan
         x_mean = (n - 1) / 2
         sxx = sum((i - x_mean) ** 2 for i in range(n))
         slope = sum((i - x_mean) * (v - mean) for i, v in enumerate(values)) / sxx
         residuals = [v - (mean + slope * (i - x_mean)) for i, v in enumerate(values)]
-        return math.sqrt(math.fsum(r * r for r in residuals) / n) / mean
+        return math.sqrt(fsum(r * r for r in residuals) / n) / mean
 
     def trend_noise_ratio(self) -> float:
         """Standard error of ``trend_ratio()`` if the window were pure noise (0 when unknown)."""

@@ -6,6 +6,7 @@ import math
 from typing import Mapping, Sequence
 
 from ..thresholds import GradientThresholds
+from ..window import fsum
 from .findings import Finding, Status
 
 __all__ = ["check_grad_norm", "check_layer_grad_norms"]
@@ -17,7 +18,7 @@ def check_grad_norm(recent: Sequence[float], t: GradientThresholds) -> Finding:
     finite = [v for v in recent if math.isfinite(v)]
     if not finite:
         return Finding.unknown(check)
-    mean = math.fsum(finite) / len(finite)
+    mean = fsum(finite) / len(finite)
     if mean > t.explosion:
         return Finding(
             check, Status.DANGER,

@@ -9,6 +9,7 @@ import math
 from typing import Sequence
 
 from ..thresholds import LossThresholds, OverfittingThresholds, Profile
+from ..window import fsum
 from .findings import Finding, Status
 
 __all__ = ["check_loss_range", "check_loss_trend", "check_loss_volatility", "is_spike", "check_overfitting"]
@@ -16,7 +17,7 @@ __all__ = ["check_loss_range", "check_loss_trend", "check_loss_volatility", "is_
 
 def _finite_mean(values: Sequence[float]) -> float:
     finite = [v for v in values if math.isfinite(v)]
-    return math.fsum(finite) / len(finite) if finite else math.nan
+    return fsum(finite) / len(finite) if finite else math.nan
 
 
 def check_loss_range(recent: Sequence[float], profile: Profile, component: str = "") -> Finding:

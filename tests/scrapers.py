@@ -1,0 +1,89 @@
+"""N concurrent scrapers of one /metrics for S seconds, in their own process (so their own
+Python work does not share the trainer's interpreter lock). Prints one JSON summary:
+scrapes, failures, parse errors, counters seen going backwards, latency percentiles.
+
+    python tests/scrapers.py PORT N SECONDS [INTERVAL]
+
+INTERVAL: seconds between one scraper's scrapes (default 0: back to back, a stress test).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import sys
+import threading
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scraper(port: int, until: float, interval: float, out: dict, lock: threading.Lock) -> None:
+    last: dict[tuple, float] = {}
+    latencies, failures, parse_errors, backwards = [], [], 0, []
+    next_at = time.monotonic()
+    while time.monotonic() < until:
+        if interval:
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            next_at += interval
+        start = time.monotonic()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/metrics", headers={"Accept-Encoding": "identity"})
+            resp = conn.getresponse()
+            body = resp.read()
+            conn.close()
+            if resp.status != 200:
+                failures.append(f"HTTP {resp.status}")
+                continue
+        except OSError as exc:
+            failures.append(f"{type(exc).__name__}: {exc}")
+            continue
+        latencies.append(time.monotonic() - start)
+        try:
+            families = list(text_string_to_metric_families(body.decode()))
+        except Exception as exc:  # noqa: BLE001 (any parse failure is the finding)
+            parse_errors += 1
+            failures.append(f"parse: {exc}")
+            continue
+        for family in families:
+            if family.type != "counter":
+                continue
+            for s in family.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                if s.value < last.get(key, float("-inf")):
+                    backwards.append(f"{s.name}{dict(key[1])}: {last[key]} -> {s.value}")
+                last[key] = s.value
+    with lock:
+        out["scrapes"] += len(latencies)
+        out["failures"] += failures[:5]
+        out["failure_count"] += len(failures)
+        out["parse_errors"] += parse_errors
+        out["backwards"] += backwards[:5]
+        out["latencies"] += latencies
+        out["last_counters"].append({f"{k[0]}{dict(k[1])}": v for k, v in last.items()})
+
+
+def main() -> None:
+    port, n, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    interval = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+    out = {"scrapes": 0, "failures": [], "failure_count": 0, "parse_errors": 0, "backwards": [],
+           "latencies": [], "last_counters": []}
+    lock = threading.Lock()
+    until = time.monotonic() + seconds
+    threads = [threading.Thread(target=scraper, args=(port, until, interval, out, lock)) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lat = sorted(out.pop("latencies")) or [0.0]
+    out["latency_p50_ms"] = 1000 * lat[len(lat) // 2]
+    out["latency_p99_ms"] = 1000 * lat[int(len(lat) * 0.99)]
+    out["latency_max_ms"] = 1000 * lat[-1]
+    out["steps_total_seen"] = max((c.get('training_steps_total{\'rank\': \'0\'}', 0) for c in out.pop("last_counters")),
+                                  default=0)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

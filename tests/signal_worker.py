@@ -1,0 +1,46 @@
+"""A training script that test_faults.py interrupts with SIGINT or SIGTERM mid-step.
+
+    python tests/signal_worker.py with|exit-handler
+
+Prints ``READY <port>`` once serving, and ``CLOSED <observed> <applied> <pending>`` after
+the monitor's with-block has closed it (however the loop ended).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import torch
+
+from lossbeat import Monitor, MonitorConfig
+
+
+def main() -> None:
+    if sys.argv[1] == "exit-handler":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the pattern docs/reliability.md shows
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(256, 64), torch.randn(256, 1)
+    observed = 0
+    monitor = Monitor(MonitorConfig(port=0, addr="127.0.0.1"))
+    try:
+        with monitor:
+            step = 0
+            while True:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                monitor.observe(step, loss=loss, optimizer=optimizer, model=model)
+                observed += 1
+                optimizer.step()
+                if step == 20:
+                    print(f"READY {monitor.port}", flush=True)
+                step += 1
+    finally:
+        print(f"CLOSED {observed} {monitor.state.steps_total} {len(monitor._pending)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
