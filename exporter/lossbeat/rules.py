@@ -10,7 +10,6 @@ checked-in files instead: ``alerting/rules.yml``, ``alerting/tests/*.yml``,
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import yaml
