@@ -88,6 +88,9 @@ class MonitorConfig:
     """TLS certificate for /metrics (with keyfile)."""
     keyfile: str | None = None
     """TLS key for /metrics."""
+    strict_port: bool = False
+    """Raise when ``port + LOCAL_RANK`` is taken (e.g. two jobs sharing a node) instead of
+    serving on a free port the OS picks and logging which."""
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -121,6 +124,8 @@ class MonitorConfig:
             isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
         ):
             raise TypeError(f"layer_ranks: expected 'first', 'all' or a collection of ranks >= 0, got {ranks!r}")
+        if not isinstance(self.strict_port, bool):
+            raise TypeError(f"strict_port: expected True or False, got {self.strict_port!r}")
 
     def exports_layers(self, rank: int) -> bool:
         """Whether global ``rank`` exports per-layer norms (``layer_ranks``)."""
@@ -326,7 +331,8 @@ class Monitor:
             port = config.port
             if port and config.port_per_local_rank:
                 port += self.rank_context.local_rank
-            self._server = MetricsServer(self.registry, port, config.addr, config.certfile, config.keyfile)
+            self._server = MetricsServer(self.registry, port, config.addr, config.certfile, config.keyfile,
+                                         strict_port=config.strict_port)
 
     # --- public API -----------------------------------------------------------------
 
