@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "dashboards": ("lossbeat.dashboards", "generate the Grafana dashboards from the thresholds file"),
     "stack": ("lossbeat.stack", "start or stop a local Prometheus + Alertmanager on loopback"),
     "analyze": ("lossbeat.analyze", "diagnose a finished run from its log files"),
+    "targets": ("lossbeat.registration", "list or prune the file_sd entries ranks registered themselves"),
 }
 
 

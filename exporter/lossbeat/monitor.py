@@ -30,6 +30,7 @@ from .collector import MonitorCollector
 from .diagnosis import Finding, History, Status, diagnose
 from .gradients import GradientNorms, LayerGrouping, clip_with_norms, compute_grad_norms
 from .metrics import HEALTH_CHECKS
+from .registration import Registration, register
 from .server import MetricsServer, RankContext
 from .thresholds import Thresholds, load_thresholds
 
@@ -91,6 +92,10 @@ class MonitorConfig:
     strict_port: bool = False
     """Raise when ``port + LOCAL_RANK`` is taken (e.g. two jobs sharing a node) instead of
     serving on a free port the OS picks and logging which."""
+    file_sd_dir: str | None = None
+    """Folder Prometheus watches with file_sd: each serving rank writes its own target entry
+    there (real port, job, node, Slurm job id) and removes it when it ends. None: the
+    ``LOSSBEAT_FILE_SD_DIR`` environment variable, else no self-registration."""
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -126,6 +131,9 @@ class MonitorConfig:
             raise TypeError(f"layer_ranks: expected 'first', 'all' or a collection of ranks >= 0, got {ranks!r}")
         if not isinstance(self.strict_port, bool):
             raise TypeError(f"strict_port: expected True or False, got {self.strict_port!r}")
+        if self.file_sd_dir is not None and (not isinstance(self.file_sd_dir, (str, os.PathLike))
+                                             or not str(self.file_sd_dir)):
+            raise TypeError(f"file_sd_dir: expected a folder path or None, got {self.file_sd_dir!r}")
 
     def exports_layers(self, rank: int) -> bool:
         """Whether global ``rank`` exports per-layer norms (``layer_ranks``)."""
@@ -327,12 +335,16 @@ class Monitor:
         steps in flight); 0 while the device keeps up. Waits in ``flush()`` are not counted."""
         self.closed = False
         self._server: MetricsServer | None = None
+        self._registration: Registration | None = None
         if serve:
             port = config.port
             if port and config.port_per_local_rank:
                 port += self.rank_context.local_rank
             self._server = MetricsServer(self.registry, port, config.addr, config.certfile, config.keyfile,
                                          strict_port=config.strict_port)
+            self._registration = register(
+                config.file_sd_dir, addr=config.addr, port=self._server.port, rank=self.rank_context.rank,
+                job=config.run_name, on_error=lambda: self.state.count_error("register"))
 
     # --- public API -----------------------------------------------------------------
 
@@ -491,6 +503,8 @@ class Monitor:
         except Exception:
             self.state.count_error("observe")
         self.closed = True
+        if self._registration is not None:  # before the port closes: Prometheus drops the target, no up=0
+            self._registration.remove()
         if self._server is not None:
             self._server.close()
         try:
