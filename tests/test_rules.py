@@ -41,6 +41,8 @@ ALERTS = {  # the contract: name -> severity
     "TrainingLearningRateSuspect": "warning",
     "TrainingStalled": "critical",
     "TrainingExporterDown": "critical",
+    "TrainingRankDown": "critical",
+    "TrainingLossRankSpread": "warning",
 }
 
 # A user's thresholds file changing numbers, counts and (short) durations.
@@ -252,7 +254,7 @@ def test_rendering_is_deterministic():
     assert rules.render_rules(thresholds) == rules.render_rules(load_thresholds())
     assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
         "lossbeat.recording", "lossbeat.nonfinite", "lossbeat.gradients", "lossbeat.loss",
-        "lossbeat.optimizer", "lossbeat.liveness",
+        "lossbeat.optimizer", "lossbeat.liveness", "lossbeat.cross_rank",
     ]
 
 
@@ -298,7 +300,7 @@ def _names_in(expr: str) -> set[str]:
     text = re.sub(r"\[[^\]]*\]", " ", text)
     text = re.sub(r"\{[^}]*\}", " ", text)
     names = set(re.findall(r"(?<![\w.])([a-zA-Z_:][\w:]*)\b(?!\s*\()", text))
-    return names - {"and", "or", "unless", "bool", "offset", "NaN", "Inf"}
+    return names - {"and", "or", "unless", "bool", "offset", "NaN", "Inf", "group_left", "group_right"}
 
 
 def test_expressions_use_only_contract_metrics_and_recording_rules():

@@ -132,6 +132,18 @@ class AlertSettings:
     stalled_after: str
     exporter_down_for: str
     loss_scale_for: str
+    rank_down_for: str
+    loss_spread_for: str
+
+
+@dataclass(frozen=True)
+class CrossRankThresholds:
+    loss_spread_z: float
+    """A rank's robust z-score (0.6745 * (x - median) / MAD over the job's ranks) beyond which its loss departs."""
+    loss_spread_min_relative: float
+    """...and its departure from the job's median loss must exceed this fraction of that median."""
+    min_ranks: int
+    """Ranks a job needs before the loss spread is judged."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,7 @@ class Thresholds:
     learning_rate: LearningRateThresholds
     overfitting: OverfittingThresholds
     alerts: AlertSettings
+    cross_rank: CrossRankThresholds
     source: str = field(default="<package>", compare=False)
     """Where the values came from (for error messages and the run info)."""
 
@@ -288,6 +301,7 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         learning_rate=_build(LearningRateThresholds, _section(doc, "learning_rate"), "learning_rate"),
         overfitting=_build(OverfittingThresholds, _section(doc, "overfitting"), "overfitting"),
         alerts=_alerts(_section(doc, "alerts")),
+        cross_rank=_build(CrossRankThresholds, _section(doc, "cross_rank"), "cross_rank"),
         source=source,
     )
 
