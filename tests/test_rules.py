@@ -43,6 +43,8 @@ ALERTS = {  # the contract: name -> severity
     "TrainingExporterDown": "critical",
     "TrainingRankDown": "critical",
     "TrainingLossRankSpread": "warning",
+    "TrainingStraggler": "warning",
+    "TrainingRankGradientMismatch": "critical",
 }
 
 # A user's thresholds file changing numbers, counts and (short) durations.

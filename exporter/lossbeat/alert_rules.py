@@ -174,6 +174,16 @@ def _cross_rank_recording_rules() -> list[RecordingRule]:
         RecordingRule("job_rank:training_loss:robust_z5m",
                       f"sum by ({job_rank}) ({MAD_TO_SIGMA} * ({mean} - on({job}) group_left {median})"
                       f" / on({job}) group_left {mad})", JOB_RANK),
+        # Each rank's aligned grad norm, kept only at the job's latest aligned step.
+        RecordingRule("job_rank:training_grad_norm_aligned:latest_step",
+                      f"max by ({job_rank}) (training_grad_norm_aligned and on({_by(TARGET)}) "
+                      f"(training_grad_norm_aligned_step == on({job}) group_left "
+                      f"max by ({job}) (training_grad_norm_aligned_step)))", JOB_RANK),
+        RecordingRule("job:training_grad_norm_aligned:median_latest_step",
+                      f"quantile by ({job}) (0.5, job_rank:training_grad_norm_aligned:latest_step)", JOB),
+        RecordingRule("job:training_rank_work_seconds:median_avg_over_time5m",
+                      f"quantile by ({job}) (0.5, avg by ({job_rank}) (avg_over_time(training_rank_work_seconds[5m])))",
+                      JOB),
     ]
 
 
@@ -559,6 +569,9 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
     z, rel, ranks = number(c.loss_spread_z), number(c.loss_spread_min_relative), c.min_ranks
     mean, median = "job_rank:training_loss:avg_over_time5m", "job:training_loss:median_avg_over_time5m"
     robust_z = "job_rank:training_loss:robust_z5m"
+    work_median = "job:training_rank_work_seconds:median_avg_over_time5m"
+    aligned = "job_rank:training_grad_norm_aligned:latest_step"
+    aligned_median = "job:training_grad_norm_aligned:median_latest_step"
     return [
         AlertRule(
             name="TrainingRankDown",
@@ -609,6 +622,61 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
                 f"> {number(100 * c.loss_spread_min_relative)}% from the median, with >= {ranks} ranks; for {a.loss_spread_for}"
             ),
             action="check that rank's data shard (sampler seed, file list) and its node (GPU errors, ECC)",
+            keeps=JOB_RANK,
+        ),
+        AlertRule(
+            name="TrainingStraggler",
+            group="lossbeat.cross_rank",
+            severity="warning",
+            expr=(
+                f"avg_over_time(training_rank_work_seconds[5m])\n"
+                f"  / on({job}) group_left {work_median}\n"
+                f"> {number(c.straggler_ratio)}\n"
+                f"and\n"
+                f"avg_over_time(training_rank_work_seconds[5m])\n"
+                f"  - on({job}) group_left {work_median}\n"
+                f"> {number(c.straggler_min_seconds)}\n"
+                f"and on({job})\n"
+                f"  count by ({job}) (training_rank_work_seconds) >= {ranks}\n"
+            ),
+            for_=a.straggler_for,
+            summary="One rank is consistently slower than the others",
+            description=(
+                f"{WHO_CAP} (instance {{{{ $labels.instance }}}}) spends {VALUE}x the job's median on its own "
+                "work per step (data loading, optimizer step and forward, `training_rank_work_seconds`): "
+                "every other rank waits for it in each all-reduce."
+            ),
+            condition=(
+                f"a rank's 5m mean work time > {number(c.straggler_ratio)}x the job's median and "
+                f"> median + {number(c.straggler_min_seconds)}s, with >= {ranks} ranks; for {a.straggler_for}"
+            ),
+            action="check that rank's data loading (workers, storage) and its node (throttled GPU, CPU contention)",
+            keeps=TARGET,
+        ),
+        AlertRule(
+            name="TrainingRankGradientMismatch",
+            group="lossbeat.cross_rank",
+            severity="critical",
+            expr=(
+                f"abs({aligned} - on({job}) group_left {aligned_median})\n"
+                f"  / on({job}) group_left abs({aligned_median})\n"
+                f"> {number(c.grad_norm_rtol)}\n"
+                f"and on({job})\n"
+                f"  count by ({job}) ({aligned}) >= 2\n"
+            ),
+            for_=a.grad_mismatch_for,
+            summary="Data-parallel replicas disagree on the gradient norm",
+            description=(
+                f"At the job's latest aligned step the global gradient norm of {WHO} differs from the median of "
+                f"the job's ranks by {VALUE} of it; after the all-reduce every replica must "
+                f"hold the same gradients (tolerance {number(c.grad_norm_rtol)}): silent data corruption or "
+                "desynchronised replicas."
+            ),
+            condition=(
+                f"a rank's global grad norm at the job's latest step multiple of `grad_norm_align_every` differs "
+                f"from the ranks' median by > {number(100 * c.grad_norm_rtol)}%; for {a.grad_mismatch_for}"
+            ),
+            action="stop the job; run GPU diagnostics on that rank's node; restart from a checkpoint without it",
             keeps=JOB_RANK,
         ),
     ]

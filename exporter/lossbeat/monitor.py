@@ -27,6 +27,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from . import __version__
 from .collector import MonitorCollector
+from .cross_rank import CrossRankSignals
 from .diagnosis import Finding, History, Status, diagnose
 from .gradients import GradientNorms, LayerGrouping, clip_with_norms, compute_grad_norms
 from .metrics import HEALTH_CHECKS
@@ -96,6 +97,13 @@ class MonitorConfig:
     """Folder Prometheus watches with file_sd: each serving rank writes its own target entry
     there (real port, job, node, Slurm job id) and removes it when it ends. None: the
     ``LOSSBEAT_FILE_SD_DIR`` environment variable, else no self-registration."""
+    grad_norm_align_every: int = 100
+    """Export the global grad norm of every step that is a multiple of N with that step, for
+    ``TrainingRankGradientMismatch`` (replicas must agree). 0 disables it: set 0 where ranks
+    legitimately differ (pipeline stages without a model-wide norm)."""
+    work_time: bool = False
+    """Time this rank's own work per step (data wait + forward, through forward hooks on the
+    ``observe(model=...)`` module) for ``TrainingStraggler``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -131,6 +139,11 @@ class MonitorConfig:
             raise TypeError(f"layer_ranks: expected 'first', 'all' or a collection of ranks >= 0, got {ranks!r}")
         if not isinstance(self.strict_port, bool):
             raise TypeError(f"strict_port: expected True or False, got {self.strict_port!r}")
+        if isinstance(self.grad_norm_align_every, bool) or not isinstance(self.grad_norm_align_every, int) \
+                or self.grad_norm_align_every < 0:
+            raise ValueError(f"grad_norm_align_every: expected an int >= 0, got {self.grad_norm_align_every!r}")
+        if not isinstance(self.work_time, bool):
+            raise TypeError(f"work_time: expected True or False, got {self.work_time!r}")
         if self.file_sd_dir is not None and (not isinstance(self.file_sd_dir, (str, os.PathLike))
                                              or not str(self.file_sd_dir)):
             raise TypeError(f"file_sd_dir: expected a folder path or None, got {self.file_sd_dir!r}")
@@ -316,6 +329,8 @@ class Monitor:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state)
         self.registry.register(self._collector)
+        self._cross_rank = CrossRankSignals(self.state.rank, config.grad_norm_align_every, config.work_time)
+        self.registry.register(self._cross_rank)
         self._grouping: LayerGrouping | None = None
         # Norms measured ahead of the next observe(model=...) by clip_grad_norm_ or
         # measure_gradients: (model, norms, clip coefficient or None).
@@ -406,6 +421,7 @@ class Monitor:
             layer_names = self._gradients(model, grad_value is None, values)
             self._submitted += 1
             self._submit(int(step), time.time(), duration, epoch, values, layer_names)
+            self._cross_rank.step_end(model)
         except Exception:  # the training loop must go on: count, log, continue
             self.state.count_error("observe")
             self._log_limited("error", logging.ERROR, "lossbeat: error in observe(); training continues", exc_info=True)
@@ -507,10 +523,12 @@ class Monitor:
             self._registration.remove()
         if self._server is not None:
             self._server.close()
-        try:
-            self.registry.unregister(self._collector)
-        except KeyError:
-            pass
+        self._cross_rank.close()
+        for collector in (self._collector, self._cross_rank):
+            try:
+                self.registry.unregister(collector)
+            except KeyError:
+                pass
         with _lock:
             if _running is self:
                 _running = None
@@ -708,6 +726,7 @@ class Monitor:
             s.grad_scale = self.history.grad_scale = v["grad_scale"]
 
         events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
+        self._cross_rank.record(record.step, grad_norm)
         s.loss = loss if math.isfinite(loss) else math.nan
         if grad_norm is not None:
             s.grad_norm = grad_norm if math.isfinite(grad_norm) else math.nan

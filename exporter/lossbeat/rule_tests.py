@@ -466,7 +466,63 @@ def _cluster(b: _Builder) -> dict[str, list[Scenario]]:
         raise ValueError("cross_rank: thresholds leave no firing or no silent TrainingLossRankSpread test")
     cases[0].checks.append((at - 2 * b.i, spread.name, []))
     out[spread.name] = cases
+    out.update(_straggler(b))
+    out.update(_gradient_mismatch(b))
     return out
+
+
+def _straggler(b: _Builder) -> dict[str, list[Scenario]]:
+    a, c = b.t.alerts, b.t.cross_rank
+    rule = b.rule("TrainingStraggler")
+    at = b.after_for(a.straggler_for)
+    samples = int(at // b.i) + 2
+
+    def ranks(times: list[float]) -> list[Series]:
+        return [b.hold("training_rank_work_seconds", _target(str(r)), x, samples) for r, x in enumerate(times)]
+
+    # Steps long enough that the ratio, not the absolute floor, decides; and steps so short it does.
+    base = 10 * c.straggler_min_seconds / (c.straggler_ratio - 1)
+    slow = base * c.straggler_ratio * 1.5
+    tiny = c.straggler_min_seconds / (4 * c.straggler_ratio)
+    return {rule.name: [
+        Scenario("a rank far slower than the job's median fires, named", ranks([base, base, base, slow]),
+                 [(at, rule.name, [Expect(rule, _target("3"), slow / base)]), (at - 2 * b.i, rule.name, [])]),
+        Scenario("just under the ratio is silent", ranks([base, base, base, base * c.straggler_ratio * 0.99]),
+                 [(at, rule.name, [])]),
+        Scenario("a slow rank on tiny steps (under the absolute floor) is silent",
+                 ranks([tiny, tiny, tiny, tiny * c.straggler_ratio * 1.5]), [(at, rule.name, [])]),
+        Scenario(f"fewer than {c.min_ranks} ranks are silent", ranks([base, slow][: c.min_ranks - 1]),
+                 [(at, rule.name, [])]),
+    ]}
+
+
+def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
+    a, c = b.t.alerts, b.t.cross_rank
+    rule = b.rule("TrainingRankGradientMismatch")
+    at = b.after_for(a.grad_mismatch_for)
+    samples = int(at // b.i) + 2
+
+    def ranks(norms: list[float], steps: list[int] | None = None) -> list[Series]:
+        steps = steps or [200] * len(norms)
+        return [series for r, (x, step) in enumerate(zip(norms, steps)) for series in (
+            b.hold("training_grad_norm_aligned", _target(str(r)), x, samples),
+            b.hold("training_grad_norm_aligned_step", _target(str(r)), step, samples))]
+
+    def job_rank(rank: str) -> dict[str, str]:
+        return {k: v for k, v in _target(rank).items() if k in JOB_RANK}
+
+    corrupt = [1.5, 1.5, 1.5, 1.5 * (1 + 10 * c.grad_norm_rtol)]
+    median = _quantile(corrupt, 0.5)
+    return {rule.name: [
+        Scenario("a replica whose norm differs fires, named", ranks(corrupt),
+                 [(at, rule.name, [Expect(rule, job_rank("3"), abs(corrupt[3] - median) / abs(median))]),
+                  (at - 2 * b.i, rule.name, [])]),
+        Scenario("replicas within float tolerance are silent", ranks([1.5, 1.5, 1.5, 1.5 * (1 + c.grad_norm_rtol / 2)]),
+                 [(at, rule.name, [])]),
+        Scenario("a rank still at an older aligned step is not compared",
+                 ranks([1.5, 1.5, 1.5, 3.0], steps=[200, 200, 200, 100]), [(at, rule.name, [])]),
+        Scenario("a single rank is silent", ranks([1.5]), [(at, rule.name, [])]),
+    ]}
 
 
 def _interval(t: Thresholds) -> int:
@@ -475,7 +531,7 @@ def _interval(t: Thresholds) -> int:
     durations = [a.event_window, a.explosion_for, a.vanishing_for, a.layer_for, a.diverging_for,
                  a.plateau_for, a.volatile_for, a.spikes_window, a.out_of_range_for, a.overfitting_for,
                  a.learning_rate_for, a.stalled_after, a.exporter_down_for, a.loss_scale_for,
-                 a.rank_down_for, a.loss_spread_for]
+                 a.rank_down_for, a.loss_spread_for, a.straggler_for, a.grad_mismatch_for]
     seconds = [duration_seconds(d) for d in durations]
     if any(s != int(s) or s < 1 for s in seconds):
         raise ValueError("alerts: rule tests need durations of whole seconds")

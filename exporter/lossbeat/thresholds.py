@@ -134,6 +134,8 @@ class AlertSettings:
     loss_scale_for: str
     rank_down_for: str
     loss_spread_for: str
+    straggler_for: str
+    grad_mismatch_for: str
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,13 @@ class CrossRankThresholds:
     loss_spread_min_relative: float
     """...and its departure from the job's median loss must exceed this fraction of that median."""
     min_ranks: int
-    """Ranks a job needs before the loss spread is judged."""
+    """Ranks a job needs before the loss spread or stragglers are judged."""
+    straggler_ratio: float
+    """A rank whose mean work time exceeds this multiple of the job's median is a straggler."""
+    straggler_min_seconds: float
+    """...and exceeds the median by at least this many seconds."""
+    grad_norm_rtol: float
+    """Relative tolerance between the replicas' step-aligned gradient norms."""
 
 
 @dataclass(frozen=True)
