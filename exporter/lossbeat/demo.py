@@ -232,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     profile = args.profile or ("multi-task" if args.multi_task else None)
     monitor = start_exporter(
-        args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name
+        args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name,
+        work_time=True,  # the demo shows every signal, the Cluster dashboard's per-rank work time too
     )
     faults = set(args.fault)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if args.grad_scaler else None
