@@ -3,6 +3,7 @@ registering itself for Prometheus (LOSSBEAT_FILE_SD_DIR), with per-rank faults:
 
   --slow-rank R --slow-s S   rank R sleeps S seconds in its data loading every step (a straggler)
   --corrupt-rank R           rank R scales its gradients by 1.1 after the all-reduce (a bad replica)
+  --odd-data-rank R          rank R trains on random targets (a broken data shard)
 
 Trains until ``<dir>/done`` appears (or --max-s pass).
 """
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--corrupt-rank", type=int, default=-1)
+    parser.add_argument("--odd-data-rank", type=int, default=-1)
     parser.add_argument("--align-every", type=int, default=50)
     parser.add_argument("--max-s", type=float, default=240)
     args = parser.parse_args()
@@ -56,6 +58,8 @@ def main() -> None:
         if rank == args.slow_rank:
             time.sleep(args.slow_s)  # a slow data loader on this rank only
         batch = corpus.batch(8)
+        if rank == args.odd_data_rank:
+            batch = (batch[0], torch.randint_like(batch[1], 32))  # labels from another distribution: noise
         loss = model(*batch)
         loss.backward()  # DDP all-reduces (averages) the gradients here
         if rank == args.corrupt_rank:

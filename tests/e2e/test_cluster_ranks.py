@@ -1,5 +1,6 @@
 """4-process torchrun jobs (gloo, CPU, real DDP training) scraped by a real Prometheus with the
-shipped rules: a rank slowed in its data loading fires TrainingStraggler naming it, a rank whose
+shipped rules: a rank slowed in its data loading fires TrainingStraggler naming it, a rank fed
+labels from another distribution fires TrainingLossRankSpread naming it, a rank whose
 gradients are changed after the all-reduce fires TrainingRankGradientMismatch naming it, a rank
 that hangs without serving (SIGSTOP) fires TrainingRankDown naming it while the others wait for
 it in the all-reduce, and the healthy ranks fire none of these; a healthy job fires none at all.
@@ -67,9 +68,10 @@ def _stop(proc: subprocess.Popen, tmp_path: Path, stack) -> None:
         terminate(proc)
 
 
-def test_straggler_mismatch_and_a_hung_rank_are_named(stack, prometheus, e2e_thresholds, tmp_path):
+def test_straggler_spread_mismatch_and_a_hung_rank_are_named(stack, prometheus, e2e_thresholds, tmp_path):
     job = "cluster-faults"
-    proc, sd = _start(tmp_path, job, e2e_thresholds, "--slow-rank", "3", "--slow-s", "0.15", "--corrupt-rank", "2")
+    proc, sd = _start(tmp_path, job, e2e_thresholds, "--slow-rank", "3", "--slow-s", "0.15", "--corrupt-rank", "2",
+                      "--odd-data-rank", "0")
     stopped = None
     try:
         ranks = _scrape_registered(proc, sd, tmp_path, stack, job)
@@ -82,8 +84,12 @@ def test_straggler_mismatch_and_a_hung_rank_are_named(stack, prometheus, e2e_thr
         assert float(straggler[0]["value"]) > 1.5  # its work time over the job's median
         assert straggler[0]["labels"]["instance"] == ranks["3"][0]
         assert [a["labels"]["rank"] for a in mismatch] == ["2"]
-        for name in CROSS_RANK:  # the healthy ranks fire no cross-rank alert
-            assert not [a for a in prometheus.alerts(alertname=name, job=job) if a["labels"].get("rank") in ("0", "1")]
+        # The others learn, rank 0's loss stays high: its 5m mean departs from the job's median.
+        spread = wait_until(lambda: prometheus.firing("TrainingLossRankSpread", job=job), 180,
+                            "TrainingLossRankSpread for the rank with other data")
+        assert [a["labels"]["rank"] for a in spread] == ["0"] and float(spread[0]["value"]) > 3.5
+        for name in CROSS_RANK:  # the healthy rank fires no cross-rank alert
+            assert not [a for a in prometheus.alerts(alertname=name, job=job) if a["labels"].get("rank") == "1"]
 
         # Rank 1 hangs hard (SIGSTOP: no steps, no scrapes); the others wait for it in the
         # all-reduce and keep serving: TrainingRankDown names it.
