@@ -99,7 +99,9 @@ class MonitorConfig:
     ``LOSSBEAT_FILE_SD_DIR`` environment variable, else no self-registration."""
     grad_norm_align_every: int = 100
     """Export the global grad norm of every step that is a multiple of N with that step, for
-    ``TrainingRankGradientMismatch`` (replicas must agree). 0 disables it: set 0 where ranks
+    ``TrainingRankGradientMismatch`` (replicas must agree). No collective: Prometheus compares
+    the ranks, so it cannot hang a job. Pick N so that N steps span several scrape intervals (the
+    rule compares ranks at the same aligned step). 0 disables it: set 0 where ranks
     legitimately differ (pipeline stages without a model-wide norm)."""
     work_time: bool = False
     """Time this rank's own work per step (data wait + forward, through forward hooks on the
