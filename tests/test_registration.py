@@ -56,7 +56,7 @@ def test_entry_has_the_real_port_and_labels_and_goes_on_close(tmp_path, monkeypa
         try:
             assert m.port != base + 1
             [path] = _entries(sd)
-            assert path.name == f"lossbeat-{socket.gethostname()}-{os.getpid()}.json"
+            assert path.name == f"lossbeat-{socket.gethostname()}-{os.getpid()}-{m.port}.json"
             [group] = json.loads(path.read_text())
             assert group["targets"] == [f"127.0.0.1:{m.port}"]
             labels = group["labels"]
@@ -70,6 +70,15 @@ def test_entry_has_the_real_port_and_labels_and_goes_on_close(tmp_path, monkeypa
             m.close()
     assert _entries(sd) == []
     m.close()  # idempotent
+
+
+def test_two_monitors_in_one_process_keep_their_own_entries(tmp_path):
+    first = register(tmp_path, addr="127.0.0.1", port=1111, rank=0)
+    second = register(tmp_path, addr="127.0.0.1", port=2222, rank=0)
+    assert first.path != second.path and len(_entries(tmp_path)) == 2
+    first.remove()
+    assert _entries(tmp_path) == [second.path]
+    second.remove()
 
 
 def test_a_forked_child_never_removes_the_parents_entry(tmp_path):
@@ -149,7 +158,7 @@ def test_a_killed_rank_leaves_a_recognisable_entry_that_prune_removes(tmp_path):
         assert f"pid={dead.pid} dead" in listing and f"pid={alive.pid} alive" in listing
         out = subprocess.run([sys.executable, "-m", "lossbeat", "targets", "prune", str(sd)],
                              capture_output=True, text=True, timeout=60, check=True).stdout
-        assert f"-{dead.pid}.json" in out
+        assert f"-{dead.pid}-" in out
         assert [owner.pid for _, owner, _ in read_entries(sd)] == [alive.pid]
     finally:
         for proc in (dead, alive):

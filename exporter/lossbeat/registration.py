@@ -2,7 +2,7 @@
 
 With ``LOSSBEAT_FILE_SD_DIR`` (or ``MonitorConfig.file_sd_dir``) set to a folder that
 Prometheus watches (``file_sd_configs: [{files: ["DIR/*.json"]}]``), every serving rank
-writes ``lossbeat-<host>-<pid>.json`` there: one target group with its *real* address
+writes ``lossbeat-<host>-<pid>-<port>.json`` there: one target group with its *real* address
 (the fallback port when its base port was taken) and the labels ``job``, ``node`` and
 ``slurm_job_id``. The rank, the owning process (host, pid, process start time) and the
 start wall time ride along as ``__meta_lossbeat_*`` labels: visible to relabelling, never
@@ -89,8 +89,9 @@ def process_start_ticks(pid: int) -> int | None:
         return None
 
 
-def _entry_path(directory: Path, owner: Owner) -> Path:
-    return directory / f"{PREFIX}{_safe(owner.host)}-{owner.pid}.json"
+def _entry_path(directory: Path, owner: Owner, port: str) -> Path:
+    # The port too: two serving monitors in one process must not share (and remove) one entry.
+    return directory / f"{PREFIX}{_safe(owner.host)}-{owner.pid}-{_safe(port)}.json"
 
 
 def _safe(text: str) -> str:
@@ -119,7 +120,7 @@ class Registration:
                  rank: int, *, handle_sigterm: bool = True) -> None:
         self.directory = Path(directory)
         self.owner = Owner.current()
-        self.path = _entry_path(self.directory, self.owner)
+        self.path = _entry_path(self.directory, self.owner, target.rsplit(":", 1)[-1])
         self.target = target
         meta = {
             f"{META}rank": str(rank),
