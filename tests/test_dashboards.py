@@ -30,7 +30,7 @@ from conftest import require
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "grafana/schema/lossbeat-dashboard.schema.json").read_text(encoding="utf-8"))
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-OVERVIEW, LAYERS = "lossbeat-overview.json", "lossbeat-layers.json"
+OVERVIEW, LAYERS, CLUSTER = "lossbeat-overview.json", "lossbeat-layers.json", "lossbeat-cluster.json"
 SELECTOR = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\{([^}]*)\}")
 COUNTERS = sorted(name for name, spec in METRICS.items() if spec.kind == "counter")
 
@@ -66,6 +66,7 @@ def test_checked_in_files_match_the_generator():
     files = render_files(load_thresholds())
     assert sorted(files) == [
         "deploy/kubernetes/grafana-dashboards-configmap.yaml",
+        "grafana/lossbeat-cluster.json",
         "grafana/lossbeat-layers.json",
         "grafana/lossbeat-overview.json",
     ]
@@ -111,7 +112,7 @@ def test_configmap_carries_both_dashboards_for_the_sidecar(dashboards):
     doc = yaml.safe_load((ROOT / "deploy/kubernetes/grafana-dashboards-configmap.yaml").read_text())
     assert (doc["apiVersion"], doc["kind"]) == ("v1", "ConfigMap")
     assert doc["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert sorted(doc["data"]) == [LAYERS, OVERVIEW]
+    assert sorted(doc["data"]) == [CLUSTER, LAYERS, OVERVIEW]
     for name, text in doc["data"].items():
         assert json.loads(text) == dashboards[name]
 
@@ -175,6 +176,7 @@ def test_uids_titles_and_panel_types(dashboards):
     assert {n: (d["uid"], d["title"]) for n, d in dashboards.items()} == {
         OVERVIEW: ("lossbeat-overview", "lossbeat / Overview"),
         LAYERS: ("lossbeat-layers", "lossbeat / Layers"),
+        CLUSTER: ("lossbeat-cluster", "lossbeat / Cluster"),
     }
     assert all(d["schemaVersion"] >= 39 for d in dashboards.values())
     types = {p["type"] for d in dashboards.values() for p in d["panels"]}
@@ -183,7 +185,7 @@ def test_uids_titles_and_panel_types(dashboards):
     assert _panel(dashboards[OVERVIEW], "Firing alerts")["type"] == "table"
 
 
-@pytest.mark.parametrize("name", [OVERVIEW, LAYERS])
+@pytest.mark.parametrize("name", [OVERVIEW, LAYERS, CLUSTER])
 def test_dashboard_validates_against_the_schema(dashboards, name):
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
     checked_in = json.loads((ROOT / "grafana" / name).read_text(encoding="utf-8"))

@@ -122,12 +122,13 @@ def test_every_metric_is_exported_with_its_value(monitor):
     for counter in ("nonfinite_loss", "nonfinite_grad", "loss_spikes", "grad_explosions", "grad_scaler_overflows"):
         assert value(parsed, f"training_{counter}_total") == 0
     # Every name in the contract is present: the first-bad-layer info only after a NaN, the clip
-    # coefficient with monitor.clip_grad_norm_, the loss scale with a GradScaler (their own tests).
+    # coefficient with monitor.clip_grad_norm_, the loss scale with a GradScaler, the work time
+    # with work_time=True (their own tests).
     exported = {name for name, _ in parsed}
     for spec in METRICS.values():
         name = spec.name + ("_info" if spec.kind == "info" else "")
         if name in ("training_nonfinite_grad_first_layer_info", "training_grad_clip_coefficient",
-                    "training_grad_scale"):
+                    "training_grad_scale", "training_rank_work_seconds"):
             continue
         assert name in exported, name
 

@@ -45,6 +45,10 @@ ALERTS = {  # the contract: name -> severity
     "TrainingMemoryNearLimit": "critical",
     "TrainingMemoryGrowing": "warning",
     "TrainingThroughputDropped": "warning",
+    "TrainingRankDown": "critical",
+    "TrainingLossRankSpread": "warning",
+    "TrainingStraggler": "warning",
+    "TrainingRankGradientMismatch": "critical",
 }
 
 # A user's thresholds file changing numbers, counts and (short) durations.
@@ -262,6 +266,7 @@ def test_rendering_is_deterministic():
     assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
         "lossbeat.recording", "lossbeat.nonfinite", "lossbeat.gradients", "lossbeat.loss",
         "lossbeat.optimizer", "lossbeat.liveness", "lossbeat.resources",
+        "lossbeat.cross_rank",
     ]
 
 
@@ -307,7 +312,7 @@ def _names_in(expr: str) -> set[str]:
     text = re.sub(r"\[[^\]]*\]", " ", text)
     text = re.sub(r"\{[^}]*\}", " ", text)
     names = set(re.findall(r"(?<![\w.])([a-zA-Z_:][\w:]*)\b(?!\s*\()", text))
-    return names - {"and", "or", "unless", "bool", "offset", "NaN", "Inf"}
+    return names - {"and", "or", "unless", "bool", "offset", "NaN", "Inf", "group_left", "group_right"}
 
 
 def test_expressions_use_only_contract_metrics_and_recording_rules():

@@ -146,6 +146,21 @@ def new_events(counter: str, window: str) -> str:
     return f"(increase({counter}[{window}]) > 0 or ({counter} unless {counter} offset {window}) > 0)"
 
 
+JOB = ("job",)
+"""The labels that identify one run across its ranks, for cross-rank comparisons. ``instance``
+differs per rank, so it cannot: runs compared across ranks need a job label of their own
+(the ``job:`` recording rules share this limit; the per-rank rules keep ``instance``)."""
+
+# Cross-rank: how long a rank that stopped reporting is still named (older: rank="unknown").
+RANK_SEEN_LOOKBACK = "1h"
+# 0.6745 = the standard normal's 75th percentile: scales the MAD to a standard deviation.
+MAD_TO_SIGMA = 0.6745
+
+
+def _by(labels: tuple[str, ...]) -> str:
+    return ", ".join(labels)
+
+
 def recording_rules() -> list[RecordingRule]:
     """Shared aggregations for dashboards and alerts (fixed 5m windows: stable names)."""
 
@@ -182,6 +197,31 @@ def recording_rules() -> list[RecordingRule]:
         # Worst status of each check across the job's ranks (0 good, 1 warning, 2 danger).
         RecordingRule("job_check:training_health_status:max",
                       "max by (job, check) (training_health_status)", ("job", "check")),
+    ] + _cross_rank_recording_rules()
+
+
+def _cross_rank_recording_rules() -> list[RecordingRule]:
+    """Median, MAD and robust z-score of the ranks' 5m mean losses, per job (after the 5m mean)."""
+    job, job_rank = _by(JOB), _by(JOB_RANK)
+    mean = LOSS_AVG_5M
+    median = "job:training_loss:median_avg_over_time5m"
+    mad = "job:training_loss:mad_avg_over_time5m"
+    return [
+        RecordingRule(median, f"quantile by ({job}) (0.5, {mean})", JOB),
+        RecordingRule(mad, f"quantile by ({job}) (0.5, abs({mean} - on({job}) group_left {median}))", JOB),
+        RecordingRule(f"{level(JOB_RANK)}:training_loss:robust_z5m",
+                      f"sum by ({job_rank}) ({MAD_TO_SIGMA} * ({mean} - on({job}) group_left {median})"
+                      f" / on({job}) group_left {mad})", JOB_RANK),
+        # Each rank's aligned grad norm, kept only at the job's latest aligned step.
+        RecordingRule(f"{level(JOB_RANK)}:training_grad_norm_aligned:latest_step",
+                      f"max by ({job_rank}) (training_grad_norm_aligned and on({_by(TARGET)}) "
+                      f"(training_grad_norm_aligned_step == on({job}) group_left "
+                      f"max by ({job}) (training_grad_norm_aligned_step)))", JOB_RANK),
+        RecordingRule("job:training_grad_norm_aligned:median_latest_step",
+                      f"quantile by ({job}) (0.5, {level(JOB_RANK)}:training_grad_norm_aligned:latest_step)", JOB),
+        RecordingRule("job:training_rank_work_seconds:median_avg_over_time5m",
+                      f"quantile by ({job}) (0.5, avg by ({job_rank}) (avg_over_time(training_rank_work_seconds[5m])))",
+                      JOB),
     ]
 
 
@@ -675,6 +715,133 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
     ]
 
 
+def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
+    """Alerts that compare the ranks of one job with each other, from series every rank already exports."""
+    a, c = t.alerts, t.cross_rank
+    job, job_rank = _by(JOB), _by(JOB_RANK)
+    # Distinct ranks reporting now, per job and the world size the ranks report.
+    reporting = f"count by ({job}, world_size) (count by ({job_rank}, world_size) (training_run_info))"
+    # PromQL cannot read a label as a number: count_values writes the count into a label to compare.
+    short = (f"(\n  {reporting}\n  unless on({job}, world_size)\n"
+             f'  count_values by ({job}) ("world_size", count by ({job}) (count by ({job_rank}) (training_run_info)))\n)')
+    gone = (f"(\n  group by ({job_rank}) (max_over_time(training_run_info[{RANK_SEEN_LOOKBACK}]))\n"
+            f"  unless on({job_rank}) training_run_info\n)")
+    z, rel, ranks = number(c.loss_spread_z), number(c.loss_spread_min_relative), c.min_ranks
+    mean, median = LOSS_AVG_5M, "job:training_loss:median_avg_over_time5m"
+    robust_z = f"{level(JOB_RANK)}:training_loss:robust_z5m"
+    work_median = "job:training_rank_work_seconds:median_avg_over_time5m"
+    aligned = f"{level(JOB_RANK)}:training_grad_norm_aligned:latest_step"
+    aligned_median = "job:training_grad_norm_aligned:median_latest_step"
+    return [
+        AlertRule(
+            name="TrainingRankDown",
+            group="lossbeat.cross_rank",
+            severity="critical",
+            # The missing ranks that reported in the last hour, by name; else rank="unknown".
+            expr=(
+                f"topk by ({job}) (1, {short})\n* on({job}) group_right(world_size)\n{gone}\n"
+                f"or on({job})\n"
+                f'label_replace({short}, "rank", "unknown", "__name__", ".*")\n'
+            ),
+            for_=a.rank_down_for,
+            summary="Fewer ranks report metrics than the job's world size",
+            description=(
+                f"Only {{{{ $value | printf \"%.0f\" }}}} of the {{{{ $labels.world_size }}}} ranks of job "
+                "{{ $labels.job }} report metrics; missing: rank {{ $labels.rank }} (unknown: it has not "
+                f"reported in the last {RANK_SEEN_LOOKBACK}). A rank died, hangs without serving, or was never "
+                "discovered, while the others go on."
+            ),
+            condition=(
+                f"distinct ranks reporting `training_run_info` < its `world_size` for {a.rank_down_for}; "
+                f"names ranks seen in the last {RANK_SEEN_LOOKBACK}"
+            ),
+            action="find the missing rank's node and process (OOM, crash, hang); restart from the last checkpoint",
+            keeps=JOB_RANK + ("world_size",),
+        ),
+        AlertRule(
+            name="TrainingLossRankSpread",
+            group="lossbeat.cross_rank",
+            severity="warning",
+            expr=(
+                f"(\n  {robust_z} > {z}\nor\n  {robust_z} < -{z}\n)\n"
+                f"and on({job_rank})\n"
+                f"  abs({mean} - on({job}) group_left {median})\n"
+                f"    > on({job}) group_left() ({rel} * abs({median}))\n"
+                f"and on({job})\n"
+                f"  count by ({job}) ({mean}) >= {ranks}\n"
+            ),
+            for_=a.loss_spread_for,
+            summary="One rank's loss departs from the job's other ranks",
+            description=(
+                f"The 5m mean loss of {WHO} has a robust z-score of {VALUE} against the job's ranks "
+                f"(beyond +-{z}, and more than {number(100 * c.loss_spread_min_relative)}% from the job's median): "
+                "its data shard or its node differs from the others."
+            ),
+            condition=(
+                f"a rank's 5m mean loss has |robust z| > {z} across the job's ranks (median / MAD) and departs "
+                f"> {number(100 * c.loss_spread_min_relative)}% from the median, with >= {ranks} ranks; for {a.loss_spread_for}"
+            ),
+            action="check that rank's data shard (sampler seed, file list) and its node (GPU errors, ECC)",
+            keeps=JOB_RANK,
+        ),
+        AlertRule(
+            name="TrainingStraggler",
+            group="lossbeat.cross_rank",
+            severity="warning",
+            expr=(
+                f"avg_over_time(training_rank_work_seconds[5m])\n"
+                f"  / on({job}) group_left {work_median}\n"
+                f"> {number(c.straggler_ratio)}\n"
+                f"and\n"
+                f"avg_over_time(training_rank_work_seconds[5m])\n"
+                f"  - on({job}) group_left {work_median}\n"
+                f"> {number(c.straggler_min_seconds)}\n"
+                f"and on({job})\n"
+                f"  count by ({job}) (training_rank_work_seconds) >= {ranks}\n"
+            ),
+            for_=a.straggler_for,
+            summary="One rank is consistently slower than the others",
+            description=(
+                f"{WHO_CAP} (instance {{{{ $labels.instance }}}}) spends {VALUE}x the job's median on its own "
+                "work per step (data loading, optimizer step and forward, `training_rank_work_seconds`): "
+                "every other rank waits for it in each all-reduce."
+            ),
+            condition=(
+                f"a rank's 5m mean work time > {number(c.straggler_ratio)}x the job's median and "
+                f"> median + {number(c.straggler_min_seconds)}s, with >= {ranks} ranks; for {a.straggler_for}"
+            ),
+            action="check that rank's data loading (workers, storage) and its node (throttled GPU, CPU contention)",
+            keeps=TARGET,
+        ),
+        AlertRule(
+            name="TrainingRankGradientMismatch",
+            group="lossbeat.cross_rank",
+            severity="critical",
+            expr=(
+                f"abs({aligned} - on({job}) group_left {aligned_median})\n"
+                f"  / on({job}) group_left abs({aligned_median})\n"
+                f"> {number(c.grad_norm_rtol)}\n"
+                f"and on({job})\n"
+                f"  count by ({job}) ({aligned}) >= 2\n"
+            ),
+            for_=a.grad_mismatch_for,
+            summary="Data-parallel replicas disagree on the gradient norm",
+            description=(
+                f"At the job's latest aligned step the global gradient norm of {WHO} differs from the median of "
+                f"the job's ranks by {VALUE} of it; after the all-reduce every replica must "
+                f"hold the same gradients (tolerance {number(c.grad_norm_rtol)}): silent data corruption or "
+                "desynchronised replicas."
+            ),
+            condition=(
+                f"a rank's global grad norm at the job's latest step multiple of `grad_norm_align_every` differs "
+                f"from the ranks' median by > {number(100 * c.grad_norm_rtol)}%; for {a.grad_mismatch_for}"
+            ),
+            action="stop the job; run GPU diagnostics on that rank's node; restart from a checkpoint without it",
+            keeps=JOB_RANK,
+        ),
+    ]
+
+
 def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
     """Every alerting rule, in the order of the rule groups."""
     if not isinstance(thresholds, Thresholds):
@@ -685,6 +852,7 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
         + _loss_alerts(thresholds)
         + _progress_alerts(thresholds)
         + _resource_alerts(thresholds)
+        + _cluster_alerts(thresholds)
     )
 
 

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "stack": ("lossbeat.stack", "start or stop a local Prometheus + Alertmanager on loopback"),
     "analyze": ("lossbeat.analyze", "diagnose a finished run from its log files"),
     "checklist": ("lossbeat.checklist", "the article's daily checklist for a live job or a finished log"),
+    "targets": ("lossbeat.registration", "list or prune the file_sd entries ranks registered themselves"),
 }
 
 

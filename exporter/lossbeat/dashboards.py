@@ -39,6 +39,7 @@ __all__ = [
 SCHEMA_VERSION = 39  # Grafana 10.4 / 11.0 dashboards; newer Grafana migrates forward
 OVERVIEW_FILE = "lossbeat-overview.json"
 LAYERS_FILE = "lossbeat-layers.json"
+CLUSTER_FILE = "lossbeat-cluster.json"
 CONFIGMAP_PATH = "deploy/kubernetes/grafana-dashboards-configmap.yaml"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,8 +67,9 @@ _QUIET_PANELS = frozenset({
     "Layers outside the healthy range",
     "First layer with a non-finite gradient",
 })
-# Series only some runs export: loss components (multi-task runs).
-_OPTIONAL_METRICS = ("training_loss_component{",)
+# Series only some runs export: loss components (multi-task runs), the rank work time
+# (work_time=True).
+_OPTIONAL_METRICS = ("training_loss_component{", "training_rank_work_seconds{")
 
 
 def may_be_empty(title: str, expr: str) -> bool:
@@ -479,6 +481,56 @@ def _layers_panels(t: Thresholds) -> list[dict]:
     ]
 
 
+def _cluster_panels(t: Thresholds) -> list[dict]:
+    """The ranks of a job compared with each other (the cross-rank alerts' view)."""
+    c = t.cross_rank
+    run_info = _selector("training_run_info")
+    work = _selector("training_rank_work_seconds")
+    aligned = _selector("training_grad_norm_aligned")
+    heatmap_options = {
+        "calculate": False, "cellGap": 1,
+        "color": {"exponent": 0.5, "fill": "dark-orange", "mode": "scheme", "reverse": False, "scale": "linear",
+                  "scheme": "Oranges", "steps": 64},
+        "exemplars": {"color": "rgba(255,0,255,0.7)"}, "filterValues": {"le": 1e-9}, "legend": {"show": True},
+        "rowsFrame": {"layout": "auto"}, "showValue": "never",
+        "tooltip": {"mode": "single", "showColorScale": True, "yHistogram": False},
+        "yAxis": {"axisPlacement": "left", "reverse": False},
+    }
+    return [
+        _timeseries("Ranks reporting", "Distinct ranks exporting metrics, against the world size they "
+                    "report (legend): fewer for the alerts' `for` fires TrainingRankDown.", "short",
+                    _targets((f"count by (job, world_size) (count by (job, rank, world_size) ({run_info}))",
+                              "{{job}}: reporting of world size {{world_size}}")), size=(8, 8)),
+        _table("Slowest ranks", f"The ten ranks with the longest own work per step (data wait + forward, "
+               f"5m mean; `work_time=True`). Above {_num(c.straggler_ratio)}x the job's median: "
+               "TrainingStraggler.", "s", f"topk(10, avg_over_time({work}[5m]))",
+               size=(8, 8), hide=("Time", "__name__")),
+        _timeseries("Gradient-norm agreement", "Each rank's global gradient norm at the last step that is a "
+                    "multiple of grad_norm_align_every, relative to the job's median at that step: data-parallel "
+                    f"replicas agree to float tolerance; above {_num(c.grad_norm_rtol)}: "
+                    "TrainingRankGradientMismatch.", "percentunit",
+                    _targets((f"abs({aligned} - on(job) group_left quantile by (job) (0.5, {aligned}))\n"
+                              f"  / on(job) group_left quantile by (job) (0.5, {aligned})", "rank {{rank}}")),
+                    size=(8, 8), thresholds=_thresholds("green", (c.grad_norm_rtol, "red")),
+                    threshold_style="dashed"),
+        _panel("heatmap", "Work time per rank", "Each rank's own work per step (training_rank_work_seconds: "
+               "data wait + forward, no collectives), one row per rank: a straggler is a darker row.", "s",
+               _targets((f"avg by (rank) ({work})", "{{rank}}")), size=(24, 10), options=heatmap_options,
+               custom={"hideFrom": {"legend": False, "tooltip": False, "viz": False},
+                       "scaleDistribution": {"type": "linear"}}),
+        _timeseries("Loss by rank", "The 5m mean loss of every rank: data-parallel ranks see different shards "
+                    "of the same data, so their lines stay together.", "none",
+                    _targets((f"job_instance_rank:training_loss:avg_over_time5m{{{FILTER}}}", "rank {{rank}}")),
+                    size=(12, 8)),
+        _timeseries("Loss robust z-score by rank", "0.6745 x (a rank's 5m mean loss - the job's median) / MAD "
+                    f"across the ranks; beyond +-{_num(c.loss_spread_z)} (and {_num(100 * c.loss_spread_min_relative)}% "
+                    "from the median): TrainingLossRankSpread.", "none",
+                    _targets((f"job_instance_rank:training_loss:robust_z5m{{{FILTER}}}", "rank {{rank}}")), size=(12, 8),
+                    thresholds=_thresholds("red", (-c.loss_spread_z, "green"), (c.loss_spread_z, "red")),
+                    threshold_style="dashed"),
+    ]
+
+
 def _variables() -> list[dict]:
     common = {"hide": 0, "skipUrlSync": False}
     return [
@@ -527,7 +579,7 @@ def _dashboard(uid: str, title: str, description: str, panels: list[dict]) -> di
 
 
 def build_dashboards(thresholds: Thresholds) -> dict[str, dict]:
-    """The two dashboards as Grafana JSON models, keyed by their file name under ``grafana/``."""
+    """The dashboards as Grafana JSON models, keyed by their file name under ``grafana/``."""
     if not isinstance(thresholds, Thresholds):
         raise TypeError(f"thresholds: expected lossbeat.thresholds.Thresholds, got {type(thresholds).__name__}")
     generated = f"Generated by `lossbeat dashboards` from the thresholds file ({thresholds.profile.name} profile)."
@@ -535,6 +587,10 @@ def build_dashboards(thresholds: Thresholds) -> dict[str, dict]:
         OVERVIEW_FILE: _dashboard("lossbeat-overview", "lossbeat / Overview",
                                   f"Training health of PyTorch jobs: loss, gradients, learning rate, "
                                   f"diagnosis, events, throughput. {generated}", _overview_panels(thresholds)),
+        CLUSTER_FILE: _dashboard("lossbeat-cluster", "lossbeat / Cluster",
+                                 f"The ranks of a job compared: ranks reporting against the world size, "
+                                 f"per-rank work time, the slowest ranks, loss by rank, gradient-norm agreement "
+                                 f"between replicas. {generated}", _cluster_panels(thresholds)),
         LAYERS_FILE: _dashboard("lossbeat-layers", "lossbeat / Layers",
                                 f"Per-layer gradient norms: where gradients explode, vanish or turn "
                                 f"non-finite. {generated}", _layers_panels(thresholds)),

@@ -238,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
     profile = args.profile or ("multi-task" if args.multi_task else None)
     try:
         monitor = start_exporter(
-            args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name
+            args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name,
+            work_time=True,  # the demo shows every signal, the Cluster dashboard's per-rank work time too
         )
     except OSError as exc:  # a busy port: the message names it and the fix; no traceback
         print(str(exc) if str(exc).startswith("lossbeat") else f"lossbeat demo: {exc}", file=sys.stderr)

@@ -30,11 +30,13 @@ from prometheus_client.registry import CollectorRegistry
 
 from . import __version__
 from .collector import MonitorCollector
+from .cross_rank import CrossRankSignals
 from .diagnosis import Finding, History, Status, diagnose
 from .gradients import (
     GradientNorms, LayerGrouping, ShardedMeasurementError, clip_with_norms, compute_grad_norms, deepspeed_zero_stage,
 )
 from .metrics import HEALTH_CHECKS, PHASES
+from .registration import Registration, register
 from .server import MetricsServer, RankContext
 from .thresholds import Thresholds, load_thresholds
 from .webconfig import ENV_VAR as WEB_CONFIG_ENV
@@ -115,6 +117,22 @@ class MonitorConfig:
     web_config: str | os.PathLike | None = None
     """A web configuration file in the Prometheus exporter-toolkit format (TLS, mutual TLS, basic
     auth; see :mod:`lossbeat.webconfig`); None reads the path from ``LOSSBEAT_WEB_CONFIG`` if set."""
+    strict_port: bool = False
+    """Raise when ``port + LOCAL_RANK`` is taken (e.g. two jobs sharing a node) instead of
+    serving on a free port the OS picks and logging which."""
+    file_sd_dir: str | None = None
+    """Folder Prometheus watches with file_sd: each serving rank writes its own target entry
+    there (real port, job, node, Slurm job id) and removes it when it ends. None: the
+    ``LOSSBEAT_FILE_SD_DIR`` environment variable, else no self-registration."""
+    grad_norm_align_every: int = 100
+    """Export the global grad norm of every step that is a multiple of N with that step, for
+    ``TrainingRankGradientMismatch`` (replicas must agree). No collective: Prometheus compares
+    the ranks, so it cannot hang a job. Pick N so that N steps span several scrape intervals (the
+    rule compares ranks at the same aligned step). 0 disables it: set 0 where ranks
+    legitimately differ (pipeline stages without a model-wide norm)."""
+    work_time: bool = False
+    """Time this rank's own work per step (data wait + forward, through forward hooks on the
+    ``observe(model=...)`` module) for ``TrainingStraggler``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -158,6 +176,16 @@ class MonitorConfig:
             isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
         ):
             raise TypeError(f"layer_ranks: expected 'first', 'all' or a collection of ranks >= 0, got {ranks!r}")
+        if not isinstance(self.strict_port, bool):
+            raise TypeError(f"strict_port: expected True or False, got {self.strict_port!r}")
+        if isinstance(self.grad_norm_align_every, bool) or not isinstance(self.grad_norm_align_every, int) \
+                or self.grad_norm_align_every < 0:
+            raise ValueError(f"grad_norm_align_every: expected an int >= 0, got {self.grad_norm_align_every!r}")
+        if not isinstance(self.work_time, bool):
+            raise TypeError(f"work_time: expected True or False, got {self.work_time!r}")
+        if self.file_sd_dir is not None and (not isinstance(self.file_sd_dir, (str, os.PathLike))
+                                             or not str(self.file_sd_dir)):
+            raise TypeError(f"file_sd_dir: expected a folder path or None, got {self.file_sd_dir!r}")
 
     def exports_layers(self, rank: int) -> bool:
         """Whether global ``rank`` exports per-layer norms (``layer_ranks``)."""
@@ -419,6 +447,8 @@ class Monitor:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._drain_at_scrape)
         self.registry.register(self._collector)
+        self._cross_rank = CrossRankSignals(self.state.rank, config.grad_norm_align_every, config.work_time)
+        self.registry.register(self._cross_rank)
         self._grouping: LayerGrouping | None = None
         self._warned_deepspeed = False
         self._nonfinite_run = False  # the last applied step had a non-finite gradient
@@ -444,11 +474,16 @@ class Monitor:
         steps in flight); 0 while the device keeps up. Waits in ``flush()`` are not counted."""
         self.closed = False
         self._server: MetricsServer | None = None
+        self._registration: Registration | None = None
         if serve:
             port = config.port
             if port and config.port_per_local_rank:
                 port += self.rank_context.local_rank
-            self._server = MetricsServer(self.registry, port, config.addr, web_config=config.load_web_config())
+            self._server = MetricsServer(self.registry, port, config.addr, web_config=config.load_web_config(),
+                                         strict_port=config.strict_port)
+            self._registration = register(
+                config.file_sd_dir, addr=config.addr, port=self._server.port, rank=self.rank_context.rank,
+                job=config.run_name, on_error=lambda: self.state.count_error("register"))
             # A script that ends without close() (or a framework callback that only flushes)
             # still says "completed" at exit, unless an uncaught exception ends it.
             _watch_uncaught_exceptions()
@@ -524,6 +559,7 @@ class Monitor:
                                   exc_info=True)
             self._submitted += 1
             self._submit(int(step), time.time(), duration, epoch, values, layer_names)
+            self._cross_rank.step_end(model)
         except Exception:  # the training loop must go on: count, log, continue
             self.state.count_error("observe")
             self._log_limited("error", logging.ERROR, "lossbeat: error in observe(); training continues", exc_info=True)
@@ -686,12 +722,18 @@ class Monitor:
             self.state.completed = True
             if self._server is not None:
                 self._linger()
+        # After the linger, before the port closes: Prometheus drops the target having read the
+        # marker; a crash leaves the entry for the prune, and the vanished series page.
+        if self._registration is not None:  # before the port closes: Prometheus drops the target, no up=0
+            self._registration.remove()
         if self._server is not None:
             self._server.close()
-        try:
-            self.registry.unregister(self._collector)
-        except KeyError:
-            pass
+        self._cross_rank.close()
+        for collector in (self._collector, self._cross_rank):
+            try:
+                self.registry.unregister(collector)
+            except KeyError:
+                pass
         with _lock:
             if _running is self:
                 _running = None
@@ -960,6 +1002,7 @@ class Monitor:
             s.grad_scale = self.history.grad_scale = v["grad_scale"]
 
         events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
+        self._cross_rank.record(record.step, grad_norm)
         s.loss = loss if math.isfinite(loss) else math.nan
         if grad_norm is not None:
             s.grad_norm = grad_norm if math.isfinite(grad_norm) else math.nan

@@ -15,6 +15,8 @@ from functools import reduce
 
 from lossbeat.alert_rules import (
     COMPONENT_PROFILES,
+    JOB_RANK,
+    MAD_TO_SIGMA,
     RECORDING_GROUP,
     AlertRule,
     alert_rules,
@@ -546,6 +548,148 @@ def _resources(b: _Builder) -> dict[str, list[Scenario]]:
     return out
 
 
+def _quantile(values: list[float], q: float) -> float:
+    """PromQL's quantile(): linear interpolation between the closest ranks."""
+    ordered = sorted(values)
+    rank = q * (len(ordered) - 1)
+    low = max(0, math.floor(rank))
+    high = min(len(ordered) - 1, low + 1)
+    weight = rank - math.floor(rank)
+    return ordered[low] * (1 - weight) + ordered[high] * weight
+
+
+def _spread_firing(t: Thresholds, losses: list[float]) -> dict[str, float]:
+    """Reference of TrainingLossRankSpread: {rank: robust z} of the ranks that depart."""
+    c = t.cross_rank
+    if len(losses) < c.min_ranks:
+        return {}
+    median = _quantile(losses, 0.5)
+    mad = _quantile([abs(x - median) for x in losses], 0.5)
+    out = {}
+    for rank, x in enumerate(losses):
+        z = MAD_TO_SIGMA * (x - median) / mad if mad else math.copysign(math.inf, x - median)
+        if abs(z) > c.loss_spread_z and abs(x - median) > c.loss_spread_min_relative * abs(median):
+            out[str(rank)] = z
+    return out
+
+
+def _cluster(b: _Builder) -> dict[str, list[Scenario]]:
+    a, c = b.t.alerts, b.t.cross_rank
+
+    def job_labels(rank: str, **extra: str) -> dict[str, str]:
+        return {**{k: v for k, v in _target(rank).items() if k in JOB_RANK}, **extra}
+
+    down = b.rule("TrainingRankDown")
+    up_for = 3
+    fires = b.after_for(a.rank_down_for, start=up_for * b.i)
+    samples = int(fires // b.i) + 2
+
+    def info(rank: str, world: int, values: list[str] | None = None) -> Series:
+        labels = {**_target(rank), "run": "test", "profile": b.t.profile.name, "world_size": str(world)}
+        return Series("training_run_info", labels, values or [run(1, samples)])
+
+    gone = [run(1, up_for), "stale"]
+    out = {down.name: [
+        Scenario("a rank that stops reporting fires, named",
+                 [info("0", 4), info("1", 4), info("2", 4), info("3", 4, gone)],
+                 [(fires, down.name, [Expect(down, job_labels("3", world_size="4"), 3)]),
+                  (fires - 2 * b.i, down.name, [])]),
+        Scenario("a rank that never reported fires as unknown", [info("0", 4), info("1", 4), info("2", 4)],
+                 [(fires, down.name, [Expect(down, job_labels("unknown", world_size="4"), 3)])]),
+        Scenario("all ranks reporting is silent", [info(str(r), 4) for r in range(4)], [(fires, down.name, [])]),
+        Scenario("a job whose ranks all ended is silent", [info(str(r), 4, gone) for r in range(4)],
+                 [(fires, down.name, [])]),
+        Scenario("a single-rank job is silent", [info("0", 1)], [(fires, down.name, [])]),
+    ]}
+
+    spread = b.rule("TrainingLossRankSpread")
+    at = b.after_for(a.loss_spread_for)
+    samples = int(at // b.i) + 2
+    base, rel = 2.0, c.loss_spread_min_relative
+    noise = [0.0, 0.01, -0.01, 0.005]  # relative per-rank noise: the healthy spread of data shards
+
+    def scenario(name: str, losses: list[float]) -> Scenario:
+        series = [b.hold("training_loss", _target(str(r)), x, samples) for r, x in enumerate(losses)]
+        firing = _spread_firing(b.t, losses)
+        return Scenario(name, series, [(at, spread.name, [Expect(spread, job_labels(r), z)
+                                                          for r, z in firing.items()])])
+
+    healthy = [base * (1 + e) for e in noise]
+    high = healthy[:3] + [base * (1 + 5 * rel)]
+    low = healthy[:3] + [base * (1 - 5 * rel)]
+    small = [base * (1 + e / 100) for e in noise[:3]] + [base * (1 + rel / 2)]
+    cases = [
+        scenario("a rank far above the others fires", high),
+        scenario("a rank far below the others fires", low),
+        scenario("ranks within their noise are silent", healthy),
+        scenario("a departure below the relative minimum is silent", small),
+        scenario(f"fewer than {c.min_ranks} ranks are silent", [base, base * (1 + 5 * rel)][: c.min_ranks - 1]),
+    ]
+    # Checks on the generator: the firing cases fire, the silent ones do not, before and at `for`.
+    if not (_spread_firing(b.t, high) and _spread_firing(b.t, low)) or _spread_firing(b.t, healthy) \
+            or _spread_firing(b.t, small):
+        raise ValueError("cross_rank: thresholds leave no firing or no silent TrainingLossRankSpread test")
+    cases[0].checks.append((at - 2 * b.i, spread.name, []))
+    out[spread.name] = cases
+    out.update(_straggler(b))
+    out.update(_gradient_mismatch(b))
+    return out
+
+
+def _straggler(b: _Builder) -> dict[str, list[Scenario]]:
+    a, c = b.t.alerts, b.t.cross_rank
+    rule = b.rule("TrainingStraggler")
+    at = b.after_for(a.straggler_for)
+    samples = int(at // b.i) + 2
+
+    def ranks(times: list[float]) -> list[Series]:
+        return [b.hold("training_rank_work_seconds", _target(str(r)), x, samples) for r, x in enumerate(times)]
+
+    # Steps long enough that the ratio, not the absolute floor, decides; and steps so short it does.
+    base = 10 * c.straggler_min_seconds / (c.straggler_ratio - 1)
+    slow = base * c.straggler_ratio * 1.5
+    tiny = c.straggler_min_seconds / (4 * c.straggler_ratio)
+    return {rule.name: [
+        Scenario("a rank far slower than the job's median fires, named", ranks([base, base, base, slow]),
+                 [(at, rule.name, [Expect(rule, _target("3"), slow / base)]), (at - 2 * b.i, rule.name, [])]),
+        Scenario("just under the ratio is silent", ranks([base, base, base, base * c.straggler_ratio * 0.99]),
+                 [(at, rule.name, [])]),
+        Scenario("a slow rank on tiny steps (under the absolute floor) is silent",
+                 ranks([tiny, tiny, tiny, tiny * c.straggler_ratio * 1.5]), [(at, rule.name, [])]),
+        Scenario(f"fewer than {c.min_ranks} ranks are silent", ranks([base, slow][: c.min_ranks - 1]),
+                 [(at, rule.name, [])]),
+    ]}
+
+
+def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
+    a, c = b.t.alerts, b.t.cross_rank
+    rule = b.rule("TrainingRankGradientMismatch")
+    at = b.after_for(a.grad_mismatch_for)
+    samples = int(at // b.i) + 2
+
+    def ranks(norms: list[float], steps: list[int] | None = None) -> list[Series]:
+        steps = steps or [200] * len(norms)
+        return [series for r, (x, step) in enumerate(zip(norms, steps)) for series in (
+            b.hold("training_grad_norm_aligned", _target(str(r)), x, samples),
+            b.hold("training_grad_norm_aligned_step", _target(str(r)), step, samples))]
+
+    def job_rank(rank: str) -> dict[str, str]:
+        return {k: v for k, v in _target(rank).items() if k in JOB_RANK}
+
+    corrupt = [1.5, 1.5, 1.5, 1.5 * (1 + 10 * c.grad_norm_rtol)]
+    median = _quantile(corrupt, 0.5)
+    return {rule.name: [
+        Scenario("a replica whose norm differs fires, named", ranks(corrupt),
+                 [(at, rule.name, [Expect(rule, job_rank("3"), abs(corrupt[3] - median) / abs(median))]),
+                  (at - 2 * b.i, rule.name, [])]),
+        Scenario("replicas within float tolerance are silent", ranks([1.5, 1.5, 1.5, 1.5 * (1 + c.grad_norm_rtol / 2)]),
+                 [(at, rule.name, [])]),
+        Scenario("a rank still at an older aligned step is not compared",
+                 ranks([1.5, 1.5, 1.5, 3.0], steps=[200, 200, 200, 100]), [(at, rule.name, [])]),
+        Scenario("a single rank is silent", ranks([1.5]), [(at, rule.name, [])]),
+    ]}
+
+
 def _interval(t: Thresholds) -> int:
     """The largest step (<= 60s) that divides every duration the tests use."""
     a = t.alerts
@@ -553,7 +697,8 @@ def _interval(t: Thresholds) -> int:
                  a.plateau_for, a.volatile_for, a.spikes_window, a.out_of_range_for, a.overfitting_for,
                  a.learning_rate_for, a.stalled_after, a.stalled_phase_after, a.exporter_down_for,
                  a.loss_scale_for, t.memory.near_limit_for, t.memory.growing_for, t.memory.window,
-                 t.throughput.baseline, t.throughput.for_, t.throughput.rate_window]
+                 t.throughput.baseline, t.throughput.for_, t.throughput.rate_window,
+                 a.rank_down_for, a.loss_spread_for, a.straggler_for, a.grad_mismatch_for]
     seconds = [duration_seconds(d) for d in durations]
     if any(s != int(s) or s < 1 for s in seconds):
         raise ValueError("alerts: rule tests need durations of whole seconds")
@@ -572,7 +717,7 @@ def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml")
     interval = _interval(thresholds)
     b = _Builder(thresholds, interval)
     scenarios: dict[str, list[Scenario]] = {}
-    for part in (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress, _resources):
+    for part in (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress, _resources, _cluster):
         for name, more in part(b).items():
             scenarios.setdefault(name, []).extend(more)
     missing = {r.name for r in b.rules} - set(scenarios)

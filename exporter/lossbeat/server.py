@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import os
 import socket
@@ -16,6 +17,11 @@ from .endpoint import start_server
 from .webconfig import WebConfig
 
 __all__ = ["RankContext", "MetricsServer"]
+
+log = logging.getLogger("lossbeat")
+
+# bind() errors that mean "this port, not this address": another port may work.
+_PORT_UNAVAILABLE = frozenset({errno.EADDRINUSE, errno.EACCES})
 
 
 log = logging.getLogger("lossbeat")
@@ -137,7 +143,12 @@ def _local_rank_from_store(dist: Any, rank: int) -> int:
 class MetricsServer:
     """The /metrics endpoint (:mod:`lossbeat.endpoint`) on a daemon thread; ``port=0`` picks a free port.
 
-    ``web_config``: TLS, mutual TLS and basic auth; ``certfile``/``keyfile`` are TLS alone."""
+    ``web_config``: TLS, mutual TLS and basic auth; ``certfile``/``keyfile`` are TLS alone.
+    A taken port (two jobs sharing a node both want ``8470 + LOCAL_RANK``) is not fatal:
+    the server falls back to a free port the OS picks and logs one line naming both
+    (``fallback`` is then True; file_sd self-registration tells Prometheus the real port).
+    ``strict_port=True`` raises instead.
+    """
 
     def __init__(
         self,
@@ -147,20 +158,40 @@ class MetricsServer:
         certfile: str | None = None,
         keyfile: str | None = None,
         web_config: WebConfig | None = None,
+        *,
+        strict_port: bool = False,
     ) -> None:
         if web_config is None and certfile is not None and keyfile is not None:
             web_config = WebConfig.from_tls_files(certfile, keyfile)
+        self.addr = addr
+        self.requested_port = port
+        self.fallback = False
         try:
             self._server, self._thread = start_server(registry, port, addr, web_config)
         except OSError as exc:
-            raise OSError(
-                f"lossbeat: cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); "
-                "pass another port, or port=0 for a free one"
-            ) from exc
-        self.addr = addr
+            if strict_port or port == 0 or exc.errno not in _PORT_UNAVAILABLE:
+                raise OSError(exc.errno, self._bind_error(port, exc, strict_port)) from exc
+            self._server, self._thread = start_server(registry, 0, addr, web_config)
+            self.fallback = True
+            log.warning(
+                "lossbeat: port %s:%d is unavailable (%s: another job on this node?); serving /metrics on "
+                "port %d instead. Prometheus finds it through file_sd self-registration (LOSSBEAT_FILE_SD_DIR); "
+                "strict_port=True makes a taken port an error",
+                addr, port, exc.strerror or exc, self._server.server_address[1],
+            )
         self.port: int = self._server.server_address[1]
         self._pid = os.getpid()
         _serving.add(self)
+
+    def _bind_error(self, port: int, exc: OSError, strict_port: bool) -> str:
+        reason = exc.strerror or str(exc)
+        if strict_port and exc.errno in _PORT_UNAVAILABLE:
+            return (f"lossbeat: cannot serve metrics on {self.addr}:{port} ({reason}) and strict_port=True; "
+                    f"free port {port} (another job on this node?), pass another base port "
+                    "(start_exporter(port=...)), port=0 for a free one, or strict_port=False to fall back "
+                    "to a free port")
+        return (f"lossbeat: cannot serve metrics on {self.addr}:{port} ({reason}); "
+                "check addr (an address of this host), or pass port=0 for a free port")
 
     def close(self) -> None:
         _serving.discard(self)

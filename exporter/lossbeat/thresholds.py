@@ -184,6 +184,26 @@ class AlertSettings:
     """Stall limit inside an evaluation or checkpoint phase (``Monitor.phase``)."""
     exporter_down_for: str
     loss_scale_for: str
+    rank_down_for: str
+    loss_spread_for: str
+    straggler_for: str
+    grad_mismatch_for: str
+
+
+@dataclass(frozen=True)
+class CrossRankThresholds:
+    loss_spread_z: float
+    """A rank's robust z-score (0.6745 * (x - median) / MAD over the job's ranks) beyond which its loss departs."""
+    loss_spread_min_relative: float
+    """...and its departure from the job's median loss must exceed this fraction of that median."""
+    min_ranks: int
+    """Ranks a job needs before the loss spread or stragglers are judged."""
+    straggler_ratio: float
+    """A rank whose mean work time exceeds this multiple of the job's median is a straggler."""
+    straggler_min_seconds: float
+    """...and exceeds the median by at least this many seconds."""
+    grad_norm_rtol: float
+    """Relative tolerance between the replicas' step-aligned gradient norms."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +221,7 @@ class Thresholds:
     memory: MemoryThresholds
     throughput: ThroughputThresholds
     lr_schedule: ScheduleThresholds
+    cross_rank: CrossRankThresholds
     source: str = field(default="<package>", compare=False)
     """Where the values came from (for error messages and the run info)."""
 
@@ -435,6 +456,7 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         memory=_memory(_section(doc, "memory")),
         throughput=_throughput(_section(doc, "throughput")),
         lr_schedule=_build(ScheduleThresholds, _section(doc, "lr_schedule"), "lr_schedule"),
+        cross_rank=_build(CrossRankThresholds, _section(doc, "cross_rank"), "cross_rank"),
         source=source,
     )
 

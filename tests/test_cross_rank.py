@@ -1,0 +1,91 @@
+"""The cross-rank signals each rank exports: the step-aligned grad norm and the rank's own work time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from lossbeat import Monitor, MonitorConfig
+from lossbeat.server import RankContext
+
+
+def _samples(monitor: Monitor) -> dict[str, float]:
+    out = {}
+    for line in generate_latest(monitor.registry).decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_the_grad_norm_of_every_kth_step_is_exported_with_its_step():
+    m = Monitor(MonitorConfig(port=0, grad_norm_align_every=10), serve=False, rank_context=RankContext(3, 3, 4))
+    for step in range(1, 26):
+        m.observe(step, loss=1.0, grad_norm=float(step) / 10)
+    m.flush()
+    s = _samples(m)
+    assert s['training_grad_norm_aligned{rank="3"}'] == 2.0
+    assert s['training_grad_norm_aligned_step{rank="3"}'] == 20
+    m.close()
+
+
+def test_aligned_norms_can_be_turned_off_and_work_time_is_opt_in():
+    m = Monitor(MonitorConfig(port=0, grad_norm_align_every=0), serve=False)
+    model = torch.nn.Linear(2, 1)
+    for step in range(0, 300, 100):
+        model(torch.ones(1, 2)).sum().backward()
+        m.observe(step, loss=1.0, model=model)
+    m.flush()
+    assert not [k for k in _samples(m) if k.startswith(("training_grad_norm_aligned", "training_rank_work"))]
+    assert not model._forward_hooks and not model._forward_pre_hooks  # no hooks unless asked
+    m.close()
+
+
+class _Wrapper(torch.nn.Module):
+    """Like DDP: `.module` is the model; its forward first runs a collective (here: a wait)."""
+
+    def __init__(self, module: torch.nn.Module, collective_s: float) -> None:
+        super().__init__()
+        self.module = module
+        self.collective_s = collective_s
+
+    def forward(self, x):
+        time.sleep(self.collective_s)  # waiting for the other ranks: not this rank's work
+        return self.module(x)
+
+
+class _SlowForward(torch.nn.Module):
+    def __init__(self, forward_s: float) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.forward_s = forward_s
+
+    def forward(self, x):
+        time.sleep(self.forward_s)
+        return self.linear(x)
+
+
+def test_work_time_counts_data_wait_and_forward_but_not_the_collective():
+    data_s, forward_s, collective_s, backward_s = 0.03, 0.02, 0.3, 0.3
+    model = _Wrapper(_SlowForward(forward_s), collective_s)
+    m = Monitor(MonitorConfig(port=0, work_time=True), serve=False)
+    for step in range(6):
+        time.sleep(data_s)  # data loading
+        loss = model(torch.ones(2, 4)).sum()
+        time.sleep(backward_s)  # the backward (its all-reduce waits): not counted either
+        loss.backward()
+        m.observe(step, loss=loss.detach(), model=model)
+    work = _samples(m)['training_rank_work_seconds{rank="0"}']
+    assert data_s + forward_s <= work < data_s + forward_s + 0.15, work  # generous: a loaded machine
+    m.close()
+    assert not model._forward_pre_hooks and not model.module._forward_hooks  # close() removes the hooks
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="grad_norm_align_every"):
+        MonitorConfig(grad_norm_align_every=-1)
+    with pytest.raises(TypeError, match="work_time"):
+        MonitorConfig(work_time=1)

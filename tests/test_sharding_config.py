@@ -1,0 +1,47 @@
+"""The shipped sharding configs: valid for promtool, and the agents partition the targets."""
+
+import subprocess
+
+import yaml
+
+from conftest import require_binary
+from lossbeat.alert_rules import rule_groups
+from lossbeat.thresholds import load_thresholds
+
+from e2e.test_sharded import SHARDING, SHARDS, hashmod_shard
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((SHARDING / name).read_text(encoding="utf-8"))
+
+
+def test_agents_partition_the_targets_with_hashmod():
+    regexes = set()
+    for shard in range(SHARDS):
+        config = _load(f"agent-{shard}.yml")
+        assert "external_labels" not in config["global"]  # series must not depend on the shard
+        [job] = config["scrape_configs"]
+        hashmod, keep = job["relabel_configs"]
+        assert hashmod["action"] == "hashmod" and hashmod["modulus"] == SHARDS
+        assert hashmod["source_labels"] == ["__address__"]
+        assert keep == {"source_labels": [hashmod["target_label"]], "regex": str(shard), "action": "keep"}
+        regexes.add(keep["regex"])
+        assert job["sample_limit"] > 0
+        assert config["remote_write"][0]["url"].endswith("/api/v1/write")
+    assert regexes == {str(s) for s in range(SHARDS)}
+    # The Python mirror of hashmod used by the e2e test spreads ports over both shards.
+    assert {hashmod_shard(f"127.0.0.1:{port}") for port in range(8470, 8478)} == set(range(SHARDS))
+
+
+def test_promtool_accepts_the_sharding_configs(tmp_path):
+    promtool = require_binary("promtool")
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump({"groups": rule_groups(load_thresholds())}))
+    for name in ("agent-0.yml", "agent-1.yml", "central.yml"):
+        config = _load(name)
+        if "rule_files" in config:
+            config["rule_files"] = [str(rules)]
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(config))
+        result = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
