@@ -595,7 +595,8 @@ def _cluster(b: _Builder) -> dict[str, list[Scenario]]:
                  [(fires, down.name, [Expect(down, job_labels("3", world_size="4"), 3)]),
                   (fires - 2 * b.i, down.name, [])]),
         Scenario("a rank that never reported fires as unknown", [info("0", 4), info("1", 4), info("2", 4)],
-                 [(fires, down.name, [Expect(down, job_labels("unknown", world_size="4"), 3)])]),
+                 # Counted per job: no instance to name.
+                 [(fires, down.name, [Expect(down, {"job": JOB, "rank": "unknown", "world_size": "4"}, 3)])]),
         Scenario("all ranks reporting is silent", [info(str(r), 4) for r in range(4)], [(fires, down.name, [])]),
         Scenario("a job whose ranks all ended is silent", [info(str(r), 4, gone) for r in range(4)],
                  [(fires, down.name, [])]),
