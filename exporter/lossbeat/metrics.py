@@ -41,6 +41,7 @@ _SPECS = [
     MetricSpec("training_step_duration_seconds", "gauge", "Wall time between the last two observed steps.", unit="s"),
     MetricSpec("training_loss_cv", "gauge", "Coefficient of variation (std / mean) of the finite losses over the volatility window.", unit="none"),
     MetricSpec("training_loss_trend_ratio", "gauge", "(mean of the previous window - mean of the recent window) / previous mean; positive means the loss falls.", unit="percentunit"),
+    MetricSpec("training_grad_norm_baseline", "gauge", "Rolling median of the recent global grad norms: the run's own level, against which explosions are judged.", unit="none"),
     MetricSpec("training_health_status", "gauge", "Diagnosis per check: 0 good, 1 warning, 2 danger.", ("check", "component"), unit="none"),
     MetricSpec("training_memory_allocated_bytes", "gauge", "Device memory allocated by tensors (CUDA), or process resident memory on CPU.", ("device",), unit="bytes"),
     MetricSpec("training_memory_peak_bytes", "gauge", "Peak device memory allocated (CUDA), or peak process resident memory on CPU.", ("device",), unit="bytes"),

@@ -17,6 +17,7 @@ import logging
 import math
 import numbers
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from . import __version__
 from .collector import MonitorCollector
-from .diagnosis import Finding, History, Status, diagnose
+from .diagnosis import Finding, Judge, Status, StatusChange
 from .gradients import GradientNorms, LayerGrouping, clip_with_norms, compute_grad_norms
 from .metrics import HEALTH_CHECKS
 from .server import MetricsServer, RankContext
@@ -153,6 +154,7 @@ class MonitorState:
         self.step_duration: float | None = None
         self.loss_cv: float | None = None
         self.loss_trend_ratio: float | None = None
+        self.grad_norm_baseline: float | None = None
         self.clip_coefficient: float | None = None
         self.grad_scale: float | None = None
         self.components: dict[str, float] = {}
@@ -299,7 +301,8 @@ class Monitor:
                 "torch_version": torch.__version__.split("+")[0],
             },
         )
-        self.history = History(self.thresholds)
+        self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
+        self.history = self._judge.history
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state)
         self.registry.register(self._collector)
@@ -402,7 +405,9 @@ class Monitor:
                 value = float(value.item())  # host sync: evaluation is not the per-step hot path
             self.state.eval_loss = value if math.isfinite(value) else math.nan
             self.state.evals_total += 1
-            self.history.add_eval(value)
+            self._drain(block=True)  # the steps before this evaluation first (host sync: not the hot path)
+            self.history.add_eval(value, step=int(step))
+            self._diagnose(int(step))  # judged after each evaluation, as `lossbeat analyze` does
         except Exception:
             self.state.count_error("observe")
             self._log_limited("error", logging.ERROR, "lossbeat: error in observe_eval()", exc_info=True)
@@ -709,6 +714,8 @@ class Monitor:
         cv, trend = self.history.loss.cv(), self.history.loss.trend_ratio()
         s.loss_cv = None if math.isnan(cv) else cv
         s.loss_trend_ratio = None if math.isnan(trend) else trend
+        baseline = self.history.grad.median
+        s.grad_norm_baseline = baseline if math.isfinite(baseline) else None
 
         s.steps_total += 1
         if "tokens" in v and math.isfinite(v["tokens"]):
@@ -741,33 +748,45 @@ class Monitor:
                 )
         self._observed += 1
         if self._observed % self.thresholds.windows.diagnose_every == 0:
-            self._diagnose()
+            self._diagnose(record.step)
 
-    def _diagnose(self) -> None:
+    def _diagnose(self, step: int | None = None) -> None:
         try:
-            findings = tuple(diagnose(self.history))
+            findings, changes = self._judge.judge(self.history.last_step if step is None else step)
         except Exception:
             self.state.count_error("diagnose")
             log.exception("lossbeat: error in the diagnosis")
             return
         health = dict(self.state.health)
         for f in findings:
-            key = (f.check, f.component)
-            previous = health.get(key)
-            health[key] = int(f.status)
-            if self.config.log_status_changes and previous is not None and previous != int(f.status):
-                level = logging.INFO if f.status is Status.GOOD else logging.WARNING
-                where = f"{f.check}[{f.component}]" if f.component else f.check
-                log.log(level, "lossbeat: %s %s -> %s: %s%s", where, Status(previous).name, f.status.name,
-                        f.message, f"; fix: {f.fix}" if f.fix and f.status else "")
+            health[(f.check, f.component)] = int(f.status)
         self.state.health = health
-        self._findings = findings
+        self._findings = tuple(findings)
+        if self.config.log_status_changes:
+            for change in changes:
+                _log_change(change)
 
     def _log_limited(self, key: str, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
         n = self._log_counts.get(key, 0)
         self._log_counts[key] = n + 1
         if n % _LOG_EVERY == 0:
             log.log(level, msg + (" (repeated %d times)" % n if n else ""), *args, exc_info=exc_info)
+
+
+def _log_change(change: StatusChange) -> None:
+    """One line per status change, recoveries included (WARNING: visible by default, so a log
+    never shows GOOD -> WARNING twice in a row). Written above an active tqdm bar, not onto it."""
+    f = change.finding
+    message = "lossbeat: %s %s -> %s at step %s: %s%s"
+    args = (change.where, change.previous.name, f.status.name, change.step, f.message,
+            f"; fix: {f.fix}" if f.fix and f.status else "")
+    tqdm = sys.modules.get("tqdm")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
+    if bars:
+        with tqdm.tqdm.external_write_mode(file=sys.stderr):
+            log.warning(message, *args)
+    else:
+        log.warning(message, *args)
 
 
 def _unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:

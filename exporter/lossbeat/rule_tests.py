@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from functools import reduce
 
 from lossbeat.alert_rules import (
-    COMPONENT_PROFILES,
     RECORDING_GROUP,
     AlertRule,
     alert_rules,
@@ -97,7 +96,8 @@ def render_template(template: str, labels: dict[str, str], value: float) -> str:
 def _expected(expect: Expect, runbook_base: str) -> dict:
     """promtool's ``exp_alerts`` entry: the rule's own labels and annotations, rendered."""
     rule = expect.rule.to_rule(runbook_base)
-    labels = {**expect.labels, **rule["labels"]}
+    # Prometheus drops labels with empty values (a total loss's component="").
+    labels = {k: v for k, v in {**expect.labels, **rule["labels"]}.items() if v != ""}
     annotations = {k: render_template(v, labels, expect.value) for k, v in rule["annotations"].items()}
     return {"exp_labels": labels, "exp_annotations": annotations}
 
@@ -179,16 +179,19 @@ def _gradients(b: _Builder) -> dict[str, list[Scenario]]:
     events = b.rule("TrainingGradientExplosion", trigger="events")
     at = b.after_for(a.explosion_for)
     samples = int(at // b.i) + 2
+    judged = lambda v: b.hold("training_health_status", _target(check="grad_norm", component=""), v, samples)  # noqa: E731
     norm = lambda v: b.hold("training_grad_norm", _target(), v, samples)  # noqa: E731
     burst, burst_at = b.jump("training_grad_explosions_total", _target(), a.event_window, a.explosion_events)
     few, _ = b.jump("training_grad_explosions_total", _target(), a.event_window, a.explosion_events - 1)
     name = sustained.name
     out = {
         name: [
-            Scenario("a sustained high grad norm fires", [norm(g.explosion * 1.5)],
+            Scenario("a grad norm judged exploding fires after its for", [judged(2), norm(g.explosion * 1.5)],
                      [(at, name, [Expect(sustained, _target(), g.explosion * 1.5)]),
                       (at - 2 * b.i, name, [])]),
-            Scenario("just below the threshold is silent", [norm(g.explosion * 0.99)], [(at, name, [])]),
+            Scenario("a stable high grad norm at the run's own level is silent",
+                     [judged(0), norm(g.explosion * 1.8)], [(at, name, [])]),
+            Scenario("a vanishing warning is not an explosion", [judged(1)], [(at, name, [])]),
             Scenario("enough explosion events fire at once", [burst],
                      [(burst_at, name, [Expect(events, _target(), a.explosion_events)])]),
             Scenario("one event fewer is silent", [few], [(burst_at, name, [])]),
@@ -222,37 +225,28 @@ def _gradients(b: _Builder) -> dict[str, list[Scenario]]:
     return out
 
 
+def _judged(b: _Builder, alert: str, check: str, fires: float, silent: tuple[float, ...], for_: str,
+            component: str = "") -> list[Scenario]:
+    """An alert that reads the exporter's judged status of ``check``: fires at ``fires``, silent at the others."""
+    rule = b.rule(alert)
+    at = b.after_for(for_)
+    samples = int(at // b.i) + 2
+    labels = _target(check=check, component=component)
+    out = [Scenario(f"{check} judged {fires:g} fires after its for", [b.hold("training_health_status", labels, fires, samples)],
+                    [(at, alert, [Expect(rule, labels, fires)]), (at - 2 * b.i, alert, [])])]
+    out += [Scenario(f"{check} judged {v:g} is silent", [b.hold("training_health_status", labels, v, samples)],
+                     [(at, alert, [])]) for v in silent]
+    return out
+
+
 def _trend(b: _Builder) -> dict[str, list[Scenario]]:
-    a, loss = b.t.alerts, b.t.loss
-    margin = loss.trend_improving - loss.trend_rising
-    out = {}
-    diverging = b.rule("TrainingLossDiverging")
-    at = b.after_for(a.diverging_for)
-    ratio = lambda v, when: b.hold("training_loss_trend_ratio", _target(), v, int(when // b.i) + 2)  # noqa: E731
-    bad = loss.trend_rising - margin * 0.5
-    out[diverging.name] = [
-        Scenario("a rising loss fires", [ratio(bad, at)], [(at, diverging.name, [Expect(diverging, _target(), bad)])]),
-        Scenario("just above the threshold is silent", [ratio(loss.trend_rising + margin * 0.01, at)],
-                 [(at, diverging.name, [])]),
-    ]
-    plateau = b.rule("TrainingLossPlateau")
-    at = b.after_for(a.plateau_for)
-    flat = loss.trend_rising + margin * 0.5
-    out[plateau.name] = [
-        Scenario("a flat loss fires", [ratio(flat, at)], [(at, plateau.name, [Expect(plateau, _target(), flat)])]),
-        Scenario("a loss falling just fast enough is silent", [ratio(loss.trend_improving + margin * 0.01, at)],
-                 [(at, plateau.name, [])]),
-        Scenario("a rising loss is diverging, not a plateau", [ratio(loss.trend_rising - margin * 0.01, at)],
-                 [(at, plateau.name, [])]),
-    ]
-    volatile = b.rule("TrainingLossVolatile")
-    at = b.after_for(a.volatile_for)
-    cv = lambda v: b.hold("training_loss_cv", _target(), v, int(at // b.i) + 2)  # noqa: E731
-    out[volatile.name] = [
-        Scenario("a volatile loss fires", [cv(loss.cv_danger * 1.5)],
-                 [(at, volatile.name, [Expect(volatile, _target(), loss.cv_danger * 1.5)])]),
-        Scenario("just below the threshold is silent", [cv(loss.cv_danger * 0.99)], [(at, volatile.name, [])]),
-    ]
+    a = b.t.alerts
+    out = {
+        "TrainingLossDiverging": _judged(b, "TrainingLossDiverging", "loss_trend", 2, (1, 0), a.diverging_for)
+        + _judged(b, "TrainingLossDiverging", "loss_trend", 2, (), a.diverging_for, component="aux")[:1],
+        "TrainingLossPlateau": _judged(b, "TrainingLossPlateau", "loss_trend", 1, (2, 0), a.plateau_for),
+        "TrainingLossVolatile": _judged(b, "TrainingLossVolatile", "loss_volatility", 2, (1, 0), a.volatile_for),
+    }
     spikes = b.rule("TrainingLossSpikes")
     many, at = b.jump("training_loss_spikes_total", _target(), a.spikes_window, a.spikes_events)
     fewer, _ = b.jump("training_loss_spikes_total", _target(), a.spikes_window, a.spikes_events - 1)
@@ -265,66 +259,27 @@ def _trend(b: _Builder) -> dict[str, list[Scenario]]:
 
 def _out_of_range(b: _Builder) -> dict[str, list[Scenario]]:
     a = b.t.alerts
-    at = b.after_for(a.out_of_range_for)
-    samples = int(at // b.i) + 2
-    scenarios = []
-    for profile in b.t.profiles.values():
-        info = lambda rank: b.hold(  # noqa: E731
-            "training_run_info", {**_target(rank), "run": "test", "profile": profile.name}, 1, samples
-        )
-        component = profile.name in COMPONENT_PROFILES
-        metric = "training_loss_component" if component else "training_loss"
-        extra = {"component": "lm"} if component else {}
-
-        def loss(rank: str, value: float) -> Series:
-            return b.hold(metric, _target(rank, **extra), value, samples)
-
-        if profile.loss_warn_low is None or profile.loss_warn_high is None:
-            scenarios.append(Scenario(f"profile {profile.name} has no range: silent", [info("0"), loss("0", 1e6)],
-                                      [(at, "TrainingLossOutOfRange", [])]))
-            continue
-        rule = b.rule("TrainingLossOutOfRange", profile=profile.name)
-        high, low = profile.loss_warn_high * 1.5, profile.loss_warn_low * 0.5
-        result = lambda rank: {"job": JOB, "rank": rank, **extra}  # noqa: E731
-        scenarios += [
-            Scenario(f"profile {profile.name}: too high and too low fire",
-                     [info("0"), info("1"), loss("0", high), loss("1", low)],
-                     [(at, rule.name, [Expect(rule, result("0"), high), Expect(rule, result("1"), low)])]),
-            Scenario(f"profile {profile.name}: just inside the range is silent",
-                     [info("0"), info("1"), loss("0", profile.loss_warn_high * 0.99),
-                      loss("1", profile.loss_warn_low * 1.01)],
-                     [(at, rule.name, [])]),
-        ]
-    return {"TrainingLossOutOfRange": scenarios}
+    return {
+        "TrainingLossOutOfRange": _judged(b, "TrainingLossOutOfRange", "loss_range", 1, (0,), a.out_of_range_for)
+        + _judged(b, "TrainingLossOutOfRange", "loss_range", 1, (), a.out_of_range_for, component="lm")[:1],
+    }
 
 
 def _overfitting(b: _Builder) -> dict[str, list[Scenario]]:
     a = b.t.alerts
     rule = b.rule("TrainingOverfitting")
-    rise = b.t.overfitting.eval_rise
-    at = b.after_for(a.overfitting_for, start=2 * b.i)  # eval loss rises at 2 intervals
+    at = b.after_for(a.overfitting_for)
     samples = int(at // b.i) + 2
-    best = 2.0
-
-    def train(slope: float) -> Series:
-        return Series("training_loss", _target(), [ramp(3.0, slope, samples)])
-
-    def evaluation(after: float) -> Series:
-        return Series("training_eval_loss", _target(), [run(best, 2), run(after, samples - 2)])
-
-    bad = best * (1 + 2 * rise)
-    status = b.hold("training_health_status", _target(check="overfitting"), 1, samples)
+    eval_loss = b.hold("training_eval_loss", _target(), 2.4, samples)
+    status = lambda v: b.hold("training_health_status", _target(check="overfitting", component=""), v, samples)  # noqa: E731
+    # One eval above the best, then back: the exporter never judged it; a raw PromQL rule would have fired.
+    blip = Series("training_eval_loss", _target(), [run(2.0, 2), run(2.4, 2), run(2.0, samples - 4)])
     return {
         rule.name: [
-            Scenario("eval loss up while training loss falls fires", [train(-0.001), evaluation(bad)],
-                     [(at, rule.name, [Expect(rule, _target(), bad)])]),
-            Scenario("an eval rise just under the threshold is silent",
-                     [train(-0.001), evaluation(best * (1 + 0.9 * rise))], [(at, rule.name, [])]),
-            Scenario("eval up with a flat training loss is silent", [train(0), evaluation(bad)],
-                     [(at, rule.name, [])]),
-            Scenario("both falling is silent", [train(-0.001), evaluation(best * 0.9)], [(at, rule.name, [])]),
-            Scenario("the exporter's overfitting check fires", [train(0), evaluation(best), status],
-                     [(at, rule.name, [Expect(rule, _target(), best)])]),
+            Scenario("judged overfitting fires with the eval loss", [eval_loss, status(1)],
+                     [(at, rule.name, [Expect(rule, _target(), 2.4)]), (at - 2 * b.i, rule.name, [])]),
+            Scenario("a one-evaluation blip is silent", [blip, status(0)], [(at, rule.name, [])]),
+            Scenario("eval up without the judgment is silent", [eval_loss, status(0)], [(at, rule.name, [])]),
         ]
     }
 

@@ -107,6 +107,14 @@ class LossSeries:
     def span(self) -> int:
         return self.summary.span
 
+    def cv(self) -> float:
+        """Plain std / mean of the noise window (the raw ``training_loss_cv`` gauge)."""
+        return self.window.cv()
+
+    def trend_ratio(self) -> float:
+        """The raw 2 x ``trend_steps``-record trend ratio (the ``training_loss_trend_ratio`` gauge)."""
+        return self.window.trend_ratio()
+
     def clear(self) -> None:
         self.window.clear()
         self.summary.clear()
