@@ -747,7 +747,7 @@ class Monitor:
                     grad_norm, record.step, top[0] if top else "-",
                 )
         self._observed += 1
-        if self._observed % self.thresholds.windows.diagnose_every == 0:
+        if self._judge.due(record.step):  # every diagnose_every steps, as `lossbeat analyze` judges
             self._diagnose(record.step)
 
     def _diagnose(self, step: int | None = None) -> None:

@@ -36,6 +36,8 @@ class Windows:
     """Steps averaged for the absolute loss-range check."""
     grad_steps: int
     """Records averaged for the raw grad-norm mean (dashboards)."""
+    noise_records: int
+    """Records in the robust noise window (volatility, spikes)."""
     trend_min_steps: int
     """Minimum steps in each half of the judged trend comparison."""
     trend_fraction: float

@@ -2,8 +2,8 @@
 
 Each train record is one ``History.add_step``; windows that judge a trend are
 measured in steps, so a log written every step or every 500 steps gets the
-same verdict. The judgment runs every ``windows.diagnose_every`` records and
-after each eval record, like the live monitor; the worst status each check
+same verdict. The judgment runs every ``windows.diagnose_every`` records or
+steps, whichever comes first, and after each eval record, like the live monitor; the worst status each check
 reached is kept with the step where it first did, next to the final findings
 and every status change.
 """
@@ -104,7 +104,7 @@ class _Replay:
                 a.counters[kind] += 1
                 if len(a.event_steps[kind]) < _MAX_EVENT_STEPS:
                     a.event_steps[kind].append(r.step)
-        if a.train_records % self.t.windows.diagnose_every == 0:
+        if self.judge.due(r.step):
             self.diagnose(r.step)
 
     def eval(self, r: EvalRecord) -> None:

@@ -90,7 +90,7 @@ class LossSeries:
 
     def refresh(self) -> None:
         """Recompute the robust level and noise of the noise window (O(window), every few records)."""
-        values = self.ring.last(self.t.windows.cv_steps)
+        values = self.ring.last(self.t.windows.noise_records)
         self._level = median(values)
         self._noise = robust_noise(values)
 
@@ -263,7 +263,7 @@ class History:
         t = thresholds
         self.thresholds = t
         w = t.windows
-        self.loss = LossSeries(t, history=t.learning_rate.too_small_window)
+        self.loss = LossSeries(t, history=max(t.learning_rate.too_small_window, w.noise_records))
         self.components: dict[str, LossSeries] = {}
         self.grad = GradBaseline(t)
         self.grad_norms = Ring(w.grad_steps)
@@ -342,7 +342,7 @@ class History:
                 if series is None:
                     if len(self.components) >= _MAX_COMPONENTS:
                         continue
-                    series = self.components[name] = LossSeries(self.thresholds)
+                    series = self.components[name] = LossSeries(self.thresholds, self.thresholds.windows.noise_records)
                 series.push(step, value)
         return events
 

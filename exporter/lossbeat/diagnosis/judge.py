@@ -50,10 +50,23 @@ class Judge:
         self.history = History(thresholds)
         self._held: dict[tuple[str, str], _Held] = {}
         self.findings: list[Finding] = []
+        self._records = 0
+        self._judged_at: int | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether the judgment is due after a record at ``step``: every ``diagnose_every`` records, or
+        ``diagnose_every`` steps, whichever comes first (a sparse log is judged at every record, so a dwell
+        lasts about as many steps whatever the log interval)."""
+        every = self.thresholds.windows.diagnose_every
+        self._records += 1
+        return self._records % every == 0 or (self._judged_at is not None and step - self._judged_at >= every) \
+            or (self._judged_at is not None and step < self._judged_at)
 
     def judge(self, step: int | None = None) -> tuple[list[Finding], list[StatusChange]]:
         """Diagnose now; returns the held findings and the status changes this diagnosis made."""
         h = self.thresholds.hysteresis
+        self._records = 0
+        self._judged_at = step
         findings, changes = [], []
         held_now = {key: held.finding.status for key, held in self._held.items()}
         for raw in diagnose(self.history, held_now):

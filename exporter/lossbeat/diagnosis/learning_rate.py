@@ -56,7 +56,7 @@ def check_warmup(series, profile: Profile, t: LearningRateThresholds) -> Finding
     first, at_check = series.initial, series.loss_at_warmup_check
     if not (math.isfinite(first) and math.isfinite(at_check)):
         return Finding.unknown(check)
-    if profile.loss_good is None or not first > profile.loss_good[1] or series.first_step > t.warmup_check_step:
+    if profile.loss_warn_high is None or not first > profile.loss_warn_high or series.first_step > t.warmup_check_step:
         # Starting inside the usual range (fine-tuning), or a log that starts mid-run (resumed).
         return Finding.unknown(check, "not the start of a run from scratch: the warmup check does not apply")
     if first > 0 and at_check > t.warmup_max_ratio * first:

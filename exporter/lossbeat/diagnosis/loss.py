@@ -88,7 +88,7 @@ def _start(series, profile: Profile) -> str:
     initial = series.initial
     if not math.isfinite(initial):
         return ""
-    if profile.loss_good is not None and initial > profile.loss_good[1] and initial > 0:
+    if profile.loss_warn_high is not None and initial > profile.loss_warn_high:
         size = math.exp(initial)
         return (f"initial loss {initial:.4g} = ln {size:,.0f}: a uniform prediction over about {size:,.0f} tokens "
                 "or classes, the healthy start of a model trained from scratch")
