@@ -48,6 +48,7 @@ class LossSeries:
         """Non-finite values in a row at the end (0: the latest loss is finite)."""
         self.loss_at_warmup_check = math.nan
         self._level = math.nan  # median of the noise window, refreshed every few records
+        self._local = math.nan  # median of the last spike_min_steps records
         self._noise = math.nan
         self._pushes = 0
 
@@ -73,7 +74,7 @@ class LossSeries:
         spike = (
             len(self.window) >= t.loss.spike_min_steps
             and math.isfinite(self._noise)
-            and value - self._level > max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._level))
+            and value - self._local > max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._local))
         )
         if self.first_step is None:
             self.first_step = step
@@ -93,6 +94,8 @@ class LossSeries:
         values = self.ring.last(self.t.windows.noise_records)
         self._level = median(values)
         self._noise = robust_noise(values)
+        # Spikes are judged against the local level (a falling loss leaves the window's median behind).
+        self._local = median(values[-self.t.loss.spike_min_steps:])
 
     @property
     def level(self) -> float:
@@ -122,7 +125,7 @@ class LossSeries:
         self.first_step = None
         self.nonfinite_run = 0
         self.loss_at_warmup_check = math.nan
-        self._level = self._noise = math.nan
+        self._level = self._noise = self._local = math.nan
         self._pushes = 0
 
 

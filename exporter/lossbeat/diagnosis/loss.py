@@ -157,9 +157,13 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
 
 def check_loss_trend(
     trend: Trend, series, t: Thresholds, profile: Profile, schedule_ended: bool = False, lr_fraction: float = math.nan,
-    component: str = "",
+    component: str = "", held: Status = Status.GOOD,
 ) -> Finding:
-    """Layer 2: is the loss still falling, flat, or rising, over windows in steps?"""
+    """Layer 2: is the loss still falling, flat, or rising, over windows in steps?
+
+    ``held``: the status the check holds now; a plateau is left only for a fall
+    beyond ``plateau_max_fall / hysteresis.release`` (value hysteresis).
+    """
     check = "loss_trend"
     if series.nonfinite_run:
         return Finding.unknown(check, NONFINITE, component)
@@ -176,7 +180,10 @@ def check_loss_trend(
             "lower the learning rate, enable gradient clipping, and check the data of the recent steps",
             component,
         )
-    if trend.falling:
+    release = t.hysteresis.release
+    falling = trend.falling and (held is not Status.WARNING or (
+        trend.ratio >= t.loss.plateau_max_fall / release and trend.z >= t.loss.fall_min_z / release))
+    if falling:
         return Finding(check, Status.GOOD, f"loss falling ({pct:.1f}% over the last {span})", component=component)
     if schedule_ended:
         return Finding(

@@ -29,7 +29,8 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     ended = schedule.ended
     findings = [
         check_loss_range(loss, profile, t, trend),
-        check_loss_trend(trend, loss, t, profile, ended, schedule.fraction_of_peak),
+        check_loss_trend(trend, loss, t, profile, ended, schedule.fraction_of_peak,
+                         held=held.get(("loss_trend", ""), Status.GOOD)),
         check_loss_volatility(cv, t.loss, nonfinite=bool(loss.nonfinite_run),
                               held=held.get(("loss_volatility", ""), Status.GOOD), release=release),
         check_grad_norm(history.grad, t.gradients),
@@ -46,7 +47,8 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     for name, series in history.components.items():
         c_trend = trend_of(series, t)
         findings.append(check_loss_range(series, component_profile, t, c_trend, name))
-        findings.append(check_loss_trend(c_trend, series, t, component_profile, ended, schedule.fraction_of_peak, name))
+        findings.append(check_loss_trend(c_trend, series, t, component_profile, ended, schedule.fraction_of_peak, name,
+                                         held=held.get(("loss_trend", name), Status.GOOD)))
         findings.append(check_loss_volatility(robust_cv(series, component_profile), t.loss, name,
                                               nonfinite=bool(series.nonfinite_run),
                                               held=held.get(("loss_volatility", name), Status.GOOD), release=release))
