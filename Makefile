@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: demo test generate
+.PHONY: demo test generate docs
 
 demo:
 	scripts/setup.sh
@@ -17,3 +17,7 @@ generate:
 	$(PYTHON) -m lossbeat rules
 	$(PYTHON) -m lossbeat dashboards
 	$(PYTHON) -c "from lossbeat.metrics import update_readme; update_readme('README.md')"
+
+# The evaluation tables of docs/analyze.md (false alarms and detection; trains the demo model).
+docs:
+	$(PYTHON) -m lossbeat.evaluation --write
