@@ -336,6 +336,68 @@ def _progress(b: _Builder) -> dict[str, list[Scenario]]:
     return out
 
 
+# Judgment alerts, the check each reads and the status at which it fires.
+_JUDGED = {
+    "TrainingGradientExplosion": ("grad_norm", 2),
+    "TrainingLossDiverging": ("loss_trend", 2),
+    "TrainingLossPlateau": ("loss_trend", 1),
+    "TrainingLossVolatile": ("loss_volatility", 2),
+    "TrainingLossOutOfRange": ("loss_range", 1),
+    "TrainingOverfitting": ("overfitting", 1),
+}
+
+
+def _rle(values: list[float]) -> list[str]:
+    """Runs of equal values in promtool notation."""
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[i]:
+            j += 1
+        out.append(run(values[i], j - i + 1))
+        i = j + 1
+    return out
+
+
+def _healthy(b: _Builder) -> dict[str, list[Scenario]]:
+    """The synthetic healthy shapes of ``lossbeat.evaluation`` replayed through the exporter's Judge,
+    one scrape per judgment: every judgment alert whose check the Judge never raised to its level
+    stays silent (the rules agree with the live checks), and the explosion events never page."""
+    from lossbeat.analyze.replay import _merged, _Replay  # the live judgment, offline
+    from lossbeat.evaluation import healthy_shapes
+    from lossbeat.logs import TrainRecord
+
+    out: dict[str, list[Scenario]] = {name: [] for name in _JUDGED}
+    for shape in healthy_shapes():
+        replay = _Replay(shape.log, b.t)
+        samples: list[tuple[dict[str, float], int]] = []
+        judge = replay.diagnose
+
+        def record(step, _judge=judge, _replay=replay):
+            findings = _judge(step)
+            samples.append(({f.check: float(f.status) for f in findings if not f.component},
+                            _replay.a.counters["grad_explosions"]))
+            return findings
+
+        replay.diagnose = record
+        for item in _merged(shape.log.train, shape.log.evals):
+            replay.train(item) if isinstance(item, TrainRecord) else replay.eval(item)
+        end = (len(samples) - 1) * b.i
+        events = Series("training_grad_explosions_total", _target(), _rle([float(n) for _, n in samples]))
+        name = shape.name.removeprefix("synthetic: ")
+        for alert, (check, level) in _JUDGED.items():
+            statuses = [s.get(check, 0.0) for s, _ in samples]
+            if max(statuses) >= level:
+                continue  # the Judge raised it (a warning a reader agrees with): not a silent case
+            series = [Series("training_health_status", _target(check=check, component=""), _rle(statuses)),
+                      Series("training_grad_norm", _target(), [run(1.0, len(samples))]),
+                      Series("training_eval_loss", _target(), [run(1.0, len(samples))])]
+            if alert == "TrainingGradientExplosion":
+                series.append(events)
+            out[alert].append(Scenario(f"healthy shape, silent: {name}", series, [(end, alert, [])]))
+    return out
+
+
 def _interval(t: Thresholds) -> int:
     """The largest step (<= 60s) that divides every duration the tests use."""
     a = t.alerts
@@ -362,6 +424,8 @@ def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml")
     scenarios: dict[str, list[Scenario]] = {}
     for part in (_nonfinite, _gradients, _trend, _out_of_range, _overfitting, _progress):
         scenarios.update(part(b))
+    for name, healthy in _healthy(b).items():
+        scenarios[name] = scenarios[name] + healthy
     missing = {r.name for r in b.rules} - set(scenarios)
     if missing:
         raise ValueError(f"rule tests: no scenarios for {sorted(missing)}")
