@@ -62,7 +62,7 @@ class MonitorConfig:
     thresholds: Any = None
     """A thresholds YAML path (overlaid on the packaged defaults), a loaded Thresholds, or None."""
     profile: str | None = None
-    """Task profile: causal-lm, classification, regression or multi-task (default: the file's)."""
+    """Task profile: causal-lm, classification, regression, multi-task, preference (DPO) or rl (default: the file's)."""
     run_name: str = ""
     """Free-form run name exported in ``training_run_info``."""
     port_per_local_rank: bool = True

@@ -35,6 +35,9 @@ def check_learning_rate(schedule, trend: Trend, cv: float, t: LearningRateThresh
     if lr < t.too_small and trend.known and not trend.falling and not trend.rising:
         if ended:
             return Finding(check, Status.GOOD, f"learning rate {lr:.3g} at the end of its decayed schedule")
+        if not lr <= t.decayed_fraction * schedule.peak:
+            # Small all along (DPO and RLHF use 1e-7..1e-6 by design): the plateau check tells a flat loss.
+            return Finding(check, Status.GOOD, f"learning rate {lr:.3g} (peak {schedule.peak:.3g})")
         return Finding(
             check, Status.WARNING,
             f"learning rate {lr:.3g} with a flat loss ({trend.ratio * 100:+.1f}% over {trend.window_steps:.0f} steps), "
