@@ -56,8 +56,8 @@ _SPECS = [
     MetricSpec("training_eval_total", "counter", "Observed evaluations."),
     MetricSpec("training_nonfinite_loss_total", "counter", "Steps whose loss was NaN or infinite."),
     MetricSpec("training_nonfinite_grad_total", "counter", "Steps whose gradient norm was NaN or infinite."),
-    MetricSpec("training_loss_spikes_total", "counter", "Steps whose loss exceeded mean + spike_sigma * std of the recent window."),
-    MetricSpec("training_grad_explosions_total", "counter", "Steps whose global grad norm exceeded the explosion threshold."),
+    MetricSpec("training_loss_spikes_total", "counter", "Steps whose loss exceeded its recent median by spike_sigma robust standard deviations (and spike_min_rise)."),
+    MetricSpec("training_grad_explosions_total", "counter", "Steps whose global grad norm departed from the run's baseline: above jump_ratio x its median, or above the explosion ceiling and ceiling_ratio x it."),
     MetricSpec("training_grad_scaler_overflows_total", "counter", "Steps whose gradients overflowed under fp16 loss scaling: the GradScaler skips them (not counted as non-finite gradients)."),
     MetricSpec("training_exporter_errors_total", "counter", "Errors inside lossbeat itself, by where they happened; training is never interrupted.", ("where",)),
 ]
