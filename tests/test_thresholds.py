@@ -10,7 +10,7 @@ def test_defaults_carry_the_articles_numbers():
     assert (t.profile.loss_warn_low, t.profile.loss_warn_high) == (0.1, 5.0)
     assert (t.loss.trend_improving, t.loss.trend_rising) == (0.05, -0.02)
     assert (t.loss.cv_warning, t.loss.cv_danger) == (0.15, 0.30)
-    assert (t.loss.spike_sigma, t.loss.spike_min_rise) == (6.0, 0.05)  # robust sigma: heavy per-step tails
+    assert (t.loss.spike_sigma, t.loss.spike_min_rise) == (5.0, 0.05)  # robust sigma: heavy per-step tails
     assert (t.gradients.explosion, t.gradients.vanishing) == (10.0, 1e-4)
     assert (t.gradients.healthy_low, t.gradients.healthy_high) == (0.1, 5.0)
     assert (t.gradients.layer_explosion, t.gradients.layer_vanishing) == (10.0, 1e-5)

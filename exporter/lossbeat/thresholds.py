@@ -70,6 +70,8 @@ class LossThresholds:
     """A relative fall across the trend windows below this (or not significant) is a plateau."""
     fall_min_z: float
     """A fall counts only beyond this many standard errors of the noise."""
+    regress_max: float
+    """The recent window this fraction above the run's best window (and significantly) is rising."""
     spike_sigma: float
     """A loss above the recent median + spike_sigma robust noise std is a spike."""
     spike_min_rise: float

@@ -282,5 +282,22 @@ class StepSummary:
                 total += s
         return int(count), (total / count if count else math.nan)
 
+    def best(self, width: float, min_count: int, end: float) -> tuple[int, float]:
+        """(count, mean) of the lowest-mean window of ``width`` steps (block-aligned) ending by ``end``,
+        among those holding at least ``min_count`` values; (0, nan) when none does. O(blocks)."""
+        blocks = [b for b in self.blocks if b[0] <= end]
+        best_n, best_mean = 0, math.nan
+        i, count, total = 0, 0.0, 0.0
+        for j, (first, n, s) in enumerate(blocks):
+            count += n
+            total += s
+            while blocks[i][0] <= first - width:
+                count -= blocks[i][1]
+                total -= blocks[i][2]
+                i += 1
+            if count >= min_count and (best_n == 0 or total / count < best_mean):
+                best_n, best_mean = int(count), total / count
+        return best_n, best_mean
+
     def __len__(self) -> int:
         return int(sum(b[1] for b in self.blocks))

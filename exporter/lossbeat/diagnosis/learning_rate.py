@@ -44,6 +44,12 @@ def check_learning_rate(schedule, trend: Trend, cv: float, t: LearningRateThresh
             f"not reached by a gradual decay (peak {schedule.peak:.3g})",
             "the learning rate looks too small: try 10x larger, or check the schedule's minimum",
         )
+    if max(recent) > t.too_large and trend.rising:
+        return Finding(
+            check, Status.WARNING,
+            f"learning rate {max(recent):.3g} with a rising loss",
+            "the learning rate looks too large: lower it (e.g. 3-10x) or lengthen the warmup",
+        )
     if math.isfinite(cv) and max(recent) > t.too_large and cv > t.too_large_cv:
         return Finding(
             check, Status.WARNING,

@@ -43,13 +43,15 @@ class Trend:
     window_steps: float = math.nan
     recent: float = math.nan
     previous: float = math.nan
+    best: float = math.nan
+    """The lowest window mean of the run so far (windows of the same width)."""
     rising: bool = False
     """Significantly and meaningfully higher than before (danger)."""
     falling: bool = False
     """Significantly and meaningfully lower than before (learning)."""
 
 
-def trend_of(series, t: Thresholds) -> Trend:
+def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
     """Compare the last ``trend_fraction`` of the steps seen with the same span before it."""
     w, loss = t.windows, t.loss
     s = series.summary
@@ -70,8 +72,15 @@ def trend_of(series, t: Thresholds) -> Trend:
     z = fall / se if se and se > 0 else (math.inf if fall > 0 else -math.inf if fall < 0 else 0.0)
     ratio = fall / abs(previous)
     rising = ratio < loss.trend_rising and z < -loss.trend_min_z
-    falling = ratio >= loss.plateau_max_fall and z >= loss.fall_min_z
-    return Trend(True, ratio, z, width, recent, previous, rising, falling)
+    # Or well above the best level the run reached (a jump that settled higher: the previous
+    # window alone would read the way back down as a fall).
+    n_best, best = s.best(width, w.trend_min_records, end - width)
+    if n_best and math.isfinite(noise) and not rising:
+        above = (recent - best) / max(abs(best), floor or 0.0) if best else math.inf
+        z_best = (recent - best) / (noise * math.sqrt(1.0 / n_recent + 1.0 / n_best)) if noise > 0 else math.inf
+        rising = above > loss.regress_max and z_best > loss.trend_min_z
+    falling = not rising and ratio >= loss.plateau_max_fall and z >= loss.fall_min_z
+    return Trend(True, ratio, z, width, recent, previous, best, rising, falling)
 
 
 def uniform_classes(loss: float) -> int | None:
@@ -88,7 +97,7 @@ def _start(series, profile: Profile) -> str:
     initial = series.initial
     if not math.isfinite(initial):
         return ""
-    if profile.loss_warn_high is not None and initial > profile.loss_warn_high:
+    if profile.loss_good is not None and initial > profile.loss_good[1]:
         size = math.exp(initial)
         return (f"initial loss {initial:.4g} = ln {size:,.0f}: a uniform prediction over about {size:,.0f} tokens "
                 "or classes, the healthy start of a model trained from scratch")
@@ -121,7 +130,9 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
         )
     learning = series.span < t.loss.range_after_steps and not (trend.known and not trend.falling)
     if learning:
-        return Finding(check, Status.GOOD, _start(series, profile) or f"mean loss {mean:.4g}", component=component)
+        start = _start(series, profile)
+        return Finding(check, Status.GOOD, f"mean loss {mean:.4g} while still learning" + (f"; {start}" if start else ""),
+                       component=component)
     k = uniform_classes(mean) if profile.name in _CHANCE_PROFILES else None
     if k is not None and trend.known and not trend.falling:
         what = "the policy does not separate chosen from rejected" if profile.name == "preference" and k == 2 \
@@ -173,10 +184,11 @@ def check_loss_trend(
         return Finding.unknown(check, component=component)
     pct, span = trend.ratio * 100, f"{trend.window_steps:.0f} steps"
     if trend.rising:
+        best = f", best {trend.best:.4g}" if math.isfinite(trend.best) else ""
         return Finding(
             check, Status.DANGER,
-            f"loss is rising: {trend.recent:.4g} over the last {span} against {trend.previous:.4g} before "
-            f"({pct:+.1f}%, {-trend.z:.1f} standard errors)",
+            f"loss is rising: {trend.recent:.4g} over the last {span} against {trend.previous:.4g} before{best} "
+            f"({pct:+.1f}%)",
             "lower the learning rate, enable gradient clipping, and check the data of the recent steps",
             component,
         )

@@ -23,7 +23,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     t = history.thresholds
     profile = t.profile
     loss = history.loss
-    trend = trend_of(loss, t)
+    trend = trend_of(loss, t, profile.volatility_floor)
     cv = robust_cv(loss, profile)
     schedule = history.lr
     ended = schedule.ended
@@ -45,7 +45,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
             findings.append(check_overfitting(track, trend, t.overfitting, group))
     component_profile = t.profiles.get("multi-task", profile) if profile.name == "multi-task" else profile
     for name, series in history.components.items():
-        c_trend = trend_of(series, t)
+        c_trend = trend_of(series, t, component_profile.volatility_floor)
         findings.append(check_loss_range(series, component_profile, t, c_trend, name))
         findings.append(check_loss_trend(c_trend, series, t, component_profile, ended, schedule.fraction_of_peak, name,
                                          held=held.get(("loss_trend", name), Status.GOOD)))
