@@ -297,3 +297,13 @@ def test_components_are_diagnosed_on_their_own():
     findings = {(f.check, f.component): f for f in diagnose(history)}
     assert findings[("loss_trend", "lm")].status is Status.GOOD
     assert findings[("loss_trend", "aux")].status is Status.DANGER
+
+
+def test_a_jump_that_settles_at_a_worse_level_is_rising():
+    # LR x100 at step 1000: the loss jumps to 8 and comes back down to 3, far above its best of 2.
+    n = noise(15, 0.02)
+    a = run(range(1600), lambda s: (2.0 if s < 1000 else 3.0 + 5.0 * math.exp(-(s - 1000) / 30)) + n())
+    f = final(a, "loss_trend")
+    assert f.status is Status.DANGER and "50% above the best level 1.99" in f.message
+    healthy_run = run(range(1600), lambda s: 2.0 + math.exp(-s / 300) + n())
+    assert not healthy_run.reached("loss_trend", Status.DANGER)

@@ -184,11 +184,12 @@ def check_loss_trend(
         return Finding.unknown(check, component=component)
     pct, span = trend.ratio * 100, f"{trend.window_steps:.0f} steps"
     if trend.rising:
-        best = f", best {trend.best:.4g}" if math.isfinite(trend.best) else ""
+        best = (f"; {(trend.recent - trend.best) / abs(trend.best) * 100:.0f}% above the best level {trend.best:.4g}"
+                if math.isfinite(trend.best) and trend.best else "")
         return Finding(
             check, Status.DANGER,
-            f"loss is rising: {trend.recent:.4g} over the last {span} against {trend.previous:.4g} before{best} "
-            f"({pct:+.1f}%)",
+            f"loss is rising: {trend.recent:.4g} over the last {span}, {-pct:+.1f}% against the window before "
+            f"({trend.previous:.4g}){best}",
             "lower the learning rate, enable gradient clipping, and check the data of the recent steps",
             component,
         )
