@@ -355,7 +355,6 @@ def _range_alert(t: Thresholds) -> AlertRule:
 
 def _loss_alerts(t: Thresholds) -> list[AlertRule]:
     a, loss = t.alerts, t.loss
-    rising = number(loss.trend_rising)
     windows = (f"windows of {number(100 * t.windows.trend_fraction)}% of the steps seen "
                f"(at least {t.windows.trend_min_steps} steps)")
     rules = [
@@ -369,11 +368,13 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             description=(
                 f"The exporter judges (status {VALUE}) the loss of {WHO} (component '{{{{ $labels.component }}}}') rising: its recent "
                 f"window is more than {number(-100 * loss.trend_rising)}% and {number(loss.trend_min_z)} standard "
-                f"errors above the window before, for at least {a.diverging_for}."
+                f"errors above the window before (or {number(100 * loss.regress_max)}% above the best level of the "
+                f"run), for at least {a.diverging_for}."
             ),
             condition=(
                 f"loss judged rising (> {number(-100 * loss.trend_rising)}% and > {number(loss.trend_min_z)} "
-                f"standard errors across {windows}) for {a.diverging_for}"
+                f"standard errors across {windows}, or > {number(100 * loss.regress_max)}% above the run's best window) "
+                f"for {a.diverging_for}"
             ),
             action="lower the LR; check for bad data or a broken schedule",
             keeps=TARGET + ("check", "component"),
