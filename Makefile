@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: demo test generate
+.PHONY: demo test generate docs
 
 demo:
 	scripts/setup.sh
@@ -18,3 +18,7 @@ generate:
 	$(PYTHON) -m lossbeat rules --checkout
 	$(PYTHON) -m lossbeat dashboards --checkout
 	$(PYTHON) -c "from lossbeat.metrics import update_readme; update_readme('README.md')"
+
+# The evaluation tables of docs/analyze.md (false alarms and detection; trains the demo model).
+docs:
+	$(PYTHON) -m lossbeat.evaluation --write

@@ -51,7 +51,10 @@ def test_whisper_ja_overfitting(defaults):
     a = analyze_file(_corpus("hf-whisper-large-v2-ja-overfit-trainer_state.json"), defaults)
     f = _final(a, "overfitting")
     assert f.status is Status.WARNING and "0.42" in f.message and "best 0.321" in f.message
-    assert a.worst[("overfitting", "")].step == 2000  # the first eval above the best (1000)
+    # Sustained: the second eval in a row above the best (1000) is the one at 3000 (the 25 records
+    # before it are the judgment's cadence). One eval above the best is not yet overfitting.
+    assert a.worst[("overfitting", "")].step == 3025
+    assert len([c for c in a.changes if c.finding.check == "overfitting"]) == 1  # and it stays to the end
 
 
 def test_classifier_overfitting_per_eval_group():
@@ -64,14 +67,17 @@ def test_classifier_overfitting_per_eval_group():
 
 def test_token_compressor_plateau(defaults):
     a = analyze_file(_corpus("hf-llama3.1-8b-lora-token-compressor-plateau-trainer_state.json"), defaults)
-    f = _final(a, "loss_trend")
-    assert f.status is Status.WARNING and "plateaued" in f.message
+    assert a.reached("loss_trend") and "plateaued" in a.worst[("loss_trend", "")].finding.message
+    assert a.worst[("loss_trend", "")].step < 300  # while the LR was still high
+    f = _final(a, "loss_trend")  # at the end, the cosine reached 0: a flat loss there is expected
+    assert f.status is Status.GOOD and "end of a decayed LR schedule" in f.message
 
 
 def test_t5_grad_norm_spikes_are_explosion_events(defaults):
     a = analyze_file(_corpus("hf-t5-small-summarization-gradspike-trainer_state.json"), defaults)
     assert a.counters["grad_explosions"] == 2
-    assert a.event_steps["grad_explosions"] == [164000, 190000]  # 13.2 and 35.6 > 10
+    # Against a baseline near 2.4: 13.2 is above the ceiling (10) and 3x the baseline; 35.6 is a x15 jump.
+    assert a.event_steps["grad_explosions"] == [164000, 190000]
     assert a.counters["loss_spikes"] == 0  # the loss does not react
     assert _final(a, "grad_norm").status is Status.GOOD  # isolated: the windowed mean stays healthy
 
@@ -79,9 +85,10 @@ def test_t5_grad_norm_spikes_are_explosion_events(defaults):
 def test_qwen_law_huge_loss_out_of_range(defaults):
     a = analyze_file(_corpus("hf-qwen2.5-3b-lora-law-hugeloss-trainer_state.json"), defaults)
     f = _final(a, "loss_range")
-    assert f.status is Status.WARNING and "above 5" in f.message
-    assert _final(a, "grad_norm").status is Status.DANGER
-    assert a.event_steps["grad_explosions"] == [100, 200]  # grad_norm 197 and 422
+    # 284.9 at the first record: no vocabulary explains it (a loss-scale or reduction bug).
+    assert f.status is Status.WARNING and "initial loss 284.9" in f.message
+    # Its grad norms (197, 422) come before any baseline: the first steps, not judged as explosions.
+    assert a.event_steps["grad_explosions"] == []
 
 
 def test_megatron_nan_strings_are_missing_not_non_finite(defaults):
@@ -107,15 +114,15 @@ def test_nanogpt_single_step_loss_spike(defaults):
 
 def test_whisper_tr_degradation_after_best_checkpoint(defaults):
     a = analyze_file(_corpus("hf-whisper-large-v3-tr-lora-earlystop-trainer_state.json"), defaults)
-    assert a.reached("overfitting") and a.worst[("overfitting", "")].step == 500
+    assert a.reached("overfitting") and a.worst[("overfitting", "")].step == 775  # evals at 500 and 750
 
 
 def test_documented_misses(defaults):
     """What docs/analyze.md says the checks do not catch, pinned so the doc stays true."""
     llmc = analyze_file(_corpus("llmc-gpt2-124m-fineweb-main.log"), defaults)
-    # Relative grad-norm spikes (0.83-2.02 against ~0.27) stay under the absolute explosion threshold;
-    # only the first steps (norm 15 at initialisation) count.
-    assert all(step < 10 for step in llmc.event_steps["grad_explosions"])
+    # Isolated grad-norm spikes (0.83-2.02 against ~0.27: 3-8x) are under the x10 jump, and the
+    # first steps (norm 15 at initialisation) come before the baseline: no explosion events.
+    assert llmc.event_steps["grad_explosions"] == [] and not llmc.reached("grad_norm")
     resumed = analyze_file(_corpus("lightning-wikitext103-slm-resumed-metrics.csv"), defaults)
     # val_loss rises 3.563 -> 3.604 (+1.2%): below overfitting.eval_rise (5%).
     assert not resumed.reached("overfitting")
@@ -163,7 +170,7 @@ def test_cli_text_report_and_thresholds_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "grad_explosions 2 (steps 164000, 190000)" in out and "430 train records" in out
     custom = tmp_path / "thresholds.yaml"
-    custom.write_text("gradients:\n  explosion: 40.0\n")
+    custom.write_text("gradients:\n  explosion: 40.0\n  jump_ratio: 20.0\n")
     assert main(["analyze", path, "--thresholds", str(custom), "--fail-on", "never"]) == 0
     assert "grad_explosions 0" in capsys.readouterr().out
 

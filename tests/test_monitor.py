@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import math
 import shutil
 import subprocess
@@ -792,11 +793,17 @@ def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatc
 
 
 def test_status_changes_are_logged_with_the_fix(monitor, caplog):
-    with caplog.at_level(logging.INFO, logger="lossbeat"):
-        for step in range(20):
-            monitor.observe(step, loss=2.0, grad_norm=50.0 if step >= 10 else 1.0)
-    assert "lossbeat: grad_norm GOOD -> DANGER: gradient norm" in caplog.text
-    assert "fix: clip gradients" in caplog.text
+    # Once the baseline is established (windows.baseline_min_records), a x50 jump is a danger.
+    with caplog.at_level(logging.WARNING, logger="lossbeat"):
+        for step in range(50):
+            monitor.observe(step, loss=2.0, grad_norm=50.0 if step >= 40 else 1.0)
+        assert "lossbeat: grad_norm GOOD -> DANGER at step 49: gradient norm 50 jumped" in caplog.text
+        assert "fix: clip gradients" in caplog.text
+        # Recoveries are logged at WARNING too (visible by default), after the hysteresis' dwell.
+        for step in range(50, 300):
+            monitor.observe(step, loss=2.0, grad_norm=1.0)
+    assert "lossbeat: grad_norm DANGER -> GOOD at step" in caplog.text
+    assert caplog.text.count("grad_norm GOOD -> DANGER") == 1
 
 
 def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(monitor, monkeypatch):
@@ -934,3 +941,19 @@ def test_deepspeed_zero_partitioned_gradients_are_reported_once(monitor, caplog)
     warnings = [r.getMessage() for r in caplog.records if "DeepSpeed" in r.getMessage()]
     assert len(warnings) == 1 and "ZeRO-3" in warnings[0] and "get_global_grad_norm" in warnings[0]
     assert monitor.state.steps_total == 3 and monitor.state.grad_norm is None
+
+
+def test_status_change_lines_start_above_a_tqdm_bar(monitor, capsys):
+    tqdm = pytest.importorskip("tqdm")
+    handler = logging.StreamHandler()  # stderr as it is now (captured)
+    logging.getLogger("lossbeat").addHandler(handler)
+    try:
+        with tqdm.tqdm(total=100, file=sys.stderr, mininterval=0) as bar:
+            for step in range(50):
+                monitor.observe(step, loss=2.0, grad_norm=50.0 if step >= 40 else 1.0)
+                bar.update(1)
+    finally:
+        logging.getLogger("lossbeat").removeHandler(handler)
+    err = capsys.readouterr().err
+    line = next(part for part in err.replace("\r", "\n").split("\n") if "GOOD -> DANGER" in part)
+    assert line.startswith("lossbeat: grad_norm GOOD -> DANGER")  # its own line, not after the bar's text

@@ -138,7 +138,8 @@ def test_generated_unit_tests_follow_a_threshold_change(tmp_path, custom_thresho
     result = promtool("test", "rules", *map(str, files))
     assert result.returncode == 0, result.stdout + result.stderr
     explosion = yaml.safe_load((tmp_path / "tests" / "traininggradientexplosion.yml").read_text())
-    assert explosion["tests"][0]["input_series"][0]["values"].startswith("37.5+0x")  # 25 * 1.5
+    events = next(t for t in explosion["tests"] if t["name"] == "enough explosion events fire at once")
+    assert events["input_series"][0]["values"].endswith("5+0x7")  # alerts.explosion_events: 5
     assert explosion["evaluation_interval"] == "15s"  # the gcd of the durations
 
 
@@ -184,13 +185,13 @@ def test_check_reports_drift_with_a_diff(tmp_path, capsys):
     target = tmp_path / "rules.yml"
     assert run_rules("--output-dir", str(tmp_path)) == 0
     assert target.read_text() == RULES_FILE.read_text()
-    target.write_text(target.read_text().replace("training_grad_norm > 10", "training_grad_norm > 11"))
+    target.write_text(target.read_text().replace("training_grad_norm < 0.0001", "training_grad_norm < 0.0002"))
     capsys.readouterr()
     assert run_rules("--output-dir", str(tmp_path), "--check") == 1
     out = capsys.readouterr().out
-    assert "-          training_grad_norm > 11" in out
-    assert "+          training_grad_norm > 10" in out
-    assert target.read_text().count("> 11") == 1  # --check writes nothing
+    assert "-          training_grad_norm < 0.0002" in out
+    assert "+          training_grad_norm < 0.0001" in out
+    assert target.read_text().count("< 0.0002") == 1  # --check writes nothing
 
 
 def test_generate_in_a_fresh_tree_and_remove_stale_test_files(tmp_path, monkeypatch, capsys):
@@ -216,16 +217,20 @@ def test_generate_in_a_fresh_tree_and_remove_stale_test_files(tmp_path, monkeypa
 # --- thresholds drive the rules -------------------------------------------------------
 
 def test_a_threshold_change_changes_the_alert_expression(tmp_path):
-    override = _write(tmp_path, {"gradients": {"explosion": 25}, "alerts": {"explosion_for": "7m"}})
+    override = _write(tmp_path, {"gradients": {"jump_ratio": 7}, "alerts": {"explosion_for": "7m", "explosion_events": 4}})
     assert run_rules("--thresholds", str(override), "--output-dir", str(tmp_path / "out")) == 0
     groups = yaml.safe_load((tmp_path / "out" / "rules.yml").read_text())["groups"]
     sustained, events = alerts_by_name(groups, "TrainingGradientExplosion")
-    assert sustained["expr"].strip() == "training_grad_norm > 25"
+    # The sustained trigger reads the exporter's judgment (same thresholds file): no raw constant.
+    assert sustained["expr"].split() == [
+        "training_grad_norm", "and", "on(job,", "instance,", "rank)", 'training_health_status{check="grad_norm",component=""}',
+        "==", "2"]
     assert sustained["for"] == "7m"
-    assert "above 25" in sustained["annotations"]["description"]
+    assert "a jump to 7x its baseline" in sustained["annotations"]["description"]
+    assert events["expr"].strip() == "increase(training_grad_explosions_total[5m]) >= 4"
     assert "for" not in events  # the event count fires at once
-    default_sustained = alerts_by_name(checked_in_rules(), "TrainingGradientExplosion")[0]
-    assert default_sustained["expr"].strip() == "training_grad_norm > 10"
+    default_events = alerts_by_name(checked_in_rules(), "TrainingGradientExplosion")[1]
+    assert default_events["expr"].strip() == "increase(training_grad_explosions_total[5m]) >= 3"
     # The folder gets the rules, their unit tests (which pass) and the PrometheusRule; nothing else.
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["kubernetes", "rules.yml", "tests"]
     assert promtool("check", "rules", str(tmp_path / "out" / "rules.yml")).returncode == 0
@@ -234,18 +239,21 @@ def test_a_threshold_change_changes_the_alert_expression(tmp_path):
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
-def test_each_profile_with_a_range_gets_its_own_rule():
-    thresholds = load_thresholds()
-    ranged = alerts_by_name(rules.build_rule_groups(thresholds), "TrainingLossOutOfRange")
-    by_profile = {rule["labels"]["profile"]: rule["expr"] for rule in ranged}
-    expected = {n for n, p in thresholds.profiles.items() if p.loss_warn_high is not None}
-    assert set(by_profile) == expected and "regression" not in by_profile
-    causal = thresholds.profiles["causal-lm"]
-    assert f"> {causal.loss_warn_high:g}" in by_profile["causal-lm"]
-    assert f"< {causal.loss_warn_low:g}" in by_profile["causal-lm"]
-    # Joined per rank of each run: runs that share a job label stay apart.
-    assert 'and on(job, instance, rank) training_run_info{profile="causal-lm"}' in by_profile["causal-lm"]
-    assert "training_loss_component" in by_profile["multi-task"]
+def test_judgment_alerts_read_the_exporters_judged_status():
+    """Rules and live checks agree by construction: the judgment alerts key off training_health_status."""
+    groups = rules.build_rule_groups(load_thresholds())
+    judged = {"TrainingLossOutOfRange": ("loss_range", ">= 1"), "TrainingLossDiverging": ("loss_trend", "== 2"),
+              "TrainingLossPlateau": ("loss_trend", "== 1"), "TrainingLossVolatile": ("loss_volatility", "== 2"),
+              "TrainingOverfitting": ("overfitting", ">= 1")}
+    for name, (check, condition) in judged.items():
+        (rule,) = alerts_by_name(groups, name)
+        assert f'training_health_status{{check="{check}"' in rule["expr"] and condition in rule["expr"], name
+        assert "training_loss " not in rule["expr"] and "min_over_time" not in rule["expr"]
+    # One range rule for every profile (the exporter knows its own profile); its condition names the bounds.
+    (ranged,) = alerts_by_name(groups, "TrainingLossOutOfRange")
+    table = rules.render_alert_table(load_thresholds())
+    assert "causal-lm [0.1, 5]" in table and "preference [-, 0.8]" in table
+    assert "profile" not in ranged["labels"]
 
 
 def test_bad_thresholds_file_exits_2_naming_the_key(tmp_path, capsys):
@@ -329,8 +337,8 @@ def test_metric_name_scan_finds_the_series():
     """Guard for the test above: the scan must see series in every position they appear."""
     expr = alerts_by_name(checked_in_rules(), "TrainingGradientNonFinite")[0]["expr"]
     assert {"training_nonfinite_grad_total", "training_nonfinite_grad_first_layer_info"} <= _names_in(expr)
-    expr = alerts_by_name(checked_in_rules(), "TrainingLossOutOfRange")[0]["expr"]
-    assert {"job_instance_rank:training_loss:avg_over_time5m", "training_run_info"} <= _names_in(expr)
+    expr = alerts_by_name(checked_in_rules(), "TrainingOverfitting")[0]["expr"]
+    assert {"training_eval_loss", "training_health_status"} <= _names_in(expr)
 
 
 def test_recording_rules_follow_level_metric_operations():
@@ -369,7 +377,7 @@ def test_readme_table_has_a_row_per_alert_with_numbers_and_runbook_links():
         assert f"| {severity} |" in row
         assert f"(docs/runbooks.md#{name.lower()})" in row
     explosion = next(line for line in table.splitlines() if "`TrainingGradientExplosion`" in line)
-    assert "> 10 for 2m" in explosion and ">= 3 steps above 10 within 5m" in explosion
+    assert "recent median > 10x the rolling baseline" in explosion and ">= 3 explosion events" in explosion
 
 
 def test_annotation_renderer_matches_go_formatting():

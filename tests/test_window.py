@@ -73,3 +73,35 @@ def test_detrended_cv_ignores_a_steady_descent_but_not_jitter():
     assert steady.detrended_cv() == pytest.approx(0.0, abs=1e-9)
     assert jittery.detrended_cv() == pytest.approx(0.4, rel=0.02)
     assert math.isnan(LossWindow(50, 20).detrended_cv())
+
+
+def test_robust_noise_ignores_a_steep_trend_and_outliers():
+    from lossbeat.window import robust_noise
+
+    rng = random.Random(5)
+    noisy = [10.0 - 0.5 * i + rng.gauss(0, 0.1) for i in range(400)]  # steep fall + noise 0.1
+    assert robust_noise(noisy) == pytest.approx(0.1, rel=0.15)
+    with_spikes = [2.0 + rng.gauss(0, 0.05) + (3.0 if i % 50 == 0 else 0.0) for i in range(400)]
+    assert robust_noise(with_spikes) == pytest.approx(0.05, rel=0.15)
+    assert robust_noise([14.7, 1.2, 0.8] + [0.75] * 50) < 0.01  # the first fall is not noise
+    assert math.isnan(robust_noise([1.0, 2.0, 3.0]))
+
+
+def test_step_summary_windows_are_in_steps_whatever_the_log_interval():
+    from lossbeat.window import StepSummary
+
+    dense, sparse = StepSummary(64), StepSummary(64)
+    for s in range(100000):
+        dense.push(s, s / 1000.0)
+        if s % 500 == 0:
+            sparse.push(s, s / 1000.0)
+    assert len(dense.blocks) <= 64 and len(sparse.blocks) <= 64  # memory fixed
+    assert dense.span == 99999 and sparse.span == 99500
+    for summary in (dense, sparse):
+        count, mean = summary.window(75000, 100000)
+        assert mean == pytest.approx(87.5, abs=1.5)  # the mean of the steps in (75000, 100000]
+    assert dense.window(75000, 100000)[0] > 100 * sparse.window(75000, 100000)[0]
+    dense.clear()
+    assert dense.span == 0 and len(dense) == 0
+    with pytest.raises(ValueError, match="capacity"):
+        StepSummary(5)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from lossbeat.thresholds import Profile, Thresholds
+from lossbeat.thresholds import Thresholds
 
 __all__ = [
     "AlertRule",
     "RecordingRule",
+    "LOSS_DERIVED_ALERTS",
     "RECORDING_GROUP",
     "alert_rules",
     "recording_rules",
@@ -34,10 +35,6 @@ RECORDING_GROUP = "lossbeat.recording"
 
 # Profiles whose loss is a sum of tasks: the range applies to each component.
 COMPONENT_PROFILES = frozenset({"multi-task"})
-
-# How far back the PromQL overfitting check looks for the best eval loss
-# (at least this, or twice `alerts.overfitting_for` when that is longer).
-EVAL_BEST_LOOKBACK_S = 3600
 
 # A target counts as a lossbeat exporter if it exposed the run info this recently.
 EXPORTER_SEEN_LOOKBACK = "6h"
@@ -159,6 +156,24 @@ MAD_TO_SIGMA = 0.6745
 
 def _by(labels: tuple[str, ...]) -> str:
     return ", ".join(labels)
+
+# Alerts judged from the loss: meaningless while the loss is not finite, so the Alertmanager
+# configuration inhibits them while TrainingLossNaN fires for the same job and rank.
+LOSS_DERIVED_ALERTS = (
+    "TrainingLossOutOfRange",
+    "TrainingLossVolatile",
+    "TrainingLossDiverging",
+    "TrainingLossPlateau",
+    "TrainingLossSpikes",
+    "TrainingOverfitting",
+    "TrainingLearningRateSuspect",
+)
+
+
+def _status(check: str, component: str | None = "") -> str:
+    """The exporter's judged status of ``check`` (``component=None``: every component)."""
+    where = f'check="{check}"' + ("" if component is None else f',component="{component}"')
+    return f"training_health_status{{{where}}}"
 
 
 def recording_rules() -> list[RecordingRule]:
@@ -299,14 +314,22 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingGradientExplosion",
             group="lossbeat.gradients",
             severity="critical",
-            expr=f"training_grad_norm > {explosion}\n",
+            # The exporter's judgment: the recent grad norm jumped to `jump_ratio` x its rolling
+            # baseline, or climbed to `climb_ratio` x the run's slow level. A stable high level
+            # (pre-clip norms of 15-20 are common) is the run's own level and does not page.
+            expr=f'training_grad_norm\n  and on(job, instance, rank) {_status("grad_norm")} == 2\n',
             for_=a.explosion_for,
             labels={"trigger": "sustained"},
-            summary="The gradient norm stays above the explosion threshold",
+            summary="The gradient norm departed from the run's own level",
             description=(
-                f"The global gradient norm of {WHO} is {VALUE}, above {explosion} for at least {a.explosion_for}."
+                f"The exporter judges the global gradient norm of {WHO}, now {VALUE}, exploding (a jump to "
+                f"{number(g.jump_ratio)}x its baseline, or a climb to {number(g.climb_ratio)}x the run's level) "
+                f"for at least {a.explosion_for}; see training_grad_norm against training_grad_norm_baseline."
             ),
-            condition=f"global grad norm > {explosion} for {a.explosion_for} (`trigger=sustained`)",
+            condition=(
+                f"grad norm judged exploding (recent median > {number(g.jump_ratio)}x the rolling baseline, or > "
+                f"{number(g.climb_ratio)}x the run's level) for {a.explosion_for} (`trigger=sustained`)"
+            ),
             action="clip gradients (max_norm 1.0), lower the LR",
             keeps=TARGET,
         ),
@@ -318,10 +341,14 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             labels={"trigger": "events"},
             summary="Repeated gradient explosions",
             description=(
-                f"{WHO_CAP} had {VALUE} steps with a global gradient norm above {explosion} "
-                f"in the last {a.event_window} (alert at {a.explosion_events})."
+                f"{WHO_CAP} had {VALUE} steps whose global gradient norm departed from its baseline (above "
+                f"{number(g.jump_ratio)}x, or above {explosion} and {number(g.ceiling_ratio)}x) in the last "
+                f"{a.event_window} (alert at {a.explosion_events})."
             ),
-            condition=f">= {a.explosion_events} steps above {explosion} within {a.event_window} (`trigger=events`)",
+            condition=(
+                f">= {a.explosion_events} explosion events (norm > {number(g.jump_ratio)}x the baseline, or > {explosion} "
+                f"and {number(g.ceiling_ratio)}x it) within {a.event_window} (`trigger=events`)"
+            ),
             action="clip gradients (max_norm 1.0), lower the LR",
             keeps=TARGET,
         ),
@@ -373,95 +400,98 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
     ]
 
 
-def _range_alert(t: Thresholds, profile: Profile) -> AlertRule:
+def _range_alert(t: Thresholds) -> AlertRule:
     a = t.alerts
-    low, high = number(profile.loss_warn_low), number(profile.loss_warn_high)
-    per_component = profile.name in COMPONENT_PROFILES
-    if per_component:
-        series, keeps, what = (
-            LOSS_COMPONENT_AVG_5M,
-            TARGET + ("component",),
-            "loss component {{ $labels.component }} of " + WHO,
-        )
-    else:
-        series, keeps, what = LOSS_AVG_5M, TARGET, "training loss of " + WHO
+    ranges = "; ".join(
+        f"{p.name} [{number(p.loss_warn_low) if p.loss_warn_low is not None else '-'}, "
+        f"{number(p.loss_warn_high) if p.loss_warn_high is not None else '-'}]"
+        for p in t.profiles.values()
+        if p.loss_warn_low is not None or p.loss_warn_high is not None
+    )
     return AlertRule(
         name="TrainingLossOutOfRange",
         group="lossbeat.loss",
         severity="warning",
-        expr=(
-            f"(\n  {series} > {high}\nor\n  {series} < {low}\n)\n"
-            f'and {ON_TARGET} training_run_info{{profile="{profile.name}"}}\n'
-        ),
+        expr=f'{_status("loss_range", None)} >= 1\n',
         for_=a.out_of_range_for,
-        labels={"profile": profile.name},
         summary="The loss is outside the expected range for its task",
         description=(
-            f"The 5m mean {what} is {VALUE}, outside [{low}, {high}] for profile {profile.name}: "
-            f"above {high} the model is not learning; below {low} suspect label leakage or memorisation."
+            f"The exporter judges (status {VALUE}) the loss of {WHO} (component '{{{{ $labels.component }}}}') outside its task's "
+            "range: after the first steps, above the profile's high bound while no longer falling, below its low "
+            "bound (label leakage, memorisation), at chance level, or an initial loss no vocabulary explains."
         ),
         condition=(
-            f"`{profile.name}`{' (each component)' if per_component else ''}: 5m mean loss > {high} "
-            f"or < {low} for {a.out_of_range_for}"
+            f"loss judged out of range (each component) for {a.out_of_range_for}; judged after "
+            f"{t.loss.range_after_steps} steps or once the loss stops falling; bounds per profile: {ranges}"
         ),
         action="too high: check data and LR; too low: look for label leakage",
-        keeps=keeps,
+        keeps=TARGET + ("check", "component"),
     )
 
 
 def _loss_alerts(t: Thresholds) -> list[AlertRule]:
     a, loss = t.alerts, t.loss
-    rising, improving = number(loss.trend_rising), number(loss.trend_improving)
-    cv_danger = number(loss.cv_danger)
+    windows = (f"windows of {number(100 * t.windows.trend_fraction)}% of the steps seen "
+               f"(at least {t.windows.trend_min_steps} steps)")
     rules = [
         AlertRule(
             name="TrainingLossDiverging",
             group="lossbeat.loss",
             severity="critical",
-            expr=f"training_loss_trend_ratio < {rising}\n",
+            expr=f'{_status("loss_trend", None)} == 2\n',
             for_=a.diverging_for,
             summary="The training loss is rising",
             description=(
-                f"The loss trend ratio of {WHO} is {VALUE} (negative: the loss rises), below {rising} "
-                f"for at least {a.diverging_for}."
+                f"The exporter judges (status {VALUE}) the loss of {WHO} (component '{{{{ $labels.component }}}}') rising: its recent "
+                f"window is more than {number(-100 * loss.trend_rising)}% and {number(loss.trend_min_z)} standard "
+                f"errors above the window before (or {number(100 * loss.regress_max)}% above the best level of the "
+                f"run), for at least {a.diverging_for}."
             ),
-            condition=f"loss trend ratio < {rising} (recent mean above the previous one) for {a.diverging_for}",
+            condition=(
+                f"loss judged rising (> {number(-100 * loss.trend_rising)}% and > {number(loss.trend_min_z)} "
+                f"standard errors across {windows}, or > {number(100 * loss.regress_max)}% above the run's best window) "
+                f"for {a.diverging_for}"
+            ),
             action="lower the LR; check for bad data or a broken schedule",
-            keeps=TARGET,
+            keeps=TARGET + ("check", "component"),
         ),
         AlertRule(
             name="TrainingLossPlateau",
             group="lossbeat.loss",
             severity="warning",
-            expr=(
-                f"training_loss_trend_ratio >= {rising}\n"
-                f"and\n"
-                f"training_loss_trend_ratio <= {improving}\n"
-            ),
+            expr=f'{_status("loss_trend", None)} == 1\n',
             for_=a.plateau_for,
             summary="The training loss has stopped improving",
             description=(
-                f"The loss trend ratio of {WHO} is {VALUE}, between {rising} and {improving} "
-                f"for at least {a.plateau_for}: the loss is flat."
+                f"The exporter judges (status {VALUE}) the loss of {WHO} (component '{{{{ $labels.component }}}}') flat for at least "
+                f"{a.plateau_for}: it fell less than {number(100 * loss.plateau_max_fall)}% (or not significantly) "
+                "across its trend windows, and the LR is not at the end of a decayed schedule."
             ),
-            condition=f"loss trend ratio between {rising} and {improving} for {a.plateau_for}",
+            condition=(
+                f"loss judged flat (fall < {number(100 * loss.plateau_max_fall)}% or < {number(loss.fall_min_z)} "
+                f"standard errors across {windows}; not at the end of a decayed LR schedule) for {a.plateau_for}"
+            ),
             action="raise the LR or restart it (cosine with restarts); check the data",
-            keeps=TARGET,
+            keeps=TARGET + ("check", "component"),
         ),
         AlertRule(
             name="TrainingLossVolatile",
             group="lossbeat.loss",
             severity="warning",
-            expr=f"training_loss_cv >= {cv_danger}\n",
+            expr=f'{_status("loss_volatility", None)} == 2\n',
             for_=a.volatile_for,
             summary="The training loss oscillates strongly",
             description=(
-                f"The coefficient of variation of the loss of {WHO} is {VALUE}, at or above {cv_danger} "
+                f"The exporter judges (status {VALUE}) the loss of {WHO} (component '{{{{ $labels.component }}}}') very volatile: its "
+                f"step-to-step noise around the trend is at least {number(loss.cv_danger)} of its level, "
                 f"for at least {a.volatile_for}."
             ),
-            condition=f"loss CV (std / mean over {t.windows.cv_steps} steps) >= {cv_danger} for {a.volatile_for}",
+            condition=(
+                f"robust step-to-step noise / loss level (over {t.windows.cv_steps} records, around the trend) "
+                f">= {number(loss.cv_danger)} for {a.volatile_for}"
+            ),
             action="lower the LR to a third, raise the batch size",
-            keeps=TARGET,
+            keeps=TARGET + ("check", "component"),
         ),
         AlertRule(
             name="TrainingLossSpikes",
@@ -470,55 +500,43 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             expr=f"increase(training_loss_spikes_total[{a.spikes_window}]) >= {a.spikes_events}\n",
             summary="Repeated loss spikes",
             description=(
-                f"{WHO_CAP} had {VALUE} loss spikes (above mean + {number(loss.spike_sigma)} std) "
-                f"in the last {a.spikes_window}."
+                f"{WHO_CAP} had {VALUE} loss spikes (above the recent median by {number(loss.spike_sigma)} robust "
+                f"standard deviations and {number(100 * loss.spike_min_rise)}%) in the last {a.spikes_window}."
             ),
             condition=(
-                f">= {a.spikes_events} loss spikes (> mean + {number(loss.spike_sigma)} std) within {a.spikes_window}"
+                f">= {a.spikes_events} loss spikes (> median + {number(loss.spike_sigma)} robust std and "
+                f"+{number(100 * loss.spike_min_rise)}%) within {a.spikes_window}"
             ),
             action="look for bad batches; clip gradients, lower the LR",
             keeps=TARGET,
         ),
-    ]
-    rules += [
-        _range_alert(t, profile)
-        for profile in t.profiles.values()
-        if profile.loss_warn_low is not None and profile.loss_warn_high is not None
-    ]
-    lookback = _duration(max(EVAL_BEST_LOOKBACK_S, 2 * duration_seconds(a.overfitting_for)))
-    rise = number(1 + t.overfitting.eval_rise)
-    rules.append(
+        _range_alert(t),
         AlertRule(
             name="TrainingOverfitting",
             group="lossbeat.loss",
             severity="warning",
-            # Either the exporter's own diagnosis (it knows the best eval loss of the
-            # whole run) or PromQL's view over the lookback; the value is the eval loss.
+            # The exporter's judgment only: it knows the best eval loss of the whole run and
+            # requires `overfitting.evals` evaluations in a row above it (one blip is noise).
             expr=(
-                "(\n"
-                f"  training_eval_loss > {rise} * min_over_time(training_eval_loss[{lookback}])\n"
-                f"  and on(job, instance, rank) deriv(training_loss[{a.overfitting_for}]) < 0\n"
-                ")\n"
-                "or on(job, instance, rank)\n"
-                "(\n"
-                "  training_eval_loss\n"
-                '  and on(job, instance, rank) training_health_status{check="overfitting"} >= 1\n'
-                ")\n"
+                "training_eval_loss\n"
+                f'  and on(job, instance, rank) {_status("overfitting")} >= 1\n'
             ),
             for_=a.overfitting_for,
             summary="Eval loss rises while the training loss falls",
             description=(
                 f"The eval loss of {WHO} is {VALUE}, more than {number(100 * t.overfitting.eval_rise)}% above "
-                "its best while the training loss still falls: the model is overfitting."
+                f"its best for {t.overfitting.evals} evaluations in a row while the training loss does not rise: "
+                "the model is overfitting."
             ),
             condition=(
-                f"eval loss > {number(100 * t.overfitting.eval_rise)}% above its best (in {lookback}) while the "
-                f"training loss falls, or the exporter's overfitting check warns; for {a.overfitting_for}"
+                f"eval loss > {number(100 * t.overfitting.eval_rise)}% above its best for "
+                f"{t.overfitting.evals} evaluations in a row while the training loss does not rise "
+                f"(the exporter's judgment); for {a.overfitting_for}"
             ),
             action="early stop at the best checkpoint; weight decay, dropout, more data",
             keeps=TARGET,
-        )
-    )
+        ),
+    ]
     return rules
 
 

@@ -85,6 +85,7 @@ class MonitorCollector(Collector):
             ("training_step_duration_seconds", s.step_duration),
             ("training_loss_cv", s.loss_cv),
             ("training_loss_trend_ratio", s.loss_trend_ratio),
+            ("training_grad_norm_baseline", s.grad_norm_baseline),
             ("training_grad_clip_coefficient", s.clip_coefficient),
             ("training_grad_scale", s.grad_scale),
             ("training_layers_without_grad", s.layers_without_grad),

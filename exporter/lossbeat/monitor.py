@@ -31,7 +31,7 @@ from prometheus_client.registry import CollectorRegistry
 from . import __version__
 from .collector import MonitorCollector
 from .cross_rank import CrossRankSignals
-from .diagnosis import Finding, History, Status, diagnose
+from .diagnosis import Finding, Judge, Status, StatusChange
 from .gradients import (
     GradientNorms, LayerGrouping, ShardedMeasurementError, clip_with_norms, compute_grad_norms, deepspeed_zero_stage,
 )
@@ -77,7 +77,7 @@ class MonitorConfig:
     thresholds: Any = None
     """A thresholds YAML path (overlaid on the packaged defaults), a loaded Thresholds, or None."""
     profile: str | None = None
-    """Task profile: causal-lm, classification, regression or multi-task (default: the file's)."""
+    """Task profile: causal-lm, classification, regression, multi-task, preference (DPO) or rl (default: the file's)."""
     run_name: str = ""
     """Free-form run name exported in ``training_run_info``."""
     port_per_local_rank: bool = True
@@ -238,6 +238,7 @@ class MonitorState:
         """(loss-curve pattern name, the step it began at): swapped whole."""
         self.loss_cv: float | None = None
         self.loss_trend_ratio: float | None = None
+        self.grad_norm_baseline: float | None = None
         self.clip_coefficient: float | None = None
         self.grad_scale: float | None = None
         self.components: dict[str, float] = {}
@@ -442,7 +443,8 @@ class Monitor:
                 "torch_version": torch.__version__.split("+")[0],
             },
         )
-        self.history = History(self.thresholds)
+        self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
+        self.history = self._judge.history
         self._vitals = Vitals(self.thresholds, config.lr_schedule)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._drain_at_scrape)
@@ -577,7 +579,9 @@ class Monitor:
                 value = float(value.item())  # host sync: evaluation is not the per-step hot path
             self.state.eval_loss = value if math.isfinite(value) else math.nan
             self.state.evals_total += 1
-            self.history.add_eval(value)
+            self._drain(block=True)  # the steps before this evaluation first (host sync: not the hot path)
+            self.history.add_eval(value, step=int(step))
+            self._diagnose(int(step))  # judged after each evaluation, as `lossbeat analyze` does
         except Exception:
             self.state.count_error("observe")
             self._log_limited("error", logging.ERROR, "lossbeat: error in observe_eval()", exc_info=True)
@@ -1025,6 +1029,8 @@ class Monitor:
         cv, trend = self.history.loss.cv(), self.history.loss.trend_ratio()
         s.loss_cv = None if math.isnan(cv) else cv
         s.loss_trend_ratio = None if math.isnan(trend) else trend
+        baseline = self.history.grad.median
+        s.grad_norm_baseline = baseline if math.isfinite(baseline) else None
 
         s.steps_total += 1
         if "tokens" in v and math.isfinite(v["tokens"]):
@@ -1064,16 +1070,24 @@ class Monitor:
                 )
         self._vitals.add_step_time(record.duration, s.phase[0] == "train")
         self._observed += 1
-        if self._observed % self.thresholds.windows.diagnose_every == 0:
-            self._diagnose()
+        if self._judge.due(record.step):  # every diagnose_every steps, as `lossbeat analyze` judges
+            self._diagnose(record.step)
 
-    def _diagnose(self) -> None:
+    def _diagnose(self, step: int | None = None) -> None:
         s = self.state
-        step = int(s.step) if s.step is not None else None
+        step = self.history.last_step if step is None else step
         try:
-            findings = tuple(diagnose(self.history))
+            findings, changes = self._judge.judge(step)
+            # Memory, throughput and the LR schedule: checks with their own bounded memory
+            # (blocks, thirds, departures in a row) next to the Judge's.
             lrs = s.learning_rates
-            findings += tuple(self._vitals.findings(step, max(lrs.values()) if lrs else None, s.cuda_device))
+            vitals = self._vitals.findings(step, max(lrs.values()) if lrs else None, s.cuda_device)
+            held = s.health
+            changes = list(changes) + [
+                StatusChange(Status(held[key]), f, step) for f in vitals
+                if (key := (f.check, f.component)) in held and held[key] != int(f.status)
+            ]
+            findings = list(findings) + vitals
             pattern = self._vitals.pattern(findings, step)
             s.pattern = (pattern.name if pattern else None, self._vitals.pattern_since)
         except Exception:
@@ -1082,16 +1096,12 @@ class Monitor:
             return
         health = dict(self.state.health)
         for f in findings:
-            key = (f.check, f.component)
-            previous = health.get(key)
-            health[key] = int(f.status)
-            if self.config.log_status_changes and previous is not None and previous != int(f.status):
-                level = logging.INFO if f.status is Status.GOOD else logging.WARNING
-                where = f"{f.check}[{f.component}]" if f.component else f.check
-                log.log(level, "lossbeat: %s %s -> %s: %s%s", where, Status(previous).name, f.status.name,
-                        f.message, f"; fix: {f.fix}" if f.fix and f.status else "")
+            health[(f.check, f.component)] = int(f.status)
         self.state.health = health
-        self._findings = findings
+        self._findings = tuple(findings)
+        if self.config.log_status_changes:
+            for change in changes:
+                _log_change(change)
 
     def _log_limited(self, key: str, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
         n = self._log_counts.get(key, 0)
@@ -1108,6 +1118,22 @@ def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float) -> str:
     if not math.isfinite(loss) and len(bad) == len(layer_norms):
         return ALL_LAYERS
     return bad[-1]
+
+
+def _log_change(change: StatusChange) -> None:
+    """One line per status change, recoveries included (WARNING: visible by default, so a log
+    never shows GOOD -> WARNING twice in a row). Written above an active tqdm bar, not onto it."""
+    f = change.finding
+    message = "lossbeat: %s %s -> %s at step %s: %s%s"
+    args = (change.where, change.previous.name, f.status.name, change.step, f.message,
+            f"; fix: {f.fix}" if f.fix and f.status else "")
+    tqdm = sys.modules.get("tqdm")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
+    if bars:
+        with tqdm.tqdm.external_write_mode(file=sys.stderr):
+            log.warning(message, *args)
+    else:
+        log.warning(message, *args)
 
 
 def _unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:

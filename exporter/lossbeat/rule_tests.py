@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from functools import reduce
 
 from lossbeat.alert_rules import (
-    COMPONENT_PROFILES,
     JOB_RANK,
     MAD_TO_SIGMA,
     RECORDING_GROUP,
@@ -100,7 +99,8 @@ def render_template(template: str, labels: dict[str, str], value: float) -> str:
 def _expected(expect: Expect, runbook_base: str) -> dict:
     """promtool's ``exp_alerts`` entry: the rule's own labels and annotations, rendered."""
     rule = expect.rule.to_rule(runbook_base)
-    labels = {**expect.labels, **rule["labels"]}
+    # Prometheus drops labels with empty values (a total loss's component="").
+    labels = {k: v for k, v in {**expect.labels, **rule["labels"]}.items() if v != ""}
     annotations = {k: render_template(v, labels, expect.value) for k, v in rule["annotations"].items()}
     return {"exp_labels": labels, "exp_annotations": annotations}
 
@@ -201,16 +201,19 @@ def _gradients(b: _Builder) -> dict[str, list[Scenario]]:
     events = b.rule("TrainingGradientExplosion", trigger="events")
     at = b.after_for(a.explosion_for)
     samples = int(at // b.i) + 2
+    judged = lambda v: b.hold("training_health_status", _target(check="grad_norm", component=""), v, samples)  # noqa: E731
     norm = lambda v: b.hold("training_grad_norm", _target(), v, samples)  # noqa: E731
     burst, burst_at = b.jump("training_grad_explosions_total", _target(), a.event_window, a.explosion_events)
     few, _ = b.jump("training_grad_explosions_total", _target(), a.event_window, a.explosion_events - 1)
     name = sustained.name
     out = {
         name: [
-            Scenario("a sustained high grad norm fires", [norm(g.explosion * 1.5)],
+            Scenario("a grad norm judged exploding fires after its for", [judged(2), norm(g.explosion * 1.5)],
                      [(at, name, [Expect(sustained, _target(), g.explosion * 1.5)]),
                       (at - 2 * b.i, name, [])]),
-            Scenario("just below the threshold is silent", [norm(g.explosion * 0.99)], [(at, name, [])]),
+            Scenario("a stable high grad norm at the run's own level is silent",
+                     [judged(0), norm(g.explosion * 1.8)], [(at, name, [])]),
+            Scenario("a vanishing warning is not an explosion", [judged(1)], [(at, name, [])]),
             Scenario("enough explosion events fire at once", [burst],
                      [(burst_at, name, [Expect(events, _target(), a.explosion_events)])]),
             Scenario("one event fewer is silent", [few], [(burst_at, name, [])]),
@@ -244,37 +247,28 @@ def _gradients(b: _Builder) -> dict[str, list[Scenario]]:
     return out
 
 
+def _judged(b: _Builder, alert: str, check: str, fires: float, silent: tuple[float, ...], for_: str,
+            component: str = "") -> list[Scenario]:
+    """An alert that reads the exporter's judged status of ``check``: fires at ``fires``, silent at the others."""
+    rule = b.rule(alert)
+    at = b.after_for(for_)
+    samples = int(at // b.i) + 2
+    labels = _target(check=check, component=component)
+    out = [Scenario(f"{check} judged {fires:g} fires after its for", [b.hold("training_health_status", labels, fires, samples)],
+                    [(at, alert, [Expect(rule, labels, fires)]), (at - 2 * b.i, alert, [])])]
+    out += [Scenario(f"{check} judged {v:g} is silent", [b.hold("training_health_status", labels, v, samples)],
+                     [(at, alert, [])]) for v in silent]
+    return out
+
+
 def _trend(b: _Builder) -> dict[str, list[Scenario]]:
-    a, loss = b.t.alerts, b.t.loss
-    margin = loss.trend_improving - loss.trend_rising
-    out = {}
-    diverging = b.rule("TrainingLossDiverging")
-    at = b.after_for(a.diverging_for)
-    ratio = lambda v, when: b.hold("training_loss_trend_ratio", _target(), v, int(when // b.i) + 2)  # noqa: E731
-    bad = loss.trend_rising - margin * 0.5
-    out[diverging.name] = [
-        Scenario("a rising loss fires", [ratio(bad, at)], [(at, diverging.name, [Expect(diverging, _target(), bad)])]),
-        Scenario("just above the threshold is silent", [ratio(loss.trend_rising + margin * 0.01, at)],
-                 [(at, diverging.name, [])]),
-    ]
-    plateau = b.rule("TrainingLossPlateau")
-    at = b.after_for(a.plateau_for)
-    flat = loss.trend_rising + margin * 0.5
-    out[plateau.name] = [
-        Scenario("a flat loss fires", [ratio(flat, at)], [(at, plateau.name, [Expect(plateau, _target(), flat)])]),
-        Scenario("a loss falling just fast enough is silent", [ratio(loss.trend_improving + margin * 0.01, at)],
-                 [(at, plateau.name, [])]),
-        Scenario("a rising loss is diverging, not a plateau", [ratio(loss.trend_rising - margin * 0.01, at)],
-                 [(at, plateau.name, [])]),
-    ]
-    volatile = b.rule("TrainingLossVolatile")
-    at = b.after_for(a.volatile_for)
-    cv = lambda v: b.hold("training_loss_cv", _target(), v, int(at // b.i) + 2)  # noqa: E731
-    out[volatile.name] = [
-        Scenario("a volatile loss fires", [cv(loss.cv_danger * 1.5)],
-                 [(at, volatile.name, [Expect(volatile, _target(), loss.cv_danger * 1.5)])]),
-        Scenario("just below the threshold is silent", [cv(loss.cv_danger * 0.99)], [(at, volatile.name, [])]),
-    ]
+    a = b.t.alerts
+    out = {
+        "TrainingLossDiverging": _judged(b, "TrainingLossDiverging", "loss_trend", 2, (1, 0), a.diverging_for)
+        + _judged(b, "TrainingLossDiverging", "loss_trend", 2, (), a.diverging_for, component="aux")[:1],
+        "TrainingLossPlateau": _judged(b, "TrainingLossPlateau", "loss_trend", 1, (2, 0), a.plateau_for),
+        "TrainingLossVolatile": _judged(b, "TrainingLossVolatile", "loss_volatility", 2, (1, 0), a.volatile_for),
+    }
     spikes = b.rule("TrainingLossSpikes")
     many, at = b.jump("training_loss_spikes_total", _target(), a.spikes_window, a.spikes_events)
     fewer, _ = b.jump("training_loss_spikes_total", _target(), a.spikes_window, a.spikes_events - 1)
@@ -287,66 +281,27 @@ def _trend(b: _Builder) -> dict[str, list[Scenario]]:
 
 def _out_of_range(b: _Builder) -> dict[str, list[Scenario]]:
     a = b.t.alerts
-    at = b.after_for(a.out_of_range_for)
-    samples = int(at // b.i) + 2
-    scenarios = []
-    for profile in b.t.profiles.values():
-        info = lambda rank: b.hold(  # noqa: E731
-            "training_run_info", {**_target(rank), "run": "test", "profile": profile.name}, 1, samples
-        )
-        component = profile.name in COMPONENT_PROFILES
-        metric = "training_loss_component" if component else "training_loss"
-        extra = {"component": "lm"} if component else {}
-
-        def loss(rank: str, value: float) -> Series:
-            return b.hold(metric, _target(rank, **extra), value, samples)
-
-        if profile.loss_warn_low is None or profile.loss_warn_high is None:
-            scenarios.append(Scenario(f"profile {profile.name} has no range: silent", [info("0"), loss("0", 1e6)],
-                                      [(at, "TrainingLossOutOfRange", [])]))
-            continue
-        rule = b.rule("TrainingLossOutOfRange", profile=profile.name)
-        high, low = profile.loss_warn_high * 1.5, profile.loss_warn_low * 0.5
-        result = lambda rank: _target(rank, **extra)  # noqa: E731
-        scenarios += [
-            Scenario(f"profile {profile.name}: too high and too low fire",
-                     [info("0"), info("1"), loss("0", high), loss("1", low)],
-                     [(at, rule.name, [Expect(rule, result("0"), high), Expect(rule, result("1"), low)])]),
-            Scenario(f"profile {profile.name}: just inside the range is silent",
-                     [info("0"), info("1"), loss("0", profile.loss_warn_high * 0.99),
-                      loss("1", profile.loss_warn_low * 1.01)],
-                     [(at, rule.name, [])]),
-        ]
-    return {"TrainingLossOutOfRange": scenarios}
+    return {
+        "TrainingLossOutOfRange": _judged(b, "TrainingLossOutOfRange", "loss_range", 1, (0,), a.out_of_range_for)
+        + _judged(b, "TrainingLossOutOfRange", "loss_range", 1, (), a.out_of_range_for, component="lm")[:1],
+    }
 
 
 def _overfitting(b: _Builder) -> dict[str, list[Scenario]]:
     a = b.t.alerts
     rule = b.rule("TrainingOverfitting")
-    rise = b.t.overfitting.eval_rise
-    at = b.after_for(a.overfitting_for, start=2 * b.i)  # eval loss rises at 2 intervals
+    at = b.after_for(a.overfitting_for)
     samples = int(at // b.i) + 2
-    best = 2.0
-
-    def train(slope: float) -> Series:
-        return Series("training_loss", _target(), [ramp(3.0, slope, samples)])
-
-    def evaluation(after: float) -> Series:
-        return Series("training_eval_loss", _target(), [run(best, 2), run(after, samples - 2)])
-
-    bad = best * (1 + 2 * rise)
-    status = b.hold("training_health_status", _target(check="overfitting"), 1, samples)
+    eval_loss = b.hold("training_eval_loss", _target(), 2.4, samples)
+    status = lambda v: b.hold("training_health_status", _target(check="overfitting", component=""), v, samples)  # noqa: E731
+    # One eval above the best, then back: the exporter never judged it; a raw PromQL rule would have fired.
+    blip = Series("training_eval_loss", _target(), [run(2.0, 2), run(2.4, 2), run(2.0, samples - 4)])
     return {
         rule.name: [
-            Scenario("eval loss up while training loss falls fires", [train(-0.001), evaluation(bad)],
-                     [(at, rule.name, [Expect(rule, _target(), bad)])]),
-            Scenario("an eval rise just under the threshold is silent",
-                     [train(-0.001), evaluation(best * (1 + 0.9 * rise))], [(at, rule.name, [])]),
-            Scenario("eval up with a flat training loss is silent", [train(0), evaluation(bad)],
-                     [(at, rule.name, [])]),
-            Scenario("both falling is silent", [train(-0.001), evaluation(best * 0.9)], [(at, rule.name, [])]),
-            Scenario("the exporter's overfitting check fires", [train(0), evaluation(best), status],
-                     [(at, rule.name, [Expect(rule, _target(), best)])]),
+            Scenario("judged overfitting fires with the eval loss", [eval_loss, status(1)],
+                     [(at, rule.name, [Expect(rule, _target(), 2.4)]), (at - 2 * b.i, rule.name, [])]),
+            Scenario("a one-evaluation blip is silent", [blip, status(0)], [(at, rule.name, [])]),
+            Scenario("eval up without the judgment is silent", [eval_loss, status(0)], [(at, rule.name, [])]),
         ]
     }
 
@@ -452,32 +407,22 @@ def _exporter_down(b: _Builder) -> dict[str, list[Scenario]]:
 
 
 def _concurrent_runs(b: _Builder) -> dict[str, list[Scenario]]:
-    """Two runs under one job label (two submissions of one sbatch template), each rank 0
-    on its own instance, with profiles of different ranges: neither is judged by their mix."""
-    ranged = sorted((p for p in b.t.profiles.values() if p.loss_warn_high is not None
-                     and p.loss_warn_low is not None and p.name not in COMPONENT_PROFILES),
-                    key=lambda p: p.loss_warn_high)
-    if len(ranged) < 2 or ranged[0].loss_warn_high == ranged[-1].loss_warn_high:
-        return {}
-    narrow, wide = ranged[0], ranged[-1]
+    """Two runs under one job label (two submissions of one sbatch template), each rank 0 on
+    its own instance: each is judged on its own, never by their mix."""
+    rule = b.rule("TrainingLossOutOfRange")
     at = b.after_for(b.t.alerts.out_of_range_for)
     samples = int(at // b.i) + 2
 
-    def series(instance: str, profile, loss: float) -> list[Series]:
-        labels = _target(instance=instance)
-        return [b.hold("training_run_info", {**labels, "run": instance, "profile": profile.name}, 1, samples),
-                b.hold("training_loss", labels, loss, samples)]
+    def judged(instance: str, status: float) -> Series:
+        return b.hold("training_health_status", _target(instance=instance, check="loss_range", component=""),
+                      status, samples)
 
-    healthy_wide, healthy_narrow = wide.loss_warn_high * 0.99, narrow.loss_warn_high * 0.99
-    high_narrow = narrow.loss_warn_high * 1.5
-    rule = b.rule("TrainingLossOutOfRange", profile=narrow.name)
-    return {"TrainingLossOutOfRange": [
-        Scenario(f"two healthy runs ({wide.name}, {narrow.name}) under one job are silent",
-                 series(INSTANCE, wide, healthy_wide) + series(OTHER_INSTANCE, narrow, healthy_narrow),
+    return {rule.name: [
+        Scenario("two healthy runs under one job are silent", [judged(INSTANCE, 0), judged(OTHER_INSTANCE, 0)],
                  [(at, rule.name, [])]),
         Scenario("a bad run next to a healthy one fires for itself alone",
-                 series(INSTANCE, wide, healthy_wide) + series(OTHER_INSTANCE, narrow, high_narrow),
-                 [(at, rule.name, [Expect(rule, _target(instance=OTHER_INSTANCE), high_narrow)])]),
+                 [judged(INSTANCE, 0), judged(OTHER_INSTANCE, 1)],
+                 [(at, rule.name, [Expect(rule, _target(instance=OTHER_INSTANCE, check="loss_range", component=""), 1)])]),
     ]}
 
 
@@ -691,6 +636,78 @@ def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
     ]}
 
 
+
+
+# Judgment alerts, the check each reads and the status at which it fires.
+_JUDGED = {
+    "TrainingGradientExplosion": ("grad_norm", 2),
+    "TrainingLossDiverging": ("loss_trend", 2),
+    "TrainingLossPlateau": ("loss_trend", 1),
+    "TrainingLossVolatile": ("loss_volatility", 2),
+    "TrainingLossOutOfRange": ("loss_range", 1),
+    "TrainingOverfitting": ("overfitting", 1),
+}
+
+
+_HEALTHY_SAMPLES = 60
+
+
+def _rle(values: list[float]) -> list[str]:
+    """Runs of equal values in promtool notation."""
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[i]:
+            j += 1
+        out.append(run(values[i], j - i + 1))
+        i = j + 1
+    return out
+
+
+def _healthy(b: _Builder) -> dict[str, list[Scenario]]:
+    """The synthetic healthy shapes of ``lossbeat.evaluation`` replayed through the exporter's Judge,
+    one scrape per judgment: every judgment alert whose check the Judge never raised to its level
+    stays silent (the rules agree with the live checks), and the explosion events never page."""
+    from lossbeat.analyze.replay import _merged, _Replay  # the live judgment, offline
+    from lossbeat.evaluation import healthy_shapes
+    from lossbeat.logs import TrainRecord
+
+    out: dict[str, list[Scenario]] = {name: [] for name in _JUDGED}
+    for shape in healthy_shapes():
+        replay = _Replay(shape.log, b.t)
+        samples: list[tuple[dict[str, float], int]] = []
+        judge = replay.diagnose
+
+        def record(step, _judge=judge, _replay=replay):
+            findings = _judge(step)
+            samples.append(({f.check: float(f.status) for f in findings if not f.component},
+                            _replay.a.counters["grad_explosions"]))
+            return findings
+
+        replay.diagnose = record
+        for item in _merged(shape.log.train, shape.log.evals):
+            replay.train(item) if isinstance(item, TrainRecord) else replay.eval(item)
+        # At most _HEALTHY_SAMPLES scrapes (promtool evaluates every rule at each): the worst status
+        # and the last counter value of each stretch of judgments, so nothing raised is lost.
+        chunk = -(-len(samples) // _HEALTHY_SAMPLES)
+        parts = [samples[i:i + chunk] for i in range(0, len(samples), chunk)]
+        samples = [({c: max(p[0].get(c, 0.0) for p in part) for c in part[0][0]}, part[-1][1]) for part in parts]
+        end = (len(samples) - 1) * b.i
+        events = Series("training_grad_explosions_total", _target(), _rle([float(n) for _, n in samples]))
+        name = shape.name.removeprefix("synthetic: ")
+        for alert, (check, level) in _JUDGED.items():
+            statuses = [s.get(check, 0.0) for s, _ in samples]
+            if max(statuses) >= level:
+                continue  # the Judge raised it (a warning a reader agrees with): not a silent case
+            series = [Series("training_health_status", _target(check=check, component=""), _rle(statuses)),
+                      Series("training_grad_norm", _target(), [run(1.0, len(samples))]),
+                      Series("training_eval_loss", _target(), [run(1.0, len(samples))])]
+            if alert == "TrainingGradientExplosion":
+                series.append(events)
+            out[alert].append(Scenario(f"healthy shape, silent: {name}", series, [(end, alert, [])]))
+    return out
+
+
 def _interval(t: Thresholds) -> int:
     """The largest step (<= 60s) that divides every duration the tests use."""
     a = t.alerts
@@ -721,6 +738,8 @@ def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml")
     for part in (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress, _resources, _cluster):
         for name, more in part(b).items():
             scenarios.setdefault(name, []).extend(more)
+    for name, healthy in _healthy(b).items():
+        scenarios[name] = scenarios[name] + healthy
     missing = {r.name for r in b.rules} - set(scenarios)
     if missing:
         raise ValueError(f"rule tests: no scenarios for {sorted(missing)}")

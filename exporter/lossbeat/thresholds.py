@@ -39,7 +39,21 @@ class Windows:
     range_steps: int
     """Steps averaged for the absolute loss-range check."""
     grad_steps: int
-    """Steps averaged for the global grad-norm check."""
+    """Records averaged for the raw grad-norm mean (dashboards)."""
+    noise_records: int
+    """Records in the robust noise window (volatility, spikes)."""
+    trend_min_steps: int
+    """Minimum steps in each half of the judged trend comparison."""
+    trend_fraction: float
+    """Each trend window spans this fraction of the steps seen so far (in steps, not records)."""
+    trend_min_records: int
+    """Records each trend window must hold before the trend is judged."""
+    baseline_records: int
+    """Finite grad norms (records) in the rolling baseline."""
+    baseline_min_records: int
+    """Grad norms needed before the baseline judges anything (the first steps of a run)."""
+    summary_blocks: int
+    """Blocks of the whole-run loss summary (even, >= 4)."""
     diagnose_every: int
     """The diagnosis runs every N observed steps."""
 
@@ -56,16 +70,34 @@ class LossThresholds:
     """Loss CV at or above which volatility is a warning."""
     cv_danger: float
     """Loss CV at or above which volatility is dangerous."""
+    plateau_max_fall: float
+    """A relative fall across the trend windows below this (or not significant) is a plateau."""
+    fall_min_z: float
+    """A fall counts only beyond this many standard errors of the noise."""
+    regress_max: float
+    """The recent window this fraction above the run's best window (and significantly) is rising."""
     spike_sigma: float
-    """A loss above mean + spike_sigma * std of the CV window is a spike."""
+    """A loss above the recent median + spike_sigma robust noise std is a spike."""
+    spike_min_rise: float
+    """... and at least this fraction above the median."""
     spike_min_steps: int
     """Finite losses needed before spikes are called."""
+    range_after_steps: int
+    """Steps after the first before the absolute range is judged (unless the loss stopped falling)."""
 
 
 @dataclass(frozen=True)
 class GradientThresholds:
     explosion: float
-    """Global grad norm above which a step counts as an explosion."""
+    """Absolute ceiling: a norm above it counts as an explosion event when also ceiling_ratio x the baseline."""
+    ceiling_ratio: float
+    """Departure from the baseline a norm above the ceiling needs to count."""
+    jump_ratio: float
+    """A norm above jump_ratio x the baseline median is an explosion event."""
+    climb_ratio: float
+    """The recent median above climb_ratio x the run's slow level is a sustained climb."""
+    climb_half_life_steps: float
+    """Steps in which the slow level may rise by half of itself (it follows drifts, not climbs)."""
     vanishing: float
     """Global grad norm below which gradients vanish."""
     healthy_low: float
@@ -96,12 +128,30 @@ class LearningRateThresholds:
     """Observed step at which the warmup check compares against the first loss."""
     warmup_max_ratio: float
     """Loss at the check step above this fraction of the first loss: warmup insufficient."""
+    decayed_fraction: float
+    """LR below this fraction of its peak, after a gradual decay: the end of the schedule."""
+    gradual_min_fraction: float
+    """The decay from half the peak to ``decayed_fraction`` took at least this fraction of the steps before it."""
 
 
 @dataclass(frozen=True)
 class OverfittingThresholds:
     eval_rise: float
     """Relative rise of the eval loss over its best that counts as overfitting."""
+    evals: int
+    """Evaluations in a row above that rise before it is overfitting."""
+
+
+@dataclass(frozen=True)
+class Hysteresis:
+    warning_enter: int
+    """Diagnoses in a row that say warning (or worse) before a check enters warning."""
+    danger_enter: int
+    """Diagnoses in a row that say danger before a check enters danger."""
+    leave: int
+    """Diagnoses in a row that say better before a check leaves its status."""
+    release: float
+    """A value must fall below release x the threshold it crossed before its status may leave."""
 
 
 @dataclass(frozen=True)
@@ -153,13 +203,19 @@ class ScheduleThresholds:
 @dataclass(frozen=True)
 class Profile:
     name: str
-    """Task profile name (causal-lm, classification, regression, multi-task)."""
+    """Task profile name (causal-lm, classification, regression, multi-task, preference, rl)."""
     loss_good: tuple[float, float] | None
     """Healthy loss range, or None when the task has no absolute scale."""
     loss_warn_low: float | None
     """Mean loss below which it is suspiciously low (leakage, memorisation)."""
     loss_warn_high: float | None
     """Mean loss above which it is too high."""
+    loss_init_high: float | None = None
+    """Initial loss above which the initialisation, labels or loss reduction are broken."""
+    volatility_floor: float | None = None
+    """Level under the volatility ratio when the loss is below it; None: no volatility ratio."""
+    trend: bool = True
+    """Whether the loss is meant to fall (False for RL policy losses)."""
 
 
 @dataclass(frozen=True)
@@ -217,6 +273,7 @@ class Thresholds:
     gradients: GradientThresholds
     learning_rate: LearningRateThresholds
     overfitting: OverfittingThresholds
+    hysteresis: Hysteresis
     alerts: AlertSettings
     memory: MemoryThresholds
     throughput: ThroughputThresholds
@@ -317,12 +374,15 @@ def _profile(name: str, doc: Any) -> Profile:
             raise ThresholdsError(f"{where}.loss_good: expected [low, high] with 0 <= low < high, got {good!r}")
         good = (float(good[0]), float(good[1]))
     bounds = {}
-    for key in ("loss_warn_low", "loss_warn_high"):
+    for key in ("loss_warn_low", "loss_warn_high", "loss_init_high", "volatility_floor"):
         value = doc.get(key)
         if value is not None:
             value = _number(doc, key, where)
         bounds[key] = value
-    unknown = set(doc) - {"loss_good", "loss_warn_low", "loss_warn_high"}
+    trend = doc.get("trend", True)
+    if not isinstance(trend, bool):
+        raise ThresholdsError(f"{where}.trend: expected true or false, got {trend!r}")
+    unknown = set(doc) - {"loss_good", "loss_warn_low", "loss_warn_high", "loss_init_high", "volatility_floor", "trend"}
     if unknown:
         raise ThresholdsError(f"{where}.{sorted(unknown)[0]}: unknown key")
     low, high = bounds["loss_warn_low"], bounds["loss_warn_high"]
@@ -330,7 +390,8 @@ def _profile(name: str, doc: Any) -> Profile:
         raise ThresholdsError(f"{where}.loss_warn_low: must not exceed loss_good's low bound {good[0]}")
     if good and high is not None and high < good[1]:
         raise ThresholdsError(f"{where}.loss_warn_high: must not be below loss_good's high bound {good[1]}")
-    return Profile(name=name, loss_good=good, loss_warn_low=low, loss_warn_high=high)
+    return Profile(name=name, loss_good=good, loss_warn_low=low, loss_warn_high=high,
+                   loss_init_high=bounds["loss_init_high"], volatility_floor=bounds["volatility_floor"], trend=trend)
 
 
 def _alerts(doc: Mapping) -> AlertSettings:
@@ -429,6 +490,13 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
     if not loss.cv_warning < loss.cv_danger:
         raise ThresholdsError("loss.cv_warning: must be below loss.cv_danger")
     grads = _build(GradientThresholds, _section(doc, "gradients"), "gradients")
+    windows = _build(Windows, _section(doc, "windows"), "windows")
+    if not windows.trend_fraction < 0.5:
+        raise ThresholdsError("windows.trend_fraction: must be below 0.5 (two windows must fit in the run)")
+    if windows.summary_blocks < 4 or windows.summary_blocks % 2:
+        raise ThresholdsError("windows.summary_blocks: expected an even number >= 4")
+    hysteresis = _build(Hysteresis, _section(doc, "hysteresis"), "hysteresis")
+    overfitting = _build(OverfittingThresholds, _section(doc, "overfitting"), "overfitting")
     if not grads.vanishing < grads.healthy_low < grads.healthy_high < grads.explosion:
         raise ThresholdsError(
             "gradients: expected vanishing < healthy_low < healthy_high < explosion"
@@ -451,7 +519,8 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         loss=loss,
         gradients=grads,
         learning_rate=learning_rate,
-        overfitting=_build(OverfittingThresholds, _section(doc, "overfitting"), "overfitting"),
+        overfitting=overfitting,
+        hysteresis=hysteresis,
         alerts=_alerts(_section(doc, "alerts")),
         memory=_memory(_section(doc, "memory")),
         throughput=_throughput(_section(doc, "throughput")),

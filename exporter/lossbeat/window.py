@@ -202,3 +202,111 @@ class LossWindow:
         self._recent = SlidingSum(0, self.trend_steps)
         self._previous = SlidingSum(self.trend_steps, self.trend_steps)
         self._pushes = 0
+
+
+def median(values: list[float]) -> float:
+    """The median of a non-empty list (NaN for an empty one)."""
+    n = len(values)
+    if not n:
+        return math.nan
+    s = sorted(values)
+    mid = n // 2
+    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+def robust_noise(values: list[float]) -> float:
+    """Standard deviation of the record-to-record noise, robust to the trend and to outliers.
+
+    From second differences (x[i+1] - 2 x[i] + x[i-1], which cancel any locally
+    linear trend, even a steep one in a sparse log): for white noise of standard
+    deviation s they have standard deviation s * sqrt(6); their median absolute
+    value x 1.4826 estimates that, ignoring the few large ones a fast initial fall
+    (14.7, 1.2, 0.8, ...) or a single spike makes. NaN with fewer than 4 values.
+    """
+    if len(values) < 4:
+        return math.nan
+    second = [abs(c - 2.0 * b + a) for a, b, c in zip(values, values[1:], values[2:])]
+    return 1.4826 * median(second) / math.sqrt(6.0)
+
+
+class StepSummary:
+    """The whole run's values summarised in at most ``capacity`` blocks of equal width in steps.
+
+    Each block keeps (first step, count, sum); when the blocks fill up,
+    neighbours merge and the width doubles, so memory is fixed and a window of
+    N steps means the same whether the log holds every step or every 500th.
+    """
+
+    __slots__ = ("capacity", "width", "blocks", "first_step", "last_step")
+
+    def __init__(self, capacity: int = 128) -> None:
+        if not isinstance(capacity, int) or capacity < 4 or capacity % 2:
+            raise ValueError(f"capacity: expected an even int >= 4, got {capacity!r}")
+        self.capacity = capacity
+        self.clear()
+
+    def clear(self) -> None:
+        self.width = 1
+        self.blocks: list[list[float]] = []  # [first step, count, sum]
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+
+    def push(self, step: int, value: float) -> None:
+        if self.first_step is None:
+            self.first_step = step
+        self.last_step = step
+        start = self.first_step + (step - self.first_step) // self.width * self.width
+        blocks = self.blocks
+        if blocks and blocks[-1][0] == start:
+            blocks[-1][1] += 1
+            blocks[-1][2] += value
+            return
+        blocks.append([float(start), 1.0, value])
+        while len(self.blocks) > self.capacity:
+            self._merge()
+
+    def _merge(self) -> None:
+        self.width *= 2
+        merged: list[list[float]] = []
+        for first, count, total in self.blocks:
+            start = self.first_step + (int(first) - self.first_step) // self.width * self.width
+            if merged and merged[-1][0] == start:
+                merged[-1][1] += count
+                merged[-1][2] += total
+            else:
+                merged.append([float(start), count, total])
+        self.blocks = merged
+
+    @property
+    def span(self) -> int:
+        """Steps from the first value to the last (0 when empty)."""
+        return 0 if self.first_step is None else self.last_step - self.first_step
+
+    def window(self, start: float, end: float) -> tuple[int, float]:
+        """(count, mean) of the values in blocks starting in ``(start, end]``."""
+        count, total = 0.0, 0.0
+        for first, n, s in self.blocks:
+            if start < first <= end:
+                count += n
+                total += s
+        return int(count), (total / count if count else math.nan)
+
+    def best(self, width: float, min_count: int, end: float) -> tuple[int, float]:
+        """(count, mean) of the lowest-mean window of ``width`` steps (block-aligned) ending by ``end``,
+        among those holding at least ``min_count`` values; (0, nan) when none does. O(blocks)."""
+        blocks = [b for b in self.blocks if b[0] <= end]
+        best_n, best_mean = 0, math.nan
+        i, count, total = 0, 0.0, 0.0
+        for j, (first, n, s) in enumerate(blocks):
+            count += n
+            total += s
+            while blocks[i][0] <= first - width:
+                count -= blocks[i][1]
+                total -= blocks[i][2]
+                i += 1
+            if count >= min_count and (best_n == 0 or total / count < best_mean):
+                best_n, best_mean = int(count), total / count
+        return best_n, best_mean
+
+    def __len__(self) -> int:
+        return int(sum(b[1] for b in self.blocks))

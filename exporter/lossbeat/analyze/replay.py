@@ -1,28 +1,27 @@
-"""Replay a parsed log through the live monitor's diagnosis: same History, same checks.
+"""Replay a parsed log through the live monitor's judgment: same Judge, same History, same checks.
 
-Each train record is one ``History.add_step`` (so windows count records, not
-steps: a log written every k steps gives windows k times longer in steps).
-The diagnosis runs every ``windows.diagnose_every`` records and after each
-eval record, like the live monitor; the worst status each check reached is
-kept with the step where it first did, next to the final findings.
+Each train record is one ``History.add_step``; windows that judge a trend are
+measured in steps, so a log written every step or every 500 steps gets the
+same verdict. The judgment runs every ``windows.diagnose_every`` records or
+steps, whichever comes first, and after each eval record, like the live monitor; the worst status each check
+reached is kept with the step where it first did, next to the final findings
+and every status change.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..diagnosis import Finding, History, Status, check_overfitting, diagnose
+from ..diagnosis import Finding, Judge, Status, StatusChange
 from ..logs import EvalRecord, ParsedLog, TrainRecord
 from ..thresholds import Thresholds
-from ..window import Ring
 
 __all__ = ["Analysis", "WorstFinding", "replay", "EVENT_KINDS"]
 
 EVENT_KINDS = ("nonfinite_loss", "nonfinite_grad", "loss_spikes", "grad_explosions")
 _MAX_EVENT_STEPS = 1000  # steps remembered per event kind (the counters go on)
-_EVAL_RING = 64  # History's own eval ring size, for the per-group rings
+_MAX_CHANGES = 1000  # status changes remembered (the count goes on)
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,9 @@ class Analysis:
     """The final diagnosis, at the end of the log."""
     worst: dict[tuple[str, str], WorstFinding] = field(default_factory=dict)
     """Per (check, component): the worst status reached during the run."""
+    changes: list[StatusChange] = field(default_factory=list)
+    """Status changes in order (the first ``_MAX_CHANGES``); ``status_changes`` counts them all."""
+    status_changes: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -83,8 +85,8 @@ def _merged(train: list[TrainRecord], evals: list[EvalRecord]):
 class _Replay:
     def __init__(self, log: ParsedLog, thresholds: Thresholds) -> None:
         self.t = thresholds
-        self.history = History(thresholds)
-        self.groups: dict[str, Ring] = {}
+        self.judge = Judge(thresholds)
+        self.history = self.judge.history
         self.a = Analysis(log.path, log.format, notes=list(log.notes),
                           eval_groups=tuple(log.eval_groups), eval_records=len(log.evals))
 
@@ -102,38 +104,28 @@ class _Replay:
                 a.counters[kind] += 1
                 if len(a.event_steps[kind]) < _MAX_EVENT_STEPS:
                     a.event_steps[kind].append(r.step)
-        if a.train_records % self.t.windows.diagnose_every == 0:
+        if self.judge.due(r.step):
             self.diagnose(r.step)
 
     def eval(self, r: EvalRecord) -> None:
-        if r.group == "":
-            self.history.add_eval(r.loss)
-        else:
-            ring = self.groups.get(r.group)
-            if ring is None:
-                if len(self.groups) >= 32:  # bounded, like loss components
-                    return
-                ring = self.groups[r.group] = Ring(_EVAL_RING)
-            ring.push(r.loss)
+        self.history.add_eval(r.loss, r.group, r.step)
         self.diagnose(r.step)
 
     def diagnose(self, step: int) -> list[Finding]:
-        t, h = self.t, self.history
-        findings = diagnose(h)
-        trend = h.loss.trend_ratio()
-        for group, ring in self.groups.items():  # one overfitting check per named eval set
-            f = check_overfitting(list(ring), trend, t.overfitting, t.loss)
-            findings.append(dataclasses.replace(f, component=group))
+        findings, changes = self.judge.judge(step)
+        a = self.a
+        a.status_changes += len(changes)
+        a.changes.extend(changes[: max(0, _MAX_CHANGES - len(a.changes))])
         for f in findings:
             key = (f.check, f.component)
-            seen = self.a.worst.get(key)
+            seen = a.worst.get(key)
             if f.known and (seen is None or f.status > seen.finding.status):
-                self.a.worst[key] = WorstFinding(f, step)
+                a.worst[key] = WorstFinding(f, step)
         return findings
 
 
 def replay(log: ParsedLog, thresholds: Thresholds) -> Analysis:
-    """Feed every record of ``log`` to a fresh History and diagnose as the live monitor does."""
+    """Feed every record of ``log`` to a fresh Judge and judge as the live monitor does."""
     r = _Replay(log, thresholds)
     for record in _merged(log.train, log.evals):
         if isinstance(record, TrainRecord):

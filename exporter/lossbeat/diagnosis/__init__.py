@@ -1,13 +1,25 @@
 """Pure, torch-free diagnosis of a training run: checks over bounded windows.
 
-Each check returns a :class:`Finding` (status, message, suggested fix).
+Each check returns a :class:`Finding` (status, message, suggested fix);
+a :class:`Judge` adds hysteresis and is what the monitor and ``analyze`` use.
 """
 
 from .findings import Finding, Status
 from .gradients import check_grad_norm, check_layer_grad_norms
 from .history import History, StepEvents
+from .judge import Judge, StatusChange
 from .learning_rate import check_learning_rate, check_warmup
-from .loss import check_loss_range, check_loss_trend, check_loss_volatility, check_overfitting, is_spike
+from .loss import (
+    Trend,
+    check_loss_range,
+    check_loss_trend,
+    check_loss_volatility,
+    check_overfitting,
+    is_spike,
+    robust_cv,
+    trend_of,
+    uniform_classes,
+)
 from .run import diagnose
 
 __all__ = [
@@ -15,7 +27,13 @@ __all__ = [
     "Status",
     "History",
     "StepEvents",
+    "Judge",
+    "StatusChange",
     "diagnose",
+    "Trend",
+    "trend_of",
+    "robust_cv",
+    "uniform_classes",
     "check_loss_range",
     "check_loss_trend",
     "check_loss_volatility",

@@ -1,39 +1,52 @@
-"""Checks on gradient norms: global explosion / vanishing and per-layer outliers."""
+"""Checks on gradient norms: departures from the run's own level, vanishing, per-layer outliers."""
 
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from ..thresholds import GradientThresholds
-from ..window import fsum
 from .findings import Finding, Status
 
 __all__ = ["check_grad_norm", "check_layer_grad_norms"]
 
+_FIX = "clip gradients (clip_grad_norm_ to 1.0), lower the learning rate, check the recent batches and that inputs are normalised"
 
-def check_grad_norm(recent: Sequence[float], t: GradientThresholds) -> Finding:
-    """Layer 4 (gradients): the mean global grad norm over the recent steps."""
+
+def check_grad_norm(baseline, t: GradientThresholds) -> Finding:
+    """Layer 4 (gradients): the recent grad norm against the run's baseline (:class:`GradBaseline`).
+
+    Danger: the recent median jumped to ``jump_ratio`` x the rolling median, or
+    climbed to ``climb_ratio`` x the run's slow level. A stable level above the
+    absolute ceiling, or the first steps of a run, are the run's own level.
+    """
     check = "grad_norm"
-    finite = [v for v in recent if math.isfinite(v)]
-    if not finite:
+    recent = baseline.recent
+    if not math.isfinite(recent):
         return Finding.unknown(check)
-    mean = fsum(finite) / len(finite)
-    if mean > t.explosion:
-        return Finding(
-            check, Status.DANGER,
-            f"gradient norm {mean:.3g} is above {t.explosion:g}: exploding gradients",
-            "clip gradients (clip_grad_norm_ to 1.0), lower the learning rate, check that inputs are normalised",
-        )
-    if mean < t.vanishing:
+    if recent < t.vanishing:
         return Finding(
             check, Status.WARNING,
-            f"gradient norm {mean:.3g} is below {t.vanishing:g}: vanishing gradients",
+            f"gradient norm {recent:.3g} is below {t.vanishing:g}: vanishing gradients",
             "look for saturated activations, add residual connections or normalisation, raise the learning rate",
         )
-    if t.healthy_low <= mean <= t.healthy_high:
-        return Finding(check, Status.GOOD, f"gradient norm {mean:.3g} in the healthy band")
-    return Finding(check, Status.GOOD, f"gradient norm {mean:.3g}")
+    if not baseline.established:
+        return Finding(check, Status.GOOD, f"gradient norm {recent:.3g} (baseline not established yet: first steps)")
+    median, level = baseline.median, baseline.level
+    if recent > t.jump_ratio * median:
+        return Finding(
+            check, Status.DANGER,
+            f"gradient norm {recent:.3g} jumped to {recent / median:.1f}x the run's baseline {median:.3g}: exploding gradients",
+            _FIX,
+        )
+    if math.isfinite(level) and level > 0 and recent > t.climb_ratio * level:
+        return Finding(
+            check, Status.DANGER,
+            f"gradient norm {recent:.3g} keeps climbing: {recent / level:.1f}x the run's level {level:.3g}",
+            _FIX,
+        )
+    above = f", above the absolute ceiling {t.explosion:g} but at the run's own level" if recent > t.explosion else ""
+    return Finding(check, Status.GOOD, f"gradient norm {recent:.3g} (baseline {median:.3g}{above})")
 
 
 def check_layer_grad_norms(layer_norms: Mapping[str, float], t: GradientThresholds, shown: int = 3) -> Finding:

@@ -1,7 +1,9 @@
-"""Bounded training history: what the checks read, fed one step at a time.
+"""Bounded training history: what the checks read, fed one record at a time.
 
 Torch-free, so the live monitor and offline analysis of log files share it.
 Memory is fixed by the thresholds' window sizes, whatever the run length.
+Windows that judge a trend are measured in steps (a :class:`StepSummary`);
+noise is measured per record, where it lives.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ import math
 from typing import Mapping
 
 from ..thresholds import Thresholds
-from ..window import LossWindow, Ring
+from ..window import LossWindow, Ring, StepSummary, median, robust_noise
 
-__all__ = ["History", "StepEvents"]
+__all__ = ["History", "StepEvents", "LossSeries", "GradBaseline", "LearningRateSchedule", "EvalTrack"]
 
 _MAX_COMPONENTS = 32  # bounded label cardinality for multi-task losses
+_MAX_EVAL_GROUPS = 32
+_INITIAL_RECORDS = 1  # the initial loss is the first finite record (the article's 'first loss')
+_RECENT_GRADS = 5  # the "recent" grad-norm level is the median of this many records
 
 
 class StepEvents:
@@ -29,19 +34,244 @@ class StepEvents:
         self.explosion = False
 
 
+class LossSeries:
+    """One loss (the total or a component): recent records, the whole run by steps, the start."""
+
+    def __init__(self, t: Thresholds, history: int = 0) -> None:
+        w = t.windows
+        self.t = t
+        self.window = LossWindow(w.cv_steps, w.trend_steps, history=history)
+        self.summary = StepSummary(w.summary_blocks)
+        self._initial: list[float] = []
+        self.first_step: int | None = None
+        self.nonfinite_run = 0
+        """Non-finite values in a row at the end (0: the latest loss is finite)."""
+        self.loss_at_warmup_check = math.nan
+        self._level = math.nan  # median of the noise window, refreshed every few records
+        self._local = math.nan  # median of the last spike_min_steps records
+        self._noise = math.nan
+        self._pushes = 0
+
+    @property
+    def ring(self) -> Ring:
+        return self.window.ring
+
+    def __len__(self) -> int:
+        return len(self.window)
+
+    @property
+    def initial(self) -> float:
+        """The mean of the first finite records: where the run started."""
+        return math.fsum(self._initial) / len(self._initial) if self._initial else math.nan
+
+    def push(self, step: int, value: float) -> bool:
+        """Record one value; returns whether it is a spike (finite values only)."""
+        if not math.isfinite(value):
+            self.nonfinite_run += 1
+            return False
+        self.nonfinite_run = 0
+        t = self.t
+        spike = (
+            len(self.window) >= t.loss.spike_min_steps
+            and math.isfinite(self._noise)
+            and value - self._local > max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._local))
+        )
+        if self.first_step is None:
+            self.first_step = step
+        if len(self._initial) < _INITIAL_RECORDS:
+            self._initial.append(value)
+        if math.isnan(self.loss_at_warmup_check) and step - self.first_step >= t.learning_rate.warmup_check_step:
+            self.loss_at_warmup_check = value
+        self.window.push(value)
+        self.summary.push(step, value)
+        self._pushes += 1
+        if self._pushes % t.windows.diagnose_every == 0 or self._pushes <= t.loss.spike_min_steps:
+            self.refresh()
+        return spike
+
+    def refresh(self) -> None:
+        """Recompute the robust level and noise of the noise window (O(window), every few records)."""
+        values = self.ring.last(self.t.windows.noise_records)
+        self._level = median(values)
+        self._noise = robust_noise(values)
+        # Spikes are judged against the local level (a falling loss leaves the window's median behind).
+        self._local = median(values[-self.t.loss.spike_min_steps:])
+
+    @property
+    def level(self) -> float:
+        return self._level
+
+    @property
+    def noise(self) -> float:
+        """Robust standard deviation of one record's step-to-step noise."""
+        return self._noise
+
+    @property
+    def span(self) -> int:
+        return self.summary.span
+
+    def cv(self) -> float:
+        """Plain std / mean of the noise window (the raw ``training_loss_cv`` gauge)."""
+        return self.window.cv()
+
+    def trend_ratio(self) -> float:
+        """The raw 2 x ``trend_steps``-record trend ratio (the ``training_loss_trend_ratio`` gauge)."""
+        return self.window.trend_ratio()
+
+    def clear(self) -> None:
+        self.window.clear()
+        self.summary.clear()
+        self._initial = []
+        self.first_step = None
+        self.nonfinite_run = 0
+        self.loss_at_warmup_check = math.nan
+        self._level = self._noise = self._local = math.nan
+        self._pushes = 0
+
+
+class GradBaseline:
+    """The grad norm against the run's own level.
+
+    ``median``: the rolling median of the baseline window (the records before the
+    recent ones), for jumps; ``level``: a slow robust level that follows drifts but
+    may rise by at most 2x per ``climb_half_life_steps``, for sustained climbs.
+    """
+
+    def __init__(self, t: Thresholds) -> None:
+        self.t = t
+        self.ring = Ring(t.windows.baseline_records + _RECENT_GRADS)
+        self.median = math.nan
+        self.level = math.nan
+        self.recent = math.nan
+        self.last_step: int | None = None
+        self._pushes = 0
+
+    @property
+    def established(self) -> bool:
+        return len(self.ring) - _RECENT_GRADS >= self.t.windows.baseline_min_records and math.isfinite(self.median)
+
+    def is_event(self, g: float) -> bool:
+        """A departure from the baseline: a jump, or above the absolute ceiling and well above the level."""
+        if not self.established:
+            return False
+        g_t = self.t.gradients
+        return g > g_t.jump_ratio * self.median or (g > g_t.explosion and g > g_t.ceiling_ratio * self.median)
+
+    def push(self, step: int, g: float) -> bool:
+        event = self.is_event(g)
+        self.ring.push(g)
+        self._pushes += 1
+        n = len(self.ring)
+        self.recent = median(self.ring.last(_RECENT_GRADS))
+        if self._pushes % self.t.windows.diagnose_every == 0 or not self.established:
+            if n > _RECENT_GRADS:
+                self.median = median(self.ring.last(n)[: n - _RECENT_GRADS])
+        if self.established:
+            self._follow(step)
+        self.last_step = step
+        return event
+
+    def _follow(self, step: int) -> None:
+        if math.isnan(self.level):
+            self.level = self.median
+            return
+        half_life = self.t.gradients.climb_half_life_steps
+        dt = max(1, step - (self.last_step if self.last_step is not None else step))
+        # Falls are followed fast (a run settles), rises at most 2x per half-life.
+        target = min(self.recent, self.level * 2.0 ** (dt / half_life))
+        self.level += (1.0 - 0.5 ** (dt / (half_life / 10.0))) * (target - self.level)
+
+    def clear(self) -> None:
+        self.ring.clear()
+        self.median = self.level = self.recent = math.nan
+        self.last_step = None
+        self._pushes = 0
+
+
+class LearningRateSchedule:
+    """The LR's peak and whether it has decayed gradually to its end (not dropped at once)."""
+
+    def __init__(self, t: Thresholds) -> None:
+        self.t = t
+        self.recent = Ring(5)
+        self.peak = 0.0
+        self.first_step: int | None = None
+        self.below_half_at: int | None = None
+        self.decayed_at: int | None = None
+
+    def push(self, step: int, lr: float) -> None:
+        self.recent.push(lr)
+        if not math.isfinite(lr):
+            return
+        if self.first_step is None:
+            self.first_step = step
+        if lr > self.peak:
+            self.peak = lr
+        if lr >= 0.5 * self.peak:  # (re)starts: a warm restart begins a new decay
+            self.below_half_at = self.decayed_at = None
+            return
+        if self.below_half_at is None:
+            self.below_half_at = step
+        if self.decayed_at is None and lr <= self.t.learning_rate.decayed_fraction * self.peak:
+            self.decayed_at = step
+
+    @property
+    def ended(self) -> bool:
+        """The LR sits at the end of a gradual decay (cosine, linear, ... to a small fraction of its peak)."""
+        if self.decayed_at is None or self.below_half_at is None or self.first_step is None:
+            return False
+        took = self.decayed_at - self.below_half_at
+        before = max(1, self.below_half_at - self.first_step)
+        return took >= self.t.learning_rate.gradual_min_fraction * before
+
+    @property
+    def fraction_of_peak(self) -> float:
+        lr = self.recent.back(0) if len(self.recent) else math.nan
+        return lr / self.peak if self.peak > 0 else math.nan
+
+    def clear(self) -> None:
+        self.__init__(self.t)
+
+
+class EvalTrack:
+    """One eval set: its best loss and how many evaluations in a row sit above it by ``eval_rise``."""
+
+    def __init__(self, t: Thresholds) -> None:
+        self.t = t
+        self.best = math.inf
+        self.best_step: int | None = None
+        self.latest = math.nan
+        self.count = 0
+        self.above = 0
+
+    def push(self, step: int, loss: float) -> None:
+        if not math.isfinite(loss):
+            return
+        self.count += 1
+        self.latest = loss
+        if loss < self.best:
+            self.best, self.best_step = loss, step
+        rise = (loss - self.best) / self.best if self.best > 0 else (math.inf if loss > self.best else 0.0)
+        self.above = self.above + 1 if rise > self.t.overfitting.eval_rise else 0
+
+    @property
+    def rise(self) -> float:
+        if not self.count:
+            return math.nan
+        return (self.latest - self.best) / self.best if self.best > 0 else (math.inf if self.latest > self.best else 0.0)
+
+
 class History:
     def __init__(self, thresholds: Thresholds) -> None:
         t = thresholds
         self.thresholds = t
         w = t.windows
-        self.loss = LossWindow(w.cv_steps, w.trend_steps, history=t.learning_rate.too_small_window)
-        self.components: dict[str, LossWindow] = {}
+        self.loss = LossSeries(t, history=max(t.learning_rate.too_small_window, w.noise_records))
+        self.components: dict[str, LossSeries] = {}
+        self.grad = GradBaseline(t)
         self.grad_norms = Ring(w.grad_steps)
-        self.lrs = Ring(max(5, w.grad_steps))
-        self.eval_losses = Ring(64)
-        self.first_loss = math.nan
-        self.loss_at_warmup_check = math.nan
-        self.finite_losses_seen = 0
+        self.lr = LearningRateSchedule(t)
+        self.evals: dict[str, EvalTrack] = {}
         self.last_step: int | None = None
         self.steps_seen = 0
         self.nonfinite_seen = 0
@@ -49,13 +279,33 @@ class History:
         self.layer_norms: Mapping[str, float] = {}
         self.grad_scale: float | None = None  # fp16 GradScaler's loss scale, when one is observed
 
+    # Older names, kept for callers that read them.
+    @property
+    def lrs(self) -> Ring:
+        return self.lr.recent
+
+    @property
+    def first_loss(self) -> float:
+        return self.loss.initial
+
+    @property
+    def finite_losses_seen(self) -> int:
+        return len(self.loss.summary)
+
+    @property
+    def eval_losses(self) -> list[float]:
+        track = self.evals.get("")
+        return [] if track is None else [track.latest]
+
     def reset_windows(self) -> None:
-        """The step went backwards (resumed from a checkpoint): old windows no longer apply."""
+        """The step went backwards (a restart, or another run appended): old windows no longer apply."""
         self.loss.clear()
-        for window in self.components.values():
-            window.clear()
+        for series in self.components.values():
+            series.clear()
+        self.grad.clear()
         self.grad_norms.clear()
-        self.lrs.clear()
+        self.lr.clear()
+        self.evals.clear()
 
     def add_step(
         self,
@@ -66,35 +316,24 @@ class History:
         components: Mapping[str, float] | None = None,
     ) -> StepEvents:
         """Record one step; returns the events it counts. Never raises on data."""
-        t = self.thresholds
         events = StepEvents()
         self.steps_seen += 1
         if self.last_step is not None and step < self.last_step:
             self.reset_windows()
         self.last_step = step
 
-        if math.isfinite(loss):
-            window = self.loss
-            if window.ring and len(window) >= t.loss.spike_min_steps:
-                events.spike = _spike(loss, window.mean(), window.std(), t.loss.spike_sigma)
-            window.push(loss)
-            if self.finite_losses_seen == 0:
-                self.first_loss = loss
-            self.finite_losses_seen += 1
-            if self.finite_losses_seen == t.learning_rate.warmup_check_step:
-                self.loss_at_warmup_check = loss
-        else:
-            events.nonfinite_loss = True
+        events.nonfinite_loss = not math.isfinite(loss)
+        events.spike = self.loss.push(step, loss)
 
         if grad_norm is not None:
             if math.isfinite(grad_norm):
                 self.grad_norms.push(grad_norm)
-                events.explosion = grad_norm > t.gradients.explosion
+                events.explosion = self.grad.push(step, grad_norm)
             else:
                 events.nonfinite_grad = True
 
         if learning_rate is not None:
-            self.lrs.push(learning_rate)
+            self.lr.push(step, learning_rate)
 
         if events.nonfinite_loss or events.nonfinite_grad:
             self.nonfinite_seen += 1
@@ -102,18 +341,19 @@ class History:
 
         if components:
             for name, value in components.items():
-                window = self.components.get(name)
-                if window is None:
+                series = self.components.get(name)
+                if series is None:
                     if len(self.components) >= _MAX_COMPONENTS:
                         continue
-                    window = self.components[name] = LossWindow(t.windows.cv_steps, t.windows.trend_steps)
-                if math.isfinite(value):
-                    window.push(value)
+                    series = self.components[name] = LossSeries(self.thresholds, self.thresholds.windows.noise_records)
+                series.push(step, value)
         return events
 
-    def add_eval(self, eval_loss: float) -> None:
-        self.eval_losses.push(eval_loss)
-
-
-def _spike(value: float, mean: float, std: float, sigma: float) -> bool:
-    return std > 0 and value > mean + sigma * std
+    def add_eval(self, eval_loss: float, group: str = "", step: int | None = None) -> None:
+        """Record an evaluation loss of eval set ``group`` ('' = the only or unnamed one)."""
+        track = self.evals.get(group)
+        if track is None:
+            if len(self.evals) >= _MAX_EVAL_GROUPS:
+                return
+            track = self.evals[group] = EvalTrack(self.thresholds)
+        track.push(self.last_step if step is None else step, eval_loss)

@@ -3,63 +3,76 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
-from ..thresholds import LearningRateThresholds
+from ..thresholds import LearningRateThresholds, Profile
 from .findings import Finding, Status
+from .loss import Trend
 
 __all__ = ["check_learning_rate", "check_warmup"]
 
 
-def check_learning_rate(
-    recent_lrs: Sequence[float], recent_losses: Sequence[float], cv: float, t: LearningRateThresholds
-) -> Finding:
-    """``recent_lrs``: the largest LR across param groups, one per step, newest last.
+def check_learning_rate(schedule, trend: Trend, cv: float, t: LearningRateThresholds) -> Finding:
+    """``schedule``: a :class:`LearningRateSchedule` (the largest LR across param groups per step).
 
-    ``recent_losses``: the finite losses over (up to) ``t.too_small_window`` steps.
+    ``trend``: the loss trend (too small = a flat loss at a tiny LR that did not
+    get there by a gradual decay); ``cv``: the robust loss CV (too large).
     """
     check = "learning_rate"
-    if not recent_lrs:
+    recent = list(schedule.recent)
+    if not recent:
         return Finding.unknown(check)
-    lr = recent_lrs[-1]
+    lr = recent[-1]
     if not math.isfinite(lr):
         return Finding(check, Status.DANGER, f"learning rate is {lr}", "check the scheduler and the optimizer state")
-    if all(v == 0 for v in recent_lrs[-5:]) and len(recent_lrs) >= 5:
+    ended = schedule.ended
+    if len(recent) >= 5 and all(v == 0 for v in recent[-5:]):
+        if ended:
+            return Finding(check, Status.GOOD, "learning rate reached 0 at the end of its decayed schedule")
         return Finding(
             check, Status.WARNING, "learning rate is 0: the model is not updating",
             "check the scheduler (a warmup from 0 that never ends, or a decay that ended)",
         )
-    if len(recent_losses) >= t.too_small_window and lr < t.too_small:
-        # Means of the window's first and last tenth: single per-step losses are too noisy.
-        edge = max(1, len(recent_losses) // 10)
-        first = sum(recent_losses[:edge]) / edge
-        last = sum(recent_losses[-edge:]) / edge
-        decrease = (first - last) / first if first > 0 else 0.0
-        if decrease < t.too_small_min_decrease:
-            return Finding(
-                check, Status.WARNING,
-                f"learning rate {lr:.3g} with only {decrease * 100:.1f}% loss decrease over {len(recent_losses)} steps",
-                "the learning rate looks too small: try 10x larger, or check the schedule's minimum",
-            )
-    if math.isfinite(cv) and max(recent_lrs) > t.too_large and cv > t.too_large_cv:
+    if lr < t.too_small and trend.known and not trend.falling and not trend.rising:
+        if ended:
+            return Finding(check, Status.GOOD, f"learning rate {lr:.3g} at the end of its decayed schedule")
+        if not lr <= t.decayed_fraction * schedule.peak:
+            # Small all along (DPO and RLHF use 1e-7..1e-6 by design): the plateau check tells a flat loss.
+            return Finding(check, Status.GOOD, f"learning rate {lr:.3g} (peak {schedule.peak:.3g})")
         return Finding(
             check, Status.WARNING,
-            f"learning rate {max(recent_lrs):.3g} with a volatile loss (CV {cv:.3f})",
+            f"learning rate {lr:.3g} with a flat loss ({trend.ratio * 100:+.1f}% over {trend.window_steps:.0f} steps), "
+            f"not reached by a gradual decay (peak {schedule.peak:.3g})",
+            "the learning rate looks too small: try 10x larger, or check the schedule's minimum",
+        )
+    if max(recent) > t.too_large and trend.rising:
+        return Finding(
+            check, Status.WARNING,
+            f"learning rate {max(recent):.3g} with a rising loss",
+            "the learning rate looks too large: lower it (e.g. 3-10x) or lengthen the warmup",
+        )
+    if math.isfinite(cv) and max(recent) > t.too_large and cv > t.too_large_cv:
+        return Finding(
+            check, Status.WARNING,
+            f"learning rate {max(recent):.3g} with a volatile loss (noise {cv:.3f} of its level)",
             "the learning rate looks too large: lower it (e.g. 3-10x) or lengthen the warmup",
         )
     return Finding(check, Status.GOOD, f"learning rate {lr:.3g}")
 
 
-def check_warmup(first_loss: float, loss_at_check: float, steps_seen: int, t: LearningRateThresholds) -> Finding:
-    """After ``warmup_check_step`` steps the loss should be well below the first one."""
+def check_warmup(series, profile: Profile, t: LearningRateThresholds) -> Finding:
+    """A run from scratch (starting above the usual range) should fall well below its start early on."""
     check = "warmup"
-    if steps_seen < t.warmup_check_step or not (math.isfinite(first_loss) and math.isfinite(loss_at_check)):
+    first, at_check = series.initial, series.loss_at_warmup_check
+    if not (math.isfinite(first) and math.isfinite(at_check)):
         return Finding.unknown(check)
-    if first_loss > 0 and loss_at_check > t.warmup_max_ratio * first_loss:
+    if profile.loss_warn_high is None or not first > profile.loss_warn_high or series.first_step > t.warmup_check_step:
+        # Starting inside the usual range (fine-tuning), or a log that starts mid-run (resumed).
+        return Finding.unknown(check, "not the start of a run from scratch: the warmup check does not apply")
+    if first > 0 and at_check > t.warmup_max_ratio * first:
         return Finding(
             check, Status.WARNING,
-            f"loss after {t.warmup_check_step} steps is {loss_at_check:.4g}, "
-            f"{loss_at_check / first_loss * 100:.0f}% of the first ({first_loss:.4g})",
+            f"loss {t.warmup_check_step} steps in is {at_check:.4g}, {at_check / first * 100:.0f}% of the initial {first:.4g}",
             "warmup may be too short or the peak LR wrong: try warmup over ~10% of the steps",
         )
-    return Finding(check, Status.GOOD, f"loss fell from {first_loss:.4g} to {loss_at_check:.4g} in the first {t.warmup_check_step} steps")
+    return Finding(check, Status.GOOD,
+                   f"loss fell from {first:.4g} to {at_check:.4g} in the first {t.warmup_check_step} steps")

@@ -1,37 +1,157 @@
-"""Checks on the loss: absolute range, trend, volatility, spikes, overfitting.
+"""Checks on the loss: absolute range, trend, volatility, overfitting.
 
-Pure functions over plain floats; thresholds come from :mod:`lossbeat.thresholds`.
+Pure functions over a :class:`LossSeries` (and plain floats); thresholds come
+from :mod:`lossbeat.thresholds`. While the latest loss is non-finite, every
+loss-derived check says it cannot judge: its windows hold only stale values.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
 
-from ..thresholds import LossThresholds, OverfittingThresholds, Profile
+from ..thresholds import LossThresholds, OverfittingThresholds, Profile, Thresholds
 from ..window import fsum
 from .findings import Finding, Status
 
-__all__ = ["check_loss_range", "check_loss_trend", "check_loss_volatility", "is_spike", "check_overfitting"]
+__all__ = [
+    "Trend",
+    "trend_of",
+    "check_loss_range",
+    "check_loss_trend",
+    "check_loss_volatility",
+    "robust_cv",
+    "check_overfitting",
+    "is_spike",
+    "uniform_classes",
+]
+
+NONFINITE = "cannot judge: the latest loss is not finite"
+_CHANCE_PROFILES = frozenset({"classification", "preference"})
+_CHANCE_TOLERANCE = 0.005  # relative distance to ln K that reads as "exactly" chance
+_MAX_CLASSES = 100
 
 
-def _finite_mean(values: Sequence[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return fsum(finite) / len(finite) if finite else math.nan
+@dataclass(frozen=True)
+class Trend:
+    """The loss over the last two windows of equal length in steps."""
+
+    known: bool
+    ratio: float = math.nan
+    """(previous mean - recent mean) / previous mean: positive when the loss falls."""
+    z: float = math.nan
+    """The fall in standard errors of the records' noise (negative: a rise)."""
+    window_steps: float = math.nan
+    recent: float = math.nan
+    previous: float = math.nan
+    best: float = math.nan
+    """The lowest window mean of the run so far (windows of the same width)."""
+    rising: bool = False
+    """Significantly and meaningfully higher than before (danger)."""
+    falling: bool = False
+    """Significantly and meaningfully lower than before (learning)."""
 
 
-def check_loss_range(recent: Sequence[float], profile: Profile, component: str = "") -> Finding:
-    """Layer 1: is the mean of the recent losses where this task's losses live?"""
+def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
+    """Compare the last ``trend_fraction`` of the steps seen with the same span before it."""
+    w, loss = t.windows, t.loss
+    s = series.summary
+    if s.first_step is None:
+        return Trend(False)
+    span = s.span
+    width = max(float(w.trend_min_steps), w.trend_fraction * span)
+    end = s.last_step
+    if 2 * width > span + s.width:  # the previous window must lie inside the run
+        return Trend(False)
+    n_recent, recent = s.window(end - width, end)
+    n_previous, previous = s.window(end - 2 * width, end - width)
+    if min(n_recent, n_previous) < w.trend_min_records or not math.isfinite(previous) or previous == 0:
+        return Trend(False)
+    noise = series.noise
+    se = noise * math.sqrt(1.0 / n_recent + 1.0 / n_previous) if math.isfinite(noise) else math.nan
+    fall = previous - recent
+    z = fall / se if se and se > 0 else (math.inf if fall > 0 else -math.inf if fall < 0 else 0.0)
+    ratio = fall / abs(previous)
+    rising = ratio < loss.trend_rising and z < -loss.trend_min_z
+    # Or well above the best level the run reached (a jump that settled higher: the previous
+    # window alone would read the way back down as a fall).
+    n_best, best = s.best(width, w.trend_min_records, end - width)
+    if n_best and math.isfinite(noise) and not rising:
+        above = (recent - best) / max(abs(best), floor or 0.0) if best else math.inf
+        z_best = (recent - best) / (noise * math.sqrt(1.0 / n_recent + 1.0 / n_best)) if noise > 0 else math.inf
+        rising = above > loss.regress_max and z_best > loss.trend_min_z
+    falling = not rising and ratio >= loss.plateau_max_fall and z >= loss.fall_min_z
+    return Trend(True, ratio, z, width, recent, previous, best, rising, falling)
+
+
+def uniform_classes(loss: float) -> int | None:
+    """K when ``loss`` is ln K for a small K (chance level of a K-way prediction), else None."""
+    if not loss > 0:
+        return None
+    k = round(math.exp(loss))
+    if 2 <= k <= _MAX_CLASSES and abs(loss - math.log(k)) <= _CHANCE_TOLERANCE * math.log(k):
+        return k
+    return None
+
+
+def _start(series, profile: Profile) -> str:
+    initial = series.initial
+    if not math.isfinite(initial):
+        return ""
+    if profile.loss_good is not None and initial > profile.loss_good[1]:
+        size = math.exp(initial)
+        return (f"initial loss {initial:.4g} = ln {size:,.0f}: a uniform prediction over about {size:,.0f} tokens "
+                "or classes, the healthy start of a model trained from scratch")
+    if profile.name == "preference" and abs(initial - math.log(2)) < 0.02:
+        return f"initial loss {initial:.4g} = ln 2: the policy starts equal to its reference, as expected"
+    return f"initial loss {initial:.4g}: a model that already knows the task (fine-tuning)"
+
+
+def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, component: str = "") -> Finding:
+    """Layer 1: is the loss where this task's losses live, once the run has had time to learn?"""
     check = "loss_range"
-    if profile.loss_good is None and profile.loss_warn_low is None and profile.loss_warn_high is None:
+    if series.nonfinite_run:
+        return Finding.unknown(check, NONFINITE, component)
+    if profile.loss_good is None and profile.loss_warn_low is None and profile.loss_warn_high is None \
+            and profile.loss_init_high is None:
         return Finding.unknown(check, f"profile {profile.name} has no absolute loss range", component)
-    mean = _finite_mean(recent)
-    if math.isnan(mean):
+    recent = series.ring.last(t.windows.range_steps)
+    if not recent:
         return Finding.unknown(check, component=component)
+    mean = fsum(recent) / len(recent)
+    initial = series.initial
+    if profile.loss_init_high is not None and initial > profile.loss_init_high:
+        return Finding(
+            check, Status.WARNING,
+            f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, more than a uniform prediction over "
+            f"any plausible vocabulary or class count (now {mean:.4g})",
+            "check the initialisation, the labels (ignored index, shifted targets) and the loss reduction "
+            "(a sum instead of a mean, or a missing division by the accumulation steps)",
+            component,
+        )
+    learning = series.span < t.loss.range_after_steps and not (trend.known and not trend.falling)
+    if learning:
+        start = _start(series, profile)
+        return Finding(check, Status.GOOD, f"mean loss {mean:.4g} while still learning" + (f"; {start}" if start else ""),
+                       component=component)
+    k = uniform_classes(mean) if profile.name in _CHANCE_PROFILES else None
+    if k is not None and trend.known and not trend.falling:
+        what = "the policy does not separate chosen from rejected" if profile.name == "preference" and k == 2 \
+            else f"the model predicts uniformly over {k} classes (chance level)"
+        return Finding(
+            check, Status.WARNING, f"loss {mean:.4g} equals ln {k}: {what}",
+            "the model is not learning: check that labels match inputs (shuffled together), the learning rate, "
+            "and that the classifier head is trained",
+            component,
+        )
+    if profile.loss_warn_high is not None and mean > profile.loss_warn_high and trend.known and trend.falling:
+        return Finding(check, Status.GOOD, f"mean loss {mean:.4g}, above {profile.loss_warn_high:g} but still falling "
+                       f"({trend.ratio * 100:.1f}% over the last {trend.window_steps:.0f} steps)", component=component)
     if profile.loss_warn_high is not None and mean > profile.loss_warn_high:
         return Finding(
             check, Status.WARNING,
-            f"mean loss {mean:.4g} is above {profile.loss_warn_high:g} for a {profile.name} task",
+            f"mean loss {mean:.4g} is above {profile.loss_warn_high:g} for a {profile.name} task "
+            f"after {series.span} steps",
             "check the learning rate, the labels and the loss reduction; a loss this high often means the model is not learning",
             component,
         )
@@ -47,77 +167,121 @@ def check_loss_range(recent: Sequence[float], profile: Profile, component: str =
     return Finding(check, Status.GOOD, f"mean loss {mean:.4g}", component=component)
 
 
-def check_loss_trend(trend_ratio: float, t: LossThresholds, component: str = "", noise_ratio: float = 0.0) -> Finding:
-    """Layer 2: is the loss still falling? ``trend_ratio`` > 0 means it falls.
+def check_loss_trend(
+    trend: Trend, series, t: Thresholds, profile: Profile, schedule_ended: bool = False, lr_fraction: float = math.nan,
+    component: str = "", held: Status = Status.GOOD,
+) -> Finding:
+    """Layer 2: is the loss still falling, flat, or rising, over windows in steps?
 
-    ``noise_ratio``: the standard error of the trend ratio from step-to-step
-    noise; a rise smaller than ``t.trend_min_z`` of them is a plateau, not a rise.
+    ``held``: the status the check holds now; a plateau is left only for a fall
+    beyond ``plateau_max_fall / hysteresis.release`` (value hysteresis).
     """
     check = "loss_trend"
-    if not math.isfinite(trend_ratio):
+    if series.nonfinite_run:
+        return Finding.unknown(check, NONFINITE, component)
+    if not profile.trend:
+        return Finding.unknown(check, f"profile {profile.name}: this loss is not meant to fall", component)
+    if not trend.known:
         return Finding.unknown(check, component=component)
-    pct = trend_ratio * 100
-    if trend_ratio > t.trend_improving:
-        return Finding(check, Status.GOOD, f"loss falling ({pct:.1f}% between windows)", component=component)
-    if trend_ratio >= t.trend_rising or -trend_ratio <= t.trend_min_z * noise_ratio:
+    pct, span = trend.ratio * 100, f"{trend.window_steps:.0f} steps"
+    if trend.rising:
+        best = (f"; {(trend.recent - trend.best) / abs(trend.best) * 100:.0f}% above the best level {trend.best:.4g}"
+                if math.isfinite(trend.best) and trend.best else "")
         return Finding(
-            check, Status.WARNING,
-            f"loss has plateaued ({pct:+.1f}% between windows)",
-            "if it is not converged: raise the learning rate, try a cosine schedule with restarts, or check that the data is shuffled",
+            check, Status.DANGER,
+            f"loss is rising: {trend.recent:.4g} over the last {span}, {-pct:+.1f}% against the window before "
+            f"({trend.previous:.4g}){best}",
+            "lower the learning rate, enable gradient clipping, and check the data of the recent steps",
             component,
         )
+    release = t.hysteresis.release
+    falling = trend.falling and (held is not Status.WARNING or (
+        trend.ratio >= t.loss.plateau_max_fall / release and trend.z >= t.loss.fall_min_z / release))
+    if falling:
+        return Finding(check, Status.GOOD, f"loss falling ({pct:.1f}% over the last {span})", component=component)
+    if schedule_ended:
+        return Finding(
+            check, Status.GOOD,
+            f"loss flat ({pct:+.1f}% over the last {span}) at the end of a decayed LR schedule "
+            f"(LR at {lr_fraction * 100:.2g}% of its peak): expected",
+            component=component,
+        )
+    floor = profile.volatility_floor
+    if floor is not None and abs(trend.recent) < 0.1 * floor:
+        return Finding(check, Status.GOOD, f"loss flat near zero ({trend.recent:.3g}): nothing left to fall",
+                       component=component)
     return Finding(
-        check, Status.DANGER,
-        f"loss is rising ({pct:+.1f}% between windows)",
-        "lower the learning rate, enable gradient clipping, and check the data of the recent steps",
+        check, Status.WARNING,
+        f"loss has plateaued: {pct:+.1f}% over the last {span} (not a significant fall)",
+        "if it is not converged: raise the learning rate, try a cosine schedule with restarts, or check that the data is shuffled",
         component,
     )
 
 
-def check_loss_volatility(cv: float, t: LossThresholds, component: str = "") -> Finding:
-    """Layer 3: how much does the loss jump around its trend? ``cv``: std / mean of the
-    window, detrended by the caller (:meth:`LossWindow.detrended_cv`)."""
+def robust_cv(series, profile: Profile) -> float:
+    """Robust step-to-step noise over the loss level (the level floored by the profile's floor)."""
+    floor = profile.volatility_floor
+    level, noise = series.level, series.noise
+    if floor is None or not (math.isfinite(level) and math.isfinite(noise)):
+        return math.nan
+    return noise / max(abs(level), floor)
+
+
+def check_loss_volatility(
+    cv: float, t: LossThresholds, component: str = "", nonfinite: bool = False,
+    held: Status = Status.GOOD, release: float = 1.0,
+) -> Finding:
+    """Layer 3: how much does the loss jump around its trend? ``cv``: :func:`robust_cv`.
+
+    ``held``: the status the check holds now; to leave it, ``cv`` must fall below
+    ``release`` x the threshold that status was entered at (hysteresis).
+    """
     check = "loss_volatility"
+    if nonfinite:
+        return Finding.unknown(check, NONFINITE, component)
     if not math.isfinite(cv):
         return Finding.unknown(check, component=component)
-    if cv < t.cv_warning:
-        return Finding(check, Status.GOOD, f"loss volatility normal (CV {cv:.3f})", component=component)
-    if cv < t.cv_danger:
+    warning = t.cv_warning * (release if held >= Status.WARNING else 1.0)
+    danger = t.cv_danger * (release if held >= Status.DANGER else 1.0)
+    if cv < warning:
+        return Finding(check, Status.GOOD, f"loss volatility normal (noise/level {cv:.3f})", component=component)
+    if cv < danger:
         return Finding(
             check, Status.WARNING,
-            f"loss is volatile (CV {cv:.3f})",
+            f"loss is volatile (step-to-step noise {cv:.3f} of its level)",
             "use a larger batch (or gradient accumulation) or a lower learning rate",
             component,
         )
     return Finding(
         check, Status.DANGER,
-        f"loss is very volatile (CV {cv:.3f})",
+        f"loss is very volatile (step-to-step noise {cv:.3f} of its level)",
         "lower the learning rate, clip gradients, and look for bad batches",
         component,
     )
 
 
-def is_spike(value: float, mean: float, std: float, sigma: float) -> bool:
-    """A loss above mean + sigma * std of the window before it."""
-    return math.isfinite(value) and std > 0 and value > mean + sigma * std
+def is_spike(value: float, level: float, noise: float, t: LossThresholds) -> bool:
+    """A loss above the recent median by ``spike_sigma`` robust std and ``spike_min_rise`` of the level."""
+    return (math.isfinite(value) and math.isfinite(noise)
+            and value - level > max(t.spike_sigma * noise, t.spike_min_rise * abs(level)))
 
 
-def check_overfitting(
-    eval_losses: Sequence[float], train_trend_ratio: float, t: OverfittingThresholds, loss_t: LossThresholds
-) -> Finding:
-    """Eval loss rising from its best while the training loss still falls."""
+def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "") -> Finding:
+    """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise."""
     check = "overfitting"
-    finite = [v for v in eval_losses if math.isfinite(v)]
-    if len(finite) < 2:
-        return Finding.unknown(check)
-    best = min(finite)
-    latest = finite[-1]
-    rise = (latest - best) / best if best > 0 else math.inf if latest > best else 0.0
-    train_falling = math.isfinite(train_trend_ratio) and train_trend_ratio > 0
-    if rise > t.eval_rise and latest > finite[-2] * (1 - 1e-9) and (train_falling or math.isnan(train_trend_ratio)):
+    if track is None or track.count < 2:
+        return Finding.unknown(check, component=component)
+    rise = track.rise
+    if track.above >= t.evals and not trend.rising:
         return Finding(
             check, Status.WARNING,
-            f"eval loss {latest:.4g} is {rise * 100:.0f}% above its best {best:.4g} while the training loss falls",
+            f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} (step {track.best_step}) "
+            f"for {track.above} evaluations while the training loss does not rise",
             "add weight decay or dropout, get more data, or stop early at the best checkpoint",
+            component,
         )
-    return Finding(check, Status.GOOD, f"eval loss {latest:.4g} (best {best:.4g})")
+    if track.above:
+        return Finding(check, Status.GOOD,
+                       f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}: "
+                       "one evaluation, watching", component=component)
+    return Finding(check, Status.GOOD, f"eval loss {track.latest:.4g} (best {track.best:.4g})", component=component)

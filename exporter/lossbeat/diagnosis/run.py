@@ -1,42 +1,57 @@
-"""Run every check on a :class:`History` and return the findings."""
+"""Run every check on a :class:`History` and return the raw findings (before hysteresis)."""
 
 from __future__ import annotations
 
+from typing import Mapping
 
 from .findings import Finding, Status
 from .gradients import check_grad_norm, check_layer_grad_norms
 from .history import History
 from .learning_rate import check_learning_rate, check_warmup
-from .loss import check_loss_range, check_loss_trend, check_loss_volatility, check_overfitting
+from .loss import check_loss_range, check_loss_trend, check_loss_volatility, check_overfitting, robust_cv, trend_of
 
 __all__ = ["diagnose"]
 
 
-def diagnose(history: History) -> list[Finding]:
-    """One finding per check (plus range/trend/volatility per loss component)."""
+def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = None) -> list[Finding]:
+    """One finding per check (plus range/trend/volatility per loss component, overfitting per eval set).
+
+    ``held``: the statuses the checks hold now (a :class:`Judge`'s), for the value hysteresis.
+    """
+    held = held or {}
+    release = history.thresholds.hysteresis.release
     t = history.thresholds
+    profile = t.profile
     loss = history.loss
-    # Volatility is judged around the trend: a steady descent is not jitter.
-    cv = loss.detrended_cv()
-    trend = loss.trend_ratio()
+    trend = trend_of(loss, t, profile.volatility_floor)
+    cv = robust_cv(loss, profile)
+    schedule = history.lr
+    ended = schedule.ended
     findings = [
-        check_loss_range(loss.ring.last(t.windows.range_steps), t.profile),
-        check_loss_trend(trend, t.loss, noise_ratio=loss.trend_noise_ratio()),
-        check_loss_volatility(cv, t.loss),
-        check_grad_norm(list(history.grad_norms), t.gradients),
+        check_loss_range(loss, profile, t, trend),
+        check_loss_trend(trend, loss, t, profile, ended, schedule.fraction_of_peak,
+                         held=held.get(("loss_trend", ""), Status.GOOD)),
+        check_loss_volatility(cv, t.loss, nonfinite=bool(loss.nonfinite_run),
+                              held=held.get(("loss_volatility", ""), Status.GOOD), release=release),
+        check_grad_norm(history.grad, t.gradients),
         check_layer_grad_norms(history.layer_norms, t.gradients),
-        check_learning_rate(
-            list(history.lrs), loss.ring.last(t.learning_rate.too_small_window), cv, t.learning_rate
-        ),
-        check_warmup(history.first_loss, history.loss_at_warmup_check, history.finite_losses_seen, t.learning_rate),
-        check_overfitting(list(history.eval_losses), trend, t.overfitting, t.loss),
+        check_learning_rate(schedule, trend, cv, t.learning_rate),
+        check_warmup(loss, profile, t.learning_rate),
+        check_overfitting(history.evals.get(""), trend, t.overfitting),
         _nonfinite(history),
     ]
-    component_profile = t.profiles.get("multi-task", t.profile) if t.profile.name == "multi-task" else t.profile
-    for name, window in history.components.items():
-        findings.append(check_loss_range(window.ring.last(t.windows.range_steps), component_profile, name))
-        findings.append(check_loss_trend(window.trend_ratio(), t.loss, name, window.trend_noise_ratio()))
-        findings.append(check_loss_volatility(window.detrended_cv(), t.loss, name))
+    for group, track in history.evals.items():
+        if group:
+            findings.append(check_overfitting(track, trend, t.overfitting, group))
+    component_profile = t.profiles.get("multi-task", profile) if profile.name == "multi-task" else profile
+    for name, series in history.components.items():
+        c_trend = trend_of(series, t, component_profile.volatility_floor)
+        findings.append(check_loss_range(series, component_profile, t, c_trend, name))
+        findings.append(check_loss_trend(c_trend, series, t, component_profile, ended, schedule.fraction_of_peak, name,
+                                         held=held.get(("loss_trend", name), Status.GOOD)))
+        findings.append(check_loss_volatility(robust_cv(series, component_profile), t.loss, name,
+                                              nonfinite=bool(series.nonfinite_run),
+                                              held=held.get(("loss_volatility", name), Status.GOOD), release=release))
     return findings
 
 
