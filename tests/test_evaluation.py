@@ -9,6 +9,7 @@ from lossbeat.analyze.replay import replay
 from lossbeat.diagnosis import Status
 from lossbeat.evaluation import BEGIN, END, evaluate, healthy_shapes, render, synthetic_faults, update_doc, verdict
 from lossbeat.thresholds import load_thresholds
+from lossbeat.vitals import LIVE_ONLY_CHECKS
 
 T = load_thresholds()
 
@@ -69,7 +70,9 @@ def test_the_live_monitor_judges_as_analyze_does(fault):
     live = monitor.report()
     monitor.close()
     key = lambda f: (f.check, f.component, f.status, f.message)  # noqa: E731
-    assert sorted(map(key, live.findings)) == sorted(map(key, offline.findings))
+    # Memory, step times and the scheduler exist only live: the rest is one implementation.
+    assert sorted(map(key, (f for f in live.findings if f.check not in LIVE_ONLY_CHECKS))) == \
+        sorted(map(key, offline.findings))
     assert live_changes == [(c.step, c.where, c.finding.status) for c in offline.changes]
     assert live.counters["grad_explosions"] == offline.counters["grad_explosions"]
     assert live.counters["loss_spikes"] == offline.counters["loss_spikes"]

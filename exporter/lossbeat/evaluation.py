@@ -31,6 +31,7 @@ from .analyze.replay import Analysis, replay
 from .diagnosis import Status
 from .logs import EvalRecord, ParsedLog, TrainRecord, parse_log
 from .thresholds import Thresholds, load_thresholds
+from .vitals import LIVE_ONLY_CHECKS
 
 __all__ = ["Run", "healthy_shapes", "synthetic_faults", "evaluate", "render", "update_doc", "main",
            "BEGIN", "END", "PAGING_CHECKS"]
@@ -280,8 +281,8 @@ def demo_runs(steps: int = 400, thresholds: Thresholds | None = None) -> list[Ru
         run = Run(f"demo: {fault or 'healthy'} ({steps} steps" + (f", fault at {k})" if fault else ")"), log,
                   fault=fault, onset=k if fault else None, expect=expect)
         run.analysis = replay(log, thresholds or load_thresholds())
-        offline = {(f.check, f.component): f.status for f in run.analysis.findings if f.check != "layer_grad_norm"}
-        live = {(f.check, f.component): f.status for f in report.findings if f.check != "layer_grad_norm"}
+        offline = {(f.check, f.component): f.status for f in run.analysis.findings if f.check not in LIVE_ONLY_CHECKS}
+        live = {(f.check, f.component): f.status for f in report.findings if f.check not in LIVE_ONLY_CHECKS}
         run.live_matches = offline == live
         if layer_steps:  # per-layer norms exist only live: record when the live check caught it
             run.note = f"layer_grad_norm caught live at step {layer_steps[0]}"

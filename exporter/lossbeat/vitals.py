@@ -18,7 +18,11 @@ from .memory import read_memory
 from .thresholds import Thresholds
 from .window import Ring
 
-__all__ = ["Vitals", "as_schedule"]
+__all__ = ["Vitals", "as_schedule", "LIVE_ONLY_CHECKS"]
+
+LIVE_ONLY_CHECKS = frozenset({"layer_grad_norm", "memory", "throughput", "lr_schedule"})
+"""Checks only a live process can make (per-layer norms, memory, step times, the scheduler's
+counter): logs do not carry them, so ``lossbeat analyze`` leaves them unjudged."""
 
 
 def as_schedule(value: Any) -> tuple[LRSchedule | None, Any]:
