@@ -148,6 +148,7 @@ def _f(check: str, status: Status, fix: str = "") -> Finding:
     ([_f("loss_trend", Status.GOOD), _f("overfitting", Status.WARNING)], "overfitting"),
     ([_f("loss_trend", Status.GOOD), _f("nonfinite", Status.DANGER), _f("overfitting", Status.WARNING)], "diverging"),
     ([_f("loss_trend", Status.WARNING)], "no_progress"),
+    ([Finding.unknown("loss_trend"), Finding("overfitting", Status.WARNING, "g0", component="g0")], "overfitting"),
     ([_f("loss_trend", Status.DANGER)], "diverging"),
 ])
 def test_the_five_patterns(findings, name):
@@ -157,11 +158,35 @@ def test_the_five_patterns(findings, name):
 def test_no_pattern_before_the_trend_is_known_and_since_step_follows_changes():
     assert classify([Finding.unknown("loss_trend")]) is None
     tracker = PatternTracker()
-    tracker.update([_f("loss_trend", Status.GOOD)], 100)
+    falling = Finding("loss_trend", Status.GOOD, "loss falling (12.0% over the last 400 steps)")
+    tracker.update([falling], 100)
     tracker.update([_f("loss_trend", Status.GOOD)], 200)
     assert tracker.since_step == 100
     tracker.update([_f("loss_trend", Status.GOOD), _f("overfitting", Status.WARNING)], 4200)
     assert tracker.describe().startswith("looks like pattern 3, overfitting, since step 4,200")
+
+
+def test_a_run_that_never_fell_is_no_progress_even_with_an_expected_flat_end():
+    tracker = PatternTracker()
+    tracker.update([Finding("loss_trend", Status.WARNING, "loss has plateaued")], 220)
+    flat_end = Finding("loss_trend", Status.GOOD, "loss flat (-0.3%) at the end of a decayed LR schedule: expected")
+    assert tracker.update([flat_end], 820).name == "no_progress" and tracker.since_step == 220
+
+
+def test_analyze_names_the_pattern_and_its_first_step():
+    from lossbeat.analyze import analyze_file
+    from lossbeat.logs import TrainRecord, ParsedLog  # noqa: F401  (the parsers' types)
+    from pathlib import Path
+
+    logs = next((p / "shared" / "data" / "real-logs" for p in Path(__file__).resolve().parents
+                 if (p / "shared" / "data" / "real-logs").is_dir()), None)
+    assert logs is not None, "shared/data/real-logs not found"
+    overfit = analyze_file(logs / "hf-whisper-large-v2-ja-overfit-trainer_state.json")
+    assert overfit.pattern.name == "overfitting" and overfit.pattern_since is not None
+    plateau = analyze_file(logs / "hf-llama3.1-8b-lora-token-compressor-plateau-trainer_state.json")
+    assert plateau.pattern.name == "no_progress"
+    healthy = analyze_file(logs / "hf-tinyllama-1.1b-chat-lora-sft-trainer_state.json")
+    assert healthy.pattern.name == "converging"
 
 
 # --- a real Monitor ---------------------------------------------------------------------
@@ -223,8 +248,8 @@ def test_monitor_exports_memory_limit_and_pattern(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client import generate_latest
 
-    monitor = _monitor(tmp_path, "windows:\n  diagnose_every: 5\n  trend_steps: 10\n")
-    _train(monitor, 120)
+    monitor = _monitor(tmp_path, "windows:\n  diagnose_every: 5\n")
+    _train(monitor, 400)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(generate_latest(monitor.registry).decode())
                for s in fam.samples}

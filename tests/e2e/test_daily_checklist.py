@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from .e2e_harness import wait_until
+from .e2e_harness import wait_for_page, wait_until
 from .stack_config import E2E_THRESHOLDS
 
 # Seconds, not hours: the rules' windows shrunk, the same expressions. The memory test
@@ -32,19 +32,24 @@ def _fires(prometheus, alertname: str, job: str, timeout: float) -> dict:
     return wait_until(lambda: prometheus.firing(alertname, job=job), timeout, f"{alertname} to fire for {job}")[0]
 
 
-def test_a_leaking_run_fires_memory_growing(demo, prometheus):
+def test_a_leaking_run_fires_memory_growing_and_opens_a_ticket(demo, prometheus, receiver):
     run = demo("--steps", "400", "--step-delay", "0.05", "--fault", "leak", "--fault-step", "100")
     run.wait_serving()
     alert = _fires(prometheus, "TrainingMemoryGrowing", run.job, timeout=120)
     assert alert["labels"]["severity"] == "warning" and alert["labels"]["device"] == "cpu"
+    # A warning: Alertmanager routes it to the ticket queue, never to the pager.
+    ticket = wait_for_page(receiver, "TrainingMemoryGrowing", run.job, timeout=60, path="/ticket")
+    assert ticket.labels["rank"] == "0"
+    assert not [d for d in receiver.received(alertname="TrainingMemoryGrowing", job=run.job) if d.path == "/page"]
 
 
-def test_a_slowed_run_fires_throughput_dropped_and_the_checklist_crosses_item_8(demo, prometheus):
+def test_a_slowed_run_fires_throughput_dropped_and_the_checklist_crosses_item_8(demo, prometheus, receiver):
     run = demo("--steps", "2000", "--step-delay", "0.03", "--fault", "slow", "--fault-step", "500",
                "--eval-every", "0")
     run.wait_serving()
     alert = _fires(prometheus, "TrainingThroughputDropped", run.job, timeout=150)
     assert alert["labels"]["rank"] == "0"
+    wait_for_page(receiver, "TrainingThroughputDropped", run.job, timeout=60, path="/ticket")
     result = subprocess.run([sys.executable, "-m", "lossbeat", "checklist", "--prometheus", prometheus.url,
                              "--job", run.job, "--json"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stderr

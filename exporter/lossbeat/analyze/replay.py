@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..diagnosis import Finding, Judge, Status, StatusChange
+from ..diagnosis.patterns import Pattern, PatternTracker
 from ..logs import EvalRecord, ParsedLog, TrainRecord
 from ..thresholds import Thresholds
 
@@ -50,6 +51,10 @@ class Analysis:
     changes: list[StatusChange] = field(default_factory=list)
     """Status changes in order (the first ``_MAX_CHANGES``); ``status_changes`` counts them all."""
     status_changes: int = 0
+    pattern: Pattern | None = None
+    """The loss curve's pattern at the end (article section 1.3), as the live monitor names it."""
+    pattern_since: int | None = None
+    """The step at which that pattern began."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -87,6 +92,7 @@ class _Replay:
         self.t = thresholds
         self.judge = Judge(thresholds)
         self.history = self.judge.history
+        self.patterns = PatternTracker()
         self.a = Analysis(log.path, log.format, notes=list(log.notes),
                           eval_groups=tuple(log.eval_groups), eval_records=len(log.evals))
 
@@ -121,6 +127,8 @@ class _Replay:
             seen = a.worst.get(key)
             if f.known and (seen is None or f.status > seen.finding.status):
                 a.worst[key] = WorstFinding(f, step)
+        a.pattern = self.patterns.update(findings, step)
+        a.pattern_since = self.patterns.since_step
         return findings
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..diagnosis import Finding, Status
-from ..diagnosis.patterns import classify
 from ..logs import ParsedLog
 from .replay import EVENT_KINDS, Analysis
 
@@ -31,10 +30,11 @@ def format_text(a: Analysis, header: bool = True, skip_notes: frozenset[str] = f
     lines = [f"== {a.path} [{a.format}]"] if header else []
     lines.append(f"{indent}{a.train_records} train records ({span}), {a.eval_records} eval records{groups}")
     lines += [f"{indent}note: {n}" for n in a.notes if n not in skip_notes]
-    pattern = classify(a.findings)
+    pattern = a.pattern
     if pattern is not None:
-        lines.append(f"{indent}the loss curve looks like pattern {pattern.number}, {pattern.name.replace('_', ' ')}: "
-                     f"{pattern.meaning}")
+        since = f", since step {a.pattern_since:,}" if a.pattern_since is not None else ""
+        lines.append(f"{indent}the loss curve looks like pattern {pattern.number}, {pattern.name.replace('_', ' ')}"
+                     f"{since}: {pattern.meaning}")
     lines.append(f"{indent}final diagnosis" + (f" (step {a.last_step}):" if a.last_step is not None else ":"))
     for f in a.findings:
         if f.known:
@@ -73,8 +73,10 @@ def _finding(f: Finding) -> dict[str, Any]:
 
 def _pattern(a: Analysis) -> dict[str, Any] | None:
     """The loss curve's pattern (article section 1.3) from the final diagnosis."""
-    pattern = classify(a.findings)
-    return None if pattern is None else {"number": pattern.number, "name": pattern.name}
+    pattern = a.pattern
+    if pattern is None:
+        return None
+    return {"number": pattern.number, "name": pattern.name, "since_step": a.pattern_since}
 
 
 def to_dict(a: Analysis) -> dict[str, Any]:

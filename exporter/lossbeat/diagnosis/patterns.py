@@ -37,14 +37,17 @@ _BY_NAME = {p.name: p for p in PATTERNS}
 def classify(findings: Iterable[Finding]) -> Pattern | None:
     """The pattern the findings show, worst first; None before the checks can judge."""
     by_check: dict[str, Finding] = {}
+    overfitting = False
     for f in findings:
         if not f.component:  # the total loss; components are judged on their own
             by_check[f.check] = f
+        # ... except overfitting, judged per evaluation set: any set that overfits counts.
+        overfitting = overfitting or (f.check == "overfitting" and f.known and f.status >= Status.WARNING)
     status = lambda check: by_check[check].status if check in by_check and by_check[check].known else None  # noqa: E731
     trend = status("loss_trend")
     if status("nonfinite") == Status.DANGER or status("grad_norm") == Status.DANGER or trend == Status.DANGER:
         return _BY_NAME["diverging"]
-    if (status("overfitting") or 0) >= Status.WARNING:
+    if overfitting:
         return _BY_NAME["overfitting"]
     lr = by_check.get("learning_rate")
     lr_too_large = lr is not None and lr.status >= Status.WARNING and "too large" in lr.fix
@@ -59,14 +62,25 @@ def classify(findings: Iterable[Finding]) -> Pattern | None:
 
 
 class PatternTracker:
-    """The current pattern and the step it began at."""
+    """The current pattern and the step it began at.
+
+    A run whose loss was never seen falling is not converging, even when its flat end is
+    what a decayed schedule expects: it made no progress (pattern 5) from the start."""
 
     def __init__(self) -> None:
         self.pattern: Pattern | None = None
         self.since_step: int | None = None
+        self._fell = False
 
     def update(self, findings: Iterable[Finding], step: int | None) -> Pattern | None:
+        findings = list(findings)
+        self._fell = self._fell or any(
+            f.check == "loss_trend" and not f.component and f.known and f.status is Status.GOOD
+            and f.message.startswith("loss falling") for f in findings
+        )
         pattern = classify(findings)
+        if pattern is not None and pattern.name == "converging" and not self._fell:
+            pattern = _BY_NAME["no_progress"]
         if pattern != self.pattern:
             self.pattern, self.since_step = pattern, step
         return pattern
