@@ -124,12 +124,13 @@ def test_every_metric_is_exported_with_its_value(monitor):
         assert value(parsed, f"training_{counter}_total") == 0
     # Every name in the contract is present: the first-bad-layer info only after a NaN, the clip
     # coefficient with monitor.clip_grad_norm_, the loss scale with a GradScaler, the work time
-    # with work_time=True (their own tests).
+    # with work_time=True, the loss-curve pattern once the trend can be judged (their own tests).
     exported = {name for name, _ in parsed}
     for spec in METRICS.values():
         name = spec.name + ("_info" if spec.kind == "info" else "")
         if name in ("training_nonfinite_grad_first_layer_info", "training_grad_clip_coefficient",
-                    "training_grad_scale", "training_rank_work_seconds"):
+                    "training_grad_scale", "training_rank_work_seconds", "training_loss_pattern",
+                    "training_loss_pattern_since_step"):
             continue
         assert name in exported, name
 
@@ -629,7 +630,10 @@ def test_memory_stays_bounded_over_a_million_steps():
     finally:
         logging.getLogger("lossbeat").setLevel(logging.NOTSET)
     grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
-    assert grown < 32_000, f"traced memory grew by {grown} bytes over 40,000 steps"
+    # The bounded rings (loss windows, memory samples, step-time blocks) replace their floats:
+    # what they hold now was allocated inside the span, a few KiB of churn that never grows.
+    # One leaked object per step would be 40,000 objects, over a megabyte.
+    assert grown < 48_000, f"traced memory grew by {grown} bytes over 40,000 steps"
     assert rss_grown < 4 * 2**20, f"resident memory grew by {rss_grown} bytes over 940,000 steps"
     assert m.state.steps_total == 1_000_000
     assert m.state.nonfinite_loss_total == 1000

@@ -5,7 +5,7 @@
     monitor.observe(step, loss=loss, optimizer=optimizer, model=model)
 """
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 from .monitor import DEFAULT_PORT, Monitor, MonitorConfig, NullMonitor, Report, start_exporter  # noqa: E402
 from .thresholds import Thresholds, ThresholdsError, load_thresholds  # noqa: E402

@@ -21,7 +21,7 @@ from .memory import read_memory
 from .metrics import METRICS, PHASES
 
 if TYPE_CHECKING:
-    from .monitor import MonitorState
+    from .state import MonitorState
 
 __all__ = ["MonitorCollector"]
 

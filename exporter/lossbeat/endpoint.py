@@ -30,7 +30,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client.exposition import ThreadingWSGIServer, _bake_output, choose_encoder, gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 
-from . import __version__
+from ._version import __version__
 from .webconfig import TLSServerConfig, WebConfig, WebConfigError, require_bcrypt
 
 __all__ = ["make_app", "start_server", "METRICS_PATH", "HEALTH_PATH"]

@@ -1,0 +1,68 @@
+"""What one monitor's scrape renders: the state the training thread writes and the scrape
+thread reads (``observe`` -> :class:`MonitorState` -> :mod:`lossbeat.collector`).
+
+On its own so that the monitor writes it and the collector reads it with neither importing
+the other.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .metrics import HEALTH_CHECKS
+
+__all__ = ["MonitorState"]
+
+
+class MonitorState:
+    """What a scrape renders. Written by the training thread, read by the scrape thread:
+    scalars are assigned and dicts are swapped whole, never mutated in place."""
+
+    def __init__(self, rank: str, run_info: dict[str, str]) -> None:
+        self.rank = rank
+        self.run_info = run_info
+        self.cuda_device: int | None = None
+        self.loss: float | None = None
+        self.eval_loss: float | None = None
+        self.grad_norm: float | None = None
+        self.step: float | None = None
+        self.epoch: float | None = None
+        self.last_step_time: float | None = None
+        self.step_duration: float | None = None
+        self.last_activity_time: float | None = None
+        """Wall time of the last sign of progress other than a step (evaluation, phase, heartbeat)."""
+        self.phase: tuple[str, float, dict[str, float]] = ("train", time.monotonic(), {})
+        """(current phase, its monotonic start, seconds of the finished spans per phase): swapped whole."""
+        self.completed = False
+        self.pattern: tuple[str | None, int | None] = (None, None)
+        """(loss-curve pattern name, the step it began at): swapped whole."""
+        self.loss_cv: float | None = None
+        self.loss_trend_ratio: float | None = None
+        self.grad_norm_baseline: float | None = None
+        self.clip_coefficient: float | None = None
+        self.grad_scale: float | None = None
+        self.components: dict[str, float] = {}
+        self.learning_rates: dict[str, float] = {}
+        self.layer_norms: dict[str, float] = {}
+        self.health: dict[tuple[str, str], int] = {(check, ""): 0 for check in HEALTH_CHECKS}
+        self.first_nonfinite_layer: str | None = None
+        self.layers_without_grad: int | None = None
+        self.steps_total = 0
+        self.tokens_total = 0.0
+        self.evals_total = 0
+        self.nonfinite_loss_total = 0
+        self.nonfinite_grad_total = 0
+        self.loss_spikes_total = 0
+        self.grad_explosions_total = 0
+        self.grad_scaler_overflows_total = 0
+        self.errors: dict[str, int] = {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}
+        self._error_lock = threading.Lock()
+
+    def count_error(self, where: str) -> int:
+        """Count one error at ``where``; returns how many there have been there (log the first)."""
+        with self._error_lock:  # both threads count errors
+            errors = dict(self.errors)
+            errors[where] = errors.get(where, 0) + 1
+            self.errors = errors
+            return errors[where]
