@@ -71,8 +71,8 @@ def test_the_live_monitor_judges_as_analyze_does(fault):
     monitor.close()
     key = lambda f: (f.check, f.component, f.status, f.message)  # noqa: E731
     # Memory, step times and the scheduler exist only live: the rest is one implementation.
-    assert sorted(map(key, (f for f in live.findings if f.check not in LIVE_ONLY_CHECKS))) == \
-        sorted(map(key, offline.findings))
+    shared = lambda findings: sorted(key(f) for f in findings if f.check not in LIVE_ONLY_CHECKS)  # noqa: E731
+    assert shared(live.findings) == shared(offline.findings)
     assert live_changes == [(c.step, c.where, c.finding.status) for c in offline.changes]
     assert live.counters["grad_explosions"] == offline.counters["grad_explosions"]
     assert live.counters["loss_spikes"] == offline.counters["loss_spikes"]

@@ -68,12 +68,21 @@ def test_a_full_disk_under_the_log_file_never_reaches_training(capsys):
     handler = logging.FileHandler("/dev/full")  # every write fails with ENOSPC, as on a full disk
     logger = logging.getLogger("lossbeat")
     logger.addHandler(handler)
+    # Independent of what earlier tests left: the warnings are emitted, and logging reports
+    # a failing handler on stderr (its default).
+    level, raise_exceptions, disabled = logger.level, logging.raiseExceptions, logger.disabled
+    logger.setLevel(logging.WARNING)
+    logger.disabled = False
+    logging.raiseExceptions = True
     try:
         with Monitor(MonitorConfig(port=0, addr="127.0.0.1")) as m:
             train_steps(m, small_model(), range(30), loss_override=float("nan"))  # each NaN is a log line
             assert m.state.steps_total == 30 and m.state.nonfinite_loss_total == 30
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.disabled = disabled
+        logging.raiseExceptions = raise_exceptions
         try:
             handler.close()
         except OSError:

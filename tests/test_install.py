@@ -95,7 +95,7 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
                  "kubernetes/grafana-dashboards-configmap.yaml"):
         assert (out / name).is_file(), name
     rules_text = (out / "rules.yml").read_text()
-    assert "training_grad_norm > 40" in rules_text and "https://wiki.example.com/runbooks#traininglossnan" in rules_text
+    assert "above 40 and" in rules_text and "https://wiki.example.com/runbooks#traininglossnan" in rules_text
     checked = _run([promtool, "check", "rules", "rules.yml"], out, env)
     assert "SUCCESS" in checked.stdout
     tests = sorted(p.relative_to(out).as_posix() for p in (out / "tests").glob("*.yml"))

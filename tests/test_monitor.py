@@ -633,7 +633,7 @@ def test_memory_stays_bounded_over_a_million_steps():
     # The bounded rings (loss windows, memory samples, step-time blocks) replace their floats:
     # what they hold now was allocated inside the span, a few KiB of churn that never grows.
     # One leaked object per step would be 40,000 objects, over a megabyte.
-    assert grown < 48_000, f"traced memory grew by {grown} bytes over 40,000 steps"
+    assert grown < 64_000, f"traced memory grew by {grown} bytes over 40,000 steps"
     assert rss_grown < 4 * 2**20, f"resident memory grew by {rss_grown} bytes over 940,000 steps"
     assert m.state.steps_total == 1_000_000
     assert m.state.nonfinite_loss_total == 1000

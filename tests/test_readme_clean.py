@@ -76,7 +76,7 @@ def test_readme_commands_leave_the_clone_clean(clone, tmp_path):
     _run([sys.executable, "-m", "lossbeat", *generate[1:]], user, env)
     output = generate[generate.index("--output-dir") + 1]
     assert sorted(p.name for p in user.iterdir()) == sorted([thresholds, output])
-    assert "training_grad_norm > 30" in (user / output / "rules.yml").read_text()
+    assert "above 30 and" in (user / output / "rules.yml").read_text()  # the custom explosion ceiling
 
     # The same command without a folder refuses, writing nothing, even from inside the checkout.
     refused = subprocess.run([sys.executable, "-m", "lossbeat", "generate", "--thresholds", str(user / thresholds)],

@@ -1,11 +1,13 @@
 """While TrainingLossNaN fires for a rank, its loss symptoms reach nobody (inhibition,
 ``equal: [job, instance, rank]``), end to end.
 
-The symptom: non-finite losses never enter the loss windows, so the loss CV freezes at
-its value when the NaNs began (0.16 for the demo's seed). With ``loss.cv_danger`` at 0.1
-TrainingLossVolatile holds through the NaN phase, and ``volatile_for: 20s`` makes it fire
-well after TrainingLossNaN has reached Alertmanager. A control Alertmanager, fed by the
-same Prometheus with the same routes but no inhibit rules, proves it would be delivered.
+The symptom: the exporter itself stops judging the loss while it is NaN, so the judged
+loss alerts fall silent on their own; the inhibition covers what still reads raw series.
+The demo runs with a learning rate of 0 (``--lr 0``): TrainingLearningRateSuspect (a
+loss-derived alert: a zero LR shows as a loss that does not move) fires after
+``learning_rate_for: 20s``, well after TrainingLossNaN has reached Alertmanager. A control
+Alertmanager, fed by the same Prometheus with the same routes but no inhibit rules, proves
+it would be delivered.
 """
 
 from __future__ import annotations
@@ -18,15 +20,14 @@ import yaml
 from .stack_config import E2E_THRESHOLDS, SHIPPED_ALERTMANAGER, retimed_alertmanager_config
 from .e2e_harness import AlertmanagerProcess, alertmanager_alerts, wait_for_page, wait_until
 
-SYMPTOM = "TrainingLossVolatile"
+SYMPTOM = "TrainingLearningRateSuspect"
 
 
 @pytest.fixture(scope="module")
 def e2e_overrides() -> dict:
     return {
         **E2E_THRESHOLDS,
-        "loss": {"cv_warning": 0.05, "cv_danger": 0.1},
-        "alerts": {**E2E_THRESHOLDS["alerts"], "volatile_for": "20s"},
+        "alerts": {**E2E_THRESHOLDS["alerts"], "learning_rate_for": "20s"},
     }
 
 
@@ -52,7 +53,7 @@ def extra_alertmanagers(control_alertmanager) -> list[str]:
 
 
 def test_nan_loss_inhibits_its_symptom_alerts(demo, receiver, prometheus, stack):
-    run = demo("--steps", "600", "--step-delay", "0.1", "--fault", "nan", "--fault-step", "40")
+    run = demo("--steps", "600", "--step-delay", "0.1", "--fault", "nan", "--fault-step", "40", "--lr", "0")
     run.wait_serving()
     wait_for_page(receiver, "TrainingLossNaN", run.job, timeout=90)
 

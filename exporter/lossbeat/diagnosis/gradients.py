@@ -33,10 +33,16 @@ def check_grad_norm(baseline, t: GradientThresholds) -> Finding:
     if not baseline.established:
         return Finding(check, Status.GOOD, f"gradient norm {recent:.3g} (baseline not established yet: first steps)")
     median, level = baseline.median, baseline.level
-    if recent > t.jump_ratio * median:
+    if median > 0 and recent > t.jump_ratio * median:
         return Finding(
             check, Status.DANGER,
             f"gradient norm {recent:.3g} jumped to {recent / median:.1f}x the run's baseline {median:.3g}: exploding gradients",
+            _FIX,
+        )
+    if not median > 0 and recent > t.explosion:  # a baseline of zero gradients: no ratio, the ceiling
+        return Finding(
+            check, Status.DANGER,
+            f"gradient norm {recent:.3g} jumped from a baseline of {median:.3g}, above {t.explosion:g}: exploding gradients",
             _FIX,
         )
     if math.isfinite(level) and level > 0 and recent > t.climb_ratio * level:
