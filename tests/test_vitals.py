@@ -175,7 +175,6 @@ def test_a_run_that_never_fell_is_no_progress_even_with_an_expected_flat_end():
 
 def test_analyze_names_the_pattern_and_its_first_step():
     from lossbeat.analyze import analyze_file
-    from lossbeat.logs import TrainRecord, ParsedLog  # noqa: F401  (the parsers' types)
     from pathlib import Path
 
     logs = next((p / "shared" / "data" / "real-logs" for p in Path(__file__).resolve().parents

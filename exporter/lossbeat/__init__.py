@@ -5,7 +5,7 @@
     monitor.observe(step, loss=loss, optimizer=optimizer, model=model)
 """
 
-from ._version import __version__  # noqa: E402
+from ._version import __version__  # noqa: E402,F401  (re-exported)
 
 from .monitor import DEFAULT_PORT, Monitor, MonitorConfig, NullMonitor, Report, start_exporter  # noqa: E402
 from .thresholds import Thresholds, ThresholdsError, load_thresholds  # noqa: E402
