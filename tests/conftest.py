@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -39,6 +40,19 @@ def require_module(name: str) -> ModuleType:
     except ImportError as e:
         require(False, f"{name} not importable ({e}); pip install -e .[test]")
         raise AssertionError("unreachable")
+
+
+def find_real_logs() -> Path:
+    """``shared/data/real-logs`` beside the checkout (or above a worktree), or $LOSSBEAT_REAL_LOGS."""
+    if os.environ.get("LOSSBEAT_REAL_LOGS"):
+        return Path(os.environ["LOSSBEAT_REAL_LOGS"])
+    here = Path(__file__).resolve()
+    return next((p / "shared/data/real-logs" for p in here.parents if (p / "shared/data/real-logs").is_dir()),
+                here.parents[1].parent / "shared/data/real-logs")
+
+
+REAL_LOGS = find_real_logs()
+"""The corpus of real training logs (shared/data/real-logs/SOURCES.md says what each shows)."""
 
 
 @pytest.fixture(autouse=True)

@@ -10,22 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require_module
+from conftest import REAL_LOGS, require_module
 from lossbeat.analyze import analyze_file, analyze_runs
 from lossbeat.cli import main
 from lossbeat.diagnosis import Status
 from lossbeat.thresholds import load_thresholds
 
-def _find_corpus() -> Path:
-    """``shared/data/real-logs`` beside the checkout (or above a worktree), or $LOSSBEAT_REAL_LOGS."""
-    if os.environ.get("LOSSBEAT_REAL_LOGS"):
-        return Path(os.environ["LOSSBEAT_REAL_LOGS"])
-    here = Path(__file__).resolve()
-    return next((p / "shared/data/real-logs" for p in here.parents if (p / "shared/data/real-logs").is_dir()),
-                here.parents[1].parent / "shared/data/real-logs")
-
-
-CORPUS = _find_corpus()
+CORPUS = REAL_LOGS
 DATA = Path(__file__).resolve().parent / "data"
 EXPORTER = Path(__file__).resolve().parents[1] / "exporter"
 

@@ -4,28 +4,16 @@ pattern, --json, exit codes, errors in one line, a closed pipe."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
+from conftest import REAL_LOGS
 from lossbeat.checklist import ITEMS, from_findings
 from lossbeat.diagnosis import Finding, Status
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _real_logs() -> Path:
-    env = os.environ.get("LOSSBEAT_REAL_LOGS")
-    if env:
-        return Path(env)
-    for parent in ROOT.parents:
-        candidate = parent / "shared" / "data" / "real-logs"
-        if candidate.is_dir():
-            return candidate
-    pytest.fail("shared/data/real-logs not found (set LOSSBEAT_REAL_LOGS)")
 
 
 def _checklist(*args: str) -> subprocess.CompletedProcess:
@@ -57,7 +45,7 @@ def test_items_from_findings_tick_cross_and_unknown():
 
 
 def test_overfitting_log_names_pattern_3_and_fails():
-    path = _real_logs() / "hf-whisper-large-v2-ja-overfit-trainer_state.json"
+    path = REAL_LOGS / "hf-whisper-large-v2-ja-overfit-trainer_state.json"
     result = _checklist(str(path))
     assert result.returncode == 1, result.stderr
     lines = result.stdout.splitlines()
@@ -67,7 +55,7 @@ def test_overfitting_log_names_pattern_3_and_fails():
 
 
 def test_json_output_and_pattern(tmp_path):
-    path = _real_logs() / "hf-whisper-large-v2-ja-overfit-trainer_state.json"
+    path = REAL_LOGS / "hf-whisper-large-v2-ja-overfit-trainer_state.json"
     result = _checklist(str(path), "--json")
     doc = json.loads(result.stdout)
     assert doc["pattern"].startswith("3, overfitting")
@@ -87,7 +75,7 @@ def test_unreadable_input_is_one_line_and_exit_2(tmp_path):
 
 
 def test_a_closed_pipe_ends_quietly():
-    path = _real_logs() / "hf-whisper-large-v2-ja-overfit-trainer_state.json"
+    path = REAL_LOGS / "hf-whisper-large-v2-ja-overfit-trainer_state.json"
     proc = subprocess.Popen(f"{sys.executable} -m lossbeat checklist {path} | head -1", shell=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=120)

@@ -13,19 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import require_module
+from conftest import REAL_LOGS, require_module
 from lossbeat.logs import FORMATS, LogFormatError, detect_format, parse_log
 
-def _find_corpus() -> Path:
-    """``shared/data/real-logs`` beside the checkout (or above a worktree), or $LOSSBEAT_REAL_LOGS."""
-    if os.environ.get("LOSSBEAT_REAL_LOGS"):
-        return Path(os.environ["LOSSBEAT_REAL_LOGS"])
-    here = Path(__file__).resolve()
-    return next((p / "shared/data/real-logs" for p in here.parents if (p / "shared/data/real-logs").is_dir()),
-                here.parents[1].parent / "shared/data/real-logs")
-
-
-CORPUS = _find_corpus()
+CORPUS = REAL_LOGS
 DATA = Path(__file__).resolve().parent / "data"
 
 # file: (format, train records, train records with a loss, eval records, eval groups) per SOURCES.md

@@ -175,11 +175,7 @@ def test_a_run_that_never_fell_is_no_progress_even_with_an_expected_flat_end():
 
 def test_analyze_names_the_pattern_and_its_first_step():
     from lossbeat.analyze import analyze_file
-    from pathlib import Path
-
-    logs = next((p / "shared" / "data" / "real-logs" for p in Path(__file__).resolve().parents
-                 if (p / "shared" / "data" / "real-logs").is_dir()), None)
-    assert logs is not None, "shared/data/real-logs not found"
+    from conftest import REAL_LOGS as logs
     overfit = analyze_file(logs / "hf-whisper-large-v2-ja-overfit-trainer_state.json")
     assert overfit.pattern.name == "overfitting" and overfit.pattern_since is not None
     plateau = analyze_file(logs / "hf-llama3.1-8b-lora-token-compressor-plateau-trainer_state.json")
