@@ -153,7 +153,8 @@ class LayerGrouping:
     """
 
     def __init__(
-        self, model: torch.nn.Module, depth: int | None = None, max_layers: int = 1000, reduce_shards: bool = True
+        self, model: torch.nn.Module, depth: int | None = None, max_layers: int = 1000, reduce_shards: bool = True,
+        pipeline_group: Any = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -175,6 +176,9 @@ class LayerGrouping:
         # reduce_shards=False: each rank measures its own shards, with no collective.
         self._distributed = reduce_shards and dist.is_available() and dist.is_initialized()
         self._fsdp1 = _fsdp1_groups(model) if self._distributed else {}
+        self.pipeline_group = pipeline_group if pipeline_group is not None and pipeline_group.size() > 1 else None
+        """The group of this rank's pipeline stages (one rank per stage), whose stage norms add up to the
+        model's; None without pipeline parallelism (or a single stage)."""
         self._dtensors = any(hasattr(p, "_local_tensor") for p in self.params)
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.uniform = True
@@ -205,6 +209,8 @@ class LayerGrouping:
         self.partial_sets = partial_sets
         """{((group, reduce op), ...): positions of the parameters whose gradients are partial there}."""
         self.sharded = len(self.shard_groups) > 1 or bool(partial_sets)
+        """Whether the gradients are sharded or partial (reduced over their groups)."""
+        self.collective = self.sharded or self.pipeline_group is not None
         """Whether measuring takes collectives (every rank must measure at the same steps)."""
         width = 2 * len(self.layer_names)
         self._square_slots = [layer + width * layout for layer, layout in zip(self.param_layer, param_layouts)]
@@ -276,32 +282,68 @@ class LayerGrouping:
         if self.agreed is None:
             groups = [g for layout in self.shard_groups[1:] for g in layout]
             groups += [g for key in self.partial_sets for g, _ in key]
+            if self.pipeline_group is not None:
+                groups.append(self.pipeline_group)
             self.agreed = _all_ranks_arrive(groups, SHARD_HANDSHAKE_TIMEOUT_S)
         if not self.agreed:
             raise ShardedMeasurementError(
-                "the gradients of a sharded model (FSDP, HSDP, tensor/sequence parallel) are measured with a "
-                "collective, but not every rank measured them (e.g. `if rank == 0: monitor.observe(model=...)`). "
-                "Call observe(model=...), clip_grad_norm_ and measure_gradients on every rank at the same steps "
-                "(rank 0 alone exports the layers), or set reduce_shards=False to measure each rank's own shards; "
-                "gradient norms are not exported meanwhile"
+                "the gradients of a sharded or pipelined model (FSDP, HSDP, tensor/sequence/pipeline parallel) are "
+                "measured with a collective, but not every rank measured them (e.g. `if rank == 0: "
+                "monitor.observe(model=...)`). Call observe(model=...), clip_grad_norm_ and measure_gradients on "
+                "every rank at the same steps (rank 0 alone exports the layers), or set reduce_shards=False to "
+                "measure each rank's own shards (pipeline_group=None: each stage's own layers); gradient norms are "
+                "not exported meanwhile"
             )
 
 
 def _all_ranks_arrive(groups: Sequence[Any], timeout: float) -> bool:
-    """Whether every rank of ``groups`` arrives at this point within ``timeout`` seconds.
+    """Whether every rank joined to this one by ``groups`` arrives at this point within ``timeout`` seconds.
 
     A handshake through the default process group's store (point to point with
-    the store, not a collective: a rank that never comes cannot block it). One
-    decision, set once for all (compare-and-set): ranks that arrive after a
-    rank gave up read it too, so no rank enters a collective the others skip.
+    the store, not a collective: a rank that never comes cannot block it). The
+    ranks that must come are all those linked to this one through their groups,
+    not only its own groups' (2-D and 3-D layouts: a pipeline group and a shard
+    group of one rank each meet other ranks' groups): each rank publishes its
+    groups' ranks, and each follows the others' until the set closes, so every
+    rank of one job meets at the same key. One decision, set once for all
+    (compare-and-set): ranks that arrive after a rank gave up read it too, so no
+    rank enters a collective the others skip.
     """
     try:
-        ranks = sorted({r for group in groups for r in dist.get_process_group_ranks(group)})
+        mine = sorted({r for group in groups for r in dist.get_process_group_ranks(group)})
         store = dist.distributed_c10d._get_default_store()
+        rank = dist.get_rank()
     except Exception:  # no store to meet at (a private API): measure as before
         return True
-    key = f"lossbeat/shard-handshake/{next(_handshakes)}/{','.join(map(str, ranks))}"
-    return _store_handshake(store, key, len(ranks), timeout)
+    prefix = f"lossbeat/shard-handshake/{next(_handshakes)}"
+    deadline = time.monotonic() + timeout
+    store.set(f"{prefix}/groups/{rank}", ",".join(map(str, mine)))
+    ranks = _linked_ranks(store, prefix, rank, mine, deadline)
+    if ranks is None:  # a linked rank never came: so nobody links all and none reduces (the key below)
+        return False
+    key = f"{prefix}/{','.join(map(str, ranks))}"
+    return _store_handshake(store, key, len(ranks), max(deadline - time.monotonic(), 0.0))
+
+
+def _linked_ranks(store: Any, prefix: str, rank: int, mine: Sequence[int], deadline: float) -> list[int] | None:
+    """Every rank reachable from ``rank`` through the groups the ranks published, sorted;
+    None when one of them has not published by ``deadline``."""
+    known, todo = set(mine) | {rank}, set(mine) - {rank}
+    delay = 0.001
+    while todo:
+        keys = [f"{prefix}/groups/{r}" for r in sorted(todo)]
+        if store.check(keys):
+            todo = set()
+            for key in keys:
+                linked = {int(r) for r in store.get(key).decode().split(",") if r}
+                todo |= linked - known
+                known |= linked
+            continue
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return sorted(known)
 
 
 def _store_handshake(store: Any, key: str, ranks: int, timeout: float) -> bool:
@@ -407,19 +449,19 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.R
 
 def compute_grad_norms(grouping: LayerGrouping, per_layer: bool = True, present: _Present | None = None) -> GradientNorms | None:
     """Fused norms of every gradient; None when no parameter has one
-    (a sharded model's ranks always join the collectives: zeros where none has).
+    (a sharded or pipelined model's ranks always join the collectives: zeros where none has).
 
     ``present``: ``grouping.present_grads()`` when the caller already has it.
-    Raises :class:`ShardedMeasurementError` when a sharded model's ranks do not all measure.
+    Raises :class:`ShardedMeasurementError` when a sharded or pipelined model's ranks do not all measure.
     """
     present = present if present is not None else grouping.present_grads()
     sharded = grouping.sharded
-    if not present.grads and not sharded:
+    if not present.grads and not grouping.collective:
         return None
-    if sharded:
+    if grouping.collective:
         grouping.check_all_ranks_measure()
-        if grouping.partial_sets:
-            present = _reduce_partial_grads(grouping, present)
+    if grouping.partial_sets:
+        present = _reduce_partial_grads(grouping, present)
     device = grouping.device
     if present.grads:
         norms = _norms(grouping, present.grads)
@@ -429,23 +471,24 @@ def compute_grad_norms(grouping: LayerGrouping, per_layer: bool = True, present:
     else:
         norms = []
     n_params, n_layers = len(grouping.params), len(grouping)
-    if len(norms) == n_params and not sharded:  # every parameter has a gradient: no markers, no presence
+    if norms and len(norms) == n_params and not sharded:  # every parameter has a gradient: no markers, no presence
         # Squares in float64: each norm fits float32 (an fp32 norm is computed in float32 and is
         # inf past ~1.8e19), but the sum of many squares of large norms would not.
         squares = torch.stack(norms).double().square()
         if not per_layer:
-            return GradientNorms(squares.sum().sqrt().float(), None)
+            return GradientNorms(_model_norm(grouping, squares.sum()), None)
         layer_squares = torch.zeros(n_layers, dtype=torch.float64, device=device)
         layer_squares.index_add_(0, grouping.index(device, presence=False), squares)
-        return GradientNorms(layer_squares.sum().sqrt().float(), layer_squares.sqrt().float())
-    if not per_layer and not sharded:
-        return GradientNorms(torch.stack(norms).double().square().sum().sqrt().float(), None)
+        return GradientNorms(_model_norm(grouping, layer_squares.sum()), layer_squares.sqrt().float())
+    if norms and not per_layer and not sharded:
+        return GradientNorms(_model_norm(grouping, torch.stack(norms).double().square().sum()), None)
     # Some parameters have no gradient: fixed slots, absent ones marked -1 (never rebuilds the index).
     marker = grouping.absent(device)
     full = [marker] * n_params
     for pos, n in zip(present.positions, norms):
         full[pos] = n
-    values = torch.stack(full).double()  # mixed float32/float64 norms promote to float64
+    # mixed float32/float64 norms promote to float64; a stage without trainable parameters has none
+    values = torch.stack(full).double() if full else torch.zeros(0, dtype=torch.float64, device=device)
     present_mask = values.ne(-1.0).double()  # NaN != -1: a NaN gradient is present
     squares = values.clamp_min(0.0).square()  # the marker counts 0; NaN stays NaN
     n_layouts = len(grouping.shard_groups)
@@ -459,11 +502,21 @@ def compute_grad_norms(grouping: LayerGrouping, per_layer: bool = True, present:
             dist.all_reduce(by_layout[layout], group=group)
     totals = by_layout.sum(0)
     layer_squares, layer_present = totals[:n_layers], totals[n_layers:]
-    global_norm = layer_squares.sum().sqrt().float()
+    global_norm = _model_norm(grouping, layer_squares.sum())
     if not per_layer:
         return GradientNorms(global_norm, None)
     layer_norms = torch.where(layer_present > 0, layer_squares.sqrt(), -1.0).float()
     return GradientNorms(global_norm, layer_norms)
+
+
+def _model_norm(grouping: LayerGrouping, stage_squares: torch.Tensor) -> torch.Tensor:
+    """The model's norm from this stage's sum of squares (0-d float64): summed over the pipeline
+    stages when there are several (NaN/Inf in any stage reaches every stage), else its root."""
+    if grouping.pipeline_group is not None:
+        # One float64 scalar over the stages. Enqueued on the device like any kernel (NCCL: no host
+        # sync); gloo on CPU completes it here.
+        dist.all_reduce(stage_squares, group=grouping.pipeline_group)
+    return stage_squares.sqrt().float()
 
 
 def clip_with_norms(

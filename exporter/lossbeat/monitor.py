@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 from prometheus_client.registry import CollectorRegistry
 
 from ._version import __version__
@@ -91,14 +92,24 @@ class MonitorConfig:
     """Compute per-layer norms every N observed steps (the global norm is computed every step)."""
     layer_ranks: Any = "first"
     """Ranks that export per-layer norms: ``"first"`` (global rank 0: data, fully sharded and tensor
-    parallel ranks all see the same norms, so series grow with layers, not layers x ranks), ``"all"``
-    (pipeline parallel: each stage holds other layers), or a collection of global ranks."""
+    parallel ranks all see the same norms, so series grow with layers, not layers x ranks; with a
+    ``pipeline_group``, the ranks of the pipeline group that holds global rank 0, one per stage, so
+    every stage's layers are exported once), ``"all"``, or a collection of global ranks."""
     defer_device_reads: bool = True
     """Read CUDA values one step late with a non-blocking copy instead of waiting for them."""
     reduce_shards: bool = True
     """Sharded models (FSDP, tensor parallel): sum the shards' norms over their ranks with an
     all-reduce, so every rank exports the model's norms. A collective: every rank must call
     ``observe(model=...)`` at the same steps. False: each rank measures its own shards only."""
+    pipeline_group: Any = None
+    """Pipeline parallelism: the process group joining this rank with the ranks that hold the
+    other stages at the same data-parallel (and tensor-parallel) position, one rank per stage
+    (torchtitan's ``pp`` mesh dimension; a 1-D DeviceMesh is taken as its group). The stages'
+    sums of squares are added up with one all-reduce of one float64 scalar per measured step,
+    so the exported global norm, the judgments on it and ``clip_grad_norm_`` are the whole
+    model's on every stage; per-layer norms stay each stage's own layers. A collective, like
+    ``reduce_shards``: every rank must call ``observe(model=...)`` at the same steps. None: each
+    stage's global norm covers its own layers only."""
     log_status_changes: bool = True
     """Log a line whenever a health check changes status."""
     linger_seconds: float = 90.0
@@ -130,7 +141,8 @@ class MonitorConfig:
     ``TrainingRankGradientMismatch`` (replicas must agree). No collective: Prometheus compares
     the ranks, so it cannot hang a job. Pick N so that N steps span several scrape intervals (the
     rule compares ranks at the same aligned step). 0 disables it: set 0 where ranks
-    legitimately differ (pipeline stages without a model-wide norm)."""
+    legitimately differ (pipeline stages without ``pipeline_group``, whose norms are their own
+    layers'; with it every stage exports the model's norm)."""
     work_time: bool = False
     """Time this rank's own work per step (data wait + forward, through forward hooks on the
     ``observe(model=...)`` module) for ``TrainingStraggler``."""
@@ -182,6 +194,7 @@ class MonitorConfig:
         if isinstance(self.grad_norm_align_every, bool) or not isinstance(self.grad_norm_align_every, int) \
                 or self.grad_norm_align_every < 0:
             raise ValueError(f"grad_norm_align_every: expected an int >= 0, got {self.grad_norm_align_every!r}")
+        self.pipeline_group = _process_group("pipeline_group", self.pipeline_group)
         if not isinstance(self.work_time, bool):
             raise TypeError(f"work_time: expected True or False, got {self.work_time!r}")
         if self.file_sd_dir is not None and (not isinstance(self.file_sd_dir, (str, os.PathLike))
@@ -193,6 +206,8 @@ class MonitorConfig:
         if self.layer_ranks == "all":
             return True
         if self.layer_ranks == "first":
+            if self.pipeline_group is not None:  # one rank per stage: the stages of rank 0's replica
+                return 0 in dist.get_process_group_ranks(self.pipeline_group)
             return rank == 0
         return rank in self.layer_ranks
 
@@ -264,6 +279,24 @@ class Report:
                 lines.append(f"       fix: {f.fix}")
         lines.append("  events: " + ", ".join(f"{k} {v:g}" for k, v in self.counters.items()))
         return "\n".join(lines)
+
+
+def _process_group(name: str, value: Any) -> Any:
+    """``value`` as a process group: a ProcessGroup, a 1-D DeviceMesh's group, or None; else TypeError."""
+    if value is None:
+        return None
+    if dist.is_available():
+        if isinstance(value, dist.ProcessGroup):
+            return value
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if isinstance(value, DeviceMesh):
+            if value.ndim != 1:
+                raise TypeError(f"{name}: expected a 1-D DeviceMesh (the pipeline dimension, e.g. mesh['pp']), "
+                                f"got a {value.ndim}-D one")
+            return value.get_group()
+    raise TypeError(f"{name}: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, "
+                    f"got {type(value).__name__}")
 
 
 def _scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.Tensor | None:
@@ -754,7 +787,8 @@ class Monitor:
                 return grouping
         self._grouping_checked = self._submitted
         grouping = self._grouping = LayerGrouping(
-            model, self.config.layer_depth, self.config.max_layers, self.config.reduce_shards
+            model, self.config.layer_depth, self.config.max_layers, self.config.reduce_shards,
+            self.config.pipeline_group,
         )
         stage = deepspeed_zero_stage(model)
         if stage is not None and not self._warned_deepspeed:
@@ -788,9 +822,9 @@ class Monitor:
             else:
                 coefficient = None
                 grouping = self._grouping_for(model)
-                # A sharded model's ranks all-reduce together: every rank measures on due steps,
-                # whether it exports the layers or not.
-                if not (per_layer or need_global or (due and grouping.sharded)):
+                # A sharded or pipelined model's ranks all-reduce together: every rank measures on
+                # due steps, whether it exports the layers or not.
+                if not (per_layer or need_global or (due and grouping.collective)):
                     return []
                 norms = compute_grad_norms(grouping, per_layer)
         except Exception as e:
