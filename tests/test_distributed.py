@@ -101,6 +101,15 @@ def test_hf_trainer_under_ddp_exports_the_all_reduced_unclipped_norms(tmp_path):
     assert results[0]["layer_norms"] == pytest.approx(results[1]["layer_norms"], rel=1e-5)
 
 
+def _run_worker(worker, tmp_path, ranks, *args):
+    """A torchrun job of ``worker`` on ``ranks`` processes; each rank's ``result.<rank>.json``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           str(worker), "--dir", str(tmp_path), *args]
+    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-4000:]
+    return [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(ranks)]
+
+
 FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
@@ -111,11 +120,7 @@ FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
 )
 def test_sharded_gradients_give_the_models_norms_on_every_rank(tmp_path, wrap, ranks, replicas):
     """Shards: local squares summed over the shard group only (not over the replicas)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           str(FSDP_WORKER), "--dir", str(tmp_path), "--replicas", str(replicas), "--wrap", wrap]
-    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert job.returncode == 0, job.stdout[-4000:]
-    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(ranks)]
+    results = _run_worker(FSDP_WORKER, tmp_path, ranks, "--replicas", str(replicas), "--wrap", wrap)
     for r in results:
         assert "Shard(dim=0)" in r["layout"] or r["layout"] == "ShardingStrategy.FULL_SHARD"
         assert r["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0} and r["steps"] == 3
@@ -146,11 +151,7 @@ TP_WORKER = Path(__file__).with_name("tp_worker.py")
 
 
 def _run_tp_worker(tmp_path, scenario):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(TP_WORKER), "--dir", str(tmp_path), "--scenario", scenario]
-    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert job.returncode == 0, job.stdout[-4000:]
-    return [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in (0, 1)]
+    return _run_worker(TP_WORKER, tmp_path, 2, "--scenario", scenario)
 
 
 def test_tensor_and_sequence_parallel_norms_reduce_partial_gradients(tmp_path):
@@ -185,3 +186,45 @@ def test_observing_a_sharded_model_on_rank_0_alone_fails_fast_with_a_clear_messa
     assert len(r["log"]) == 1 and "not every rank measured them" in r["log"][0]
     assert "if rank == 0: monitor.observe" in r["log"][0] and "reduce_shards=False" in r["log"][0]
     assert "not every rank measured them" in r["clip_error"]  # torch's clip would hang there too
+
+
+PP_WORKER = Path(__file__).with_name("pp_worker.py")
+
+
+def test_pipeline_stages_export_the_models_norm_and_clip_alike(tmp_path):
+    """2 stages (PipelineStage + ScheduleGPipe) x 2 FSDP2 replicas: every rank's /metrics serves the
+    norm of all stages' gathered gradients; each stage's own norm used to be exported instead."""
+    results = _run_worker(PP_WORKER, tmp_path, 4, "--scenario", "train")
+    assert [r["pp_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for r in results:
+        assert r["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0} and r["steps"] == 3
+        assert r["grad_norm"] == pytest.approx(r["reference"], rel=1e-5)
+        assert r["aligned"] == pytest.approx(r["reference"], rel=1e-5)  # TrainingRankGradientMismatch: no false page
+        assert abs(r["stage_only"] - r["reference"]) > 0.05 * r["reference"]  # the old, stage-local value
+        # One coefficient on every stage, from the model's norm: the same clip as torch's of the whole.
+        clip = r["clip"]
+        assert clip["returned"] == pytest.approx(clip["torch_total"], rel=1e-5)
+        assert clip["stage_ratio"] == pytest.approx(clip["max_norm"] / clip["torch_total"], rel=1e-4)
+        assert clip["after"] == pytest.approx(clip["max_norm"], rel=1e-4)
+        assert clip["max_diff_from_torch"] < 1e-6
+        assert r["nan_grad_norm"] == "nan"  # NaN in stage 1's gradient reaches stage 0 too
+    # layer_ranks="first": the pipeline group holding rank 0 exports each stage's own layers, once.
+    assert set(results[0]["layers"]) == {"layers.0.0", "layers.1.0"}
+    assert set(results[1]["layers"]) == {"layers.2.0", "layers.3.0", "head"}
+    for r in results[:2]:
+        assert r["layers"] == pytest.approx(r["reference_layers"], rel=1e-5)
+    assert results[2]["layers"] == results[3]["layers"] == {}
+
+
+def test_observing_one_pipeline_stage_alone_fails_fast_with_a_clear_message(tmp_path):
+    """`if stage == 0: monitor.observe(model=...)` would wait alone in the stages' all-reduce."""
+    started = time.monotonic()
+    results = _run_worker(PP_WORKER, tmp_path, 2, "--scenario", "one-stage")
+    assert time.monotonic() - started < 200
+    r = results[0]
+    assert 2.5 < r["seconds"] < 30  # the 3 s handshake, once
+    assert r["steps"] == 2 and r["grad_norm"] is None  # the steps are still recorded
+    assert r["errors"]["gradients"] == 3 and r["errors"]["observe"] == 0
+    assert len(r["log"]) == 1 and "not every rank measured them" in r["log"][0]
+    assert "pipeline" in r["log"][0]
+    assert "not every rank measured them" in r["clip_error"]

@@ -299,6 +299,11 @@ def test_bad_arguments_raise_and_name_the_argument(monitor):
         MonitorConfig(layer_ranks=[-1])
     with pytest.raises(TypeError, match="reduce_shards: expected True or False, got 'no'"):
         MonitorConfig(reduce_shards="no")
+    with pytest.raises(TypeError, match="pipeline_group: expected a torch.distributed ProcessGroup, a 1-D "
+                                        "DeviceMesh or None, got list"):
+        MonitorConfig(pipeline_group=[0, 1])  # ranks, not a group
+    with pytest.raises(TypeError, match="pipeline_group: .* got str"):
+        MonitorConfig(pipeline_group="pp")
     with pytest.raises(TypeError, match="unknown setting 'layer_evry'"):
         start_exporter(0, layer_evry=3)
     assert monitor.state.steps_total == 0  # nothing half-recorded

@@ -24,7 +24,15 @@ all-reduces are collectives: every rank must measure at the same steps, as
 training loops do. The first time, the ranks check through the process
 group's store, with a short timeout, that they all came (``if rank == 0:
 monitor.observe(...)`` would otherwise wait in the collective forever); if
-not, :class:`ShardedMeasurementError` says so. Wrapper components of
+not, :class:`ShardedMeasurementError` says so.
+
+Pipeline parallelism (``pipeline_group``: one rank per stage) holds other
+layers on each stage. A stage's squared total (after its shard reductions) is
+summed over the pipeline group: one all-reduce of one float64 scalar per
+measurement, so the global norm, and the clip coefficient, are the whole
+model's on every stage (NaN/Inf in one stage reaches all); per-layer norms stay
+the stage's own layers. A collective too: a stage without gradients still
+joins it, and the first measurement's handshake includes the stages. Wrapper components of
 parameter names (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``,
 ``_orig_mod``) are dropped, so layers keep the model's own names.
 """

@@ -1,0 +1,197 @@
+"""A torchrun worker for test_distributed.py: pipeline parallelism on gloo with the monitor.
+
+Two stages (``torch.distributed.pipelining``: ``PipelineStage`` + ``ScheduleGPipe``,
+two micro-batches) on a (world / 2, 2) mesh ``("dp", "pp")``: with 4 ranks each
+stage is also sharded over 2 data-parallel ranks with FSDP2 (torchtitan's FSDP + PP),
+so the pipeline groups are {0, 1} and {2, 3}. The monitor gets ``pipeline_group=mesh["pp"]``.
+
+``--scenario train``: every rank observes; ``<dir>/result.<rank>.json`` holds what its
+/metrics served (scraped over HTTP) and references from the gathered gradients of
+every stage, computed without lossbeat: the model's norm, the stage's own norm,
+torch's clip of the gathered gradients, and a step with NaN injected in stage 1.
+
+``--scenario one-stage``: only stage 0 observes (``if stage == 0: monitor.observe``):
+it must fail fast with a clear message instead of waiting in the collective alone.
+"""
+
+import argparse
+import json
+import logging
+import math
+import pathlib
+import time
+import urllib.request
+
+import torch
+import torch.distributed as dist
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+import lossbeat.gradients
+from lossbeat import Monitor, MonitorConfig
+from worker_exit import finish
+
+WIDTH, BATCH, STAGES = 16, 8, 2
+
+
+class Stage(nn.Module):
+    """Two blocks of the model (layers 2s and 2s + 1), the last stage with the head."""
+
+    def __init__(self, stage: int):
+        super().__init__()
+        torch.manual_seed(stage)
+        self.layers = nn.ModuleDict({str(2 * stage + i): nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+                                     for i in range(2)})
+        self.head = nn.Linear(WIDTH, WIDTH) if stage == STAGES - 1 else None
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(x) if self.head is not None else x
+
+
+def mse(output, target):
+    return (output - target).pow(2).mean()
+
+
+def full_grads(module) -> dict[str, torch.Tensor]:
+    """This stage's whole gradients (FSDP2 shards gathered over the data-parallel group)."""
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for name, p in module.named_parameters()}
+
+
+def scrape(port: int) -> dict[str, list]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def one_value(metrics, name):
+    return metrics[name][0][1] if name in metrics else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--scenario", choices=("train", "one-stage"), default="train")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world // STAGES, STAGES), mesh_dim_names=("dp", "pp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    stage_index = pp.get_local_rank()
+    pp_ranks = dist.get_process_group_ranks(pp.get_group())
+    module = Stage(stage_index)
+    if dp.size() > 1:
+        for layer in module.layers.values():
+            fully_shard(layer, mesh=dp)
+        fully_shard(module, mesh=dp)
+    stage = PipelineStage(module, stage_index, STAGES, torch.device("cpu"), group=pp.get_group())
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=mse)
+
+    def train_step(seed: int) -> torch.Tensor:
+        """Forward and backward through both stages; the loss, sent from the last stage to the first."""
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(100 * seed + dp.get_local_rank())  # each replica its own data
+        x, target = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+        losses: list[torch.Tensor] = []
+        if stage_index == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=target, losses=losses)
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        dist.broadcast(loss, src=pp_ranks[-1], group=pp.get_group())  # the first stage has no loss of its own
+        return loss
+
+    def gathered() -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """(this stage's whole gradients, every stage's), without lossbeat."""
+        mine = full_grads(module)
+        stages: list = [None] * STAGES
+        dist.all_gather_object(stages, mine, group=pp.get_group())
+        return mine, stages
+
+    def norm(grads) -> float:
+        return float(torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])))
+
+    result: dict = {"rank": rank, "stage": stage_index, "pp_ranks": pp_ranks}
+    lossbeat.gradients.SHARD_HANDSHAKE_TIMEOUT_S = 3.0 if args.scenario == "one-stage" else 60.0
+    monitor = Monitor(MonitorConfig(port=0, addr="127.0.0.1", run_name="pp", pipeline_group=pp, linger_seconds=0), serve=True)
+
+    if args.scenario == "train":
+        loss = train_step(1)
+        mine, stages = gathered()
+        result["reference"] = norm(g for s in stages for g in s.values())
+        result["stage_only"] = norm(mine.values())
+        result["reference_layers"] = {
+            layer: math.sqrt(sum(float(g.double().square().sum()) for n, g in mine.items() if n.startswith(layer + ".")))
+            for layer in {n.rsplit(".", 1)[0] for n in mine}}
+        monitor.observe(0, loss=loss, model=module)
+        monitor.flush()
+        metrics = scrape(monitor.port)
+        result["grad_norm"] = one_value(metrics, "training_grad_norm")
+        result["aligned"] = one_value(metrics, "training_grad_norm_aligned")
+        result["layers"] = {labels["layer"]: v for labels, v in metrics.get("training_layer_grad_norm", [])}
+
+        # Clip: the model's norm gives one coefficient on every stage, as torch's clip of the whole.
+        max_norm = result["reference"] / 4
+        whole = [torch.zeros_like(g, requires_grad=True) for s in stages for g in s.values()]
+        for p, g in zip(whole, (g for s in stages for g in s.values())):
+            p.grad = g.clone()
+        torch_total = float(torch.nn.utils.clip_grad_norm_(whole, max_norm))
+        offset = sum(len(s) for s in stages[:stage_index])
+        torch_mine = [p.grad for p in whole[offset:offset + len(mine)]]
+        returned = float(monitor.clip_grad_norm_(module, max_norm))
+        clipped, clipped_stages = gathered()
+        result["clip"] = {
+            "max_norm": max_norm, "returned": returned, "torch_total": torch_total,
+            "stage_ratio": norm(clipped.values()) / result["stage_only"],
+            "after": norm(g for s in clipped_stages for g in s.values()),
+            "max_diff_from_torch": max(float((a - b).abs().max()) for a, b in zip(clipped.values(), torch_mine)),
+        }
+        monitor.observe(1, loss=loss, model=module)
+
+        # NaN in one gradient of the last stage: every stage's model norm is non-finite.
+        loss = train_step(2)
+        if stage_index == STAGES - 1:
+            grad = module.head.weight.grad
+            getattr(grad, "_local_tensor", grad).view(-1)[0] = float("nan")
+        monitor.observe(2, loss=loss, model=module)
+        monitor.flush()
+        result["nan_grad_norm"] = repr(one_value(scrape(monitor.port), "training_grad_norm"))
+        result["errors"] = dict(monitor.state.errors)
+        result["steps"] = monitor.state.steps_total
+    else:
+        loss = train_step(1)
+        if stage_index == 0:  # the idiom: only one stage logs
+            records = []
+            handler = logging.Handler()
+            handler.emit = records.append
+            logging.getLogger("lossbeat").addHandler(handler)
+            started = time.monotonic()
+            monitor.observe(0, loss=loss, model=module)
+            monitor.observe(1, loss=loss, model=module)  # decided once: no second wait
+            result["seconds"] = time.monotonic() - started
+            try:
+                monitor.clip_grad_norm_(module, 1.0)
+            except RuntimeError as e:
+                result["clip_error"] = str(e)
+            monitor.flush()
+            result["steps"] = monitor.state.steps_total
+            result["grad_norm"] = monitor.state.grad_norm
+            result["errors"] = dict(monitor.state.errors)
+            result["log"] = [r.getMessage() for r in records]
+    monitor.close()
+    dist.barrier()
+    (pathlib.Path(args.dir) / f"result.{rank}.json").write_text(json.dumps(result))
+    finish()
+
+
+if __name__ == "__main__":
+    main()
