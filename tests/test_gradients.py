@@ -273,3 +273,36 @@ def test_the_shard_handshake_agrees_on_one_decision_for_early_and_late_ranks():
     assert time.monotonic() - started < 5
     assert meet("one-missing", 2, 5.0, [0.0]) == [False]  # it comes late: it skips too, at once
     assert meet("late", 2, 0.3, [0.0, 1.0]) == [False, False]
+
+
+def test_ranks_whose_groups_differ_meet_every_rank_they_are_linked_to():
+    """PP x FSDP on 4 ranks: rank 0's groups are {0, 1} (stages) and {0, 2} (shards), rank 1's
+    {0, 1} and {1, 3}. Each rank's own union differs, so meeting at it would time out; following
+    the groups the ranks publish, all four find {0, 1, 2, 3}. One that never publishes: None."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from lossbeat.gradients import _linked_ranks
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    own = {0: [0, 1, 2], 1: [0, 1, 3], 2: [0, 2, 3], 3: [1, 2, 3]}
+
+    def link(prefix, ranks, timeout):
+        out = {}
+
+        def one(rank):
+            store.set(f"{prefix}/groups/{rank}", ",".join(map(str, own[rank])))
+            out[rank] = _linked_ranks(store, prefix, rank, own[rank], time.monotonic() + timeout)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    assert link("all", (0, 1, 2, 3), 5.0) == {r: [0, 1, 2, 3] for r in range(4)}
+    started = time.monotonic()
+    assert link("three", (0, 1, 2), 0.5) == {0: None, 1: None, 2: None}  # rank 3 never came
+    assert time.monotonic() - started < 5
