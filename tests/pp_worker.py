@@ -122,16 +122,19 @@ def main() -> None:
 
     result: dict = {"rank": rank, "stage": stage_index, "pp_ranks": pp_ranks}
     lossbeat.gradients.SHARD_HANDSHAKE_TIMEOUT_S = 3.0 if args.scenario == "one-stage" else 60.0
-    monitor = Monitor(MonitorConfig(port=0, addr="127.0.0.1", run_name="pp", pipeline_group=pp, linger_seconds=0), serve=True)
+    config = MonitorConfig(port=0, addr="127.0.0.1", run_name="pp", pipeline_group=pp, linger_seconds=0)
+    monitor = Monitor(config, serve=True)  # pipeline_group: the 1-D "pp" mesh, taken as its group
 
     if args.scenario == "train":
         loss = train_step(1)
         mine, stages = gathered()
         result["reference"] = norm(g for s in stages for g in s.values())
         result["stage_only"] = norm(mine.values())
-        result["reference_layers"] = {
-            layer: math.sqrt(sum(float(g.double().square().sum()) for n, g in mine.items() if n.startswith(layer + ".")))
-            for layer in {n.rsplit(".", 1)[0] for n in mine}}
+        squares: dict[str, float] = {}
+        for name, g in mine.items():
+            layer = name.rsplit(".", 1)[0]
+            squares[layer] = squares.get(layer, 0.0) + float(g.double().square().sum())
+        result["reference_layers"] = {layer: math.sqrt(v) for layer, v in squares.items()}
         monitor.observe(0, loss=loss, model=module)
         monitor.flush()
         metrics = scrape(monitor.port)
