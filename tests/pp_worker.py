@@ -141,6 +141,7 @@ def main() -> None:
         result["grad_norm"] = one_value(metrics, "training_grad_norm")
         result["aligned"] = one_value(metrics, "training_grad_norm_aligned")
         result["layers"] = {labels["layer"]: v for labels, v in metrics.get("training_layer_grad_norm", [])}
+        result["measure_gradients"] = float(monitor.measure_gradients(module))
 
         # Clip: the model's norm gives one coefficient on every stage, as torch's clip of the whole.
         max_norm = result["reference"] / 4

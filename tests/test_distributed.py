@@ -200,6 +200,7 @@ def test_pipeline_stages_export_the_models_norm_and_clip_alike(tmp_path):
         assert r["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0} and r["steps"] == 3
         assert r["grad_norm"] == pytest.approx(r["reference"], rel=1e-5)
         assert r["aligned"] == pytest.approx(r["reference"], rel=1e-5)  # TrainingRankGradientMismatch: no false page
+        assert r["measure_gradients"] == pytest.approx(r["reference"], rel=1e-5)
         assert abs(r["stage_only"] - r["reference"]) > 0.05 * r["reference"]  # the old, stage-local value
         # One coefficient on every stage, from the model's norm: the same clip as torch's of the whole.
         clip = r["clip"]
