@@ -99,6 +99,10 @@ def test_hf_trainer_under_ddp_exports_the_all_reduced_unclipped_norms(tmp_path):
         assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(r["grad_norm"], rel=1e-4)
     # Each rank saw its own shard, yet both export the job's (averaged) norms, layer by layer.
     assert results[0]["layer_norms"] == pytest.approx(results[1]["layer_norms"], rel=1e-5)
+    # Each rank exports its own loss; the Trainer logs their mean (num_items_in_batch counts both ranks' tokens,
+    # and the Trainer scales the model's loss by the world size in place, after the callback read it).
+    assert results[0]["loss"] != results[1]["loss"]
+    assert (results[0]["loss"] + results[1]["loss"]) / 2 == pytest.approx(results[0]["trainer_loss"], rel=1e-5)
 
 
 FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")

@@ -220,7 +220,10 @@ class LossbeatCallback(TrainerCallback):
             return
         if self._measure_pre_clip and self._after_backward is not None and _completes_step():
             self._after_backward.watch(loss, module)
-        value = loss.detach().float().reshape(())
+        # A copy (one small kernel, no host sync): with num_items_in_batch across several
+        # processes the Trainer scales the model's loss in place (`loss *= world size`) after
+        # this hook, and a view would count the first micro-batch at that scale.
+        value = loss.detach().to(torch.float32, copy=True).reshape(())
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._micro_batches += 1
         self._shares = kwargs.get("num_items_in_batch") is not None
