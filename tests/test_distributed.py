@@ -142,6 +142,7 @@ def test_hf_trainer_under_fsdp_exports_the_gathered_gradients_norms(tmp_path, ve
             else:
                 assert exported["layers"] == {}
     # The Trainer logs the ranks' mean loss; each rank exports its own (its own data).
+    assert [logged["step"] for logged in results[0]["logged"]] == [1, 2, 3]
     for i, logged in enumerate(results[0]["logged"]):
         losses = [r["steps"][i]["training_loss"] for r in results]
         assert losses[0] != losses[1]
