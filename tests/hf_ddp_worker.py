@@ -48,6 +48,9 @@ def main() -> None:
         output_dir=args.dir, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         logging_steps=1, learning_rate=1e-3, max_grad_norm=0.05, report_to=[], use_cpu=True,
         ddp_backend="gloo", save_strategy="no", disable_tqdm=True, seed=0,
+        # As runs whose every parameter is used set it: DDP then hands back the model's own loss tensor
+        # (with unused parameters searched, a copy), which the Trainer scales in place.
+        ddp_find_unused_parameters=False,
     )
     # The sampler gives each rank its own shard: different data, gradients all-reduced by DDP.
     trainer = Trainer(model=model, args=training, train_dataset=Tokens(64, 1),
@@ -63,6 +66,8 @@ def main() -> None:
         "layer_norms": s.layer_norms,
         "trainer_grad_norm": logged[-1]["grad_norm"],
         "trainer_step": logged[-1]["step"],
+        "loss": s.loss,
+        "trainer_loss": logged[-1]["loss"],
     }
     path = pathlib.Path(args.dir) / f"result.{trainer.args.process_index}.json"
     path.write_text(json.dumps(result))

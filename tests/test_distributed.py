@@ -99,6 +99,55 @@ def test_hf_trainer_under_ddp_exports_the_all_reduced_unclipped_norms(tmp_path):
         assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(r["grad_norm"], rel=1e-4)
     # Each rank saw its own shard, yet both export the job's (averaged) norms, layer by layer.
     assert results[0]["layer_norms"] == pytest.approx(results[1]["layer_norms"], rel=1e-5)
+    # Each rank exports its own loss; the Trainer logs their mean (num_items_in_batch counts both ranks' tokens,
+    # and the Trainer scales the model's loss by the world size in place, after the callback read it).
+    assert results[0]["loss"] != results[1]["loss"]
+    assert (results[0]["loss"] + results[1]["loss"]) / 2 == pytest.approx(results[0]["trainer_loss"], rel=1e-5)
+
+
+HF_FSDP_WORKER = Path(__file__).with_name("hf_fsdp_worker.py")
+
+
+@pytest.mark.parametrize("version, max_grad_norm", [(2, 0.05), (1, 0.05), (2, 0.0)],
+                         ids=["fsdp2-clipping", "fsdp1-clipping", "fsdp2-no-clipping"])
+def test_hf_trainer_under_fsdp_exports_the_gathered_gradients_norms(tmp_path, version, max_grad_norm):
+    """Sharded gradients: every rank exports the norms of the full gradients (not of its shard), measured
+    after FSDP's reduce-scatter and before the Trainer clips; rank 0 the layers; each rank its loss."""
+    require_module("transformers")
+    require_module("accelerate")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HF_FSDP_WORKER), "--dir", str(tmp_path), "--fsdp-version", str(version),
+           "--max-grad-norm", str(max_grad_norm)]
+    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-4000:]
+    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in (0, 1)]
+    for r in results:
+        if version == 1:
+            assert r["wrapped"] == "FullyShardedDataParallel"
+        else:
+            assert r["wrapped"] == "FSDPGPT2LMHeadModel" and r["placements"] == "(Shard(dim=0),)"
+        assert r["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}
+        # Clipping: measured at the end of each step's last backward (accumulation 2), else in
+        # on_pre_optimizer_step.
+        assert len(r["measured_at_end_of_backward"]) == (3 if max_grad_norm else 0)
+        assert [s["training_step"] for s in r["steps"]] == [1, 2, 3] and len(r["references"]) == 3
+        for exported, reference in zip(r["steps"], r["references"]):
+            assert exported["training_grad_norm"] == pytest.approx(reference["global"], rel=1e-5)
+            assert exported["training_grad_norm"] == pytest.approx(reference["trainer_clip"], rel=1e-5)
+            assert reference["global"] > 0.05  # a norm measured after the clip would be 0.05
+            if r["rank"] == 0:
+                assert set(exported["layers"]) == set(reference["layers"])
+                assert "transformer.h.0.mlp.c_fc" in exported["layers"]
+                assert exported["layers"] == pytest.approx(reference["layers"], rel=1e-5)
+            else:
+                assert exported["layers"] == {}
+    # The Trainer logs the ranks' mean loss; each rank exports its own (its own data).
+    assert [logged["step"] for logged in results[0]["logged"]] == [1, 2, 3]
+    for i, logged in enumerate(results[0]["logged"]):
+        losses = [r["steps"][i]["training_loss"] for r in results]
+        assert losses[0] != losses[1]
+        assert sum(losses) / 2 == pytest.approx(logged["loss"], rel=1e-5)
+        assert logged["grad_norm"] == pytest.approx(results[0]["steps"][i]["training_grad_norm"], rel=1e-5)
 
 
 def _run_worker(worker, tmp_path, ranks, *args):

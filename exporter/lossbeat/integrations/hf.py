@@ -48,18 +48,28 @@ class LossbeatCallback(TrainerCallback):
       ``on_pre_optimizer_step``. With ``fp16=True`` the gradients still carry
       the GradScaler's loss scale there: the norms are divided by it on the
       device (no host sync). Under DDP they are measured after the
-      all-reduce. Only the step's last micro-batch is measured (accelerate's
-      ``GradientState.sync_gradients``): its backward completes the gradients.
+      all-reduce. Under FSDP (accelerate's FSDP1 or FSDP2) they are measured
+      after the reduce-scatter: FSDP's own end-of-backward callback, queued
+      during the pass and so run before this one, waits for it (on GPUs, the
+      compute stream waits for the reduce-scatter's); each rank then holds its
+      shard of the reduced gradients, and the measurement sums the shards'
+      squares over the shard group with one small all-reduce, so every rank
+      exports the norms of the full gradients. That all-reduce is a collective:
+      every rank measures at the same steps, as every rank runs the same
+      number of micro-batches per step. Only the step's last micro-batch is measured
+      (accelerate's ``GradientState.sync_gradients``): its backward completes
+      the gradients.
     - ``on_pre_optimizer_step``: ``Monitor.observe(step, loss, model, optimizer, epoch)``:
       ``step`` is ``state.global_step + 1`` (the number the Trainer logs for
       this step), ``loss`` the step's loss over its micro-batches (the sum of
       their shares when the model is given ``num_items_in_batch``, else their
-      mean), as the Trainer logs it; the learning rates from the optimizer's
-      param groups, ``epoch`` the fractional epoch the Trainer gives this step
+      mean), the rank's own (the Trainer logs the mean over the ranks); the
+      learning rates from the optimizer's param groups, ``epoch`` the fractional epoch the Trainer gives this step
       (``state.epoch`` is still the previous step's here: the step's micro-batches
       are added, as the Trainer adds them after the step); the gradient
       norms are those measured at the end of backward (read here when nothing
-      clips).
+      clips; under FSDP the same collective, after the Trainer's own norm, which
+      leaves the gradients unchanged).
     - ``on_log``: only in fallback mode: ``loss``, ``grad_norm``,
       ``learning_rate`` and ``epoch`` of the log record. Eval keys are left to
       ``on_evaluate`` so nothing is counted twice.
@@ -220,7 +230,10 @@ class LossbeatCallback(TrainerCallback):
             return
         if self._measure_pre_clip and self._after_backward is not None and _completes_step():
             self._after_backward.watch(loss, module)
-        value = loss.detach().float().reshape(())
+        # A copy (one small kernel, no host sync): with num_items_in_batch across several
+        # processes the Trainer scales the model's loss in place (`loss *= world size`) after
+        # this hook, and a view would count the first micro-batch at that scale.
+        value = loss.detach().to(torch.float32, copy=True).reshape(())
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._micro_batches += 1
         self._shares = kwargs.get("num_items_in_batch") is not None
