@@ -77,6 +77,15 @@ def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):
     assert norm0 == pytest.approx(norm1, rel=1e-5)
 
 
+def _run_worker(worker, tmp_path, ranks, *args):
+    """A torchrun job of ``worker`` on ``ranks`` processes; each rank's ``result.<rank>.json``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           str(worker), "--dir", str(tmp_path), *args]
+    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-4000:]
+    return [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(ranks)]
+
+
 HF_WORKER = Path(__file__).with_name("hf_ddp_worker.py")
 
 
@@ -84,11 +93,7 @@ def test_hf_trainer_under_ddp_exports_the_all_reduced_unclipped_norms(tmp_path):
     """The end-of-backward measurement runs after DDP writes the averaged gradients back."""
     require_module("transformers")
     require_module("accelerate")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HF_WORKER), "--dir", str(tmp_path)]
-    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert job.returncode == 0, job.stdout[-4000:]
-    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in (0, 1)]
+    results = _run_worker(HF_WORKER, tmp_path, 2)
     for r in results:
         assert r["steps"] == 4 and r["trainer_step"] == 4
         # The Trainer's grad_norm is taken after the all-reduce and before it clips to 0.05.
@@ -115,12 +120,8 @@ def test_hf_trainer_under_fsdp_exports_the_gathered_gradients_norms(tmp_path, ve
     after FSDP's reduce-scatter and before the Trainer clips; rank 0 the layers; each rank its loss."""
     require_module("transformers")
     require_module("accelerate")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HF_FSDP_WORKER), "--dir", str(tmp_path), "--fsdp-version", str(version),
-           "--max-grad-norm", str(max_grad_norm)]
-    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert job.returncode == 0, job.stdout[-4000:]
-    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in (0, 1)]
+    results = _run_worker(HF_FSDP_WORKER, tmp_path, 2, "--fsdp-version", str(version),
+                          "--max-grad-norm", str(max_grad_norm))
     for r in results:
         if version == 1:
             assert r["wrapped"] == "FullyShardedDataParallel"
@@ -148,15 +149,6 @@ def test_hf_trainer_under_fsdp_exports_the_gathered_gradients_norms(tmp_path, ve
         assert losses[0] != losses[1]
         assert sum(losses) / 2 == pytest.approx(logged["loss"], rel=1e-5)
         assert logged["grad_norm"] == pytest.approx(results[0]["steps"][i]["training_grad_norm"], rel=1e-5)
-
-
-def _run_worker(worker, tmp_path, ranks, *args):
-    """A torchrun job of ``worker`` on ``ranks`` processes; each rank's ``result.<rank>.json``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           str(worker), "--dir", str(tmp_path), *args]
-    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert job.returncode == 0, job.stdout[-4000:]
-    return [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(ranks)]
 
 
 FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
