@@ -8,9 +8,14 @@ demo:
 	scripts/setup.sh
 	$(PYTHON) -m lossbeat demo $(ARGS)
 
+# Four test processes (pytest-xdist): most of the suite's time is spent waiting on servers
+# and alert windows, not computing, so even two cores run four at once; TEST_WORKERS=0 runs
+# them in this process.
+TEST_WORKERS ?= 4
+
 test:
 	scripts/setup.sh --servers
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Regenerate every checked-in generated file from the thresholds file: the one command
 # that writes into the checkout (users write into a folder: lossbeat generate --output-dir DIR).

@@ -20,7 +20,7 @@ installed_here() {
 if ! installed_here || ! "$PY" -c "import prometheus_client, yaml, numpy" 2>/dev/null; then
   "$PY" -m pip install -q -e .
 fi
-if [ "${1:-}" = "--servers" ] && ! "$PY" -c "import pytest, jsonschema, transformers, lightning, matplotlib, tensorboard, hypothesis, bcrypt, cryptography, kubernetes_validate, cloudcoil.models.prometheus_operator" 2>/dev/null; then
+if [ "${1:-}" = "--servers" ] && ! "$PY" -c "import pytest, xdist, jsonschema, transformers, lightning, matplotlib, tensorboard, hypothesis, bcrypt, cryptography, kubernetes_validate, cloudcoil.models.prometheus_operator" 2>/dev/null; then
   "$PY" -m pip install -q -e ".[test]"
 fi
 
