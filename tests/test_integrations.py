@@ -240,6 +240,21 @@ def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
     assert _value(s, "training_eval_loss") == pytest.approx(float(trainer.callback_metrics["val_loss"]))
 
 
+def test_lightning_loss_is_read_as_it_was_at_backward_not_after_an_in_place_change():
+    """The callback keeps a copy of the loss it sees in on_before_backward: code that changes the
+    loss tensor in place after backward (the HF Trainer does) must not change the exported loss."""
+    Regressor = _lightning_module()
+
+    class RescalesAfterBackward(Regressor):
+        def backward(self, loss, *args, **kwargs):
+            super().backward(loss, *args, **kwargs)
+            with torch.no_grad():
+                loss.mul_(100.0)
+
+    _, module, monitor, _ = _fit_lightning(RescalesAfterBackward, 32, max_steps=4, limit_val_batches=0)
+    assert _value(_scrape(monitor), "training_loss") == pytest.approx(module.losses[-1], rel=1e-5)
+
+
 def test_lightning_fp16_scaler_overflow_is_counted_not_paged():
     """16-mixed precision's GradScaler, on CPU: a step whose gradients overflow is skipped by the
     scaler and counted as an overflow; the loss scale is exported."""

@@ -114,7 +114,9 @@ class LossbeatCallback(Callback):
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            value = loss.detach().float().reshape(())
+            # A copy (one small kernel, no host sync): a view would follow any later in-place change
+            # of the loss tensor (the HF Trainer scales its loss in place after backward).
+            value = loss.detach().to(torch.float32, copy=True).reshape(())
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
