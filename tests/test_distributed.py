@@ -214,6 +214,45 @@ def test_tensor_and_sequence_parallel_norms_reduce_partial_gradients(tmp_path):
     assert results[0]["measured"] == results[1]["measured"]
 
 
+def test_2d_fsdp_x_tensor_parallel_gives_the_models_norms_on_every_rank(tmp_path):
+    """torchtitan's layout: TP on mesh["tp"], then fully_shard on mesh["dp"] (4 ranks, a 2 x 2 mesh).
+    Each gradient is sharded over both dimensions (or over dp alone): squares summed over each of
+    its groups. Each rank's groups span 3 ranks, a different 3 on each rank: the first-time
+    handshake, keyed by those, used to make every rank give up and export no norm."""
+    results = _run_worker(TP_WORKER, tmp_path, 4, "--scenario", "fsdp-tp")
+    assert [r["dp_tp"] for r in results] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    placements = results[0]["placements"]
+    # FSDP over dp times TP's placement, parameters and gradients alike (FSDP2 makes the SequenceParallel
+    # norm's Partial gradient Replicate before its reduce-scatter).
+    up = placements["blocks.0.up.weight"]  # FSDP's dim-0 shard of TP's dim-0 shard: strided
+    assert up[0] == up[1] and up[0].startswith("(_StridedShard(dim=0") and up[0].endswith(", Shard(dim=0))")
+    assert placements["blocks.0.down.weight"] == ["(Shard(dim=0), Shard(dim=1))"] * 2
+    assert placements["blocks.0.norm.weight"] == ["(Shard(dim=0), Replicate())"] * 2
+    layers = {"blocks.0.norm", "blocks.0.up", "blocks.0.down", "blocks.1.norm", "blocks.1.up", "blocks.1.down", "norm"}
+    for r in results:
+        assert r["errors"] == r["local_errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}
+        assert r["steps_total"] == 3
+        for step, s in enumerate(r["steps"]):
+            assert s["grad_norm"] == pytest.approx(s["reference"], rel=1e-5)  # observe (step 0) or the clip's
+            if r["rank"] == 0:  # layer_ranks="first"
+                assert set(s["layers"]) == set(s["reference_layers"]) == layers
+                assert s["layers"] == pytest.approx(s["reference_layers"], rel=1e-5)
+            else:
+                assert s["layers"] == {}
+            if step:  # monitor.clip_grad_norm_: the model's norm, every shard scaled to max_norm together
+                assert s["clip_returned"] == pytest.approx(s["reference"], rel=1e-5)
+                assert s["after_clip"] == pytest.approx(s["max_norm"], rel=1e-4)
+        torch_step = r["steps"][1]  # torch.nn.utils.clip_grad_norm_ on the DTensors, the same gradients
+        assert torch_step["torch_clip"] == pytest.approx(torch_step["reference"], rel=1e-5)
+        assert torch_step["max_diff_from_torch"] < 1e-6
+        # Unreduced, a rank's norm is that of its shards only: the reductions are what makes it whole.
+        assert 0 < r["steps"][0]["local_only"] < 0.9 * r["steps"][0]["reference"]
+    for step in range(3):  # the gradients are the whole model's, the losses each rank's own
+        assert len({r["steps"][step]["grad_norm"] for r in results}) == 1
+        losses = [r["steps"][step]["loss"] for r in results]
+        assert losses[0] != losses[2] and losses[1] != losses[3]  # dp ranks: their own data
+
+
 def test_observing_a_sharded_model_on_rank_0_alone_fails_fast_with_a_clear_message(tmp_path):
     """`if rank == 0: monitor.observe(model=...)`: rank 0 used to wait alone in the all-reduce
     (gloo: until its 30-minute timeout; NCCL: pairing with the next all-gather or a hang)."""
