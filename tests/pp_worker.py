@@ -5,10 +5,11 @@ two micro-batches) on a (world / 2, 2) mesh ``("dp", "pp")``: with 4 ranks each
 stage is also sharded over 2 data-parallel ranks with FSDP2 (torchtitan's FSDP + PP),
 so the pipeline groups are {0, 1} and {2, 3}. The monitor gets ``pipeline_group=mesh["pp"]``.
 
-``--scenario train``: every rank observes; ``<dir>/result.<rank>.json`` holds what its
-/metrics served (scraped over HTTP) and references from the gathered gradients of
-every stage, computed without lossbeat: the model's norm, the stage's own norm,
-torch's clip of the gathered gradients, and a step with NaN injected in stage 1.
+``--scenario train``: every rank observes, the first stage without a loss (it computes
+none); ``<dir>/result.<rank>.json`` holds what its /metrics served (scraped over HTTP) and
+references from the gathered gradients of every stage, computed without lossbeat: the
+model's norm, the stage's own norm, torch's clip of the gathered gradients, and a step
+with NaN injected in stage 1.
 
 ``--scenario one-stage``: only stage 0 observes (``if stage == 0: monitor.observe``):
 it must fail fast with a clear message instead of waiting in the collective alone.
@@ -96,8 +97,8 @@ def main() -> None:
     stage = PipelineStage(module, stage_index, STAGES, torch.device("cpu"), group=pp.get_group())
     schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=mse)
 
-    def train_step(seed: int) -> torch.Tensor:
-        """Forward and backward through both stages; the loss, sent from the last stage to the first."""
+    def train_step(seed: int) -> torch.Tensor | None:
+        """Forward and backward through both stages; the loss on the last stage, None before it."""
         module.zero_grad(set_to_none=True)
         torch.manual_seed(100 * seed + dp.get_local_rank())  # each replica its own data
         x, target = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
@@ -106,9 +107,8 @@ def main() -> None:
             schedule.step(x)
         else:
             schedule.step(target=target, losses=losses)
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
-        dist.broadcast(loss, src=pp_ranks[-1], group=pp.get_group())  # the first stage has no loss of its own
-        return loss
+        # The first stage has no loss: it observes without one (no broadcast, no placeholder).
+        return torch.stack(losses).mean().detach() if losses else None
 
     def gathered() -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
         """(this stage's whole gradients, every stage's), without lossbeat."""
@@ -139,6 +139,8 @@ def main() -> None:
         monitor.flush()
         metrics = scrape(monitor.port)
         result["grad_norm"] = one_value(metrics, "training_grad_norm")
+        result["loss"] = None if loss is None else float(loss)
+        result["exported_loss"] = one_value(metrics, "training_loss")
         result["aligned"] = one_value(metrics, "training_grad_norm_aligned")
         result["layers"] = {labels["layer"]: v for labels, v in metrics.get("training_layer_grad_norm", [])}
         result["measure_gradients"] = float(monitor.measure_gradients(module))
@@ -171,6 +173,9 @@ def main() -> None:
         result["nan_grad_norm"] = repr(one_value(scrape(monitor.port), "training_grad_norm"))
         result["errors"] = dict(monitor.state.errors)
         result["steps"] = monitor.state.steps_total
+        result["nonfinite_loss"] = monitor.state.nonfinite_loss_total
+        result["loss_findings"] = [(f.check, int(f.status), f.known) for f in monitor.report().findings
+                                   if f.check.startswith("loss")]
     else:
         loss = train_step(1)
         if stage_index == 0:  # the idiom: only one stage logs

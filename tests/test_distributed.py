@@ -289,6 +289,11 @@ def test_pipeline_stages_export_the_models_norm_and_clip_alike(tmp_path):
         assert clip["after"] == pytest.approx(clip["max_norm"], rel=1e-4)
         assert clip["max_diff_from_torch"] < 1e-6
         assert r["nan_grad_norm"] == "nan"  # NaN in stage 1's gradient reaches stage 0 too
+        if r["stage"] == 0:  # observed with loss=None: no loss exported, judged or counted
+            assert r["loss"] is None and r["exported_loss"] is None and r["nonfinite_loss"] == 0
+            assert r["loss_findings"] and all(status == 0 and not known for _, status, known in r["loss_findings"])
+        else:
+            assert r["exported_loss"] == pytest.approx(r["loss"]) and r["loss"] > 0
     # layer_ranks="first": the pipeline group holding rank 0 exports each stage's own layers, once.
     assert set(results[0]["layers"]) == {"layers.0.0", "layers.1.0"}
     assert set(results[1]["layers"]) == {"layers.2.0", "layers.3.0", "head"}

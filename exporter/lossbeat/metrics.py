@@ -29,7 +29,7 @@ class MetricSpec:
 
 _SPECS = [
     # --- gauges: the latest observed values -------------------------------------
-    MetricSpec("training_loss", "gauge", "Training loss of the last observed step; NaN when it was not finite.", unit="none"),
+    MetricSpec("training_loss", "gauge", "Training loss of the last step observed with one; NaN when it was not finite. Absent on a rank that computes none (a pipeline stage before the last).", unit="none"),
     MetricSpec("training_eval_loss", "gauge", "Evaluation loss of the last evaluation.", unit="none"),
     MetricSpec("training_loss_component", "gauge", "Components of a multi-task loss, each on its own.", ("component",), unit="none"),
     MetricSpec("training_grad_norm", "gauge", "Global L2 norm of the gradients before clipping.", unit="none"),
@@ -56,7 +56,7 @@ _SPECS = [
     MetricSpec("training_layers_without_grad", "gauge", "Layers none of whose parameters had a gradient at the last per-layer measurement (unused this step); they are left out of training_layer_grad_norm.", unit="none"),
     # --- info ---------------------------------------------------------------------
     MetricSpec("training_run", "info", "Metadata of the training run.", ("run", "profile", "world_size", "local_rank", "version", "torch_version")),
-    MetricSpec("training_nonfinite_grad_first_layer", "info", "Where the last non-finite gradient started: the last layer in model order whose gradient was non-finite (backprop spreads it to the layers before), or 'all layers' when a non-finite loss poisoned every one.", ("layer",)),
+    MetricSpec("training_nonfinite_grad_first_layer", "info", "Where the last non-finite gradient started: the last layer in model order whose gradient was non-finite (backprop spreads it to the layers before), or 'all layers' when a non-finite loss (on a pipeline stage without one: the gradient from the later stages) poisoned every one.", ("layer",)),
     # --- counters: events are never missed between scrapes ------------------------
     MetricSpec("training_steps_total", "counter", "Observed training steps."),
     MetricSpec("training_tokens_total", "counter", "Tokens processed, as passed to observe(tokens=...)."),

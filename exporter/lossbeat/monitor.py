@@ -64,7 +64,8 @@ _LOG_EVERY = 100  # repeated events (a NaN every step) are logged once per this 
 # observed for this long (an evaluation, a checkpoint): a NaN just before them shows at once.
 _SCRAPE_DRAIN_AFTER_S = 1.0
 ALL_LAYERS = "all layers"
-"""The non-finite layer reported when a non-finite loss made every layer's gradient non-finite."""
+"""The non-finite layer reported when a non-finite loss made every layer's gradient non-finite
+(on a pipeline stage without a loss: when every layer of the stage is non-finite)."""
 _MAX_LINGER_S = 600.0
 
 
@@ -108,8 +109,10 @@ class MonitorConfig:
     sums of squares are added up with one all-reduce of one float64 scalar per measured step,
     so the exported global norm, the judgments on it and ``clip_grad_norm_`` are the whole
     model's on every stage; per-layer norms stay each stage's own layers. A collective, like
-    ``reduce_shards``: every rank must call ``observe(model=...)`` at the same steps. None: each
-    stage's global norm covers its own layers only."""
+    ``reduce_shards``: every rank must call ``observe(model=...)`` at the same steps; the stages
+    before the last, which compute no loss, call it without one (``observe(step, model=model,
+    optimizer=optimizer)``), never with a placeholder such as torchtitan's ``-1``, which would be
+    judged as the loss. None: each stage's global norm covers its own layers only."""
     log_status_changes: bool = True
     """Log a line whenever a health check changes status."""
     linger_seconds: float = 90.0
@@ -483,7 +486,7 @@ class Monitor:
         self,
         step: int,
         *,
-        loss: Any,
+        loss: Any = None,
         optimizer: Any = None,
         learning_rate: Any = None,
         grad_norm: Any = None,
@@ -502,6 +505,16 @@ class Monitor:
         (call ``scaler.unscale_(optimizer)`` first, as before clipping): its
         scale is exported, and a step whose gradients overflow, which the
         scaler skips, counts as an overflow instead of a non-finite gradient.
+
+        ``loss=None`` (the default): this rank computes no loss this step, as
+        the pipeline stages before the last. The step, its time, learning
+        rates, tokens and gradient norms are recorded (``model=`` still joins
+        the shard and pipeline all-reduces); the loss is not: no
+        ``training_loss`` until one is given, no loss sample for the checks,
+        which judge only the losses given. Never pass a placeholder such as
+        torchtitan's ``-1`` for a stage without a loss: it would be judged as
+        the loss.
+
         Wrong types raise ``TypeError``; NaN, Inf and other anomalies in the
         values are counted and exported, never raised.
         """
@@ -510,7 +523,7 @@ class Monitor:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise TypeError(f"step: expected an int, got {type(step).__name__}")
         _refuse_graph_capture("observe")
-        loss_value = _scalar("loss", loss)
+        loss_value = _scalar("loss", loss, optional=True)  # None: no loss on this rank (a pipeline stage)
         grad_value = _scalar("grad_norm", grad_norm, optional=True)
         tokens_value = _scalar("tokens", tokens, optional=True)
         lr_values = self._learning_rates(optimizer, learning_rate)
@@ -955,7 +968,7 @@ class Monitor:
 
     def _apply(self, record: _Pending) -> None:
         s, v = self.state, record.host
-        loss = v["loss"]
+        loss = v.get("loss")  # None: a rank without a loss this step (a pipeline stage before the last)
         grad_norm = v.get("grad_norm")
         lrs = {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "lr"} if record.has_lrs else None
         components = (
@@ -989,7 +1002,8 @@ class Monitor:
 
         events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
         self._cross_rank.record(record.step, grad_norm)
-        s.loss = loss if math.isfinite(loss) else math.nan
+        if loss is not None:
+            s.loss = loss if math.isfinite(loss) else math.nan
         if grad_norm is not None:
             s.grad_norm = grad_norm if math.isfinite(grad_norm) else math.nan
         s.step = float(record.step)
@@ -1092,12 +1106,14 @@ class Monitor:
             log.log(level, msg + (" (repeated %d times)" % n if n else ""), *args, exc_info=exc_info)
 
 
-def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float) -> str:
+def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float | None) -> str:
     """Where a non-finite gradient started: backprop carries a NaN or Inf born in one layer's
     backward to every layer before it, so the origin is the last non-finite layer in model
-    order; a non-finite loss poisons every layer (``ALL_LAYERS``)."""
+    order; a non-finite loss poisons every layer (``ALL_LAYERS``). ``loss`` None: a rank
+    without a loss (a pipeline stage before the last), whose gradients come from the next
+    stage: every layer non-finite may have been poisoned there, so ``ALL_LAYERS`` too."""
     bad = [name for name, x in layer_norms.items() if not math.isfinite(x)]
-    if not math.isfinite(loss) and len(bad) == len(layer_norms):
+    if len(bad) == len(layer_norms) and (loss is None or not math.isfinite(loss)):
         return ALL_LAYERS
     return bad[-1]
 

@@ -554,8 +554,12 @@ def _cluster(b: _Builder) -> dict[str, list[Scenario]]:
     base, rel = 2.0, c.loss_spread_min_relative
     noise = [0.0, 0.01, -0.01, 0.005]  # relative per-rank noise: the healthy spread of data shards
 
-    def scenario(name: str, losses: list[float]) -> Scenario:
+    def scenario(name: str, losses: list[float], without_loss: int = 0) -> Scenario:
+        """``without_loss``: more ranks that export no loss (pipeline stages before the last):
+        they take no part in the median, the MAD or the rank count."""
         series = [b.hold("training_loss", _target(str(r)), x, samples) for r, x in enumerate(losses)]
+        series += [b.hold("training_grad_norm", _target(str(r)), 1.0, samples)
+                   for r in range(len(losses), len(losses) + without_loss)]
         firing = _spread_firing(b.t, losses)
         return Scenario(name, series, [(at, spread.name, [Expect(spread, job_labels(r), z)
                                                           for r, z in firing.items()])])
@@ -570,6 +574,10 @@ def _cluster(b: _Builder) -> dict[str, list[Scenario]]:
         scenario("ranks within their noise are silent", healthy),
         scenario("a departure below the relative minimum is silent", small),
         scenario(f"fewer than {c.min_ranks} ranks are silent", [base, base * (1 + 5 * rel)][: c.min_ranks - 1]),
+        scenario("ranks without a loss (pipeline stages) take no part: the departing rank fires", high,
+                 without_loss=len(high)),
+        scenario(f"fewer than {c.min_ranks} ranks with a loss are silent, whatever the ranks without one",
+                 [base, base * (1 + 5 * rel)][: c.min_ranks - 1], without_loss=2 * c.min_ranks),
     ]
     # Checks on the generator: the firing cases fire, the silent ones do not, before and at `for`.
     if not (_spread_firing(b.t, high) and _spread_firing(b.t, low)) or _spread_firing(b.t, healthy) \

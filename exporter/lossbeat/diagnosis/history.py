@@ -310,20 +310,24 @@ class History:
     def add_step(
         self,
         step: int,
-        loss: float,
+        loss: float | None,
         grad_norm: float | None = None,
         learning_rate: float | None = None,
         components: Mapping[str, float] | None = None,
     ) -> StepEvents:
-        """Record one step; returns the events it counts. Never raises on data."""
+        """Record one step; returns the events it counts. Never raises on data.
+
+        ``loss`` None: the step had no loss (a pipeline stage before the last): the loss
+        series get no record, the other values count as usual."""
         events = StepEvents()
         self.steps_seen += 1
         if self.last_step is not None and step < self.last_step:
             self.reset_windows()
         self.last_step = step
 
-        events.nonfinite_loss = not math.isfinite(loss)
-        events.spike = self.loss.push(step, loss)
+        if loss is not None:
+            events.nonfinite_loss = not math.isfinite(loss)
+            events.spike = self.loss.push(step, loss)
 
         if grad_norm is not None:
             if math.isfinite(grad_norm):
