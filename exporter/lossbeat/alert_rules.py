@@ -282,7 +282,8 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
                 f"{WHO_CAP} produced {VALUE} steps with a NaN/Inf gradient norm in the last {a.event_window}; "
                 "it started at layer {{ $labels.layer }} (the last layer in model order with a non-finite "
                 "gradient: backprop spreads it to every layer before; 'all layers' when a non-finite loss "
-                "poisoned them all, 'unknown' without per-layer norms)."
+                "poisoned them all (on a pipeline stage without a loss: the gradient from later stages), "
+                "'unknown' without per-layer norms)."
             ),
             condition=f"any step with a NaN/Inf gradient norm within {a.event_window}; names the first bad layer",
             action="inspect the named layer; lower the LR, clip gradients, use bf16 or loss scaling",
