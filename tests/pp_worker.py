@@ -17,10 +17,8 @@ it must fail fast with a clear message instead of waiting in the collective alon
 
 import argparse
 import json
-import logging
 import math
 import pathlib
-import time
 import urllib.request
 
 import torch
@@ -33,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import lossbeat.gradients
 from lossbeat import Monitor, MonitorConfig
-from worker_exit import finish
+from worker_exit import finish, observe_alone
 
 WIDTH, BATCH, STAGES = 16, 8, 2
 
@@ -179,23 +177,7 @@ def main() -> None:
     else:
         loss = train_step(1)
         if stage_index == 0:  # the idiom: only one stage logs
-            records = []
-            handler = logging.Handler()
-            handler.emit = records.append
-            logging.getLogger("lossbeat").addHandler(handler)
-            started = time.monotonic()
-            monitor.observe(0, loss=loss, model=module)
-            monitor.observe(1, loss=loss, model=module)  # decided once: no second wait
-            result["seconds"] = time.monotonic() - started
-            try:
-                monitor.clip_grad_norm_(module, 1.0)
-            except RuntimeError as e:
-                result["clip_error"] = str(e)
-            monitor.flush()
-            result["steps"] = monitor.state.steps_total
-            result["grad_norm"] = monitor.state.grad_norm
-            result["errors"] = dict(monitor.state.errors)
-            result["log"] = [r.getMessage() for r in records]
+            result.update(observe_alone(monitor, loss, module))
     monitor.close()
     dist.barrier()
     (pathlib.Path(args.dir) / f"result.{rank}.json").write_text(json.dumps(result))

@@ -22,10 +22,8 @@ references from the gathered gradients (``full_tensor``), without lossbeat.
 
 import argparse
 import json
-import logging
 import math
 import pathlib
-import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +35,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lossbeat.gradients
 from lossbeat import Monitor, MonitorConfig
-from worker_exit import finish
+from worker_exit import finish, observe_alone
 
 WIDTH, SEQ = 16, 8
 
@@ -190,24 +188,7 @@ def main() -> None:
         lossbeat.gradients.SHARD_HANDSHAKE_TIMEOUT_S = 3.0
         loss = backward(model, rank, world, 1)
         if rank == 0:  # the idiom: only rank 0 logs
-            records = []
-            handler = logging.Handler()
-            handler.emit = records.append
-            logging.getLogger("lossbeat").addHandler(handler)
-            started = time.monotonic()
-            monitor.observe(0, loss=loss, model=model)
-            monitor.observe(1, loss=loss, model=model)  # decided once: no second wait
-            result["seconds"] = time.monotonic() - started
-            try:
-                monitor.clip_grad_norm_(model, 1.0)
-            except RuntimeError as e:
-                result["clip_error"] = str(e)
-            monitor.flush()
-            result["steps"] = monitor.state.steps_total
-            result["loss"] = monitor.state.loss
-            result["grad_norm"] = monitor.state.grad_norm
-            result["errors"] = dict(monitor.state.errors)
-            result["log"] = [r.getMessage() for r in records]
+            result.update(observe_alone(monitor, loss, model))
     monitor.close()
     dist.barrier()
     (pathlib.Path(args.dir) / f"result.{rank}.json").write_text(json.dumps(result))

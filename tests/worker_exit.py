@@ -1,7 +1,10 @@
-"""How the torchrun workers of test_distributed.py end, once their results are written."""
+"""What the torchrun workers of test_distributed.py share: one rank observing a sharded or
+pipelined model alone, and how they end once their results are written."""
 
+import logging
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -20,3 +23,29 @@ def finish() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def observe_alone(monitor, loss, model) -> dict:
+    """The idiom ``if rank == 0: monitor.observe(...)`` on a model measured with collectives:
+    two observes and a clip on this rank alone. What the monitor did, with its log lines and
+    how long the two observes took (the handshake's timeout, once)."""
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("lossbeat").addHandler(handler)
+    result = {}
+    started = time.monotonic()
+    monitor.observe(0, loss=loss, model=model)
+    monitor.observe(1, loss=loss, model=model)  # decided once: no second wait
+    result["seconds"] = time.monotonic() - started
+    try:
+        monitor.clip_grad_norm_(model, 1.0)
+    except RuntimeError as e:
+        result["clip_error"] = str(e)
+    monitor.flush()
+    result["steps"] = monitor.state.steps_total
+    result["loss"] = monitor.state.loss
+    result["grad_norm"] = monitor.state.grad_norm
+    result["errors"] = dict(monitor.state.errors)
+    result["log"] = [r.getMessage() for r in records]
+    return result
