@@ -55,13 +55,9 @@ def _cpu_memory() -> tuple[float, float]:
     current = peak = math.nan
     try:
         with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    value = float(line.split()[1]) * 1024  # kB
-                    if line.startswith("VmRSS:"):
-                        current = value
-                    else:
-                        peak = value
+            status = fh.read()  # one read and two finds: a line-by-line scan costs several times more
+        current = _status_kib(status, "\nVmRSS:") * 1024
+        peak = _status_kib(status, "\nVmHWM:") * 1024
     except (OSError, ValueError, IndexError):
         pass
     if math.isnan(peak):  # not Linux: the rusage peak (bytes on macOS, KiB elsewhere)
@@ -71,6 +67,14 @@ def _cpu_memory() -> tuple[float, float]:
         current = peak
     _cpu_peak_seen = max(_cpu_peak_seen, current, peak)  # a race between scrapes only loses a read
     return current, _cpu_peak_seen
+
+
+def _status_kib(status: str, key: str) -> float:
+    """The kB value of ``key`` (``"\\nVmRSS:"``) in /proc/self/status; NaN when absent."""
+    at = status.find(key)
+    if at < 0:
+        return math.nan
+    return float(status[at + len(key):status.index("\n", at + 1)].split()[0])
 
 
 @functools.lru_cache(maxsize=1)

@@ -57,13 +57,18 @@ class Ring:
 
     def __iter__(self) -> Iterator[float]:
         """Oldest to newest."""
-        for k in range(self._count - 1, -1, -1):
-            yield self.back(k)
+        return iter(self.last(self._count))
 
     def last(self, n: int) -> list[float]:
-        """The newest ``n`` values (or fewer), oldest first."""
+        """The newest ``n`` values (or fewer), oldest first: list slices (this runs every step)."""
         n = min(n, self._count)
-        return [self.back(k) for k in range(n - 1, -1, -1)]
+        if n <= 0:
+            return []
+        start = self._next - n
+        if start >= 0:
+            return self._data[start:self._next]
+        # Wrapped: only a full ring wraps (before that, _next == _count >= n).
+        return self._data[start:] + self._data[:self._next]
 
     def clear(self) -> None:
         self._next = 0

@@ -163,10 +163,12 @@ class GradBaseline:
         self._pushes += 1
         n = len(self.ring)
         self.recent = median(self.ring.last(_RECENT_GRADS))
-        if self._pushes % self.t.windows.diagnose_every == 0 or not self.established:
+        established = self.established
+        if self._pushes % self.t.windows.diagnose_every == 0 or not established:
             if n > _RECENT_GRADS:
                 self.median = median(self.ring.last(n)[: n - _RECENT_GRADS])
-        if self.established:
+                established = self.established
+        if established:
             self._follow(step)
         self.last_step = step
         return event
