@@ -9,9 +9,7 @@ monitor measured and a reference computed from the full (gathered) gradients.
 """
 
 import argparse
-import json
 import math
-import pathlib
 
 import contextlib
 import warnings
@@ -24,7 +22,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.demo import Block, ModelSize, SyntheticCorpus, TinyLM
-from worker_exit import finish
+from worker_exit import finish, write_result
 
 
 def reference_norms(model: torch.nn.Module) -> tuple[float, dict[str, float]]:
@@ -117,7 +115,7 @@ def main() -> None:
     result["errors"] = dict(monitor.state.errors)
     result["steps"] = monitor.state.steps_total
     monitor.close()
-    (pathlib.Path(args.dir) / f"result.{rank}.json").write_text(json.dumps(result))
+    write_result(args.dir, rank, result)
     finish()
 
 

@@ -16,9 +16,7 @@ it must fail fast with a clear message instead of waiting in the collective alon
 """
 
 import argparse
-import json
 import math
-import pathlib
 import urllib.request
 
 import torch
@@ -31,7 +29,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import lossbeat.gradients
 from lossbeat import Monitor, MonitorConfig
-from worker_exit import finish, observe_alone
+from worker_exit import finish, observe_alone, write_result
 
 WIDTH, BATCH, STAGES = 16, 8, 2
 
@@ -180,7 +178,7 @@ def main() -> None:
             result.update(observe_alone(monitor, loss, module))
     monitor.close()
     dist.barrier()
-    (pathlib.Path(args.dir) / f"result.{rank}.json").write_text(json.dumps(result))
+    write_result(args.dir, rank, result)
     finish()
 
 

@@ -21,9 +21,7 @@ references from the gathered gradients (``full_tensor``), without lossbeat.
 """
 
 import argparse
-import json
 import math
-import pathlib
 
 import torch
 import torch.distributed as dist
@@ -35,7 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lossbeat.gradients
 from lossbeat import Monitor, MonitorConfig
-from worker_exit import finish, observe_alone
+from worker_exit import finish, observe_alone, write_result
 
 WIDTH, SEQ = 16, 8
 
@@ -158,7 +156,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.scenario == "fsdp-tp":
         result = fsdp_tp(rank, world)
-        (pathlib.Path(args.dir) / f"result.{rank}.json").write_text(json.dumps(result))
+        write_result(args.dir, rank, result)
         finish()
     mesh = init_device_mesh("cpu", (world,))
     model = parallel_model(mesh)
@@ -191,7 +189,7 @@ def main() -> None:
             result.update(observe_alone(monitor, loss, model))
     monitor.close()
     dist.barrier()
-    (pathlib.Path(args.dir) / f"result.{rank}.json").write_text(json.dumps(result))
+    write_result(args.dir, rank, result)
     finish()
 
 

@@ -1,12 +1,19 @@
 """What the torchrun workers of test_distributed.py share: one rank observing a sharded or
 pipelined model alone, and how they end once their results are written."""
 
+import json
 import logging
 import os
+import pathlib
 import sys
 import time
 
 import torch.distributed as dist
+
+
+def write_result(folder: str, rank: int, result: dict) -> None:
+    """``<folder>/result.<rank>.json``: what a rank measured, for the test to read."""
+    (pathlib.Path(folder) / f"result.{rank}.json").write_text(json.dumps(result))
 
 
 def finish() -> None:
