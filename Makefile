@@ -22,8 +22,8 @@ test:
 generate:
 	$(PYTHON) -m lossbeat rules --checkout
 	$(PYTHON) -m lossbeat dashboards --checkout
-	$(PYTHON) -c "from lossbeat.metrics import update_readme; update_readme('README.md')"
+	$(PYTHON) -c "from lossbeat.exposition.metrics import update_readme; update_readme('README.md')"
 
 # The evaluation tables of docs/analyze.md (false alarms and detection; trains the demo model).
 docs:
-	$(PYTHON) -m lossbeat.evaluation --write
+	$(PYTHON) -m lossbeat.analyze.evaluation --write

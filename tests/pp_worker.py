@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-import lossbeat.gradients
+import lossbeat.measure.gradients
 from lossbeat import Monitor, MonitorConfig
 from worker_exit import finish, observe_alone, write_result
 
@@ -117,7 +117,7 @@ def main() -> None:
         return float(torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])))
 
     result: dict = {"rank": rank, "stage": stage_index, "pp_ranks": pp_ranks}
-    lossbeat.gradients.SHARD_HANDSHAKE_TIMEOUT_S = 3.0 if args.scenario == "one-stage" else 60.0
+    lossbeat.measure.gradients.SHARD_HANDSHAKE_TIMEOUT_S = 3.0 if args.scenario == "one-stage" else 60.0
     config = MonitorConfig(port=0, addr="127.0.0.1", run_name="pp", pipeline_group=pp, linger_seconds=0)
     monitor = Monitor(config, serve=True)  # pipeline_group: the 1-D "pp" mesh, taken as its group
 

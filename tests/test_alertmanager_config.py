@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lossbeat.alert_rules import LOSS_DERIVED_ALERTS, TARGET, alert_rules
-from lossbeat.thresholds import load_thresholds
+from lossbeat.mixin.alert_rules import LOSS_DERIVED_ALERTS, TARGET, alert_rules
+from lossbeat.diagnosis.thresholds import load_thresholds
 from conftest import require_binary
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from conftest import REAL_LOGS, require_module
 from lossbeat.analyze import analyze_file, analyze_runs
 from lossbeat.cli import main
 from lossbeat.diagnosis import Status
-from lossbeat.thresholds import load_thresholds
+from lossbeat.diagnosis.thresholds import load_thresholds
 
 CORPUS = REAL_LOGS
 DATA = Path(__file__).resolve().parent / "data"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 from conftest import REAL_LOGS
-from lossbeat.checklist import ITEMS, from_findings
+from lossbeat.analyze.checklist import ITEMS, from_findings
 from lossbeat.diagnosis import Finding, Status
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import torch
 from prometheus_client import generate_latest
 
 from lossbeat import Monitor, MonitorConfig
-from lossbeat.server import RankContext
+from lossbeat.exposition.server import RankContext
 
 
 def _samples(monitor: Monitor) -> dict[str, float]:

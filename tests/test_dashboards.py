@@ -19,12 +19,12 @@ import pytest
 import yaml
 
 from lossbeat.cli import main
-from lossbeat.dashboards import (
+from lossbeat.mixin.dashboards import (
     build_dashboards, expand_query, may_be_empty, panel_queries, render_files,
 )
-from lossbeat.metrics import METRICS
-from lossbeat.stack import MissingBinaryError, find_binary, stop_pid
-from lossbeat.thresholds import load_thresholds
+from lossbeat.exposition.metrics import METRICS
+from lossbeat.stack.local import MissingBinaryError, find_binary, stop_pid
+from lossbeat.diagnosis.thresholds import load_thresholds
 from conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -461,7 +461,7 @@ def test_every_variable_query_is_valid(prometheus, dashboards):
 def test_overview_opens_with_the_daily_checklist(dashboards):
     """The article's eight items, in its order, across the first row, each the worst
     training_health_status of its checks."""
-    from lossbeat.checklist import ITEMS
+    from lossbeat.analyze.checklist import ITEMS
 
     first = dashboards[OVERVIEW]["panels"][:8]
     assert [p["title"] for p in first] == [f"Daily checklist {n}: {name}" for n, (name, _, _) in enumerate(ITEMS, 1)]

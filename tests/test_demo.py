@@ -8,7 +8,7 @@ import pytest
 
 from lossbeat.cli import build_parser
 from lossbeat.diagnosis import Status
-from lossbeat import monitor as monitor_module
+from lossbeat.monitor import core as monitor_module
 
 
 def test_healthy_demo_learns_and_raises_no_danger():

@@ -20,7 +20,7 @@ from lossbeat.diagnosis import (
     uniform_classes,
 )
 from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
-from lossbeat.thresholds import load_thresholds
+from lossbeat.diagnosis.thresholds import load_thresholds
 
 T = load_thresholds()
 

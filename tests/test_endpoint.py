@@ -17,7 +17,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from lossbeat import Monitor, MonitorConfig
-from lossbeat.webconfig import WebConfigError, load_web_config
+from lossbeat.exposition.webconfig import WebConfigError, load_web_config
 
 from conftest import require_module
 from tls_certs import make_certs

@@ -7,9 +7,9 @@ import pytest
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.analyze.replay import replay
 from lossbeat.diagnosis import Status
-from lossbeat.evaluation import BEGIN, END, evaluate, healthy_shapes, render, synthetic_faults, update_doc, verdict
-from lossbeat.thresholds import load_thresholds
-from lossbeat.vitals import LIVE_ONLY_CHECKS
+from lossbeat.analyze.evaluation import BEGIN, END, evaluate, healthy_shapes, render, synthetic_faults, update_doc, verdict
+from lossbeat.diagnosis.thresholds import load_thresholds
+from lossbeat.diagnosis.vitals import LIVE_ONLY_CHECKS
 
 T = load_thresholds()
 
@@ -90,7 +90,7 @@ def test_the_tables_are_written_between_the_markers(tmp_path, runs):
 
 
 def test_the_checked_in_doc_has_the_tables():
-    from lossbeat.evaluation import DOC
+    from lossbeat.analyze.evaluation import DOC
 
     text = DOC.read_text()
     assert BEGIN in text and END in text and "would page" in text.split(BEGIN)[1]

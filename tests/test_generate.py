@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lossbeat.bundle import bundle_files
+from lossbeat.mixin.bundle import bundle_files
 from lossbeat.cli import main
-from lossbeat.thresholds import load_thresholds
+from lossbeat.diagnosis.thresholds import load_thresholds
 
 from conftest import require_binary
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lossbeat.gradients import LayerGrouping, clip_with_norms, compute_grad_norms, layer_name
+from lossbeat.measure.gradients import LayerGrouping, clip_with_norms, compute_grad_norms, layer_name
 
 
 class Net(nn.Module):
@@ -249,7 +249,7 @@ def test_the_shard_handshake_agrees_on_one_decision_for_early_and_late_ranks():
     import time
     from datetime import timedelta
 
-    from lossbeat.gradients import _store_handshake
+    from lossbeat.measure.gradients import _store_handshake
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
 
@@ -283,7 +283,7 @@ def test_ranks_whose_groups_differ_meet_every_rank_they_are_linked_to():
     import time
     from datetime import timedelta
 
-    from lossbeat.gradients import _linked_ranks
+    from lossbeat.measure.gradients import _linked_ranks
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
     own = {0: [0, 1, 2], 1: [0, 1, 3], 2: [0, 2, 3], 3: [1, 2, 3]}

@@ -16,7 +16,7 @@ import pickle
 
 import pytest
 
-from lossbeat.server import MetricsServer, RankContext
+from lossbeat.exposition.server import MetricsServer, RankContext
 from conftest import require_module
 from test_distributed import scrape
 

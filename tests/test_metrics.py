@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from lossbeat.metrics import METRICS, PREFIX, markdown_table
+from lossbeat.exposition.metrics import METRICS, PREFIX, markdown_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

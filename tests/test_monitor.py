@@ -22,7 +22,7 @@ import lossbeat
 from lossbeat import Monitor, MonitorConfig, NullMonitor, start_exporter
 from lossbeat.demo import ModelSize, SyntheticCorpus, TinyLM
 from lossbeat.diagnosis import Status
-from lossbeat.metrics import HEALTH_CHECKS, METRICS
+from lossbeat.exposition.metrics import HEALTH_CHECKS, METRICS
 
 from conftest import require
 
@@ -487,7 +487,7 @@ def test_a_failed_measurement_is_counted_not_raised(monitor, monkeypatch):
     """measure_gradients may run inside an autograd callback: raising there would break backward."""
     trainer = Trainer()
     loss, _ = trainer.backward()
-    monkeypatch.setattr("lossbeat.monitor.compute_grad_norms", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("lossbeat.monitor.core.compute_grad_norms", lambda *a, **k: 1 / 0)
     assert monitor.measure_gradients(trainer.model) is None
     monkeypatch.undo()
     monitor.observe(0, loss=loss, model=trainer.model)
@@ -500,7 +500,7 @@ def test_a_failing_gradient_measurement_still_records_the_step(monitor, monkeypa
     """The step's loss, LR, counters and timestamp (what TrainingStalled needs) survive."""
     trainer = Trainer()
     loss, tokens = trainer.backward()
-    monkeypatch.setattr("lossbeat.monitor.compute_grad_norms", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("lossbeat.monitor.core.compute_grad_norms", lambda *a, **k: 1 / 0)
     monitor.observe(7, loss=loss, optimizer=trainer.optimizer, model=trainer.model, tokens=tokens)
     parsed = samples(scrape(monitor.port))
     assert value(parsed, "training_steps_total") == 1 and value(parsed, "training_step") == 7
@@ -541,7 +541,7 @@ def test_clip_grad_norm_clips_like_torch_when_the_measurement_fails(monitor, mon
     trainer, reference = Trainer(), Trainer()
     loss, _ = trainer.backward()
     reference.backward()
-    monkeypatch.setattr("lossbeat.monitor.clip_with_norms", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("lossbeat.monitor.core.clip_with_norms", lambda *a, **k: 1 / 0)
     returned = monitor.clip_grad_norm_(trainer.model, 0.01)
     expected = torch.nn.utils.clip_grad_norm_(reference.model.parameters(), 0.01)
     assert returned.item() == pytest.approx(expected.item(), rel=1e-6)
@@ -565,7 +565,7 @@ def test_layer_every_limits_per_layer_work(monitor):
 
 
 def test_only_the_chosen_ranks_export_per_layer_norms():
-    from lossbeat.server import RankContext
+    from lossbeat.exposition.server import RankContext
 
     trainer = Trainer()
     loss, _ = trainer.backward()
@@ -585,7 +585,7 @@ def test_only_the_chosen_ranks_export_per_layer_norms():
 
 
 def test_layers_unfrozen_mid_run_are_picked_up():
-    from lossbeat.monitor import _REGROUP_CHECK_EVERY
+    from lossbeat.monitor.core import _REGROUP_CHECK_EVERY
 
     trainer = Trainer()
     trainer.model.head.requires_grad_(False)  # gradual unfreezing: the head joins later
@@ -750,7 +750,7 @@ class _StubEvent:
 def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
     """The CUDA path's bookkeeping, driven with stub events: a step whose copy is still
     in flight is applied later, in order, and only flush() (or too many in flight) waits."""
-    from lossbeat.monitor import _MAX_PENDING, _Pending
+    from lossbeat.monitor.core import _MAX_PENDING, _Pending
 
     events = []
     for step in range(3):
@@ -784,8 +784,8 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
 
 def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatch):
     """On CUDA a step's values arrive a step late: the per-layer cadence must not follow them."""
-    import lossbeat.monitor as monitor_module
-    from lossbeat.monitor import _Pending
+    import lossbeat.monitor.core as monitor_module
+    from lossbeat.monitor.core import _Pending
 
     m = Monitor(MonitorConfig(port=0, layer_every=3), serve=False)
     per_layer = []
@@ -820,8 +820,8 @@ def test_status_changes_are_logged_with_the_fix(monitor, caplog):
 def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(monitor, monkeypatch):
     """A NaN just before a long evaluation shows at the next scrape, not at the next observe();
     the scrape never waits for the device (a pending copy stays pending)."""
-    import lossbeat.monitor as monitor_module
-    from lossbeat.monitor import _Pending
+    import lossbeat.monitor.core as monitor_module
+    from lossbeat.monitor.core import _Pending
 
     monkeypatch.setattr(monitor_module, "_SCRAPE_DRAIN_AFTER_S", 0.2)
     monitor.observe(0, loss=1.0)
@@ -847,8 +847,8 @@ def test_scrapes_and_observe_apply_deferred_steps_once_and_in_order(monkeypatch)
     """Both threads drain: every step is applied exactly once, in order, under concurrent scrapes."""
     import threading
 
-    import lossbeat.monitor as monitor_module
-    from lossbeat.monitor import _Pending
+    import lossbeat.monitor.core as monitor_module
+    from lossbeat.monitor.core import _Pending
 
     monkeypatch.setattr(monitor_module, "_SCRAPE_DRAIN_AFTER_S", 0.0)
     m = Monitor(MonitorConfig(port=0, log_status_changes=False), serve=False)
@@ -901,7 +901,7 @@ def test_the_deferred_copy_and_its_event_use_the_source_devices_stream(monkeypat
     runs on cuda:1's current stream, so the event must be recorded there (recorded on the
     current device's stream it completes before the copy and the buffer is read early),
     and nothing may touch cuda:0 (no context on GPU 0)."""
-    from lossbeat.monitor import _start_host_copy
+    from lossbeat.monitor.core import _start_host_copy
 
     current = [0]
     calls = []

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import require_binary
 from lossbeat import Monitor, MonitorConfig
-from lossbeat.registration import META, Owner, prune, process_start_ticks, read_entries, register
+from lossbeat.exposition.registration import META, Owner, prune, process_start_ticks, read_entries, register
 
 REPO = Path(__file__).resolve().parents[1]
 

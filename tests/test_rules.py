@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lossbeat import rules
-from lossbeat.alert_rules import alert_rules, recording_rules
-from lossbeat.metrics import METRICS
-from lossbeat.rule_tests import render_template, rule_test_documents
-from lossbeat.thresholds import load_thresholds
+from lossbeat.mixin import rules
+from lossbeat.mixin.alert_rules import alert_rules, recording_rules
+from lossbeat.exposition.metrics import METRICS
+from lossbeat.mixin.rule_tests import render_template, rule_test_documents
+from lossbeat.diagnosis.thresholds import load_thresholds
 from conftest import require_binary
 
 REPO = Path(__file__).resolve().parents[1]

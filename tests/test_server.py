@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from lossbeat import Monitor, MonitorConfig
-from lossbeat.server import MetricsServer, RankContext
+from lossbeat.exposition.server import MetricsServer, RankContext
 
 from conftest import require
 

@@ -5,8 +5,8 @@ import subprocess
 import yaml
 
 from conftest import require_binary
-from lossbeat.alert_rules import rule_groups
-from lossbeat.thresholds import load_thresholds
+from lossbeat.mixin.alert_rules import rule_groups
+from lossbeat.diagnosis.thresholds import load_thresholds
 
 from e2e.test_sharded import SHARDING, SHARDS, hashmod_shard
 

@@ -18,8 +18,8 @@ import socket
 import urllib.error
 import urllib.request
 
-from lossbeat.stack import Stack, alert_lines, render_prometheus_config, write_targets_file
-from lossbeat.webhook import read_notifications, serve
+from lossbeat.stack.local import Stack, alert_lines, render_prometheus_config, write_targets_file
+from lossbeat.stack.webhook import read_notifications, serve
 
 from conftest import require_binary
 from e2e.e2e_harness import Prometheus, free_port, wait_until

@@ -1,6 +1,6 @@
 import pytest
 
-from lossbeat.thresholds import ThresholdsError, load_thresholds
+from lossbeat.diagnosis.thresholds import ThresholdsError, load_thresholds
 
 
 def test_defaults_carry_the_articles_numbers():

@@ -8,7 +8,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossbeat.thresholds import MAX_WINDOW_STEPS, ThresholdsError, _default_document, load_thresholds
+from lossbeat.diagnosis.thresholds import MAX_WINDOW_STEPS, ThresholdsError, _default_document, load_thresholds
 
 
 @pytest.mark.parametrize("text, message", [

@@ -260,7 +260,7 @@ def test_monitor_exports_memory_limit_and_pattern(tmp_path):
 
 def test_a_slowed_run_warns_and_an_evaluation_pause_does_not(tmp_path, monkeypatch):
     clock = {"now": 1000.0}
-    monkeypatch.setattr("lossbeat.monitor.time.perf_counter", lambda: clock["now"])
+    monkeypatch.setattr("lossbeat.monitor.core.time.perf_counter", lambda: clock["now"])
     tp = T.throughput
     text = "windows:\n  diagnose_every: 10\n"
 

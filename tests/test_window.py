@@ -5,7 +5,7 @@ import tracemalloc
 
 import pytest
 
-from lossbeat.window import LossWindow, Ring
+from lossbeat.diagnosis.window import LossWindow, Ring
 
 
 def test_ring_keeps_the_last_values_in_order():
@@ -76,7 +76,7 @@ def test_detrended_cv_ignores_a_steady_descent_but_not_jitter():
 
 
 def test_robust_noise_ignores_a_steep_trend_and_outliers():
-    from lossbeat.window import robust_noise
+    from lossbeat.diagnosis.window import robust_noise
 
     rng = random.Random(5)
     noisy = [10.0 - 0.5 * i + rng.gauss(0, 0.1) for i in range(400)]  # steep fall + noise 0.1
@@ -88,7 +88,7 @@ def test_robust_noise_ignores_a_steep_trend_and_outliers():
 
 
 def test_step_summary_windows_are_in_steps_whatever_the_log_interval():
-    from lossbeat.window import StepSummary
+    from lossbeat.diagnosis.window import StepSummary
 
     dense, sparse = StepSummary(64), StepSummary(64)
     for s in range(100000):

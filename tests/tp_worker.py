@@ -31,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-import lossbeat.gradients
+import lossbeat.measure.gradients
 from lossbeat import Monitor, MonitorConfig
 from worker_exit import finish, observe_alone, write_result
 
@@ -183,7 +183,7 @@ def main() -> None:
         result["after_torch_clip"] = reference(clipped_reference)[0]
         result["errors"] = dict(monitor.state.errors)
     else:
-        lossbeat.gradients.SHARD_HANDSHAKE_TIMEOUT_S = 3.0
+        lossbeat.measure.gradients.SHARD_HANDSHAKE_TIMEOUT_S = 3.0
         loss = backward(model, rank, world, 1)
         if rank == 0:  # the idiom: only rank 0 logs
             result.update(observe_alone(monitor, loss, model))

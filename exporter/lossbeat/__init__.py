@@ -3,12 +3,17 @@
     from lossbeat import start_exporter
     monitor = start_exporter(8470)
     monitor.observe(step, loss=loss, optimizer=optimizer, model=model)
+
+The public names load on first use (PEP 562), so the torch-free rooms (``lossbeat.diagnosis``,
+``lossbeat.mixin``, ``lossbeat.logs``) import without torch or prometheus_client.
 """
 
-from ._version import __version__  # noqa: E402,F401  (re-exported)
+from __future__ import annotations
 
-from .monitor import DEFAULT_PORT, Monitor, MonitorConfig, NullMonitor, Report, start_exporter  # noqa: E402
-from .thresholds import Thresholds, ThresholdsError, load_thresholds  # noqa: E402
+import importlib
+from typing import Any
+
+from lossbeat._version import __version__
 
 __all__ = [
     "start_exporter",
@@ -21,3 +26,28 @@ __all__ = [
     "Thresholds",
     "ThresholdsError",
 ]
+
+_HOME = {
+    "start_exporter": "lossbeat.monitor",
+    "Monitor": "lossbeat.monitor",
+    "MonitorConfig": "lossbeat.monitor",
+    "NullMonitor": "lossbeat.monitor",
+    "Report": "lossbeat.monitor",
+    "DEFAULT_PORT": "lossbeat.monitor",
+    "load_thresholds": "lossbeat.diagnosis.thresholds",
+    "Thresholds": "lossbeat.diagnosis.thresholds",
+    "ThresholdsError": "lossbeat.diagnosis.thresholds",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'lossbeat' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -14,13 +14,13 @@ __all__ = ["main"]
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "demo": ("lossbeat.demo", "train a small language model on CPU with the exporter live"),
-    "rules": ("lossbeat.rules", "generate Prometheus alert and recording rules from the thresholds file"),
-    "dashboards": ("lossbeat.dashboards", "generate the Grafana dashboards from the thresholds file"),
-    "generate": ("lossbeat.bundle", "write rules, rule tests, Alertmanager config, runbooks and dashboards into a folder"),
-    "stack": ("lossbeat.stack", "start or stop a local Prometheus + Alertmanager on loopback"),
+    "rules": ("lossbeat.mixin.rules", "generate Prometheus alert and recording rules from the thresholds file"),
+    "dashboards": ("lossbeat.mixin.dashboards", "generate the Grafana dashboards from the thresholds file"),
+    "generate": ("lossbeat.mixin.bundle", "write rules, rule tests, Alertmanager config, runbooks and dashboards into a folder"),
+    "stack": ("lossbeat.stack.local", "start or stop a local Prometheus + Alertmanager on loopback"),
     "analyze": ("lossbeat.analyze", "diagnose a finished run from its log files"),
-    "checklist": ("lossbeat.checklist", "the article's daily checklist for a live job or a finished log"),
-    "targets": ("lossbeat.registration", "list or prune the file_sd entries ranks registered themselves"),
+    "checklist": ("lossbeat.analyze.checklist", "the article's daily checklist for a live job or a finished log"),
+    "targets": ("lossbeat.exposition.registration", "list or prune the file_sd entries ranks registered themselves"),
 }
 
 

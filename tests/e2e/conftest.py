@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import require_binary
-from lossbeat.stack import Stack, write_target_groups
+from lossbeat.stack.local import Stack, write_target_groups
 
 from .e2e_harness import DemoRun, Prometheus, WebhookReceiver, free_port
 from .stack_config import E2E_THRESHOLDS, SHIPPED_ALERTMANAGER, retimed_alertmanager_config

@@ -238,7 +238,7 @@ class AlertmanagerProcess:
     """A bare Alertmanager on a free loopback port, for a control next to the stack's own."""
 
     def __init__(self, config: Path, workdir: Path) -> None:
-        from lossbeat.stack import find_binary
+        from lossbeat.stack.local import find_binary
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._log = open(workdir / "alertmanager-control.log", "wb")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from lossbeat.stack import find_binary
+from lossbeat.stack.local import find_binary
 
 from .e2e_harness import Prometheus, free_port, terminate, wait_until
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from lossbeat.registration import read_entries
-from lossbeat.stack import write_target_groups
+from lossbeat.exposition.registration import read_entries
+from lossbeat.stack.local import write_target_groups
 
 from .e2e_harness import terminate, wait_until
 from .stack_config import E2E_THRESHOLDS

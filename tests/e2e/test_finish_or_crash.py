@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from lossbeat.stack import write_target_groups
+from lossbeat.stack.local import write_target_groups
 
 from .e2e_harness import wait_for_page, wait_until
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lossbeat.stack import write_target_groups
+from lossbeat.stack.local import write_target_groups
 
 from .e2e_harness import AlertmanagerProcess, free_port, terminate, wait_until
 from .prometheus_process import PrometheusProcess

@@ -19,11 +19,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..diagnosis import Status
-from ..logs import FORMATS, LogFormatError, ParsedLog, parse_log
-from ..thresholds import Thresholds, ThresholdsError, load_thresholds
-from .replay import Analysis, WorstFinding, replay
-from .report import file_to_dict, format_file
+from lossbeat.diagnosis import Status
+from lossbeat.logs import FORMATS, LogFormatError, ParsedLog, parse_log
+from lossbeat.diagnosis.thresholds import Thresholds, ThresholdsError, load_thresholds
+from lossbeat.analyze.replay import Analysis, WorstFinding, replay
+from lossbeat.analyze.report import file_to_dict, format_file
 
 __all__ = ["Analysis", "WorstFinding", "FileAnalysis", "analyze_file", "analyze_runs", "replay",
            "add_arguments", "run", "EXIT_OK", "EXIT_GATE", "EXIT_UNREADABLE"]
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                 unreadable = True
                 continue
             if args.plot:
-                from .plot import plot_file  # matplotlib only when asked
+                from lossbeat.analyze.plot import plot_file  # matplotlib only when asked
 
                 try:
                     written = plot_file(fa.log, fa.runs, thresholds, _plot_path(args.plot, path, len(args.paths) > 1))

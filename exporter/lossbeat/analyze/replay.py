@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..diagnosis import Finding, Judge, Status, StatusChange
-from ..diagnosis.patterns import Pattern, PatternTracker
-from ..logs import EvalRecord, ParsedLog, TrainRecord
-from ..thresholds import Thresholds
+from lossbeat.diagnosis import Finding, Judge, Status, StatusChange
+from lossbeat.diagnosis.patterns import Pattern, PatternTracker
+from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
+from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = ["Analysis", "WorstFinding", "replay", "EVENT_KINDS"]
 

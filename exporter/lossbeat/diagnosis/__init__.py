@@ -4,12 +4,12 @@ Each check returns a :class:`Finding` (status, message, suggested fix);
 a :class:`Judge` adds hysteresis and is what the monitor and ``analyze`` use.
 """
 
-from .findings import Finding, Status
-from .gradients import check_grad_norm, check_layer_grad_norms
-from .history import History, StepEvents
-from .judge import Judge, StatusChange
-from .learning_rate import check_learning_rate, check_warmup
-from .loss import (
+from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.gradients import check_grad_norm, check_layer_grad_norms
+from lossbeat.diagnosis.history import History, StepEvents
+from lossbeat.diagnosis.judge import Judge, StatusChange
+from lossbeat.diagnosis.learning_rate import check_learning_rate, check_warmup
+from lossbeat.diagnosis.loss import (
     Trend,
     check_loss_range,
     check_loss_trend,
@@ -20,7 +20,7 @@ from .loss import (
     trend_of,
     uniform_classes,
 )
-from .run import diagnose
+from lossbeat.diagnosis.run import diagnose
 
 __all__ = [
     "Finding",

@@ -19,7 +19,7 @@ class Status(enum.IntEnum):
 @dataclass(frozen=True)
 class Finding:
     check: str
-    """One of :data:`lossbeat.metrics.HEALTH_CHECKS`."""
+    """One of :data:`lossbeat.exposition.metrics.HEALTH_CHECKS`."""
     status: Status
     message: str
     """What was seen, with the numbers."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from ..thresholds import GradientThresholds
-from .findings import Finding, Status
+from lossbeat.diagnosis.thresholds import GradientThresholds
+from lossbeat.diagnosis.findings import Finding, Status
 
 __all__ = ["check_grad_norm", "check_layer_grad_norms"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from ..thresholds import Thresholds
-from ..window import LossWindow, Ring, StepSummary, median, robust_noise
+from lossbeat.diagnosis.thresholds import Thresholds
+from lossbeat.diagnosis.window import LossWindow, Ring, StepSummary, median, robust_noise
 
 __all__ = ["History", "StepEvents", "LossSeries", "GradBaseline", "LearningRateSchedule", "EvalTrack"]
 

@@ -1,6 +1,6 @@
 """Judgments with hysteresis: the one path from a :class:`History` to stable statuses.
 
-The live :class:`lossbeat.monitor.Monitor` and ``lossbeat analyze`` both use a
+The live :class:`lossbeat.monitor.core.Monitor` and ``lossbeat analyze`` both use a
 :class:`Judge`, so the same series gives the same findings in both. A check
 enters a worse status only after ``hysteresis.warning_enter`` (or
 ``danger_enter``) diagnoses in a row say so, and leaves it only after
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..thresholds import Thresholds
-from .findings import Finding, Status
-from .history import History
-from .run import diagnose
+from lossbeat.diagnosis.thresholds import Thresholds
+from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.history import History
+from lossbeat.diagnosis.run import diagnose
 
 __all__ = ["Judge", "StatusChange"]
 

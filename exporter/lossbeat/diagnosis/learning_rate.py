@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from ..thresholds import LearningRateThresholds, Profile
-from .findings import Finding, Status
-from .loss import Trend
+from lossbeat.diagnosis.thresholds import LearningRateThresholds, Profile
+from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.loss import Trend
 
 __all__ = ["check_learning_rate", "check_warmup"]
 

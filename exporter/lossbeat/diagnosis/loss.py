@@ -1,7 +1,7 @@
 """Checks on the loss: absolute range, trend, volatility, overfitting.
 
 Pure functions over a :class:`LossSeries` (and plain floats); thresholds come
-from :mod:`lossbeat.thresholds`. While the latest loss is non-finite, every
+from :mod:`lossbeat.diagnosis.thresholds`. While the latest loss is non-finite, every
 loss-derived check says it cannot judge: its windows hold only stale values.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..thresholds import LossThresholds, OverfittingThresholds, Profile, Thresholds
-from ..window import fsum
-from .findings import Finding, Status
+from lossbeat.diagnosis.thresholds import LossThresholds, OverfittingThresholds, Profile, Thresholds
+from lossbeat.diagnosis.window import fsum
+from lossbeat.diagnosis.findings import Finding, Status
 
 __all__ = [
     "Trend",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from .findings import Finding, Status
+from lossbeat.diagnosis.findings import Finding, Status
 
 __all__ = ["Pattern", "PATTERNS", "classify", "PatternTracker"]
 

@@ -11,9 +11,9 @@ import math
 import statistics
 from typing import Sequence
 
-from ..thresholds import MemoryThresholds, ThroughputThresholds
-from ..window import Ring
-from .findings import Finding, Status
+from lossbeat.diagnosis.thresholds import MemoryThresholds, ThroughputThresholds
+from lossbeat.diagnosis.window import Ring
+from lossbeat.diagnosis.findings import Finding, Status
 
 __all__ = ["check_memory", "ThroughputTracker"]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .findings import Finding, Status
-from .gradients import check_grad_norm, check_layer_grad_norms
-from .history import History
-from .learning_rate import check_learning_rate, check_warmup
-from .loss import check_loss_range, check_loss_trend, check_loss_volatility, check_overfitting, robust_cv, trend_of
+from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.gradients import check_grad_norm, check_layer_grad_norms
+from lossbeat.diagnosis.history import History
+from lossbeat.diagnosis.learning_rate import check_learning_rate, check_warmup
+from lossbeat.diagnosis.loss import check_loss_range, check_loss_trend, check_loss_volatility, check_overfitting, robust_cv, trend_of
 
 __all__ = ["diagnose"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..thresholds import ScheduleThresholds
-from .findings import Finding, Status
+from lossbeat.diagnosis.thresholds import ScheduleThresholds
+from lossbeat.diagnosis.findings import Finding, Status
 
 __all__ = ["LRSchedule", "ScheduleTracker"]
 

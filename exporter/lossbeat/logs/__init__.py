@@ -33,12 +33,12 @@ import os
 import re
 from typing import Callable
 
-from .csv_logs import is_lightning_header, parse_lightning
-from .json_logs import load_json, parse_hf_state, parse_llamafactory, parse_megatron_golden
-from .records import DEFAULT_MAX_RECORDS, EvalRecord, LogFormatError, ParsedLog, ReadCounts, RecordBuilder, TrainRecord
-from .source import Source, compressed, open_source
-from .tensorboard import event_files, is_event_file, parse_tensorboard
-from .text_logs import (
+from lossbeat.logs.csv_logs import is_lightning_header, parse_lightning
+from lossbeat.logs.json_logs import load_json, parse_hf_state, parse_llamafactory, parse_megatron_golden
+from lossbeat.logs.records import DEFAULT_MAX_RECORDS, EvalRecord, LogFormatError, ParsedLog, ReadCounts, RecordBuilder, TrainRecord
+from lossbeat.logs.source import Source, compressed, open_source
+from lossbeat.logs.tensorboard import event_files, is_event_file, parse_tensorboard
+from lossbeat.logs.text_logs import (
     HF_DICT_START, LLMC_STDOUT, MEGATRON_ITER, NANOGPT_EVAL, NANOGPT_ITER,
     parse_hf_stdout, parse_llmc_main, parse_llmc_stdout, parse_megatron_log, parse_nanogpt,
 )

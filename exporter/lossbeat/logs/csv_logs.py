@@ -6,8 +6,8 @@ import bisect
 import csv
 import re
 
-from .records import RecordBuilder
-from .source import Source, iter_lines, parse_number
+from lossbeat.logs.records import RecordBuilder
+from lossbeat.logs.source import Source, iter_lines, parse_number
 
 __all__ = ["parse_lightning", "is_lightning_header"]
 

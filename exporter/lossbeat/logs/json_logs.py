@@ -6,8 +6,8 @@ import json
 import re
 from typing import Any, Mapping
 
-from .records import LogFormatError, RecordBuilder
-from .source import MAX_JSON_BYTES, Source, iter_lines, parse_number
+from lossbeat.logs.records import LogFormatError, RecordBuilder
+from lossbeat.logs.source import MAX_JSON_BYTES, Source, iter_lines, parse_number
 
 __all__ = ["parse_hf_state", "parse_llamafactory", "parse_megatron_golden", "load_json", "HF_EVAL_KEY"]
 

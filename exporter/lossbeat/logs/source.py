@@ -12,7 +12,7 @@ import stat
 from dataclasses import dataclass
 from typing import Iterator
 
-from .records import LogFormatError, RecordBuilder
+from lossbeat.logs.records import LogFormatError, RecordBuilder
 
 __all__ = ["Source", "open_source", "iter_lines", "parse_number", "compressed", "MAX_JSON_BYTES", "MAX_LINE_CHARS"]
 

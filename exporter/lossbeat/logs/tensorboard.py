@@ -12,7 +12,7 @@ import bisect
 import os
 import re
 
-from .records import LogFormatError, RecordBuilder
+from lossbeat.logs.records import LogFormatError, RecordBuilder
 
 __all__ = ["parse_tensorboard", "event_files", "is_event_file"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from .records import RecordBuilder, log_interval
-from .source import Source, iter_lines, parse_number
+from lossbeat.logs.records import RecordBuilder, log_interval
+from lossbeat.logs.source import Source, iter_lines, parse_number
 
 __all__ = [
     "parse_llmc_main", "parse_llmc_stdout", "parse_nanogpt", "parse_megatron_log", "parse_hf_stdout",

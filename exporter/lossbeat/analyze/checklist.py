@@ -26,8 +26,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping
 
-from .diagnosis.findings import Finding, Status
-from .diagnosis.patterns import classify
+from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.patterns import classify
 
 __all__ = ["ITEMS", "Item", "from_findings", "from_prometheus", "add_arguments", "run"]
 
@@ -161,8 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _file_items(args: argparse.Namespace) -> tuple[list[Item], str, str]:
-    from .analyze import analyze_file
-    from .thresholds import load_thresholds
+    from lossbeat.analyze import analyze_file
+    from lossbeat.diagnosis.thresholds import load_thresholds
 
     analysis = analyze_file(args.path, load_thresholds(args.thresholds, profile=args.profile))
     pattern = classify(analysis.findings)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from .diagnosis.findings import Finding
-from .diagnosis.patterns import Pattern, PatternTracker
-from .diagnosis.resources import ThroughputTracker, check_memory
-from .diagnosis.schedule import LRSchedule, ScheduleTracker
-from .memory import read_memory
-from .thresholds import Thresholds
-from .window import Ring
+from lossbeat.diagnosis.findings import Finding
+from lossbeat.diagnosis.patterns import Pattern, PatternTracker
+from lossbeat.diagnosis.resources import ThroughputTracker, check_memory
+from lossbeat.diagnosis.schedule import LRSchedule, ScheduleTracker
+from lossbeat.diagnosis.thresholds import Thresholds
+from lossbeat.diagnosis.window import Ring
 
 __all__ = ["Vitals", "as_schedule", "LIVE_ONLY_CHECKS"]
 
@@ -67,8 +66,10 @@ class Vitals:
         if seconds is not None and training:
             self._throughput.add(seconds)
 
-    def findings(self, step: int | None, lr: float | None, cuda_device: int | None) -> list[Finding]:
-        reading = read_memory(cuda_device)
+    def findings(self, step: int | None, lr: float | None, memory: Any) -> list[Finding]:
+        """The vitals' findings; ``memory`` is a reading with ``allocated``, ``peak`` and ``limit``
+        (bytes; :func:`lossbeat.measure.memory.read_memory`), taken by the caller so this room needs no torch."""
+        reading = memory
         self._memory_seen += 1
         self._peak = max(self._peak, reading.peak)
         self._limit = reading.limit

@@ -13,8 +13,8 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from .endpoint import start_server
-from .webconfig import WebConfig
+from lossbeat.exposition.endpoint import start_server
+from lossbeat.exposition.webconfig import WebConfig
 
 __all__ = ["RankContext", "MetricsServer"]
 
@@ -141,7 +141,7 @@ def _local_rank_from_store(dist: Any, rank: int) -> int:
 
 
 class MetricsServer:
-    """The /metrics endpoint (:mod:`lossbeat.endpoint`) on a daemon thread; ``port=0`` picks a free port.
+    """The /metrics endpoint (:mod:`lossbeat.exposition.endpoint`) on a daemon thread; ``port=0`` picks a free port.
 
     ``web_config``: TLS, mutual TLS and basic auth; ``certfile``/``keyfile`` are TLS alone.
     A taken port (two jobs sharing a node both want ``8470 + LOCAL_RANK``) is not fatal:

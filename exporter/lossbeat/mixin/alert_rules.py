@@ -1,7 +1,7 @@
 """The Prometheus recording and alerting rules, built from the thresholds.
 
-Every number and duration comes from :class:`lossbeat.thresholds.Thresholds`;
-:mod:`lossbeat.rules` renders these objects to files. Alert names, recording
+Every number and duration comes from :class:`lossbeat.diagnosis.thresholds.Thresholds`;
+:mod:`lossbeat.mixin.rules` renders these objects to files. Alert names, recording
 rule names and the labels they keep are a contract with Alertmanager routing,
 the dashboards and the runbooks.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from lossbeat.thresholds import Thresholds
+from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = [
     "AlertRule",

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import yaml
 
-from lossbeat.generated import add_generator_arguments, output_root, sync_files, thresholds_for
-from lossbeat.alert_rules import AlertRule, alert_rules, recording_rules, rule_groups
-from lossbeat.rule_tests import rule_test_documents
-from lossbeat.thresholds import Thresholds
+from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
+from lossbeat.mixin.alert_rules import AlertRule, alert_rules, recording_rules, rule_groups
+from lossbeat.mixin.rule_tests import rule_test_documents
+from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = [
     "build_rule_groups",
@@ -30,7 +30,7 @@ __all__ = [
     "run",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 RULES_PATH = "alerting/rules.yml"
 TESTS_DIR = "alerting/tests"
 PROMETHEUS_RULE_PATH = "deploy/kubernetes/prometheusrule.yaml"

@@ -4,7 +4,7 @@
 file_sd targets file, so targets can change while it runs), loads rules generated from the
 thresholds (the packaged ones, or ``--thresholds``) and sends alerts to an Alertmanager
 running the packaged ``alertmanager.yml``, whose page and ticket webhooks reach a local
-receiver (:mod:`lossbeat.webhook`) that records what arrives. It needs nothing from the
+receiver (:mod:`lossbeat.stack.webhook`) that records what arrives. It needs nothing from the
 repository: it works from an installed package in an empty folder. Everything lives in one
 folder under the temp dir; its ``state.json`` records the PIDs so that ``stack down`` stops
 exactly what ``up`` started, and ``stack status`` shows each firing alert, the receiver
@@ -32,10 +32,10 @@ from typing import Iterable, Sequence
 
 import yaml
 
-from lossbeat import rules as rules_module
-from lossbeat.generated import shipped_text, with_runbook_base
-from lossbeat.thresholds import ThresholdsError, load_thresholds
-from lossbeat.webhook import read_notifications
+from lossbeat.mixin import rules as rules_module
+from lossbeat.mixin.generated import shipped_text, with_runbook_base
+from lossbeat.diagnosis.thresholds import ThresholdsError, load_thresholds
+from lossbeat.stack.webhook import read_notifications
 
 __all__ = [
     "Stack",

@@ -32,8 +32,8 @@ import torch
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .metrics import METRICS
-from .window import Ring
+from lossbeat.exposition.metrics import METRICS
+from lossbeat.diagnosis.window import Ring
 
 __all__ = ["CrossRankSignals"]
 

@@ -2,7 +2,7 @@
 
 Alert rules, dashboards and users' queries depend on these names; they change
 only with a major version. Every series also carries a ``rank`` label.
-The collector that renders them lives in :mod:`lossbeat.collector`.
+The collector that renders them lives in :mod:`lossbeat.exposition.collector`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ _SPECS = [
     MetricSpec("training_grad_scaler_overflows_total", "counter", "Steps whose gradients overflowed under fp16 loss scaling: the GradScaler skips them (not counted as non-finite gradients)."),
     MetricSpec("training_phase_seconds_total", "counter", "Wall time spent in each phase since the monitor started (the current phase up to the scrape).", ("phase",)),
     MetricSpec("training_exporter_errors_total", "counter", "Errors inside lossbeat itself, by where they happened; training is never interrupted.", ("where",)),
-    # Cross-rank signals (lossbeat.cross_rank): compared across the ranks of a job by the rules.
+    # Cross-rank signals (lossbeat.measure.cross_rank): compared across the ranks of a job by the rules.
     MetricSpec("training_grad_norm_aligned", "gauge", "Global gradient norm at the last step that is a multiple of grad_norm_align_every (equal on every data-parallel replica).", unit="none"),
     MetricSpec("training_grad_norm_aligned_step", "gauge", "The step of training_grad_norm_aligned.", unit="none"),
     MetricSpec("training_rank_work_seconds", "gauge", "This rank's own work per step, mean of the last 50 steps: end of the previous observe() to the start of the forward, plus the forward (no collectives).", unit="s"),

@@ -14,12 +14,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from lossbeat.thresholds import Thresholds, ThresholdsError, load_thresholds
+from lossbeat.diagnosis.thresholds import Thresholds, ThresholdsError, load_thresholds
 
 __all__ = ["sync_files", "add_generator_arguments", "thresholds_for", "with_runbook_base", "output_root",
            "shipped_text", "SHIPPED_FILES"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 # Hand-written files the package carries (exporter/lossbeat/shipped/ links to them in the checkout).
 SHIPPED_FILES = ("alertmanager.yml", "runbooks.md")
 

@@ -3,7 +3,7 @@
 Follows the Prometheus exporter conventions: ``GET``/``HEAD /metrics`` (gzip
 when the scraper accepts it), a landing page at ``/`` linking to it, a
 health path ``/-/healthy``; any other path is 404 and any other method 405.
-With a :class:`~lossbeat.webconfig.WebConfig`, every path requires the
+With a :class:`~lossbeat.exposition.webconfig.WebConfig`, every path requires the
 configured TLS client certificate and basic-auth user, as exporter-toolkit does.
 
 Nothing here runs on the training thread. A client that stalls, mid-handshake
@@ -30,8 +30,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client.exposition import ThreadingWSGIServer, _bake_output, choose_encoder, gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 
-from ._version import __version__
-from .webconfig import TLSServerConfig, WebConfig, WebConfigError, require_bcrypt
+from lossbeat._version import __version__
+from lossbeat.exposition.webconfig import TLSServerConfig, WebConfig, WebConfigError, require_bcrypt
 
 __all__ = ["make_app", "start_server", "METRICS_PATH", "HEALTH_PATH"]
 

@@ -1,5 +1,5 @@
 """What one monitor's scrape renders: the state the training thread writes and the scrape
-thread reads (``observe`` -> :class:`MonitorState` -> :mod:`lossbeat.collector`).
+thread reads (``observe`` -> :class:`MonitorState` -> :mod:`lossbeat.exposition.collector`).
 
 On its own so that the monitor writes it and the collector reads it with neither importing
 the other.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .metrics import HEALTH_CHECKS
+from lossbeat.exposition.metrics import HEALTH_CHECKS
 
 __all__ = ["MonitorState"]
 

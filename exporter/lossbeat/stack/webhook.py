@@ -6,7 +6,7 @@ arrive without PagerDuty or Slack. Each POST is appended as one JSON line to the
 ``lossbeat stack status`` reads them back. It also serves the shipped runbooks as HTML at
 ``/runbooks`` (one anchor per alert), which the local stack's ``runbook_url`` links point to.
 
-Run as ``python -m lossbeat.webhook --port 5001 --log notifications.jsonl``.
+Run as ``python -m lossbeat.stack.webhook --port 5001 --log notifications.jsonl``.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def serve(port: int, log: Path, addr: str = "127.0.0.1", runbooks: str = "") -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lossbeat.webhook", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lossbeat.stack.webhook", description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=5001)
     parser.add_argument("--addr", default="127.0.0.1")
     parser.add_argument("--log", type=Path, required=True, help="JSON-lines file the notifications go to")

@@ -1,149 +1,28 @@
-"""``promtool test rules`` unit tests for every alert, computed from the thresholds.
-
-Each alert gets a bad series (it fires, with the exact labels and annotations),
-a healthy series and a series just inside the threshold (both silent). Test
-values derive from the thresholds (e.g. explosion * 1.5 and * 0.99), so a
-threshold change regenerates tests that still hold.
+"""The scenarios of the promtool rule tests, one builder per family of alerts: each alert gets a
+bad series (it fires, with its exact labels and annotations), a healthy one and one just inside
+the threshold (both silent), with values derived from the thresholds (e.g. explosion * 1.5 and * 0.99).
 """
 
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass, field
-from functools import reduce
 
-from lossbeat.alert_rules import (
-    JOB_RANK,
-    MAD_TO_SIGMA,
-    RECORDING_GROUP,
-    AlertRule,
-    alert_rules,
-    duration_seconds,
-    number,
+from lossbeat.diagnosis.thresholds import Thresholds
+from lossbeat.mixin.alert_rules import JOB_RANK, MAD_TO_SIGMA, duration_seconds
+from lossbeat.mixin.rule_series import (
+    INSTANCE,
+    JOB,
+    OTHER_INSTANCE,
+    Expect,
+    Scenario,
+    Series,
+    _Builder,
+    _target,
+    ramp,
+    run,
 )
-from lossbeat.thresholds import Thresholds
 
-__all__ = ["rule_test_documents", "render_template"]
-
-JOB, INSTANCE = "train", "127.0.0.1:8470"
-OTHER_INSTANCE = "gpu-b:8470"  # a concurrent run under the same job label
-
-
-def _target(rank: str = "0", instance: str = INSTANCE, **extra: str) -> dict[str, str]:
-    return {"job": JOB, "instance": instance, "rank": rank, **extra}
-
-
-def _fmt(value: float) -> str:
-    return "NaN" if math.isnan(value) else number(value)
-
-
-def run(value: float, samples: int) -> str:
-    """``samples`` samples of ``value`` in promtool's expanding notation."""
-    return f"{_fmt(value)}+0x{samples - 1}"
-
-
-def ramp(start: float, step: float, samples: int) -> str:
-    """``samples`` samples from ``start``, changing by ``step`` each interval."""
-    return f"{_fmt(start)}{'-' if step < 0 else '+'}{_fmt(abs(step))}x{samples - 1}"
-
-
-@dataclass
-class Series:
-    metric: str
-    labels: dict[str, str]
-    values: list[str]
-    """Runs in promtool notation (see :func:`run`, :func:`ramp`, ``"stale"``)."""
-
-    def to_doc(self) -> dict:
-        body = ",".join(f'{k}="{v}"' for k, v in self.labels.items())
-        return {"series": f"{self.metric}{{{body}}}", "values": " ".join(self.values)}
-
-
-@dataclass
-class Expect:
-    rule: AlertRule
-    labels: dict[str, str]
-    """Labels of the expression's result, before the rule's labels."""
-    value: float
-
-
-@dataclass
-class Scenario:
-    name: str
-    series: list[Series]
-    checks: list[tuple[float, str, list[Expect]]] = field(default_factory=list)
-    """(eval time in seconds, alert name, the alerts expected to fire)."""
-
-
-_LABEL = re.compile(r"\{\{ \$labels\.(\w+) \}\}")
-_VALUE = re.compile(r'\{\{ \$value \| printf "(%[.0-9]*[fge])" \}\}')
-
-
-def render_template(template: str, labels: dict[str, str], value: float) -> str:
-    """Render the subset of Go templating the alert annotations use, as Prometheus does."""
-
-    def value_text(match: re.Match) -> str:
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "+Inf" if value > 0 else "-Inf"
-        return match.group(1) % value
-
-    text = _VALUE.sub(value_text, _LABEL.sub(lambda m: labels.get(m.group(1), ""), template))
-    if "{{" in text:
-        raise ValueError(f"template: unsupported construct left in {text!r}")
-    return text
-
-
-def _expected(expect: Expect, runbook_base: str) -> dict:
-    """promtool's ``exp_alerts`` entry: the rule's own labels and annotations, rendered."""
-    rule = expect.rule.to_rule(runbook_base)
-    # Prometheus drops labels with empty values (a total loss's component="").
-    labels = {k: v for k, v in {**expect.labels, **rule["labels"]}.items() if v != ""}
-    annotations = {k: render_template(v, labels, expect.value) for k, v in rule["annotations"].items()}
-    return {"exp_labels": labels, "exp_annotations": annotations}
-
-
-class _Builder:
-    """Scenario helpers bound to the thresholds and the test interval."""
-
-    def __init__(self, t: Thresholds, interval: int):
-        self.t = t
-        self.i = interval
-        self.rules = alert_rules(t)
-
-    def rule(self, name: str, **labels: str) -> AlertRule:
-        for rule in self.rules:
-            if rule.name == name and all(rule.labels.get(k) == v for k, v in labels.items()):
-                return rule
-        raise KeyError(f"alert {name} with labels {labels}")
-
-    def steps(self, duration: str) -> int:
-        return int(duration_seconds(duration) // self.i)
-
-    def hold(self, metric: str, labels: dict, value: float, samples: int) -> Series:
-        return Series(metric, labels, [run(value, samples)])
-
-    def jump(self, metric: str, labels: dict, window: str, to: float, after: int = 8) -> tuple[Series, float]:
-        """A counter flat at 0 for a full window, then at ``to``; and the eval time
-        at which ``increase(...[window])`` is exactly ``to``."""
-        n = self.steps(window)
-        series = Series(metric, labels, [run(0, n + 1), run(to, after)])
-        return series, (n + 1) * self.i
-
-    def after_for(self, duration: str, start: float = 0) -> float:
-        return start + duration_seconds(duration) + self.i
-
-    def first_scrape(self, metric: str, labels: dict, value: float, window: str,
-                     absent: int = 3) -> tuple[Series, float, float]:
-        """A counter whose first sample, after ``absent`` intervals, is already ``value``
-        (events before the first scrape); the first eval time and the last one inside ``window``."""
-        n = self.steps(window)
-        series = Series(metric, labels, [f"_x{absent}", run(value, n + 4)])
-        first = absent * self.i
-        return series, first, first + (n - 1) * self.i
-
+__all__ = ["SCENARIO_FAMILIES", "JUDGED"]
 
 def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
     a = b.t.alerts
@@ -647,7 +526,7 @@ def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
 
 
 # Judgment alerts, the check each reads and the status at which it fires.
-_JUDGED = {
+JUDGED = {
     "TrainingGradientExplosion": ("grad_norm", 2),
     "TrainingLossDiverging": ("loss_trend", 2),
     "TrainingLossPlateau": ("loss_trend", 1),
@@ -657,120 +536,6 @@ _JUDGED = {
 }
 
 
-_HEALTHY_SAMPLES = 60
-
-
-def _rle(values: list[float]) -> list[str]:
-    """Runs of equal values in promtool notation."""
-    out, i = [], 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[i]:
-            j += 1
-        out.append(run(values[i], j - i + 1))
-        i = j + 1
-    return out
-
-
-def _healthy(b: _Builder) -> dict[str, list[Scenario]]:
-    """The synthetic healthy shapes of ``lossbeat.evaluation`` replayed through the exporter's Judge,
-    one scrape per judgment: every judgment alert whose check the Judge never raised to its level
-    stays silent (the rules agree with the live checks), and the explosion events never page."""
-    from lossbeat.analyze.replay import _merged, _Replay  # the live judgment, offline
-    from lossbeat.evaluation import healthy_shapes
-    from lossbeat.logs import TrainRecord
-
-    out: dict[str, list[Scenario]] = {name: [] for name in _JUDGED}
-    for shape in healthy_shapes():
-        replay = _Replay(shape.log, b.t)
-        samples: list[tuple[dict[str, float], int]] = []
-        judge = replay.diagnose
-
-        def record(step, _judge=judge, _replay=replay):
-            findings = _judge(step)
-            samples.append(({f.check: float(f.status) for f in findings if not f.component},
-                            _replay.a.counters["grad_explosions"]))
-            return findings
-
-        replay.diagnose = record
-        for item in _merged(shape.log.train, shape.log.evals):
-            replay.train(item) if isinstance(item, TrainRecord) else replay.eval(item)
-        # At most _HEALTHY_SAMPLES scrapes (promtool evaluates every rule at each): the worst status
-        # and the last counter value of each stretch of judgments, so nothing raised is lost.
-        chunk = -(-len(samples) // _HEALTHY_SAMPLES)
-        parts = [samples[i:i + chunk] for i in range(0, len(samples), chunk)]
-        samples = [({c: max(p[0].get(c, 0.0) for p in part) for c in part[0][0]}, part[-1][1]) for part in parts]
-        end = (len(samples) - 1) * b.i
-        events = Series("training_grad_explosions_total", _target(), _rle([float(n) for _, n in samples]))
-        name = shape.name.removeprefix("synthetic: ")
-        for alert, (check, level) in _JUDGED.items():
-            statuses = [s.get(check, 0.0) for s, _ in samples]
-            if max(statuses) >= level:
-                continue  # the Judge raised it (a warning a reader agrees with): not a silent case
-            series = [Series("training_health_status", _target(check=check, component=""), _rle(statuses)),
-                      Series("training_grad_norm", _target(), [run(1.0, len(samples))]),
-                      Series("training_eval_loss", _target(), [run(1.0, len(samples))])]
-            if alert == "TrainingGradientExplosion":
-                series.append(events)
-            out[alert].append(Scenario(f"healthy shape, silent: {name}", series, [(end, alert, [])]))
-    return out
-
-
-def _interval(t: Thresholds) -> int:
-    """The largest step (<= 60s) that divides every duration the tests use."""
-    a = t.alerts
-    durations = [a.event_window, a.explosion_for, a.vanishing_for, a.layer_for, a.diverging_for,
-                 a.plateau_for, a.volatile_for, a.spikes_window, a.out_of_range_for, a.overfitting_for,
-                 a.learning_rate_for, a.stalled_after, a.stalled_phase_after, a.exporter_down_for,
-                 a.loss_scale_for, t.memory.near_limit_for, t.memory.growing_for, t.memory.window,
-                 t.throughput.baseline, t.throughput.for_, t.throughput.rate_window,
-                 a.rank_down_for, a.loss_spread_for, a.straggler_for, a.grad_mismatch_for]
-    seconds = [duration_seconds(d) for d in durations]
-    if any(s != int(s) or s < 1 for s in seconds):
-        raise ValueError("alerts: rule tests need durations of whole seconds")
-    return reduce(math.gcd, [int(s) for s in seconds], 60)
-
-
-def _duration_text(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
-
-
-def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml") -> dict[str, dict]:
-    """One promtool test document per alert name, keyed by ``<alertname lowercased>.yml``."""
-    if not isinstance(thresholds, Thresholds):
-        raise TypeError(f"thresholds: expected Thresholds, got {type(thresholds).__name__}")
-    interval = _interval(thresholds)
-    b = _Builder(thresholds, interval)
-    scenarios: dict[str, list[Scenario]] = {}
-    for part in (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress, _resources, _cluster):
-        for name, more in part(b).items():
-            scenarios.setdefault(name, []).extend(more)
-    for name, healthy in _healthy(b).items():
-        scenarios[name] = scenarios[name] + healthy
-    missing = {r.name for r in b.rules} - set(scenarios)
-    if missing:
-        raise ValueError(f"rule tests: no scenarios for {sorted(missing)}")
-    groups = [RECORDING_GROUP] + list(dict.fromkeys(r.group for r in b.rules))
-    runbook = thresholds.alerts.runbook_url
-    documents = {}
-    for alert_name in dict.fromkeys(r.name for r in b.rules):
-        tests = []
-        for scenario in scenarios[alert_name]:
-            checks = []
-            for when, name, expects in scenario.checks:
-                alerts = [_expected(e, runbook) for e in expects]
-                checks.append({"eval_time": _duration_text(when), "alertname": name, "exp_alerts": alerts})
-            tests.append({
-                "name": scenario.name,
-                "interval": _duration_text(interval),
-                "input_series": [s.to_doc() for s in scenario.series],
-                "alert_rule_test": checks,
-            })
-        documents[f"{alert_name.lower()}.yml"] = {
-            "rule_files": [rule_file],
-            "evaluation_interval": _duration_text(interval),
-            "group_eval_order": groups,
-            "tests": tests,
-        }
-    return documents
+SCENARIO_FAMILIES = (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress,
+                     _resources, _cluster)
+"""Every family of scenarios, in the order the test documents list them."""

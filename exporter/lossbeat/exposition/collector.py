@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .diagnosis.patterns import PATTERNS
-from .memory import read_memory
-from .metrics import METRICS, PHASES
+from lossbeat.diagnosis.patterns import PATTERNS
+from lossbeat.measure.memory import read_memory
+from lossbeat.exposition.metrics import METRICS, PHASES
 
 if TYPE_CHECKING:
-    from .state import MonitorState
+    from lossbeat.exposition.state import MonitorState
 
 __all__ = ["MonitorCollector"]
 

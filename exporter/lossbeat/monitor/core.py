@@ -7,7 +7,7 @@ it to the host with one non-blocking copy that is read when ready (a step
 later on CUDA; at once on CPU, where there is nothing to wait for), then feed
 the plain floats to the event counters, the bounded windows and, every N
 steps, the diagnosis. A scrape renders the resulting state on the server's
-thread (:mod:`lossbeat.collector`).
+thread (:mod:`lossbeat.exposition.collector`).
 """
 
 from __future__ import annotations
@@ -29,21 +29,22 @@ import torch
 import torch.distributed as dist
 from prometheus_client.registry import CollectorRegistry
 
-from ._version import __version__
-from .collector import MonitorCollector
-from .cross_rank import CrossRankSignals
-from .diagnosis import Finding, Judge, Status, StatusChange
-from .gradients import (
+from lossbeat._version import __version__
+from lossbeat.exposition.collector import MonitorCollector
+from lossbeat.measure.memory import read_memory
+from lossbeat.measure.cross_rank import CrossRankSignals
+from lossbeat.diagnosis import Finding, Judge, Status, StatusChange
+from lossbeat.measure.gradients import (
     GradientNorms, LayerGrouping, ShardedMeasurementError, clip_with_norms, compute_grad_norms, deepspeed_zero_stage,
 )
-from .metrics import PHASES
-from .registration import Registration, register
-from .server import MetricsServer, RankContext
-from .thresholds import Thresholds, load_thresholds
-from .webconfig import ENV_VAR as WEB_CONFIG_ENV
-from .webconfig import WebConfig, load_web_config
-from .state import MonitorState
-from .vitals import Vitals, as_schedule
+from lossbeat.exposition.metrics import PHASES
+from lossbeat.exposition.registration import Registration, register
+from lossbeat.exposition.server import MetricsServer, RankContext
+from lossbeat.diagnosis.thresholds import Thresholds, load_thresholds
+from lossbeat.exposition.webconfig import ENV_VAR as WEB_CONFIG_ENV
+from lossbeat.exposition.webconfig import WebConfig, load_web_config
+from lossbeat.exposition.state import MonitorState
+from lossbeat.diagnosis.vitals import Vitals, as_schedule
 
 __all__ = ["MonitorConfig", "Monitor", "NullMonitor", "PhaseScope", "Report", "start_exporter", "DEFAULT_PORT"]
 
@@ -131,7 +132,7 @@ class MonitorConfig:
     """TLS key for /metrics."""
     web_config: str | os.PathLike | None = None
     """A web configuration file in the Prometheus exporter-toolkit format (TLS, mutual TLS, basic
-    auth; see :mod:`lossbeat.webconfig`); None reads the path from ``LOSSBEAT_WEB_CONFIG`` if set."""
+    auth; see :mod:`lossbeat.exposition.webconfig`); None reads the path from ``LOSSBEAT_WEB_CONFIG`` if set."""
     strict_port: bool = False
     """Raise when ``port + LOCAL_RANK`` is taken (e.g. two jobs sharing a node) instead of
     serving on a free port the OS picks and logging which."""
@@ -1077,7 +1078,7 @@ class Monitor:
             # Memory, throughput and the LR schedule: checks with their own bounded memory
             # (blocks, thirds, departures in a row) next to the Judge's.
             lrs = s.learning_rates
-            vitals = self._vitals.findings(step, max(lrs.values()) if lrs else None, s.cuda_device)
+            vitals = self._vitals.findings(step, max(lrs.values()) if lrs else None, read_memory(s.cuda_device))
             held = s.health
             changes = list(changes) + [
                 StatusChange(Status(held[key]), f, step) for f in vitals

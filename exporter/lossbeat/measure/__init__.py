@@ -1,0 +1,1 @@
+"""Measure (torch): fused gradient norms, layer grouping, shards and pipeline stages, memory, cross-rank signals."""

@@ -1,0 +1,170 @@
+"""The house by role: what each room may import, no circles, small modules, a pinned public API.
+
+The import graph is read from the source (every ``import`` and ``from ... import`` statement,
+including those inside functions), so a rule holds for code paths a test run never takes; a
+second check imports the torch-free rooms in a fresh interpreter and looks at ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "exporter" / "lossbeat"
+
+# room -> modules (top-level names, or lossbeat rooms) it must never import
+FORBIDDEN = {
+    "diagnosis": {"torch", "prometheus_client", "lossbeat.measure", "lossbeat.exposition", "lossbeat.monitor"},
+    "exposition": {"lossbeat.monitor"},
+    "mixin": {"torch", "lossbeat.monitor", "lossbeat.measure"},
+    "logs": {"torch", "prometheus_client", "lossbeat.monitor"},
+    "measure": {"lossbeat.monitor", "lossbeat.exposition.server", "lossbeat.mixin"},
+}
+# Modules over this many lines are split, except declarative data (the alert definitions, the panels).
+MAX_LINES = 600
+DECLARATIVE = {"mixin/alert_rules.py", "mixin/dashboards.py"}
+MONITOR_CLASS_MAX_LINES = 300
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute (relative imports resolved)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            # `from lossbeat.x import y` may import the submodule y
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges[name] = {t for t in imports_of(path) if t in modules or t.split(".")[0] != "lossbeat"}
+    return edges
+
+
+def _matches(target: str, banned: str) -> bool:
+    return target == banned or target.startswith(banned + ".")
+
+
+def test_every_room_imports_only_what_it_may():
+    violations = []
+    for module, targets in graph().items():
+        parts = module.split(".")
+        room = parts[1] if len(parts) > 1 else None
+        for target in sorted(targets):
+            for banned in FORBIDDEN.get(room, ()):
+                if _matches(target, banned):
+                    violations.append(f"{module} imports {target} (the {room}/ room may not import {banned})")
+    assert violations == []
+
+
+def test_the_rule_checker_sees_a_violation(tmp_path):
+    # the checker itself: a diagnosis module importing torch inside a function is found
+    probe = tmp_path / "lossbeat" / "diagnosis" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("def f():\n    import torch\n    from ..exposition import metrics\n")
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, tmp_path / "lossbeat"
+    try:
+        assert imports_of(probe) >= {"torch", "lossbeat.exposition", "lossbeat.exposition.metrics"}
+    finally:
+        PACKAGE = saved
+
+
+def test_no_import_circles_between_modules():
+    edges = {m: {t for t in ts if t.startswith("lossbeat.") and t in graph_modules()} for m, ts in graph().items()}
+    # a package's __init__ re-exporting its own modules is not a circle of the design
+    for m in edges:
+        edges[m] = {t for t in edges[m] if not (m != "lossbeat" and t.startswith(m + ".") )}
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    assert cycles == []
+
+
+def graph_modules() -> set[str]:
+    return {module_name(p) for p in PACKAGE.rglob("*.py")}
+
+
+@pytest.mark.parametrize("room", ["lossbeat.diagnosis", "lossbeat.mixin", "lossbeat.logs", "lossbeat.analyze.replay"])
+def test_torch_free_rooms_import_without_torch(room):
+    probe = (
+        "import importlib, pkgutil, sys\n"
+        f"pkg = importlib.import_module({room!r})\n"
+        "for info in pkgutil.walk_packages(getattr(pkg, '__path__', []), pkg.__name__ + '.'):\n"
+        "    importlib.import_module(info.name)\n"
+        "print(sorted(m for m in ('torch', 'prometheus_client') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    allowed = "['prometheus_client']" if room == "lossbeat.mixin" else "[]"
+    assert out.strip() in ("[]", allowed), f"{room} pulled in {out.strip()}"
+
+
+def test_modules_stay_small_and_say_their_role():
+    too_long, undocumented = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_LINES and rel not in DECLARATIVE:
+            too_long.append(f"{rel}: {lines} lines")
+        if rel not in ("_version.py",) and not ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))):
+            undocumented.append(rel)
+    assert too_long == []
+    assert undocumented == []
+
+
+def test_the_monitor_class_is_thin():
+    path = PACKAGE / "monitor" / "core.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Monitor"]
+    assert cls.end_lineno - cls.lineno + 1 <= MONITOR_CLASS_MAX_LINES
+
+
+def test_public_api_is_pinned():
+    import lossbeat
+
+    assert sorted(lossbeat.__all__) == sorted([
+        "start_exporter", "Monitor", "MonitorConfig", "NullMonitor", "Report", "DEFAULT_PORT",
+        "load_thresholds", "Thresholds", "ThresholdsError",
+    ])
+    for name in lossbeat.__all__:
+        assert getattr(lossbeat, name) is not None
+    with pytest.raises(AttributeError, match="no_such_name"):
+        lossbeat.no_such_name  # noqa: B018
