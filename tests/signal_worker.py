@@ -39,7 +39,7 @@ def main() -> None:
                     print(f"READY {monitor.port}", flush=True)
                 step += 1
     finally:
-        print(f"CLOSED {observed} {monitor.state.steps_total} {len(monitor._pending)}", flush=True)
+        print(f"CLOSED {observed} {monitor.state.steps_total} {len(monitor._transfer.pending)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import require_module
-from lossbeat.monitor.core import Monitor, MonitorConfig
+from lossbeat.monitor import Monitor, MonitorConfig
 
 
 def _scrape(monitor: Monitor) -> dict[str, dict[tuple, float]]:

@@ -111,7 +111,7 @@ def test_every_metric_is_exported_with_its_value(monitor):
     assert 0 < value(parsed, "training_step_duration_seconds") < 5
     assert value(parsed, "training_last_step_timestamp_seconds") > 1.7e9
     layers = {dict(k[1])["layer"]: v for k, v in parsed.items() if k[0] == "training_layer_grad_norm"}
-    assert set(layers) == set(monitor._grouping.layer_names)
+    assert set(layers) == set(monitor._meter.grouping.layer_names)
     assert "blocks.1.attn.qkv" in layers and all(v > 0 for v in layers.values())
     for check in HEALTH_CHECKS:
         assert value(parsed, "training_health_status", check=check, component="") in (0, 1, 2)
@@ -487,7 +487,7 @@ def test_a_failed_measurement_is_counted_not_raised(monitor, monkeypatch):
     """measure_gradients may run inside an autograd callback: raising there would break backward."""
     trainer = Trainer()
     loss, _ = trainer.backward()
-    monkeypatch.setattr("lossbeat.monitor.core.compute_grad_norms", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("lossbeat.measure.meter.compute_grad_norms", lambda *a, **k: 1 / 0)
     assert monitor.measure_gradients(trainer.model) is None
     monkeypatch.undo()
     monitor.observe(0, loss=loss, model=trainer.model)
@@ -500,7 +500,7 @@ def test_a_failing_gradient_measurement_still_records_the_step(monitor, monkeypa
     """The step's loss, LR, counters and timestamp (what TrainingStalled needs) survive."""
     trainer = Trainer()
     loss, tokens = trainer.backward()
-    monkeypatch.setattr("lossbeat.monitor.core.compute_grad_norms", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("lossbeat.measure.meter.compute_grad_norms", lambda *a, **k: 1 / 0)
     monitor.observe(7, loss=loss, optimizer=trainer.optimizer, model=trainer.model, tokens=tokens)
     parsed = samples(scrape(monitor.port))
     assert value(parsed, "training_steps_total") == 1 and value(parsed, "training_step") == 7
@@ -541,7 +541,7 @@ def test_clip_grad_norm_clips_like_torch_when_the_measurement_fails(monitor, mon
     trainer, reference = Trainer(), Trainer()
     loss, _ = trainer.backward()
     reference.backward()
-    monkeypatch.setattr("lossbeat.monitor.core.clip_with_norms", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("lossbeat.measure.meter.clip_with_norms", lambda *a, **k: 1 / 0)
     returned = monitor.clip_grad_norm_(trainer.model, 0.01)
     expected = torch.nn.utils.clip_grad_norm_(reference.model.parameters(), 0.01)
     assert returned.item() == pytest.approx(expected.item(), rel=1e-6)
@@ -585,7 +585,7 @@ def test_only_the_chosen_ranks_export_per_layer_norms():
 
 
 def test_layers_unfrozen_mid_run_are_picked_up():
-    from lossbeat.monitor.core import _REGROUP_CHECK_EVERY
+    from lossbeat.measure.meter import REGROUP_CHECK_EVERY as _REGROUP_CHECK_EVERY
 
     trainer = Trainer()
     trainer.model.head.requires_grad_(False)  # gradual unfreezing: the head joins later
@@ -750,42 +750,43 @@ class _StubEvent:
 def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
     """The CUDA path's bookkeeping, driven with stub events: a step whose copy is still
     in flight is applied later, in order, and only flush() (or too many in flight) waits."""
-    from lossbeat.monitor.core import _MAX_PENDING, _Pending
+    from lossbeat.monitor.transfer import MAX_PENDING as _MAX_PENDING
+    from lossbeat.monitor.transfer import PendingStep as _Pending
 
     events = []
     for step in range(3):
         event = _StubEvent()
         events.append(event)
-        monitor._pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
+        monitor._transfer.pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
                                          packed=torch.tensor([float(step + 1)], dtype=torch.float64), event=event))
-    monitor._drain(block=False)
+    monitor._transfer.drain(block=False)
     assert monitor.state.steps_total == 0  # nothing ready: nothing applied, nothing waited for
     events[1].done = True
-    monitor._drain(block=False)
+    monitor._transfer.drain(block=False)
     assert monitor.state.steps_total == 0  # step 1 is ready but step 0 is not: order is kept
     events[0].done = True
-    monitor._drain(block=False)
+    monitor._transfer.drain(block=False)
     assert monitor.state.steps_total == 2 and monitor.state.loss == 2.0
     assert not any(e.waited for e in events)
     for step in range(3, 3 + _MAX_PENDING + 1):
         event = _StubEvent()
         events.append(event)
-        monitor._pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
+        monitor._transfer.pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
                                          packed=torch.tensor([1.0], dtype=torch.float64), event=event))
     assert monitor.blocking_waits == 0
-    monitor._drain(block=False)  # too many in flight: the oldest are waited for, down to the cap
-    assert events[2].waited and len(monitor._pending) == _MAX_PENDING
+    monitor._transfer.drain(block=False)  # too many in flight: the oldest are waited for, down to the cap
+    assert events[2].waited and len(monitor._transfer.pending) == _MAX_PENDING
     assert monitor.state.steps_total == 3 + _MAX_PENDING + 1 - _MAX_PENDING
     assert monitor.blocking_waits == 2  # steps 2 and 3 were waited for, one wait each
     monitor.flush()
-    assert monitor.state.steps_total == 3 + _MAX_PENDING + 1 and not monitor._pending
+    assert monitor.state.steps_total == 3 + _MAX_PENDING + 1 and not monitor._transfer.pending
     assert monitor.blocking_waits == 2  # flush() waits on purpose: not counted
 
 
 def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatch):
     """On CUDA a step's values arrive a step late: the per-layer cadence must not follow them."""
-    import lossbeat.monitor.core as monitor_module
-    from lossbeat.monitor.core import _Pending
+    import lossbeat.measure.meter as monitor_module
+    from lossbeat.monitor.transfer import PendingStep as _Pending
 
     m = Monitor(MonitorConfig(port=0, layer_every=3), serve=False)
     per_layer = []
@@ -793,7 +794,7 @@ def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatc
     monkeypatch.setattr(monitor_module, "compute_grad_norms",
                         lambda grouping, layers, *a: per_layer.append(layers) or real(grouping, layers, *a))
     # A step still in flight holds every later step back until the cap makes observe() wait.
-    m._pending.append(_Pending(-1, 0.0, None, None, {}, [("loss", 1)],
+    m._transfer.pending.append(_Pending(-1, 0.0, None, None, {}, [("loss", 1)],
                                packed=torch.tensor([1.0], dtype=torch.float64), event=_StubEvent()))
     trainer = Trainer()
     loss, _ = trainer.backward()
@@ -820,14 +821,14 @@ def test_status_changes_are_logged_with_the_fix(monitor, caplog):
 def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(monitor, monkeypatch):
     """A NaN just before a long evaluation shows at the next scrape, not at the next observe();
     the scrape never waits for the device (a pending copy stays pending)."""
-    import lossbeat.monitor.core as monitor_module
-    from lossbeat.monitor.core import _Pending
+    import lossbeat.monitor.transfer as monitor_module
+    from lossbeat.monitor.transfer import PendingStep as _Pending
 
-    monkeypatch.setattr(monitor_module, "_SCRAPE_DRAIN_AFTER_S", 0.2)
+    monkeypatch.setattr(monitor_module, "SCRAPE_DRAIN_AFTER_S", 0.2)
     monitor.observe(0, loss=1.0)
     events = [_StubEvent(), _StubEvent()]
     for step, (event, loss) in enumerate(zip(events, (math.nan, 2.0)), start=1):
-        monitor._pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
+        monitor._transfer.pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
                                          packed=torch.tensor([loss], dtype=torch.float64), event=event))
     events[0].done = True
     parsed = samples(scrape(monitor.port))  # the loop has just observed: the scrape leaves it be
@@ -837,7 +838,7 @@ def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(mo
     time.sleep(0.3)  # the loop is away (evaluating)
     parsed = samples(scrape(monitor.port))
     assert value(parsed, "training_steps_total") == 2 and value(parsed, "training_nonfinite_loss_total") == 1
-    assert not events[1].waited and len(monitor._pending) == 1  # still in flight: not waited for
+    assert not events[1].waited and len(monitor._transfer.pending) == 1  # still in flight: not waited for
     events[1].done = True
     parsed = samples(scrape(monitor.port))
     assert value(parsed, "training_steps_total") == 3 and value(parsed, "training_loss") == 2.0
@@ -847,14 +848,14 @@ def test_scrapes_and_observe_apply_deferred_steps_once_and_in_order(monkeypatch)
     """Both threads drain: every step is applied exactly once, in order, under concurrent scrapes."""
     import threading
 
-    import lossbeat.monitor.core as monitor_module
-    from lossbeat.monitor.core import _Pending
+    import lossbeat.monitor.transfer as monitor_module
+    from lossbeat.monitor.transfer import PendingStep as _Pending
 
-    monkeypatch.setattr(monitor_module, "_SCRAPE_DRAIN_AFTER_S", 0.0)
+    monkeypatch.setattr(monitor_module, "SCRAPE_DRAIN_AFTER_S", 0.0)
     m = Monitor(MonitorConfig(port=0, log_status_changes=False), serve=False)
     applied = []
-    real_apply = m._apply
-    monkeypatch.setattr(m, "_apply", lambda record: applied.append(record.step) or real_apply(record))
+    real_apply = m._transfer.apply
+    monkeypatch.setattr(m._transfer, "apply", lambda record: applied.append(record.step) or real_apply(record))
     stop = threading.Event()
 
     def scrapes():
@@ -867,10 +868,10 @@ def test_scrapes_and_observe_apply_deferred_steps_once_and_in_order(monkeypatch)
         for step in range(2000):
             event = _StubEvent()
             event.done = step % 3 != 0  # some copies still in flight
-            with m._drain_lock:
-                m._pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
+            with m._transfer.lock:
+                m._transfer.pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
                                            packed=torch.tensor([1.0], dtype=torch.float64), event=event))
-            m._drain(block=False)
+            m._transfer.drain(block=False)
             if step % 3 == 0:
                 event.done = True
     finally:
@@ -901,7 +902,7 @@ def test_the_deferred_copy_and_its_event_use_the_source_devices_stream(monkeypat
     runs on cuda:1's current stream, so the event must be recorded there (recorded on the
     current device's stream it completes before the copy and the buffer is read early),
     and nothing may touch cuda:0 (no context on GPU 0)."""
-    from lossbeat.monitor.core import _start_host_copy
+    from lossbeat.monitor.transfer import start_host_copy as _start_host_copy
 
     current = [0]
     calls = []

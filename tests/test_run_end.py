@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lossbeat.monitor.core import Monitor, MonitorConfig, NullMonitor
+from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor
 
 
 def samples(text: str) -> dict[str, float]:
@@ -192,7 +192,7 @@ def _render(monitor: Monitor) -> str:
 
 _SCRIPT = """
 import sys, time
-from lossbeat.monitor.core import Monitor, MonitorConfig
+from lossbeat.monitor import Monitor, MonitorConfig
 monitor = Monitor(MonitorConfig(port=int(sys.argv[1]), addr="127.0.0.1"))
 monitor.observe(1, loss=1.0)
 print("serving", flush=True)

@@ -17,7 +17,7 @@ from torch import nn
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.diagnosis import Status
-from lossbeat.monitor.core import ALL_LAYERS
+from lossbeat.monitor.apply import ALL_LAYERS
 
 LOSS_CHECKS = ("loss_range", "loss_trend", "loss_volatility", "warmup", "overfitting")
 LOSS_SERIES = ("training_loss", "training_loss_cv", "training_loss_trend_ratio", "training_loss_pattern")

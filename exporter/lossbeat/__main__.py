@@ -1,3 +1,5 @@
+"""``python -m lossbeat``: the ``lossbeat`` command."""
+
 import sys
 
 from lossbeat.cli import main

@@ -223,7 +223,7 @@ def _scale_gradients_from(model: "TinyLM", layer: str, factor: float, start: int
 
 
 def run(args: argparse.Namespace) -> int:
-    from lossbeat.monitor.core import start_exporter
+    from lossbeat.monitor import start_exporter
 
     if args.steps < 1:
         raise SystemExit("lossbeat demo: --steps must be >= 1")

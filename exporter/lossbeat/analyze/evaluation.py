@@ -13,7 +13,7 @@ Two tables, written into ``docs/analyze.md`` between the evaluation markers:
 
 Every run goes through :func:`lossbeat.analyze.replay.replay` (the live
 monitor's :class:`~lossbeat.diagnosis.Judge`); the demo runs go through a real
-:class:`~lossbeat.monitor.core.Monitor`, whose findings are checked against the
+:class:`~lossbeat.monitor.Monitor`, whose findings are checked against the
 replay of the same series (live path = offline path).
 """
 
@@ -230,7 +230,7 @@ def demo_runs(steps: int = 400, thresholds: Thresholds | None = None) -> list[Ru
         return []
     from lossbeat.demo import (EXPLODING_LAYER, VANISHING_LAYER, ModelSize, SyntheticCorpus, TinyLM, _scale_gradients_from,
                        learning_rate_at)
-    from lossbeat.monitor.core import Monitor, MonitorConfig
+    from lossbeat.monitor import Monitor, MonitorConfig
 
     expects = {"": (), "nan": ("nonfinite", "event:nonfinite_loss"), "explode": ("grad_norm", "event:grad_explosions",
                                                                              "layer_grad_norm"),

@@ -1,6 +1,6 @@
 """Judgments with hysteresis: the one path from a :class:`History` to stable statuses.
 
-The live :class:`lossbeat.monitor.core.Monitor` and ``lossbeat analyze`` both use a
+The live :class:`lossbeat.monitor.Monitor` and ``lossbeat analyze`` both use a
 :class:`Judge`, so the same series gives the same findings in both. A check
 enters a worse status only after ``hysteresis.warning_enter`` (or
 ``danger_enter``) diagnoses in a row say so, and leaves it only after

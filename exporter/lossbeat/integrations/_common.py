@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import torch
 
-from lossbeat.monitor.core import Monitor, MonitorConfig, NullMonitor, start_exporter
+from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
 from lossbeat.exposition.server import RankContext
 
 __all__ = ["check_monitor", "rank_monitor", "flush_quietly", "eval_loss_from", "AfterBackward"]

@@ -13,7 +13,7 @@ try:  # the Trainer marks, in accelerate's shared state, the micro-batch that co
 except ImportError:  # pragma: no cover - the Trainer itself needs accelerate
     GradientState = None
 
-from lossbeat.monitor.core import Monitor, NullMonitor
+from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import AfterBackward, check_monitor, eval_loss_from, flush_quietly, rank_monitor
 
@@ -21,7 +21,7 @@ __all__ = ["LossbeatCallback"]
 
 
 class LossbeatCallback(TrainerCallback):
-    r"""Feed a ``transformers.Trainer`` run to a lossbeat :class:`~lossbeat.monitor.core.Monitor`.
+    r"""Feed a ``transformers.Trainer`` run to a lossbeat :class:`~lossbeat.monitor.Monitor`.
 
     Per-step mode (the default, used when the model's output carries a
     ``loss``, as every ``*ForCausalLM``/``*ForSequenceClassification`` model
@@ -36,7 +36,7 @@ class LossbeatCallback(TrainerCallback):
 
     - ``on_train_begin`` (in each rank's process, once the Trainer has started
       the process group): the monitor, unless one was given: the process's
-      exporter (:func:`~lossbeat.monitor.core.start_exporter` with ``settings``)
+      exporter (:func:`~lossbeat.monitor.start_exporter` with ``settings``)
       labelled with ``args.process_index``, ``local_process_index`` and
       ``world_size``, serving on ``port + local_process_index``. Then it registers a forward hook on the model that keeps the
       training loss of each micro-batch (a running sum on the device, reset
@@ -83,8 +83,8 @@ class LossbeatCallback(TrainerCallback):
         eval_key: the metric that is the eval loss. Default ``eval_loss``, or
             with several eval datasets the first ``eval_<name>_loss`` in sorted order.
         per_step: ``False`` observes logged steps only (``on_log``).
-        **settings: :func:`~lossbeat.monitor.core.start_exporter` arguments (``port``,
-            ``addr``, ``run_name``, any :class:`~lossbeat.monitor.core.MonitorConfig`
+        **settings: :func:`~lossbeat.monitor.start_exporter` arguments (``port``,
+            ``addr``, ``run_name``, any :class:`~lossbeat.monitor.MonitorConfig`
             field) for the exporter each rank starts; checked here.
 
     Raises:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lossbeat.monitor.core import Monitor, NullMonitor
+from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import check_monitor, eval_loss_from, flush_quietly, rank_monitor
 
@@ -16,13 +16,13 @@ __all__ = ["LossbeatCallback"]
 
 
 class LossbeatCallback(Callback):
-    r"""Feed a Lightning run to a lossbeat :class:`~lossbeat.monitor.core.Monitor`, one observation per optimizer step.
+    r"""Feed a Lightning run to a lossbeat :class:`~lossbeat.monitor.Monitor`, one observation per optimizer step.
 
     Hooks and the fields they feed:
 
     - ``setup`` (stage ``fit``, in each rank's process, after the process group
       starts): the monitor. Without ``monitor``, the process's exporter
-      (:func:`~lossbeat.monitor.core.start_exporter` with ``settings``), labelled
+      (:func:`~lossbeat.monitor.start_exporter` with ``settings``), labelled
       with ``trainer.global_rank``, ``local_rank`` and ``world_size`` and
       serving on ``port + local_rank``: under ``ddp_spawn``, ``ddp_fork`` and
       ``ddp_notebook`` the ranks run in children of the launching process, and
@@ -51,8 +51,8 @@ class LossbeatCallback(Callback):
             each rank's exporter, started in ``setup`` (/metrics on port 8470 + local rank).
         eval_key: the logged metric that is the validation loss. Default
             ``val_loss``, else the first ``val_<name>_loss`` in sorted order.
-        **settings: :func:`~lossbeat.monitor.core.start_exporter` arguments (``port``,
-            ``addr``, ``run_name``, any :class:`~lossbeat.monitor.core.MonitorConfig`
+        **settings: :func:`~lossbeat.monitor.start_exporter` arguments (``port``,
+            ``addr``, ``run_name``, any :class:`~lossbeat.monitor.MonitorConfig`
             field) for the exporter each rank starts; checked here.
 
     Raises:

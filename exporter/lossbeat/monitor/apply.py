@@ -1,0 +1,145 @@
+"""Apply one step's plain floats (the transfer has arrived): the event counters, the exported
+state, the bounded windows, and every ``diagnose_every`` steps the judgment. No torch from here on."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Mapping
+
+from lossbeat.diagnosis import History
+from lossbeat.diagnosis.vitals import Vitals
+from lossbeat.exposition.state import MonitorState
+from lossbeat.monitor.judgment import Judgment
+from lossbeat.monitor.ratelog import RateLimitedLog
+from lossbeat.monitor.transfer import PendingStep
+
+__all__ = ["StepApplier", "ALL_LAYERS"]
+
+ALL_LAYERS = "all layers"
+"""The non-finite layer reported when a non-finite loss made every layer's gradient non-finite
+(on a pipeline stage without a loss: when every layer of the stage is non-finite)."""
+
+
+class StepApplier:
+    """Called with each step, in order, once its values are on the host (the transfer's lock held)."""
+
+    def __init__(self, state: MonitorState, history: History, cross_rank: Any, vitals: Vitals,
+                 judgment: Judgment, log: RateLimitedLog) -> None:
+        self.state, self.history, self.cross_rank, self.vitals = state, history, cross_rank, vitals
+        self.judgment, self.log = judgment, log
+        self._nonfinite_run = False  # the last applied step had a non-finite gradient
+
+    def __call__(self, record: PendingStep) -> None:
+        s, v = self.state, record.host
+        loss = v.get("loss")  # None: a rank without a loss this step (a pipeline stage before the last)
+        grad_norm = v.get("grad_norm")
+        lrs = {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "lr"} if record.has_lrs else None
+        components = (
+            {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "component"} if record.has_components else None
+        )
+        layers = v.get("layers")
+        lr_max = max(lrs.values()) if lrs else None
+        if lr_max is not None and any(math.isnan(x) for x in lrs.values()):
+            lr_max = math.nan
+
+        layer_norms = without_grad = None
+        if layers is not None:
+            # -1: no parameter of the layer had a gradient this step (unused head, unrouted
+            # expert): omitted, not a zero norm, and counted apart.
+            if -1.0 in layers:  # a C-level scan; the filter only when some layer had no gradient
+                layer_norms = {name: x for name, x in zip(record.layer_names, layers) if not x < 0}
+            else:
+                layer_norms = dict(zip(record.layer_names, layers))
+            without_grad = len(layers) - len(layer_norms)
+        layer_nonfinite = layer_norms is not None and not all(map(math.isfinite, layer_norms.values()))
+        # Under fp16 loss scaling an overflowing step is skipped by the scaler: routine, not a
+        # fault, and no gradient sample. A scale collapsing is the fault (the nonfinite check).
+        overflow = "grad_scale" in v and (
+            layer_nonfinite or (grad_norm is not None and not math.isfinite(grad_norm))
+        )
+        if overflow:
+            grad_norm = layer_norms = None
+            layer_nonfinite = False
+        if "grad_scale" in v:
+            s.grad_scale = self.history.grad_scale = v["grad_scale"]
+
+        events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
+        self.cross_rank.record(record.step, grad_norm)
+        if loss is not None:
+            s.loss = loss if math.isfinite(loss) else math.nan
+        if grad_norm is not None:
+            s.grad_norm = grad_norm if math.isfinite(grad_norm) else math.nan
+        s.step = float(record.step)
+        if record.epoch is not None:
+            s.epoch = float(record.epoch)
+        s.last_step_time = record.wall_time
+        if record.duration is not None:
+            s.step_duration = record.duration
+        if lrs:
+            s.learning_rates = lrs
+        if components:
+            s.components = {k: (x if math.isfinite(x) else math.nan) for k, x in components.items()}
+        if layer_norms is not None:
+            s.layer_norms = layer_norms
+            s.layers_without_grad = without_grad
+            self.history.layer_norms = layer_norms
+        if "clip" in v:
+            s.clip_coefficient = v["clip"]
+        cv, trend = self.history.loss.cv(), self.history.loss.trend_ratio()
+        s.loss_cv = None if math.isnan(cv) else cv
+        s.loss_trend_ratio = None if math.isnan(trend) else trend
+        baseline = self.history.grad.median
+        s.grad_norm_baseline = baseline if math.isfinite(baseline) else None
+
+        s.steps_total += 1
+        if "tokens" in v and math.isfinite(v["tokens"]):
+            s.tokens_total += max(v["tokens"], 0.0)
+        if events.nonfinite_loss:
+            s.nonfinite_loss_total += 1
+            self.log("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, record.step)
+        if events.nonfinite_grad or layer_nonfinite:
+            if layer_nonfinite:
+                origin = _nonfinite_origin(layer_norms, loss)
+            else:  # no per-layer norms this step: the layer of this event (consecutive bad steps), never an earlier one's
+                origin = s.first_nonfinite_layer if self._nonfinite_run else None
+            # Set before the counter moves: a scrape in between sees the new count with its layer.
+            s.first_nonfinite_layer = origin
+            s.nonfinite_grad_total += 1
+            self._nonfinite_run = True
+            if origin is not None:
+                self.log(
+                    "nonfinite_grad", logging.WARNING,
+                    "lossbeat: non-finite gradient at step %d; it starts at layer %s", record.step, origin,
+                )
+            else:
+                self.log("nonfinite_grad", logging.WARNING, "lossbeat: non-finite gradient norm at step %d", record.step)
+        else:
+            self._nonfinite_run = False
+        if overflow:
+            s.grad_scaler_overflows_total += 1
+        if events.spike:
+            s.loss_spikes_total += 1
+        if events.explosion:
+            s.grad_explosions_total += 1
+            if layer_norms:
+                top = max((x for x in layer_norms.items() if math.isfinite(x[1])), key=lambda x: x[1], default=None)
+                self.log(
+                    "explosion", logging.WARNING, "lossbeat: gradient norm %.4g at step %d; largest layer: %s",
+                    grad_norm, record.step, top[0] if top else "-",
+                )
+        self.vitals.add_step_time(record.duration, s.phase[0] == "train")
+        if self.judgment.due(record.step):  # every diagnose_every steps, as `lossbeat analyze` judges
+            self.judgment.diagnose(record.step)
+
+
+def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float | None) -> str:
+    """Where a non-finite gradient started: backprop carries a NaN or Inf born in one layer's
+    backward to every layer before it, so the origin is the last non-finite layer in model
+    order; a non-finite loss poisons every layer (``ALL_LAYERS``). ``loss`` None: a rank
+    without a loss (a pipeline stage before the last), whose gradients come from the next
+    stage: every layer non-finite may have been poisoned there, so ``ALL_LAYERS`` too."""
+    bad = [name for name, x in layer_norms.items() if not math.isfinite(x)]
+    if len(bad) == len(layer_norms) and (loss is None or not math.isfinite(loss)):
+        return ALL_LAYERS
+    return bad[-1]

@@ -1,0 +1,136 @@
+"""Validate what ``observe`` is given: programming errors (a wrong type) raise at once, naming the
+argument; values stay as they are (floats, or 0-d tensors left on their device: reading them would sync)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["scalar", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components",
+           "check_step", "check_model", "check_epoch"]
+
+MAX_PARAM_GROUPS = 32
+MAX_COMPONENTS = 32
+
+
+def check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"step: expected an int, got {type(step).__name__}")
+    return int(step)
+
+
+def check_model(model: Any) -> None:
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+
+
+def check_epoch(epoch: Any) -> float | None:
+    if epoch is None:
+        return None
+    if isinstance(epoch, bool) or not isinstance(epoch, numbers.Real):
+        raise TypeError(f"epoch: expected a number, got {type(epoch).__name__}")
+    return real_to_float(epoch)
+
+
+def learning_rates(optimizer: Any, learning_rate: Any) -> dict[Any, Any]:
+    """``{("lr", group label): value}`` from the optimizer's param groups and/or an explicit LR."""
+    out: dict[Any, Any] = {}
+    if optimizer is not None:
+        groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(groups, (list, tuple)):
+            raise TypeError(f"optimizer: expected a torch optimizer with param_groups, got {type(optimizer).__name__}")
+        for i, group in enumerate(groups[:MAX_PARAM_GROUPS]):
+            label = str(group.get("name", i)) if isinstance(group, Mapping) else str(i)
+            lr = group.get("lr") if isinstance(group, Mapping) else None
+            if lr is not None:
+                out[("lr", label)] = scalar("optimizer.param_groups[%d]['lr']" % i, lr)
+    if learning_rate is not None:
+        out[("lr", "0" if not out else "explicit")] = scalar("learning_rate", learning_rate)
+    return out
+
+
+def components(losses: Mapping[str, Any] | None) -> dict[Any, Any]:
+    """``{("component", name): value}`` of a multi-task loss (at most MAX_COMPONENTS)."""
+    if losses is None:
+        return {}
+    if not isinstance(losses, Mapping):
+        raise TypeError(f"losses: expected a mapping of component name to loss, got {type(losses).__name__}")
+    out = {}
+    for name, value in list(losses.items())[:MAX_COMPONENTS]:
+        if not isinstance(name, str):
+            raise TypeError(f"losses: component names must be strings, got {name!r}")
+        out[("component", name)] = scalar(f"losses[{name!r}]", value)
+    return out
+
+
+def scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.Tensor | None:
+    """A float, or a detached 0-d tensor left on its device (reading it would sync)."""
+    kind = type(value)
+    if kind is float:  # the common case, without ABC checks
+        return value
+    if kind is int:
+        return _int_to_float(value)
+    if value is None:
+        if optional:
+            return None
+        raise TypeError(f"{name}: required, got None")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:  # metadata only: no sync
+            raise TypeError(f"{name}: expected a single value, got a tensor of shape {tuple(value.shape)}")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name}: expected a real number, got a {value.dtype} tensor")
+        if value.is_meta:
+            raise TypeError(f"{name}: a meta tensor holds no value")
+        if hasattr(value, "full_tensor"):
+            # A DTensor (torch's clip_grad_norm_ returns one under FSDP2): its value on every
+            # rank; a partial one is all-reduced, enqueued on the device like any kernel.
+            value = value.full_tensor()
+        return value.detach().reshape(())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a float or a 0-d tensor, got {type(value).__name__}")
+    return real_to_float(value)
+
+
+def real_to_float(value: numbers.Real) -> float:
+    if isinstance(value, numbers.Integral):
+        return _int_to_float(int(value))
+    try:
+        return float(value)
+    except OverflowError:  # a Fraction beyond float range: a huge value is data, not an error
+        return math.inf if value > 0 else -math.inf
+
+
+def _int_to_float(value: int) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond 1.8e308: data (counted as non-finite), never raised
+        return math.inf if value > 0 else -math.inf
+
+
+def loss_scale(grad_scaler: Any) -> torch.Tensor | None:
+    """The scale of an enabled GradScaler as a 0-d device tensor (no sync), else None."""
+    if grad_scaler is None:
+        return None
+    is_enabled = getattr(grad_scaler, "is_enabled", None)
+    if not callable(is_enabled) or not callable(getattr(grad_scaler, "get_scale", None)):
+        raise TypeError(f"grad_scaler: expected a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+    if not is_enabled():
+        return None
+    # get_scale() would read it with .item(): the tensor behind it is read with the step's values.
+    scale = getattr(grad_scaler, "_scale", None)
+    return scale.detach().reshape(()) if isinstance(scale, torch.Tensor) and scale.numel() == 1 else None
+
+
+def refuse_graph_capture(where: str) -> None:
+    """Raise if called while the current CUDA stream is capturing a graph: the event query
+    and the pinned allocation would break the capture, and a captured observe() would
+    replay stale values. Checked only once CUDA is initialised (no cost on CPU); the query
+    creates no CUDA context on the current device when it has none."""
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{where}: called during CUDA graph capture; call it outside the captured region "
+            "(after graph.replay(), with the step's output tensors)"
+        )

@@ -1,0 +1,94 @@
+"""The monitor's judgment: the Judge that ``lossbeat analyze`` replays, plus the live-only vitals
+(memory, throughput, the LR schedule), their status changes logged, their findings exported."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from lossbeat.diagnosis import Finding, Judge, Status, StatusChange
+from lossbeat.diagnosis.vitals import Vitals
+from lossbeat.exposition.state import MonitorState
+from lossbeat.measure.memory import read_memory
+from lossbeat.monitor.ratelog import RateLimitedLog
+from lossbeat.monitor.report import Report
+
+__all__ = ["Judgment"]
+
+log = logging.getLogger("lossbeat")
+
+
+class Judgment:
+    """Judges the run every ``diagnose_every`` steps and after each evaluation."""
+
+    def __init__(self, state: MonitorState, judge: Judge, vitals: Vitals, log_status_changes: bool,
+                 log_limited: RateLimitedLog) -> None:
+        self.state, self.judge, self.vitals = state, judge, vitals
+        self.log_status_changes = log_status_changes
+        self.log = log_limited
+        self.findings: tuple[Finding, ...] = ()
+        """The findings of the last diagnosis."""
+
+    def due(self, step: int) -> bool:
+        return self.judge.due(step)
+
+    def diagnose(self, step: int | None = None) -> None:
+        s = self.state
+        step = self.judge.history.last_step if step is None else step
+        try:
+            findings, changes = self.judge.judge(step)
+            # Memory, throughput and the LR schedule: checks with their own bounded memory
+            # (blocks, thirds, departures in a row) next to the Judge's.
+            lrs = s.learning_rates
+            vitals = self.vitals.findings(step, max(lrs.values()) if lrs else None, read_memory(s.cuda_device))
+            held = s.health
+            changes = list(changes) + [
+                StatusChange(Status(held[key]), f, step) for f in vitals
+                if (key := (f.check, f.component)) in held and held[key] != int(f.status)
+            ]
+            findings = list(findings) + vitals
+            pattern = self.vitals.pattern(findings, step)
+            s.pattern = (pattern.name if pattern else None, self.vitals.pattern_since)
+        except Exception:
+            s.count_error("diagnose")
+            self.log("diagnose", logging.ERROR, "lossbeat: error in the diagnosis", exc_info=True)
+            return
+        health = dict(s.health)
+        for f in findings:
+            health[(f.check, f.component)] = int(f.status)
+        s.health = health
+        self.findings = tuple(findings)
+        if self.log_status_changes:
+            for change in changes:
+                log_change(change)
+
+    def report(self) -> Report:
+        """Judge now and return the end-of-run report."""
+        self.diagnose()
+        s = self.state
+        counters = {
+            "steps": s.steps_total,
+            "nonfinite_loss": s.nonfinite_loss_total,
+            "nonfinite_grad": s.nonfinite_grad_total,
+            "loss_spikes": s.loss_spikes_total,
+            "grad_explosions": s.grad_explosions_total,
+            "grad_scaler_overflows": s.grad_scaler_overflows_total,
+            "exporter_errors": sum(s.errors.values()),
+        }
+        return Report(self.findings, counters, s.step, self.vitals.describe_pattern())
+
+
+def log_change(change: StatusChange) -> None:
+    """One line per status change, recoveries included (WARNING: visible by default, so a log
+    never shows GOOD -> WARNING twice in a row). Written above an active tqdm bar, not onto it."""
+    f = change.finding
+    message = "lossbeat: %s %s -> %s at step %s: %s%s"
+    args = (change.where, change.previous.name, f.status.name, change.step, f.message,
+            f"; fix: {f.fix}" if f.fix and f.status else "")
+    tqdm = sys.modules.get("tqdm")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
+    if bars:
+        with tqdm.tqdm.external_write_mode(file=sys.stderr):
+            log.warning(message, *args)
+    else:
+        log.warning(message, *args)

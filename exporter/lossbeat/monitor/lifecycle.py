@@ -1,0 +1,66 @@
+"""The monitor's lifecycle in the process: the one running monitor (start_exporter returns it), the
+linger after a normal end, the close at exit, uncaught exceptions (a failure: no completion marker)
+and fork (a child starts its own)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["process", "watch_uncaught_exceptions", "linger"]
+
+log = logging.getLogger("lossbeat")
+
+
+class _Process:
+    """The process-wide monitor slot, guarded by one lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: Any = None
+        self.uncaught_exception_seen = False
+
+    def forget(self, monitor: Any = None) -> None:
+        """Clear the slot (if it holds ``monitor``, when given)."""
+        with self.lock:
+            if monitor is None or self.running is monitor:
+                self.running = None
+
+
+process = _Process()
+
+
+def watch_uncaught_exceptions() -> None:
+    """Chain sys.excepthook once: an uncaught exception ends the process as a failure, so
+    the close at exit publishes no completion marker (TrainingExporterDown then pages)."""
+    previous = sys.excepthook
+    if getattr(previous, "_lossbeat", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        process.uncaught_exception_seen = True
+        previous(exc_type, exc, tb)
+
+    hook._lossbeat = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def linger(scrape_interval: float | None, limit_s: float) -> None:
+    """Serve one more scrape interval, as measured from the scrapes seen (bounded by ``limit_s``);
+    none when nothing scrapes periodically (a script run by hand, a test)."""
+    if scrape_interval is None or not limit_s:
+        return
+    wait = min(float(limit_s), 1.2 * scrape_interval + 0.5)
+    log.info("lossbeat: run completed; serving /metrics %.1fs more for the last scrape", wait)
+    time.sleep(wait)
+
+
+def _forget_in_child() -> None:
+    process.running = None  # a forked child (a ddp_fork rank) starts its own; the copy serves nothing
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

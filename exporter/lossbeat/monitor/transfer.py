@@ -1,0 +1,202 @@
+"""The step's one device→host transfer: pack every device value into one tensor, copy it without
+blocking, and apply the step once its values have arrived, in order, from the training thread or,
+while the loop is away, from a scrape.
+
+On CUDA the copy is read a step late (a pinned buffer and an event); on CPU there is nothing to
+wait for and the values are read at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["PendingStep", "DeviceTransfer", "start_host_copy", "unpack"]
+
+MAX_PENDING = 4  # deferred host copies in flight before the oldest is waited for
+# A scrape applies deferred device values that arrived once the training thread has not
+# observed for this long (an evaluation, a checkpoint): a NaN just before them shows at once.
+SCRAPE_DRAIN_AFTER_S = 1.0
+
+
+@dataclass
+class PendingStep:
+    """One step whose device values are on their way to the host."""
+
+    step: int
+    wall_time: float
+    duration: float | None
+    epoch: float | None
+    host: dict[str, Any]
+    """Values already on the host (Python floats)."""
+    layout: list[tuple[str, int]]
+    """(key, length) of each slice of the packed device tensor."""
+    packed: torch.Tensor | None = None
+    """The packed values: a pinned host buffer filling asynchronously, or a CPU tensor."""
+    event: Any = None
+    """CUDA event recorded after the copy; None when the values are already on the host."""
+    layer_names: list[str] = field(default_factory=list)
+    has_lrs: bool = False
+    has_components: bool = False
+
+
+def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A pinned host buffer that a non-blocking copy of the CUDA tensor ``packed`` fills,
+    and the CUDA event that completes after it.
+
+    The copy runs on the current stream of ``packed``'s device, which need not be the
+    current device (a model on ``cuda:1`` without ``set_device``; the last GPU of
+    ``device_map="auto"``): the event is recorded on that same stream, else it could
+    complete before the copy and the buffer be read early. Everything happens with
+    ``packed``'s device current, so no CUDA context is created on GPU 0 for it.
+    """
+    device = packed.device
+    with torch.cuda.device(device):
+        buffer = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        buffer.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+    return buffer, event
+
+
+def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:
+    offset = 0
+    for key, length in layout:
+        if key == "layers":
+            into[key] = values[offset : offset + length]
+        else:
+            into[key] = values[offset]
+        offset += length
+
+
+def _as_float_list(t: torch.Tensor) -> list[float]:
+    return t.tolist()
+
+
+class DeviceTransfer:
+    """The steps in flight to the host, and their application in order, exactly once each.
+
+    The training thread submits and drains; a scrape drains only what has arrived, only once
+    the loop has been idle for ``SCRAPE_DRAIN_AFTER_S``, and never waits (the lock guards the
+    queue and the application of a step)."""
+
+    def __init__(self, apply: Callable[[PendingStep], None], defer_device_reads: bool) -> None:
+        self.apply = apply
+        self.defer = defer_device_reads
+        self.pending: collections.deque[PendingStep] = collections.deque()
+        self.lock = threading.Lock()
+        self.last_submit = time.monotonic()
+        self.cuda_device: int | None = None
+        """Index of the CUDA device the step's tensors live on (for the memory reading), else None."""
+        self.host_transfers = 0
+        """Reads of a step's packed tensor values on the host: at most one per observed step
+        (plus one for CPU tensors when a step mixes CPU and device tensors)."""
+        self.blocking_waits = 0
+        """Times ``observe()`` waited for a deferred device copy (more than ``MAX_PENDING``
+        steps in flight); 0 while the device keeps up. Waits in ``flush()`` are not counted."""
+
+    def submit(self, step: int, wall: float, duration: float | None, epoch: float | None,
+               values: dict[Any, Any], layer_names: list[str]) -> None:
+        """Pack ``values`` (floats and tensors) into one record and start its host copy."""
+        host: dict[Any, Any] = {}
+        device_parts: list[torch.Tensor] = []
+        cpu_parts: list[torch.Tensor] = []
+        layout: list[tuple[Any, int]] = []
+        cpu_layout: list[tuple[Any, int]] = []
+        device = None
+        has_lrs = has_components = False
+        for key, value in values.items():
+            if value is None:
+                continue
+            if type(key) is tuple:
+                if key[0] == "lr":
+                    has_lrs = True
+                else:
+                    has_components = True
+            if not isinstance(value, torch.Tensor):
+                host[key] = value
+                continue
+            flat = value.reshape(-1)
+            if flat.dtype != torch.float64:
+                # float64: token counts stay exact past 2**24 and bf16/fp16 values lose nothing.
+                flat = flat.double()
+            if flat.device.type == "cpu":
+                cpu_parts.append(flat)
+                cpu_layout.append((key, flat.numel()))
+                continue
+            if device is None:
+                device = flat.device
+                self.cuda_device = device.index if device.type == "cuda" else None
+            elif flat.device != device:
+                flat = flat.to(device, non_blocking=True)
+            device_parts.append(flat)
+            layout.append((key, flat.numel()))
+
+        if cpu_parts:  # CPU tensors: reading them waits for nothing
+            packed = torch.cat(cpu_parts) if len(cpu_parts) > 1 else cpu_parts[0]
+            self.host_transfers += 1
+            unpack(_as_float_list(packed), cpu_layout, host)
+
+        record = PendingStep(step, wall, duration, epoch, host, layout, layer_names=layer_names,
+                             has_lrs=has_lrs, has_components=has_components)
+        if device_parts:
+            packed = torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
+            if device.type == "cuda" and self.defer:
+                # The step's one device->host transfer, asynchronous: read at a later observe()
+                # (or scrape) once its event is done.
+                record.packed, record.event = start_host_copy(packed)
+            else:
+                # The step's one device->host transfer, synchronous (waits for the step's kernels).
+                record.packed = packed.cpu()
+        with self.lock:
+            self.pending.append(record)
+            self.last_submit = time.monotonic()
+            self._drain_locked(block=False, may_wait=True)
+
+    def drain(self, block: bool, may_wait: bool = True) -> None:
+        """Apply pending steps in order, as far as their values have arrived.
+
+        ``block``: wait for all (flush); else wait only when more than ``MAX_PENDING``
+        are in flight, and never when ``may_wait`` is False (a scrape)."""
+        if not self.pending:  # nothing in flight (always, on CPU): no lock to take
+            return
+        with self.lock:  # the training thread and a scrape: one applies at a time, in order
+            self._drain_locked(block, may_wait)
+
+    def drain_at_scrape(self) -> None:
+        """On the scrape thread: apply the steps whose device values have arrived while the
+        training thread is away (an evaluation, a checkpoint). Never waits for the device or
+        for the training thread: an event query only, and only if the lock is free.
+
+        Caveat: an event query from this thread during a CUDA-graph capture in global mode on
+        another thread would invalidate that capture; captures happen while the loop steps,
+        and this runs only once the loop has not observed for ``SCRAPE_DRAIN_AFTER_S``."""
+        if not self.pending or time.monotonic() - self.last_submit < SCRAPE_DRAIN_AFTER_S:
+            return
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            self._drain_locked(block=False, may_wait=False)
+        finally:
+            self.lock.release()
+
+    def _drain_locked(self, block: bool, may_wait: bool) -> None:
+        pending = self.pending
+        while pending:
+            record = pending[0]
+            if record.event is not None and not record.event.query():
+                if not block and (len(pending) <= MAX_PENDING or not may_wait):
+                    return
+                if not block:
+                    self.blocking_waits += 1
+                record.event.synchronize()  # host sync: only when too many are in flight, or on flush()
+            pending.popleft()
+            if record.packed is not None:
+                self.host_transfers += 1
+                unpack(_as_float_list(record.packed), record.layout, record.host)
+            self.apply(record)
