@@ -26,20 +26,16 @@ last ``window`` steps (a ring buffer).
 from __future__ import annotations
 
 import time
-from typing import Iterator
 
 import torch
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
-from lossbeat.exposition.metrics import METRICS
 from lossbeat.diagnosis.window import Ring
 
 __all__ = ["CrossRankSignals"]
 
 
-class CrossRankSignals(Collector):
-    """Step-aligned grad norm and rank work time of one rank; renders them at scrape time."""
+class CrossRankSignals:
+    """Step-aligned grad norm and rank work time of one rank (rendered by
+    :class:`lossbeat.exposition.cross_rank.CrossRankCollector` at scrape time)."""
 
     def __init__(self, rank: str, align_every: int, work_time: bool, window: int = 50) -> None:
         self.rank = rank
@@ -105,19 +101,3 @@ class CrossRankSignals(Collector):
         if self._inner_start is not None:
             self._forward += time.perf_counter() - self._inner_start
             self._inner_start = None
-
-    # --- scrape time ----------------------------------------------------------------------
-
-    def collect(self) -> Iterator[Metric]:
-        aligned = self.aligned
-        if aligned is not None:
-            for name, value in (("training_grad_norm_aligned", aligned[1]),
-                                ("training_grad_norm_aligned_step", aligned[0])):
-                g = GaugeMetricFamily(name, METRICS[name].help, labels=("rank",))
-                g.add_metric([self.rank], value)
-                yield g
-        if self.work_mean is not None:
-            g = GaugeMetricFamily("training_rank_work_seconds", METRICS["training_rank_work_seconds"].help,
-                                  labels=("rank",))
-            g.add_metric([self.rank], self.work_mean)
-            yield g

@@ -25,6 +25,7 @@ from lossbeat._version import __version__
 from lossbeat.diagnosis import Finding, Judge
 from lossbeat.diagnosis.vitals import Vitals
 from lossbeat.exposition.collector import MonitorCollector
+from lossbeat.exposition.cross_rank import CrossRankCollector
 from lossbeat.exposition.metrics import PHASES
 from lossbeat.exposition.registration import Registration, register
 from lossbeat.exposition.server import MetricsServer, RankContext
@@ -79,7 +80,8 @@ class Monitor:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._transfer.drain_at_scrape)
         self.registry.register(self._collector)
-        self.registry.register(self._cross_rank)
+        self._cross_rank_collector = CrossRankCollector(self._cross_rank)
+        self.registry.register(self._cross_rank_collector)
         self._last_perf: float | None = None
         self.closed = False
         self._server: MetricsServer | None = None
@@ -289,7 +291,7 @@ class Monitor:
         if self._server is not None:
             self._server.close()
         self._cross_rank.close()
-        for collector in (self._collector, self._cross_rank):
+        for collector in (self._collector, self._cross_rank_collector):
             try:
                 self.registry.unregister(collector)
             except KeyError:

@@ -1,0 +1,35 @@
+"""Renders one rank's cross-rank signals (:mod:`lossbeat.measure.cross_rank`) at scrape time: the
+step-aligned grad norm and the rank's work time, compared across the ranks of a run by the rules."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from lossbeat.exposition.metrics import METRICS
+
+__all__ = ["CrossRankCollector"]
+
+
+class CrossRankCollector(Collector):
+    """Reads the signals' last values (each assigned whole by the training thread): no lock."""
+
+    def __init__(self, signals) -> None:
+        self.signals = signals
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.signals
+        aligned = s.aligned
+        if aligned is not None:
+            for name, value in (("training_grad_norm_aligned", aligned[1]),
+                                ("training_grad_norm_aligned_step", aligned[0])):
+                g = GaugeMetricFamily(name, METRICS[name].help, labels=("rank",))
+                g.add_metric([s.rank], value)
+                yield g
+        if s.work_mean is not None:
+            g = GaugeMetricFamily("training_rank_work_seconds", METRICS["training_rank_work_seconds"].help,
+                                  labels=("rank",))
+            g.add_metric([s.rank], s.work_mean)
+            yield g
