@@ -1,4 +1,4 @@
-"""What the cross-rank signals cost the training step (lossbeat.cross_rank), measured.
+"""What the cross-rank signals cost the training step (lossbeat.measure.cross_rank), measured.
 
     python benchmarks/cross_rank_cost.py [--model 10M] [--rounds 40]
 
@@ -40,7 +40,7 @@ def direct_cost_us(calls: int = 20_000, repeats: int = 5) -> dict[str, float]:
     module's forward with and without the three hooks, plus ``step_end`` and ``record``."""
     import time
 
-    from lossbeat.cross_rank import CrossRankSignals
+    from lossbeat.measure.cross_rank import CrossRankSignals
 
     module, x = torch.nn.Identity(), torch.zeros(1)
 

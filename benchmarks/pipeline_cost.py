@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lossbeat.gradients import LayerGrouping, compute_grad_norms  # noqa: E402
+from lossbeat.measure.gradients import LayerGrouping, compute_grad_norms  # noqa: E402
 
 
 def main() -> None:

@@ -60,7 +60,7 @@ def real_expositions(world_size: int, steps: int = 12, model: str = "10M") -> di
 
     from benchmarks.models import MODEL_SPECS, build_workload
     from lossbeat import Monitor, MonitorConfig
-    from lossbeat.server import RankContext
+    from lossbeat.exposition.server import RankContext
 
     torch.set_num_threads(1)
     work = build_workload(MODEL_SPECS[model])
@@ -222,7 +222,7 @@ class RankFarm:
 
 class Server:
     def __init__(self, workdir: Path, ports: list[int], rules: Path, interval: float) -> None:
-        from lossbeat.stack import find_binary
+        from lossbeat.stack.local import find_binary
         import yaml
 
         self.port = _free_port()
