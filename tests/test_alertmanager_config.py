@@ -43,7 +43,7 @@ def test_amtool_accepts_the_config():
     result = amtool("check-config", str(CONFIG))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
-    assert "2 inhibit rules" in result.stdout and "2 receivers" in result.stdout
+    assert "4 inhibit rules" in result.stdout and "2 receivers" in result.stdout
 
 
 def test_every_alert_routes_by_its_severity():
@@ -78,8 +78,16 @@ def test_receivers_post_to_the_local_webhooks():
 
 def test_inhibition_rule_content():
     names = set()
-    for rule in config()["inhibit_rules"]:
-        assert rule["source_matchers"] == ['alertname="TrainingLossNaN"']
+    nan_rules = [r for r in config()["inhibit_rules"] if r["source_matchers"] == ['alertname="TrainingLossNaN"']]
+    guard_rules = {r["source_matchers"][0]: r for r in config()["inhibit_rules"] if r not in nan_rules}
+    # The optimizer guard: a stop is the page (the exporter vanishing and the skips are context);
+    # repeated skips page, their ticket is context.
+    assert guard_rules['alertname="TrainingHalted"']["target_matchers"] == [
+        'alertname=~"TrainingExporterDown|TrainingStalled|TrainingSkippingRepeatedly|TrainingStepsSkipped"']
+    assert guard_rules['alertname="TrainingSkippingRepeatedly"']["target_matchers"] == [
+        'alertname="TrainingStepsSkipped"']
+    assert all(r["equal"] == list(TARGET) for r in guard_rules.values())
+    for rule in nan_rules:
         (target,) = rule["target_matchers"]
         names |= set(target.removeprefix('alertname=~"').removeprefix('alertname="').removesuffix('"').split("|"))
         # One rank of one run: the labels every alert keeps (instance tells runs apart).

@@ -49,6 +49,9 @@ ALERTS = {  # the contract: name -> severity
     "TrainingLossRankSpread": "warning",
     "TrainingStraggler": "warning",
     "TrainingRankGradientMismatch": "critical",
+    "TrainingStepsSkipped": "warning",
+    "TrainingSkippingRepeatedly": "critical",
+    "TrainingHalted": "critical",
 }
 
 # A user's thresholds file changing numbers, counts and (short) durations.
@@ -274,7 +277,7 @@ def test_rendering_is_deterministic():
     assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
         "lossbeat.recording", "lossbeat.nonfinite", "lossbeat.gradients", "lossbeat.loss",
         "lossbeat.optimizer", "lossbeat.liveness", "lossbeat.resources",
-        "lossbeat.cross_rank",
+        "lossbeat.cross_rank", "lossbeat.guard",
     ]
 
 
