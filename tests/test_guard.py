@@ -245,3 +245,19 @@ def test_the_null_monitor_steps_plainly():
     lossbeat.NullMonitor().step(optimizer)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert guard_module.REASONS == ("nonfinite", "explosion", "spike")
+
+
+def test_the_demo_survives_one_nan_batch_with_the_guard(tmp_path):
+    """`lossbeat demo --guard skip --fault nan`: the NaN batch is skipped and counted, the loss
+    stays finite after it, and nothing counts as a non-finite step the model took in."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "lossbeat", "demo", "--port", "0", "--steps", "80", "--fault", "nan",
+         "--fault-step", "60", "--guard", "skip", "--eval-every", "0", "--no-progress"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    events = out.stdout.strip().splitlines()[-1]
+    assert "skipped_steps 1" in events and "nonfinite_loss 0" in events and "nonfinite_grad 0" in events, events
+    assert "ok   nonfinite" in out.stdout
