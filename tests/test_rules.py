@@ -168,10 +168,11 @@ def test_checked_in_files_match_the_generator():
     assert on_disk == generated_tests
 
 
-def test_readme_alert_table_matches_the_generator():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    region = readme.split(rules.README_START, 1)[1].split(rules.README_END, 1)[0]
-    assert region == "\n" + rules.render_alert_table(load_thresholds())
+def test_alert_table_of_the_docs_matches_the_generator():
+    doc = (REPO / rules.REFERENCE_DOC).read_text(encoding="utf-8")
+    assert doc.count(rules.TABLE_START) == 1 and doc.count(rules.TABLE_END) == 1
+    region = doc.split(rules.TABLE_START, 1)[1].split(rules.TABLE_END, 1)[0]
+    assert region == "\n" + rules.render_alert_table(load_thresholds()), f"{rules.REFERENCE_DOC} drifted: run `make generate`"
 
 
 def test_check_passes_on_the_checkout():
@@ -195,13 +196,16 @@ def test_check_reports_drift_with_a_diff(tmp_path, capsys):
 
 
 def test_generate_in_a_fresh_tree_and_remove_stale_test_files(tmp_path, monkeypatch, capsys):
-    (tmp_path / "README.md").write_text(f"# x\n\n{rules.README_START}\nPLACEHOLDER-ROW\n{rules.README_END}\n\nkept\n")
+    (tmp_path / "README.md").write_text("# x\n")  # what marks a checkout
+    (tmp_path / rules.REFERENCE_DOC).parent.mkdir()
+    (tmp_path / rules.REFERENCE_DOC).write_text(f"# x\n\n{rules.TABLE_START}\nPLACEHOLDER-ROW\n{rules.TABLE_END}\n\nkept\n")
     monkeypatch.setattr(rules, "REPO_ROOT", tmp_path)
     assert run_rules("--checkout") == 0
     for path in rules.generated_files(load_thresholds()):
         assert (tmp_path / path).read_text() == (REPO / path).read_text(), path
-    readme = (tmp_path / "README.md").read_text()
-    assert "PLACEHOLDER-ROW" not in readme and readme.endswith(f"{rules.README_END}\n\nkept\n")
+    doc = (tmp_path / rules.REFERENCE_DOC).read_text()
+    assert "PLACEHOLDER-ROW" not in doc and doc.endswith(f"{rules.TABLE_END}\n\nkept\n")
+    assert (tmp_path / "README.md").read_text() == "# x\n"
     stale = tmp_path / rules.TESTS_DIR / "traininggone.yml"
     stale.write_text(rules.HEADER + "tests: []\n")
     own = tmp_path / rules.TESTS_DIR / "handwritten.yml"
@@ -370,12 +374,12 @@ def test_prometheus_rule_carries_the_same_groups():
     assert manifest["spec"]["groups"] == checked_in_rules()
 
 
-def test_readme_table_has_a_row_per_alert_with_numbers_and_runbook_links():
+def test_alert_table_has_a_row_per_alert_with_numbers_and_runbook_links():
     table = rules.render_alert_table(load_thresholds())
     for name, severity in ALERTS.items():
         row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |"))
         assert f"| {severity} |" in row
-        assert f"(docs/runbooks.md#{name.lower()})" in row
+        assert f"(runbooks.md#{name.lower()})" in row  # docs/metrics.md -> docs/runbooks.md
     explosion = next(line for line in table.splitlines() if "`TrainingGradientExplosion`" in line)
     assert "recent median > 10x the rolling baseline" in explosion and ">= 3 explosion events" in explosion
 

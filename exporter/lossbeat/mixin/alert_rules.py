@@ -64,9 +64,9 @@ class AlertRule:
     description: str
     """Go template; may use ``$labels.X`` and ``$value | printf "FMT"`` only."""
     condition: str
-    """When it fires, in words with the numbers (README table)."""
+    """When it fires, in words with the numbers (the alert table of docs/metrics.md)."""
     action: str
-    """The first thing to do (README table)."""
+    """The first thing to do (the alert table of docs/metrics.md)."""
     keeps: tuple[str, ...]
     """Labels of the expression's result series (before the rule's labels)."""
     for_: str | None = None
