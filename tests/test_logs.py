@@ -289,7 +289,8 @@ def torch_tensor():
 
 def test_formats_list_is_complete():
     assert set(FORMATS) == {"hf", "hf-stdout", "llamafactory", "lightning", "llmc", "llmc-stdout", "nanogpt",
-                            "megatron", "megatron-log", "tensorboard"}
+                            "megatron", "megatron-log", "build-nanogpt", "nanochat", "olmo", "torchtitan",
+                            "kv-stdout", "tensorboard"}
 
 
 # --- broken inputs: one line naming the file and the problem ----------------------------------
