@@ -125,7 +125,7 @@ def _detect(src: Source) -> str:
     if any(NANOCHAT.match(line) for line in text):
         return "nanochat"
     if any(OLMO_STEP.search(line) for line in text) and any(
-            re.match(r"^\s+(?:train|eval)/[^=]*=", line) for line in text):
+            re.match(r"^(?:train|eval)/[^=]*=", line) for line in text):
         return "olmo"
     if any(TORCHTITAN.match(line) for line in text):
         return "torchtitan"

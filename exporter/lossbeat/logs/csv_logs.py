@@ -26,13 +26,12 @@ _LOSS = re.compile(r"loss", re.I)
 
 
 def _rank(name: str) -> tuple:
-    """How much a loss column looks like *the* loss: a total over its parts, per step over per epoch,
-    named train over unnamed, the shortest name, then column order (the sort is stable)."""
+    """How much a loss column looks like *the* loss: a total over its parts, then a plain name
+    (``loss``, ``mean_loss``, ``train_loss_step``), per step over per epoch, named train, the shortest
+    name, then column order (the sort is stable)."""
     low = name.lower()
-    return ("total" not in low and not re.search(r"(?:^|[_/])(?:train|training)?[_/]?loss(?:_step|_epoch)?$", low),
-            low.endswith("_epoch"),
-            "train" not in low,
-            len(name))
+    plain = re.fullmatch(r"(?:train(?:ing)?[_/])?(?:mean_|avg_)?loss(?:_step|_epoch)?", low)
+    return ("total" not in low, not plain, low.endswith("_epoch"), "train" not in low, len(name))
 
 
 def choose_loss_column(columns: list[str], known: tuple[str, ...], exclude: re.Pattern,

@@ -107,7 +107,7 @@ def parse_nanochat(src: Source, out: RecordBuilder) -> None:
 
 # --- OLMo / OLMo-core -----------------------------------------------------------------------------
 
-OLMO_STEP = re.compile(r"\[step=(\d+)(?:/(\d+))?(?:,\s*epoch=[^\]]*)?\]")
+OLMO_STEP = re.compile(r"\[step=(\d+)(?:/[^,\]]*)?(?:,[^\]]*)?\]")
 _OLMO_EVAL_STEP = re.compile(r"\[eval_step=\d+")
 _OLMO_METRIC = re.compile(r"^\s*([\w./ ()-]+?)=(\S+)\s*$")
 _OLMO_TRAIN = re.compile(r"^train/(?:CE ?loss|CrossEntropyLoss|loss)$", re.I)
