@@ -67,6 +67,7 @@ def test_hf_stdout_in_a_notebook_and_in_a_kaggle_stream(tmp_path):
         assert log.format == "hf-stdout"
         assert [r.loss for r in log.train] == pytest.approx([2.9, 2.8, 2.7, 2.6, 2.5, 2.4])
         assert [(e.step, e.loss) for e in log.evals] == [(6, 2.5)]
+        assert any("JSON stream" in n for n in log.notes)  # the report says what was unwrapped
 
 
 def test_nanogpt_prints_inside_a_notebook_are_read(tmp_path):
