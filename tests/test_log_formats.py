@@ -115,6 +115,8 @@ def _llmc(step: int) -> str:
     lambda i: f"2024-05-01 12:00:{i:02d},123 - INFO - ",  # logging's default format
     lambda i: f"[2024-05-01 12:00:{i:02d}] ",
     lambda i: f"[rank0]:[titan] 2024-05-01 12:00:{i:02d},657 - root - INFO - \x1b[31m",
+    lambda i: f"[2024-05-01 12:00:{i:02d},123][__main__][INFO] - ",  # Hydra's job logging
+    lambda i: f"I0501 12:00:{i:02d}.123456 140231 train.py:88] ",  # absl / glog
 ])
 def test_prefixed_lines_are_read_every_one(tmp_path, prefix):
     # half the lines prefixed, half not: every record is read, not only the clean ones

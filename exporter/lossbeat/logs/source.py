@@ -182,7 +182,9 @@ _PREFIXES = (
     re.compile(r"^\[[^\]]{0,40}\d{1,2}:\d{2}:\d{2}[^\]]{0,40}\]\s*"),  # "[2024-05-01 12:00:00]", "[12:00:00 INFO]"
     re.compile(r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\s*"),  # ISO timestamps
     re.compile(r"^\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\s+"),  # a bare time of day
-    re.compile(r"^\[(?:titan|INFO|WARNING|WARN|DEBUG|ERROR|\w+\.py:\d+(?::\w+)?)\]\s*", re.I),  # "[titan]", "[INFO]"
+    re.compile(r"^[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+\s+[\w.-]+:\d+\]\s*"),  # absl / glog: "I0501 12:00:00.123 42 f.py:9] "
+    # "[titan]", "[INFO]", Hydra's "[__main__][INFO] - ", DeepSpeed's "[loss_scaler.py:188:update_scale]"
+    re.compile(r"^\[(?:[A-Za-z_][\w.-]{0,39}|[\w.-]+\.py:\d+(?::\w+)?)\](?:\s*-(?=\s))?\s*"),
     # logging's separators and level: "- root - INFO - ", "| INFO | ", "INFO:root:", "INFO     "
     re.compile(r"^(?:[-|:]\s*)?(?:[\w.\[\]<>]+\s*[-|:]\s*)?(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)"
                r"(?::[\w.]+:|\s*[-|:]\s+|\s+|$)"),
