@@ -254,6 +254,7 @@ def text_lines(src: Source, out: RecordBuilder) -> Iterator[str]:
             parts = [line]
         else:
             wrapped += 1
+            out.counts.read += len(parts) - 1  # count the printed lines it holds
         for part in parts:
             clean = clean_line(part)
             if clean != part.lstrip() and clean:
