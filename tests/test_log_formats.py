@@ -192,11 +192,15 @@ def test_olmo_and_olmo_core_console_metrics(tmp_path):
         olmo += [f"2024-05-01 12:00:0{s}.123\tnode01:0\tolmo.train:967\tINFO\t[step={s}/100,epoch=0]",
                  f"    train/CrossEntropyLoss={10 - s:.3f}", f"    train/Perplexity={2 ** (10 - s):.1f}",
                  f"    optim/total_grad_norm={1 / s:.4f}", "    throughput/device/tokens_per_second=12,345"]
-    olmo += ["2024-05-01 12:00:09.123\tnode01:0\tolmo.train:1000\tINFO\t[eval_step=1/10]", "    eval/c4/CrossEntropyLoss=7.1",
-             "2024-05-01 12:00:10.123\tnode01:0\tolmo.train:1000\tINFO\tEval metrics done"]
+    # eval: log.info(f"[eval_step={eval_step + 1}/{num_eval_batches}]"), then
+    # self.log_metrics_to_console(f"{evaluator.label}", metrics) with keys "eval/{label}/CrossEntropyLoss"
+    olmo += ["2024-05-01 12:00:09.123\tnode01:0\tolmo.train:1000\tINFO\t[eval_step=5/10]",
+             "2024-05-01 12:00:09.123\tnode01:0\tolmo.train:1000\tINFO\t[eval_step=10/10]",
+             "2024-05-01 12:00:10.123\tnode01:0\tolmo.train:1000\tINFO\tc4_en-validation",
+             "    eval/c4_en-validation/CrossEntropyLoss=5.100", "    eval/c4_en-validation/Perplexity=164.0"]
     log = parse_log(write(tmp_path, "olmo.log", "\n".join(olmo) + "\n"))
     assert log.format == "olmo" and [(r.step, r.loss, r.grad_norm) for r in log.train][:2] == [(1, 9.0, 1.0), (2, 8.0, 0.5)]
-    assert len(log.train) == 5 and not log.evals  # the eval_step block is progress, not a result
+    assert len(log.train) == 5 and [(e.step, e.loss, e.group) for e in log.evals] == [(5, 5.1, "c4_en-validation")]
     # OLMo-core: "train/CE loss", "optim/total grad norm", eval losses in the step's own block
     core = []
     for s in (10, 20, 30):

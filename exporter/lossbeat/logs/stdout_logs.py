@@ -118,21 +118,22 @@ _OLMO_LR = re.compile(r"^optim/(?:LR|learning_rate)(?:[ _]?\(?group ?0\)?|_group
 
 def parse_olmo(src: Source, out: RecordBuilder) -> None:
     """A ``[step=N/M,...]`` header opens a block of ``name=value`` lines; the block is one record.
-    ``[eval_step=...]`` blocks (progress inside an evaluation) are skipped; eval losses belong to
-    the step of the last train block."""
+    OLMo prints an evaluation's results under a header of its own (the evaluator's label, after
+    ``[eval_step=k/n]`` progress lines): eval losses belong to the step of the last train block."""
     block: dict[str, str] | None = None
+    train_block = False
     step = 0
     where = ""
 
     def flush() -> None:
-        if block is None:
+        if not block:
             return
         out.where = where
-        train = next((v for k, v in block.items() if _OLMO_TRAIN.match(k)), None)
-        grad = next((v for k, v in block.items() if _OLMO_GRAD.match(k)), None)
-        lr = next((v for k, v in block.items() if _OLMO_LR.match(k)), None)
         used = False
+        train = next((v for k, v in block.items() if _OLMO_TRAIN.match(k)), None) if train_block else None
         if train is not None:
+            grad = next((v for k, v in block.items() if _OLMO_GRAD.match(k)), None)
+            lr = next((v for k, v in block.items() if _OLMO_LR.match(k)), None)
             out.train(step, _number(out, "train loss", train), _number(out, "grad norm", grad),
                       _number(out, "learning rate", lr))
             used = True
@@ -146,20 +147,15 @@ def parse_olmo(src: Source, out: RecordBuilder) -> None:
     for line in text_lines(src, out):
         if m := OLMO_STEP.search(line):
             flush()
-            step, block, where = int(m.group(1)), {}, out.where
-            continue
-        if _OLMO_EVAL_STEP.search(line):
-            flush()
-            block = None
-            out.skip("eval progress blocks ([eval_step=...])")
+            step, block, train_block, where = int(m.group(1)), {}, True, out.where
             continue
         if block is not None and (m := _OLMO_METRIC.match(line)):
             block[m.group(1).strip()] = m.group(2)
             continue
-        if block is not None and line.strip():
-            flush()
-            block = None
-        out.skip(_NOT_RECORD)
+        flush()
+        # any other line may head an evaluator's results ("c4_en-validation" then "    eval/...=...")
+        block, train_block, where = {}, False, out.where
+        out.skip("eval progress lines ([eval_step=...])" if _OLMO_EVAL_STEP.search(line) else _NOT_RECORD)
     flush()
 
 
