@@ -68,7 +68,9 @@ class Monitor:
         self.history = self._judge.history
         vitals = Vitals(self.thresholds, config.lr_schedule)
         self._judgment = Judgment(self.state, self._judge, vitals, config.log_status_changes, self._log)
-        self._cross_rank = CrossRankSignals(self.state.rank, config.grad_norm_align_every, config.work_time)
+        align = config.grad_norm_align_every  # None: decided from the first model (pure DDP only)
+        self._cross_rank = CrossRankSignals(self.state.rank, 0 if align is None and not config.reduce_shards
+                                            else align, config.work_time)
         self._meter = GradientMeter(
             layer_depth=config.layer_depth, max_layers=config.max_layers, layer_every=config.layer_every,
             reduce_shards=config.reduce_shards, pipeline_group=config.pipeline_group,
