@@ -12,7 +12,8 @@ import torch
 from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
 from lossbeat.exposition.server import RankContext
 
-__all__ = ["check_monitor", "rank_monitor", "flush_quietly", "eval_loss_from", "AfterBackward"]
+__all__ = ["check_monitor", "rank_monitor", "flush_quietly", "eval_loss_from", "AfterBackward", "uses_deepspeed",
+           "deepspeed_grad_norm"]
 
 log = logging.getLogger("lossbeat")
 
@@ -94,6 +95,39 @@ def eval_loss_from(metrics: Mapping[str, Any] | None, key: str | None, prefix: s
         value = _real(metrics.get(k))
         if value is not None:
             return k, value
+    return None
+
+
+def uses_deepspeed(model: Any, optimizer: Any) -> bool:
+    """Whether the step runs under DeepSpeed: accelerate wraps its optimizer in a
+    ``DeepSpeedOptimizerWrapper``, or ``model`` is the engine (or its ZeRO-3 parameters)."""
+    if type(optimizer).__name__ == "DeepSpeedOptimizerWrapper" or type(model).__name__ == "DeepSpeedEngine":
+        return True
+    from lossbeat.measure.gradients import deepspeed_zero_stage
+
+    return isinstance(model, torch.nn.Module) and deepspeed_zero_stage(model) is not None
+
+
+def deepspeed_grad_norm(model: Any, optimizer: Any) -> Any:
+    """The global gradient norm DeepSpeed computed for this step, where ZeRO-2/3 leave ``p.grad``
+    None: the engine's ``get_global_grad_norm()``, else its optimizer's ``_global_grad_norm``
+    (accelerate's wrapper → the ZeRO optimizer; set by ``engine.step()``, which accelerate runs
+    inside ``backward``); a float or a device tensor as DeepSpeed keeps it (no host sync here).
+    None when neither has one (DeepSpeed without ZeRO keeps ``p.grad``: measure the model)."""
+    for engine in (model, getattr(model, "module", None)):
+        get = getattr(engine, "get_global_grad_norm", None)
+        if callable(get):
+            value = get()
+            if value is not None:
+                return value
+    opt = optimizer
+    for _ in range(4):  # accelerate's wrapper, DeepSpeed's ZeRO or fp16 optimizer, the torch one
+        if opt is None:
+            break
+        value = getattr(opt, "_global_grad_norm", None)
+        if value is not None:
+            return value
+        opt = getattr(opt, "optimizer", None)
     return None
 
 

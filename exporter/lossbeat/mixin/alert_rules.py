@@ -669,11 +669,12 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
             for_=m.near_limit_for,
             summary="Memory is close to the device's limit: an out-of-memory error is coming",
             description=(
-                f"The peak memory of {WHO} on {{{{ $labels.device }}}} is "
+                f"The peak memory in use (since the previous scrape) of {WHO} on {{{{ $labels.device }}}} is "
                 f'{{{{ $value | printf "%.1f" }}}}% of its limit (alert above {number(100 * m.near_limit)}%): '
                 "a longer batch or an evaluation can fail with an out-of-memory error."
             ),
-            condition=f"peak allocated memory / the device's total > {near} for {m.near_limit_for}",
+            condition=(f"peak memory in use since the previous scrape (allocated + outside the allocator) / "
+                       f"the device's total > {near} for {m.near_limit_for}"),
             action="lower the micro-batch size (raise accumulation), activation checkpointing",
             keeps=TARGET + ("device",),
         ),

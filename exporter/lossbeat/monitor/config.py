@@ -91,13 +91,19 @@ class MonitorConfig:
     """Folder Prometheus watches with file_sd: each serving rank writes its own target entry
     there (real port, job, node, Slurm job id) and removes it when it ends. None: the
     ``LOSSBEAT_FILE_SD_DIR`` environment variable, else no self-registration."""
-    grad_norm_align_every: int = 100
+    grad_norm_align_every: int | None = None
     """Export the global grad norm of every step that is a multiple of N with that step, for
     ``TrainingRankGradientMismatch`` (replicas must agree). No collective: Prometheus compares
     the ranks, so it cannot hang a job. Pick N so that N steps span several scrape intervals (the
-    rule compares ranks at the same aligned step). 0 disables it: set 0 where ranks
-    legitimately differ (pipeline stages without ``pipeline_group``, whose norms are their own
-    layers'; with it every stage exports the model's norm)."""
+    rule compares ranks at the same aligned step). 0 disables it.
+
+    None (the default): on, every 100 steps, only where the ranks are known to be replicas that
+    must agree: the model given to ``observe(model=...)`` is a ``DistributedDataParallel`` (pure
+    data parallelism) and ``reduce_shards`` is True; off otherwise (FSDP/DTensor, expert
+    parallelism, plain-tensor tensor parallelism, pipeline stages, ``reduce_shards=False``,
+    or a callback that observes the unwrapped model), where ranks legitimately hold different
+    norms. Set N explicitly where you know the ranks agree (the replicate dimension of HSDP,
+    a Trainer or Lightning run under plain DDP)."""
     work_time: bool = False
     """Time this rank's own work per step (data wait + forward, through forward hooks on the
     ``observe(model=...)`` module) for ``TrainingStraggler``."""
@@ -146,9 +152,10 @@ class MonitorConfig:
             raise TypeError(f"layer_ranks: expected 'first', 'all' or a collection of ranks >= 0, got {ranks!r}")
         if not isinstance(self.strict_port, bool):
             raise TypeError(f"strict_port: expected True or False, got {self.strict_port!r}")
-        if isinstance(self.grad_norm_align_every, bool) or not isinstance(self.grad_norm_align_every, int) \
-                or self.grad_norm_align_every < 0:
-            raise ValueError(f"grad_norm_align_every: expected an int >= 0, got {self.grad_norm_align_every!r}")
+        if self.grad_norm_align_every is not None and (
+                isinstance(self.grad_norm_align_every, bool) or not isinstance(self.grad_norm_align_every, int)
+                or self.grad_norm_align_every < 0):
+            raise ValueError(f"grad_norm_align_every: expected an int >= 0 or None, got {self.grad_norm_align_every!r}")
         self.pipeline_group = _process_group("pipeline_group", self.pipeline_group)
         if not isinstance(self.work_time, bool):
             raise TypeError(f"work_time: expected True or False, got {self.work_time!r}")

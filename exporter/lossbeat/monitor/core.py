@@ -68,7 +68,9 @@ class Monitor:
         self.history = self._judge.history
         vitals = Vitals(self.thresholds, config.lr_schedule)
         self._judgment = Judgment(self.state, self._judge, vitals, config.log_status_changes, self._log)
-        self._cross_rank = CrossRankSignals(self.state.rank, config.grad_norm_align_every, config.work_time)
+        align = config.grad_norm_align_every  # None: decided from the first model (pure DDP only)
+        self._cross_rank = CrossRankSignals(self.state.rank, 0 if align is None and not config.reduce_shards
+                                            else align, config.work_time)
         self._meter = GradientMeter(
             layer_depth=config.layer_depth, max_layers=config.max_layers, layer_every=config.layer_every,
             reduce_shards=config.reduce_shards, pipeline_group=config.pipeline_group,
@@ -137,23 +139,30 @@ class Monitor:
         not. Never pass a placeholder such as torchtitan's ``-1``: it would be judged as the loss.
 
         Wrong types raise ``TypeError``; NaN, Inf and other anomalies in the values are
-        counted and exported, never raised.
+        counted and exported, never raised. A loss (or component) tensor of several values is
+        reduced to its mean and counted (``training_exporter_errors_total{where="input"}``); a
+        component that is None is absent this step.
         """
         # validate
         if self.closed:
             raise RuntimeError("observe: this monitor is closed")
         step = inputs.check_step(step)
         inputs.refuse_graph_capture("observe")
+        anomalies: list[str] = []  # per-step data that is not one value: counted below, never raised
         values: dict[Any, Any] = {
-            "loss": inputs.scalar("loss", loss, optional=True),  # None: no loss on this rank (a pipeline stage)
+            "loss": inputs.per_step("loss", loss, anomalies),  # None: no loss on this rank (a pipeline stage)
             "grad_norm": inputs.scalar("grad_norm", grad_norm, optional=True),
             "tokens": inputs.scalar("tokens", tokens, optional=True),
             "grad_scale": inputs.loss_scale(grad_scaler),
         }
         values.update(inputs.learning_rates(optimizer, learning_rate))
-        values.update(inputs.components(losses))
+        values.update(inputs.components(losses, anomalies))
         inputs.check_model(model)
         epoch = inputs.check_epoch(epoch)
+        for name in anomalies:
+            self.state.count_error("input")
+            self._log("input", logging.WARNING, "lossbeat: %s: expected one value, got a tensor of several "
+                      "(pass e.g. loss.mean()); observed as its mean (an empty one: skipped)", name)
 
         now_perf = time.perf_counter()
         duration = None if self._last_perf is None else now_perf - self._last_perf
