@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from lossbeat.diagnosis.patterns import PATTERNS
 from lossbeat.measure.memory import read_memory
-from lossbeat.exposition.metrics import METRICS, PHASES
+from lossbeat.exposition.metrics import METRICS, PHASES, with_run_id
 
 if TYPE_CHECKING:
     from lossbeat.exposition.state import MonitorState
@@ -71,7 +71,7 @@ class MonitorCollector(Collector):
                 log.exception("lossbeat: error while rendering metrics (counted in training_exporter_errors_total)")
             families = []
         families.append(self._errors(s))
-        yield from families
+        yield from with_run_id(families, s.run_id)
 
     def _families(self, s: "MonitorState") -> Iterator[Metric]:
         rank = s.rank

@@ -1,7 +1,8 @@
 """The metric contract: every series lossbeat exports, with its type, labels and help.
 
 Alert rules, dashboards and users' queries depend on these names; they change
-only with a major version. Every series also carries a ``rank`` label.
+only with a major version. Every series also carries a ``rank`` label and a ``run_id`` label,
+the run identity (:func:`with_run_id`).
 The collector that renders them lives in :mod:`lossbeat.exposition.collector`.
 """
 
@@ -9,9 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PHASES", "PREFIX"]
+__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PHASES", "PREFIX", "RUN_ID_LABEL", "with_run_id"]
 
 PREFIX = "training_"
+RUN_ID_LABEL = "run_id"
+"""The run identity on every series: the rules compare ranks only within one (job, run_id)."""
+
+
+def with_run_id(families, run_id: str):
+    """``families`` (prometheus_client metric families) with ``run_id`` added to every sample."""
+    for family in families:
+        family.samples = [s._replace(labels={**s.labels, RUN_ID_LABEL: run_id}) for s in family.samples]
+        yield family
 
 
 @dataclass(frozen=True)

@@ -523,6 +523,29 @@ def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
     ]}
 
 
+def _concurrent_cross_rank(b: _Builder) -> dict[str, list[Scenario]]:
+    """Two healthy 2-rank runs under one job label (a sweep from one sbatch script: Slurm job ids
+    101 and 102 as their ``run_id``): every cross-rank rule compares the ranks of one run only."""
+    a, c = b.t.alerts, b.t.cross_rank
+    runs = {"101": (INSTANCE, "gpu-a:8471"), "102": (OTHER_INSTANCE, "gpu-b:8471")}
+    at = b.after_for(max((a.rank_down_for, a.straggler_for, a.grad_mismatch_for), key=duration_seconds))
+    samples = int(at // b.i) + 2
+
+    def per_rank(metric: str, value_of, **extra: str) -> list[Series]:
+        return [b.hold(metric, _target(str(r), instance, run_id=run_id, **extra), value_of(run_id), samples)
+                for run_id, instances in runs.items() for r, instance in enumerate(instances)]
+
+    info = per_rank("training_run_info", lambda _: 1, run="test", profile=b.t.profile.name, world_size="2")
+    # Each run's replicas agree; the runs differ (another learning rate, another seed).
+    norms = per_rank("training_grad_norm_aligned", lambda run_id: 1.5 if run_id == "101" else 2.5)
+    norms += per_rank("training_grad_norm_aligned_step", lambda _: 200)
+    # The second run's model is larger: its ranks are slower, each as slow as the other.
+    base = 10 * c.straggler_min_seconds / (c.straggler_ratio - 1)
+    work = per_rank("training_rank_work_seconds",
+                    lambda run_id: base if run_id == "101" else base * c.straggler_ratio * 2)
+    name = "two healthy 2-rank runs under one job label (run_id 101, 102) are silent"
+    return {rule: [Scenario(name, series, [(at, rule, [])])] for rule, series in (
+        ("TrainingRankDown", info), ("TrainingRankGradientMismatch", norms), ("TrainingStraggler", work))}
 
 
 # Judgment alerts, the check each reads and the status at which it fires.
@@ -537,5 +560,5 @@ JUDGED = {
 
 
 SCENARIO_FAMILIES = (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress,
-                     _resources, _cluster)
+                     _resources, _cluster, _concurrent_cross_rank)
 """Every family of scenarios, in the order the test documents list them."""

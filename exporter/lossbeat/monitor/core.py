@@ -32,7 +32,7 @@ from lossbeat.exposition.server import MetricsServer, RankContext
 from lossbeat.exposition.state import MonitorState
 from lossbeat.measure.cross_rank import CrossRankSignals
 from lossbeat.measure.meter import GradientMeter, ShardedMeasurementError
-from lossbeat.monitor import inputs, lifecycle
+from lossbeat.monitor import identity, inputs, lifecycle
 from lossbeat.monitor.apply import StepApplier
 from lossbeat.monitor.config import DEFAULT_PORT, MonitorConfig
 from lossbeat.monitor.judgment import Judgment
@@ -62,7 +62,7 @@ class Monitor:
             "run": config.run_name, "profile": self.thresholds.profile.name, "world_size": str(ctx.world_size),
             "local_rank": str(ctx.local_rank), "version": __version__,
             "torch_version": torch.__version__.split("+")[0],
-        })
+        }, identity.run_identity(config.run_id, ctx.world_size))
         self._log = RateLimitedLog()
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
         self.history = self._judge.history
@@ -80,7 +80,7 @@ class Monitor:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._transfer.drain_at_scrape)
         self.registry.register(self._collector)
-        self._cross_rank_collector = CrossRankCollector(self._cross_rank)
+        self._cross_rank_collector = CrossRankCollector(self._cross_rank, self.state.run_id)
         self.registry.register(self._cross_rank_collector)
         self._last_perf: float | None = None
         self.closed = False
