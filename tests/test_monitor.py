@@ -39,7 +39,7 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "rank"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("rank", "run_id")))
             out[(s.name, labels)] = s.value
     return out
 

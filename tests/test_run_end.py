@@ -20,7 +20,7 @@ def samples(text: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "rank")
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in ("rank", "run_id"))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
@@ -191,14 +191,25 @@ def _render(monitor: Monitor) -> str:
 # --- a script that never calls close() ------------------------------------------------
 
 _SCRIPT = """
-import sys, time
+import os, signal, sys, time
 from lossbeat.monitor import Monitor, MonitorConfig
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the usual handler (docs/reliability.md)
 monitor = Monitor(MonitorConfig(port=int(sys.argv[1]), addr="127.0.0.1"))
 monitor.observe(1, loss=1.0)
 print("serving", flush=True)
 time.sleep(float(sys.argv[2]))
 if sys.argv[3] == "crash":
     raise RuntimeError("the training loop crashed")
+if sys.argv[3] == "exit1":  # a crash caught by main(), as Hydra's run_and_report or click do
+    try:
+        raise RuntimeError("CUDA out of memory")
+    except RuntimeError:
+        sys.exit(1)
+if sys.argv[3] == "sigterm":  # scancel, a time limit, an eviction
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+if sys.argv[3] == "exit0":
+    sys.exit(0)
 """
 
 
@@ -209,8 +220,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("ending", ["exit", "crash"])
+@pytest.mark.parametrize("ending", ["exit", "exit0", "crash", "exit1", "sigterm"])
 def test_a_script_without_close_says_completed_at_exit_unless_it_crashed(ending):
+    """Only a normal end completes a run: an exception, sys.exit(1) and SIGTERM handled by
+    sys.exit(143) publish no completion marker (issue 19)."""
     import subprocess
     import sys
     port = _free_port()
@@ -229,8 +242,10 @@ def test_a_script_without_close_says_completed_at_exit_unless_it_crashed(ending)
             proc.wait()
     completed = [a["training_run_completed"] for _, a in scraper.answers]
     assert completed and completed[0] == 0
-    if ending == "exit":
+    if ending in ("exit", "exit0"):
         assert proc.returncode == 0 and completed[-1] == 1, completed
     else:
-        assert proc.returncode == 1 and "the training loop crashed" in proc.stderr.read()
+        assert proc.returncode == {"crash": 1, "exit1": 1, "sigterm": 143}[ending]
+        if ending == "crash":
+            assert "the training loop crashed" in proc.stderr.read()
         assert 1 not in completed, completed

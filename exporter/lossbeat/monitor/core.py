@@ -301,8 +301,10 @@ class Monitor:
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(completed=exc_type is None)
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # SystemExit(0) leaving the block is a normal end; SystemExit(1) or an exception is not.
+        self.close(completed=exc_type is None or (
+            isinstance(exc, SystemExit) and not lifecycle.failure_status(exc.code)))
 
     def _close_at_exit(self) -> None:
         try:

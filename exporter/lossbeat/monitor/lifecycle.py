@@ -35,18 +35,36 @@ process = _Process()
 
 
 def watch_uncaught_exceptions() -> None:
-    """Chain sys.excepthook once: an uncaught exception ends the process as a failure, so
-    the close at exit publishes no completion marker (TrainingExporterDown then pages)."""
+    """Chain sys.excepthook and wrap sys.exit, once each: an uncaught exception, or
+    ``sys.exit()`` with a failure status (``sys.exit(1)`` from Hydra's ``run_and_report``, click
+    and typer apps and ``sys.exit(main())`` wrappers; ``sys.exit(143)`` from a SIGTERM handler),
+    ends the process as a failure, so the close at exit publishes no completion marker
+    (TrainingExporterDown then pages). Only a normal end (status 0) or an explicit close()
+    completes a run. Python gives atexit no exit status, hence the wrapper: a bare
+    ``raise SystemExit(1)`` or ``exit`` imported before lossbeat is not seen."""
     previous = sys.excepthook
-    if getattr(previous, "_lossbeat", False):
-        return
+    if not getattr(previous, "_lossbeat", False):
+        def hook(exc_type, exc, tb):
+            process.uncaught_exception_seen = True
+            previous(exc_type, exc, tb)
 
-    def hook(exc_type, exc, tb):
-        process.uncaught_exception_seen = True
-        previous(exc_type, exc, tb)
+        hook._lossbeat = True  # type: ignore[attr-defined]
+        sys.excepthook = hook
+    exit_ = sys.exit
+    if not getattr(exit_, "_lossbeat", False):
+        def exit_with_status(status: Any = None) -> None:
+            if failure_status(status):
+                process.uncaught_exception_seen = True
+            exit_(status)
 
-    hook._lossbeat = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
+        exit_with_status._lossbeat = True  # type: ignore[attr-defined]
+        sys.exit = exit_with_status
+
+
+def failure_status(status: Any) -> bool:
+    """Whether ``sys.exit(status)`` / ``SystemExit(status)`` ends the process with a failure:
+    None and 0 are success; any other int, and a message (printed, status 1), are failures."""
+    return status is not None and status != 0
 
 
 def linger(scrape_interval: float | None, limit_s: float) -> None:
