@@ -739,13 +739,18 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
     """Alerts that compare the ranks of one job with each other, from series every rank already exports."""
     a, c = t.alerts, t.cross_rank
     job, job_rank = _by(JOB), _by(JOB_RANK)
-    # Distinct ranks reporting now, per job and the world size the ranks report.
-    reporting = f"count by ({job}, world_size) (count by ({job_rank}, world_size) (training_run_info))"
+    # The ranks present: reporting now, or gone after their completion marker (ranks that
+    # finished before rank 0's final eval or upload are not down).
+    present = (f"(group by ({job_rank}, world_size) (training_run_info) or on({job_rank}) "
+               f"(group by ({job_rank}, world_size) (max_over_time(training_run_info[{RANK_SEEN_LOOKBACK}])) "
+               f"and on({job_rank}) last_over_time(training_run_completed[{RANK_SEEN_LOOKBACK}]) == 1))")
+    # Distinct ranks present, per run and the world size the ranks report.
+    reporting = f"count by ({job}, world_size) ({present})"
     # PromQL cannot read a label as a number: count_values writes the count into a label to compare.
     short = (f"(\n  {reporting}\n  unless on({job}, world_size)\n"
-             f'  count_values by ({job}) ("world_size", count by ({job}) (count by ({job_rank}) (training_run_info)))\n)')
+             f'  count_values by ({job}) ("world_size", count by ({job}) ({present}))\n)')
     gone = (f"(\n  group by ({job_rank}) (max_over_time(training_run_info[{RANK_SEEN_LOOKBACK}]))\n"
-            f"  unless on({job_rank}) training_run_info\n)")
+            f"  unless on({job_rank}) {present}\n)")
     z, rel, ranks = number(c.loss_spread_z), number(c.loss_spread_min_relative), c.min_ranks
     mean, median = LOSS_AVG_5M, "job:training_loss:median_avg_over_time5m"
     robust_z = f"{level(JOB_RANK)}:training_loss:robust_z5m"
@@ -772,8 +777,8 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
                 "discovered, while the others go on."
             ),
             condition=(
-                f"distinct ranks reporting `training_run_info` < its `world_size` for {a.rank_down_for}; "
-                f"names ranks seen in the last {RANK_SEEN_LOOKBACK}"
+                f"distinct ranks reporting `training_run_info` (or gone after their completion marker) < its "
+                f"`world_size` for {a.rank_down_for}, per run; names ranks seen in the last {RANK_SEEN_LOOKBACK}"
             ),
             action="find the missing rank's node and process (OOM, crash, hang); restart from the last checkpoint",
             keeps=JOB_RANK + ("world_size",),

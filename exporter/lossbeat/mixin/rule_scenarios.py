@@ -548,6 +548,36 @@ def _concurrent_cross_rank(b: _Builder) -> dict[str, list[Scenario]]:
         ("TrainingRankDown", info), ("TrainingRankGradientMismatch", norms), ("TrainingStraggler", work))}
 
 
+def _ranks_finishing(b: _Builder) -> dict[str, list[Scenario]]:
+    """Ranks 1..3 finish (completion marker, then gone) while rank 0 goes on (a final eval, an
+    upload): they are not down. Ranks gone without the marker still are."""
+    a = b.t.alerts
+    down = b.rule("TrainingRankDown")
+    up_for = 3
+    fires = b.after_for(a.rank_down_for, start=up_for * b.i)
+    samples = int(fires // b.i) + 2
+
+    def rank(r: str, ends: str | None) -> list[Series]:
+        """``ends``: None (still running), "completed" or "crashed" after ``up_for`` intervals."""
+        labels = {**_target(r), "run": "test", "profile": b.t.profile.name, "world_size": "4"}
+        if ends is None:
+            return [Series("training_run_info", labels, [run(1, samples)]),
+                    b.hold("training_run_completed", _target(r), 0, samples)]
+        last = "1" if ends == "completed" else "0"
+        return [Series("training_run_info", labels, [run(1, up_for), "stale"]),
+                Series("training_run_completed", _target(r), [run(0, up_for - 1), last, "stale"])]
+
+    job_rank = lambda r: {k: v for k, v in _target(r).items() if k in JOB_RANK}  # noqa: E731
+    return {down.name: [
+        Scenario("ranks that completed while rank 0 goes on are silent",
+                 [*rank("0", None), *rank("1", "completed"), *rank("2", "completed"), *rank("3", "completed")],
+                 [(fires, down.name, [])]),
+        Scenario("a rank gone without its marker next to completed ones fires, named",
+                 [*rank("0", None), *rank("1", "completed"), *rank("2", "completed"), *rank("3", "crashed")],
+                 [(fires, down.name, [Expect(down, {**job_rank("3"), "world_size": "4"}, 3)])]),
+    ]}
+
+
 # Judgment alerts, the check each reads and the status at which it fires.
 JUDGED = {
     "TrainingGradientExplosion": ("grad_norm", 2),
@@ -560,5 +590,5 @@ JUDGED = {
 
 
 SCENARIO_FAMILIES = (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress,
-                     _resources, _cluster, _concurrent_cross_rank)
+                     _resources, _cluster, _concurrent_cross_rank, _ranks_finishing)
 """Every family of scenarios, in the order the test documents list them."""
