@@ -6,6 +6,7 @@ Real monitors serving real HTTP, scraped by a thread that plays Prometheus.
 
 from __future__ import annotations
 
+import http.client
 import threading
 import time
 import urllib.request
@@ -25,25 +26,36 @@ def samples(text: str) -> dict[str, float]:
     return out
 
 
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return samples(response.read().decode())
+def scrape(port: int, source: str | None = None) -> dict[str, float]:
+    """One scrape, from the loopback address ``source`` when given (one HA replica each)."""
+    if source is None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            return samples(response.read().decode())
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
+    try:
+        connection.request("GET", "/metrics", headers={"User-Agent": "Prometheus/2.45.3",
+                                                       "X-Prometheus-Scrape-Timeout-Seconds": "10"})
+        return samples(connection.getresponse().read().decode())
+    finally:
+        connection.close()
 
 
 class Scraper:
-    """Scrapes /metrics every ``interval`` seconds, as Prometheus would, keeping every answer."""
+    """Scrapes /metrics every ``interval`` seconds, as Prometheus would, keeping every answer
+    (from the loopback address ``source``, after ``delay`` seconds: a replica of an HA pair)."""
 
-    def __init__(self, port: int, interval: float) -> None:
-        self.port, self.interval = port, interval
+    def __init__(self, port: int, interval: float, source: str | None = None, delay: float = 0.0) -> None:
+        self.port, self.interval, self.source, self.delay = port, interval, source, delay
         self.answers: list[tuple[float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        self._stop.wait(self.delay)
         while not self._stop.is_set():
             try:
-                self.answers.append((time.monotonic(), scrape(self.port)))
+                self.answers.append((time.monotonic(), scrape(self.port, self.source)))
             except OSError:
                 pass  # the exporter is gone: what Prometheus records as up == 0
             self._stop.wait(self.interval)
@@ -80,8 +92,32 @@ def test_close_publishes_the_completion_marker_and_lingers_one_scrape_interval()
     finished = [a for a in after if a.get("training_run_completed") == 1]
     assert finished, f"no scrape saw the completion marker in {took:.2f}s"
     assert finished[-1]["training_loss"] == 1.75 and finished[-1]["training_steps_total"] == 2
-    # One interval (x1.2 + 0.5 s), measured from the scrapes: not the 90 s bound.
-    assert 0.4 <= took < 3.0, took
+    # Until the scraper read the marker (within its next scrape), not the 90 s bound.
+    assert took < 3.0, took
+
+
+def test_an_ha_pair_of_scrapers_each_reads_the_completion_marker():
+    """Two Prometheus replicas (HA), told apart by address, every 3 s at opposite phases. close()
+    right after replica A scraped: lingering one merged gap (1.5 s x 1.2 + 0.5) ends before A
+    scrapes again, and A would page TrainingExporterDown. Each replica must read the marker."""
+    monitor = serving()
+    a = Scraper(monitor.port, interval=3.0, source="127.0.0.1")
+    b = Scraper(monitor.port, interval=3.0, source="127.0.0.2", delay=1.5)
+    try:
+        monitor.observe(1, loss=2.5)
+        a.wait_for(3)
+        b.wait_for(2)
+        seen = len(a.answers)
+        a.wait_for(seen + 1)  # A has just scraped: its next scrape is 3 s away
+        started = time.monotonic()
+        monitor.close()
+        took = time.monotonic() - started
+    finally:
+        a.stop()
+        b.stop()
+    for name, replica in (("A", a), ("B", b)):
+        assert replica.answers[-1][1]["training_run_completed"] == 1, (name, took, replica.answers[-1])
+    assert took <= 2 * 3.0 + 1 + 1, took  # within each one's next scrape (+ slack), not linger_seconds
 
 
 def test_close_without_periodic_scrapes_returns_at_once():

@@ -7,7 +7,6 @@ scrape, and a scrape never blocks training.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import time
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["MonitorCollector"]
 
 log = logging.getLogger("lossbeat")
-_SCRAPES_KEPT = 8  # recent scrape times, enough to tell the scrape interval
 
 
 def _gauge(name: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
@@ -43,20 +41,9 @@ class MonitorCollector(Collector):
         self._state = state
         self._before_scrape = before_scrape
         """Applies device values that arrived since the training thread last looked (never waits)."""
-        self._scrapes: collections.deque[float] = collections.deque(maxlen=_SCRAPES_KEPT)
-
-    def scrape_interval(self) -> float | None:
-        """The longest gap between the recent scrapes (with several Prometheus servers
-        scraping, the gap in which each has scraped once), or None when nobody scrapes
-        periodically: fewer than two scrapes, or none for two intervals."""
-        times = list(self._scrapes)
-        if len(times) < 2:
-            return None
-        interval = max(b - a for a, b in zip(times, times[1:]))
-        return interval if time.monotonic() - times[-1] <= 2 * interval + 1 else None
+        # Who scrapes, and how often, is the endpoint's: lossbeat.exposition.scrapers, per scraper.
 
     def collect(self) -> Iterator[Metric]:
-        self._scrapes.append(time.monotonic())
         s = self._state
         try:
             if self._before_scrape is not None:

@@ -282,8 +282,8 @@ class Monitor:
         self.closed = True
         if completed:
             self.state.completed = True
-            if self._server is not None:
-                lifecycle.linger(self._collector.scrape_interval(), self.config.linger_seconds)
+            if self._server is not None:  # until each scraper has read it
+                lifecycle.linger(self._server.scrapers, time.monotonic(), self.config.linger_seconds)
         # After the linger, before the port closes: Prometheus drops the target having read the
         # marker, no up=0; a crash leaves the entry for the prune, and the vanished series page.
         if self._registration is not None:

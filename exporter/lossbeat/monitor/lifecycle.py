@@ -67,14 +67,30 @@ def failure_status(status: Any) -> bool:
     return status is not None and status != 0
 
 
-def linger(scrape_interval: float | None, limit_s: float) -> None:
-    """Serve one more scrape interval, as measured from the scrapes seen (bounded by ``limit_s``);
-    none when nothing scrapes periodically (a script run by hand, a test)."""
-    if scrape_interval is None or not limit_s:
-        return
-    wait = min(float(limit_s), 1.2 * scrape_interval + 0.5)
-    log.info("lossbeat: run completed; serving /metrics %.1fs more for the last scrape", wait)
-    time.sleep(wait)
+def linger(scrapers: Any, since: float, limit_s: float, poll_s: float = 0.05) -> float:
+    """Serve until each scraper that scrapes periodically has been sent a render that started
+    at or after ``since`` (the completion marker's time), bounded by ``limit_s``; none when
+    nothing scrapes periodically (a script run by hand, a test). Each scraper on its own (an
+    HA pair of Prometheus servers: each replica must read the marker, or it pages
+    TrainingExporterDown). Returns the seconds waited."""
+    waiting = scrapers.periodic() if scrapers is not None and limit_s else {}
+    if not waiting:
+        return 0.0
+    started = time.monotonic()
+    deadline = started + min(float(limit_s), 2 * max(waiting.values()) + 1)  # each has scraped again by then
+    log.info("lossbeat: run completed; serving /metrics until %d scraper(s) read the completion marker "
+             "(at most %.1fs)", len(waiting), deadline - started)
+    while True:
+        unseen = scrapers.unseen(since, waiting)
+        if not unseen or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    if unseen:
+        log.warning("lossbeat: %d scraper(s) did not read the completion marker within %.1fs: %s",
+                    len(unseen), deadline - started, ", ".join(f"{a} ({ua})" for a, ua in unseen))
+    else:
+        time.sleep(poll_s)  # the last answer is on its way out of the socket
+    return time.monotonic() - started
 
 
 def _forget_in_child() -> None:
