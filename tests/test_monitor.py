@@ -6,6 +6,7 @@ import gc
 import logging
 import sys
 import math
+import re
 import shutil
 import subprocess
 import tracemalloc
@@ -677,7 +678,7 @@ def test_port_follows_local_rank(monkeypatch):
         assert m.port == base
         m.observe(0, loss=1.0)
         text = scrape(m.port)
-    assert 'training_steps_total{rank="5"} 1.0' in text
+    assert re.search(r'training_steps_total\{rank="5",run_id="[^"]*"\} 1\.0', text)
     assert 'world_size="8"' in text and 'local_rank="1"' in text
     assert probe.closed
 
