@@ -139,6 +139,9 @@ class MonitorCollector(Collector):
             g = _gauge("training_last_heartbeat_timestamp_seconds")
             g.add_metric([s.rank], max(beats))
             yield g
+            age = _gauge("training_heartbeat_age_seconds")  # both times from this node's clock
+            age.add_metric([s.rank], max(0.0, time.time() - max(beats)))
+            yield age
         current, since, totals = s.phase  # swapped whole by the training thread
         now = time.monotonic()
         phase = _gauge("training_phase", ("phase",))

@@ -49,6 +49,7 @@ _SPECS = [
     MetricSpec("training_epoch", "gauge", "The current epoch (may be fractional).", unit="none"),
     MetricSpec("training_last_step_timestamp_seconds", "gauge", "Unix time at which the last step was observed.", unit="dateTimeAsIso"),
     MetricSpec("training_last_heartbeat_timestamp_seconds", "gauge", "Unix time of the last sign of progress: a step, an evaluation, a phase change or heartbeat().", unit="dateTimeAsIso"),
+    MetricSpec("training_heartbeat_age_seconds", "gauge", "Seconds since the last sign of progress (a step, an evaluation, a phase change or heartbeat()), measured at scrape time on the node's own clock: TrainingStalled reads it, so a skew between the node's and Prometheus' clocks does not matter.", unit="s"),
     MetricSpec("training_phase", "gauge", "1 for the phase the run is in (set by Monitor.phase()), 0 for the others.", ("phase",), unit="none"),
     MetricSpec("training_run_completed", "gauge", "1 once Monitor.close() ended the run normally, else 0: a target that vanishes without it died.", unit="none"),
     MetricSpec("training_step_duration_seconds", "gauge", "Wall time between the last two observed steps.", unit="s"),

@@ -623,7 +623,10 @@ def _stalled_alert(t: Thresholds) -> AlertRule:
     """No sign of progress: a long limit inside an evaluation or a checkpoint, the short one in training."""
     a = t.alerts
     train, other = number(duration_seconds(a.stalled_after)), number(duration_seconds(a.stalled_phase_after))
-    age = "(time() - training_last_heartbeat_timestamp_seconds)"
+    # The exporter's own age of the heartbeat (the node's clock against itself: no skew with
+    # Prometheus'); exporters without it (older versions) fall back to Prometheus' clock.
+    age = (f"(training_heartbeat_age_seconds + 0 or {ON_TARGET} "
+           "(time() - training_last_heartbeat_timestamp_seconds))")
     return AlertRule(
         name="TrainingStalled",
         group="lossbeat.liveness",

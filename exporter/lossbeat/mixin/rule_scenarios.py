@@ -9,6 +9,7 @@ import math
 
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.mixin.alert_rules import JOB_RANK, MAD_TO_SIGMA, duration_seconds
+from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_finishing
 from lossbeat.mixin.rule_series import (
     INSTANCE,
     JOB,
@@ -227,26 +228,36 @@ def _stalled(b: _Builder) -> dict[str, list[Scenario]]:
     limit, phase_limit = duration_seconds(a.stalled_after), duration_seconds(a.stalled_phase_after)
     last = b.i  # the last sign of progress happened at t = one interval
     samples = int((last + phase_limit) // b.i) + 4
-    frozen = b.hold("training_last_heartbeat_timestamp_seconds", _target(), last, samples)
-    moving = Series("training_last_heartbeat_timestamp_seconds", _target(), [ramp(0, b.i, samples)])
+    # The exporter's age of its heartbeat at each scrape (its own clock), and the timestamp
+    # on a node whose clock is an hour behind Prometheus' (the age must win: no page from skew).
+    skew = 3600
+    frozen = [Series("training_heartbeat_age_seconds", _target(), [run(0, 2), ramp(b.i, b.i, samples - 2)]),
+              b.hold("training_last_heartbeat_timestamp_seconds", _target(), last - skew, samples)]
+    moving = [b.hold("training_heartbeat_age_seconds", _target(), 0, samples),
+              Series("training_last_heartbeat_timestamp_seconds", _target(), [ramp(-skew, b.i, samples)])]
+    legacy = [b.hold("training_last_heartbeat_timestamp_seconds", _target(), last, samples)]  # no age: an older exporter
 
     def in_phase(current: str) -> list[Series]:
         return [b.hold("training_phase", _target(phase=p), 1 if p == current else 0, samples)
                 for p in ("train", "eval", "checkpoint")]
 
     return {stalled.name: [
-        Scenario("no progress while training fires", [frozen, *in_phase("train")],
+        Scenario("no progress while training fires", [*frozen, *in_phase("train")],
                  [(last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
                   (last + limit, stalled.name, [])]),
-        Scenario("a job that keeps stepping is silent", [moving, *in_phase("train")],
-                 [(last + limit + b.i, stalled.name, [])]),
+        Scenario("a job that keeps stepping on a node whose clock is an hour behind is silent",
+                 [*moving, *in_phase("train")], [(last + limit + b.i, stalled.name, [])]),
+        Scenario("an older exporter without the age: measured on Prometheus' clock",
+                 [*legacy, *in_phase("train")],
+                 [(last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
+                  (last + limit, stalled.name, [])]),
         Scenario("an evaluation longer than stalled_after is silent, a hung one fires",
-                 [frozen, *in_phase("eval")],
+                 [*frozen, *in_phase("eval")],
                  [(last + limit + b.i, stalled.name, []),
                   (last + phase_limit, stalled.name, []),
                   (last + phase_limit + b.i, stalled.name,
                    [Expect(stalled, _target(phase="eval"), phase_limit + b.i)])]),
-        Scenario("a long checkpoint is silent", [frozen, *in_phase("checkpoint")],
+        Scenario("a long checkpoint is silent", [*frozen, *in_phase("checkpoint")],
                  [(last + limit + b.i, stalled.name, []), (last + phase_limit, stalled.name, [])]),
     ]}
 
@@ -523,61 +534,6 @@ def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
     ]}
 
 
-def _concurrent_cross_rank(b: _Builder) -> dict[str, list[Scenario]]:
-    """Two healthy 2-rank runs under one job label (a sweep from one sbatch script: Slurm job ids
-    101 and 102 as their ``run_id``): every cross-rank rule compares the ranks of one run only."""
-    a, c = b.t.alerts, b.t.cross_rank
-    runs = {"101": (INSTANCE, "gpu-a:8471"), "102": (OTHER_INSTANCE, "gpu-b:8471")}
-    at = b.after_for(max((a.rank_down_for, a.straggler_for, a.grad_mismatch_for), key=duration_seconds))
-    samples = int(at // b.i) + 2
-
-    def per_rank(metric: str, value_of, **extra: str) -> list[Series]:
-        return [b.hold(metric, _target(str(r), instance, run_id=run_id, **extra), value_of(run_id), samples)
-                for run_id, instances in runs.items() for r, instance in enumerate(instances)]
-
-    info = per_rank("training_run_info", lambda _: 1, run="test", profile=b.t.profile.name, world_size="2")
-    # Each run's replicas agree; the runs differ (another learning rate, another seed).
-    norms = per_rank("training_grad_norm_aligned", lambda run_id: 1.5 if run_id == "101" else 2.5)
-    norms += per_rank("training_grad_norm_aligned_step", lambda _: 200)
-    # The second run's model is larger: its ranks are slower, each as slow as the other.
-    base = 10 * c.straggler_min_seconds / (c.straggler_ratio - 1)
-    work = per_rank("training_rank_work_seconds",
-                    lambda run_id: base if run_id == "101" else base * c.straggler_ratio * 2)
-    name = "two healthy 2-rank runs under one job label (run_id 101, 102) are silent"
-    return {rule: [Scenario(name, series, [(at, rule, [])])] for rule, series in (
-        ("TrainingRankDown", info), ("TrainingRankGradientMismatch", norms), ("TrainingStraggler", work))}
-
-
-def _ranks_finishing(b: _Builder) -> dict[str, list[Scenario]]:
-    """Ranks 1..3 finish (completion marker, then gone) while rank 0 goes on (a final eval, an
-    upload): they are not down. Ranks gone without the marker still are."""
-    a = b.t.alerts
-    down = b.rule("TrainingRankDown")
-    up_for = 3
-    fires = b.after_for(a.rank_down_for, start=up_for * b.i)
-    samples = int(fires // b.i) + 2
-
-    def rank(r: str, ends: str | None) -> list[Series]:
-        """``ends``: None (still running), "completed" or "crashed" after ``up_for`` intervals."""
-        labels = {**_target(r), "run": "test", "profile": b.t.profile.name, "world_size": "4"}
-        if ends is None:
-            return [Series("training_run_info", labels, [run(1, samples)]),
-                    b.hold("training_run_completed", _target(r), 0, samples)]
-        last = "1" if ends == "completed" else "0"
-        return [Series("training_run_info", labels, [run(1, up_for), "stale"]),
-                Series("training_run_completed", _target(r), [run(0, up_for - 1), last, "stale"])]
-
-    job_rank = lambda r: {k: v for k, v in _target(r).items() if k in JOB_RANK}  # noqa: E731
-    return {down.name: [
-        Scenario("ranks that completed while rank 0 goes on are silent",
-                 [*rank("0", None), *rank("1", "completed"), *rank("2", "completed"), *rank("3", "completed")],
-                 [(fires, down.name, [])]),
-        Scenario("a rank gone without its marker next to completed ones fires, named",
-                 [*rank("0", None), *rank("1", "completed"), *rank("2", "completed"), *rank("3", "crashed")],
-                 [(fires, down.name, [Expect(down, {**job_rank("3"), "world_size": "4"}, 3)])]),
-    ]}
-
-
 # Judgment alerts, the check each reads and the status at which it fires.
 JUDGED = {
     "TrainingGradientExplosion": ("grad_norm", 2),
@@ -590,5 +546,5 @@ JUDGED = {
 
 
 SCENARIO_FAMILIES = (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress,
-                     _resources, _cluster, _concurrent_cross_rank, _ranks_finishing)
+                     _resources, _cluster, concurrent_cross_rank, ranks_finishing)
 """Every family of scenarios, in the order the test documents list them."""
