@@ -6,6 +6,7 @@ import gc
 import logging
 import sys
 import math
+import re
 import shutil
 import subprocess
 import tracemalloc
@@ -39,7 +40,7 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "rank"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("rank", "run_id")))
             out[(s.name, labels)] = s.value
     return out
 
@@ -679,7 +680,7 @@ def test_port_follows_local_rank(monkeypatch):
         assert m.port == base
         m.observe(0, loss=1.0)
         text = scrape(m.port)
-    assert 'training_steps_total{rank="5"} 1.0' in text
+    assert re.search(r'training_steps_total\{rank="5",run_id="[^"]*"\} 1\.0', text)
     assert 'world_size="8"' in text and 'local_rank="1"' in text
     assert probe.closed
 

@@ -227,7 +227,7 @@ def test_a_threshold_change_changes_the_alert_expression(tmp_path):
     sustained, events = alerts_by_name(groups, "TrainingGradientExplosion")
     # The sustained trigger reads the exporter's judgment (same thresholds file): no raw constant.
     assert sustained["expr"].split() == [
-        "training_grad_norm", "and", "on(job,", "instance,", "rank)", 'training_health_status{check="grad_norm",component=""}',
+        "training_grad_norm", "and", "on(job,", "run_id,", "instance,", "rank)", 'training_health_status{check="grad_norm",component=""}',
         "==", "2"]
     assert sustained["for"] == "7m"
     assert "a jump to 7x its baseline" in sustained["annotations"]["description"]

@@ -1,7 +1,8 @@
 """The metric contract: every series lossbeat exports, with its type, labels and help.
 
 Alert rules, dashboards and users' queries depend on these names; they change
-only with a major version. Every series also carries a ``rank`` label.
+only with a major version. Every series also carries a ``rank`` label and a ``run_id`` label,
+the run identity (:func:`with_run_id`).
 The collector that renders them lives in :mod:`lossbeat.exposition.collector`.
 """
 
@@ -9,9 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PHASES", "PREFIX"]
+__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PHASES", "PREFIX", "RUN_ID_LABEL", "with_run_id"]
 
 PREFIX = "training_"
+RUN_ID_LABEL = "run_id"
+"""The run identity on every series: the rules compare ranks only within one (job, run_id)."""
+
+
+def with_run_id(families, run_id: str):
+    """``families`` (prometheus_client metric families) with ``run_id`` added to every sample."""
+    for family in families:
+        family.samples = [s._replace(labels={**s.labels, RUN_ID_LABEL: run_id}) for s in family.samples]
+        yield family
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ _SPECS = [
     MetricSpec("training_epoch", "gauge", "The current epoch (may be fractional).", unit="none"),
     MetricSpec("training_last_step_timestamp_seconds", "gauge", "Unix time at which the last step was observed.", unit="dateTimeAsIso"),
     MetricSpec("training_last_heartbeat_timestamp_seconds", "gauge", "Unix time of the last sign of progress: a step, an evaluation, a phase change or heartbeat().", unit="dateTimeAsIso"),
+    MetricSpec("training_heartbeat_age_seconds", "gauge", "Seconds since the last sign of progress (a step, an evaluation, a phase change or heartbeat()), measured at scrape time on the node's own clock: TrainingStalled reads it, so a skew between the node's and Prometheus' clocks does not matter.", unit="s"),
     MetricSpec("training_phase", "gauge", "1 for the phase the run is in (set by Monitor.phase()), 0 for the others.", ("phase",), unit="none"),
     MetricSpec("training_run_completed", "gauge", "1 once Monitor.close() ended the run normally, else 0: a target that vanishes without it died.", unit="none"),
     MetricSpec("training_step_duration_seconds", "gauge", "Wall time between the last two observed steps.", unit="s"),
@@ -56,7 +67,7 @@ _SPECS = [
     MetricSpec("training_layers_without_grad", "gauge", "Layers none of whose parameters had a gradient at the last per-layer measurement (unused this step); they are left out of training_layer_grad_norm.", unit="none"),
     # --- info ---------------------------------------------------------------------
     MetricSpec("training_run", "info", "Metadata of the training run.", ("run", "profile", "world_size", "local_rank", "version", "torch_version")),
-    MetricSpec("training_nonfinite_grad_first_layer", "info", "Where the last non-finite gradient started: the last layer in model order whose gradient was non-finite (backprop spreads it to the layers before), or 'all layers' when a non-finite loss (on a pipeline stage without one: the gradient from the later stages) poisoned every one.", ("layer",)),
+    MetricSpec("training_nonfinite_grad_first_layer", "info", "Where the last non-finite gradient started: the last layer in model order whose gradient was non-finite (backprop spreads it to the layers before), or 'all layers' when a non-finite loss (on a pipeline stage without one: the gradient from the later stages) poisoned every one, or 'poisoned by the gradient all-reduce from another rank' when every layer is non-finite but this rank's loss is finite (another rank's NaN, averaged in by DDP).", ("layer",)),
     # --- counters: events are never missed between scrapes ------------------------
     MetricSpec("training_steps_total", "counter", "Observed training steps."),
     MetricSpec("training_tokens_total", "counter", "Tokens processed, as passed to observe(tokens=...)."),

@@ -12,8 +12,8 @@ import torch
 from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
 from lossbeat.exposition.server import RankContext
 
-__all__ = ["check_monitor", "rank_monitor", "flush_quietly", "eval_loss_from", "AfterBackward", "uses_deepspeed",
-           "deepspeed_grad_norm"]
+__all__ = ["check_monitor", "rank_monitor", "flush_quietly", "phase_quietly", "eval_loss_from", "AfterBackward",
+           "uses_deepspeed", "deepspeed_grad_norm"]
 
 log = logging.getLogger("lossbeat")
 
@@ -70,6 +70,21 @@ def flush_quietly(monitor: Monitor | NullMonitor | None) -> None:
         if state is not None:
             state.count_error("observe")
         log.error("lossbeat: error flushing the monitor at the end of training", exc_info=True)
+
+
+def phase_quietly(monitor: Monitor | NullMonitor | None, name: str) -> None:
+    """``monitor.phase(name)`` from a framework's hook: the phase TrainingStalled reads, and a
+    heartbeat (a no-op but the heartbeat when already in it; no host sync). Errors are counted
+    and logged, never raised into the trainer."""
+    if monitor is None:
+        return
+    try:
+        monitor.phase(name)
+    except Exception:  # noqa: BLE001
+        state = getattr(monitor, "state", None)
+        if state is not None:
+            state.count_error("observe")
+        log.error("lossbeat: error setting the phase %r", name, exc_info=True)
 
 
 def _real(value: Any) -> float | torch.Tensor | None:

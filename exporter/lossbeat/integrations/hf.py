@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - the Trainer itself needs accelerate
 from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import (AfterBackward, check_monitor, deepspeed_grad_norm, eval_loss_from,
-                                           flush_quietly, rank_monitor, uses_deepspeed)
+                                           flush_quietly, phase_quietly, rank_monitor, uses_deepspeed)
 
 __all__ = ["LossbeatCallback"]
 
@@ -76,8 +76,16 @@ class LossbeatCallback(TrainerCallback):
       ``learning_rate`` and ``epoch`` of the log record. Eval keys are left to
       ``on_evaluate`` so nothing is counted twice.
     - ``on_evaluate``: ``Monitor.observe_eval(state.global_step, metrics[eval_key])``.
+    - The phases TrainingStalled reads: ``on_step_end`` sets ``phase("eval")`` when the
+      Trainer will evaluate next (``control.should_evaluate``), ``phase("checkpoint")`` when it
+      will save; ``on_prediction_step`` sets ``phase("eval")`` and heartbeats every
+      evaluation batch; ``on_evaluate`` moves on to ``"checkpoint"`` (a save follows) or
+      ``"train"``; ``on_save`` back to ``"train"``. A long evaluation or save pages only past
+      ``alerts.stalled_phase_after``.
     - ``on_train_end``: removes the hook and flushes the monitor (an error there is
-      counted, never raised).
+      counted, never raised); work after ``train()`` (``push_to_hub``, a final
+      ``evaluate()``, whose batches heartbeat) is yours to mark: ``monitor.phase(...)`` or
+      ``monitor.close()``.
 
     Under ``nn.DataParallel`` (one process, several GPUs: the Trainer wraps the model
     itself) the forward hook runs in every replica's thread, each with the loss on its own
@@ -225,10 +233,24 @@ class LossbeatCallback(TrainerCallback):
             epoch=float(epoch) if isinstance(epoch, (int, float)) else None,
         )
 
+    def on_step_end(self, args, state, control, **kwargs):
+        # DefaultFlowCallback (first in the list) has decided what follows this step.
+        if control.should_evaluate:
+            phase_quietly(self._monitor, "eval")
+        elif control.should_save:
+            phase_quietly(self._monitor, "checkpoint")
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        phase_quietly(self._monitor, "eval")  # every evaluation batch: a heartbeat in "eval"
+
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         found = eval_loss_from(metrics, self.eval_key)
         if found is not None:
             self._start(args).observe_eval(state.global_step, found[1])
+        phase_quietly(self._monitor, "checkpoint" if control.should_save else "train")
+
+    def on_save(self, args, state, control, **kwargs):
+        phase_quietly(self._monitor, "train")  # the checkpoint is written
 
     def on_train_end(self, args, state, control, **kwargs):
         self._remove_hook()

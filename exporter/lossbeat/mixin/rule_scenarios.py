@@ -9,6 +9,7 @@ import math
 
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.mixin.alert_rules import JOB_RANK, MAD_TO_SIGMA, duration_seconds
+from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_finishing
 from lossbeat.mixin.rule_series import (
     INSTANCE,
     JOB,
@@ -227,26 +228,36 @@ def _stalled(b: _Builder) -> dict[str, list[Scenario]]:
     limit, phase_limit = duration_seconds(a.stalled_after), duration_seconds(a.stalled_phase_after)
     last = b.i  # the last sign of progress happened at t = one interval
     samples = int((last + phase_limit) // b.i) + 4
-    frozen = b.hold("training_last_heartbeat_timestamp_seconds", _target(), last, samples)
-    moving = Series("training_last_heartbeat_timestamp_seconds", _target(), [ramp(0, b.i, samples)])
+    # The exporter's age of its heartbeat at each scrape (its own clock), and the timestamp
+    # on a node whose clock is an hour behind Prometheus' (the age must win: no page from skew).
+    skew = 3600
+    frozen = [Series("training_heartbeat_age_seconds", _target(), [run(0, 2), ramp(b.i, b.i, samples - 2)]),
+              b.hold("training_last_heartbeat_timestamp_seconds", _target(), last - skew, samples)]
+    moving = [b.hold("training_heartbeat_age_seconds", _target(), 0, samples),
+              Series("training_last_heartbeat_timestamp_seconds", _target(), [ramp(-skew, b.i, samples)])]
+    legacy = [b.hold("training_last_heartbeat_timestamp_seconds", _target(), last, samples)]  # no age: an older exporter
 
     def in_phase(current: str) -> list[Series]:
         return [b.hold("training_phase", _target(phase=p), 1 if p == current else 0, samples)
                 for p in ("train", "eval", "checkpoint")]
 
     return {stalled.name: [
-        Scenario("no progress while training fires", [frozen, *in_phase("train")],
+        Scenario("no progress while training fires", [*frozen, *in_phase("train")],
                  [(last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
                   (last + limit, stalled.name, [])]),
-        Scenario("a job that keeps stepping is silent", [moving, *in_phase("train")],
-                 [(last + limit + b.i, stalled.name, [])]),
+        Scenario("a job that keeps stepping on a node whose clock is an hour behind is silent",
+                 [*moving, *in_phase("train")], [(last + limit + b.i, stalled.name, [])]),
+        Scenario("an older exporter without the age: measured on Prometheus' clock",
+                 [*legacy, *in_phase("train")],
+                 [(last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
+                  (last + limit, stalled.name, [])]),
         Scenario("an evaluation longer than stalled_after is silent, a hung one fires",
-                 [frozen, *in_phase("eval")],
+                 [*frozen, *in_phase("eval")],
                  [(last + limit + b.i, stalled.name, []),
                   (last + phase_limit, stalled.name, []),
                   (last + phase_limit + b.i, stalled.name,
                    [Expect(stalled, _target(phase="eval"), phase_limit + b.i)])]),
-        Scenario("a long checkpoint is silent", [frozen, *in_phase("checkpoint")],
+        Scenario("a long checkpoint is silent", [*frozen, *in_phase("checkpoint")],
                  [(last + limit + b.i, stalled.name, []), (last + phase_limit, stalled.name, [])]),
     ]}
 
@@ -523,8 +534,6 @@ def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
     ]}
 
 
-
-
 # Judgment alerts, the check each reads and the status at which it fires.
 JUDGED = {
     "TrainingGradientExplosion": ("grad_norm", 2),
@@ -537,5 +546,5 @@ JUDGED = {
 
 
 SCENARIO_FAMILIES = (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress,
-                     _resources, _cluster)
+                     _resources, _cluster, concurrent_cross_rank, ranks_finishing)
 """Every family of scenarios, in the order the test documents list them."""

@@ -35,6 +35,10 @@ class MonitorConfig:
     """Task profile: causal-lm, classification, regression, multi-task, preference (DPO) or rl (default: the file's)."""
     run_name: str = ""
     """Free-form run name exported in ``training_run_info``."""
+    run_id: str = ""
+    """The run identity, the ``run_id`` label of every series: shared by the ranks of this run,
+    different from any concurrent run of the same job name. "" (default): ``LOSSBEAT_RUN_ID``,
+    else the Slurm job id, torchrun's run id, ... (:mod:`lossbeat.monitor.identity`)."""
     port_per_local_rank: bool = True
     """Add LOCAL_RANK to the port so every rank of a node can serve."""
     layer_depth: int | None = None
@@ -119,6 +123,8 @@ class MonitorConfig:
             raise TypeError(f"profile: expected a profile name, got {type(self.profile).__name__}")
         if not isinstance(self.run_name, str):
             raise TypeError(f"run_name: expected a string, got {type(self.run_name).__name__}")
+        if not isinstance(self.run_id, str):
+            raise TypeError(f"run_id: expected a string, got {type(self.run_id).__name__}")
         if self.layer_depth is not None and (
             isinstance(self.layer_depth, bool) or not isinstance(self.layer_depth, int) or self.layer_depth < 1
         ):

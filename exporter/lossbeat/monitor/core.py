@@ -32,7 +32,7 @@ from lossbeat.exposition.server import MetricsServer, RankContext
 from lossbeat.exposition.state import MonitorState
 from lossbeat.measure.cross_rank import CrossRankSignals
 from lossbeat.measure.meter import GradientMeter, ShardedMeasurementError
-from lossbeat.monitor import inputs, lifecycle
+from lossbeat.monitor import identity, inputs, lifecycle
 from lossbeat.monitor.apply import StepApplier
 from lossbeat.monitor.config import DEFAULT_PORT, MonitorConfig
 from lossbeat.monitor.judgment import Judgment
@@ -62,7 +62,7 @@ class Monitor:
             "run": config.run_name, "profile": self.thresholds.profile.name, "world_size": str(ctx.world_size),
             "local_rank": str(ctx.local_rank), "version": __version__,
             "torch_version": torch.__version__.split("+")[0],
-        })
+        }, identity.run_identity(config.run_id, ctx.world_size))
         self._log = RateLimitedLog()
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
         self.history = self._judge.history
@@ -82,7 +82,7 @@ class Monitor:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._transfer.drain_at_scrape)
         self.registry.register(self._collector)
-        self._cross_rank_collector = CrossRankCollector(self._cross_rank)
+        self._cross_rank_collector = CrossRankCollector(self._cross_rank, self.state.run_id)
         self.registry.register(self._cross_rank_collector)
         self._last_perf: float | None = None
         self.closed = False
@@ -291,8 +291,8 @@ class Monitor:
         self.closed = True
         if completed:
             self.state.completed = True
-            if self._server is not None:
-                lifecycle.linger(self._collector.scrape_interval(), self.config.linger_seconds)
+            if self._server is not None:  # until each scraper has read it
+                lifecycle.linger(self._server.scrapers, time.monotonic(), self.config.linger_seconds)
         # After the linger, before the port closes: Prometheus drops the target having read the
         # marker, no up=0; a crash leaves the entry for the prune, and the vanished series page.
         if self._registration is not None:
@@ -310,8 +310,10 @@ class Monitor:
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(completed=exc_type is None)
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # SystemExit(0) leaving the block is a normal end; SystemExit(1) or an exception is not.
+        self.close(completed=exc_type is None or (
+            isinstance(exc, SystemExit) and not lifecycle.failure_status(exc.code)))
 
     def _close_at_exit(self) -> None:
         try:
