@@ -22,7 +22,7 @@ test:
 generate:
 	$(PYTHON) -m lossbeat rules --checkout
 	$(PYTHON) -m lossbeat dashboards --checkout
-	$(PYTHON) -c "from lossbeat.exposition.metrics import update_readme; update_readme('README.md')"
+	$(PYTHON) -c "from lossbeat.exposition.metrics import update_reference_doc; update_reference_doc('docs/metrics.md')"
 
 # The evaluation tables of docs/analyze.md (false alarms and detection; trains the demo model).
 docs:

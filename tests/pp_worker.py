@@ -118,7 +118,9 @@ def main() -> None:
 
     result: dict = {"rank": rank, "stage": stage_index, "pp_ranks": pp_ranks}
     lossbeat.measure.gradients.SHARD_HANDSHAKE_TIMEOUT_S = 3.0 if args.scenario == "one-stage" else 60.0
-    config = MonitorConfig(port=0, addr="127.0.0.1", run_name="pp", pipeline_group=pp, linger_seconds=0)
+    # With pipeline_group every stage exports the model's norm, so the replicas agree: aligned norms on.
+    config = MonitorConfig(port=0, addr="127.0.0.1", run_name="pp", pipeline_group=pp, linger_seconds=0,
+                           grad_norm_align_every=100)
     monitor = Monitor(config, serve=True)  # pipeline_group: the 1-D "pp" mesh, taken as its group
 
     if args.scenario == "train":

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lossbeat.mixin.alert_rules import LOSS_DERIVED_ALERTS, TARGET, alert_rules
+from lossbeat.mixin.alert_rules import JOB, LOSS_DERIVED_ALERTS, TARGET, alert_rules
 from lossbeat.diagnosis.thresholds import load_thresholds
 from conftest import require_binary
 
@@ -43,7 +43,7 @@ def test_amtool_accepts_the_config():
     result = amtool("check-config", str(CONFIG))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
-    assert "4 inhibit rules" in result.stdout and "2 receivers" in result.stdout
+    assert "5 inhibit rules" in result.stdout and "2 receivers" in result.stdout
 
 
 def test_every_alert_routes_by_its_severity():
@@ -63,7 +63,7 @@ def test_amtool_verify_rejects_the_wrong_receiver():
 
 def test_grouping_and_timing():
     route = config()["route"]
-    assert route["group_by"] == ["job", "alertname"]
+    assert route["group_by"] == ["job", "run_id", "alertname"]  # one notification per run and alert
     assert route["receiver"] == "ticket"
     critical = next(r for r in route["routes"] if r["matchers"] == ['severity="critical"'])
     assert critical["receiver"] == "page"
@@ -76,23 +76,36 @@ def test_receivers_post_to_the_local_webhooks():
     assert urls == {"page": ["http://127.0.0.1:5001/page"], "ticket": ["http://127.0.0.1:5001/ticket"]}
 
 
+def _targets(rule: dict) -> set[str]:
+    (target,) = rule["target_matchers"]
+    return set(target.removeprefix('alertname=~"').removeprefix('alertname="').removesuffix('"').split("|"))
+
+
 def test_inhibition_rule_content():
     names = set()
-    nan_rules = [r for r in config()["inhibit_rules"] if r["source_matchers"] == ['alertname="TrainingLossNaN"']]
-    guard_rules = {r["source_matchers"][0]: r for r in config()["inhibit_rules"] if r not in nan_rules}
+    rules_ = config()["inhibit_rules"]
+    by_source = {}
+    for rule in rules_:
+        (source,) = rule["source_matchers"]
+        by_source.setdefault(source, []).append(rule)
+    for rule in by_source['alertname="TrainingLossNaN"']:
+        names |= _targets(rule)
+        if _targets(rule) == {"TrainingGradientNonFinite"}:  # every rank's gradients: across the run
+            assert rule["equal"] == list(JOB)
+        else:  # the loss echoes: one rank of one run, the labels every alert keeps
+            assert rule["equal"] == list(TARGET)
     # The optimizer guard: a stop is the page (the exporter vanishing and the skips are context);
     # repeated skips page, their ticket is context.
-    assert guard_rules['alertname="TrainingHalted"']["target_matchers"] == [
+    (halted,) = by_source['alertname="TrainingHalted"']
+    assert halted["target_matchers"] == [
         'alertname=~"TrainingExporterDown|TrainingStalled|TrainingSkippingRepeatedly|TrainingStepsSkipped"']
-    assert guard_rules['alertname="TrainingSkippingRepeatedly"']["target_matchers"] == [
-        'alertname="TrainingStepsSkipped"']
-    assert all(r["equal"] == list(TARGET) for r in guard_rules.values())
-    for rule in nan_rules:
-        (target,) = rule["target_matchers"]
-        names |= set(target.removeprefix('alertname=~"').removeprefix('alertname="').removesuffix('"').split("|"))
-        # One rank of one run: the labels every alert keeps (instance tells runs apart).
-        assert rule["equal"] == list(TARGET)
+    (repeated,) = by_source['alertname="TrainingSkippingRepeatedly"']
+    assert repeated["target_matchers"] == ['alertname="TrainingStepsSkipped"']
+    assert halted["equal"] == repeated["equal"] == list(TARGET)
     assert names == INHIBITED_BY_NAN
+    (down,) = by_source['alertname="TrainingExporterDown"']
+    assert _targets(down) == {"TrainingRankDown", "TrainingStalled"} and down["equal"] == list(JOB)
+    assert len(rules_) == 5
     rules = {r.name: r for r in alert_rules(load_thresholds())}
     assert INHIBITED_BY_NAN | {"TrainingLossNaN"} <= set(rules)
     for name in INHIBITED_BY_NAN | {"TrainingLossNaN"}:
@@ -145,7 +158,9 @@ RUN_A, RUN_B = "gpu-a:8470", "gpu-b:8470"  # two runs under one job label, each 
 
 
 def _alert(name: str, rank: str, severity: str, instance: str = RUN_A) -> dict:
-    return {"labels": {"alertname": name, "job": "train", "instance": instance, "rank": rank, "severity": severity}}
+    run_id = {RUN_A: "101", RUN_B: "102"}[instance]  # each run its own identity (Slurm job id)
+    return {"labels": {"alertname": name, "job": "train", "run_id": run_id, "instance": instance, "rank": rank,
+                       "severity": severity}}
 
 
 def _states(port: int) -> dict:
@@ -207,3 +222,69 @@ def test_real_alertmanager_pages_a_forward_nan_once(alertmanager):
     assert seen[("TrainingGradientNonFinite", RUN_A, "0")]["inhibitedBy"]
     assert seen[("TrainingGradientNonFinite", RUN_B, "0")]["state"] == "active"
     assert seen[("TrainingLossNaN", RUN_A, "0")]["state"] == "active"
+
+
+def _run_alert(name: str, run_id: str, instance: str, rank: str, **extra: str) -> dict:
+    return {"labels": {"alertname": name, "job": "train", "run_id": run_id, "instance": instance, "rank": rank,
+                       "severity": "critical", **extra}}
+
+
+def _run_states(port: int) -> dict:
+    return {(a["labels"]["alertname"], a["labels"]["run_id"], a["labels"]["rank"]): a["status"]
+            for a in _api(port, "alerts")}
+
+
+def _wait_run_suppressed(port: int, key: tuple) -> dict:
+    deadline = time.monotonic() + 10
+    while True:
+        seen = _run_states(port)
+        if seen.get(key, {}).get("state") == "suppressed" or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.2)
+
+
+def test_real_alertmanager_pages_a_nan_on_one_ddp_rank_once_for_the_run(alertmanager):
+    """Rank 1's NaN loss reaches rank 0's gradients through the all-reduce: rank 0's
+    TrainingGradientNonFinite (another rank, another instance) is held; run 102 is not."""
+    _api(alertmanager, "alerts", [
+        _run_alert("TrainingLossNaN", "101", "gpu-b:8470", "1"),
+        _run_alert("TrainingGradientNonFinite", "101", "gpu-a:8470", "0", layer="poisoned by the gradient "
+                   "all-reduce from another rank"),
+        _run_alert("TrainingGradientNonFinite", "102", "gpu-c:8470", "0", layer="blocks.2"),
+    ])
+    seen = _wait_run_suppressed(alertmanager, ("TrainingGradientNonFinite", "101", "0"))
+    assert seen[("TrainingGradientNonFinite", "101", "0")]["state"] == "suppressed"
+    assert seen[("TrainingLossNaN", "101", "1")]["state"] == "active"
+    assert seen[("TrainingGradientNonFinite", "102", "0")]["state"] == "active"
+
+
+def test_real_alertmanager_pages_one_crash_once(alertmanager):
+    """Rank 1 of run 101 died: TrainingExporterDown pages; its run's TrainingRankDown and the
+    others' TrainingStalled (waiting for it in a collective) are held. Run 102 still pages."""
+    _api(alertmanager, "alerts", [
+        _run_alert("TrainingExporterDown", "101", "gpu-b:8470", "1"),
+        _run_alert("TrainingRankDown", "101", "gpu-b:8470", "1", world_size="2"),
+        _run_alert("TrainingStalled", "101", "gpu-a:8470", "0", phase="train"),
+        _run_alert("TrainingStalled", "102", "gpu-c:8470", "0", phase="train"),
+    ])
+    seen = _wait_run_suppressed(alertmanager, ("TrainingStalled", "101", "0"))
+    assert seen[("TrainingStalled", "101", "0")]["state"] == "suppressed"
+    assert seen[("TrainingRankDown", "101", "1")]["state"] == "suppressed"
+    assert seen[("TrainingExporterDown", "101", "1")]["state"] == "active"
+    assert seen[("TrainingStalled", "102", "0")]["state"] == "active"
+
+
+def test_real_alertmanager_pages_a_guard_stop_once(alertmanager):
+    """A stopped run pages TrainingHalted; its exporter vanishing and its skips are held, for that
+    rank of that run only."""
+    _api(alertmanager, "alerts", [
+        _alert("TrainingHalted", "0", "critical", RUN_A),
+        _alert("TrainingExporterDown", "0", "critical", RUN_A),
+        _alert("TrainingSkippingRepeatedly", "0", "critical", RUN_A),
+        _alert("TrainingExporterDown", "0", "critical", RUN_B),
+    ])
+    seen = _wait_suppressed(alertmanager, ("TrainingExporterDown", RUN_A, "0"))
+    assert seen[("TrainingExporterDown", RUN_A, "0")]["state"] == "suppressed"
+    assert seen[("TrainingSkippingRepeatedly", RUN_A, "0")]["state"] == "suppressed"
+    assert seen[("TrainingHalted", RUN_A, "0")]["state"] == "active"
+    assert seen[("TrainingExporterDown", RUN_B, "0")]["state"] == "active"  # another run still pages

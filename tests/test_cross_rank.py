@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -17,7 +18,7 @@ def _samples(monitor: Monitor) -> dict[str, float]:
     for line in generate_latest(monitor.registry).decode().splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+            out[re.sub(r',?run_id="[^"]*"', "", name)] = float(value)  # the run identity: tested on its own
     return out
 
 
@@ -89,3 +90,37 @@ def test_settings_are_validated():
         MonitorConfig(grad_norm_align_every=-1)
     with pytest.raises(TypeError, match="work_time"):
         MonitorConfig(work_time=1)
+
+
+_ALIGN = """
+import sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from lossbeat import Monitor, MonitorConfig
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+for name, wrap, reduce in (("plain", False, True), ("ddp", True, True), ("ddp-noreduce", True, False)):
+    model = torch.nn.Linear(2, 1)
+    observed = DistributedDataParallel(model) if wrap else model
+    m = Monitor(MonitorConfig(port=0, reduce_shards=reduce), serve=False)  # grad_norm_align_every left alone
+    for step in range(1, 201):
+        model.zero_grad()
+        observed(torch.ones(1, 2)).sum().backward()
+        m.observe(step, loss=1.0, model=observed)
+    m.flush()
+    print(name, m._cross_rank.aligned is not None)
+    m.close()
+dist.destroy_process_group()
+"""
+
+
+def test_aligned_norms_are_on_by_default_only_for_pure_ddp(tmp_path):
+    """TrainingRankGradientMismatch compares ranks that must agree: pure DDP replicas. Elsewhere
+    (a plain module: FSDP/TP/EP/pipeline layouts, or a callback's unwrapped model; and
+    reduce_shards=False) the ranks' norms legitimately differ, so nothing is exported."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _ALIGN, str(tmp_path / "store")], capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert dict(line.split() for line in done.stdout.splitlines()) == {
+        "plain": "False", "ddp": "True", "ddp-noreduce": "False"}

@@ -27,7 +27,7 @@ WORKER = Path(__file__).with_name("signal_worker.py")
 
 def scrape(port: int) -> dict[str, float]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()) if k != "rank"): s.value
+    return {s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("rank", "run_id")): s.value
             for f in text_string_to_metric_families(body) for s in f.samples}
 
 

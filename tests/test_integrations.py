@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import math
 
 import pytest
@@ -18,7 +20,7 @@ def _scrape(monitor: Monitor) -> dict[str, dict[tuple, float]]:
     out: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(generate_latest(monitor.registry).decode()):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "rank"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("rank", "run_id")))
             out.setdefault(s.name, {})[labels] = s.value
     return out
 
@@ -414,6 +416,6 @@ def test_hf_callback_starts_its_exporter_when_training_begins_with_the_trainers_
         assert monitor.rank_context.source == "trainer"
         assert (monitor.rank_context.rank, monitor.rank_context.world_size) == (args.process_index, args.world_size)
         body = urllib.request.urlopen(f"http://127.0.0.1:{monitor.port}/metrics", timeout=10).read().decode()
-        assert 'training_steps_total{rank="0"} 2.0' in body and 'run="hf-rank-process"' in body
+        assert re.search(r'training_steps_total{rank="0",run_id="[^"]*"} 2\.0', body) and 'run="hf-rank-process"' in body
     finally:
         monitor.close()

@@ -289,7 +289,8 @@ def torch_tensor():
 
 def test_formats_list_is_complete():
     assert set(FORMATS) == {"hf", "hf-stdout", "llamafactory", "lightning", "llmc", "llmc-stdout", "nanogpt",
-                            "megatron", "megatron-log", "tensorboard"}
+                            "megatron", "megatron-log", "build-nanogpt", "nanochat", "olmo", "torchtitan",
+                            "kv-stdout", "tensorboard"}
 
 
 # --- broken inputs: one line naming the file and the problem ----------------------------------
@@ -460,6 +461,11 @@ _FRAGMENTS = [
     " iteration 10/ 100 | lm loss: 4.0E+00 | grad norm: x | number of nan iterations: 2 |",
     "validation loss at iteration 10 | lm loss value: 3.0 |", "{'loss': nan, 'grad_norm': tensor(1.0), 'epoch': 1}",
     "{'eval_loss': '2.0', 'epoch': 'x'}", " 10/100 [00:01<00:10]", "\r", "\x00", "\ufffd", "}", "{", ",", "|",
+    "step     3 | loss: 3.4 | lr 6e-04 | norm: x | dt: 1ms", "validation loss: nan", "7 val 3.2", "7 hella 0.25",
+    "step 00012/00100 (1.20%) | loss: 3.4 | lrm: 1.00", "Step 00012 | Validation bpb: x", "[step=5/10,epoch=0]",
+    "    train/CE loss=inf", "    eval/lm/c4/CE loss=3", "[eval_step=1/2]", "step: 10  loss:  7.9  grad_norm:  inf",
+    "validate step: 10  loss: x", "batch: 9, time: 1.0, loss: 5", "epoch: 0|step: 2|act_loss: nan", "[rank0]:", "0: ",
+    "\x1b[31m", '{"name": "stdout", "text": ["iter 1: loss 2.0, time 1ms"]}', '"step: 1 loss: 2\\n"',
 ]
 
 

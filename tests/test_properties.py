@@ -103,13 +103,18 @@ def data_values(draw):
     return f"{form}-{dtype}", t, float(t.detach().double())
 
 
-WRONG = st.sampled_from([
+_WRONG_TYPES = [
     ("str", "1.0"), ("bytes", b"1"), ("list", [1.0]), ("tuple", (1.0,)), ("dict", {"loss": 1.0}),
     ("bool", True), ("complex", 1 + 2j), ("object", object()), ("numpy-array", np.array([1.0, 2.0])),
-    ("vector", torch.tensor([1.0, 2.0])), ("empty", torch.zeros(0)), ("matrix", torch.ones(2, 2)),
     ("bool-tensor", torch.tensor(True)), ("complex-tensor", torch.tensor(1 + 2j)),
     ("meta", torch.tensor(1.0, device="meta")), ("set", {1.0}), ("none-list", [None]),
-])
+]
+# Real tensors of another shape: a wrong value for most arguments, but per-step data for a loss
+# or a loss component (nn.DataParallel's per-device losses): observed as the mean, counted.
+_SHAPES = [("vector", torch.tensor([1.0, 2.0])), ("empty", torch.zeros(0)), ("matrix", torch.ones(2, 2))]
+WRONG = st.sampled_from(_WRONG_TYPES + _SHAPES)
+WRONG_TYPES = st.sampled_from(_WRONG_TYPES)
+SHAPES = st.sampled_from(_SHAPES)
 
 
 def observed(m: Monitor) -> tuple[float, float, int]:
@@ -146,7 +151,7 @@ def test_loss_data_is_counted_never_raised():
 def test_wrong_loss_types_raise_naming_loss_and_record_nothing():
     m = monitor()
 
-    @given(case=WRONG)  # None is no error: a rank without a loss (tests/test_stage_without_loss.py)
+    @given(case=WRONG_TYPES)  # None is no error: a rank without a loss (tests/test_stage_without_loss.py)
     def check(case):
         CASES["observe(loss=wrong)"] += 1
         before = observed(m)
@@ -154,6 +159,19 @@ def test_wrong_loss_types_raise_naming_loss_and_record_nothing():
             m.observe(1, loss=case[1])
         assert_names(info.value, "loss")
         assert observed(m) == before
+    check()
+
+
+@pytest.mark.parametrize("argument", ["loss", "losses"])
+def test_a_loss_tensor_of_another_shape_is_counted_never_raised(argument):
+    m = monitor()
+
+    @given(case=SHAPES)
+    def check(case):
+        CASES[f"observe({argument}=shape)"] += 1
+        steps, inputs = m.state.steps_total, m.state.errors.get("input", 0)
+        m.observe(1, **({"loss": case[1]} if argument == "loss" else {"loss": 1.0, "losses": {"aux": case[1]}}))
+        assert m.state.steps_total == steps + 1 and m.state.errors.get("input", 0) == inputs + 1
     check()
 
 
@@ -190,7 +208,7 @@ def test_other_scalar_arguments(argument):
             assert exported == expected
     data()
 
-    @given(case=WRONG)
+    @given(case=WRONG_TYPES if argument == "losses" else WRONG)
     def wrong(case):
         CASES[f"observe({argument}=wrong)"] += 1
         steps = m.state.steps_total

@@ -1,5 +1,6 @@
 """Self-registration (file_sd entries written by the ranks): atomic entries with the real port,
-removal on close / exit / SIGTERM (chained), pruning of dead writers, and a real Prometheus
+removal on close / exit (no signal handler of ours), pruning of dead writers (never of a live
+rank in another PID namespace), an untrusted folder (FIFOs, symlinks), and a real Prometheus
 discovering a rank at its fallback port."""
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import pytest
 
 from conftest import require_binary
 from lossbeat import Monitor, MonitorConfig
-from lossbeat.exposition.registration import META, Owner, prune, process_start_ticks, read_entries, register
+from lossbeat.exposition import registration as registration_module
+from lossbeat.exposition.registration import (META, Owner, boot_id, pid_namespace, prune, process_start_ticks,
+                                               read_entries, register)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +59,9 @@ def test_entry_has_the_real_port_and_labels_and_goes_on_close(tmp_path, monkeypa
         try:
             assert m.port != base + 1
             [path] = _entries(sd)
-            assert path.name == f"lossbeat-{socket.gethostname()}-{os.getpid()}-{m.port}.json"
+            me = Owner.current()
+            assert path.name == (f"lossbeat-{socket.gethostname()}-{me.boot_id[:12]}-{me.pid_ns}-{os.getpid()}-"
+                                 f"{me.start_ticks}-{m.port}.json")  # the owner, readable without opening it
             [group] = json.loads(path.read_text())
             assert group["targets"] == [f"127.0.0.1:{m.port}"]
             labels = group["labels"]
@@ -64,6 +69,7 @@ def test_entry_has_the_real_port_and_labels_and_goes_on_close(tmp_path, monkeypa
                 "job": "lm-7b", "node": socket.gethostname(), "slurm_job_id": "4242"}
             assert labels[f"{META}rank"] == "5" and labels[f"{META}pid"] == str(os.getpid())
             assert labels[f"{META}start_ticks"] == str(process_start_ticks(os.getpid()))
+            assert labels[f"{META}boot_id"] == boot_id() and labels[f"{META}pid_ns"] == str(pid_namespace())
             assert "rank" not in labels  # would rename the exporter's own `rank` to exported_rank
             assert not list(sd.glob(".*tmp"))  # written through a renamed temporary file
         finally:
@@ -123,20 +129,34 @@ def _child(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path, Path]:
     return proc, sd, marker
 
 
-def test_sigterm_removes_the_entry_and_calls_the_previous_handler(tmp_path):
+def test_sigterm_runs_the_applications_handler_whose_exit_removes_the_entry(tmp_path):
     proc, sd, marker = _child(tmp_path, "chained")
     assert len(_entries(sd)) == 1
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 7  # the application's own handler ran and chose the exit code
     assert marker.read_text() == "called"
-    assert _entries(sd) == []
+    assert _entries(sd) == []  # its sys.exit() ran atexit
 
 
-def test_sigterm_with_the_default_action_still_ends_the_process(tmp_path):
+def test_file_sd_installs_no_signal_handler(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    registration = register(tmp_path, addr="127.0.0.1", port=1234, rank=0)
+    try:
+        assert signal.getsignal(signal.SIGTERM) is before  # docs/reliability.md: lossbeat installs none
+    finally:
+        registration.remove()
+
+
+def test_sigterm_with_the_default_action_kills_and_the_next_rank_prunes_the_entry(tmp_path):
     proc, sd, _ = _child(tmp_path, "default")
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == -signal.SIGTERM  # not swallowed: killed by the signal, as without lossbeat
-    assert _entries(sd) == []
+    assert proc.wait(30) == -signal.SIGTERM  # Python's default: killed at once, as without lossbeat
+    [left] = _entries(sd)  # nothing ran in the killed process
+    registration = register(sd, addr="127.0.0.1", port=1, rank=0)  # the next rank of this host
+    try:
+        assert not left.exists() and _entries(sd) == [registration.path]
+    finally:
+        registration.remove()
 
 
 def test_a_normal_exit_without_close_removes_the_entry(tmp_path):
@@ -179,9 +199,13 @@ def test_a_rank_that_registers_prunes_dead_entries_of_its_host(tmp_path):
         registration.remove()
 
 
-def _fake_entry(directory: Path, host: str, pid: int, ticks: int | None, **labels: str) -> Path:
-    path = directory / f"lossbeat-{host}-{pid}.json"
-    meta = {f"{META}host": host, f"{META}pid": str(pid), f"{META}start_ticks": "" if ticks is None else str(ticks)}
+def _fake_entry(directory: Path, host: str, pid: int, ticks: int | None, *, boot: str | None = None,
+                ns: int | None = None, **labels: str) -> Path:
+    boot = boot_id() if boot is None else boot
+    ns = pid_namespace() if ns is None else ns
+    path = directory / f"lossbeat-{host}-{boot[:12]}-{ns}-{pid}-{ticks if ticks is not None else 'x'}-8470.json"
+    meta = {f"{META}host": host, f"{META}pid": str(pid), f"{META}start_ticks": "" if ticks is None else str(ticks),
+            f"{META}boot_id": boot, f"{META}pid_ns": str(ns)}
     path.write_text(json.dumps([{"targets": [f"{host}:8470"], "labels": {**labels, **meta}}]))
     return path
 
@@ -253,3 +277,113 @@ def test_prometheus_discovers_a_rank_at_its_fallback_port(tmp_path, monkeypatch)
             wait_until(lambda: not prom.api.target_health("shared-node-job"), 60, "the target to be dropped")
     finally:
         prom.stop()
+
+
+def test_a_dead_pid_of_another_pid_namespace_or_boot_is_unknowable_and_kept(tmp_path):
+    me = Owner.current()
+    dead_pid = 2 ** 22 + 7  # above any pid_max here: no such process in this namespace
+    other_ns = _fake_entry(tmp_path, me.host, dead_pid, 5, ns=me.pid_ns + 1)
+    other_boot = _fake_entry(tmp_path, me.host, dead_pid + 1, 5, boot="0" * 32)
+    mine_dead = _fake_entry(tmp_path, me.host, dead_pid + 2, 5)
+    assert registration_module.prune_own_namespace(tmp_path) == [mine_dead]
+    assert prune(tmp_path) == [] and other_ns.exists() and other_boot.exists()
+    assert {owner.alive() for _, owner, _ in read_entries(tmp_path)} == {None}
+
+
+_IN_NAMESPACE = textwrap.dedent("""
+    import os, sys, time
+    from lossbeat import start_exporter
+    m = start_exporter(0, addr="127.0.0.1", port_per_local_rank=False, file_sd_dir=sys.argv[1], run_name="job-a")
+    print("registered", os.getpid(), os.path.basename(m._registration.path), flush=True)
+    sys.stdin.readline()  # trains until the test says stop
+    m.close()
+""")
+
+
+def test_a_live_rank_in_another_pid_namespace_with_this_host_name_is_never_pruned(tmp_path):
+    """Job A's rank runs in its own PID namespace with the node's host name (a hostNetwork pod,
+    docker --network host); job B's rank on the host registers and prunes. A's entry stays."""
+    require_binary("unshare")
+    sd = tmp_path / "sd"
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _IN_NAMESPACE,
+                             str(sd)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith("registered"):
+            proc.kill()
+            pytest.skip(f"no PID namespace here: {line}{proc.stdout.read()}")
+        _, pid_inside, name = line.split()
+        # Pid 1 in A's namespace: on the host, pid 1 is another process (another start time),
+        # which a host+pid(+start) check takes for a dead rank whose pid was reused.
+        assert pid_inside == "1" and (sd / name).exists()
+        registration = register(sd, addr="127.0.0.1", port=2, rank=0)  # job B's rank
+        try:
+            assert prune(sd) == []
+            assert (sd / name).exists()
+        finally:
+            registration.remove()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == 0
+        assert not (sd / name).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_a_fifo_or_a_symlink_in_the_folder_never_blocks_a_registering_rank(tmp_path):
+    sd = tmp_path / "sd"
+    sd.mkdir()
+    os.mkfifo(sd / "lossbeat-stale-node07-1234-8470.json")
+    (sd / "lossbeat-zero-node07-1-8470.json").symlink_to("/dev/zero")
+    code = ("from lossbeat import start_exporter; from lossbeat.exposition.registration import prune, read_entries;"
+            f"m = start_exporter(0, addr='127.0.0.1', port_per_local_rank=False, file_sd_dir={str(sd)!r});"
+            f"print(sorted((p.name, o is None) for p, o, _ in read_entries({str(sd)!r})));"
+            f"print(prune({str(sd)!r})); m.close()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    listing, pruned = done.stdout.splitlines()[-2:]
+    assert "('lossbeat-stale-node07-1234-8470.json', True)" in listing  # unreadable, not waited on
+    assert "('lossbeat-zero-node07-1-8470.json', True)" in listing  # not followed, not read to the end
+    assert pruned == "[]"
+
+
+def test_a_registering_rank_opens_no_other_ranks_entry(tmp_path, monkeypatch):
+    for i in range(20):
+        _fake_entry(tmp_path, f"node{i:02d}", 100 + i, 7)
+    opened = []
+    real_open = os.open
+
+    def spy(path, flags, *args, **kwargs):  # a spy: every call goes through to the real os.open
+        opened.append(str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy)
+    real_read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: opened.append(str(self)) or real_read_text(self, *a, **k))
+    registration = register(tmp_path, addr="127.0.0.1", port=3, rank=0)
+    monkeypatch.undo()
+    try:
+        assert [p for p in opened if "lossbeat-node" in p] == []  # judged from the names: O(1) per rank
+        assert len(_entries(tmp_path)) == 21
+    finally:
+        registration.remove()
+
+
+def test_the_entry_mode_is_set_on_the_open_descriptor_never_by_path(tmp_path, monkeypatch):
+    by_path = []
+    real_chmod = os.chmod
+    monkeypatch.setattr(os, "chmod", lambda path, mode, *a, **k: by_path.append(str(path)) or real_chmod(path, mode, *a, **k))
+    old_umask = os.umask(0o077)
+    try:
+        registration = register(tmp_path, addr="127.0.0.1", port=4, rank=0)
+    finally:
+        os.umask(old_umask)
+        monkeypatch.undo()
+    try:
+        assert by_path == []  # a chmod by path after the write is a TOCTOU in a shared folder
+        assert registration.path.stat().st_mode & 0o777 == 0o644  # Prometheus (another user) can read it
+    finally:
+        registration.remove()

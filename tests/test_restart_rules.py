@@ -29,8 +29,8 @@ TESTS = [
         ],
         "alert_rule_test": [{"eval_time": t, "alertname": "TrainingLossNaN", "exp_alerts": []}
                             for t in ("9m", "11m", "14m", "18m")],
-        "promql_expr_test": [{"expr": "job_instance_rank:training_nonfinite_loss:increase5m", "eval_time": t,
-                              "exp_samples": [{"labels": 'job_instance_rank:training_nonfinite_loss:increase5m'
+        "promql_expr_test": [{"expr": "job_run_id_instance_rank:training_nonfinite_loss:increase5m", "eval_time": t,
+                              "exp_samples": [{"labels": 'job_run_id_instance_rank:training_nonfinite_loss:increase5m'
                                                          '{instance="127.0.0.1:8470",job="train",rank="0"}', "value": 0}]}
                              for t in ("11m", "14m")],
     },
@@ -41,7 +41,7 @@ TESTS = [
             {"series": f"training_nonfinite_loss_total{{{SERIES}}}", "values": "3+0x9 0 0 1+0x8"},
             {"series": f"training_loss{{{SERIES}}}", "values": "2.5+0x20"},
         ],
-        "promql_expr_test": [{"expr": "job_instance_rank:training_nonfinite_loss:increase5m > bool 0.5", "eval_time": "14m",
+        "promql_expr_test": [{"expr": "job_run_id_instance_rank:training_nonfinite_loss:increase5m > bool 0.5", "eval_time": "14m",
                               "exp_samples": [{"labels": '{instance="127.0.0.1:8470",job="train",rank="0"}', "value": 1}]}],
     },
     {

@@ -171,10 +171,11 @@ def test_checked_in_files_match_the_generator():
     assert on_disk == generated_tests
 
 
-def test_readme_alert_table_matches_the_generator():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    region = readme.split(rules.README_START, 1)[1].split(rules.README_END, 1)[0]
-    assert region == "\n" + rules.render_alert_table(load_thresholds())
+def test_alert_table_of_the_docs_matches_the_generator():
+    doc = (REPO / rules.REFERENCE_DOC).read_text(encoding="utf-8")
+    assert doc.count(rules.TABLE_START) == 1 and doc.count(rules.TABLE_END) == 1
+    region = doc.split(rules.TABLE_START, 1)[1].split(rules.TABLE_END, 1)[0]
+    assert region == "\n" + rules.render_alert_table(load_thresholds()), f"{rules.REFERENCE_DOC} drifted: run `make generate`"
 
 
 def test_check_passes_on_the_checkout():
@@ -198,13 +199,16 @@ def test_check_reports_drift_with_a_diff(tmp_path, capsys):
 
 
 def test_generate_in_a_fresh_tree_and_remove_stale_test_files(tmp_path, monkeypatch, capsys):
-    (tmp_path / "README.md").write_text(f"# x\n\n{rules.README_START}\nPLACEHOLDER-ROW\n{rules.README_END}\n\nkept\n")
+    (tmp_path / "README.md").write_text("# x\n")  # what marks a checkout
+    (tmp_path / rules.REFERENCE_DOC).parent.mkdir()
+    (tmp_path / rules.REFERENCE_DOC).write_text(f"# x\n\n{rules.TABLE_START}\nPLACEHOLDER-ROW\n{rules.TABLE_END}\n\nkept\n")
     monkeypatch.setattr(rules, "REPO_ROOT", tmp_path)
     assert run_rules("--checkout") == 0
     for path in rules.generated_files(load_thresholds()):
         assert (tmp_path / path).read_text() == (REPO / path).read_text(), path
-    readme = (tmp_path / "README.md").read_text()
-    assert "PLACEHOLDER-ROW" not in readme and readme.endswith(f"{rules.README_END}\n\nkept\n")
+    doc = (tmp_path / rules.REFERENCE_DOC).read_text()
+    assert "PLACEHOLDER-ROW" not in doc and doc.endswith(f"{rules.TABLE_END}\n\nkept\n")
+    assert (tmp_path / "README.md").read_text() == "# x\n"
     stale = tmp_path / rules.TESTS_DIR / "traininggone.yml"
     stale.write_text(rules.HEADER + "tests: []\n")
     own = tmp_path / rules.TESTS_DIR / "handwritten.yml"
@@ -226,7 +230,7 @@ def test_a_threshold_change_changes_the_alert_expression(tmp_path):
     sustained, events = alerts_by_name(groups, "TrainingGradientExplosion")
     # The sustained trigger reads the exporter's judgment (same thresholds file): no raw constant.
     assert sustained["expr"].split() == [
-        "training_grad_norm", "and", "on(job,", "instance,", "rank)", 'training_health_status{check="grad_norm",component=""}',
+        "training_grad_norm", "and", "on(job,", "run_id,", "instance,", "rank)", 'training_health_status{check="grad_norm",component=""}',
         "==", "2"]
     assert sustained["for"] == "7m"
     assert "a jump to 7x its baseline" in sustained["annotations"]["description"]
@@ -349,7 +353,9 @@ def test_recording_rules_follow_level_metric_operations():
         level, metric, operations = rule.record.split(":")
         assert metric in METRICS or metric + "_total" in METRICS, rule.record
         assert operations and re.fullmatch(r"[a-z0-9_]+", operations), rule.record
-        assert tuple(level.split("_")) == rule.keeps, rule.record
+        # The level names the labels kept; the job-level rules keep the run identity beside the
+        # job without spelling it (job:..., as before run_id existed: dashboards query them).
+        assert level in ("_".join(rule.keeps), "_".join(k for k in rule.keeps if k != "run_id")), rule.record
         assert f"by ({', '.join(rule.keeps)})" in rule.expr, rule.record
 
 
@@ -373,12 +379,12 @@ def test_prometheus_rule_carries_the_same_groups():
     assert manifest["spec"]["groups"] == checked_in_rules()
 
 
-def test_readme_table_has_a_row_per_alert_with_numbers_and_runbook_links():
+def test_alert_table_has_a_row_per_alert_with_numbers_and_runbook_links():
     table = rules.render_alert_table(load_thresholds())
     for name, severity in ALERTS.items():
         row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |"))
         assert f"| {severity} |" in row
-        assert f"(docs/runbooks.md#{name.lower()})" in row
+        assert f"(runbooks.md#{name.lower()})" in row  # docs/metrics.md -> docs/runbooks.md
     explosion = next(line for line in table.splitlines() if "`TrainingGradientExplosion`" in line)
     assert "recent median > 10x the rolling baseline" in explosion and ">= 3 explosion events" in explosion
 

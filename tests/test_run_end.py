@@ -6,6 +6,7 @@ Real monitors serving real HTTP, scraped by a thread that plays Prometheus.
 
 from __future__ import annotations
 
+import http.client
 import threading
 import time
 import urllib.request
@@ -20,30 +21,41 @@ def samples(text: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "rank")
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in ("rank", "run_id"))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
 
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return samples(response.read().decode())
+def scrape(port: int, source: str | None = None) -> dict[str, float]:
+    """One scrape, from the loopback address ``source`` when given (one HA replica each)."""
+    if source is None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            return samples(response.read().decode())
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
+    try:
+        connection.request("GET", "/metrics", headers={"User-Agent": "Prometheus/2.45.3",
+                                                       "X-Prometheus-Scrape-Timeout-Seconds": "10"})
+        return samples(connection.getresponse().read().decode())
+    finally:
+        connection.close()
 
 
 class Scraper:
-    """Scrapes /metrics every ``interval`` seconds, as Prometheus would, keeping every answer."""
+    """Scrapes /metrics every ``interval`` seconds, as Prometheus would, keeping every answer
+    (from the loopback address ``source``, after ``delay`` seconds: a replica of an HA pair)."""
 
-    def __init__(self, port: int, interval: float) -> None:
-        self.port, self.interval = port, interval
+    def __init__(self, port: int, interval: float, source: str | None = None, delay: float = 0.0) -> None:
+        self.port, self.interval, self.source, self.delay = port, interval, source, delay
         self.answers: list[tuple[float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        self._stop.wait(self.delay)
         while not self._stop.is_set():
             try:
-                self.answers.append((time.monotonic(), scrape(self.port)))
+                self.answers.append((time.monotonic(), scrape(self.port, self.source)))
             except OSError:
                 pass  # the exporter is gone: what Prometheus records as up == 0
             self._stop.wait(self.interval)
@@ -80,8 +92,32 @@ def test_close_publishes_the_completion_marker_and_lingers_one_scrape_interval()
     finished = [a for a in after if a.get("training_run_completed") == 1]
     assert finished, f"no scrape saw the completion marker in {took:.2f}s"
     assert finished[-1]["training_loss"] == 1.75 and finished[-1]["training_steps_total"] == 2
-    # One interval (x1.2 + 0.5 s), measured from the scrapes: not the 90 s bound.
-    assert 0.4 <= took < 3.0, took
+    # Until the scraper read the marker (within its next scrape), not the 90 s bound.
+    assert took < 3.0, took
+
+
+def test_an_ha_pair_of_scrapers_each_reads_the_completion_marker():
+    """Two Prometheus replicas (HA), told apart by address, every 3 s at opposite phases. close()
+    right after replica A scraped: lingering one merged gap (1.5 s x 1.2 + 0.5) ends before A
+    scrapes again, and A would page TrainingExporterDown. Each replica must read the marker."""
+    monitor = serving()
+    a = Scraper(monitor.port, interval=3.0, source="127.0.0.1")
+    b = Scraper(monitor.port, interval=3.0, source="127.0.0.2", delay=1.5)
+    try:
+        monitor.observe(1, loss=2.5)
+        a.wait_for(3)
+        b.wait_for(2)
+        seen = len(a.answers)
+        a.wait_for(seen + 1)  # A has just scraped: its next scrape is 3 s away
+        started = time.monotonic()
+        monitor.close()
+        took = time.monotonic() - started
+    finally:
+        a.stop()
+        b.stop()
+    for name, replica in (("A", a), ("B", b)):
+        assert replica.answers[-1][1]["training_run_completed"] == 1, (name, took, replica.answers[-1])
+    assert took <= 2 * 3.0 + 1 + 1, took  # within each one's next scrape (+ slack), not linger_seconds
 
 
 def test_close_without_periodic_scrapes_returns_at_once():
@@ -191,14 +227,25 @@ def _render(monitor: Monitor) -> str:
 # --- a script that never calls close() ------------------------------------------------
 
 _SCRIPT = """
-import sys, time
+import os, signal, sys, time
 from lossbeat.monitor import Monitor, MonitorConfig
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the usual handler (docs/reliability.md)
 monitor = Monitor(MonitorConfig(port=int(sys.argv[1]), addr="127.0.0.1"))
 monitor.observe(1, loss=1.0)
 print("serving", flush=True)
 time.sleep(float(sys.argv[2]))
 if sys.argv[3] == "crash":
     raise RuntimeError("the training loop crashed")
+if sys.argv[3] == "exit1":  # a crash caught by main(), as Hydra's run_and_report or click do
+    try:
+        raise RuntimeError("CUDA out of memory")
+    except RuntimeError:
+        sys.exit(1)
+if sys.argv[3] == "sigterm":  # scancel, a time limit, an eviction
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+if sys.argv[3] == "exit0":
+    sys.exit(0)
 """
 
 
@@ -209,8 +256,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("ending", ["exit", "crash"])
+@pytest.mark.parametrize("ending", ["exit", "exit0", "crash", "exit1", "sigterm"])
 def test_a_script_without_close_says_completed_at_exit_unless_it_crashed(ending):
+    """Only a normal end completes a run: an exception, sys.exit(1) and SIGTERM handled by
+    sys.exit(143) publish no completion marker (issue 19)."""
     import subprocess
     import sys
     port = _free_port()
@@ -229,8 +278,10 @@ def test_a_script_without_close_says_completed_at_exit_unless_it_crashed(ending)
             proc.wait()
     completed = [a["training_run_completed"] for _, a in scraper.answers]
     assert completed and completed[0] == 0
-    if ending == "exit":
+    if ending in ("exit", "exit0"):
         assert proc.returncode == 0 and completed[-1] == 1, completed
     else:
-        assert proc.returncode == 1 and "the training loop crashed" in proc.stderr.read()
+        assert proc.returncode == {"crash": 1, "exit1": 1, "sigterm": 143}[ending]
+        if ending == "crash":
+            assert "the training loop crashed" in proc.stderr.read()
         assert 1 not in completed, completed

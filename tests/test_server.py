@@ -1,5 +1,6 @@
 """Serving /metrics: TLS, clear errors on a taken port, rank context from torchrun's variables."""
 
+import re
 import shutil
 import socket
 import ssl
@@ -28,7 +29,7 @@ def test_metrics_over_tls(tmp_path):
         context = ssl.create_default_context(cafile=str(cert))
         context.check_hostname = False
         body = urllib.request.urlopen(f"https://127.0.0.1:{m.port}/metrics", context=context, timeout=10).read()
-        assert b'training_loss{rank="0"} 1.5' in body
+        assert re.search(rb'training_loss{rank="0",run_id="[^"]*"} 1\.5', body)
         with pytest.raises(Exception):  # plain HTTP is refused
             urllib.request.urlopen(f"http://127.0.0.1:{m.port}/metrics", timeout=5).read()
 
@@ -68,7 +69,7 @@ def test_two_jobs_sharing_a_node_both_serve(monkeypatch):
             m.observe(3, loss=0.5)
             assert m.port != base
             body = urllib.request.urlopen(f"http://127.0.0.1:{m.port}/metrics", timeout=10).read()
-            assert b'training_loss{rank="0"} 0.5' in body
+            assert re.search(rb'training_loss{rank="0",run_id="[^"]*"} 0\.5', body)
 
 
 def test_strict_port_raises_naming_the_port_and_the_fix():

@@ -4,6 +4,8 @@ start, report and stop real Prometheus and Alertmanager processes by PID."""
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 import subprocess
 import sys
 import threading
@@ -248,3 +250,71 @@ def test_up_leaves_foreign_files_in_its_folder(tmp_path):
                            "--alertmanager-port", str(free_port()), "--receiver-port", "0")
     assert result.returncode == 1
     assert (workdir / "notes.txt").read_text() == "keep me" and not (workdir / "prometheus.log").exists()
+
+
+# --- the stack's own folder: private, never a shared /tmp name ------------------------
+
+
+def test_up_refuses_a_shared_folder_with_a_planted_symlink_and_writes_nothing_through_it(tmp_path):
+    """Another user's pre-made, world-writable folder with `targets.tmp` -> a victim's path."""
+    shared, victim = tmp_path / "fake-stack", tmp_path / "victim"
+    shared.mkdir()
+    victim.mkdir()
+    shared.chmod(0o777)
+    for name in ("targets.tmp", "targets.json", "prometheus.yml", "state.json"):
+        (shared / name).symlink_to(victim / f"created-by-{name}")
+    result = _lossbeat("up", "--dir", str(shared), "--prometheus-port", str(free_port()),
+                       "--alertmanager-port", str(free_port()), "--receiver-port", "0")
+    assert result.returncode == 2
+    assert "writable by others" in result.stderr
+    assert list(victim.iterdir()) == []  # nothing created or clobbered through the symlinks
+
+
+def test_the_stack_folder_must_be_the_users_own_and_not_a_symlink(tmp_path):
+    from lossbeat.stack.private import UnsafeDirError, private_dir
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    if os.getuid() == 0:  # only root can make a folder owned by someone else
+        os.chown(foreign, 12345, 12345)
+        with pytest.raises(UnsafeDirError, match="belongs to uid 12345"):
+            private_dir(foreign)
+    dangling = tmp_path / "planted"
+    dangling.symlink_to(tmp_path / "elsewhere")  # a dangling symlink where the folder would be
+    with pytest.raises(UnsafeDirError, match="is a symlink"):
+        private_dir(dangling)
+    assert not (tmp_path / "elsewhere").exists()  # not created through it
+    fresh = private_dir(tmp_path / "new")
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700 and fresh.stat().st_uid == os.getuid()
+
+
+def test_the_default_folder_is_per_user_not_a_shared_tmp_name(tmp_path, monkeypatch):
+    from lossbeat.stack.private import default_dir
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    assert default_dir().name == f"lossbeat-stack-{os.getuid()}"
+    runtime = tmp_path / "run-user"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert default_dir() == runtime / "lossbeat-stack"
+    runtime.chmod(0o777)  # an XDG_RUNTIME_DIR others can write is not used
+    assert default_dir().name == f"lossbeat-stack-{os.getuid()}"
+    from lossbeat.stack.local import DEFAULT_DIR
+    assert DEFAULT_DIR != Path(tempfile.gettempdir()) / "lossbeat-stack"
+
+
+def test_clear_removes_a_dangling_symlink_instead_of_leaving_it_to_be_written_through(tmp_path):
+    from lossbeat.stack.local import _clear
+
+    workdir = private_dir_for_test(tmp_path)
+    (workdir / "targets.tmp").symlink_to(tmp_path / "victim-file")
+    _clear(workdir)
+    assert not (workdir / "targets.tmp").is_symlink()
+    write_targets_file(workdir / "targets.json", ["127.0.0.1:8470"])
+    assert not (tmp_path / "victim-file").exists()
+
+
+def private_dir_for_test(tmp_path: Path) -> Path:
+    from lossbeat.stack.private import private_dir
+
+    return private_dir(tmp_path / "stack-dir")

@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(folder, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as tmp:
+        os.fchmod(tmp.fileno(), 0o644)  # on the open file, never by path: no TOCTOU in a shared folder
         tmp.write(text + "\n")
-    os.chmod(tmp.name, 0o644)
     os.replace(tmp.name, args.output)
     return 0
 

@@ -2,7 +2,7 @@
 webhook receiver, and real demo training processes scraped every second.
 
 Each test's runs get their own ``job`` label (set in the file_sd targets file), so
-alerts, routing and the ``equal: [job, instance, rank]`` inhibition never mix between tests
+alerts, routing and the ``equal: [job, run_id, instance, rank]`` inhibition never mix between tests
 sharing a stack.
 """
 

@@ -145,7 +145,7 @@ def exporter_samples(port: int) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "run_id")
             out[f"{s.name}{{{labels}}}"] = s.value
     return out
 

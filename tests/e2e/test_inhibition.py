@@ -1,5 +1,5 @@
 """While TrainingLossNaN fires for a rank, its loss symptoms reach nobody (inhibition,
-``equal: [job, instance, rank]``), end to end.
+``equal: [job, run_id, instance, rank]``), end to end.
 
 The symptom: the exporter itself stops judging the loss while it is NaN, so the judged
 loss alerts fall silent on their own; the inhibition covers what still reads raw series.

@@ -71,7 +71,7 @@ class Vitals:
         (bytes; :func:`lossbeat.measure.memory.read_memory`), taken by the caller so this room needs no torch."""
         reading = memory
         self._memory_seen += 1
-        self._peak = max(self._peak, reading.peak)
+        self._peak = reading.peak  # windowed: the peak since the previous diagnosis, not the lifetime one
         self._limit = reading.limit
         if self._memory_seen > self.t.memory.warmup_samples:
             self._memory.push(reading.allocated)

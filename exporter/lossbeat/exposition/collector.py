@@ -7,7 +7,6 @@ scrape, and a scrape never blocks training.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import time
@@ -18,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from lossbeat.diagnosis.patterns import PATTERNS
 from lossbeat.measure.memory import read_memory
-from lossbeat.exposition.metrics import METRICS, PHASES, SKIP_REASONS
+from lossbeat.exposition.metrics import METRICS, PHASES, SKIP_REASONS, with_run_id
 
 if TYPE_CHECKING:
     from lossbeat.exposition.state import MonitorState
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["MonitorCollector"]
 
 log = logging.getLogger("lossbeat")
-_SCRAPES_KEPT = 8  # recent scrape times, enough to tell the scrape interval
 
 
 def _gauge(name: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
@@ -43,20 +41,9 @@ class MonitorCollector(Collector):
         self._state = state
         self._before_scrape = before_scrape
         """Applies device values that arrived since the training thread last looked (never waits)."""
-        self._scrapes: collections.deque[float] = collections.deque(maxlen=_SCRAPES_KEPT)
-
-    def scrape_interval(self) -> float | None:
-        """The longest gap between the recent scrapes (with several Prometheus servers
-        scraping, the gap in which each has scraped once), or None when nobody scrapes
-        periodically: fewer than two scrapes, or none for two intervals."""
-        times = list(self._scrapes)
-        if len(times) < 2:
-            return None
-        interval = max(b - a for a, b in zip(times, times[1:]))
-        return interval if time.monotonic() - times[-1] <= 2 * interval + 1 else None
+        # Who scrapes, and how often, is the endpoint's: lossbeat.exposition.scrapers, per scraper.
 
     def collect(self) -> Iterator[Metric]:
-        self._scrapes.append(time.monotonic())
         s = self._state
         try:
             if self._before_scrape is not None:
@@ -71,7 +58,7 @@ class MonitorCollector(Collector):
                 log.exception("lossbeat: error while rendering metrics (counted in training_exporter_errors_total)")
             families = []
         families.append(self._errors(s))
-        yield from families
+        yield from with_run_id(families, s.run_id)
 
     def _families(self, s: "MonitorState") -> Iterator[Metric]:
         rank = s.rank
@@ -163,6 +150,9 @@ class MonitorCollector(Collector):
             g = _gauge("training_last_heartbeat_timestamp_seconds")
             g.add_metric([s.rank], max(beats))
             yield g
+            age = _gauge("training_heartbeat_age_seconds")  # both times from this node's clock
+            age.add_metric([s.rank], max(0.0, time.time() - max(beats)))
+            yield age
         current, since, totals = s.phase  # swapped whole by the training thread
         now = time.monotonic()
         phase = _gauge("training_phase", ("phase",))

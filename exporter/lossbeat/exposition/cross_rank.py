@@ -8,7 +8,7 @@ from typing import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from lossbeat.exposition.metrics import METRICS
+from lossbeat.exposition.metrics import METRICS, with_run_id
 
 __all__ = ["CrossRankCollector"]
 
@@ -16,10 +16,14 @@ __all__ = ["CrossRankCollector"]
 class CrossRankCollector(Collector):
     """Reads the signals' last values (each assigned whole by the training thread): no lock."""
 
-    def __init__(self, signals) -> None:
+    def __init__(self, signals, run_id: str = "") -> None:
         self.signals = signals
+        self.run_id = run_id
 
     def collect(self) -> Iterator[Metric]:
+        return with_run_id(self._families(), self.run_id)
+
+    def _families(self) -> Iterator[Metric]:
         s = self.signals
         aligned = s.aligned
         if aligned is not None:

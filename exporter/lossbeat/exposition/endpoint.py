@@ -31,6 +31,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, _bake_output, choo
 from prometheus_client.registry import CollectorRegistry
 
 from lossbeat._version import __version__
+from lossbeat.exposition.scrapers import Scrapers, scraper_key
 from lossbeat.exposition.webconfig import TLSServerConfig, WebConfig, WebConfigError, require_bcrypt
 
 __all__ = ["make_app", "start_server", "METRICS_PATH", "HEALTH_PATH"]
@@ -110,22 +111,24 @@ class _SharedRenders:
         self._locks: dict[tuple, threading.Lock] = collections.defaultdict(threading.Lock)
         self._latest: dict[tuple, tuple[float, Response]] = {}
 
-    def get(self, accept: str | None, accept_encoding: str | None) -> Response:
-        arrived = time.monotonic()
+    def get(self, accept: str | None, accept_encoding: str | None, arrived: float) -> tuple[float, Response]:
+        """(the monotonic start of the render, the response) for a scrape that arrived at ``arrived``."""
         # By what is served, not by the raw headers: a handful of keys whatever clients send.
         key = (choose_encoder(accept)[1], gzip_accepted(accept_encoding))
         with self._locks[key]:  # one render per format at a time; the others wait for it
             latest = self._latest.get(key)
             if latest is not None and latest[0] >= arrived:
-                return latest[1]
+                return latest
             started = time.monotonic()
             response = _bake_output(self._registry, accept, accept_encoding, {}, False)
             self._latest[key] = (started, response)
-            return response
+            return started, response
 
 
-def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None) -> Callable:
-    """The WSGI application serving ``registry`` by the exporter conventions above."""
+def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None,
+             scrapers: Scrapers | None = None) -> Callable:
+    """The WSGI application serving ``registry`` by the exporter conventions above; each scrape
+    of /metrics is recorded in ``scrapers`` (who scraped, when, which render it was sent)."""
     auth = BasicAuth(dict(web_config.basic_auth_users)) if web_config and web_config.basic_auth_users else None
     extra_headers = _COMMON_HEADERS + list(web_config.headers.items() if web_config else ())
     failed_once = threading.Event()
@@ -147,10 +150,13 @@ def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None) -
             return "200 OK", [("Content-Type", "text/plain; charset=utf-8")], b"OK\n"
         accept, encoding = environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING")
         params = parse_qs(environ.get("QUERY_STRING", ""))
-        if params:  # name[] filters: rare, rendered on their own
+        arrived = time.monotonic()
+        if params:  # name[] filters: rare, rendered on their own (and no full scrape)
             status, headers, body = _bake_output(registry, accept, encoding, params, False)
         else:
-            status, headers, body = renders.get(accept, encoding)
+            rendered, (status, headers, body) = renders.get(accept, encoding, arrived)
+            if scrapers is not None:
+                scrapers.record(scraper_key(environ), arrived, rendered)
         return status, list(headers) + [("Vary", "Accept, Accept-Encoding")], body
 
     def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
@@ -231,10 +237,11 @@ def _address_family(addr: str, port: int) -> tuple[socket.AddressFamily, str]:
 
 
 def start_server(
-    registry: CollectorRegistry, port: int, addr: str = "0.0.0.0", web_config: WebConfig | None = None
+    registry: CollectorRegistry, port: int, addr: str = "0.0.0.0", web_config: WebConfig | None = None,
+    scrapers: Scrapers | None = None,
 ) -> tuple[ThreadingWSGIServer, threading.Thread]:
     """Serve ``registry`` on ``addr:port`` from a daemon thread; OSError when the port cannot be bound."""
-    app = make_app(registry, web_config)  # before binding: a bad config never holds the port
+    app = make_app(registry, web_config, scrapers)  # before binding: a bad config never holds the port
     tls = _TLSContexts(web_config.tls) if web_config and web_config.tls else None
     family, host = _address_family(addr, port)
 

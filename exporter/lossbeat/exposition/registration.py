@@ -2,20 +2,31 @@
 
 With ``LOSSBEAT_FILE_SD_DIR`` (or ``MonitorConfig.file_sd_dir``) set to a folder that
 Prometheus watches (``file_sd_configs: [{files: ["DIR/*.json"]}]``), every serving rank
-writes ``lossbeat-<host>-<pid>-<port>.json`` there: one target group with its *real* address
+writes ``lossbeat-<host>-<boot>-<pidns>-<pid>-<start>-<port>.json`` there: one target group with its *real* address
 (the fallback port when its base port was taken) and the labels ``job``, ``node`` and
 ``slurm_job_id``. The rank, the owning process (host, pid, process start time) and the
 start wall time ride along as ``__meta_lossbeat_*`` labels: visible to relabelling, never
 stored as series labels (a pid label would make new series at every restart; a ``rank``
 target label would rename the exporter's own ``rank`` to ``exported_rank``).
 
-The entry is written atomically (a temporary file renamed over it) and removed on
-``close()``, at normal interpreter exit (atexit) and on SIGTERM (any handler installed
-before is called after, and the default action still ends the process). A process that
-dies without cleanup (SIGKILL, OOM kill, node crash) leaves its entry: the owner fields
-make it recognisable, and :func:`prune` (``lossbeat targets prune DIR``, also run by every
-rank when it registers) removes entries of this host whose process is gone or whose pid
-now belongs to another process, and with ``slurm_job_id`` every entry of a finished job.
+The entry is written atomically (a temporary file, made readable through its open file
+descriptor, renamed over it) and removed on ``close()`` and at interpreter exit (atexit,
+which also runs on ``sys.exit()`` from a signal handler the application installs). lossbeat
+installs no signal handler. A process that dies without cleanup (SIGKILL, Python's default
+SIGTERM, OOM kill, node crash) leaves its entry, and :func:`prune` removes it later.
+
+A pid means something only inside one kernel boot and one PID namespace, so the owner is
+(host, boot id, PID namespace, pid, process start time), and liveness is judged only where
+all but the pid match this process's: an entry of another container with the same host name
+(``hostNetwork`` pods, ``docker --network host``) or of another boot is "unknowable here"
+and kept. The owner fields are in the file name, so a registering rank prunes the dead
+entries of its own host and namespace from the folder listing alone, without opening any
+other rank's file (no O(N^2) opens on a shared filesystem at a job's start).
+``lossbeat targets prune DIR`` does the same for every entry, and with ``--slurm-job-id``
+removes every entry of a finished job (it reads the entries; run it from the job's trap or
+epilog). The folder is not trusted: an entry is opened with ``O_NOFOLLOW | O_NONBLOCK``, must
+be a regular file and is read up to :data:`_MAX_ENTRY_BYTES` (a FIFO, a device or a symlink
+is reported unreadable and never blocks).
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import atexit
 import json
 import logging
 import os
-import signal
+import stat
 import socket
 import sys
 import tempfile
@@ -33,9 +44,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
-__all__ = ["ENV_DIR", "Owner", "Registration", "register", "read_entries", "prune", "add_arguments", "run"]
+__all__ = ["ENV_DIR", "Owner", "Registration", "register", "read_entries", "prune", "prune_own_namespace",
+           "add_arguments", "run"]
 
 log = logging.getLogger("lossbeat")
 
@@ -47,6 +59,8 @@ ENV_JOB = "LOSSBEAT_JOB"
 PREFIX = "lossbeat-"
 META = "__meta_lossbeat_"
 _STALE_TMP_S = 60.0  # a temporary file older than this was left by a writer that died
+_MAX_ENTRY_BYTES = 64 * 1024  # an entry is a few hundred bytes; more is not ours
+_NO_TICKS = "x"  # the start time field of a file name when /proc has none
 _WILDCARD = ("", "0.0.0.0", "::", "[::]")
 
 
@@ -58,14 +72,24 @@ class Owner:
     pid: int
     start_ticks: int | None
     """The process start time in clock ticks since boot (/proc/PID/stat field 22), or None."""
+    boot_id: str | None = None
+    """The kernel's boot id (/proc/sys/kernel/random/boot_id), or None (unknown, an old entry)."""
+    pid_ns: int | None = None
+    """The inode of the writer's PID namespace (/proc/self/ns/pid), or None."""
 
     @classmethod
     def current(cls) -> "Owner":
-        return cls(socket.gethostname(), os.getpid(), process_start_ticks(os.getpid()))
+        return cls(socket.gethostname(), os.getpid(), process_start_ticks(os.getpid()), boot_id(), pid_namespace())
+
+    def comparable(self) -> bool:
+        """Whether this owner's pid can be looked up here: same host, same boot, same PID namespace."""
+        return (self.host == socket.gethostname() and self.boot_id is not None and self.pid_ns is not None
+                and self.boot_id == boot_id() and self.pid_ns == pid_namespace())
 
     def alive(self) -> bool | None:
-        """Whether the process still runs; None when it lives on another host (unknowable here)."""
-        if self.host != socket.gethostname():
+        """Whether the process still runs; None when that is unknowable here: another host,
+        another boot or PID namespace (a container with this host name), or an entry without them."""
+        if not self.comparable():
             return None
         try:
             os.kill(self.pid, 0)
@@ -78,20 +102,89 @@ class Owner:
         return process_start_ticks(self.pid) == self.start_ticks  # a different start: the pid was reused
 
 
+def boot_id() -> str | None:
+    """This kernel's boot id (shared by every container on the node), or None."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip().replace("-", "")[:32] or None
+    except (OSError, ValueError):
+        return None
+
+
+def pid_namespace() -> int | None:
+    """The inode of this process's PID namespace, or None (no /proc)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def process_start_ticks(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (Linux /proc), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
+            text = f.read().decode(errors="replace")
         # Field 2 (comm) may contain spaces and parentheses: count from the last ')'.
-        return int(stat[stat.rindex(")") + 2:].split()[19])
+        return int(text[text.rindex(")") + 2:].split()[19])
     except (OSError, ValueError, IndexError):
         return None
 
 
 def _entry_path(directory: Path, owner: Owner, port: str) -> Path:
     # The port too: two serving monitors in one process must not share (and remove) one entry.
-    return directory / f"{PREFIX}{_safe(owner.host)}-{owner.pid}-{_safe(port)}.json"
+    # The owner fields too: a registering rank judges entries from their names alone.
+    ticks = _NO_TICKS if owner.start_ticks is None else str(owner.start_ticks)
+    return directory / (f"{PREFIX}{_safe(owner.host)}-{(owner.boot_id or 'x')[:12]}-{owner.pid_ns or 'x'}-"
+                        f"{owner.pid}-{ticks}-{_safe(port)}.json")
+
+
+def _owner_from_name(name: str) -> Owner | None:
+    """The owner a file name written by :func:`_entry_path` encodes (host as in the name,
+    boot id shortened), or None for any other name."""
+    if not (name.startswith(PREFIX) and name.endswith(".json")):
+        return None
+    parts = name[len(PREFIX):-len(".json")].rsplit("-", 5)
+    if len(parts) != 6:
+        return None
+    host, boot, ns, pid, ticks, _port = parts
+    try:
+        return Owner(host, int(pid), None if ticks == _NO_TICKS else int(ticks),
+                     None if boot == "x" else boot, None if ns == "x" else int(ns))
+    except ValueError:
+        return None
+
+
+def _name_is_comparable(owner: Owner, mine: Owner) -> bool:
+    """:meth:`Owner.comparable` for an owner parsed from a file name (safe host, short boot id)."""
+    return (owner.host == _safe(mine.host) and owner.boot_id is not None and mine.boot_id is not None
+            and owner.boot_id == mine.boot_id[:12] and owner.pid_ns is not None and owner.pid_ns == mine.pid_ns)
+
+
+def prune_own_namespace(directory: str | os.PathLike) -> list[Path]:
+    """Remove the entries of dead processes of this host, boot and PID namespace, judged from
+    the file names alone (no entry is opened). What a rank runs when it registers."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    now, mine = time.time(), Owner.current()
+    for name in names:
+        if name.startswith(f".{PREFIX}") and name.endswith(".tmp"):
+            _remove_stale_tmp(Path(directory) / name, now, removed)
+            continue
+        owner = _owner_from_name(name)
+        if owner is None or not _name_is_comparable(owner, mine):
+            continue
+        full = Owner(mine.host, owner.pid, owner.start_ticks, mine.boot_id, mine.pid_ns)
+        if full.alive() is False:
+            path = Path(directory) / name
+            try:
+                path.unlink()
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def _safe(text: str) -> str:
@@ -99,11 +192,13 @@ def _safe(text: str) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    # mkstemp opens O_EXCL with mode 0600; the mode is set on that descriptor, never by path
+    # (a path could be swapped for a symlink between the write and a chmod).
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o644)  # Prometheus may run as another user
             f.write(text)
-        os.chmod(tmp, 0o644)
         os.replace(tmp, path)  # Prometheus never reads half a file
     except BaseException:
         try:
@@ -114,10 +209,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class Registration:
-    """One rank's file_sd entry; removed by :meth:`remove` (idempotent), atexit and SIGTERM."""
+    """One rank's file_sd entry; removed by :meth:`remove` (idempotent) and atexit.
 
-    def __init__(self, directory: str | os.PathLike, target: str, labels: dict[str, str],
-                 rank: int, *, handle_sigterm: bool = True) -> None:
+    No signal handler: a Python handler runs only between bytecodes, so a rank blocked in a C
+    call (an NCCL wait) would no longer die on SIGTERM. An entry left by a killed process is
+    removed by :func:`prune` (by the next rank registering on this host and namespace, or by
+    ``lossbeat targets prune --slurm-job-id`` in the job's trap or epilog)."""
+
+    def __init__(self, directory: str | os.PathLike, target: str, labels: dict[str, str], rank: int) -> None:
         self.directory = Path(directory)
         self.owner = Owner.current()
         self.path = _entry_path(self.directory, self.owner, target.rsplit(":", 1)[-1])
@@ -127,18 +226,16 @@ class Registration:
             f"{META}host": self.owner.host,
             f"{META}pid": str(self.owner.pid),
             f"{META}start_ticks": "" if self.owner.start_ticks is None else str(self.owner.start_ticks),
+            f"{META}boot_id": self.owner.boot_id or "",
+            f"{META}pid_ns": "" if self.owner.pid_ns is None else str(self.owner.pid_ns),
             f"{META}started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         self.entry = [{"targets": [target], "labels": {**labels, **meta}}]
         self._lock = threading.Lock()
         self._removed = False
-        self._previous_sigterm: Any = None
-        self._sigterm_installed = False
         self.directory.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.path, json.dumps(self.entry, indent=2) + "\n")
         atexit.register(self.remove)
-        if handle_sigterm:
-            self._install_sigterm()
 
     def remove(self) -> None:
         """Delete the entry (only in the process that wrote it: never in a forked child)."""
@@ -155,33 +252,6 @@ class Registration:
         except OSError as exc:
             log.warning("lossbeat: cannot remove the file_sd entry %s (%s)", self.path, exc.strerror or exc)
         atexit.unregister(self.remove)
-        self._restore_sigterm()
-
-    def _install_sigterm(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread; atexit and close() still clean up
-        self._previous_sigterm = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._sigterm_installed = True
-
-    def _restore_sigterm(self) -> None:
-        if not self._sigterm_installed or threading.current_thread() is not threading.main_thread():
-            return
-        # Only if ours is still the handler: one installed after us chains to us and stays.
-        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._sigterm_installed = False
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        previous = self._previous_sigterm
-        self.remove()  # a no-op in a forked child that inherited the handler
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_IGN:
-            return
-        else:  # SIG_DFL (or a handler set outside Python): end the process as the signal would
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
 
 
 def _target_host(addr: str) -> str:
@@ -193,7 +263,8 @@ def register(directory: str | os.PathLike | None, *, addr: str, port: int, rank:
              job: str = "", on_error: Callable[[], None] | None = None) -> Registration | None:
     """Register this rank in ``directory`` (default: ``$LOSSBEAT_FILE_SD_DIR``); None when unset.
 
-    Prunes this host's entries of dead processes first. A failure (a read-only or missing
+    Prunes the entries of dead processes of this host and PID namespace first, from the file
+    names alone (no other rank's entry is opened). A failure (a read-only or missing
     shared filesystem) is logged once and reported through ``on_error``: training goes on.
     """
     directory = directory or os.environ.get(ENV_DIR) or None
@@ -207,7 +278,7 @@ def register(directory: str | os.PathLike | None, *, addr: str, port: int, rank:
     if os.environ.get("SLURM_JOB_ID"):
         labels["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
     try:
-        prune(directory)
+        prune_own_namespace(directory)
         registration = Registration(directory, f"{_target_host(addr)}:{port}", labels, rank)
     except OSError as exc:
         log.warning("lossbeat: cannot register rank %d in %s (%s); Prometheus will not discover it",
@@ -219,28 +290,46 @@ def register(directory: str | os.PathLike | None, *, addr: str, port: int, rank:
     return registration
 
 
+def _read_entry(path: Path) -> str:
+    """The text of one entry, opened without following a symlink or blocking on a FIFO; a
+    non-regular or oversized file raises ValueError (unreadable, never ours)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path.name}: not a regular file")
+        data = os.read(fd, _MAX_ENTRY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_ENTRY_BYTES:
+        raise ValueError(f"{path.name}: over {_MAX_ENTRY_BYTES} bytes")
+    return data.decode("utf-8")
+
+
 def read_entries(directory: str | os.PathLike) -> list[tuple[Path, Owner | None, dict]]:
     """(path, owner or None when unreadable, labels) of every lossbeat entry in ``directory``."""
     out = []
     for path in sorted(Path(directory).glob(f"{PREFIX}*.json")):
         try:
-            groups = json.loads(path.read_text(encoding="utf-8"))
+            groups = json.loads(_read_entry(path))
             labels = groups[0]["labels"]
             ticks = labels.get(f"{META}start_ticks", "")
-            owner = Owner(labels[f"{META}host"], int(labels[f"{META}pid"]), int(ticks) if ticks else None)
+            ns = labels.get(f"{META}pid_ns", "")
+            owner = Owner(labels[f"{META}host"], int(labels[f"{META}pid"]), int(ticks) if ticks else None,
+                          labels.get(f"{META}boot_id") or None, int(ns) if ns else None)
         except FileNotFoundError:
             continue  # removed meanwhile
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
-            out.append((path, None, {}))
+        except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+            out.append((path, None, {}))  # ValueError covers bad UTF-8 and JSON
             continue
         out.append((path, owner, labels))
     return out
 
 
 def prune(directory: str | os.PathLike, *, slurm_job_id: str | None = None) -> list[Path]:
-    """Remove entries whose process is gone: this host's dead or reused pids, leftover
-    temporary files, and with ``slurm_job_id`` every entry of that (finished) job.
-    Entries of live processes on other hosts are kept. Returns the removed paths."""
+    """Remove entries whose process is gone: dead or reused pids of this host, boot and PID
+    namespace, leftover temporary files, and with ``slurm_job_id`` every entry of that
+    (finished) job. Entries whose liveness is unknowable here (other hosts, other containers
+    with this host name) are kept. Reads every entry: the command line's, not a rank's."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -256,13 +345,17 @@ def prune(directory: str | os.PathLike, *, slurm_job_id: str | None = None) -> l
                 pass
     now = time.time()
     for tmp in directory.glob(f".{PREFIX}*.tmp"):
-        try:
-            if now - tmp.stat().st_mtime > _STALE_TMP_S:
-                tmp.unlink()
-                removed.append(tmp)
-        except FileNotFoundError:
-            pass
+        _remove_stale_tmp(tmp, now, removed)
     return removed
+
+
+def _remove_stale_tmp(tmp: Path, now: float, removed: list[Path]) -> None:
+    try:
+        if now - tmp.lstat().st_mtime > _STALE_TMP_S:  # lstat: a symlink is judged, not followed
+            tmp.unlink()
+            removed.append(tmp)
+    except FileNotFoundError:
+        pass
 
 
 # --- `lossbeat targets` --------------------------------------------------------------------
@@ -278,7 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _describe(entries: Iterable[tuple[Path, Owner | None, dict]]) -> Iterable[str]:
-    states = {True: "alive", False: "dead", None: "other host"}
+    states = {True: "alive", False: "dead", None: "unknowable here (other host, boot or PID namespace)"}
     for path, owner, labels in entries:
         if owner is None:
             yield f"{path.name}: unreadable"

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client.registry import CollectorRegistry
 
 from lossbeat.exposition.endpoint import start_server
+from lossbeat.exposition.scrapers import Scrapers
 from lossbeat.exposition.webconfig import WebConfig
 
 __all__ = ["RankContext", "MetricsServer"]
@@ -166,12 +167,14 @@ class MetricsServer:
         self.addr = addr
         self.requested_port = port
         self.fallback = False
+        self.scrapers = Scrapers()
+        """Who scrapes /metrics, each on its own (the linger after the completion marker waits for each)."""
         try:
-            self._server, self._thread = start_server(registry, port, addr, web_config)
+            self._server, self._thread = start_server(registry, port, addr, web_config, self.scrapers)
         except OSError as exc:
             if strict_port or port == 0 or exc.errno not in _PORT_UNAVAILABLE:
                 raise OSError(exc.errno, self._bind_error(port, exc, strict_port)) from exc
-            self._server, self._thread = start_server(registry, 0, addr, web_config)
+            self._server, self._thread = start_server(registry, 0, addr, web_config, self.scrapers)
             self.fallback = True
             log.warning(
                 "lossbeat: port %s:%d is unavailable (%s: another job on this node?); serving /metrics on "

@@ -19,8 +19,10 @@ class MonitorState:
     """What a scrape renders. Written by the training thread, read by the scrape thread:
     scalars are assigned and dicts are swapped whole, never mutated in place."""
 
-    def __init__(self, rank: str, run_info: dict[str, str]) -> None:
+    def __init__(self, rank: str, run_info: dict[str, str], run_id: str = "") -> None:
         self.rank = rank
+        self.run_id = run_id
+        """The run identity, a label of every series this monitor exports."""
         self.run_info = run_info
         self.cuda_device: int | None = None
         self.loss: float | None = None

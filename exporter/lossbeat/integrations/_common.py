@@ -12,7 +12,8 @@ import torch
 from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
 from lossbeat.exposition.server import RankContext
 
-__all__ = ["check_monitor", "rank_monitor", "flush_quietly", "eval_loss_from", "AfterBackward"]
+__all__ = ["check_monitor", "rank_monitor", "flush_quietly", "phase_quietly", "eval_loss_from", "AfterBackward",
+           "uses_deepspeed", "deepspeed_grad_norm"]
 
 log = logging.getLogger("lossbeat")
 
@@ -71,6 +72,21 @@ def flush_quietly(monitor: Monitor | NullMonitor | None) -> None:
         log.error("lossbeat: error flushing the monitor at the end of training", exc_info=True)
 
 
+def phase_quietly(monitor: Monitor | NullMonitor | None, name: str) -> None:
+    """``monitor.phase(name)`` from a framework's hook: the phase TrainingStalled reads, and a
+    heartbeat (a no-op but the heartbeat when already in it; no host sync). Errors are counted
+    and logged, never raised into the trainer."""
+    if monitor is None:
+        return
+    try:
+        monitor.phase(name)
+    except Exception:  # noqa: BLE001
+        state = getattr(monitor, "state", None)
+        if state is not None:
+            state.count_error("observe")
+        log.error("lossbeat: error setting the phase %r", name, exc_info=True)
+
+
 def _real(value: Any) -> float | torch.Tensor | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.detach()
@@ -94,6 +110,39 @@ def eval_loss_from(metrics: Mapping[str, Any] | None, key: str | None, prefix: s
         value = _real(metrics.get(k))
         if value is not None:
             return k, value
+    return None
+
+
+def uses_deepspeed(model: Any, optimizer: Any) -> bool:
+    """Whether the step runs under DeepSpeed: accelerate wraps its optimizer in a
+    ``DeepSpeedOptimizerWrapper``, or ``model`` is the engine (or its ZeRO-3 parameters)."""
+    if type(optimizer).__name__ == "DeepSpeedOptimizerWrapper" or type(model).__name__ == "DeepSpeedEngine":
+        return True
+    from lossbeat.measure.gradients import deepspeed_zero_stage
+
+    return isinstance(model, torch.nn.Module) and deepspeed_zero_stage(model) is not None
+
+
+def deepspeed_grad_norm(model: Any, optimizer: Any) -> Any:
+    """The global gradient norm DeepSpeed computed for this step, where ZeRO-2/3 leave ``p.grad``
+    None: the engine's ``get_global_grad_norm()``, else its optimizer's ``_global_grad_norm``
+    (accelerate's wrapper → the ZeRO optimizer; set by ``engine.step()``, which accelerate runs
+    inside ``backward``); a float or a device tensor as DeepSpeed keeps it (no host sync here).
+    None when neither has one (DeepSpeed without ZeRO keeps ``p.grad``: measure the model)."""
+    for engine in (model, getattr(model, "module", None)):
+        get = getattr(engine, "get_global_grad_norm", None)
+        if callable(get):
+            value = get()
+            if value is not None:
+                return value
+    opt = optimizer
+    for _ in range(4):  # accelerate's wrapper, DeepSpeed's ZeRO or fp16 optimizer, the torch one
+        if opt is None:
+            break
+        value = getattr(opt, "_global_grad_norm", None)
+        if value is not None:
+            return value
+        opt = getattr(opt, "optimizer", None)
     return None
 
 

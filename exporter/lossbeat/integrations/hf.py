@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
@@ -15,7 +16,8 @@ except ImportError:  # pragma: no cover - the Trainer itself needs accelerate
 
 from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
-from lossbeat.integrations._common import AfterBackward, check_monitor, eval_loss_from, flush_quietly, rank_monitor
+from lossbeat.integrations._common import (AfterBackward, check_monitor, deepspeed_grad_norm, eval_loss_from,
+                                           flush_quietly, phase_quietly, rank_monitor, uses_deepspeed)
 
 __all__ = ["LossbeatCallback"]
 
@@ -74,8 +76,25 @@ class LossbeatCallback(TrainerCallback):
       ``learning_rate`` and ``epoch`` of the log record. Eval keys are left to
       ``on_evaluate`` so nothing is counted twice.
     - ``on_evaluate``: ``Monitor.observe_eval(state.global_step, metrics[eval_key])``.
+    - The phases TrainingStalled reads: ``on_step_end`` sets ``phase("eval")`` when the
+      Trainer will evaluate next (``control.should_evaluate``), ``phase("checkpoint")`` when it
+      will save; ``on_prediction_step`` sets ``phase("eval")`` and heartbeats every
+      evaluation batch; ``on_evaluate`` moves on to ``"checkpoint"`` (a save follows) or
+      ``"train"``; ``on_save`` back to ``"train"``. A long evaluation or save pages only past
+      ``alerts.stalled_phase_after``.
     - ``on_train_end``: removes the hook and flushes the monitor (an error there is
-      counted, never raised).
+      counted, never raised); work after ``train()`` (``push_to_hub``, a final
+      ``evaluate()``, whose batches heartbeat) is yours to mark: ``monitor.phase(...)`` or
+      ``monitor.close()``.
+
+    Under ``nn.DataParallel`` (one process, several GPUs: the Trainer wraps the model
+    itself) the forward hook runs in every replica's thread, each with the loss on its own
+    device: it adds them under a lock, moving each onto the first's device (a device-to-device
+    copy, no host sync), counts one micro-batch per forward (not per replica), observes the
+    mean, and measures the gradients of the model, never of a replica (which has none).
+
+    Under DeepSpeed ZeRO-2/3 the gradients are not in ``p.grad``: the step is observed with
+    the engine's own ``get_global_grad_norm()`` (or its ZeRO optimizer's), without per-layer norms.
 
     Args:
         monitor: the monitor to feed, built in the process that trains; default: each
@@ -120,7 +139,11 @@ class LossbeatCallback(TrainerCallback):
         self.eval_key = eval_key
         self.per_step = bool(per_step)
         self._loss_sum: torch.Tensor | None = None
-        self._micro_batches = 0
+        self._micro_batches = 0  # losses added this step: one per micro-batch, per replica under DataParallel
+        self._devices: set[torch.device] = set()  # the devices they came from (DataParallel: several)
+        self._watched = False  # the gradients are measured once per step
+        self._lock = threading.Lock()  # DataParallel runs the replicas' forwards (and this hook) in threads
+        self._model: torch.nn.Module | None = None
         self._shares = False
         self._share_scale = 1.0
         self._observed_steps = 0
@@ -148,9 +171,11 @@ class LossbeatCallback(TrainerCallback):
         # fp16: accelerate's optimizer carries the GradScaler; the norms measured at the end of
         # backward are divided by its scale, read there as a device tensor.
         self._after_backward = AfterBackward(self._monitor, getattr(optimizer, "scaler", None))
-        self._measure_pre_clip = bool(args.max_grad_norm)
+        # Under DeepSpeed the engine clips inside backward and keeps the gradients: its own norm is read.
+        self._measure_pre_clip = bool(args.max_grad_norm) and not uses_deepspeed(model, optimizer)
         self._steps_in_epoch = _batches_per_epoch(train_dataloader, state, args)
-        if self.per_step and isinstance(model, torch.nn.Module):
+        self._model = model if isinstance(model, torch.nn.Module) else None
+        if self.per_step and self._model is not None:
             self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
         # Across devices, num_items_in_batch counts every rank's tokens: the Trainer then
         # multiplies each rank's loss by the process count, and so does this callback.
@@ -164,9 +189,11 @@ class LossbeatCallback(TrainerCallback):
         if self._loss_sum is None:
             return
         # A model given num_items_in_batch returns its micro-batch's share of the step's
-        # loss (the shares add up); otherwise each micro-batch loss is a mean.
+        # loss (the shares add up); otherwise each micro-batch loss is a mean. Under
+        # DataParallel each micro-batch gives one loss per device, which the Trainer averages.
+        replicas = max(1, len(self._devices))
         if self._shares:
-            loss = self._loss_sum * self._share_scale
+            loss = self._loss_sum * (self._share_scale / replicas)
         else:
             loss = self._loss_sum / self._micro_batches
         # fp16 on an accelerator: accelerate's optimizer carries the GradScaler. The Trainer
@@ -178,9 +205,15 @@ class LossbeatCallback(TrainerCallback):
         # The Trainer sets state.epoch after the step: epoch + micro-batches seen / micro-batches per epoch.
         epoch = self._epoch_at_step_begin
         if self._steps_in_epoch:
-            epoch += self._micro_batches / self._steps_in_epoch
-        self.monitor.observe(state.global_step + 1, loss=loss, model=model, optimizer=optimizer, epoch=epoch,
-                             grad_scaler=scaler)
+            epoch += self._micro_batches / replicas / self._steps_in_epoch
+        measured: dict[str, Any] = {"model": model}
+        if uses_deepspeed(model, optimizer):
+            # ZeRO-2/3 keep the gradients out of p.grad: the engine's norm of this step instead.
+            norm = deepspeed_grad_norm(model, optimizer)
+            if norm is not None:
+                measured = {"grad_norm": norm}
+        self.monitor.observe(state.global_step + 1, loss=loss, optimizer=optimizer, epoch=epoch,
+                             grad_scaler=scaler, **measured)
         self._observed_steps += 1
         self._reset()
 
@@ -200,10 +233,24 @@ class LossbeatCallback(TrainerCallback):
             epoch=float(epoch) if isinstance(epoch, (int, float)) else None,
         )
 
+    def on_step_end(self, args, state, control, **kwargs):
+        # DefaultFlowCallback (first in the list) has decided what follows this step.
+        if control.should_evaluate:
+            phase_quietly(self._monitor, "eval")
+        elif control.should_save:
+            phase_quietly(self._monitor, "checkpoint")
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        phase_quietly(self._monitor, "eval")  # every evaluation batch: a heartbeat in "eval"
+
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         found = eval_loss_from(metrics, self.eval_key)
         if found is not None:
             self._start(args).observe_eval(state.global_step, found[1])
+        phase_quietly(self._monitor, "checkpoint" if control.should_save else "train")
+
+    def on_save(self, args, state, control, **kwargs):
+        phase_quietly(self._monitor, "train")  # the checkpoint is written
 
     def on_train_end(self, args, state, control, **kwargs):
         self._remove_hook()
@@ -228,19 +275,32 @@ class LossbeatCallback(TrainerCallback):
             loss = output.get("loss")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
-        if self._measure_pre_clip and self._after_backward is not None and _completes_step():
-            self._after_backward.watch(loss, module)
+        # A DataParallel replica shares this hook (its __dict__ is a copy) but holds no
+        # parameters: the gradients are the model's, where the replicas' backward sends them.
+        owner = self._model if getattr(module, "_is_replica", False) and self._model is not None else module
         # A copy (one small kernel, no host sync): with num_items_in_batch across several
         # processes the Trainer scales the model's loss in place (`loss *= world size`) after
         # this hook, and a view would count the first micro-batch at that scale.
         value = loss.detach().to(torch.float32, copy=True).reshape(())
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-        self._micro_batches += 1
-        self._shares = kwargs.get("num_items_in_batch") is not None
+        with self._lock:  # replicas' threads: no lost update, one measurement per step
+            if self._measure_pre_clip and self._after_backward is not None and not self._watched \
+                    and _completes_step():
+                self._watched = True
+                self._after_backward.watch(loss, owner)
+            if self._loss_sum is None:
+                self._loss_sum = value
+            else:  # another replica's device: a device-to-device copy onto the first's (no host sync)
+                self._loss_sum = self._loss_sum + value.to(self._loss_sum.device)
+            self._micro_batches += 1
+            self._devices.add(value.device)
+            self._shares = kwargs.get("num_items_in_batch") is not None
 
     def _reset(self) -> None:
-        self._loss_sum = None
-        self._micro_batches = 0
+        with self._lock:
+            self._loss_sum = None
+            self._micro_batches = 0
+            self._devices = set()
+            self._watched = False
 
     def _remove_hook(self) -> None:
         if self._hook is not None:

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
-from lossbeat.integrations._common import check_monitor, eval_loss_from, flush_quietly, rank_monitor
+from lossbeat.integrations._common import check_monitor, eval_loss_from, flush_quietly, phase_quietly, rank_monitor
 
 __all__ = ["LossbeatCallback"]
 
@@ -43,6 +43,10 @@ class LossbeatCallback(Callback):
       is a tensor), observed without gradients.
     - ``on_validation_epoch_end``: ``Monitor.observe_eval(trainer.global_step,
       trainer.callback_metrics[eval_key])``; skipped during the sanity check.
+    - The phases TrainingStalled reads: ``on_validation_start`` sets ``phase("eval")``, each
+      validation batch heartbeats in it, ``on_validation_end`` goes back to ``"train"``;
+      ``on_save_checkpoint`` sets ``phase("checkpoint")`` until the next training batch
+      starts. A long validation or save pages only past ``alerts.stalled_phase_after``.
     - ``on_train_end``: flushes the monitor (an error there is counted, never raised).
 
     Args:
@@ -150,6 +154,24 @@ class LossbeatCallback(Callback):
         found = eval_loss_from(trainer.callback_metrics, self.eval_key, prefix="val_")
         if found is not None:
             self.monitor.observe_eval(trainer.global_step, found[1])
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        phase_quietly(self._monitor, "eval")  # None: trainer.validate() outside a fit
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        phase_quietly(self._monitor, "eval")  # a heartbeat each batch
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        phase_quietly(self._monitor, "train")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        phase_quietly(self._monitor, "checkpoint")  # the checkpoint is written after this hook
+
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        monitor = self._monitor
+        if monitor is not None and getattr(monitor, "state", None) is not None and monitor.state.phase[0] != "train":
+            phase_quietly(monitor, "train")  # after a checkpoint (no hook follows the write)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._loss_sum = None

@@ -12,6 +12,12 @@ Formats (auto-detected by :func:`detect_format`, see docs/analyze.md):
   modded-nanogpt speedrun logs (``step:N/M train_loss:L`` / ``val_loss:V``)
 * ``megatron``: Megatron-LM golden values JSON (``{metric: {values: {step: v}}}``)
 * ``megatron-log``: Megatron-LM's printed log (``iteration 100/ 500000 | ... | lm loss: ...``)
+* ``build-nanogpt``: karpathy/build-nanogpt stdout (``step  123 | loss: 3.45 | lr ... | norm: ...``) and log.txt
+* ``nanochat``: karpathy/nanochat base / mid / SFT prints (``step 00123/05000 (2.46%) | loss: ...``)
+* ``olmo``: OLMo / OLMo-core console metrics (``[step=123/1000,epoch=0]`` then ``    train/CE loss=3.45``)
+* ``torchtitan``: torchtitan stdout (``step: 10  loss:  7.93  grad_norm:  1.23  memory: ...``)
+* ``kv-stdout``: other printed ``key: value`` records with a step counter and a loss
+  (DeepSpeed-Chat's ``epoch: 0|step: 3|...|act_loss: ...``, ``batch: 9, ..., loss: 55.8``)
 * ``tensorboard``: TensorBoard event files, or a directory of them (the ``tensorboard`` extra)
 
 Public API::
@@ -36,7 +42,11 @@ from typing import Callable
 from lossbeat.logs.csv_logs import is_lightning_header, parse_lightning
 from lossbeat.logs.json_logs import load_json, parse_hf_state, parse_llamafactory, parse_megatron_golden
 from lossbeat.logs.records import DEFAULT_MAX_RECORDS, EvalRecord, LogFormatError, ParsedLog, ReadCounts, RecordBuilder, TrainRecord
-from lossbeat.logs.source import Source, compressed, open_source
+from lossbeat.logs.source import Source, compressed, head_lines, open_source
+from lossbeat.logs.stdout_logs import (
+    BUILD_NANOGPT, BUILD_NANOGPT_LOGTXT, NANOCHAT, OLMO_STEP, TORCHTITAN, is_kv_record,
+    parse_build_nanogpt, parse_kv_stdout, parse_nanochat, parse_olmo, parse_torchtitan,
+)
 from lossbeat.logs.tensorboard import event_files, is_event_file, parse_tensorboard
 from lossbeat.logs.text_logs import (
     HF_DICT_START, LLMC_STDOUT, MEGATRON_ITER, NANOGPT_EVAL, NANOGPT_ITER,
@@ -56,7 +66,8 @@ __all__ = [
 ]
 
 FORMATS: tuple[str, ...] = ("hf", "hf-stdout", "llamafactory", "lightning", "llmc", "llmc-stdout", "nanogpt",
-                            "megatron", "megatron-log", "tensorboard")
+                            "megatron", "megatron-log", "build-nanogpt", "nanochat", "olmo", "torchtitan",
+                            "kv-stdout", "tensorboard")
 
 _JSON_FORMATS = {"hf": parse_hf_state, "megatron": parse_megatron_golden}
 _LINE_FORMATS: dict[str, Callable[[Source, RecordBuilder], None]] = {
@@ -67,6 +78,11 @@ _LINE_FORMATS: dict[str, Callable[[Source, RecordBuilder], None]] = {
     "llmc-stdout": parse_llmc_stdout,
     "nanogpt": parse_nanogpt,
     "megatron-log": parse_megatron_log,
+    "build-nanogpt": parse_build_nanogpt,
+    "nanochat": parse_nanochat,
+    "olmo": parse_olmo,
+    "torchtitan": parse_torchtitan,
+    "kv-stdout": parse_kv_stdout,
 }
 
 
@@ -93,20 +109,43 @@ def _detect(src: Source) -> str:
         return "hf-stdout"
     if is_lightning_header(first):
         return "lightning"
-    if re.search(r"^s:\d+\s+(trl|tel):", head, re.M):
+    # printed logs: lines unwrapped from JSON streams, without colour codes and launcher/logger prefixes
+    text = head_lines(src)
+    if any(re.match(r"^s:\d+\s+(trl|tel):", line) for line in text):
         return "llmc"
-    if any(LLMC_STDOUT.match(line) and "loss" in line for line in lines[:20000]):
+    if any(LLMC_STDOUT.match(line) and "loss" in line for line in text):
         return "llmc-stdout"
-    if re.search(r"^step:\d+/\d+\s+(train_loss|val_loss):", head, re.M) or any(
-            NANOGPT_ITER.match(line) or NANOGPT_EVAL.match(line) for line in lines[:20000]):
+    if any(re.match(r"^step:\d+/\d+\s+(train_loss|val_loss):", line) or NANOGPT_ITER.match(line)
+           or NANOGPT_EVAL.match(line) for line in text):
         return "nanogpt"
-    if any(MEGATRON_ITER.search(line) for line in lines[:20000]):
+    if any(MEGATRON_ITER.search(line) for line in text):
         return "megatron-log"
+    if any(BUILD_NANOGPT.match(line) for line in text) or _count(BUILD_NANOGPT_LOGTXT.match, text) >= 2:
+        return "build-nanogpt"
+    if any(NANOCHAT.match(line) for line in text):
+        return "nanochat"
+    if any(OLMO_STEP.search(line) for line in text) and any(
+            re.match(r"^(?:train|eval)/[^=]*=", line) for line in text):
+        return "olmo"
+    if any(TORCHTITAN.match(line) for line in text):
+        return "torchtitan"
+    if _count(is_kv_record, text) >= 2:
+        return "kv-stdout"
     if stripped.startswith("{"):
         raise LogFormatError(f"{src.path}: JSON, but none of the known layouts (trainer_state.json "
                              "log_history, trainer_log.jsonl, Megatron golden values)")
     raise LogFormatError(f"{src.path}: unknown log format: no record of a known format in the first "
                          f"{len(head) >> 10 or 1} KiB (known: {', '.join(FORMATS)})")
+
+
+def _count(test: Callable[[str], object], lines: list[str]) -> int:
+    n = 0
+    for line in lines:
+        if test(line):
+            n += 1
+            if n >= 2:
+                break
+    return n
 
 
 def detect_format(path: str | os.PathLike) -> str:

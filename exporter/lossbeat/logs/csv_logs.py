@@ -9,7 +9,7 @@ import re
 from lossbeat.logs.records import RecordBuilder
 from lossbeat.logs.source import Source, iter_lines, parse_number
 
-__all__ = ["parse_lightning", "is_lightning_header"]
+__all__ = ["parse_lightning", "is_lightning_header", "choose_loss_column"]
 
 _TRAIN = ("train_loss_step", "train_loss", "train/loss", "loss", "training_loss")
 _EVAL = ("val_loss", "val/loss", "valid_loss", "validation_loss", "val_loss_epoch", "eval_loss", "eval/loss")
@@ -17,6 +17,46 @@ _GRAD = ("grad_norm", "train/grad_norm", "grad_2.0_norm_total", "grad_norm_total
 # LearningRateMonitor: "lr-AdamW", "lr-AdamW/pg1", "lr-SGD-momentum" (momentum and weight decay are not LRs).
 _LR = re.compile(r"^(?:lr-[^,]*?|lr|learning_rate|train/learning_rate)$")
 _NOT_LR = re.compile(r"-(?:momentum|beta\d?|weight_decay)$")
+
+
+_EVAL_PREFIX = re.compile(r"^(?:val|valid|validation|eval|evaluation|dev)(?:[_/\-. ]|$)", re.I)
+_TRAIN_EXCLUDE = re.compile(r"^(?:val|valid|validation|eval|evaluation|dev|test|predict)(?:[_/\-. ]|$)|hp_metric", re.I)
+_EVAL_EXCLUDE = re.compile(r"^(?:test|predict)(?:[_/\-. ]|$)", re.I)
+_LOSS = re.compile(r"loss", re.I)
+
+
+def _rank(name: str) -> tuple:
+    """How much a loss column looks like *the* loss: a total over its parts, then a plain name
+    (``loss``, ``mean_loss``, ``train_loss_step``), per step over per epoch, named train, the shortest
+    name, then column order (the sort is stable)."""
+    low = name.lower()
+    plain = re.fullmatch(r"(?:train(?:ing)?[_/])?(?:mean_|avg_)?loss(?:_step|_epoch)?", low)
+    return ("total" not in low, not plain, low.endswith("_epoch"), "train" not in low, len(name))
+
+
+def choose_loss_column(columns: list[str], known: tuple[str, ...], exclude: re.Pattern,
+                       require: re.Pattern | None = None) -> tuple[str | None, list[str]]:
+    """The loss column by name: a known name first, else any column named ``*loss*`` (``mean_loss``,
+    ``train/total_loss``, ``train_disc_loss``...) ranked by :func:`_rank`. Returns it and the other
+    candidates (listed in the notes, not read)."""
+    candidates = [c for c in columns if _LOSS.search(c) and not exclude.search(c)
+                  and (require is None or require.search(c)) and c not in _NOT_A_LOSS]
+    chosen = next((c for c in known if c in columns), None)
+    if chosen is None and candidates:
+        chosen = sorted(candidates, key=_rank)[0]
+    others = [c for c in candidates if c != chosen and c not in _paired(chosen)]
+    return chosen, others
+
+
+_NOT_A_LOSS = frozenset({"step", "epoch"})
+
+
+def _paired(chosen: str | None) -> set[str]:
+    """The other aggregate of the chosen column (``train_loss_epoch`` beside ``train_loss_step``): not a rival."""
+    if not chosen:
+        return set()
+    base = re.sub(r"_(?:step|epoch)$", "", chosen)
+    return {base, f"{base}_step", f"{base}_epoch"}
 
 
 def is_lightning_header(first_line: str) -> bool:
@@ -30,20 +70,27 @@ def parse_lightning(src: Source, out: RecordBuilder) -> None:
     columns = list(reader.fieldnames or [])
     out.counts.read = 0  # count rows below, not the header line
     out.counts.unit = "rows"
-    train_col = next((c for c in _TRAIN if c in columns), None)
-    eval_cols = [c for c in _EVAL if c in columns]
-    eval_col = eval_cols[0] if eval_cols else None
+    train_col, train_others = choose_loss_column(columns, _TRAIN, _TRAIN_EXCLUDE)
+    eval_col, eval_others = choose_loss_column(columns, _EVAL, _EVAL_EXCLUDE, _EVAL_PREFIX)
+    if train_col:
+        rest = f"; other loss columns, not read: {', '.join(train_others)}" if train_others else ""
+        out.note(f"train loss from column {train_col!r}{rest}")
+    if eval_col:
+        rest = f"; other eval loss columns, not read: {', '.join(eval_others)}" if eval_others else ""
+        out.note(f"eval loss from column {eval_col!r}{rest}")
     grad_col = next((c for c in _GRAD if c in columns), None)
     lr_cols = [c for c in columns if _LR.match(c) and not _NOT_LR.search(c)]
     lr_col = lr_cols[0] if lr_cols else None
     if lr_col:
         others = f"; not read: {', '.join(lr_cols[1:])}" if len(lr_cols) > 1 else ""
         out.note(f"learning rate from column {lr_col!r}{others}")
-    unused = [c for c in columns if c not in {train_col, eval_col, grad_col, *lr_cols, "step", "epoch"}]
+    unused = [c for c in columns if c not in {train_col, eval_col, grad_col, *lr_cols, *train_others, *eval_others,
+                                              "step", "epoch"}]
     if unused:
         out.note(f"columns not read: {', '.join(unused[:12])}{', ...' if len(unused) > 12 else ''}")
     if not train_col:
-        out.note(f"no train-loss column (looked for {', '.join(_TRAIN)})")
+        out.note(f"no train-loss column (looked for {', '.join(_TRAIN)}, then any column named *loss* "
+                 "that is not a validation, test or epoch aggregate)")
     lr_steps: list[int] = []
     lr_values: list[float] = []
     rows: list[tuple] = []  # train and eval rows in file order, emitted once every LR is known

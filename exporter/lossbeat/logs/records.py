@@ -142,13 +142,33 @@ class ParsedLog:
 
 
 class _Run:
-    __slots__ = ("by_step", "evals", "first_step", "start")
+    __slots__ = ("by_step", "evals", "first_step", "first_gap", "last_step", "start")
 
     def __init__(self, start: str) -> None:
         self.by_step: dict[int, TrainRecord] = {}
         self.evals: dict[tuple[int, str], EvalRecord] = {}
         self.first_step: int | None = None
+        self.first_gap = 0
+        """The distance from the first logged step to the next one (the run's first logging interval)."""
+        self.last_step: int | None = None
         self.start = start
+
+    def goes_back(self, step: int) -> bool:
+        """True when ``step`` starts the count again: at or below the first step, or back within the
+        first logging interval of it from well past it (a run logging 9, 19, ... 69 restarted at 10)."""
+        if self.first_step is None or len(self.by_step) < _MIN_STEPS_BEFORE_RESTART:
+            return False
+        if step <= self.first_step:
+            return True
+        last = self.last_step if self.last_step is not None else step
+        return (self.first_gap > 0 and step <= self.first_step + self.first_gap
+                and step < last - 2 * self.first_gap)
+
+    def add(self, step: int) -> None:
+        if self.first_step is not None and not self.first_gap and step > self.first_step:
+            self.first_gap = step - self.first_step
+        self.first_step = step if self.first_step is None else min(self.first_step, step)
+        self.last_step = step
 
 
 def log_interval(steps: list[int]) -> int:
@@ -205,8 +225,7 @@ class RecordBuilder:
 
     def _maybe_restart(self, step: int) -> _Run:
         run = self._current()
-        if (run.first_step is not None and step <= run.first_step
-                and len(run.by_step) >= _MIN_STEPS_BEFORE_RESTART):
+        if run.goes_back(step):
             run = _Run(self.where or f"step {step}")
             self._runs.append(run)
         return run
@@ -219,11 +238,11 @@ class RecordBuilder:
         else:
             self._records += 1
         run.by_step[step] = TrainRecord(step, loss, grad_norm, learning_rate, epoch)
-        run.first_step = step if run.first_step is None else min(run.first_step, step)
+        run.add(step)
 
     def eval(self, step: int, loss: float, group: str = "") -> None:
         run = self._current()
-        if run.first_step is not None and len(run.by_step) >= _MIN_STEPS_BEFORE_RESTART and step <= run.first_step:
+        if run.goes_back(step):
             run = self._maybe_restart(step)  # an eval before the first train record of the next run
         if (step, group) in run.evals:
             self.skip("repeated evals (the latest kept)")

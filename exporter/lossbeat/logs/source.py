@@ -7,14 +7,17 @@ problem in one line (a directory, a FIFO, an empty file, binary data...).
 from __future__ import annotations
 
 import codecs
+import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from typing import Iterator
 
 from lossbeat.logs.records import LogFormatError, RecordBuilder
 
-__all__ = ["Source", "open_source", "iter_lines", "parse_number", "compressed", "MAX_JSON_BYTES", "MAX_LINE_CHARS"]
+__all__ = ["Source", "open_source", "iter_lines", "text_lines", "clean_line", "unwrap_json", "parse_number", "compressed",
+           "MAX_JSON_BYTES", "MAX_LINE_CHARS"]
 
 MAX_JSON_BYTES = 256 << 20
 """Largest JSON document read at once (trainer_state.json, golden values): json.load holds it all."""
@@ -168,3 +171,108 @@ def parse_number(raw: object) -> tuple[float | None, bool]:
         except ValueError:
             return None, False
     return None, False
+
+
+# --- printed logs as people have them: prefixed, coloured, wrapped in JSON --------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+_PREFIXES = (
+    re.compile(r"^\d{1,5}:\s"),  # srun --label: "0: "
+    re.compile(r"^\[(?:rank|default|global_rank|local_rank)?\s*\d+\]\s*:?\s*"),  # torchrun: "[rank0]:", "[default0]:"
+    re.compile(r"^\[[^\]]{0,40}\d{1,2}:\d{2}:\d{2}[^\]]{0,40}\]\s*"),  # "[2024-05-01 12:00:00]", "[12:00:00 INFO]"
+    re.compile(r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\s*"),  # ISO timestamps
+    re.compile(r"^\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\s+"),  # a bare time of day
+    re.compile(r"^[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+\s+[\w.-]+:\d+\]\s*"),  # absl / glog: "I0501 12:00:00.123 42 f.py:9] "
+    # "[titan]", "[INFO]", Hydra's "[__main__][INFO] - ", DeepSpeed's "[loss_scaler.py:188:update_scale]"
+    re.compile(r"^\[(?:[A-Za-z_][\w.-]{0,39}|[\w.-]+\.py:\d+(?::\w+)?)\](?:\s*-(?=\s))?\s*"),
+    # logging's separators and level: "- root - INFO - ", "| INFO | ", "INFO:root:", "INFO     "
+    re.compile(r"^(?:[-|:]\s*)?(?:[\w.\[\]<>]+\s*[-|:]\s*)?(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)"
+               r"(?::[\w.]+:|\s*[-|:]\s+|\s+|$)"),
+)
+
+
+def clean_line(line: str) -> str:
+    """A printed line without its colour codes and the prefixes launchers and loggers add
+    (``srun --label``'s ``0: ``, torchrun's ``[rank0]:`` / ``[default0]:``, timestamps, logging levels)."""
+    if "\x1b" in line:
+        line = _ANSI.sub("", line)
+    text = line.lstrip()
+    for _ in range(8):
+        for rx in _PREFIXES:
+            m = rx.match(text)
+            if m and m.end():
+                text = text[m.end():]
+                break
+        else:
+            break
+    return text
+
+
+_STREAM_KEYS = ("text", "data", "output", "message", "msg", "log", "line")
+
+
+def _strings(value: object, found: list[str]) -> None:
+    if isinstance(value, str):
+        found.append(value)
+    elif isinstance(value, list):
+        for v in value:
+            _strings(v, found)
+    elif isinstance(value, dict):
+        keys = [k for k in _STREAM_KEYS if k in value]
+        for k in keys or list(value):
+            _strings(value[k], found)
+
+
+def unwrap_json(line: str) -> list[str] | None:
+    """The printed lines inside a line of a JSON stream (a notebook's ``{"name": "stdout", "text": [...]}``,
+    Kaggle's ``{"stream_name": "stdout", "data": "..."}``, a bare JSON string), or None when the line is not one."""
+    text = line.strip().rstrip(",")
+    if text.startswith(("[", ",")):
+        text = text.lstrip("[,").strip()
+    if text.endswith("]") and not text.endswith("\\]"):
+        text = text[:-1].rstrip().rstrip(",")
+    if not (text.startswith('"') and text.endswith('"')) and not (text.startswith("{\"") and text.endswith("}")):
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    found: list[str] = []
+    _strings(value, found)
+    if not found:
+        return None
+    return [part for s in found for part in re.split(r"\r\n|\r|\n", s)]
+
+
+def text_lines(src: Source, out: RecordBuilder) -> Iterator[str]:
+    """:func:`iter_lines` for printed logs: lines inside JSON streams unwrapped, colour codes and
+    launcher / logger prefixes removed (counted in the notes), each printed line yielded on its own."""
+    wrapped = prefixed = 0
+    for line in iter_lines(src, out):
+        parts = unwrap_json(line) if ('"' in line and ("{" in line or line.lstrip().startswith('"'))) else None
+        if parts is None:
+            parts = [line]
+        else:
+            wrapped += 1
+            out.counts.read += len(parts) - 1  # count the printed lines it holds
+        for part in parts:
+            clean = clean_line(part)
+            if clean != part.lstrip() and clean:
+                prefixed += 1
+            yield clean
+    if wrapped:
+        out.note(f"{wrapped} lines are JSON stream entries (notebook or Kaggle output): their printed text was read")
+    if prefixed:
+        out.note(f"{prefixed} lines carry colour codes or launcher/logger prefixes (rank labels, timestamps, "
+                 "log levels): removed before reading")
+
+
+def head_lines(src: Source) -> list[str]:
+    """The printed lines of the sniffed head, cleaned as :func:`text_lines` does (for detection)."""
+    lines: list[str] = []
+    for line in re.split(r"\r\n|\r|\n", src.head):
+        parts = unwrap_json(line) if '"' in line else None
+        lines.extend(clean_line(p) for p in (parts if parts is not None else [line]))
+        if len(lines) >= 40000:
+            break
+    return lines

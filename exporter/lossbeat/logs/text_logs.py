@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from lossbeat.logs.records import RecordBuilder, log_interval
-from lossbeat.logs.source import Source, iter_lines, parse_number
+from lossbeat.logs.source import Source, parse_number, text_lines
 
 __all__ = [
     "parse_llmc_main", "parse_llmc_stdout", "parse_nanogpt", "parse_megatron_log", "parse_hf_stdout",
@@ -36,7 +36,7 @@ LLMC_MAIN = re.compile(r"^s:(\d+)\s+(.*)$")
 
 
 def parse_llmc_main(src: Source, out: RecordBuilder) -> None:
-    for line in iter_lines(src, out):
+    for line in text_lines(src, out):
         m = LLMC_MAIN.match(line.strip())
         if not m:
             out.skip(_NOT_RECORD)
@@ -72,7 +72,7 @@ def parse_llmc_stdout(src: Source, out: RecordBuilder) -> None:
     """The step printed is 1-based (``step + 1``); ``val loss`` lines, printed before a step's
     training, belong to the last printed step (0 before the first)."""
     last = 0
-    for line in iter_lines(src, out):
+    for line in text_lines(src, out):
         m = LLMC_STDOUT.match(line)
         if m:
             step, rest = int(m.group(1)), m.group(3)
@@ -97,14 +97,15 @@ def parse_llmc_stdout(src: Source, out: RecordBuilder) -> None:
 # "iter N: loss L, time T ms, mfu M%" / "step N: train loss A, val loss B" ---------------------------
 
 NANOGPT = re.compile(r"^step:(\d+)/\d+\s+(.*)$")
-NANOGPT_ITER = re.compile(r"^iter (\d+): loss (\S+?),")
-NANOGPT_EVAL = re.compile(r"^step (\d+): train loss (\S+?), val loss (\S+)")
+# a unit may follow a value ("loss 6.07 BPC,"): forks print bits per character
+NANOGPT_ITER = re.compile(r"^iter (\d+): loss (\S+?)(?:\s+[A-Za-z/]+)?,")
+NANOGPT_EVAL = re.compile(r"^step (\d+): train loss (\S+?)(?:\s+[A-Za-z/]+)?, val loss (\S+)")
 
 
 def parse_nanogpt(src: Source, out: RecordBuilder) -> None:
     """The "train loss" of karpathy/nanoGPT's eval line is an estimate over eval batches of the
     training split, not a training step: only its val loss is read."""
-    for line in iter_lines(src, out):
+    for line in text_lines(src, out):
         text = line.strip()
         m = NANOGPT.match(text)
         if m:
@@ -121,7 +122,7 @@ def parse_nanogpt(src: Source, out: RecordBuilder) -> None:
         elif m := NANOGPT_ITER.match(text):
             out.train(int(m.group(1)), _number(out, "loss", m.group(2)))
         elif m := NANOGPT_EVAL.match(text):
-            loss = _number(out, "val loss", m.group(3).rstrip(","))
+            loss = _number(out, "val loss", m.group(3).rstrip(",;"))
             if loss is not None:
                 out.eval(int(m.group(1)), loss)
         else:
@@ -146,7 +147,7 @@ def parse_megatron_log(src: Source, out: RecordBuilder) -> None:
     last = 0
     nan_steps: list[str] = []
     skipped_iters = 0
-    for line in iter_lines(src, out):
+    for line in text_lines(src, out):
         m = MEGATRON_ITER.search(line)
         if m:
             step, fields = int(m.group(1)), _fields(m.group(3))
@@ -243,7 +244,7 @@ def parse_hf_stdout(src: Source, out: RecordBuilder) -> None:
     after_eval = False
     raw_train: list[tuple[str, int | None, dict[str, str]]] = []  # (where, bar position, items)
     raw_eval: list[tuple[str, int, dict[str, str]]] = []  # (where, train dicts before it, items)
-    for line in iter_lines(src, out):
+    for line in text_lines(src, out):
         found = False
         for b in _BAR.finditer(line):
             last_total = int(b.group(2))
@@ -289,11 +290,11 @@ def parse_hf_stdout(src: Source, out: RecordBuilder) -> None:
 
 
 def _derived_steps(out: RecordBuilder, raw_train: list[tuple[str, int | None, dict[str, str]]]) -> list[int]:
+    """Steps for the train dicts: from the progress bar when it gives every record a step of its own,
+    else record numbers. A derivation never merges two printed records into one step."""
     positions = [p for _, p, _ in raw_train if p is not None]
     if positions and len(positions) == len(raw_train):
         interval = log_interval(positions)
-        out.note(f"the Trainer prints no step: steps derived from the progress bar, snapped to the "
-                 f"logging interval ({interval})")
         steps: list[int] = []
         for i, p in enumerate(positions):
             snapped = round(p / interval) * interval
@@ -302,17 +303,31 @@ def _derived_steps(out: RecordBuilder, raw_train: list[tuple[str, int | None, di
             if snapped <= 0 or (steps and snapped == steps[-1] and p != positions[i - 1]):
                 snapped = p
             steps.append(snapped)
-        return steps
-    out.note("the Trainer prints no step and the log has no progress bar: steps are record numbers (1, 2, ...)")
+        stale = sum(1 for a, b in zip(steps, steps[1:]) if b == a)
+        if not stale:
+            out.note(f"the Trainer prints no step: steps derived from the progress bar, snapped to the "
+                     f"logging interval ({interval})")
+            return steps
+        out.note(f"the Trainer prints no step, and the progress bar gives {stale} of {len(steps)} records the "
+                 "step of the record before (the bar is drawn in blocks, not at each log): steps are record "
+                 "numbers (1, 2, ...), not training steps")
+    else:
+        out.note("the Trainer prints no step and the log has no progress bar: steps are record numbers (1, 2, ...)")
     steps, k, last_epoch = [], 0, None
     for _, _, items in raw_train:
-        epoch, ok = parse_number(items.get("epoch"))
+        epoch, ok = parse_number(_unquoted(items.get("epoch")))
         if ok and epoch is not None and last_epoch is not None and epoch < last_epoch:
             k = 0  # the epoch went back: a new run in the same log
         last_epoch = epoch if ok and epoch is not None else last_epoch
         k += 1
         steps.append(k)
     return steps
+
+
+def _unquoted(raw: str | None) -> str | None:
+    if raw is not None and len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
+    return raw
 
 
 def _hf_eval(out: RecordBuilder, step: int, pending: tuple[str, int, dict[str, str]]) -> None:

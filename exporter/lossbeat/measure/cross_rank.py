@@ -9,7 +9,10 @@ tolerance; one that differs has been corrupted or has desynchronised. Scrapes of
 ranks land on different steps, so each rank keeps the norm of the last step that is a
 multiple of ``every`` together with that step; the rule compares the ranks whose aligned step
 is the job's latest. Cost: one tuple assignment every ``every`` steps, from the float the
-monitor already has on the host.
+monitor already has on the host. Only where ranks must agree: by default (``every`` None) it
+turns on (every :data:`AUTO_ALIGN_EVERY` steps) when the first model observed is a
+``DistributedDataParallel``, and stays off for anything else (sharded or model-parallel
+layouts hold per-rank norms that legitimately differ).
 
 **Rank work time** (``TrainingStraggler``). Under synchronous data parallelism every rank's
 step takes the same wall time (the all-reduce waits for the slowest), so the time between
@@ -21,6 +24,15 @@ DDP's buffer broadcast, a collective). The backward is left out: it contains the
 gradient all-reduce, where the fast ranks wait for the slow one. On CUDA the forward part is
 the host's launch time unless the host waits for the device. Exported as the mean over the
 last ``window`` steps (a ring buffer).
+
+What is measured is *host* time (``time.perf_counter``), not device time. On CPU that is the
+work itself. Under asynchronous CUDA a throttled or failing GPU delays kernels, not their
+launches: its host time looks normal and every rank then waits equally at the next sync, so
+this signal cannot see a slow GPU (use DCGM's clocks and XID errors for that); it sees slow
+data loading, a slow host, CPU contention and a slow optimizer step on the host. Conversely a
+rank whose host waits for its device between ``observe()`` and the next forward (``loss.item()``,
+``print(loss)``, a metrics sync that only rank 0 does) has that wait counted as its work: keep
+rank-0-only logging after ``observe()`` off the work path, or read logged values from lossbeat.
 """
 
 from __future__ import annotations
@@ -30,16 +42,28 @@ import time
 import torch
 from lossbeat.diagnosis.window import Ring
 
-__all__ = ["CrossRankSignals"]
+__all__ = ["CrossRankSignals", "AUTO_ALIGN_EVERY"]
+
+AUTO_ALIGN_EVERY = 100
+"""The aligned-norm period where it turns on by itself (pure data parallelism)."""
+
+
+def _pure_data_parallel(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a DistributedDataParallel whose replicas hold whole parameters."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel) and not any(
+        hasattr(p, "_local_tensor") for p in model.parameters())
 
 
 class CrossRankSignals:
     """Step-aligned grad norm and rank work time of one rank (rendered by
     :class:`lossbeat.exposition.cross_rank.CrossRankCollector` at scrape time)."""
 
-    def __init__(self, rank: str, align_every: int, work_time: bool, window: int = 50) -> None:
+    def __init__(self, rank: str, align_every: int | None, work_time: bool, window: int = 50) -> None:
         self.rank = rank
         self.align_every = align_every
+        """Aligned-norm period; 0 off; None: not decided yet (on for pure DDP, at the first model)."""
         self.work_time = work_time
         self.aligned: tuple[float, float] | None = None
         """(step, global grad norm) of the last aligned step; assigned whole."""
@@ -61,6 +85,8 @@ class CrossRankSignals:
 
     def step_end(self, model: torch.nn.Module | None) -> None:
         """End of ``observe()``: close this step's work time, hook the model on first sight."""
+        if self.align_every is None and model is not None:
+            self.align_every = AUTO_ALIGN_EVERY if _pure_data_parallel(model) else 0
         if not self.work_time:
             return
         now = time.perf_counter()

@@ -34,7 +34,9 @@ model's on every stage (NaN/Inf in one stage reaches all); per-layer norms stay
 the stage's own layers. A collective too: a stage without gradients still
 joins it, and the first measurement's handshake includes the stages. Wrapper components of
 parameter names (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``,
-``_orig_mod``) are dropped, so layers keep the model's own names.
+``_orig_mod``) are dropped, and so is the leading ``module`` of the model given when it is a
+``DistributedDataParallel``, ``DataParallel`` or DeepSpeed engine wrapper, so layers keep the
+model's own names (the same under DDP as on one GPU; ``layer_depth`` counts the model's levels).
 """
 
 from __future__ import annotations
@@ -131,8 +133,28 @@ def deepspeed_zero_stage(model: torch.nn.Module) -> int | None:
     return None
 
 
-def layer_name(param_name: str, depth: int | None) -> str:
+def _wrapper_levels(model: torch.nn.Module) -> int:
+    """How many leading ``module`` components of ``model``'s parameter names are wrappers'
+    (DDP, DataParallel, a DeepSpeed engine, possibly under ``torch.compile``), not the model's."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    levels = 0
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile (dropped anyway)
+            model = model._orig_mod
+        elif (isinstance(model, (DistributedDataParallel, DataParallel)) or type(model).__name__ == "DeepSpeedEngine") \
+                and isinstance(getattr(model, "module", None), torch.nn.Module):
+            levels += 1
+            model = model.module
+        else:
+            return levels
+
+
+def layer_name(param_name: str, depth: int | None, wrapper_levels: int = 0) -> str:
     parts = [part for part in param_name.split(".") if part not in _WRAPPER_NAMES]
+    for _ in range(wrapper_levels):
+        if len(parts) > 1 and parts[0] == "module":
+            parts = parts[1:]
     module = parts[:-1] or parts  # a top-level parameter is its own layer
     if depth is not None:
         module = module[:depth]
@@ -169,12 +191,13 @@ class LayerGrouping:
         if depth is not None and (not isinstance(depth, int) or depth < 1):
             raise ValueError(f"layer_depth: expected a positive int or None, got {depth!r}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        names = [layer_name(n, depth) for n, _ in named]
+        levels = _wrapper_levels(model)
+        names = [layer_name(n, depth, levels) for n, _ in named]
         if depth is None:
             depth = max((len(n.split(".")) for n in names), default=1)
         while len(dict.fromkeys(names)) > max_layers and depth > 1:
             depth -= 1
-            names = [layer_name(n, depth) for n, _ in named]
+            names = [layer_name(n, depth, levels) for n, _ in named]
         self.depth = depth
         self.model_ref = model
         self.params: list[torch.nn.Parameter] = [p for _, p in named]

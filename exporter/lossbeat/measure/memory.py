@@ -1,8 +1,20 @@
 """Memory readings for the exporter and the memory check: host-side, never a device sync.
 
-On CUDA: the caching allocator's counters (``memory_allocated``, ``max_memory_allocated``)
-and the device's total memory. On CPU: the process's resident set, its peak, and the
-limit the process lives under (the cgroup's memory limit, else the machine's RAM).
+The peak is *windowed*: the highest value since the same reader's previous reading (a scrape,
+or a diagnosis), not since the process started, so one transient spike (the first compiled
+step, a long eval batch) is seen once and then ages out instead of holding an alert for the
+rest of the run. Each reading takes the device's peak since the last reading by anyone and
+resets it (``torch.cuda.reset_peak_memory_stats``, a host-side counter reset in the caching
+allocator; on Linux, writing ``5`` to ``/proc/self/clear_refs`` resets the resident peak),
+and folds it into every reader's pending peak, so the scrape and the diagnosis never steal
+each other's spikes. (A training script's own ``torch.cuda.max_memory_allocated()`` then
+reads the peak since lossbeat's last reading, not the lifetime peak.)
+
+On CUDA the peak is what would run out: the allocator's peak allocated bytes plus the memory
+outside the allocator (the CUDA context, NCCL buffers, other processes: the device's total
+minus its free memory, ``torch.cuda.mem_get_info``, a driver query without a device sync,
+minus the allocator's reserved bytes). On CPU: the process's resident set and its windowed
+peak, and the limit the process lives under (the cgroup's memory limit, else the machine's RAM).
 """
 
 from __future__ import annotations
@@ -11,6 +23,7 @@ import functools
 import math
 import resource
 import sys
+import threading
 from typing import NamedTuple
 
 __all__ = ["MemoryReading", "read_memory"]
@@ -21,20 +34,49 @@ class MemoryReading(NamedTuple):
     allocated: float
     """Bytes allocated by tensors (CUDA) or resident (CPU)."""
     peak: float
-    """Peak of ``allocated`` since the start (never below it)."""
+    """Peak in use since this reader's previous reading (never below ``allocated``); on CUDA
+    including the memory outside the allocator (context, NCCL, other processes)."""
     limit: float | None
     """Bytes the device has (CUDA) or the process may use (CPU); None when unknown."""
 
 
-def read_memory(cuda_device: int | None) -> MemoryReading:
-    """The reading for ``cuda_device`` (the device of the observed tensors), or the process's."""
+READERS = ("scrape", "diagnosis")
+_lock = threading.Lock()
+_pending: dict[tuple[str, str], float] = {}  # (device, reader) -> peak since that reader's last reading
+
+
+def _windowed(device: str, reader: str, device_peak: float) -> float:
+    """Fold the peak since the last reset into every reader's pending peak; take this reader's."""
+    with _lock:
+        for other in READERS:
+            key = (device, other)
+            _pending[key] = max(_pending.get(key, 0.0), device_peak)
+        return _pending.pop((device, reader), device_peak)
+
+
+def read_memory(cuda_device: int | None, reader: str = "scrape") -> MemoryReading:
+    """The reading for ``cuda_device`` (the device of the observed tensors), or the process's;
+    ``reader`` (one of :data:`READERS`) owns the window the peak covers."""
+    if reader not in READERS:
+        raise ValueError(f"reader: expected one of {', '.join(READERS)}, got {reader!r}")
     torch = sys.modules.get("torch")  # never import torch here: the collector runs without it
     if cuda_device is not None and torch is not None and torch.cuda.is_initialized():
         allocated = float(torch.cuda.memory_allocated(cuda_device))
-        peak = float(torch.cuda.max_memory_allocated(cuda_device))
-        return MemoryReading(f"cuda:{cuda_device}", allocated, max(peak, allocated), _cuda_total(cuda_device))
+        with _lock:  # read and reset together: host-side allocator counters, no device sync
+            device_peak = float(torch.cuda.max_memory_allocated(cuda_device))
+            torch.cuda.reset_peak_memory_stats(cuda_device)
+        total = _cuda_total(cuda_device)
+        outside = 0.0
+        try:
+            free, total = (float(v) for v in torch.cuda.mem_get_info(cuda_device))  # driver query, no sync
+            outside = max(0.0, total - free - float(torch.cuda.memory_reserved(cuda_device)))
+        except RuntimeError:
+            pass
+        device = f"cuda:{cuda_device}"
+        peak = _windowed(device, reader, max(device_peak, allocated))
+        return MemoryReading(device, allocated, peak + outside, total)
     allocated, peak = _cpu_memory()
-    return MemoryReading("cpu", allocated, peak, _cpu_limit())
+    return MemoryReading("cpu", allocated, max(allocated, _windowed("cpu", reader, peak)), _cpu_limit())
 
 
 @functools.lru_cache(maxsize=16)
@@ -44,29 +86,35 @@ def _cuda_total(device: int) -> float:
     return float(torch.cuda.get_device_properties(device).total_memory)
 
 
-_cpu_peak_seen = 0.0  # the highest resident size read so far in this process
-
-
 def _cpu_memory() -> tuple[float, float]:
-    """(resident, peak resident) bytes of this process. The kernel's high-water mark (``ru_maxrss``,
-    VmHWM) is only updated at some events and can read below the live RSS, and drop back to its
-    stale value once memory is freed: the peak is the highest of it and every RSS read so far."""
-    global _cpu_peak_seen
+    """(resident, peak resident since the last reset) bytes of this process. The kernel's
+    high-water mark (VmHWM) is reset after each read (``5`` > /proc/self/clear_refs); it is only
+    updated at some events and can read below the live RSS, so the peak is at least the RSS."""
     current = peak = math.nan
-    try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
-            status = fh.read()  # one read and two finds: a line-by-line scan costs several times more
-        current = _status_kib(status, "\nVmRSS:") * 1024
-        peak = _status_kib(status, "\nVmHWM:") * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    if math.isnan(peak):  # not Linux: the rusage peak (bytes on macOS, KiB elsewhere)
+    with _lock:
+        try:
+            with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+                status = fh.read()  # one read and two finds: a line-by-line scan costs several times more
+            current = _status_kib(status, "\nVmRSS:") * 1024
+            peak = _status_kib(status, "\nVmHWM:") * 1024
+            _reset_cpu_peak()
+        except (OSError, ValueError, IndexError):
+            pass
+    if math.isnan(peak):  # not Linux: the rusage peak (bytes on macOS, KiB elsewhere), a lifetime one
         maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak = float(maxrss if sys.platform == "darwin" else maxrss * 1024)
     if math.isnan(current):
         current = peak
-    _cpu_peak_seen = max(_cpu_peak_seen, current, peak)  # a race between scrapes only loses a read
-    return current, _cpu_peak_seen
+    return current, max(current, peak)
+
+
+def _reset_cpu_peak() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); without it the peak stays a lifetime one."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:
+        pass
 
 
 def _status_kib(status: str, key: str) -> float:

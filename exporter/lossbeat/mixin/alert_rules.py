@@ -64,9 +64,9 @@ class AlertRule:
     description: str
     """Go template; may use ``$labels.X`` and ``$value | printf "FMT"`` only."""
     condition: str
-    """When it fires, in words with the numbers (README table)."""
+    """When it fires, in words with the numbers (the alert table of docs/metrics.md)."""
     action: str
-    """The first thing to do (README table)."""
+    """The first thing to do (the alert table of docs/metrics.md)."""
     keeps: tuple[str, ...]
     """Labels of the expression's result series (before the rule's labels)."""
     for_: str | None = None
@@ -112,11 +112,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
-# The identity of one rank of one run. `instance` (the host:port its exporter serves on)
-# keeps concurrent runs apart when they share a `job` label (every resubmission of one
-# sbatch template, say): each per-rank aggregation, join and Alertmanager `equal:` keeps
-# all three. JOB_RANK is the same tuple under its historical name.
-TARGET = ("job", "instance", "rank")
+# The identity of one rank of one run. `run_id` (the run identity the exporter puts on every
+# series: the Slurm job id, torchrun's run id, ...) keeps concurrent runs apart when they share
+# a `job` label (every resubmission of one sbatch template, say); `instance` (the host:port
+# its exporter serves on) keeps the ranks apart. Each per-rank aggregation, join and
+# Alertmanager `equal:` keeps all four. JOB_RANK is the same tuple under its historical name.
+TARGET = ("job", "run_id", "instance", "rank")
 JOB_RANK = TARGET
 ON_TARGET = f"on({', '.join(TARGET)})"
 """The vector matching of a join between two per-rank series of the same run."""
@@ -143,10 +144,10 @@ def new_events(counter: str, window: str) -> str:
     return f"(increase({counter}[{window}]) > 0 or ({counter} unless {counter} offset {window}) > 0)"
 
 
-JOB = ("job",)
-"""The labels that identify one run across its ranks, for cross-rank comparisons. ``instance``
-differs per rank, so it cannot: runs compared across ranks need a job label of their own
-(the ``job:`` recording rules share this limit; the per-rank rules keep ``instance``)."""
+JOB = ("job", "run_id")
+"""The labels that identify one run across its ranks, for cross-rank comparisons: the job name
+and the run identity, so that two concurrent runs of one job name are never one population
+(the ``job:`` recording rules keep both, under their historical level name)."""
 
 # Cross-rank: how long a rank that stopped reporting is still named (older: rank="unknown").
 RANK_SEEN_LOOKBACK = "1h"
@@ -188,18 +189,18 @@ def recording_rules() -> list[RecordingRule]:
         per_rank("training_loss:avg_over_time5m", "avg by ({by}) (avg_over_time(training_loss[5m]))"),
         per_rank("training_loss_component:avg_over_time5m",
                  "avg by ({by}) (avg_over_time(training_loss_component[5m]))", ("component",)),
-        RecordingRule("job:training_loss:avg", "avg by (job) (training_loss)", ("job",)),
-        RecordingRule("job:training_eval_loss:avg", "avg by (job) (training_eval_loss)", ("job",)),
+        RecordingRule("job:training_loss:avg", "avg by (job, run_id) (training_loss)", JOB),
+        RecordingRule("job:training_eval_loss:avg", "avg by (job, run_id) (training_eval_loss)", JOB),
         per_rank("training_grad_norm:avg_over_time5m", "avg by ({by}) (avg_over_time(training_grad_norm[5m]))"),
-        RecordingRule("job:training_grad_norm:max", "max by (job) (training_grad_norm)", ("job",)),
+        RecordingRule("job:training_grad_norm:max", "max by (job, run_id) (training_grad_norm)", JOB),
         RecordingRule("job_layer:training_layer_grad_norm:max",
-                      "max by (job, layer) (training_layer_grad_norm)", ("job", "layer")),
+                      "max by (job, run_id, layer) (training_layer_grad_norm)", JOB + ("layer",)),
         # Every rank takes the same steps: the job's step rate is their mean; tokens add up.
         RecordingRule("job:training_steps:rate5m",
-                      "avg by (job) (rate(training_steps_total[5m]))", ("job",)),
+                      "avg by (job, run_id) (rate(training_steps_total[5m]))", JOB),
         per_rank("training_steps:rate5m", "sum by ({by}) (rate(training_steps_total[5m]))"),
         RecordingRule("job:training_tokens:rate5m",
-                      "sum by (job) (rate(training_tokens_total[5m]))", ("job",)),
+                      "sum by (job, run_id) (rate(training_tokens_total[5m]))", JOB),
         per_rank("training_step_duration_seconds:avg_over_time5m",
                  "avg by ({by}) (avg_over_time(training_step_duration_seconds[5m]))"),
         per_rank("training_nonfinite_loss:increase5m",
@@ -211,7 +212,7 @@ def recording_rules() -> list[RecordingRule]:
                  "sum by ({by}) (increase(training_grad_explosions_total[5m]))"),
         # Worst status of each check across the job's ranks (0 good, 1 warning, 2 danger).
         RecordingRule("job_check:training_health_status:max",
-                      "max by (job, check) (training_health_status)", ("job", "check")),
+                      "max by (job, run_id, check) (training_health_status)", JOB + ("check",)),
     ] + _cross_rank_recording_rules()
 
 
@@ -321,7 +322,7 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             # The exporter's judgment: the recent grad norm jumped to `jump_ratio` x its rolling
             # baseline, or climbed to `climb_ratio` x the run's slow level. A stable high level
             # (pre-clip norms of 15-20 are common) is the run's own level and does not page.
-            expr=f'training_grad_norm\n  and on(job, instance, rank) {_status("grad_norm")} == 2\n',
+            expr=f'training_grad_norm\n  and {ON_TARGET} {_status("grad_norm")} == 2\n',
             for_=a.explosion_for,
             labels={"trigger": "sustained"},
             summary="The gradient norm departed from the run's own level",
@@ -523,7 +524,7 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             # requires `overfitting.evals` evaluations in a row above it (one blip is noise).
             expr=(
                 "training_eval_loss\n"
-                f'  and on(job, instance, rank) {_status("overfitting")} >= 1\n'
+                f'  and {ON_TARGET} {_status("overfitting")} >= 1\n'
             ),
             for_=a.overfitting_for,
             summary="Eval loss rises while the training loss falls",
@@ -556,7 +557,7 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
                 "or\n"
                 "training_learning_rate != training_learning_rate\n"
                 "or\n"
-                '(training_learning_rate and on(job, instance, rank) training_health_status{check="learning_rate"} >= 1)\n'
+                f'(training_learning_rate and {ON_TARGET} training_health_status{{check="learning_rate"}} >= 1)\n'
             ),
             for_=a.learning_rate_for,
             summary="The learning rate is zero, NaN or does not suit the loss",
@@ -625,7 +626,10 @@ def _stalled_alert(t: Thresholds) -> AlertRule:
     """No sign of progress: a long limit inside an evaluation or a checkpoint, the short one in training."""
     a = t.alerts
     train, other = number(duration_seconds(a.stalled_after)), number(duration_seconds(a.stalled_phase_after))
-    age = "(time() - training_last_heartbeat_timestamp_seconds)"
+    # The exporter's own age of the heartbeat (the node's clock against itself: no skew with
+    # Prometheus'); exporters without it (older versions) fall back to Prometheus' clock.
+    age = (f"(training_heartbeat_age_seconds + 0 or {ON_TARGET} "
+           "(time() - training_last_heartbeat_timestamp_seconds))")
     return AlertRule(
         name="TrainingStalled",
         group="lossbeat.liveness",
@@ -672,11 +676,12 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
             for_=m.near_limit_for,
             summary="Memory is close to the device's limit: an out-of-memory error is coming",
             description=(
-                f"The peak memory of {WHO} on {{{{ $labels.device }}}} is "
+                f"The peak memory in use (since the previous scrape) of {WHO} on {{{{ $labels.device }}}} is "
                 f'{{{{ $value | printf "%.1f" }}}}% of its limit (alert above {number(100 * m.near_limit)}%): '
                 "a longer batch or an evaluation can fail with an out-of-memory error."
             ),
-            condition=f"peak allocated memory / the device's total > {near} for {m.near_limit_for}",
+            condition=(f"peak memory in use since the previous scrape (allocated + outside the allocator) / "
+                       f"the device's total > {near} for {m.near_limit_for}"),
             action="lower the micro-batch size (raise accumulation), activation checkpointing",
             keeps=TARGET + ("device",),
         ),
@@ -741,13 +746,18 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
     """Alerts that compare the ranks of one job with each other, from series every rank already exports."""
     a, c = t.alerts, t.cross_rank
     job, job_rank = _by(JOB), _by(JOB_RANK)
-    # Distinct ranks reporting now, per job and the world size the ranks report.
-    reporting = f"count by ({job}, world_size) (count by ({job_rank}, world_size) (training_run_info))"
+    # The ranks present: reporting now, or gone after their completion marker (ranks that
+    # finished before rank 0's final eval or upload are not down).
+    present = (f"(group by ({job_rank}, world_size) (training_run_info) or on({job_rank}) "
+               f"(group by ({job_rank}, world_size) (max_over_time(training_run_info[{RANK_SEEN_LOOKBACK}])) "
+               f"and on({job_rank}) last_over_time(training_run_completed[{RANK_SEEN_LOOKBACK}]) == 1))")
+    # Distinct ranks present, per run and the world size the ranks report.
+    reporting = f"count by ({job}, world_size) ({present})"
     # PromQL cannot read a label as a number: count_values writes the count into a label to compare.
     short = (f"(\n  {reporting}\n  unless on({job}, world_size)\n"
-             f'  count_values by ({job}) ("world_size", count by ({job}) (count by ({job_rank}) (training_run_info)))\n)')
+             f'  count_values by ({job}) ("world_size", count by ({job}) ({present}))\n)')
     gone = (f"(\n  group by ({job_rank}) (max_over_time(training_run_info[{RANK_SEEN_LOOKBACK}]))\n"
-            f"  unless on({job_rank}) training_run_info\n)")
+            f"  unless on({job_rank}) {present}\n)")
     z, rel, ranks = number(c.loss_spread_z), number(c.loss_spread_min_relative), c.min_ranks
     mean, median = LOSS_AVG_5M, "job:training_loss:median_avg_over_time5m"
     robust_z = f"{level(JOB_RANK)}:training_loss:robust_z5m"
@@ -774,8 +784,8 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
                 "discovered, while the others go on."
             ),
             condition=(
-                f"distinct ranks reporting `training_run_info` < its `world_size` for {a.rank_down_for}; "
-                f"names ranks seen in the last {RANK_SEEN_LOOKBACK}"
+                f"distinct ranks reporting `training_run_info` (or gone after their completion marker) < its "
+                f"`world_size` for {a.rank_down_for}, per run; names ranks seen in the last {RANK_SEEN_LOOKBACK}"
             ),
             action="find the missing rank's node and process (OOM, crash, hang); restart from the last checkpoint",
             keeps=JOB_RANK + ("world_size",),

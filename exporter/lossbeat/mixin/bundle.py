@@ -6,7 +6,7 @@ Everything a deployment needs, for the user's own numbers, from an installed pac
     DIR/tests/*.yml                                promtool unit tests of those rules
     DIR/alertmanager.yml                           routing: critical pages, warning tickets
     DIR/runbooks.md                                one section per alert (host it; see --runbook-url-base)
-    DIR/grafana/lossbeat-{overview,layers}.json    Grafana dashboards
+    DIR/grafana/lossbeat-{overview,layers,cluster}.json  the three Grafana dashboards
     DIR/kubernetes/prometheusrule.yaml             the rules as a PrometheusRule
     DIR/kubernetes/grafana-dashboards-configmap.yaml
 

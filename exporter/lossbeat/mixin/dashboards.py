@@ -520,12 +520,12 @@ def _cluster_panels(t: Thresholds) -> list[dict]:
                        "scaleDistribution": {"type": "linear"}}),
         _timeseries("Loss by rank", "The 5m mean loss of every rank: data-parallel ranks see different shards "
                     "of the same data, so their lines stay together.", "none",
-                    _targets((f"job_instance_rank:training_loss:avg_over_time5m{{{FILTER}}}", "rank {{rank}}")),
+                    _targets((f"job_run_id_instance_rank:training_loss:avg_over_time5m{{{FILTER}}}", "rank {{rank}}")),
                     size=(12, 8)),
         _timeseries("Loss robust z-score by rank", "0.6745 x (a rank's 5m mean loss - the job's median) / MAD "
                     f"across the ranks; beyond +-{_num(c.loss_spread_z)} (and {_num(100 * c.loss_spread_min_relative)}% "
                     "from the median): TrainingLossRankSpread.", "none",
-                    _targets((f"job_instance_rank:training_loss:robust_z5m{{{FILTER}}}", "rank {{rank}}")), size=(12, 8),
+                    _targets((f"job_run_id_instance_rank:training_loss:robust_z5m{{{FILTER}}}", "rank {{rank}}")), size=(12, 8),
                     thresholds=_thresholds("red", (-c.loss_spread_z, "green"), (c.loss_spread_z, "red")),
                     threshold_style="dashed"),
     ]

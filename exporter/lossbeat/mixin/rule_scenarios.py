@@ -9,6 +9,8 @@ import math
 
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.mixin.alert_rules import JOB_RANK, MAD_TO_SIGMA, duration_seconds
+from lossbeat.mixin.guard_scenarios import guard_scenarios
+from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_finishing
 from lossbeat.mixin.rule_series import (
     INSTANCE,
     JOB,
@@ -227,26 +229,36 @@ def _stalled(b: _Builder) -> dict[str, list[Scenario]]:
     limit, phase_limit = duration_seconds(a.stalled_after), duration_seconds(a.stalled_phase_after)
     last = b.i  # the last sign of progress happened at t = one interval
     samples = int((last + phase_limit) // b.i) + 4
-    frozen = b.hold("training_last_heartbeat_timestamp_seconds", _target(), last, samples)
-    moving = Series("training_last_heartbeat_timestamp_seconds", _target(), [ramp(0, b.i, samples)])
+    # The exporter's age of its heartbeat at each scrape (its own clock), and the timestamp
+    # on a node whose clock is an hour behind Prometheus' (the age must win: no page from skew).
+    skew = 3600
+    frozen = [Series("training_heartbeat_age_seconds", _target(), [run(0, 2), ramp(b.i, b.i, samples - 2)]),
+              b.hold("training_last_heartbeat_timestamp_seconds", _target(), last - skew, samples)]
+    moving = [b.hold("training_heartbeat_age_seconds", _target(), 0, samples),
+              Series("training_last_heartbeat_timestamp_seconds", _target(), [ramp(-skew, b.i, samples)])]
+    legacy = [b.hold("training_last_heartbeat_timestamp_seconds", _target(), last, samples)]  # no age: an older exporter
 
     def in_phase(current: str) -> list[Series]:
         return [b.hold("training_phase", _target(phase=p), 1 if p == current else 0, samples)
                 for p in ("train", "eval", "checkpoint")]
 
     return {stalled.name: [
-        Scenario("no progress while training fires", [frozen, *in_phase("train")],
+        Scenario("no progress while training fires", [*frozen, *in_phase("train")],
                  [(last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
                   (last + limit, stalled.name, [])]),
-        Scenario("a job that keeps stepping is silent", [moving, *in_phase("train")],
-                 [(last + limit + b.i, stalled.name, [])]),
+        Scenario("a job that keeps stepping on a node whose clock is an hour behind is silent",
+                 [*moving, *in_phase("train")], [(last + limit + b.i, stalled.name, [])]),
+        Scenario("an older exporter without the age: measured on Prometheus' clock",
+                 [*legacy, *in_phase("train")],
+                 [(last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
+                  (last + limit, stalled.name, [])]),
         Scenario("an evaluation longer than stalled_after is silent, a hung one fires",
-                 [frozen, *in_phase("eval")],
+                 [*frozen, *in_phase("eval")],
                  [(last + limit + b.i, stalled.name, []),
                   (last + phase_limit, stalled.name, []),
                   (last + phase_limit + b.i, stalled.name,
                    [Expect(stalled, _target(phase="eval"), phase_limit + b.i)])]),
-        Scenario("a long checkpoint is silent", [frozen, *in_phase("checkpoint")],
+        Scenario("a long checkpoint is silent", [*frozen, *in_phase("checkpoint")],
                  [(last + limit + b.i, stalled.name, []), (last + phase_limit, stalled.name, [])]),
     ]}
 
@@ -523,8 +535,6 @@ def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
     ]}
 
 
-
-
 # Judgment alerts, the check each reads and the status at which it fires.
 JUDGED = {
     "TrainingGradientExplosion": ("grad_norm", 2),
@@ -536,46 +546,6 @@ JUDGED = {
 }
 
 
-def _guard(b: _Builder) -> dict[str, list[Scenario]]:
-    """Isolated skips are a ticket, repeated skips and a stop page; an absorbed NaN never pages."""
-    a, g = b.t.alerts, b.t.guard
-    skipped, rep, halted = b.rule("TrainingStepsSkipped"), b.rule("TrainingSkippingRepeatedly"), b.rule("TrainingHalted")
-    nan = b.rule("TrainingLossNaN")
-    one, at = b.jump("training_skipped_steps_total", _target(reason="nonfinite"), a.guard_window, 1)
-    many, many_at = b.jump("training_skipped_steps_total", _target(reason="explosion"), a.guard_window, g.page_skips + 1)
-    few, _ = b.jump("training_skipped_steps_total", _target(reason="explosion"), a.guard_window, g.page_skips)
-    n = int(at // b.i) + 8
-    # The NaN step the guard absorbed: training_loss NaN while it is being skipped, then finite.
-    absorbed_loss = Series("training_loss", _target(), [run(2.5, n - 9), run(math.nan, 1), run(2.4, 8)])
-    skips_now = Series("training_guard_consecutive_skips", _target(), [run(0, n - 9), run(1, 1), run(0, 8)])
-    nan_at = (n - 9) * b.i
-    stopped = Series("training_halted", _target(), [run(0, 3), run(1, 2), "stale"])
-    return {
-        skipped.name: [
-            Scenario("one absorbed NaN is a ticket", [one],
-                     [(at, skipped.name, [Expect(skipped, _target(reason="nonfinite"), 1)])]),
-            Scenario("no skip is silent", [b.hold("training_skipped_steps_total", _target(reason="spike"), 0, n)],
-                     [(at, skipped.name, [])]),
-        ],
-        rep.name: [
-            Scenario("more skips than guard.page_skips page", [many],
-                     [(many_at, rep.name, [Expect(rep, _target(), g.page_skips + 1)])]),
-            Scenario("guard.page_skips skips are no page", [few], [(many_at, rep.name, [])]),
-        ],
-        halted.name: [
-            Scenario("a stop pages, after the exporter is gone too", [stopped],
-                     [(3 * b.i, halted.name, [Expect(halted, _target(), 1)]),
-                      (8 * b.i, halted.name, [Expect(halted, _target(), 1)])]),
-            Scenario("a guarded run that never stopped is silent",
-                     [b.hold("training_halted", _target(), 0, 10)], [(5 * b.i, halted.name, [])]),
-        ],
-        nan.name: [
-            Scenario("a NaN the guard absorbed, then finite steps, does not page", [absorbed_loss, skips_now,
-                     b.hold("training_nonfinite_loss_total", _target(), 0, n)], [(nan_at, nan.name, [])]),
-        ],
-    }
-
-
-SCENARIO_FAMILIES = (_guard, _nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress,
-                     _resources, _cluster)
+SCENARIO_FAMILIES = (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress,
+                     _resources, _cluster, concurrent_cross_rank, ranks_finishing, guard_scenarios)
 """Every family of scenarios, in the order the test documents list them."""

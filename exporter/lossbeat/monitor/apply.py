@@ -14,11 +14,16 @@ from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.ratelog import RateLimitedLog
 from lossbeat.monitor.transfer import PendingStep
 
-__all__ = ["StepApplier", "ALL_LAYERS"]
+__all__ = ["StepApplier", "ALL_LAYERS", "FROM_ANOTHER_RANK"]
 
 ALL_LAYERS = "all layers"
 """The non-finite layer reported when a non-finite loss made every layer's gradient non-finite
 (on a pipeline stage without a loss: when every layer of the stage is non-finite)."""
+FROM_ANOTHER_RANK = "poisoned by the gradient all-reduce from another rank"
+"""The non-finite layer reported when every layer is non-finite but this rank's loss is finite,
+in a job of several ranks: a NaN loss on another data-parallel rank, averaged into every
+replica's gradients by the all-reduce (an origin inside this rank's model leaves the layers
+after it finite). The page goes to that rank's TrainingLossNaN; this one is inhibited."""
 
 
 class StepApplier:
@@ -106,7 +111,7 @@ class StepApplier:
             self.log("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, record.step)
         if events.nonfinite_grad or layer_nonfinite:
             if layer_nonfinite:
-                origin = _nonfinite_origin(layer_norms, loss)
+                origin = _nonfinite_origin(layer_norms, loss, s.run_info.get("world_size", "1") != "1")
             else:  # no per-layer norms this step: the layer of this event (consecutive bad steps), never an earlier one's
                 origin = s.first_nonfinite_layer if self._nonfinite_run else None
             # Set before the counter moves: a scrape in between sees the new count with its layer.
@@ -139,13 +144,18 @@ class StepApplier:
             self.judgment.diagnose(record.step)
 
 
-def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float | None) -> str:
+def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float | None, several_ranks: bool = False) -> str:
     """Where a non-finite gradient started: backprop carries a NaN or Inf born in one layer's
     backward to every layer before it, so the origin is the last non-finite layer in model
     order; a non-finite loss poisons every layer (``ALL_LAYERS``). ``loss`` None: a rank
     without a loss (a pipeline stage before the last), whose gradients come from the next
-    stage: every layer non-finite may have been poisoned there, so ``ALL_LAYERS`` too."""
+    stage: every layer non-finite may have been poisoned there, so ``ALL_LAYERS`` too. Every
+    layer non-finite with a finite loss in a job of several ranks: another rank's NaN came
+    in through the all-reduce (``FROM_ANOTHER_RANK``), not this model's last layer."""
     bad = [name for name, x in layer_norms.items() if not math.isfinite(x)]
-    if len(bad) == len(layer_norms) and (loss is None or not math.isfinite(loss)):
-        return ALL_LAYERS
+    if len(bad) == len(layer_norms):
+        if loss is None or not math.isfinite(loss):
+            return ALL_LAYERS
+        if several_ranks:
+            return FROM_ANOTHER_RANK
     return bad[-1]

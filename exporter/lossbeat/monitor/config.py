@@ -35,6 +35,10 @@ class MonitorConfig:
     """Task profile: causal-lm, classification, regression, multi-task, preference (DPO) or rl (default: the file's)."""
     run_name: str = ""
     """Free-form run name exported in ``training_run_info``."""
+    run_id: str = ""
+    """The run identity, the ``run_id`` label of every series: shared by the ranks of this run,
+    different from any concurrent run of the same job name. "" (default): ``LOSSBEAT_RUN_ID``,
+    else the Slurm job id, torchrun's run id, ... (:mod:`lossbeat.monitor.identity`)."""
     port_per_local_rank: bool = True
     """Add LOCAL_RANK to the port so every rank of a node can serve."""
     layer_depth: int | None = None
@@ -91,13 +95,19 @@ class MonitorConfig:
     """Folder Prometheus watches with file_sd: each serving rank writes its own target entry
     there (real port, job, node, Slurm job id) and removes it when it ends. None: the
     ``LOSSBEAT_FILE_SD_DIR`` environment variable, else no self-registration."""
-    grad_norm_align_every: int = 100
+    grad_norm_align_every: int | None = None
     """Export the global grad norm of every step that is a multiple of N with that step, for
     ``TrainingRankGradientMismatch`` (replicas must agree). No collective: Prometheus compares
     the ranks, so it cannot hang a job. Pick N so that N steps span several scrape intervals (the
-    rule compares ranks at the same aligned step). 0 disables it: set 0 where ranks
-    legitimately differ (pipeline stages without ``pipeline_group``, whose norms are their own
-    layers'; with it every stage exports the model's norm)."""
+    rule compares ranks at the same aligned step). 0 disables it.
+
+    None (the default): on, every 100 steps, only where the ranks are known to be replicas that
+    must agree: the model given to ``observe(model=...)`` is a ``DistributedDataParallel`` (pure
+    data parallelism) and ``reduce_shards`` is True; off otherwise (FSDP/DTensor, expert
+    parallelism, plain-tensor tensor parallelism, pipeline stages, ``reduce_shards=False``,
+    or a callback that observes the unwrapped model), where ranks legitimately hold different
+    norms. Set N explicitly where you know the ranks agree (the replicate dimension of HSDP,
+    a Trainer or Lightning run under plain DDP)."""
     guard: str = "off"
     """The optimizer guard, applied by ``Monitor.step(optimizer)``: ``"off"`` (``optimizer.step()``
     exactly), ``"skip"`` (a step whose loss or grad norm is non-finite, or whose grad norm departs
@@ -125,6 +135,8 @@ class MonitorConfig:
             raise TypeError(f"profile: expected a profile name, got {type(self.profile).__name__}")
         if not isinstance(self.run_name, str):
             raise TypeError(f"run_name: expected a string, got {type(self.run_name).__name__}")
+        if not isinstance(self.run_id, str):
+            raise TypeError(f"run_id: expected a string, got {type(self.run_id).__name__}")
         if self.layer_depth is not None and (
             isinstance(self.layer_depth, bool) or not isinstance(self.layer_depth, int) or self.layer_depth < 1
         ):
@@ -158,9 +170,10 @@ class MonitorConfig:
             raise TypeError(f"layer_ranks: expected 'first', 'all' or a collection of ranks >= 0, got {ranks!r}")
         if not isinstance(self.strict_port, bool):
             raise TypeError(f"strict_port: expected True or False, got {self.strict_port!r}")
-        if isinstance(self.grad_norm_align_every, bool) or not isinstance(self.grad_norm_align_every, int) \
-                or self.grad_norm_align_every < 0:
-            raise ValueError(f"grad_norm_align_every: expected an int >= 0, got {self.grad_norm_align_every!r}")
+        if self.grad_norm_align_every is not None and (
+                isinstance(self.grad_norm_align_every, bool) or not isinstance(self.grad_norm_align_every, int)
+                or self.grad_norm_align_every < 0):
+            raise ValueError(f"grad_norm_align_every: expected an int >= 0 or None, got {self.grad_norm_align_every!r}")
         self.pipeline_group = _process_group("pipeline_group", self.pipeline_group)
         if self.guard not in ("off", "skip", "stop"):
             raise ValueError(f"guard: expected 'off', 'skip' or 'stop', got {self.guard!r}")

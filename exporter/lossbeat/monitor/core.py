@@ -32,7 +32,7 @@ from lossbeat.exposition.server import MetricsServer, RankContext
 from lossbeat.exposition.state import MonitorState
 from lossbeat.measure.cross_rank import CrossRankSignals
 from lossbeat.measure.meter import GradientMeter, ShardedMeasurementError
-from lossbeat.monitor import inputs, lifecycle
+from lossbeat.monitor import identity, inputs, lifecycle
 from lossbeat.monitor.apply import StepApplier
 from lossbeat.monitor.config import DEFAULT_PORT, MonitorConfig
 from lossbeat.monitor.guard import make_guard
@@ -63,13 +63,15 @@ class Monitor:
             "run": config.run_name, "profile": self.thresholds.profile.name, "world_size": str(ctx.world_size),
             "local_rank": str(ctx.local_rank), "version": __version__,
             "torch_version": torch.__version__.split("+")[0],
-        })
+        }, identity.run_identity(config.run_id, ctx.world_size))
         self._log = RateLimitedLog()
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
         self.history = self._judge.history
         vitals = Vitals(self.thresholds, config.lr_schedule)
         self._judgment = Judgment(self.state, self._judge, vitals, config.log_status_changes, self._log)
-        self._cross_rank = CrossRankSignals(self.state.rank, config.grad_norm_align_every, config.work_time)
+        align = config.grad_norm_align_every  # None: decided from the first model (pure DDP only)
+        self._cross_rank = CrossRankSignals(self.state.rank, 0 if align is None and not config.reduce_shards
+                                            else align, config.work_time)
         self._meter = GradientMeter(
             layer_depth=config.layer_depth, max_layers=config.max_layers, layer_every=config.layer_every,
             reduce_shards=config.reduce_shards, pipeline_group=config.pipeline_group,
@@ -83,7 +85,7 @@ class Monitor:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._transfer.drain_at_scrape)
         self.registry.register(self._collector)
-        self._cross_rank_collector = CrossRankCollector(self._cross_rank)
+        self._cross_rank_collector = CrossRankCollector(self._cross_rank, self.state.run_id)
         self.registry.register(self._cross_rank_collector)
         self._last_perf: float | None = None
         self.closed = False
@@ -140,23 +142,30 @@ class Monitor:
         not. Never pass a placeholder such as torchtitan's ``-1``: it would be judged as the loss.
 
         Wrong types raise ``TypeError``; NaN, Inf and other anomalies in the values are
-        counted and exported, never raised.
+        counted and exported, never raised. A loss (or component) tensor of several values is
+        reduced to its mean and counted (``training_exporter_errors_total{where="input"}``); a
+        component that is None is absent this step.
         """
         # validate
         if self.closed:
             raise RuntimeError("observe: this monitor is closed")
         step = inputs.check_step(step)
         inputs.refuse_graph_capture("observe")
+        anomalies: list[str] = []  # per-step data that is not one value: counted below, never raised
         values: dict[Any, Any] = {
-            "loss": inputs.scalar("loss", loss, optional=True),  # None: no loss on this rank (a pipeline stage)
+            "loss": inputs.per_step("loss", loss, anomalies),  # None: no loss on this rank (a pipeline stage)
             "grad_norm": inputs.scalar("grad_norm", grad_norm, optional=True),
             "tokens": inputs.scalar("tokens", tokens, optional=True),
             "grad_scale": inputs.loss_scale(grad_scaler),
         }
         values.update(inputs.learning_rates(optimizer, learning_rate))
-        values.update(inputs.components(losses))
+        values.update(inputs.components(losses, anomalies))
         inputs.check_model(model)
         epoch = inputs.check_epoch(epoch)
+        for name in anomalies:
+            self.state.count_error("input")
+            self._log("input", logging.WARNING, "lossbeat: %s: expected one value, got a tensor of several "
+                      "(pass e.g. loss.mean()); observed as its mean (an empty one: skipped)", name)
 
         now_perf = time.perf_counter()
         duration = None if self._last_perf is None else now_perf - self._last_perf
@@ -298,8 +307,8 @@ class Monitor:
         self.closed = True
         self.state.completed = completed
         if completed or self.state.halted:  # a halted run lingers too: Prometheus reads training_halted
-            if self._server is not None:
-                lifecycle.linger(self._collector.scrape_interval(), self.config.linger_seconds)
+            if self._server is not None:  # until each scraper has read it
+                lifecycle.linger(self._server.scrapers, time.monotonic(), self.config.linger_seconds)
         # After the linger, before the port closes: Prometheus drops the target having read the
         # marker, no up=0; a crash leaves the entry for the prune, and the vanished series page.
         if self._registration is not None:
@@ -317,8 +326,10 @@ class Monitor:
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(completed=exc_type is None)
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # SystemExit(0) leaving the block is a normal end; SystemExit(1) or an exception is not.
+        self.close(completed=exc_type is None or (
+            isinstance(exc, SystemExit) and not lifecycle.failure_status(exc.code)))
 
     def _close_at_exit(self) -> None:
         try:

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["scalar", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components",
+__all__ = ["scalar", "per_step", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components",
            "check_step", "check_model", "check_epoch"]
 
 MAX_PARAM_GROUPS = 32
@@ -52,8 +52,11 @@ def learning_rates(optimizer: Any, learning_rate: Any) -> dict[Any, Any]:
     return out
 
 
-def components(losses: Mapping[str, Any] | None) -> dict[Any, Any]:
-    """``{("component", name): value}`` of a multi-task loss (at most MAX_COMPONENTS)."""
+def components(losses: Mapping[str, Any] | None, anomalies: list[str] | None = None) -> dict[Any, Any]:
+    """``{("component", name): value}`` of a multi-task loss (at most MAX_COMPONENTS).
+
+    A component that is None is absent this step (an auxiliary loss some batches lack): skipped,
+    not an error. A tensor of several values is :func:`per_step` data (reduced, noted)."""
     if losses is None:
         return {}
     if not isinstance(losses, Mapping):
@@ -62,8 +65,25 @@ def components(losses: Mapping[str, Any] | None) -> dict[Any, Any]:
     for name, value in list(losses.items())[:MAX_COMPONENTS]:
         if not isinstance(name, str):
             raise TypeError(f"losses: component names must be strings, got {name!r}")
-        out[("component", name)] = scalar(f"losses[{name!r}]", value)
+        value = per_step(f"losses[{name!r}]", value, anomalies)
+        if value is not None:
+            out[("component", name)] = value
     return out
+
+
+def per_step(name: str, value: Any, anomalies: list[str] | None) -> float | torch.Tensor | None:
+    """:func:`scalar` (optional) for per-step data, which must not stop a run mid-way: a real
+    tensor of several values (``nn.DataParallel``'s per-device losses) is reduced to its mean on
+    its device (one kernel, no host sync), an empty one is dropped (None); either is appended to
+    ``anomalies``, which the caller counts. A wrong *type* still raises TypeError."""
+    if (isinstance(value, torch.Tensor) and value.numel() != 1 and not value.is_meta
+            and not value.is_complex() and value.dtype != torch.bool):
+        if anomalies is not None:
+            anomalies.append(name)
+        if value.numel() == 0:
+            return None
+        value = value.detach().to(torch.float32).mean()
+    return scalar(name, value, optional=True)
 
 
 def scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.Tensor | None:

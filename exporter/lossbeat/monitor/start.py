@@ -23,7 +23,8 @@ def start_exporter(
 ) -> Monitor | NullMonitor:
     """Serve /metrics on ``port + LOCAL_RANK`` and return the process's :class:`Monitor`.
 
-    Calling it again returns the monitor already running (whatever the port).
+    Calling it again returns the monitor already running, whatever its arguments: a warning
+    names each setting given that differs from the running monitor's (they are ignored).
     ``settings`` are :class:`MonitorConfig` fields. ``enabled=False`` or the
     environment variable ``LOSSBEAT_DISABLED=1`` gives a :class:`NullMonitor`.
     ``rank_context``: the process's rank, local rank and world size; default
@@ -38,8 +39,13 @@ def start_exporter(
     with process.lock:
         running = process.running
         if running is not None and not running.closed:
-            if running.config.port != port:
-                log.warning("lossbeat: exporter already running on port %s; ignoring port %s", running.port, port)
+            ignored = [name for name in ("port", "addr", *settings)
+                       if getattr(running.config, name) != getattr(config, name)]
+            if ignored:
+                log.warning("lossbeat: an exporter is already running (port %s); start_exporter() returns it "
+                            "and ignores these settings of this call: %s", running.port,
+                            ", ".join(f"{name}={getattr(config, name)!r} (running: {getattr(running.config, name)!r})"
+                                      for name in ignored))
             return running
         process.running = Monitor(config, rank_context=rank_context)
         return process.running

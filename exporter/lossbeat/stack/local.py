@@ -6,7 +6,9 @@ thresholds (the packaged ones, or ``--thresholds``) and sends alerts to an Alert
 running the packaged ``alertmanager.yml``, whose page and ticket webhooks reach a local
 receiver (:mod:`lossbeat.stack.webhook`) that records what arrives. It needs nothing from the
 repository: it works from an installed package in an empty folder. Everything lives in one
-folder under the temp dir; its ``state.json`` records the PIDs so that ``stack down`` stops
+private folder (``$XDG_RUNTIME_DIR/lossbeat-stack``, else ``<tmp>/lossbeat-stack-<uid>``; mode
+0700, owned by the user, checked before anything is read or written there: see
+:func:`private_dir`); its ``state.json`` records the PIDs so that ``stack down`` stops
 exactly what ``up`` started, and ``stack status`` shows each firing alert, the receiver
 Alertmanager routed it to and whether the notification arrived.
 
@@ -35,6 +37,7 @@ import yaml
 from lossbeat.mixin import rules as rules_module
 from lossbeat.mixin.generated import shipped_text, with_runbook_base
 from lossbeat.diagnosis.thresholds import ThresholdsError, load_thresholds
+from lossbeat.stack.private import UnsafeDirError, default_dir, private_dir
 from lossbeat.stack.webhook import read_notifications
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "write_targets_file",
     "write_target_groups",
     "find_binary",
+    "private_dir",
     "alert_lines",
     "add_arguments",
     "run",
@@ -107,9 +111,18 @@ def write_targets_file(path: Path, targets: Iterable[str], job: str = DEFAULT_JO
 
 def write_target_groups(path: Path, groups: list[dict]) -> None:
     """Write file_sd target groups ({"targets": [...], "labels": {...}}) atomically."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(groups, indent=2), encoding="utf-8")
-    os.replace(tmp, path)  # a reader never sees half a file
+    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).stem}.", suffix=".tmp")  # O_EXCL
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o644)  # Prometheus may run as another user
+            f.write(json.dumps(groups, indent=2))
+        os.replace(tmp, path)  # a reader never sees half a file
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def render_prometheus_config(*, targets_file: Path, rule_files: Sequence[Path], alertmanagers: Sequence[str],
@@ -232,8 +245,7 @@ class Stack:
 
     def start(self, timeout: float = 30.0) -> None:
         """Write the configs, start the servers (and the receiver) and wait until all report ready."""
-        self.workdir = Path(self.workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = private_dir(Path(self.workdir))
         for server in ("prometheus", "alertmanager"):
             self.binaries[server] = find_binary(server)
         ports = {"prometheus": self.prometheus_port, "alertmanager": self.alertmanager_port,
@@ -380,7 +392,7 @@ class Stack:
 
 # --- the command line ----------------------------------------------------------------
 
-DEFAULT_DIR = Path(tempfile.gettempdir()) / "lossbeat-stack"
+DEFAULT_DIR = default_dir()
 # What `up` may delete in --dir from an earlier stack; anything else there is left alone.
 _STACK_FILES = ("prometheus-data", "alertmanager-data", "prometheus.log", "alertmanager.log", "receiver.log",
                 "prometheus.yml", "alertmanager.yml", "rules.yml", "runbooks.md", "targets.json", "targets.tmp",
@@ -414,7 +426,9 @@ def _clear(workdir: Path) -> None:
     """Remove what an earlier stack left in ``workdir`` (its own files only)."""
     for name in _STACK_FILES:
         path = workdir / name
-        if path.is_dir():
+        if path.is_symlink():  # dangling or not: removed, never followed
+            path.unlink()
+        elif path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
@@ -564,4 +578,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # before anything in the folder is read (state.json names pids to stop) or written
+        private_dir(args.dir, create=args.action == "up")
+    except UnsafeDirError as exc:
+        print(f"lossbeat stack: {exc}", file=sys.stderr)
+        return 2
     return {"up": _up, "down": _down, "status": _status}[args.action](args)

@@ -1,0 +1,111 @@
+"""The phases the framework callbacks know about (issue 19): a slow validation in a real
+Lightning fit and a slow evaluation in a real HF Trainer run, sampled over HTTP while they run.
+Each evaluation batch must show ``training_phase{phase="eval"} 1`` and a fresh heartbeat, so
+a long validation pages TrainingStalled only past ``stalled_phase_after``; training resumes in
+"train". Without the hooks the phase stayed "train" and the heartbeat froze for the whole
+evaluation."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import require_module
+from lossbeat.monitor import Monitor, MonitorConfig
+
+
+def sample(port: int) -> dict[str, float]:
+    """One scrape over HTTP: the current phase's name and the heartbeat."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "training_phase" and s.value == 1:
+                out["phase"] = s.labels["phase"]
+            elif s.name == "training_last_heartbeat_timestamp_seconds":
+                out["heartbeat"] = s.value
+    return out
+
+
+def _check(during: list[dict], after: dict) -> None:
+    assert len(during) >= 3, during
+    assert [s["phase"] for s in during] == ["eval"] * len(during), during
+    beats = [s["heartbeat"] for s in during]
+    # Every batch heartbeats: each sample's heartbeat is newer than the one before.
+    assert all(b > a for a, b in zip(beats, beats[1:])), beats
+    assert after["phase"] == "train"
+
+
+def test_a_slow_lightning_validation_is_in_the_eval_phase_and_heartbeats():
+    L = require_module("lightning")
+    from lossbeat.integrations.lightning import LossbeatCallback
+
+    monitor = Monitor(MonitorConfig(port=0, addr="127.0.0.1", linger_seconds=0))
+    during: list[dict] = []
+
+    class SlowValidation(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            time.sleep(0.05)  # a slow evaluation batch
+            if not self.trainer.sanity_checking and batch_idx >= 1:
+                during.append(sample(monitor.port))  # Prometheus scraping mid-validation
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    x = torch.randn(32, 4)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, max_steps=4,
+                        num_sanity_val_steps=0, limit_val_batches=5, val_check_interval=2, callbacks=[LossbeatCallback(monitor)])
+    try:
+        trainer.fit(SlowValidation(), data, data)
+        _check(during, sample(monitor.port))
+    finally:
+        monitor.close()
+
+
+def test_a_slow_hf_evaluation_is_in_the_eval_phase_and_heartbeats(tmp_path):
+    require_module("transformers")
+    require_module("accelerate")
+    from hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer, TrainingArguments
+
+    from lossbeat.integrations.hf import LossbeatCallback
+
+    monitor = Monitor(MonitorConfig(port=0, addr="127.0.0.1", linger_seconds=0))
+    during: list[dict] = []
+
+    class SlowEval(Tokens):
+        def __getitem__(self, i):
+            time.sleep(0.05)  # a slow evaluation set, read between the evaluation batches
+            if i >= 2:
+                during.append(sample(monitor.port))
+            return super().__getitem__(i)
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, per_device_eval_batch_size=1,
+        logging_steps=1, eval_strategy="steps", eval_steps=2, learning_rate=1e-3, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32, 1), eval_dataset=SlowEval(5, 2),
+                      callbacks=[LossbeatCallback(monitor)])
+    try:
+        trainer.train()
+        assert trainer.state.global_step == 3
+        _check(during, sample(monitor.port))
+    finally:
+        monitor.close()
