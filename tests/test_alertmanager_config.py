@@ -43,7 +43,7 @@ def test_amtool_accepts_the_config():
     result = amtool("check-config", str(CONFIG))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
-    assert "3 inhibit rules" in result.stdout and "2 receivers" in result.stdout
+    assert "5 inhibit rules" in result.stdout and "2 receivers" in result.stdout
 
 
 def test_every_alert_routes_by_its_severity():
@@ -94,10 +94,18 @@ def test_inhibition_rule_content():
             assert rule["equal"] == list(JOB)
         else:  # the loss echoes: one rank of one run, the labels every alert keeps
             assert rule["equal"] == list(TARGET)
+    # The optimizer guard: a stop is the page (the exporter vanishing and the skips are context);
+    # repeated skips page, their ticket is context.
+    (halted,) = by_source['alertname="TrainingHalted"']
+    assert halted["target_matchers"] == [
+        'alertname=~"TrainingExporterDown|TrainingStalled|TrainingSkippingRepeatedly|TrainingStepsSkipped"']
+    (repeated,) = by_source['alertname="TrainingSkippingRepeatedly"']
+    assert repeated["target_matchers"] == ['alertname="TrainingStepsSkipped"']
+    assert halted["equal"] == repeated["equal"] == list(TARGET)
     assert names == INHIBITED_BY_NAN
     (down,) = by_source['alertname="TrainingExporterDown"']
     assert _targets(down) == {"TrainingRankDown", "TrainingStalled"} and down["equal"] == list(JOB)
-    assert len(rules_) == 3
+    assert len(rules_) == 5
     rules = {r.name: r for r in alert_rules(load_thresholds())}
     assert INHIBITED_BY_NAN | {"TrainingLossNaN"} <= set(rules)
     for name in INHIBITED_BY_NAN | {"TrainingLossNaN"}:
@@ -264,3 +272,19 @@ def test_real_alertmanager_pages_one_crash_once(alertmanager):
     assert seen[("TrainingRankDown", "101", "1")]["state"] == "suppressed"
     assert seen[("TrainingExporterDown", "101", "1")]["state"] == "active"
     assert seen[("TrainingStalled", "102", "0")]["state"] == "active"
+
+
+def test_real_alertmanager_pages_a_guard_stop_once(alertmanager):
+    """A stopped run pages TrainingHalted; its exporter vanishing and its skips are held, for that
+    rank of that run only."""
+    _api(alertmanager, "alerts", [
+        _alert("TrainingHalted", "0", "critical", RUN_A),
+        _alert("TrainingExporterDown", "0", "critical", RUN_A),
+        _alert("TrainingSkippingRepeatedly", "0", "critical", RUN_A),
+        _alert("TrainingExporterDown", "0", "critical", RUN_B),
+    ])
+    seen = _wait_suppressed(alertmanager, ("TrainingExporterDown", RUN_A, "0"))
+    assert seen[("TrainingExporterDown", RUN_A, "0")]["state"] == "suppressed"
+    assert seen[("TrainingSkippingRepeatedly", RUN_A, "0")]["state"] == "suppressed"
+    assert seen[("TrainingHalted", RUN_A, "0")]["state"] == "active"
+    assert seen[("TrainingExporterDown", RUN_B, "0")]["state"] == "active"  # another run still pages

@@ -162,7 +162,7 @@ def test_public_api_is_pinned():
 
     assert sorted(lossbeat.__all__) == sorted([
         "start_exporter", "Monitor", "MonitorConfig", "NullMonitor", "Report", "DEFAULT_PORT",
-        "load_thresholds", "Thresholds", "ThresholdsError",
+        "load_thresholds", "Thresholds", "ThresholdsError", "TrainingHalted",
     ])
     for name in lossbeat.__all__:
         assert getattr(lossbeat, name) is not None

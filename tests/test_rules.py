@@ -49,6 +49,9 @@ ALERTS = {  # the contract: name -> severity
     "TrainingLossRankSpread": "warning",
     "TrainingStraggler": "warning",
     "TrainingRankGradientMismatch": "critical",
+    "TrainingStepsSkipped": "warning",
+    "TrainingSkippingRepeatedly": "critical",
+    "TrainingHalted": "critical",
 }
 
 # A user's thresholds file changing numbers, counts and (short) durations.
@@ -278,7 +281,7 @@ def test_rendering_is_deterministic():
     assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
         "lossbeat.recording", "lossbeat.nonfinite", "lossbeat.gradients", "lossbeat.loss",
         "lossbeat.optimizer", "lossbeat.liveness", "lossbeat.resources",
-        "lossbeat.cross_rank",
+        "lossbeat.cross_rank", "lossbeat.guard",
     ]
 
 
@@ -350,7 +353,9 @@ def test_recording_rules_follow_level_metric_operations():
         level, metric, operations = rule.record.split(":")
         assert metric in METRICS or metric + "_total" in METRICS, rule.record
         assert operations and re.fullmatch(r"[a-z0-9_]+", operations), rule.record
-        assert tuple(level.split("_")) == rule.keeps, rule.record
+        # The level names the labels kept; the job-level rules keep the run identity beside the
+        # job without spelling it (job:..., as before run_id existed: dashboards query them).
+        assert level in ("_".join(rule.keeps), "_".join(k for k in rule.keeps if k != "run_id")), rule.record
         assert f"by ({', '.join(rule.keeps)})" in rule.expr, rule.record
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "load_thresholds",
     "Thresholds",
     "ThresholdsError",
+    "TrainingHalted",
 ]
 
 _HOME = {
@@ -34,6 +35,7 @@ _HOME = {
     "NullMonitor": "lossbeat.monitor",
     "Report": "lossbeat.monitor",
     "DEFAULT_PORT": "lossbeat.monitor",
+    "TrainingHalted": "lossbeat.monitor",
     "load_thresholds": "lossbeat.diagnosis.thresholds",
     "Thresholds": "lossbeat.diagnosis.thresholds",
     "ThresholdsError": "lossbeat.diagnosis.thresholds",

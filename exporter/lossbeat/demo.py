@@ -205,6 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-name", "--job-name", dest="run_name", default="lossbeat-demo")
     parser.add_argument("--linger", type=float, default=0.0, help="keep serving /metrics this many seconds after training")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--guard", choices=("off", "skip", "stop"), default="off",
+                        help="the optimizer guard (monitor.step): skip or stop a bad step before the optimizer "
+                             "applies it; with it, --fault nan is one bad batch (at --fault-step), not every step after")
     parser.add_argument("--grad-scaler", action="store_true",
                         help="dynamic loss scaling with a GradScaler, as fp16 training does")
 
@@ -217,13 +220,14 @@ def _faults(text: str) -> tuple[str, ...]:
     return faults
 
 
-def _scale_gradients_from(model: "TinyLM", layer: str, factor: float, start: int) -> None:
+def _scale_gradients_from(model: "TinyLM", layer: str, factor: float, start: int, once: bool = False) -> None:
     for p in model.get_submodule(layer).parameters():
-        p.register_hook(lambda g, _m=model: g * factor if _m.training_step >= start else g)
+        p.register_hook(lambda g, _m=model: g * factor if (_m.training_step == start if once
+                                                             else _m.training_step >= start) else g)
 
 
 def run(args: argparse.Namespace) -> int:
-    from lossbeat.monitor import start_exporter
+    from lossbeat.monitor import TrainingHalted, start_exporter
 
     if args.steps < 1:
         raise SystemExit("lossbeat demo: --steps must be >= 1")
@@ -240,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         monitor = start_exporter(
             args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name,
             work_time=True,  # the demo shows every signal, the Cluster dashboard's per-rank work time too
+            guard=args.guard,
         )
     except OSError as exc:  # a busy port: the message names it and the fix; no traceback
         print(str(exc) if str(exc).startswith("lossbeat") else f"lossbeat demo: {exc}", file=sys.stderr)
@@ -251,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
           + (f"; fault {','.join(args.fault)} at step {fault_step}" if faults else ""), flush=True)
 
     if "explode" in faults:
-        _scale_gradients_from(model, EXPLODING_LAYER, 1e4, fault_step)
+        _scale_gradients_from(model, EXPLODING_LAYER, 1e4, fault_step, once=args.guard != "off")
     if "vanish" in faults:
         _scale_gradients_from(model, VANISHING_LAYER, 1e-9, fault_step)
 
@@ -277,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
             tokens, targets, noisy = corpus.batch_with_noise(args.batch_size)
             components = model.losses(tokens, targets, noisy) if args.multi_task else None
             loss = sum(components.values()) if components else model(tokens, targets)
-            if "nan" in active:
+            if "nan" in active and (args.guard == "off" or step == fault_step):
                 loss = loss * float("nan")
                 components = {name: value * float("nan") for name, value in components.items()} if components else None
             if scaler is not None:
@@ -288,7 +293,9 @@ def run(args: argparse.Namespace) -> int:
             grad_norm = monitor.clip_grad_norm_(model, 1.0)
             monitor.observe(step, loss=loss, optimizer=optimizer, grad_norm=grad_norm, model=model,
                             tokens=tokens.numel(), epoch=step / 100, losses=components, grad_scaler=scaler)
-            if scaler is not None:  # skips a step whose gradients are not finite, lowers the scale
+            if args.guard != "off":  # the guard decides, on the device; with a scaler, its step and update
+                monitor.step(optimizer, grad_scaler=scaler)
+            elif scaler is not None:  # skips a step whose gradients are not finite, lowers the scale
                 scaler.step(optimizer)
                 scaler.update()
             # The demo reads its own values for the progress bar and for skipping
@@ -311,6 +318,12 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(3 * (step_started + args.step_delay))
             if args.step_delay:
                 time.sleep(args.step_delay)
+    except TrainingHalted as halted:  # the guard stopped the run: no bad step reached the weights
+        progress.close()
+        print(f"lossbeat demo: {halted}", file=sys.stderr, flush=True)
+        print(monitor.report(), flush=True)
+        monitor.close(completed=False)
+        return 3
     finally:
         progress.close()
         signal.signal(signal.SIGTERM, previous_handler)

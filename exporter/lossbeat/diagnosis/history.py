@@ -71,11 +71,7 @@ class LossSeries:
             return False
         self.nonfinite_run = 0
         t = self.t
-        spike = (
-            len(self.window) >= t.loss.spike_min_steps
-            and math.isfinite(self._noise)
-            and value - self._local > max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._local))
-        )
+        spike = value > self.spike_limit()
         if self.first_step is None:
             self.first_step = step
         if len(self._initial) < _INITIAL_RECORDS:
@@ -88,6 +84,14 @@ class LossSeries:
         if self._pushes % t.windows.diagnose_every == 0 or self._pushes <= t.loss.spike_min_steps:
             self.refresh()
         return spike
+
+    def spike_limit(self) -> float:
+        """The loss above which the next record is a spike (inf until enough records): the local
+        level + max(``spike_sigma`` x the robust noise, ``spike_min_rise`` x the level)."""
+        t = self.t
+        if len(self.window) < t.loss.spike_min_steps or not math.isfinite(self._noise):
+            return math.inf
+        return self._local + max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._local))
 
     def refresh(self) -> None:
         """Recompute the robust level and noise of the noise window (O(window), every few records)."""
@@ -150,12 +154,18 @@ class GradBaseline:
     def established(self) -> bool:
         return len(self.ring) - _RECENT_GRADS >= self.t.windows.baseline_min_records and math.isfinite(self.median)
 
+    def event_limit(self) -> float:
+        """The norm above which a step departs from the baseline (inf until it is established):
+        a jump (``jump_ratio`` x the median), or above the absolute ceiling and ``ceiling_ratio``
+        x the median. The optimizer guard compares the step's norm with it on the device."""
+        if not self.established:
+            return math.inf
+        g_t = self.t.gradients
+        return min(g_t.jump_ratio * self.median, max(g_t.explosion, g_t.ceiling_ratio * self.median))
+
     def is_event(self, g: float) -> bool:
         """A departure from the baseline: a jump, or above the absolute ceiling and well above the level."""
-        if not self.established:
-            return False
-        g_t = self.t.gradients
-        return g > g_t.jump_ratio * self.median or (g > g_t.explosion and g > g_t.ceiling_ratio * self.median)
+        return g > self.event_limit()
 
     def push(self, step: int, g: float) -> bool:
         event = self.is_event(g)

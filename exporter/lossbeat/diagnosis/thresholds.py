@@ -244,6 +244,8 @@ class AlertSettings:
     loss_spread_for: str
     straggler_for: str
     grad_mismatch_for: str
+    guard_window: str
+    """Window over which the optimizer guard's skips are counted (a ticket, or a page past ``guard.page_skips``)."""
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,14 @@ class CrossRankThresholds:
 
 
 @dataclass(frozen=True)
+class GuardThresholds:
+    max_consecutive: int
+    """Skips in a row after which ``guard="skip"`` stops the run (a fault that persists is not one bad batch)."""
+    page_skips: int
+    """Skips within ``alerts.guard_window`` that page (TrainingSkippingRepeatedly); fewer are a ticket."""
+
+
+@dataclass(frozen=True)
 class Thresholds:
     profile: Profile
     """The active task profile."""
@@ -279,6 +289,7 @@ class Thresholds:
     throughput: ThroughputThresholds
     lr_schedule: ScheduleThresholds
     cross_rank: CrossRankThresholds
+    guard: GuardThresholds
     source: str = field(default="<package>", compare=False)
     """Where the values came from (for error messages and the run info)."""
 
@@ -526,6 +537,7 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         throughput=_throughput(_section(doc, "throughput")),
         lr_schedule=_build(ScheduleThresholds, _section(doc, "lr_schedule"), "lr_schedule"),
         cross_rank=_build(CrossRankThresholds, _section(doc, "cross_rank"), "cross_rank"),
+        guard=_build(GuardThresholds, _section(doc, "guard"), "guard"),
         source=source,
     )
 

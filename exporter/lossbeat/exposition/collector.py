@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from lossbeat.diagnosis.patterns import PATTERNS
 from lossbeat.measure.memory import read_memory
-from lossbeat.exposition.metrics import METRICS, PHASES, with_run_id
+from lossbeat.exposition.metrics import METRICS, PHASES, SKIP_REASONS, with_run_id
 
 if TYPE_CHECKING:
     from lossbeat.exposition.state import MonitorState
@@ -131,6 +131,17 @@ class MonitorCollector(Collector):
             c = _counter(name)
             c.add_metric([rank], value)
             yield c
+        if s.guard_mode != "off":
+            skipped = s.skipped_steps  # swapped whole
+            c = _counter("training_skipped_steps_total", ("reason",))
+            for reason in SKIP_REASONS:
+                c.add_metric([rank, reason], skipped.get(reason, 0))
+            yield c
+            for name, value in (("training_guard_consecutive_skips", s.guard_consecutive_skips),
+                                ("training_halted", 1.0 if s.halted else 0.0)):
+                g = _gauge(name)
+                g.add_metric([rank], value)
+                yield g
 
     def _progress(self, s: "MonitorState") -> Iterator[Metric]:
         """Heartbeat, phase, time per phase and the completion marker (liveness alerts)."""

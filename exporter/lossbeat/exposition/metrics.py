@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PHASES", "PREFIX", "RUN_ID_LABEL", "with_run_id"]
+__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PHASES", "PREFIX", "RUN_ID_LABEL", "with_run_id",
+           "SKIP_REASONS"]
+
+SKIP_REASONS = ("nonfinite", "explosion", "spike")
+"""Why the optimizer guard skipped a step (the ``reason`` label of training_skipped_steps_total)."""
 
 PREFIX = "training_"
 RUN_ID_LABEL = "run_id"
@@ -77,6 +81,10 @@ _SPECS = [
     MetricSpec("training_loss_spikes_total", "counter", "Steps whose loss exceeded its recent median by spike_sigma robust standard deviations (and spike_min_rise)."),
     MetricSpec("training_grad_explosions_total", "counter", "Steps whose global grad norm departed from the run's baseline: above jump_ratio x its median, or above the explosion ceiling and ceiling_ratio x it."),
     MetricSpec("training_grad_scaler_overflows_total", "counter", "Steps whose gradients overflowed under fp16 loss scaling: the GradScaler skips them (not counted as non-finite gradients)."),
+    # The optimizer guard (MonitorConfig.guard): exported unless it is off.
+    MetricSpec("training_skipped_steps_total", "counter", "Steps the optimizer guard kept from the optimizer (parameters, optimizer state and loss scale untouched), by reason: nonfinite, explosion, spike.", ("reason",)),
+    MetricSpec("training_guard_consecutive_skips", "gauge", "Steps skipped in a row by the optimizer guard up to the last applied one (0: the last step was applied).", unit="none"),
+    MetricSpec("training_halted", "gauge", "1 once the optimizer guard stopped the run (TrainingHalted raised on every rank), else 0.", unit="none"),
     MetricSpec("training_phase_seconds_total", "counter", "Wall time spent in each phase since the monitor started (the current phase up to the scrape).", ("phase",)),
     MetricSpec("training_exporter_errors_total", "counter", "Errors inside lossbeat itself, by where they happened; training is never interrupted.", ("where",)),
     # Cross-rank signals (lossbeat.measure.cross_rank): compared across the ranks of a job by the rules.

@@ -58,6 +58,13 @@ class MonitorState:
         self.loss_spikes_total = 0
         self.grad_explosions_total = 0
         self.grad_scaler_overflows_total = 0
+        self.guard_mode = "off"
+        """The optimizer guard's mode; its series are exported unless it is off."""
+        self.skipped_steps: dict[str, int] = {}
+        """Steps the guard kept from the optimizer, by reason: swapped whole."""
+        self.guard_consecutive_skips = 0
+        self.halted = False
+        """The guard stopped the run (TrainingHalted raised)."""
         self.errors: dict[str, int] = {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}
         self._error_lock = threading.Lock()
 

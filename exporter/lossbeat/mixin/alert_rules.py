@@ -252,6 +252,9 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
                 f"{new_events('training_nonfinite_loss_total', a.event_window)}\n"
                 "or\n"
                 "training_loss != training_loss\n"
+                # A NaN step the optimizer guard kept from the optimizer is a skip (a ticket,
+                # TrainingStepsSkipped), not a page: the weights never saw it.
+                f"  unless {ON_TARGET} training_guard_consecutive_skips > 0\n"
             ),
             summary="The training loss is NaN or infinite",
             description=(
@@ -871,6 +874,59 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
     ]
 
 
+def _guard_alerts(t: Thresholds) -> list[AlertRule]:
+    """The optimizer guard (MonitorConfig.guard): what it kept from the optimizer, and a stop."""
+    a, g = t.alerts, t.guard
+    skipped = "training_skipped_steps_total"
+    return [
+        AlertRule(
+            name="TrainingStepsSkipped",
+            group="lossbeat.guard",
+            severity="warning",
+            expr=new_events(skipped, a.guard_window) + "\n",
+            summary="The optimizer guard skipped steps",
+            description=(
+                f"{WHO_CAP}: the optimizer guard kept {VALUE} step(s) from the optimizer in the last "
+                f"{a.guard_window} (reason {{{{ $labels.reason }}}}). Parameters, optimizer state and loss "
+                "scale are as if those steps never happened; training goes on."
+            ),
+            condition=f"any skipped step within {a.guard_window}",
+            action="look at the skipped steps' batches; a few absorbed are routine, a pattern is not",
+            keeps=TARGET + ("reason",),
+        ),
+        AlertRule(
+            name="TrainingSkippingRepeatedly",
+            group="lossbeat.guard",
+            severity="critical",
+            expr=f"sum without(reason) (increase({skipped}[{a.guard_window}])) > {g.page_skips}\n",
+            summary="The optimizer guard skips step after step",
+            description=(
+                f"{WHO_CAP}: the optimizer guard skipped {VALUE} steps in the last {a.guard_window} "
+                f"(more than {g.page_skips}): the run is skipping, not learning. After "
+                f"{g.max_consecutive} in a row it stops (TrainingHalted)."
+            ),
+            condition=f"more than {g.page_skips} skipped steps within {a.guard_window}",
+            action="roll back to the last good checkpoint; lower the LR, check the data stream",
+            keeps=TARGET,
+        ),
+        AlertRule(
+            name="TrainingHalted",
+            group="lossbeat.guard",
+            severity="critical",
+            expr=f"max_over_time(training_halted[{a.guard_window}]) > 0\n",
+            summary="The optimizer guard stopped the run",
+            description=(
+                f"{WHO_CAP} was stopped by the optimizer guard (training_halted {VALUE}; TrainingHalted raised on every rank): "
+                f"guard='stop' met a bad step, or more than {g.max_consecutive} steps in a row were bad. "
+                "No bad step reached the weights; the last checkpoint is good."
+            ),
+            condition=f"training_halted was 1 within {a.guard_window}",
+            action="read the TrainingHalted message in the log (step, reason, values); resume from the last checkpoint",
+            keeps=TARGET,
+        ),
+    ]
+
+
 def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
     """Every alerting rule, in the order of the rule groups."""
     if not isinstance(thresholds, Thresholds):
@@ -882,6 +938,7 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
         + _progress_alerts(thresholds)
         + _resource_alerts(thresholds)
         + _cluster_alerts(thresholds)
+        + _guard_alerts(thresholds)
     )
 
 

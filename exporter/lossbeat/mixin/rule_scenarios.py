@@ -9,6 +9,7 @@ import math
 
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.mixin.alert_rules import JOB_RANK, MAD_TO_SIGMA, duration_seconds
+from lossbeat.mixin.guard_scenarios import guard_scenarios
 from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_finishing
 from lossbeat.mixin.rule_series import (
     INSTANCE,
@@ -546,5 +547,5 @@ JUDGED = {
 
 
 SCENARIO_FAMILIES = (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress,
-                     _resources, _cluster, concurrent_cross_rank, ranks_finishing)
+                     _resources, _cluster, concurrent_cross_rank, ranks_finishing, guard_scenarios)
 """Every family of scenarios, in the order the test documents list them."""

@@ -30,8 +30,9 @@ class StepApplier:
     """Called with each step, in order, once its values are on the host (the transfer's lock held)."""
 
     def __init__(self, state: MonitorState, history: History, cross_rank: Any, vitals: Vitals,
-                 judgment: Judgment, log: RateLimitedLog) -> None:
+                 judgment: Judgment, log: RateLimitedLog, guard: Any) -> None:
         self.state, self.history, self.cross_rank, self.vitals = state, history, cross_rank, vitals
+        self.guard = guard
         self.judgment, self.log = judgment, log
         self._nonfinite_run = False  # the last applied step had a non-finite gradient
 
@@ -69,7 +70,12 @@ class StepApplier:
         if "grad_scale" in v:
             s.grad_scale = self.history.grad_scale = v["grad_scale"]
 
-        events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
+        if "guard" in v and self.guard.record(v["guard"], v["guard_index"], record.step, loss, grad_norm):
+            # Kept from the optimizer: counted as a skip, not as a fault the model took in.
+            events = self.history.add_step(record.step, None, None, lr_max, components)
+            layer_nonfinite = False
+        else:
+            events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
         self.cross_rank.record(record.step, grad_norm)
         if loss is not None:
             s.loss = loss if math.isfinite(loss) else math.nan

@@ -108,6 +108,18 @@ class MonitorConfig:
     or a callback that observes the unwrapped model), where ranks legitimately hold different
     norms. Set N explicitly where you know the ranks agree (the replicate dimension of HSDP,
     a Trainer or Lightning run under plain DDP)."""
+    guard: str = "off"
+    """The optimizer guard, applied by ``Monitor.step(optimizer)``: ``"off"`` (``optimizer.step()``
+    exactly), ``"skip"`` (a step whose loss or grad norm is non-finite, or whose grad norm departs
+    from the run's baseline as an explosion does, is skipped on the device, every rank agreeing;
+    more than ``guard.max_consecutive`` in a row stop the run) or ``"stop"`` (the first bad step
+    is skipped and ``TrainingHalted`` is raised). See docs/guard.md."""
+    guard_spikes: bool = False
+    """Also skip a step whose loss spikes (``loss.spike_sigma`` over the recent level)."""
+    guard_schedule: str = "advance"
+    """What a skipped step does to the LR scheduler given to ``Monitor.step(scheduler=...)``:
+    ``"advance"`` (it takes its slot of the schedule, as torchtitan and OLMo-core do; no host read)
+    or ``"hold"`` (the schedule waits; on CUDA, one host read of the decision per step)."""
     work_time: bool = False
     """Time this rank's own work per step (data wait + forward, through forward hooks on the
     ``observe(model=...)`` module) for ``TrainingStraggler``."""
@@ -163,6 +175,12 @@ class MonitorConfig:
                 or self.grad_norm_align_every < 0):
             raise ValueError(f"grad_norm_align_every: expected an int >= 0 or None, got {self.grad_norm_align_every!r}")
         self.pipeline_group = _process_group("pipeline_group", self.pipeline_group)
+        if self.guard not in ("off", "skip", "stop"):
+            raise ValueError(f"guard: expected 'off', 'skip' or 'stop', got {self.guard!r}")
+        if not isinstance(self.guard_spikes, bool):
+            raise TypeError(f"guard_spikes: expected True or False, got {self.guard_spikes!r}")
+        if self.guard_schedule not in ("advance", "hold"):
+            raise ValueError(f"guard_schedule: expected 'advance' or 'hold', got {self.guard_schedule!r}")
         if not isinstance(self.work_time, bool):
             raise TypeError(f"work_time: expected True or False, got {self.work_time!r}")
         if self.file_sd_dir is not None and (not isinstance(self.file_sd_dir, (str, os.PathLike))

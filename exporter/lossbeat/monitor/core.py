@@ -35,6 +35,7 @@ from lossbeat.measure.meter import GradientMeter, ShardedMeasurementError
 from lossbeat.monitor import identity, inputs, lifecycle
 from lossbeat.monitor.apply import StepApplier
 from lossbeat.monitor.config import DEFAULT_PORT, MonitorConfig
+from lossbeat.monitor.guard import make_guard
 from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.null import NullMonitor, PhaseScope
 from lossbeat.monitor.ratelog import RateLimitedLog
@@ -76,8 +77,10 @@ class Monitor:
             reduce_shards=config.reduce_shards, pipeline_group=config.pipeline_group,
             exports_layers=config.exports_layers(ctx.rank), on_error=self._gradient_error)
         self._vitals = vitals
+        self._guard = make_guard(config.guard, config.guard_spikes, config.guard_schedule, self.thresholds,
+                                 self.history, self.state, config.defer_device_reads and torch.cuda.is_available())
         self._transfer = DeviceTransfer(
-            StepApplier(self.state, self.history, self._cross_rank, vitals, self._judgment, self._log),
+            StepApplier(self.state, self.history, self._cross_rank, vitals, self._judgment, self._log, self._guard),
             config.defer_device_reads)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._transfer.drain_at_scrape)
@@ -179,6 +182,7 @@ class Monitor:
                 self._log("error", logging.ERROR, "lossbeat: cannot measure the gradients; training continues",
                           exc_info=True)
             self._meter.submitted += 1
+            self._guard.decide(values)  # guard="skip"/"stop": the step's verdict, on the device
             # submit (the step's one host transfer), then drain → apply → judge what has arrived
             self._transfer.submit(step, time.time(), duration, epoch, values, layer_names)
             self.state.cuda_device = self._transfer.cuda_device
@@ -186,6 +190,18 @@ class Monitor:
         except Exception:  # the training loop must go on: count, log, continue
             self.state.count_error("observe")
             self._log("error", logging.ERROR, "lossbeat: error in observe(); training continues", exc_info=True)
+
+    def step(self, optimizer: Any, *, grad_scaler: Any = None, scheduler: Any = None) -> None:
+        """Apply the observed step: ``optimizer.step()``, unless the guard keeps it from the optimizer.
+
+        Call it in place of ``optimizer.step()``, after ``observe``. With ``grad_scaler`` it
+        runs ``grad_scaler.step(optimizer)`` and ``grad_scaler.update()`` (call neither yourself);
+        ``scheduler`` is stepped after it (``guard_schedule`` says what a skip does to it). Raises
+        :class:`~lossbeat.monitor.guard.TrainingHalted` on every rank when the guard stops the run.
+        """
+        if getattr(optimizer, "param_groups", None) is None or not callable(getattr(optimizer, "step", None)):
+            raise TypeError(f"optimizer: expected a torch optimizer, got {type(optimizer).__name__}")
+        self._guard.step(optimizer, grad_scaler, scheduler)
 
     def observe_eval(self, step: int, eval_loss: Any) -> None:
         """Record an evaluation loss (feeds ``training_eval_loss`` and the overfitting check).
@@ -289,8 +305,8 @@ class Monitor:
         except Exception:
             self.state.count_error("observe")
         self.closed = True
-        if completed:
-            self.state.completed = True
+        self.state.completed = completed
+        if completed or self.state.halted:  # a halted run lingers too: Prometheus reads training_halted
             if self._server is not None:  # until each scraper has read it
                 lifecycle.linger(self._server.scrapers, time.monotonic(), self.config.linger_seconds)
         # After the linger, before the port closes: Prometheus drops the target having read the

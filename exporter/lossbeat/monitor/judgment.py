@@ -75,6 +75,8 @@ class Judgment:
             "grad_scaler_overflows": s.grad_scaler_overflows_total,
             "exporter_errors": sum(s.errors.values()),
         }
+        if s.guard_mode != "off":
+            counters["skipped_steps"] = sum(s.skipped_steps.values())
         return Report(self.findings, counters, s.step, self.vitals.describe_pattern())
 
 

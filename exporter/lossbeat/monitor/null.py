@@ -52,6 +52,15 @@ class NullMonitor:
     def heartbeat(self) -> None:
         pass
 
+    def step(self, optimizer: Any, *, grad_scaler: Any = None, scheduler: Any = None) -> None:
+        if grad_scaler is not None:
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+        else:
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 

@@ -67,7 +67,7 @@ def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
 def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:
     offset = 0
     for key, length in layout:
-        if key == "layers":
+        if key == "layers" or key == "guard":  # vectors; every other key is one value
             into[key] = values[offset : offset + length]
         else:
             into[key] = values[offset]

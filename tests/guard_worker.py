@@ -1,0 +1,87 @@
+"""A torchrun worker for test_guard_distributed.py: a real DDP or FSDP2 job on gloo, with the
+optimizer guard on and one fault injected on one rank only; each rank writes what it saw."""
+
+import argparse
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lossbeat import Monitor, MonitorConfig
+from worker_exit import finish, write_result
+
+FAULTS = {30: "local_loss_nan", 40: "grad_nan_before_allreduce", 50: "spike_one_rank"}
+"""Step -> the fault injected there, each on one rank only (the last, the first, the last)."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if args.wrap == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        wrapped = model
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    monitor = Monitor(MonitorConfig(port=0, guard="skip", guard_spikes=True,
+                                    grad_norm_align_every=0), serve=False)
+    state = {"step": 0}
+    if rank == 0:
+        # A NaN born in this rank's backward, before the gradients are averaged (DDP) or reduced (FSDP).
+        def poison(module, inputs, output):
+            if FAULTS.get(state["step"]) == "grad_nan_before_allreduce":
+                output.register_hook(lambda g: g * math.nan)
+
+        model[2].register_forward_hook(poison)
+    skipped_at, losses = [], []
+    for step in range(max(FAULTS) + 10):
+        state["step"] = step
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(16, 8, generator=g)
+        y = x.sum(dim=1, keepdim=True) * 0.1
+        loss = nn.functional.mse_loss(wrapped(x), y)
+        if rank == world - 1 and FAULTS.get(step) == "local_loss_nan":
+            loss = loss * math.nan
+        if rank == world - 1 and FAULTS.get(step) == "spike_one_rank":
+            loss = loss * 1e4
+        optimizer.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
+        before = sum(monitor.state.skipped_steps.values())
+        monitor.observe(step, loss=loss, grad_norm=grad_norm, optimizer=optimizer)
+        monitor.step(optimizer)
+        if sum(monitor.state.skipped_steps.values()) > before:
+            skipped_at.append(step)
+        losses.append(float(loss.detach()))
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    flat = torch.cat([p.reshape(-1) for p in params]).double()
+    gathered = [torch.zeros_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    write_result(args.dir, rank, {
+        "skipped_at": skipped_at,
+        "skipped": dict(monitor.state.skipped_steps),
+        "params_equal_across_ranks": all(torch.equal(gathered[0], g) for g in gathered),
+        "params_finite": bool(torch.isfinite(flat).all()),
+        "last_loss_finite": math.isfinite(losses[-1]),
+        "world": world,
+        "pid": os.getpid(),
+    })
+    monitor.close()
+    finish()
+
+
+if __name__ == "__main__":
+    main()
