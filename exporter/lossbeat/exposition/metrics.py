@@ -87,6 +87,7 @@ HEALTH_CHECKS = (
     "warmup",
     "overfitting",
     "nonfinite",
+    "learning",
     "memory",
     "throughput",
     "lr_schedule",
