@@ -77,8 +77,8 @@ def test_t5_grad_norm_spikes_are_explosion_events(defaults):
 def test_qwen_law_huge_loss_out_of_range(defaults):
     a = analyze_file(_corpus("hf-qwen2.5-3b-lora-law-hugeloss-trainer_state.json"), defaults)
     f = _final(a, "loss_range")
-    # 284.9 at the first record: no vocabulary explains it (a loss-scale or reduction bug).
-    assert f.status is Status.WARNING and "initial loss 284.9" in f.message
+    # 284.9 at the first record, 78.6 at the end: still far out of range (the start is a fact of the past).
+    assert f.status is Status.WARNING and "mean loss 78.6 is above 5" in f.message
     # Its grad norms (197, 422) come before any baseline: the first steps, not judged as explosions.
     assert a.event_steps["grad_explosions"] == []
 

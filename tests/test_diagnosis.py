@@ -129,6 +129,18 @@ def test_an_oscillating_loss_is_volatile():
     assert wild.counters["nonfinite_loss"] == 0
 
 
+def test_noise_is_a_danger_only_where_it_grew_or_hides_the_trend():
+    n = noise(41, 0.5)
+    # A noisy small-batch run that keeps learning through its noise: a warning at most.
+    learning = run(range(3000), lambda s: 1.0 + 3.0 * math.exp(-s / 800) + n())
+    assert learning.reached("loss_volatility", Status.WARNING)
+    assert not learning.reached("loss_volatility", Status.DANGER)
+    # The same noise, then three times more once it stopped improving: it grew, a danger.
+    m = noise(42, 0.5)
+    grew = run(range(3000), lambda s: 1.0 + 3.0 * math.exp(-s / 300) + m() * (1 if s < 1500 else 3))
+    assert final(grew, "loss_volatility").status is Status.DANGER
+
+
 def test_noise_near_the_threshold_does_not_flap():
     n = noise(5, 0.148)  # robust noise / level hovering around cv_warning (0.15)
     a = run(range(6000), lambda s: 1.0 + n())

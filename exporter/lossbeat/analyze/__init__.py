@@ -60,7 +60,7 @@ def for_log(log: ParsedLog, thresholds: Thresholds, given: bool = False) -> tupl
 def judge_log(log: ParsedLog, thresholds: Thresholds, given: bool = False) -> FileAnalysis:
     """Each run of a parsed file, replayed with the profile :func:`for_log` chooses."""
     t, why = for_log(log, thresholds, given)
-    runs = [replay(run, t) for run in log.segments]
+    runs = [replay(run, t) for run in log.runs]
     for a in runs:
         a.profile_reason = why
     return FileAnalysis(log, runs)

@@ -22,6 +22,7 @@ _MAX_EVAL_GROUPS = 32
 _INITIAL_RECORDS = 1  # the initial loss is the first finite record (the article's 'first loss')
 _RECENT_GRADS = 5  # the "recent" grad-norm level is the median of this many records
 _CANONICAL = frozenset(SIGNALS)
+_EARLY_NOISE_RECORDS = 8
 _ZERO_INFLATED = 0.1  # more than this fraction of exact zeros: noise from the non-zero records
 
 
@@ -58,6 +59,8 @@ class LossSeries:
         """Finite records in a row exactly equal to the latest one (1: it differs from the one before)."""
         self.records = 0
         """Finite records seen."""
+        self.first_noise = math.nan
+        """The robust noise at the first refresh with ``_EARLY_NOISE_RECORDS`` records: the run's own early noise."""
         self.fell_once = False
         """Set by :func:`lossbeat.diagnosis.learning.learned` once the loss fell significantly below its start."""
 
@@ -81,7 +84,8 @@ class LossSeries:
         self.nonfinite_run = 0
         t = self.t
         spike = (
-            len(self.window) >= t.loss.spike_min_steps
+            t.profile.trend  # an RL policy loss is ~0 by construction: its excursions mean nothing
+            and len(self.window) >= t.loss.spike_min_steps
             and math.isfinite(self._noise) and self._noise > 0
             and value - self._local > max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._local))
         )
@@ -111,12 +115,19 @@ class LossSeries:
         if len(values) - len(nonzero) > _ZERO_INFLATED * len(values) and len(nonzero) >= 4:
             values = nonzero
         self._noise = robust_noise(values)
+        if math.isnan(self.first_noise) and len(values) >= _EARLY_NOISE_RECORDS:
+            self.first_noise = self._noise
         # Spikes are judged against the local level (a falling loss leaves the window's median behind).
         self._local = median(values[-self.t.loss.spike_min_steps:])
 
     @property
     def level(self) -> float:
         return self._level
+
+    @property
+    def local(self) -> float:
+        """The median of the last ``spike_min_steps`` records (a level one spike does not move)."""
+        return self._local
 
     @property
     def noise(self) -> float:
@@ -146,6 +157,7 @@ class LossSeries:
         self._pushes = 0
         self.same_run = self.records = 0
         self.fell_once = False
+        self.first_noise = math.nan
 
 
 class GradBaseline:

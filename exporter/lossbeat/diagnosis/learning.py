@@ -56,8 +56,12 @@ def learned(history, t: Thresholds) -> bool | None:
         return True
     s = series.summary
     initial, noise = series.initial, series.noise
-    if s.first_step is None or not math.isfinite(initial) or len(s) < t.windows.trend_min_records:
+    if s.first_step is None or not math.isfinite(initial):
         return None
+    if len(s) < t.windows.trend_min_records:
+        # Few records: only a loss that never went below its first value says anything.
+        values = series.ring.last(len(series.ring))
+        return False if len(values) >= 3 and min(values) >= initial else None
     width = max(1.0, 0.1 * s.span)
     n_best, best = s.best(width, max(1, min(t.windows.trend_min_records, len(s) // 10)), s.last_step)
     if not n_best:
@@ -72,9 +76,11 @@ def learned(history, t: Thresholds) -> bool | None:
 def _nothing_trained(history, profile: Profile) -> Finding | None:
     loss = history.loss
     run = loss.same_run
-    if run < MIN_CONSTANT_RECORDS and not (run == loss.records and run >= 3):
-        return None
     value = loss.ring.back(0)
+    # A preference loss of exactly 0 is saturated (-log sigmoid(x) rounds to 0 only for x > ~36).
+    saturated = profile.name == "preference" and value == 0.0 and run >= 2
+    if run < MIN_CONSTANT_RECORDS and not (run == loss.records and run >= 3) and not saturated:
+        return None
     every = "every record" if run == loss.records else f"the last {run} records"
     grads = history.grad_records
     zero_grad = grads and history.grad_zero_run >= min(run, history.grad_records)
@@ -172,20 +178,33 @@ def _preference(history, mean: float, se: float, falling: bool) -> Finding | Non
     return None
 
 
+def _never(loss, now: float) -> Finding:
+    return Finding(CHECK, Status.WARNING,
+                   f"never learned: the loss started at {loss.initial:.4g} and never fell significantly below it "
+                   f"over {loss.span} steps (now {now:.4g})",
+                   "check the learning rate (too large: the loss rises or jumps around its start; too small: it "
+                   "does not move), that the optimizer holds the model's parameters, and that the labels match "
+                   "the inputs")
+
+
 def check_learning(history, trend, t: Thresholds) -> Finding:
     """Whether the run learns (see the module)."""
     profile = t.profile
     loss = history.loss
     if loss.nonfinite_run:
         return Finding.unknown(CHECK, "cannot judge: the latest loss is not finite")
-    nothing = _nothing_trained(history, profile) if loss.records else None
+    # An RL policy loss is exactly 0 by construction on many steps: its signals judge it.
+    nothing = _nothing_trained(history, profile) if loss.records and profile.trend else None
     if nothing is not None:
         return nothing
     if profile.name == "rl":
         found = _rl(history, t)
         return found or Finding.unknown(CHECK, "an RL loss is not meant to fall: the reward signals judge learning "
                                                "(none logged)")
+    did = learned(history, t)
     if loss.records < t.windows.trend_min_records:
+        if did is False and loss.span >= t.loss.range_after_steps // 5:
+            return _never(loss, loss.ring.back(0))
         return Finding.unknown(CHECK)
     recent = loss.ring.last(t.windows.noise_records)
     tail = recent[-max(t.windows.trend_min_records, len(recent) // 4):]
@@ -210,13 +229,8 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
             return Finding(CHECK, Status.WARNING,
                            f"at chance: the eval loss {value:.4g} equals ln {k} within its noise: the model predicts "
                            f"uniformly over {k} classes", _FIX_CHANCE)
-    did = learned(history, t)
     if did is False and loss.span >= t.loss.range_after_steps // 5:
-        return Finding(CHECK, Status.WARNING,
-                       f"never learned: the loss started at {loss.initial:.4g} and never fell significantly below it "
-                       f"over {loss.span} steps (now {mean:.4g})",
-                       "raise the learning rate, check that the optimizer holds the model's parameters and that the "
-                       "labels match the inputs")
+        return _never(loss, mean)
     if did is None:
         return Finding.unknown(CHECK)
     return Finding(CHECK, Status.GOOD, f"the loss fell from {loss.initial:.4g} to {mean:.4g}")

@@ -102,6 +102,14 @@ def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
         if fast is not None and fast[5]:
             ratio, z, recent, previous, best, rising = fast
             width = short
+    # A rise must show in the median of the latest records too: one huge spike that recovered
+    # at the next record lifts a window's mean, not the run's level.
+    local = getattr(series, "local", math.nan)
+    if rising and math.isfinite(local):
+        # The median of n records has a standard error of about 1.25 noise / sqrt(n).
+        tolerance = max(abs(loss.trend_rising) * max(abs(previous), floor or 0.0),
+                        loss.trend_min_z * 1.25 * noise / math.sqrt(loss.spike_min_steps) if math.isfinite(noise) else 0.0)
+        rising = local > previous + tolerance
     falling = not rising and ratio >= loss.plateau_max_fall and z >= loss.fall_min_z
     return Trend(True, ratio, z, width, recent, previous, best, rising, falling)
 
@@ -142,7 +150,7 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
         return Finding.unknown(check, component=component)
     mean = fsum(recent) / len(recent)
     initial = series.initial
-    if profile.loss_init_high is not None and initial > profile.loss_init_high:
+    if profile.loss_init_high is not None and initial > profile.loss_init_high and not mean < 0.5 * initial:
         return Finding(
             check, Status.WARNING,
             f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, more than a uniform prediction over "
@@ -302,12 +310,22 @@ def is_spike(value: float, level: float, noise: float, t: LossThresholds) -> boo
             and value - level > max(t.spike_sigma * noise, t.spike_min_rise * abs(level)))
 
 
-def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "") -> Finding:
-    """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise."""
+def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "",
+                      learned: bool | None = None) -> Finding:
+    """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
+
+    ``learned`` False (the training loss never fell below its start): an eval loss rising there is
+    not overfitting, the run never learned (the ``learning`` check says so)."""
     check = "overfitting"
     if track is None or track.count < 2:
         return Finding.unknown(check, component=component)
     rise = track.rise
+    if learned is not True and track.above:
+        why = ("the training loss never fell below its start: not overfitting, a run that never learned"
+               if learned is False else "the training loss has not been seen falling yet")
+        return Finding(check, Status.GOOD,
+                       f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
+                       component=component)
     if track.above >= t.evals and not trend.rising:
         return Finding(
             check, Status.WARNING,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from lossbeat.diagnosis.findings import Finding, Status
@@ -13,6 +14,7 @@ from lossbeat.diagnosis.loss import check_loss_range, check_loss_trend, check_lo
 
 __all__ = ["diagnose"]
 
+_NOISE_GREW = 1.5  # the absolute noise above this x the run's early noise: it grew
 _REPEATED_NONFINITE = 3  # more non-finite records than this in the window (and > 10 % of it): repeated
 
 
@@ -37,18 +39,18 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
                          held=held.get(("loss_trend", ""), Status.GOOD), learned=did_learn),
         _hides_trend(check_loss_volatility(cv, t.loss, nonfinite=bool(loss.nonfinite_run),
                                            held=held.get(("loss_volatility", ""), Status.GOOD), release=release),
-                     trend),
+                     trend, loss, did_learn),
         check_grad_norm(history.grad, t.gradients),
         check_layer_grad_norms(history.layer_norms, t.gradients),
         check_learning_rate(schedule, trend, cv, t.learning_rate),
         check_warmup(loss, profile, t.learning_rate),
-        check_overfitting(history.evals.get(""), trend, t.overfitting),
+        check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn),
         _nonfinite(history),
         check_learning(history, trend, t),
     ]
     for group, track in history.evals.items():
         if group:
-            findings.append(check_overfitting(track, trend, t.overfitting, group))
+            findings.append(check_overfitting(track, trend, t.overfitting, group, learned=did_learn))
     component_profile = t.profiles.get("multi-task", profile) if profile.name == "multi-task" else profile
     for name, series in history.components.items():
         c_trend = trend_of(series, t, component_profile.volatility_floor)
@@ -61,12 +63,22 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     return findings
 
 
-def _hides_trend(f: Finding, trend) -> Finding:
-    """Noise is a danger only where it hides the trend: a loss that still falls significantly
-    through its noise (small or variable-length batches), or one too short to tell, is a warning."""
-    if f.status is not Status.DANGER or (trend.known and not trend.falling):
+def _hides_trend(f: Finding, trend, series, did_learn: bool | None = None) -> Finding:
+    """Per-step losses of small or variable-length batches are noisy by nature: noise is a danger
+    only when it grew against the run's own early noise while the loss stopped improving (it
+    hides the trend), or in a run that never learned through it. Otherwise a warning that says why."""
+    if f.status is not Status.DANGER:
         return f
-    why = "the loss still falls through it" if trend.known else "too few records to tell whether it hides the trend"
+    early, now = series.first_noise, series.noise
+    grew = math.isfinite(early) and math.isfinite(now) and now > _NOISE_GREW * early
+    if (grew or did_learn is False) and trend.known and not trend.falling:
+        return f
+    if not trend.known:
+        why = "too few records to tell whether it hides the trend"
+    elif trend.falling:
+        why = "the loss still falls through it"
+    else:
+        why = f"no more than the run's own early noise ({early:.3g})" if math.isfinite(early) else "as from the start"
     return Finding(f.check, Status.WARNING, f"{f.message}; {why}", f.fix, f.component)
 
 
