@@ -193,7 +193,7 @@ _REAL: dict[str, dict] = {
                                                                                "loss_trend")),
     "t5-small": dict(fault="isolated grad-norm spikes (35.6, 13.2)", expect=("event:grad_explosions",)),
     "tinyllama-1.1b-chat-lora-sft": dict(),
-    "dpo": dict(profile="preference", agreed=("loss_trend",), note="flat near ln 2 for its first epoch"),
+    "dpo": dict(profile="preference", agreed=("loss_trend", "learning"), note="flat near ln 2 for its first epoch"),
     "whisper-large-v2-ja-overfit": dict(fault="overfitting (eval rises at every evaluation)",
                                          expect=("overfitting",)),
     "whisper-large-v3-tr": dict(fault="degrades as the LR warms up (best checkpoint at 250)",

@@ -385,7 +385,8 @@ class History:
             self.grad_nonfinite_run = 0 if math.isfinite(grad_norm) else self.grad_nonfinite_run + 1
             if math.isfinite(grad_norm):
                 self.grad_norms.push(grad_norm)
-                events.explosion = self.grad.push(step, grad_norm)
+                if grad_norm != 0.0:  # no gradient (an RL step without advantage) is not a level
+                    events.explosion = self.grad.push(step, grad_norm)
             else:
                 events.nonfinite_grad = True
 

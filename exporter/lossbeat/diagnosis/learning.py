@@ -31,6 +31,8 @@ _MAX_CLASSES = 100
 _CHANCE_Z = 3.0  # within this many standard errors of the mean of ln K is "at" ln K
 _CHANCE_MIN_TOL = 1e-4  # relative: printed losses are rounded
 _ZERO_STD = 1e-6
+_FEW_RECORDS_FALL = 0.1
+_COLLAPSE_RECORDS = 10
 _FIX_NOTHING = ("check that the loss is computed from the model's outputs (not detached, not under no_grad), "
                 "that some labels are not the ignore index, that parameters have requires_grad and are in the "
                 "optimizer, and that the LR is not 0")
@@ -60,8 +62,17 @@ def learned(history, t: Thresholds) -> bool | None:
         return None
     if len(s) < t.windows.trend_min_records:
         # Few records: only a loss that never went below its first value says anything.
+        # Few records: a loss that never went below its first value did not learn; one whose last
+        # two records sit well below it (no noise estimate yet: by a margin) did.
         values = series.ring.last(len(series.ring))
-        return False if len(values) >= 3 and min(values) >= initial else None
+        if len(values) < 3:
+            return None
+        if min(values) >= initial:
+            return False
+        if (values[-1] + values[-2]) / 2 < initial - _FEW_RECORDS_FALL * abs(initial):
+            series.fell_once = True
+            return True
+        return None
     width = max(1.0, 0.1 * s.span)
     n_best, best = s.best(width, max(1, min(t.windows.trend_min_records, len(s) // 10)), s.last_step)
     if not n_best:
@@ -85,6 +96,8 @@ def _nothing_trained(history, profile: Profile) -> Finding | None:
     grads = history.grad_records
     zero_grad = grads and history.grad_zero_run >= min(run, history.grad_records)
     bad_grad = grads and history.grad_nonfinite_run >= min(run, history.grad_records)
+    if loss.fell_once and not (zero_grad or bad_grad) and not saturated:
+        return None  # a run that learned and now prints the same rounded value (0.0002) has converged
     if profile.name == "preference" and value == 0.0:
         margins = history.signals.get("margins")
         grown = f"; reward margins {margins.first:.3g} -> {margins.latest:.3g}" if margins and margins.count > 1 else ""
@@ -122,8 +135,11 @@ def _eval_chance(history) -> tuple[int, float] | None:
         noise = robust_noise(values)
         if not math.isfinite(noise):  # few evals: their spread; eval losses are far less noisy than train
             noise = (max(values) - min(values)) / 2.0
-        k = chance_level(mean, noise / math.sqrt(len(tail)))
-        if k is not None and track.latest >= track.best * 0.999:
+        se = noise / math.sqrt(len(tail))
+        k = chance_level(mean, se)
+        # At chance all along: the best eval was at ln K too (an eval loss rising through ln K
+        # from below is overfitting, not chance).
+        if k is not None and chance_level(track.best, max(se, noise)) == k:
             return k, mean
     return None
 
@@ -131,12 +147,17 @@ def _eval_chance(history) -> tuple[int, float] | None:
 def _rl(history, t: Thresholds) -> Finding | None:
     sig = history.signals
     std, zero, reward = sig.get("reward_std"), sig.get("frac_reward_zero_std"), sig.get("reward")
-    if std is not None and std.count >= 5 and std.recent_median(10) <= _ZERO_STD * max(1.0, abs(std.first)) \
-            or zero is not None and zero.count >= 5 and zero.recent_median(10) >= 0.99:
-        which = (f"reward_std {std.recent_median(10):.3g}" if std is not None else "") + (
-            f"{', ' if std is not None else ''}frac_reward_zero_std {zero.recent_median(10):.3g}" if zero else "")
+    # Collapsed: every one of the last records (a zero-spread step now and then is a group that
+    # was all solved or all failed, not a collapse).
+    std_gone = std is not None and std.count >= _COLLAPSE_RECORDS and max(
+        abs(v) for v in std.recent.last(len(std.recent))) <= _ZERO_STD
+    zero_all = zero is not None and zero.count >= _COLLAPSE_RECORDS and min(zero.recent.last(len(zero.recent))) >= 0.99
+    if std_gone or zero_all:
+        n = len((std if std_gone else zero).recent)
+        which = (f"reward_std 0 on each of the last {n} records" if std_gone else
+                 f"frac_reward_zero_std 1 on each of the last {n} records")
         return Finding(CHECK, Status.DANGER,
-                       f"the learning signal collapsed: {which} over the last records: every completion of a group "
+                       f"the learning signal collapsed: {which}: every completion of a group "
                        "gets the same reward, so there is no advantage and no gradient",
                        "raise the sampling temperature or the group size, check the reward function (constant? "
                        "saturated?) and make the prompts neither all solved nor all failed")
