@@ -60,8 +60,9 @@ def test_token_compressor_plateau(defaults):
     a = analyze_file(_corpus("hf-llama3.1-8b-lora-token-compressor-plateau-trainer_state.json"), defaults)
     assert a.reached("loss_trend") and "plateaued" in a.worst[("loss_trend", "")].finding.message
     assert a.worst[("loss_trend", "")].step < 300  # while the LR was still high
-    f = _final(a, "loss_trend")  # at the end, the cosine reached 0: a flat loss there is expected
-    assert f.status is Status.GOOD and "end of a decayed LR schedule" in f.message
+    f = _final(a, "loss_trend")  # the cosine reached 0, but the run never learned: not excused
+    assert f.status is Status.WARNING and "never fell below its start" in f.message
+    assert _final(a, "learning").status is Status.WARNING
 
 
 def test_t5_grad_norm_spikes_are_explosion_events(defaults):
@@ -76,8 +77,8 @@ def test_t5_grad_norm_spikes_are_explosion_events(defaults):
 def test_qwen_law_huge_loss_out_of_range(defaults):
     a = analyze_file(_corpus("hf-qwen2.5-3b-lora-law-hugeloss-trainer_state.json"), defaults)
     f = _final(a, "loss_range")
-    # 284.9 at the first record: no vocabulary explains it (a loss-scale or reduction bug).
-    assert f.status is Status.WARNING and "initial loss 284.9" in f.message
+    # 284.9 at the first record, 78.6 at the end: still far out of range (the start is a fact of the past).
+    assert f.status is Status.WARNING and "mean loss 78.6 is above 5" in f.message
     # Its grad norms (197, 422) come before any baseline: the first steps, not judged as explosions.
     assert a.event_steps["grad_explosions"] == []
 
@@ -137,7 +138,8 @@ def test_nonfinite_values_are_counted(tmp_path, defaults):
     a = analyze_file(path, defaults)
     assert a.counters["nonfinite_loss"] == 1 and a.counters["nonfinite_grad"] == 1
     assert a.event_steps["nonfinite_loss"] == [11] and a.event_steps["nonfinite_grad"] == [21]
-    assert _final(a, "nonfinite").status is Status.DANGER
+    f = _final(a, "nonfinite")  # two isolated values in a run that goes on: a warning that says so
+    assert f.status is Status.WARNING and "isolated" in f.message
 
 
 # --- command line -------------------------------------------------------------------------
@@ -150,7 +152,7 @@ def test_cli_json_report(capsys):
     docs = json.loads(capsys.readouterr().out)
     assert [d["format"] for d in docs] == ["hf", "hf"]
     assert docs[0]["events"]["grad_explosions"] == 2 and docs[0]["train_records"] == 430
-    assert docs[1]["status"] == "danger"
+    assert docs[1]["status"] == "warning"  # 285 -> 79 in a few records: too few to call its noise a danger
     assert {"check": "loss_range", "status": "warning"}.items() <= next(
         f for f in docs[1]["findings"] if f["check"] == "loss_range").items()
 
@@ -168,12 +170,14 @@ def test_cli_text_report_and_thresholds_file(tmp_path, capsys):
 
 def test_cli_profile_changes_loss_range(capsys):
     path = str(_corpus("hf-classifier-multi-eval-overfit-trainer_state.json"))
-    main(["analyze", path, "--json"])
+    main(["analyze", path, "--json", "--profile", "causal-lm"])
     causal = json.loads(capsys.readouterr().out)[0]
-    main(["analyze", path, "--json", "--profile", "classification"])
-    classification = json.loads(capsys.readouterr().out)[0]
+    main(["analyze", path, "--json"])  # its eval_accuracy names the task
+    detected = json.loads(capsys.readouterr().out)[0]
     status = lambda doc: next(f["status"] for f in doc["findings"] if f["check"] == "loss_range")  # noqa: E731
-    assert (status(causal), status(classification)) == ("warning", "good")  # 0.056: low for an LM, fine here
+    assert (status(causal), status(detected)) == ("warning", "good")  # 0.056: low for an LM, fine here
+    assert detected["profile"] == "classification" and "_accuracy" in detected["profile_reason"]
+    assert causal["profile"] == "causal-lm" and causal["profile_reason"] == "profile causal-lm (given)"
 
 
 def test_cli_bad_file_exit_status(tmp_path, capsys):
@@ -228,20 +232,20 @@ def test_text_report_says_what_was_read_and_shows_each_run(capsys):
 
 
 def test_gate_exit_status(tmp_path, capsys):
-    nan_run = str(DATA / "megatron-train.log")  # a NaN interval: the final diagnosis holds a DANGER
-    assert main(["analyze", nan_run]) == 1
-    assert main(["analyze", nan_run, "--fail-on", "danger"]) == 1
+    nan_run = str(DATA / "megatron-train.log")  # one NaN interval, recovered: the final diagnosis holds a WARNING
+    assert main(["analyze", nan_run]) == 0
+    assert main(["analyze", nan_run, "--fail-on", "warning"]) == 1
     assert main(["analyze", nan_run, "--fail-on", "never"]) == 0
     healthy = str(DATA / "hf-custom-lr-key-trainer_state.json")
     assert main(["analyze", healthy]) == 0
     overfit = str(_corpus("hf-whisper-large-v2-ja-overfit-trainer_state.json"))  # eval loss up at every eval
     assert main(["analyze", overfit, "--fail-on", "warning"]) == 1
     missing = str(tmp_path / "missing.json")
-    assert main(["analyze", nan_run, missing]) == 2  # could not read wins over the gate
+    assert main(["analyze", nan_run, missing, "--fail-on", "warning"]) == 2  # could not read wins over the gate
     capsys.readouterr()
-    assert main(["analyze", nan_run, "--json"]) == 1
+    assert main(["analyze", nan_run, "--json", "--fail-on", "warning"]) == 1
     doc = json.loads(capsys.readouterr().out)[0]
-    assert doc["file_status"] == "danger" and doc["read"]["train"] == 30 and len(doc["runs"]) == 1
+    assert doc["file_status"] == "warning" and doc["read"]["train"] == 30 and len(doc["runs"]) == 1
 
 
 def _lossbeat(*args: str, **kwargs) -> subprocess.CompletedProcess:

@@ -129,6 +129,18 @@ def test_an_oscillating_loss_is_volatile():
     assert wild.counters["nonfinite_loss"] == 0
 
 
+def test_noise_is_a_danger_only_where_it_grew_or_hides_the_trend():
+    n = noise(41, 0.5)
+    # A noisy small-batch run that keeps learning through its noise: a warning at most.
+    learning = run(range(3000), lambda s: 1.0 + 3.0 * math.exp(-s / 800) + n())
+    assert learning.reached("loss_volatility", Status.WARNING)
+    assert not learning.reached("loss_volatility", Status.DANGER)
+    # The same noise, then three times more once it stopped improving: it grew, a danger.
+    m = noise(42, 0.5)
+    grew = run(range(3000), lambda s: 1.0 + 3.0 * math.exp(-s / 300) + m() * (1 if s < 1500 else 3))
+    assert final(grew, "loss_volatility").status is Status.DANGER
+
+
 def test_noise_near_the_threshold_does_not_flap():
     n = noise(5, 0.148)  # robust noise / level hovering around cv_warning (0.15)
     a = run(range(6000), lambda s: 1.0 + n())
@@ -156,10 +168,20 @@ def test_the_same_run_logged_every_step_or_every_100_steps_gets_the_same_verdict
 
 def test_a_flat_loss_at_the_end_of_a_decayed_schedule_is_expected():
     n = noise(8, 0.01)
-    a = run(range(0, 4000, 10), lambda s: 1.5 + n(), lr=cosine(2e-4, 3000))
+    a = run(range(0, 4000, 10), lambda s: 1.5 + 1.0 * math.exp(-s / 300) + n(), lr=cosine(2e-4, 3000))
     f = final(a, "loss_trend")
     assert f.status is Status.GOOD and "end of a decayed LR schedule" in f.message and "expected" in f.message
     assert final(a, "learning_rate").status is Status.GOOD
+    assert final(a, "learning").status is Status.GOOD
+
+
+def test_a_run_flat_from_its_start_is_not_excused_by_a_decayed_schedule():
+    n = noise(8, 0.01)
+    a = run(range(0, 4000, 10), lambda s: 1.5 + n(), lr=cosine(2e-4, 3000))
+    f = final(a, "loss_trend")
+    assert f.status is Status.WARNING and "never fell below its start" in f.message
+    learning = final(a, "learning")
+    assert learning.status is Status.WARNING and learning.message.startswith("never learned")
 
 
 def test_a_real_plateau_is_a_warning_and_an_lr_dropped_at_once_is_named():
@@ -258,7 +280,23 @@ def test_non_finite_values_never_enter_the_windows():
         assert events.nonfinite_loss == (i in (10, 11))
         assert events.nonfinite_grad == (i == 11)
     assert len(history.loss) == 28
-    assert {f.check: f for f in diagnose(history)}["nonfinite"].status is Status.DANGER
+    f = {f.check: f for f in diagnose(history)}["nonfinite"]  # two records, then 18 finite: isolated, recovered
+    assert f.status is Status.WARNING and "isolated" in f.message and "recovered" in f.message
+
+
+def test_non_finite_values_ongoing_or_repeated_are_a_danger_isolated_ones_a_warning():
+    def status(values, grads=None):
+        history = History(T)
+        for i, v in enumerate(values):
+            history.add_step(i, v, grad_norm=None if grads is None else grads[i])
+        return {f.check: f for f in diagnose(history)}["nonfinite"].status
+
+    loss = [2.0 + 0.01 * (i % 3) for i in range(40)]
+    assert status(loss[:39] + [math.nan]) is Status.DANGER  # the latest loss: ongoing
+    assert status([math.nan if i % 5 == 0 else v for i, v in enumerate(loss)]) is Status.DANGER  # repeated
+    one_grad = [math.inf if i == 39 else 1.0 for i in range(40)]  # one fp16 overflow skip, the loss finite
+    assert status(loss, one_grad) is Status.WARNING
+    assert status(loss, [1.0] * 40) is Status.GOOD
 
 
 def test_a_step_going_backwards_resets_the_windows():

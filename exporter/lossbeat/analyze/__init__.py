@@ -24,8 +24,9 @@ from lossbeat.logs import FORMATS, LogFormatError, ParsedLog, parse_log
 from lossbeat.diagnosis.thresholds import Thresholds, ThresholdsError, load_thresholds
 from lossbeat.analyze.replay import Analysis, WorstFinding, replay
 from lossbeat.analyze.report import file_to_dict, format_file
+from lossbeat.diagnosis.profiles import Detection, detect_profile
 
-__all__ = ["Analysis", "WorstFinding", "FileAnalysis", "analyze_file", "analyze_runs", "replay",
+__all__ = ["Analysis", "WorstFinding", "FileAnalysis", "analyze_file", "analyze_runs", "replay", "for_log", "judge_log",
            "add_arguments", "run", "EXIT_OK", "EXIT_GATE", "EXIT_UNREADABLE"]
 
 EXIT_OK, EXIT_GATE, EXIT_UNREADABLE = 0, 1, 2
@@ -45,11 +46,35 @@ class FileAnalysis:
         return max((a.status for a in self.runs), default=Status.GOOD)
 
 
-def analyze_runs(path: str | os.PathLike, thresholds: Thresholds | None = None, fmt: str | None = None) -> FileAnalysis:
-    """Parse ``path`` and diagnose each run in it on its own."""
+def for_log(log: ParsedLog, thresholds: Thresholds, given: bool = False) -> tuple[Thresholds, str]:
+    """The thresholds to judge ``log`` with: the profile its fields name (RL, preference, seq2seq,
+    classification) unless one was ``given``; and the sentence saying which and from what."""
+    if given:
+        return thresholds, Detection(None).describe(thresholds.profile.name, given=True)
+    found = detect_profile(log.fields)
+    if found.profile is not None and found.profile in thresholds.profiles:
+        thresholds = thresholds.with_profile(found.profile)
+    return thresholds, found.describe(thresholds.profile.name)
+
+
+def judge_log(log: ParsedLog, thresholds: Thresholds, given: bool = False) -> FileAnalysis:
+    """Each run of a parsed file, replayed with the profile :func:`for_log` chooses."""
+    t, why = for_log(log, thresholds, given)
+    runs = [replay(run, t) for run in log.runs]
+    for a in runs:
+        a.profile_reason = why
+    return FileAnalysis(log, runs)
+
+
+def analyze_runs(path: str | os.PathLike, thresholds: Thresholds | None = None, fmt: str | None = None,
+                 profile: str | None = None) -> FileAnalysis:
+    """Parse ``path`` and diagnose each run in it on its own. ``profile`` overrides the one the
+    log's fields name."""
     log = parse_log(path, fmt)
     t = thresholds or load_thresholds()
-    return FileAnalysis(log, [replay(run, t) for run in log.segments])
+    if profile is not None:
+        t = t.with_profile(profile)
+    return judge_log(log, t, given=profile is not None)
 
 
 def analyze_file(path: str | os.PathLike, thresholds: Thresholds | None = None, fmt: str | None = None) -> Analysis:
@@ -62,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log files (or a directory of TensorBoard event files): " + ", ".join(FORMATS))
     parser.add_argument("--format", choices=FORMATS, help="skip auto-detection")
     parser.add_argument("--thresholds", metavar="F", help="thresholds YAML overlaid on the packaged defaults")
-    parser.add_argument("--profile", metavar="P", help="task profile (causal-lm, classification, regression, multi-task)")
+    parser.add_argument("--profile", metavar="P", help="task profile (causal-lm, classification, seq2seq, regression, multi-task, preference, rl); "
+                        "default: the one the log's fields name (reward_std: rl, rewards/margins: preference, "
+                        "eval_wer: seq2seq, eval_accuracy: classification), else causal-lm")
     parser.add_argument("--plot", metavar="OUT.png", help="draw the curves and events (needs the plots extra); "
                         "with several files, OUT-<file>.png each")
     parser.add_argument("--json", action="store_true", help="print one JSON document (a list, one object per file)")
@@ -96,7 +123,7 @@ def _analyse(path: str, args: argparse.Namespace, thresholds: Thresholds) -> Fil
         _error(f"{path}: could not read ({type(exc).__name__}: {exc}); please report this")
         return None
     try:
-        return FileAnalysis(log, [replay(run, thresholds) for run in log.segments])
+        return judge_log(log, thresholds, given=getattr(args, "profile", None) is not None)
     except Exception as exc:  # noqa: BLE001
         _error(f"{path}: analysis failed ({type(exc).__name__}: {exc}); please report this")
         return None

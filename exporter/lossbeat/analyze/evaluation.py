@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from lossbeat.analyze.replay import Analysis, replay
+from lossbeat.analyze.truth import render_truth, score_dir, truth_dirs
 from lossbeat.diagnosis import Status
 from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord, parse_log
 from lossbeat.diagnosis.thresholds import Thresholds, load_thresholds
@@ -41,6 +42,8 @@ REPO = Path(__file__).resolve().parents[3]
 DEFAULT_LOGS = next((p / "shared" / "data" / "real-logs" for p in REPO.parents
                      if (p / "shared" / "data" / "real-logs").is_dir()), REPO.parent / "shared" / "data" / "real-logs")
 """``../shared/data/real-logs`` from the repository (or from a folder above a worktree)."""
+DATA = DEFAULT_LOGS.parent
+"""``../shared/data``: folders of real logs, some with a ``truth.json``."""
 DOC = REPO / "docs" / "analyze.md"
 PAGING_CHECKS = ("grad_norm", "loss_trend", "nonfinite")
 """Checks whose danger pages (critical alerts: explosion, diverging, NaN)."""
@@ -190,7 +193,7 @@ _REAL: dict[str, dict] = {
                                                                                "loss_trend")),
     "t5-small": dict(fault="isolated grad-norm spikes (35.6, 13.2)", expect=("event:grad_explosions",)),
     "tinyllama-1.1b-chat-lora-sft": dict(),
-    "dpo": dict(profile="preference", agreed=("loss_trend",), note="flat near ln 2 for its first epoch"),
+    "dpo": dict(profile="preference", agreed=("loss_trend", "learning"), note="flat near ln 2 for its first epoch"),
     "whisper-large-v2-ja-overfit": dict(fault="overfitting (eval rises at every evaluation)",
                                          expect=("overfitting",)),
     "whisper-large-v3-tr": dict(fault="degrades as the LR warms up (best checkpoint at 250)",
@@ -451,13 +454,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lossbeat.analyze.evaluation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--logs", type=Path, default=DEFAULT_LOGS, help="folder of real logs (default: %(default)s)")
     parser.add_argument("--demo-steps", type=int, default=400, help="steps per demo run (0: no demo runs)")
+    parser.add_argument("--truth", type=Path, nargs="*", default=None, metavar="DIR",
+                        help="score analyze against the truth.json of each DIR (default: every folder of "
+                             f"{DATA} that has one) and print that table only")
     parser.add_argument("--write", type=Path, nargs="?", const=DOC, default=None,
                         help=f"write the tables into this file between the markers (default {DOC})")
     args = parser.parse_args(argv)
+    if args.truth is not None:
+        dirs = args.truth or truth_dirs(DATA)
+        if not dirs:
+            print(f"lossbeat evaluation: no truth.json under {DATA}", file=sys.stderr)
+            return 2
+        print("\n\n".join(render_truth(d.name, score_dir(d)) for d in dirs))
+        return 0
     if not args.logs.is_dir():
         print(f"lossbeat evaluation: no real logs at {args.logs}; evaluating the synthetic and demo runs",
               file=sys.stderr)
     table = render(evaluate(args.logs if args.logs.is_dir() else None, args.demo_steps))
+    if args.write and truth_dirs(DATA):
+        truth = "\n\n".join(render_truth(d.name, score_dir(d)) for d in truth_dirs(DATA))
+        table = table.replace(END, "\n### Against an independent ground truth (`--truth`)\n\n" + truth + "\n" + END)
     if args.write:
         update_doc(args.write, table)
         print(f"wrote {args.write}")

@@ -55,6 +55,9 @@ class Analysis:
     """The loss curve's pattern at the end (article section 1.3), as the live monitor names it."""
     pattern_since: int | None = None
     """The step at which that pattern began."""
+    profile: str = ""
+    """The task profile the run was judged with, and why (:meth:`Detection.describe`)."""
+    profile_reason: str = ""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -135,7 +138,14 @@ class _Replay:
 def replay(log: ParsedLog, thresholds: Thresholds) -> Analysis:
     """Feed every record of ``log`` to a fresh Judge and judge as the live monitor does."""
     r = _Replay(log, thresholds)
+    r.a.profile = thresholds.profile.name
+    signals: dict[int, list[tuple[str, float]]] = {}
+    for name, points in getattr(log, "signals", {}).items():
+        for step, value in points:
+            signals.setdefault(step, []).append((name, value))
     for record in _merged(log.train, log.evals):
+        for name, value in signals.pop(record.step, ()):  # the signals of a step, before its judgment
+            r.history.add_signal(name, value, record.step)
         if isinstance(record, TrainRecord):
             r.train(record)
         else:

@@ -29,6 +29,8 @@ def format_text(a: Analysis, header: bool = True, skip_notes: frozenset[str] = f
     groups = f" in {len(a.eval_groups)} groups ({', '.join(a.eval_groups)})" if len([g for g in a.eval_groups if g]) else ""
     lines = [f"== {a.path} [{a.format}]"] if header else []
     lines.append(f"{indent}{a.train_records} train records ({span}), {a.eval_records} eval records{groups}")
+    if a.profile_reason:
+        lines.append(f"{indent}judged as {a.profile_reason}")
     lines += [f"{indent}note: {n}" for n in a.notes if n not in skip_notes]
     pattern = a.pattern
     if pattern is not None:
@@ -90,6 +92,8 @@ def to_dict(a: Analysis) -> dict[str, Any]:
         "first_step": a.first_step,
         "last_step": a.last_step,
         "status": a.status.name.lower(),
+        "profile": a.profile,
+        "profile_reason": a.profile_reason,
         "pattern": _pattern(a),
         "worst_status": a.worst_status.name.lower(),
         "events": dict(a.counters),

@@ -7,9 +7,11 @@ from typing import Mapping
 
 from lossbeat.diagnosis.thresholds import GradientThresholds
 from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.window import median as _median
 
 __all__ = ["check_grad_norm", "check_layer_grad_norms"]
 
+_CLIMB_RECORDS = 20
 _FIX = "clip gradients (clip_grad_norm_ to 1.0), lower the learning rate, check the recent batches and that inputs are normalised"
 
 
@@ -45,10 +47,14 @@ def check_grad_norm(baseline, t: GradientThresholds) -> Finding:
             f"gradient norm {recent:.3g} jumped from a baseline of {median:.3g}, above {t.explosion:g}: exploding gradients",
             _FIX,
         )
-    if math.isfinite(level) and level > 0 and recent > t.climb_ratio * level:
+    # A climb is the run's median level climbing: the median of the last records (as many as the
+    # baseline needs), not a few spikes that clipping absorbs.
+    wide = _median(baseline.ring.last(_CLIMB_RECORDS))
+    if math.isfinite(level) and level > 0 and recent > t.climb_ratio * level and wide > t.climb_ratio * level:
         return Finding(
             check, Status.DANGER,
-            f"gradient norm {recent:.3g} keeps climbing: {recent / level:.1f}x the run's level {level:.3g}",
+            f"gradient norm {recent:.3g} keeps climbing: the median of the last {_CLIMB_RECORDS} records {wide:.3g} "
+            f"is {wide / level:.1f}x the run's level {level:.3g}",
             _FIX,
         )
     above = f", above the absolute ceiling {t.explosion:g} but at the run's own level" if recent > t.explosion else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.diagnosis.window import LossWindow, Ring, StepSummary, median, robust_noise
 
@@ -20,6 +21,9 @@ _MAX_COMPONENTS = 32  # bounded label cardinality for multi-task losses
 _MAX_EVAL_GROUPS = 32
 _INITIAL_RECORDS = 1  # the initial loss is the first finite record (the article's 'first loss')
 _RECENT_GRADS = 5  # the "recent" grad-norm level is the median of this many records
+_CANONICAL = frozenset(SIGNALS)
+_EARLY_NOISE_RECORDS = 8
+_ZERO_INFLATED = 0.1  # more than this fraction of exact zeros: noise from the non-zero records
 
 
 class StepEvents:
@@ -51,6 +55,14 @@ class LossSeries:
         self._local = math.nan  # median of the last spike_min_steps records
         self._noise = math.nan
         self._pushes = 0
+        self.same_run = 0
+        """Finite records in a row exactly equal to the latest one (1: it differs from the one before)."""
+        self.records = 0
+        """Finite records seen."""
+        self.first_noise = math.nan
+        """The robust noise at the first refresh with ``_EARLY_NOISE_RECORDS`` records: the run's own early noise."""
+        self.fell_once = False
+        """Set by :func:`lossbeat.diagnosis.learning.learned` once the loss fell significantly below its start."""
 
     @property
     def ring(self) -> Ring:
@@ -74,6 +86,8 @@ class LossSeries:
         spike = value > self.spike_limit()
         if self.first_step is None:
             self.first_step = step
+        self.same_run = self.same_run + 1 if self.records and value == self.ring.back(0) else 1
+        self.records += 1
         if len(self._initial) < _INITIAL_RECORDS:
             self._initial.append(value)
         if math.isnan(self.loss_at_warmup_check) and step - self.first_step >= t.learning_rate.warmup_check_step:
@@ -89,7 +103,8 @@ class LossSeries:
         """The loss above which the next record is a spike (inf until enough records): the local
         level + max(``spike_sigma`` x the robust noise, ``spike_min_rise`` x the level)."""
         t = self.t
-        if len(self.window) < t.loss.spike_min_steps or not math.isfinite(self._noise):
+        if (not t.profile.trend  # an RL policy loss is ~0 by construction: its excursions mean nothing
+                or len(self.window) < t.loss.spike_min_steps or not math.isfinite(self._noise) or not self._noise > 0):
             return math.inf
         return self._local + max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._local))
 
@@ -97,13 +112,26 @@ class LossSeries:
         """Recompute the robust level and noise of the noise window (O(window), every few records)."""
         values = self.ring.last(self.t.windows.noise_records)
         self._level = median(values)
+        # A loss that is often exactly 0 (GRPO/PPO groups without advantage, a satisfied hinge) has
+        # a median second difference of 0: against that every non-zero record would be a spike.
+        # Its noise and local level are those of its non-zero records.
+        nonzero = [v for v in values if v != 0.0]
+        if len(values) - len(nonzero) > _ZERO_INFLATED * len(values) and len(nonzero) >= 4:
+            values = nonzero
         self._noise = robust_noise(values)
+        if math.isnan(self.first_noise) and len(values) >= _EARLY_NOISE_RECORDS:
+            self.first_noise = self._noise
         # Spikes are judged against the local level (a falling loss leaves the window's median behind).
         self._local = median(values[-self.t.loss.spike_min_steps:])
 
     @property
     def level(self) -> float:
         return self._level
+
+    @property
+    def local(self) -> float:
+        """The median of the last ``spike_min_steps`` records (a level one spike does not move)."""
+        return self._local
 
     @property
     def noise(self) -> float:
@@ -131,6 +159,9 @@ class LossSeries:
         self.loss_at_warmup_check = math.nan
         self._level = self._noise = self._local = math.nan
         self._pushes = 0
+        self.same_run = self.records = 0
+        self.fell_once = False
+        self.first_noise = math.nan
 
 
 class GradBaseline:
@@ -255,10 +286,15 @@ class EvalTrack:
         self.latest = math.nan
         self.count = 0
         self.above = 0
+        self.recent = Ring(10)
+        self.first = math.nan
 
     def push(self, step: int, loss: float) -> None:
         if not math.isfinite(loss):
             return
+        if not self.count:
+            self.first = loss
+        self.recent.push(loss)
         self.count += 1
         self.latest = loss
         if loss < self.best:
@@ -290,6 +326,15 @@ class History:
         self.last_nonfinite_at: int | None = None  # steps_seen at the last non-finite value
         self.layer_norms: Mapping[str, float] = {}
         self.grad_scale: float | None = None  # fp16 GradScaler's loss scale, when one is observed
+        self.signals: dict[str, SignalTrack] = {}
+        """Named signals beside the loss (:data:`lossbeat.diagnosis.profiles.SIGNALS`), by canonical name."""
+        self.grad_records = 0
+        self.grad_zero_run = 0
+        """Grad norms in a row that are exactly 0."""
+        self.grad_nonfinite_run = 0
+        """Grad norms in a row that are not finite."""
+        self.nonfinite_recent = Ring(w.cv_steps)
+        """1.0 for each of the last records that had a non-finite loss or gradient, else 0.0."""
 
     # Older names, kept for callers that read them.
     @property
@@ -318,6 +363,9 @@ class History:
         self.grad_norms.clear()
         self.lr.clear()
         self.evals.clear()
+        self.signals.clear()
+        self.grad_records = self.grad_zero_run = self.grad_nonfinite_run = 0
+        self.nonfinite_recent.clear()
 
     def add_step(
         self,
@@ -342,9 +390,13 @@ class History:
             events.spike = self.loss.push(step, loss)
 
         if grad_norm is not None:
+            self.grad_records += 1
+            self.grad_zero_run = self.grad_zero_run + 1 if grad_norm == 0.0 else 0
+            self.grad_nonfinite_run = 0 if math.isfinite(grad_norm) else self.grad_nonfinite_run + 1
             if math.isfinite(grad_norm):
                 self.grad_norms.push(grad_norm)
-                events.explosion = self.grad.push(step, grad_norm)
+                if grad_norm != 0.0:  # no gradient (an RL step without advantage) is not a level
+                    events.explosion = self.grad.push(step, grad_norm)
             else:
                 events.nonfinite_grad = True
 
@@ -354,6 +406,7 @@ class History:
         if events.nonfinite_loss or events.nonfinite_grad:
             self.nonfinite_seen += 1
             self.last_nonfinite_at = self.steps_seen
+        self.nonfinite_recent.push(1.0 if events.nonfinite_loss or events.nonfinite_grad else 0.0)
 
         if components:
             for name, value in components.items():
@@ -364,6 +417,19 @@ class History:
                     series = self.components[name] = LossSeries(self.thresholds, self.thresholds.windows.noise_records)
                 series.push(step, value)
         return events
+
+    def add_signal(self, name: str, value: float, step: int | None = None) -> None:
+        """Record a named signal (``reward_std``, ``rewards/accuracies``, ...); names outside
+        :data:`~lossbeat.diagnosis.profiles.SIGNALS` and non-numbers are ignored (bounded)."""
+        kind = signal_kind(name) or (name if name in _CANONICAL else None)
+        if kind is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        track = self.signals.get(kind)
+        if track is None:
+            if len(self.signals) >= MAX_SIGNALS:
+                return
+            track = self.signals[kind] = SignalTrack()
+        track.push(self.last_step if step is None else step, float(value))
 
     def add_eval(self, eval_loss: float, group: str = "", step: int | None = None) -> None:
         """Record an evaluation loss of eval set ``group`` ('' = the only or unnamed one)."""

@@ -52,26 +52,20 @@ class Trend:
     """Significantly and meaningfully lower than before (learning)."""
 
 
-def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
-    """Compare the last ``trend_fraction`` of the steps seen with the same span before it."""
+def _compare(s, noise: float, width: float, t: Thresholds, floor: float | None):
+    """(known, ratio, z, recent, previous, best, rising, n_recent) for windows of ``width`` steps."""
     w, loss = t.windows, t.loss
-    s = series.summary
-    if s.first_step is None:
-        return Trend(False)
-    span = s.span
-    width = max(float(w.trend_min_steps), w.trend_fraction * span)
     end = s.last_step
-    if 2 * width > span + s.width:  # the previous window must lie inside the run
-        return Trend(False)
     n_recent, recent = s.window(end - width, end)
     n_previous, previous = s.window(end - 2 * width, end - width)
     if min(n_recent, n_previous) < w.trend_min_records or not math.isfinite(previous) or previous == 0:
-        return Trend(False)
-    noise = series.noise
+        return None
     se = noise * math.sqrt(1.0 / n_recent + 1.0 / n_previous) if math.isfinite(noise) else math.nan
     fall = previous - recent
     z = fall / se if se and se > 0 else (math.inf if fall > 0 else -math.inf if fall < 0 else 0.0)
-    ratio = fall / abs(previous)
+    # Relative to the level, floored by the profile's floor: a converged loss near zero moving
+    # 0.0100 -> 0.0104 is +4% of itself but nothing against the task's scale.
+    ratio = fall / max(abs(previous), floor or 0.0)
     rising = ratio < loss.trend_rising and z < -loss.trend_min_z
     # Or well above the best level the run reached (a jump that settled higher: the previous
     # window alone would read the way back down as a fall).
@@ -80,6 +74,42 @@ def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
         above = (recent - best) / max(abs(best), floor or 0.0) if best else math.inf
         z_best = (recent - best) / (noise * math.sqrt(1.0 / n_recent + 1.0 / n_best)) if noise > 0 else math.inf
         rising = above > loss.regress_max and z_best > loss.trend_min_z
+    return ratio, z, recent, previous, best, rising
+
+
+def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
+    """Compare the last ``trend_fraction`` of the steps seen with the same span before it.
+
+    A rise is also looked for over windows of at most ``windows.rise_max_steps``: late in a
+    long run a regression must be found as fast as early in it (quarter-run windows of a
+    30,000-step run would take 7,500 steps to see a +15 % regression)."""
+    w, loss = t.windows, t.loss
+    s = series.summary
+    if s.first_step is None:
+        return Trend(False)
+    span = s.span
+    width = max(float(w.trend_min_steps), w.trend_fraction * span)
+    if 2 * width > span + s.width:  # the previous window must lie inside the run
+        return Trend(False)
+    noise = series.noise
+    got = _compare(s, noise, width, t, floor)
+    if got is None:
+        return Trend(False)
+    ratio, z, recent, previous, best, rising = got
+    short = max(float(w.trend_min_steps), float(w.rise_max_steps))
+    if not rising and short < width:
+        fast = _compare(s, noise, short, t, floor)
+        if fast is not None and fast[5]:
+            ratio, z, recent, previous, best, rising = fast
+            width = short
+    # A rise must show in the median of the latest records too: one huge spike that recovered
+    # at the next record lifts a window's mean, not the run's level.
+    local = getattr(series, "local", math.nan)
+    if rising and math.isfinite(local):
+        # The median of n records has a standard error of about 1.25 noise / sqrt(n).
+        tolerance = max(abs(loss.trend_rising) * max(abs(previous), floor or 0.0),
+                        loss.trend_min_z * 1.25 * noise / math.sqrt(loss.spike_min_steps) if math.isfinite(noise) else 0.0)
+        rising = local > previous + tolerance
     falling = not rising and ratio >= loss.plateau_max_fall and z >= loss.fall_min_z
     return Trend(True, ratio, z, width, recent, previous, best, rising, falling)
 
@@ -120,7 +150,7 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
         return Finding.unknown(check, component=component)
     mean = fsum(recent) / len(recent)
     initial = series.initial
-    if profile.loss_init_high is not None and initial > profile.loss_init_high:
+    if profile.loss_init_high is not None and initial > profile.loss_init_high and not mean < 0.5 * initial:
         return Finding(
             check, Status.WARNING,
             f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, more than a uniform prediction over "
@@ -169,9 +199,12 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
 
 def check_loss_trend(
     trend: Trend, series, t: Thresholds, profile: Profile, schedule_ended: bool = False, lr_fraction: float = math.nan,
-    component: str = "", held: Status = Status.GOOD,
+    component: str = "", held: Status = Status.GOOD, learned: bool | None = None,
 ) -> Finding:
     """Layer 2: is the loss still falling, flat, or rising, over windows in steps?
+
+    ``learned``: whether the loss ever fell from its start (:func:`lossbeat.diagnosis.learning.learned`);
+    a flat end of a decayed schedule is expected only for a run that learned something first.
 
     ``held``: the status the check holds now; a plateau is left only for a fall
     beyond ``plateau_max_fall / hysteresis.release`` (value hysteresis).
@@ -186,10 +219,11 @@ def check_loss_trend(
     pct, span = trend.ratio * 100, f"{trend.window_steps:.0f} steps"
     if trend.rising:
         best = (f"; {(trend.recent - trend.best) / abs(trend.best) * 100:.0f}% above the best level {trend.best:.4g}"
-                if math.isfinite(trend.best) and trend.best else "")
+                if math.isfinite(trend.best) and trend.best and trend.recent > trend.best else "")
+        against = (trend.recent - trend.previous) / abs(trend.previous) * 100 if trend.previous else math.inf
         return Finding(
             check, Status.DANGER,
-            f"loss is rising: {trend.recent:.4g} over the last {span}, {-pct:+.1f}% against the window before "
+            f"loss is rising: {trend.recent:.4g} over the last {span}, {_moved(against)} against the window before "
             f"({trend.previous:.4g}){best}",
             "lower the learning rate, enable gradient clipping, and check the data of the recent steps",
             component,
@@ -199,10 +233,10 @@ def check_loss_trend(
         trend.ratio >= t.loss.plateau_max_fall / release and trend.z >= t.loss.fall_min_z / release))
     if falling:
         return Finding(check, Status.GOOD, f"loss falling ({pct:.1f}% over the last {span})", component=component)
-    if schedule_ended:
+    if schedule_ended and learned is not False:
         return Finding(
             check, Status.GOOD,
-            f"loss flat ({pct:+.1f}% over the last {span}) at the end of a decayed LR schedule "
+            f"loss flat ({_moved(-pct)} over the last {span}) at the end of a decayed LR schedule "
             f"(LR at {lr_fraction * 100:.2g}% of its peak): expected",
             component=component,
         )
@@ -212,10 +246,20 @@ def check_loss_trend(
                        component=component)
     return Finding(
         check, Status.WARNING,
-        f"loss has plateaued: {pct:+.1f}% over the last {span} (not a significant fall)",
+        f"loss has plateaued: {_moved(-pct)} over the last {span} (not a significant fall)"
+        + ("; it never fell below its start" if learned is False else ""),
         "if it is not converged: raise the learning rate, try a cosine schedule with restarts, or check that the data is shuffled",
         component,
     )
+
+
+def _moved(pct: float) -> str:
+    """A change in percent as words: 'rose 7.1%', 'fell 7.1%', 'unchanged'."""
+    if not math.isfinite(pct):
+        return "up from 0"
+    if abs(pct) < 0.05:
+        return "unchanged"
+    return f"rose {pct:.1f}%" if pct > 0 else f"fell {-pct:.1f}%"
 
 
 def robust_cv(series, profile: Profile) -> float:
@@ -266,12 +310,22 @@ def is_spike(value: float, level: float, noise: float, t: LossThresholds) -> boo
             and value - level > max(t.spike_sigma * noise, t.spike_min_rise * abs(level)))
 
 
-def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "") -> Finding:
-    """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise."""
+def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "",
+                      learned: bool | None = None) -> Finding:
+    """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
+
+    ``learned`` False (the training loss never fell below its start): an eval loss rising there is
+    not overfitting, the run never learned (the ``learning`` check says so)."""
     check = "overfitting"
     if track is None or track.count < 2:
         return Finding.unknown(check, component=component)
     rise = track.rise
+    if learned is not True and track.above:
+        why = ("the training loss never fell below its start: not overfitting, a run that never learned"
+               if learned is False else "the training loss has not been seen falling yet")
+        return Finding(check, Status.GOOD,
+                       f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
+                       component=component)
     if track.above >= t.evals and not trend.rising:
         return Finding(
             check, Status.WARNING,

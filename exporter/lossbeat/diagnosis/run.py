@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from lossbeat.diagnosis.findings import Finding, Status
 from lossbeat.diagnosis.gradients import check_grad_norm, check_layer_grad_norms
 from lossbeat.diagnosis.history import History
+from lossbeat.diagnosis.learning import check_learning, learned
 from lossbeat.diagnosis.learning_rate import check_learning_rate, check_warmup
 from lossbeat.diagnosis.loss import check_loss_range, check_loss_trend, check_loss_volatility, check_overfitting, robust_cv, trend_of
 
 __all__ = ["diagnose"]
+
+_NOISE_GREW = 1.5  # the absolute noise above this x the run's early noise: it grew
+_REPEATED_NONFINITE = 3  # more non-finite records than this in the window (and > 10 % of it): repeated
 
 
 def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = None) -> list[Finding]:
@@ -27,22 +32,25 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     cv = robust_cv(loss, profile)
     schedule = history.lr
     ended = schedule.ended
+    did_learn = learned(history, t)
     findings = [
         check_loss_range(loss, profile, t, trend),
         check_loss_trend(trend, loss, t, profile, ended, schedule.fraction_of_peak,
-                         held=held.get(("loss_trend", ""), Status.GOOD)),
-        check_loss_volatility(cv, t.loss, nonfinite=bool(loss.nonfinite_run),
-                              held=held.get(("loss_volatility", ""), Status.GOOD), release=release),
+                         held=held.get(("loss_trend", ""), Status.GOOD), learned=did_learn),
+        _hides_trend(check_loss_volatility(cv, t.loss, nonfinite=bool(loss.nonfinite_run),
+                                           held=held.get(("loss_volatility", ""), Status.GOOD), release=release),
+                     trend, loss, did_learn),
         check_grad_norm(history.grad, t.gradients),
         check_layer_grad_norms(history.layer_norms, t.gradients),
         check_learning_rate(schedule, trend, cv, t.learning_rate),
         check_warmup(loss, profile, t.learning_rate),
-        check_overfitting(history.evals.get(""), trend, t.overfitting),
+        check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn),
         _nonfinite(history),
+        check_learning(history, trend, t),
     ]
     for group, track in history.evals.items():
         if group:
-            findings.append(check_overfitting(track, trend, t.overfitting, group))
+            findings.append(check_overfitting(track, trend, t.overfitting, group, learned=did_learn))
     component_profile = t.profiles.get("multi-task", profile) if profile.name == "multi-task" else profile
     for name, series in history.components.items():
         c_trend = trend_of(series, t, component_profile.volatility_floor)
@@ -53,6 +61,25 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
                                               nonfinite=bool(series.nonfinite_run),
                                               held=held.get(("loss_volatility", name), Status.GOOD), release=release))
     return findings
+
+
+def _hides_trend(f: Finding, trend, series, did_learn: bool | None = None) -> Finding:
+    """Per-step losses of small or variable-length batches are noisy by nature: noise is a danger
+    only when it grew against the run's own early noise while the loss stopped improving (it
+    hides the trend), or in a run that never learned through it. Otherwise a warning that says why."""
+    if f.status is not Status.DANGER:
+        return f
+    early, now = series.first_noise, series.noise
+    grew = math.isfinite(early) and math.isfinite(now) and now > _NOISE_GREW * early
+    if (grew or did_learn is False) and trend.known and not trend.falling:
+        return f
+    if not trend.known:
+        why = "too few records to tell whether it hides the trend"
+    elif trend.falling:
+        why = "the loss still falls through it"
+    else:
+        why = f"no more than the run's own early noise ({early:.3g})" if math.isfinite(early) else "as from the start"
+    return Finding(f.check, Status.WARNING, f"{f.message}; {why}", f.fix, f.component)
 
 
 def _nonfinite(history: History) -> Finding:
@@ -70,10 +97,29 @@ def _nonfinite(history: History) -> Finding:
     last = history.last_nonfinite_at
     if last is not None and history.steps_seen - last < history.thresholds.windows.cv_steps:
         ago = history.steps_seen - last
+        recent = history.nonfinite_recent
+        bad = int(sum(recent))
+        # A non-finite loss now, or gradients non-finite twice in a row, is ongoing; one
+        # non-finite gradient beside a finite loss is what an fp16 overflow skip looks like.
+        ongoing = history.loss.nonfinite_run > 0 or history.grad_nonfinite_run > 1
+        # Isolated and recovered (fp16 loss-scale overflow skips look like this): a warning that
+        # says so. Ongoing (the latest record), or repeated within the window: danger.
+        if ongoing or bad > max(_REPEATED_NONFINITE, len(recent) // 10):
+            return Finding(
+                "nonfinite", Status.DANGER,
+                f"non-finite loss or gradient {ago} step(s) ago ({bad} of the last {len(recent)} records, "
+                f"{history.nonfinite_seen} so far)" + (": still non-finite" if ongoing else ": repeated"),
+                "lower the learning rate 10x, check the inputs for NaN/Inf, prefer bf16 over fp16 or use loss scaling, "
+                "and locate the first bad op with torch.autograd.set_detect_anomaly(True)",
+            )
         return Finding(
-            "nonfinite", Status.DANGER,
-            f"non-finite loss or gradient {ago} step(s) ago ({history.nonfinite_seen} steps so far)",
-            "lower the learning rate 10x, check the inputs for NaN/Inf, prefer bf16 over fp16 or use loss scaling, "
-            "and locate the first bad op with torch.autograd.set_detect_anomaly(True)",
+            "nonfinite", Status.WARNING,
+            f"{bad} isolated non-finite value(s) in the last {len(recent)} records ({history.nonfinite_seen} so far); "
+            f"the run recovered (finite for the last {ago} records): what fp16 loss-scale overflow skips look like",
+            "if this run uses fp16 with a GradScaler, pass grad_scaler= to observe (skips are then counted apart); "
+            "else check the inputs of those steps",
         )
+    if history.nonfinite_seen:
+        return Finding("nonfinite", Status.GOOD,
+                       f"all values finite lately ({history.nonfinite_seen} non-finite record(s) earlier, recovered)")
     return Finding("nonfinite", Status.GOOD, "all values finite")

@@ -48,6 +48,8 @@ class Windows:
     """Each trend window spans this fraction of the steps seen so far (in steps, not records)."""
     trend_min_records: int
     """Records each trend window must hold before the trend is judged."""
+    rise_max_steps: int
+    """A rise is also looked for over windows of at most this many steps (late in a long run)."""
     baseline_records: int
     """Finite grad norms (records) in the rolling baseline."""
     baseline_min_records: int

@@ -106,6 +106,7 @@ HEALTH_CHECKS = (
     "warmup",
     "overfitting",
     "nonfinite",
+    "learning",
     "memory",
     "throughput",
     "lr_schedule",

@@ -68,6 +68,7 @@ def parse_lightning(src: Source, out: RecordBuilder) -> None:
     LR logged at or before its step (LearningRateMonitor writes rows of their own)."""
     reader = csv.DictReader(iter_lines(src, out))
     columns = list(reader.fieldnames or [])
+    out.field_names(columns)
     out.counts.read = 0  # count rows below, not the header line
     out.counts.unit = "rows"
     train_col, train_others = choose_loss_column(columns, _TRAIN, _TRAIN_EXCLUDE)

@@ -6,6 +6,7 @@ import json
 import re
 from typing import Any, Mapping
 
+from lossbeat.diagnosis.profiles import is_signal
 from lossbeat.logs.records import LogFormatError, RecordBuilder
 from lossbeat.logs.source import MAX_JSON_BYTES, Source, iter_lines, parse_number
 
@@ -59,8 +60,15 @@ def _step(out: RecordBuilder, entry: Mapping, key: str) -> int | None:
 
 
 def _train_and_evals(out: RecordBuilder, entry: Mapping, step: int) -> bool:
-    """One HF-style entry: a train record if it has ``loss``, eval records for its ``eval_*loss`` keys."""
+    """One HF-style entry: a train record if it has ``loss``, eval records for its ``eval_*loss`` keys,
+    and the named signals beside them (reward, rewards/accuracies, eval_accuracy, ...)."""
     used = False
+    out.field_names(entry)
+    for key in entry:
+        if isinstance(key, str) and is_signal(key):
+            value, ok = parse_number(entry.get(key))
+            if ok:
+                out.signal(step, key, value)
     if "loss" in entry:
         lr_key = next((k for k in _LR_KEYS if k in entry), None)
         out.train(step, _value(out, entry, "loss"), _value(out, entry, "grad_norm"),

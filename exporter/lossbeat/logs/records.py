@@ -125,6 +125,12 @@ class ParsedLog:
     """Every run in the file, in order (one element for a one-run file); empty on a segment itself."""
     derived_steps: bool = False
     """True when the log prints no step and the steps were derived (see the notes)."""
+    fields: tuple[str, ...] = ()
+    """The field (key, column, tag) names the file holds, read or not: what the run is
+    (``lossbeat.diagnosis.profiles.detect_profile`` names the task from them)."""
+    signals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """Named signals beside the loss (``lossbeat.diagnosis.profiles.SIGNALS``: reward,
+    reward_std, rewards/accuracies, eval_accuracy, ...), as (step, value) in step order."""
 
     @property
     def losses(self) -> int:
@@ -142,9 +148,10 @@ class ParsedLog:
 
 
 class _Run:
-    __slots__ = ("by_step", "evals", "first_step", "first_gap", "last_step", "start")
+    __slots__ = ("by_step", "evals", "first_step", "first_gap", "last_step", "start", "signals")
 
     def __init__(self, start: str) -> None:
+        self.signals: dict[str, dict[int, float]] = {}
         self.by_step: dict[int, TrainRecord] = {}
         self.evals: dict[tuple[int, str], EvalRecord] = {}
         self.first_step: int | None = None
@@ -189,6 +196,7 @@ class RecordBuilder:
         self.derived_steps = False
         self._runs: list[_Run] = []
         self._records = 0
+        self.fields: dict[str, None] = {}
         self.where = ""
         """Where the parser is (e.g. 'line 12'), for notes and examples; set by the parser."""
 
@@ -248,6 +256,20 @@ class RecordBuilder:
             self.skip("repeated evals (the latest kept)")
         run.evals[(step, group)] = EvalRecord(step, loss, group)
 
+    def field_names(self, names) -> None:
+        """Names of fields the file holds (bounded: the first 256)."""
+        for name in names:
+            if len(self.fields) >= 256:
+                return
+            if isinstance(name, str):
+                self.fields.setdefault(name)
+
+    def signal(self, step: int, name: str, value: float | None) -> None:
+        """A named signal beside the loss at ``step`` (the latest of a step kept)."""
+        if value is None:
+            return
+        self._current().signals.setdefault(name, {})[step] = value
+
     # --- result -----------------------------------------------------------------------------
 
     def finish(self) -> ParsedLog:
@@ -256,7 +278,8 @@ class RecordBuilder:
         for i, run in enumerate(runs):
             train = [run.by_step[s] for s in sorted(run.by_step)]
             evals = sorted(run.evals.values(), key=lambda e: e.step)
-            seg = ParsedLog(self.path, self.format, train, evals, [], self.counts, i, [], self.derived_steps)
+            seg = ParsedLog(self.path, self.format, train, evals, [], self.counts, i, [], self.derived_steps,
+                            tuple(self.fields), {k: sorted(v.items()) for k, v in run.signals.items()})
             if len(runs) > 1:
                 span = f"steps {train[0].step}-{train[-1].step}" if train else "no train records"
                 seg.notes.append(f"run {i + 1} of {len(runs)} in this file ({span}, from {run.start})")
@@ -280,7 +303,7 @@ class RecordBuilder:
         # The file's notes: for a one-run file its run's notes, else the notes shared by every run.
         file_notes = list(last.notes) if len(segments) == 1 else notes
         return ParsedLog(self.path, self.format, last.train, last.evals, file_notes, self.counts,
-                         last.segment, segments, self.derived_steps)
+                         last.segment, segments, self.derived_steps, tuple(self.fields), dict(last.signals))
 
 
 def _start_note(train: list[TrainRecord]) -> list[str]:

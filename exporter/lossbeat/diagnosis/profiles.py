@@ -1,0 +1,143 @@
+"""What kind of run this is, from the names of what it logs, and the signals each kind is judged by.
+
+Most logs say what they are: ``eval_accuracy`` or ``eval_f1`` (classification),
+``eval_wer`` or ``eval_rouge1`` (seq2seq), ``rewards/margins`` and ``logps/chosen``
+(preference: DPO, ORPO, KTO, SimPO), ``reward_std`` and ``frac_reward_zero_std`` (RL:
+GRPO, PPO, RLOO). :func:`detect_profile` names the profile and the fields it was
+named from; a profile given by the user (``--profile``, ``MonitorConfig.profile``) wins.
+
+:data:`SIGNALS` is the bounded set of named signals read beside the loss, from logs
+and from ``Monitor.observe(metrics=...)``; :class:`SignalTrack` keeps each one's
+whole run in fixed memory, for the checks of :mod:`lossbeat.diagnosis.learning`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+from lossbeat.diagnosis.window import Ring, StepSummary, fsum, median, robust_noise
+
+__all__ = ["Detection", "detect_profile", "SIGNALS", "is_signal", "signal_kind", "SignalTrack", "MAX_SIGNALS"]
+
+MAX_SIGNALS = 16
+"""Named signals kept per run (bounded label cardinality live, bounded memory offline)."""
+
+# Canonical signal -> the names logs give it (TRL, LLaMA-Factory, the HF Trainer, Lightning).
+SIGNALS: dict[str, tuple[str, ...]] = {
+    "reward": ("reward", "rewards/mean", "env/reward_mean", "objective/scores"),
+    "reward_std": ("reward_std", "rewards/std", "env/reward_std"),
+    "frac_reward_zero_std": ("frac_reward_zero_std", "zero_std_ratio"),
+    "kl": ("kl", "objective/kl"),
+    "margins": ("rewards/margins",),
+    "preference_accuracy": ("rewards/accuracies",),
+    "eval_accuracy": ("eval_accuracy", "val_acc", "val_accuracy", "eval_acc"),
+    "eval_f1": ("eval_f1", "val_f1"),
+    "eval_wer": ("eval_wer", "val_wer"),
+    "eval_cer": ("eval_cer", "val_cer"),
+}
+_ALIAS = {alias: name for name, aliases in SIGNALS.items() for alias in aliases}
+
+HIGHER_IS_BETTER = frozenset({"reward", "preference_accuracy", "eval_accuracy", "eval_f1", "margins"})
+
+_CLASSIFICATION = re.compile(r"^(?:eval|val|test)_(?:.+_)?(?:accuracy|acc|f1|matthews_correlation|mcc|auc|roc_auc|"
+                             r"precision|recall|balanced_accuracy)$")
+_SEQ2SEQ = re.compile(r"^(?:eval|val|test|predict)_(?:.+_)?(?:wer|cer|rouge[-_]?\w*|bleu|sacrebleu|meteor|chrf|gen_len)$")
+_PREFERENCE = frozenset({"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                         "logps/chosen", "logps/rejected", "kto/rewards", "odds_ratio_loss"})
+_RL = frozenset({"reward", "reward_std", "frac_reward_zero_std", "zero_std_ratio", "kl", "clip_ratio",
+                 "objective/kl", "env/reward_mean", "env/reward_std", "objective/scores", "advantages"})
+_RL_PREFIXES = ("completions/", "clip_ratio/")
+
+
+def signal_kind(name: str) -> str | None:
+    """The canonical signal a logged name stands for (None: not one of :data:`SIGNALS`)."""
+    return _ALIAS.get(name)
+
+
+def is_signal(name: str) -> bool:
+    return name in _ALIAS
+
+
+@dataclass(frozen=True)
+class Detection:
+    profile: str | None
+    """The profile the fields name (None: nothing says; the default profile applies)."""
+    fields: tuple[str, ...] = ()
+    """The fields it was named from."""
+
+    def describe(self, chosen: str, given: bool = False) -> str:
+        if given:
+            return f"profile {chosen} (given)"
+        if self.profile is None:
+            return f"profile {chosen} (the default: no field names a task)"
+        shown = ", ".join(self.fields[:4]) + (", ..." if len(self.fields) > 4 else "")
+        return f"profile {chosen} (detected from the fields {shown})"
+
+
+def detect_profile(fields: Iterable[str]) -> Detection:
+    """RL before preference (both log rewards) before seq2seq before classification; else None."""
+    names = [f for f in fields if isinstance(f, str)]
+    rl = [f for f in names if f in _RL or f.startswith(_RL_PREFIXES)]
+    # A reward alone (e.g. a reward model's own log) is not RL: a reward and its spread, or a KL, is.
+    if any(f in ("reward_std", "frac_reward_zero_std", "zero_std_ratio", "env/reward_std", "objective/kl", "kl")
+           for f in rl) or (rl and any(f.startswith(_RL_PREFIXES) for f in rl)):
+        return Detection("rl", tuple(rl))
+    pref = [f for f in names if f in _PREFERENCE]
+    if pref:
+        return Detection("preference", tuple(pref))
+    seq = [f for f in names if _SEQ2SEQ.match(f)]
+    if seq:
+        return Detection("seq2seq", tuple(seq))
+    cls = [f for f in names if _CLASSIFICATION.match(f)]
+    if cls:
+        return Detection("classification", tuple(cls))
+    return Detection(None)
+
+
+class SignalTrack:
+    """One named signal over the whole run: fixed memory (a step summary and a ring)."""
+
+    def __init__(self, blocks: int = 64, recent: int = 50) -> None:
+        self.summary = StepSummary(blocks)
+        self.recent = Ring(recent)
+        self.first = math.nan
+        self.count = 0
+        self.zeros = 0
+
+    def push(self, step: int, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        if self.count == 0:
+            self.first = value
+        self.count += 1
+        self.zeros += value == 0.0
+        self.summary.push(step, value)
+        self.recent.push(value)
+
+    @property
+    def latest(self) -> float:
+        return self.recent.back(0) if len(self.recent) else math.nan
+
+    def recent_median(self, n: int = 10) -> float:
+        return median(self.recent.last(n))
+
+    def mean(self) -> float:
+        """The mean over the whole run."""
+        n = len(self.summary)
+        return fsum(b[2] for b in self.summary.blocks) / n if n else math.nan
+
+    def noise(self) -> float:
+        return robust_noise(self.recent.last(len(self.recent)))
+
+    def ends(self, fraction: float = 0.2) -> tuple[int, float, int, float]:
+        """(count, mean) of the first and of the last ``fraction`` of the steps seen."""
+        s = self.summary
+        if s.first_step is None:
+            return 0, math.nan, 0, math.nan
+        width = max(1.0, fraction * s.span)
+        n0, m0 = s.window(s.first_step - 1, s.first_step + width)
+        n1, m1 = s.window(s.last_step - width, s.last_step)
+        return n0, m0, n1, m1
