@@ -16,7 +16,7 @@ import yaml
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.exposition.metrics import HEALTH_CHECKS
 from lossbeat.exposition.state import LAYER_HISTORY_STEPS, RECENT_STEPS
-from lossbeat.exposition.status import page_html
+from lossbeat.exposition.status import _quantise, heatmap_matrix, level_norm, page_html
 
 from conftest import require_binary, require_module
 
@@ -89,8 +89,10 @@ def test_status_json_follows_the_run(served):
     # as JSON strings, and the raw body holds no markup at all.
     exported = list(monitor.state.layer_norms)
     assert doc["layers"]["names"] == exported and EVIL in exported
-    assert len(doc["layers"]["norms"]) == len(exported) and all(len(r) == 20 for r in doc["layers"]["norms"])
-    assert doc["layers"]["norms"][0][-1] == pytest.approx(monitor.state.layer_norms[EVIL])
+    rows = heatmap_matrix(doc["layers"])
+    assert len(rows) == len(exported) and all(len(r) == 20 for r in rows)
+    # Levels of an absolute log scale, 0.1 decade apart: within 13 % of the norm.
+    assert rows[0][-1] == pytest.approx(monitor.state.layer_norms[EVIL], rel=0.13)
     assert b"<" not in body and b">" not in body
 
     train(monitor, model, 15, start=20)
@@ -132,6 +134,26 @@ def test_layer_history_is_bounded(served):
     monitor.flush()
     doc, _ = status(monitor.port)
     assert doc["layers"]["steps"] == list(range(5, LAYER_HISTORY_STEPS + 5))
+
+
+def test_heatmap_levels_and_layers_that_come_and_go(served):
+    _, hexes = _quantise({"a": 1.0, "b": 0.0, "c": float("nan"), "d": 1e-20, "e": 1e30, "f": 0.05})
+    levels = [int(hexes[i:i + 2], 16) for i in range(0, len(hexes), 2)]
+    assert levels[1:5] == [0, 0, 1, 255]
+    assert level_norm(levels[0]) == pytest.approx(1.0) and level_norm(levels[5]) == pytest.approx(0.05, rel=0.13)
+    monitor, _ = served
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    for step in range(3):
+        for i, layer in enumerate(model):
+            used = not (step == 1 and i == 0)  # layer 0 has no gradient at step 1
+            layer.weight.grad = torch.full_like(layer.weight, 1.0) if used else None
+            layer.bias.grad = torch.full_like(layer.bias, 1.0) if used else None
+        monitor.observe(step, loss=1.0, model=model)
+    monitor.flush()
+    doc, _ = status(monitor.port)
+    rows = heatmap_matrix(doc["layers"])
+    assert doc["layers"]["names"] == ["0", "1"] and len(doc["layers"]["sets"]) == 2
+    assert rows[0][1] is None and rows[0][0] == pytest.approx(6 ** 0.5, rel=0.13) and None not in rows[1]
 
 
 def test_the_page_is_self_contained_and_never_injects_html(served):

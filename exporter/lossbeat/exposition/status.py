@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
@@ -21,7 +22,8 @@ from lossbeat.diagnosis.patterns import PATTERNS
 if TYPE_CHECKING:
     from lossbeat.exposition.state import MonitorState
 
-__all__ = ["StatusSource", "status_document", "page_html", "render_json", "STATUS_PATH", "STATUSES"]
+__all__ = ["StatusSource", "status_document", "page_html", "render_json", "heatmap_matrix", "level_norm",
+           "STATUS_PATH", "STATUSES", "Q_LOW", "Q_STEP"]
 
 STATUS_PATH = "/status.json"
 STATUSES = ("good", "warning", "danger")
@@ -72,18 +74,76 @@ def checklist(findings: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
     return items
 
 
-def _heatmap(history: Sequence[tuple[int, Mapping[str, float]]]) -> dict[str, Any]:
-    """Layers × steps: the layers in model order (as first seen), ``null`` where a layer had
-    no gradient that step or its norm was not finite."""
-    names: dict[str, None] = {}
-    for _, norms in history:
-        names.update(dict.fromkeys(norms))
-    order = list(names)
-    rows = [[_point(norms.get(name)) for _, norms in history] for name in order]
-    return {"steps": [step for step, _ in history], "names": order, "norms": rows}
+Q_LOW = -12.0
+"""log10 of the smallest gradient norm the heatmap tells apart (level 1)."""
+Q_STEP = 0.1
+"""Decades per heatmap level (levels 1..255: 1e-12 to 2.5e13, 26 % apart); 0: no gradient or not finite."""
 
 
-def status_document(s: "MonitorState", now: float | None = None) -> dict[str, Any]:
+def _quantise(norms: Mapping[str, float]) -> tuple[tuple[str, ...], str]:
+    """One step's layer norms as levels of an absolute log scale, two hex digits a layer.
+
+    Absolute, so a step's column is encoded once and reused by every later request while it is
+    in the window: a request encodes only the steps that arrived since the last one."""
+    levels = bytearray(len(norms))
+    log10, isfinite = math.log10, math.isfinite
+    for i, v in enumerate(norms.values()):
+        if v > 0 and isfinite(v):
+            levels[i] = min(max(int((log10(v) - Q_LOW) / Q_STEP + 1.5), 1), 255)
+    return tuple(norms), levels.hex()
+
+
+def level_norm(level: int) -> float | None:
+    """The gradient norm a heatmap level stands for (None for level 0)."""
+    return None if level == 0 else 10 ** (Q_LOW + (level - 1) * Q_STEP)
+
+
+def heatmap_matrix(layers: Mapping[str, Any]) -> list[list[float | None]]:
+    """Decode ``/status.json``'s ``layers`` to rows (one per layer name) × steps (tests, tools)."""
+    names, columns = layers["names"], layers["columns"]
+    rows: list[list[float | None]] = [[None] * len(columns) for _ in names]
+    for j, (hexes, set_index) in enumerate(zip(columns, layers["column_set"])):
+        for position, row in enumerate(layers["sets"][set_index]):
+            rows[row][j] = level_norm(int(hexes[2 * position: 2 * position + 2], 16))
+    return rows
+
+
+class _HeatmapCache:
+    """The encoded columns of the steps in the window, keyed by their dict (swapped whole by
+    the training thread, never mutated, so a column once encoded stays right)."""
+
+    def __init__(self) -> None:
+        self._columns: dict[int, tuple[Mapping[str, float], tuple[str, ...], str]] = {}
+        self._lock = threading.Lock()
+
+    def build(self, history: Sequence[tuple[int, Mapping[str, float]]]) -> dict[str, Any]:
+        with self._lock:  # two requests at once: one encodes, the other reuses
+            old, new = self._columns, {}
+            for _, norms in history:
+                entry = old.get(id(norms))
+                if entry is None or entry[0] is not norms:  # the reference held keeps the id unique
+                    entry = (norms, *_quantise(norms))
+                new[id(norms)] = entry
+            self._columns = new
+        names: dict[str, int] = {}
+        sets: dict[tuple[str, ...], int] = {}
+        column_set = []
+        for _, norms in history:
+            keys = new[id(norms)][1]
+            index = sets.get(keys)
+            if index is None:  # a new set of layers (usually one for the whole window)
+                index = sets[keys] = len(sets)
+                for name in keys:
+                    names.setdefault(name, len(names))
+            column_set.append(index)
+        return {
+            "steps": [step for step, _ in history], "names": list(names),
+            "columns": [new[id(norms)][2] for _, norms in history], "column_set": column_set,
+            "sets": [[names[n] for n in keys] for keys in sets], "q_low": Q_LOW, "q_step": Q_STEP,
+        }
+
+
+def status_document(s: "MonitorState", now: float | None = None, heatmap: _HeatmapCache | None = None) -> dict[str, Any]:
     """What ``/status.json`` serves: plain, JSON-safe data from the state (read, never written)."""
     now = time.time() if now is None else now
     recent = s.recent.snapshot()
@@ -126,7 +186,7 @@ def status_document(s: "MonitorState", now: float | None = None) -> dict[str, An
             "learning_rate": [_point(r[4]) for r in recent],
         },
         "eval": {"step": [e[0] for e in evals], "loss": [_point(e[1]) for e in evals]},
-        "layers": _heatmap(layers),
+        "layers": (heatmap or _HeatmapCache()).build(layers),
     }
 
 
@@ -145,6 +205,7 @@ class StatusSource:
     def __init__(self, state: "MonitorState", before: Callable[[], None] | None = None) -> None:
         self.state = state
         self._before = before
+        self._heatmap = _HeatmapCache()
 
     def json(self) -> bytes:
         if self._before is not None:
@@ -152,4 +213,4 @@ class StatusSource:
                 self._before()
             except Exception:  # counted; the page still shows what the state holds
                 self.state.count_error("collect")
-        return render_json(status_document(self.state))
+        return render_json(status_document(self.state, heatmap=self._heatmap))
