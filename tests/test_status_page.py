@@ -263,3 +263,58 @@ def test_in_a_real_browser(served, browser):
     assert browser.find_elements(By.CSS_SELECTOR, "#chart-loss path")  # the curves are drawn
     errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
     assert errors == []
+
+
+# --- lossbeat analyze --html -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def static_page(tmp_path_factory):
+    """``lossbeat analyze LOG --html OUT`` and ``--json`` on a real log, in this process."""
+    import argparse
+    import contextlib
+    import io
+
+    from conftest import find_real_logs
+    from lossbeat.analyze import add_arguments, run
+
+    log = find_real_logs() / "hf-t5-small-summarization-gradspike-trainer_state.json"
+    if not log.exists():
+        pytest.skip(f"{log} not here")
+    out = tmp_path_factory.mktemp("html") / "run.html"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    outputs = []
+    for extra in (["--html", str(out)], ["--json"]):
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            assert run(parser.parse_args([str(log), *extra])) in (0, 1)
+        outputs.append(buffer.getvalue())
+    page = out.read_text()
+    match = re.search(r"<script>window\.LOSSBEAT_STATUS = (.*?);</script>", page)
+    return out, strict_json(match.group(1).encode()), json.loads(outputs[1])[0]
+
+
+def test_analyze_html_writes_the_page_for_a_finished_log(static_page):
+    out, doc, analysed = static_page
+    assert doc["run"]["step"] == analysed["last_step"]
+    assert len(doc["series"]["step"]) == analysed["read"]["train"] > 0
+    assert [(f["check"], f["status"]) for f in doc["findings"]] == [
+        (f["check"], f["status"] if f["known"] else "unknown") for f in analysed["findings"]]
+    assert {k: doc["counters"][k] for k in analysed["events"]} == analysed["events"]
+    for kind, steps in analysed["event_steps"].items():
+        assert doc["last_event_step"][kind] == (steps[-1] if steps else None)
+    page = out.read_text()
+    assert page.count("<script") == 2 and "fetch(" in page  # the data, then the live page's script
+
+
+def test_analyze_html_in_a_real_browser(static_page, browser):
+    from selenium.webdriver.common.by import By
+
+    out, doc, _ = static_page
+    browser.get(out.as_uri())
+    wait_for(browser, lambda d: d.find_element(By.ID, "run-step").text == str(doc["run"]["step"]))
+    rows = browser.find_elements(By.CSS_SELECTOR, "#findings tr")
+    assert [r.get_attribute("data-check") for r in rows] == [f["check"] for f in doc["findings"]]
+    assert browser.find_elements(By.CSS_SELECTOR, "#chart-loss path")
+    assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")] == []
