@@ -181,7 +181,8 @@ def write_config(tmp_path, doc):
 def test_status_json_is_behind_basic_auth(tmp_path):
     bcrypt = require_module("bcrypt")
     hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
-    config = write_config(tmp_path, {"basic_auth_users": {"prometheus": hashed}})
+    config = write_config(tmp_path, {"basic_auth_users": {"prometheus": hashed},
+                                     "http_server_config": {"headers": {"Cache-Control": "private"}}})
     good = {"Authorization": "Basic " + base64.b64encode(b"prometheus:s3cret").decode()}
     bad = {"Authorization": "Basic " + base64.b64encode(b"prometheus:wrong").decode()}
     with Monitor(MonitorConfig(port=0, addr="127.0.0.1", web_config=config, run_name="secret-run")) as m:
@@ -194,6 +195,12 @@ def test_status_json_is_behind_basic_auth(tmp_path):
         code, _, body = request(m.port, "/status.json", good)
         assert code == 200 and strict_json(body)["run"]["step"] == 7
         assert request(m.port, "/", good)[0] == 200
+        conn = http.client.HTTPConnection("127.0.0.1", m.port, timeout=30)
+        conn.request("GET", "/status.json", headers=good)
+        resp = conn.getresponse()
+        resp.read()
+        conn.close()
+        assert resp.msg.get_all("Cache-Control") == ["private"]  # the web config's header, not ours too
 
 
 def test_non_finite_current_values_are_strings():

@@ -133,6 +133,7 @@ def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None,
     ``status`` at ``/`` and ``/status.json``); basic auth guards every path alike."""
     auth = BasicAuth(dict(web_config.basic_auth_users)) if web_config and web_config.basic_auth_users else None
     extra_headers = _COMMON_HEADERS + list(web_config.headers.items() if web_config else ())
+    configured = {name.lower() for name, _ in extra_headers}  # the web config's headers win over ours
     failed_once = threading.Event()
     renders = _SharedRenders(registry)
     status_source = status
@@ -170,7 +171,8 @@ def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None,
                 failed_once.set()
                 log.exception("lossbeat: error while serving %s (logged once)", environ.get("PATH_INFO"))
             status, headers, body = "500 Internal Server Error", [("Content-Type", "text/plain")], b"error\n"
-        headers = headers + extra_headers + [("Content-Length", str(len(body)))]
+        headers = [h for h in headers if h[0].lower() not in configured] + extra_headers + [
+            ("Content-Length", str(len(body)))]
         start_response(status, headers)
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
 
