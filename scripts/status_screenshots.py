@@ -9,6 +9,7 @@ the fault (or near the end for a healthy run).
 
 from __future__ import annotations
 
+import base64
 import socket
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def shoot(fault: str, driver: webdriver.Chrome) -> Path:
                 break
             except Exception:  # noqa: BLE001 - not serving yet
                 time.sleep(1)
-        target = STEPS - 30
+        target = STEPS - 60  # well before the end: the demo closes its exporter when it finishes
         while time.monotonic() < deadline:
             text = driver.find_element(By.ID, "run-step").text
             if text.isdigit() and int(text) >= target:
@@ -51,9 +52,13 @@ def shoot(fault: str, driver: webdriver.Chrome) -> Path:
             time.sleep(0.5)
         time.sleep(2.5)  # one more refresh
         path = OUT / f"status-{fault}.png"
-        height = driver.execute_script("return document.body.scrollHeight")
-        driver.set_window_size(1300, max(900, height + 40))
-        driver.save_screenshot(str(path))
+        # The whole page, not the window: the content's height through the DevTools protocol.
+        height = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]["height"]
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+            "width": 1300, "height": int(height) + 20, "deviceScaleFactor": 1, "mobile": False})
+        shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
+        path.write_bytes(base64.b64decode(shot["data"]))
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
         return path
     finally:
         demo.terminate()
