@@ -20,7 +20,7 @@ installed_here() {
 if ! installed_here || ! "$PY" -c "import prometheus_client, yaml, numpy" 2>/dev/null; then
   "$PY" -m pip install -q -e .
 fi
-if [ "${1:-}" = "--servers" ] && ! "$PY" -c "import pytest, xdist, jsonschema, transformers, lightning, matplotlib, tensorboard, hypothesis, bcrypt, cryptography, kubernetes_validate, cloudcoil.models.prometheus_operator" 2>/dev/null; then
+if [ "${1:-}" = "--servers" ] && ! "$PY" -c "import pytest, xdist, jsonschema, transformers, lightning, matplotlib, tensorboard, hypothesis, bcrypt, cryptography, kubernetes_validate, cloudcoil.models.prometheus_operator, selenium" 2>/dev/null; then
   "$PY" -m pip install -q -e ".[test]"
 fi
 
@@ -49,6 +49,16 @@ if [ "${1:-}" = "--servers" ]; then
       apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager >/dev/null
     else
       echo "setup: prometheus/alertmanager missing; install them with: sudo apt-get install prometheus prometheus-alertmanager" >&2
+    fi
+  fi
+  # The status page's browser test (tests/test_status_page.py): headless chromium via chromedriver.
+  if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+    else
+      echo "setup: chromium missing; install it with: sudo apt-get install chromium chromium-driver" >&2
     fi
   fi
 fi

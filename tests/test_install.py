@@ -73,6 +73,10 @@ def test_the_wheel_not_the_checkout_is_imported(installed, tmp_path):
         assert (shipped / name).is_file() and not (shipped / name).is_symlink(), name
         assert (shipped / name).read_text() == (REPO / {"alertmanager.yml": "alerting",
                                                         "runbooks.md": "docs"}[name] / name).read_text()
+    # The status page is package data: the installed exporter serves it at /.
+    page = _run([str(bin_dir / "python"), "-c", "from lossbeat.exposition.status import page_html; "
+                 "import sys; sys.stdout.write(page_html().decode())"], tmp_path, env)
+    assert page.stdout == (REPO / "exporter/lossbeat/exposition/status_page.html").read_text()
 
 
 def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):

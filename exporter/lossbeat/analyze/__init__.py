@@ -92,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "eval_wer: seq2seq, eval_accuracy: classification), else causal-lm")
     parser.add_argument("--plot", metavar="OUT.png", help="draw the curves and events (needs the plots extra); "
                         "with several files, OUT-<file>.png each")
+    parser.add_argument("--html", metavar="OUT.html", help="write the exporter's status page, static, for the log "
+                        "(curves, events, findings, segments); with several files, OUT-<file>.html each")
     parser.add_argument("--json", action="store_true", help="print one JSON document (a list, one object per file)")
     parser.add_argument("--fail-on", choices=tuple(_FAIL_ON), default="danger",
                         help="exit 1 when a run's final diagnosis reaches this status (default: danger); "
@@ -154,6 +156,16 @@ def run(args: argparse.Namespace) -> int:
                     unreadable = True
                 else:
                     fa.runs[-1].notes.append(f"plot written to {written}")
+            if getattr(args, "html", None):
+                from lossbeat.analyze.html import write_html
+
+                try:
+                    written = write_html(fa.log, fa.runs, thresholds, _plot_path(args.html, path, len(args.paths) > 1))
+                except OSError as exc:
+                    _error(f"{path}: page not written: {exc}")
+                    unreadable = True
+                else:
+                    fa.runs[-1].notes.append(f"page written to {written}")
             failed = failed or (gate is not None and fa.status >= gate)
             if args.json:
                 results.append(file_to_dict(fa.log, fa.runs))

@@ -2,7 +2,9 @@
 
 Follows the Prometheus exporter conventions: ``GET``/``HEAD /metrics`` (gzip
 when the scraper accepts it), a landing page at ``/`` linking to it, a
-health path ``/-/healthy``; any other path is 404 and any other method 405.
+health path ``/-/healthy``; any other path is 404 and any other method 405. With a
+monitor's :class:`~lossbeat.exposition.status.StatusSource`, ``/`` is the live status page
+and ``/status.json`` the data it polls (:mod:`lossbeat.exposition.status`).
 With a :class:`~lossbeat.exposition.webconfig.WebConfig`, every path requires the
 configured TLS client certificate and basic-auth user, as exporter-toolkit does.
 
@@ -32,6 +34,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from lossbeat._version import __version__
 from lossbeat.exposition.scrapers import Scrapers, scraper_key
+from lossbeat.exposition.status import STATUS_PATH, StatusSource, page_html
 from lossbeat.exposition.webconfig import TLSServerConfig, WebConfig, WebConfigError, require_bcrypt
 
 __all__ = ["make_app", "start_server", "METRICS_PATH", "HEALTH_PATH"]
@@ -126,26 +129,32 @@ class _SharedRenders:
 
 
 def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None,
-             scrapers: Scrapers | None = None) -> Callable:
-    """The WSGI application serving ``registry`` by the exporter conventions above; each scrape
+             scrapers: Scrapers | None = None, status: StatusSource | None = None) -> Callable:
+    """The WSGI application serving ``registry`` by the exporter conventions above (and
+    ``status`` at ``/`` and ``/status.json``); basic auth guards every path alike. Each scrape
     of /metrics is recorded in ``scrapers`` (who scraped, when, which render it was sent)."""
     auth = BasicAuth(dict(web_config.basic_auth_users)) if web_config and web_config.basic_auth_users else None
     extra_headers = _COMMON_HEADERS + list(web_config.headers.items() if web_config else ())
+    configured = {name.lower() for name, _ in extra_headers}  # the web config's headers win over ours
     failed_once = threading.Event()
     renders = _SharedRenders(registry)
+    status_source = status
 
     def route(environ: dict[str, Any]) -> Response:
         method, path = environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")
         if auth is not None and not auth.allows(environ.get("HTTP_AUTHORIZATION")):
             return ("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="lossbeat", charset="UTF-8"'),
                                          ("Content-Type", "text/plain; charset=utf-8")], b"Unauthorized\n")
-        if path not in (METRICS_PATH, "/", HEALTH_PATH):
+        if path not in (METRICS_PATH, "/", HEALTH_PATH) and not (status_source is not None and path == STATUS_PATH):
             return "404 Not Found", [("Content-Type", "text/plain; charset=utf-8")], b"Not Found: metrics are at /metrics\n"
         if method not in ("GET", "HEAD"):
             return ("405 Method Not Allowed", [("Allow", _ALLOWED), ("Content-Type", "text/plain; charset=utf-8")],
                     f"Method Not Allowed: use {_ALLOWED}\n".encode())
         if path == "/":
-            return "200 OK", [("Content-Type", "text/html; charset=utf-8")], _LANDING
+            page = _LANDING if status_source is None else page_html()
+            return "200 OK", [("Content-Type", "text/html; charset=utf-8"), ("Cache-Control", "no-cache")], page
+        if path == STATUS_PATH and status_source is not None:
+            return "200 OK", [("Content-Type", "application/json"), ("Cache-Control", "no-store")], status_source.json()
         if path == HEALTH_PATH:
             return "200 OK", [("Content-Type", "text/plain; charset=utf-8")], b"OK\n"
         accept, encoding = environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING")
@@ -167,7 +176,8 @@ def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None,
                 failed_once.set()
                 log.exception("lossbeat: error while serving %s (logged once)", environ.get("PATH_INFO"))
             status, headers, body = "500 Internal Server Error", [("Content-Type", "text/plain")], b"error\n"
-        headers = headers + extra_headers + [("Content-Length", str(len(body)))]
+        headers = [h for h in headers if h[0].lower() not in configured] + extra_headers + [
+            ("Content-Length", str(len(body)))]
         start_response(status, headers)
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
 
@@ -239,9 +249,10 @@ def _address_family(addr: str, port: int) -> tuple[socket.AddressFamily, str]:
 def start_server(
     registry: CollectorRegistry, port: int, addr: str = "0.0.0.0", web_config: WebConfig | None = None,
     scrapers: Scrapers | None = None,
+    status: StatusSource | None = None,
 ) -> tuple[ThreadingWSGIServer, threading.Thread]:
     """Serve ``registry`` on ``addr:port`` from a daemon thread; OSError when the port cannot be bound."""
-    app = make_app(registry, web_config, scrapers)  # before binding: a bad config never holds the port
+    app = make_app(registry, web_config, scrapers, status)  # before binding: a bad config never holds the port
     tls = _TLSContexts(web_config.tls) if web_config and web_config.tls else None
     family, host = _address_family(addr, port)
 

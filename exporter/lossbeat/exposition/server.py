@@ -15,6 +15,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from lossbeat.exposition.endpoint import start_server
 from lossbeat.exposition.scrapers import Scrapers
+from lossbeat.exposition.status import StatusSource
 from lossbeat.exposition.webconfig import WebConfig
 
 __all__ = ["RankContext", "MetricsServer"]
@@ -148,7 +149,7 @@ class MetricsServer:
     A taken port (two jobs sharing a node both want ``8470 + LOCAL_RANK``) is not fatal:
     the server falls back to a free port the OS picks and logs one line naming both
     (``fallback`` is then True; file_sd self-registration tells Prometheus the real port).
-    ``strict_port=True`` raises instead.
+    ``strict_port=True`` raises instead. ``status``: the monitor's status page at ``/``.
     """
 
     def __init__(
@@ -161,6 +162,7 @@ class MetricsServer:
         web_config: WebConfig | None = None,
         *,
         strict_port: bool = False,
+        status: StatusSource | None = None,
     ) -> None:
         if web_config is None and certfile is not None and keyfile is not None:
             web_config = WebConfig.from_tls_files(certfile, keyfile)
@@ -170,11 +172,11 @@ class MetricsServer:
         self.scrapers = Scrapers()
         """Who scrapes /metrics, each on its own (the linger after the completion marker waits for each)."""
         try:
-            self._server, self._thread = start_server(registry, port, addr, web_config, self.scrapers)
+            self._server, self._thread = start_server(registry, port, addr, web_config, self.scrapers, status)
         except OSError as exc:
             if strict_port or port == 0 or exc.errno not in _PORT_UNAVAILABLE:
                 raise OSError(exc.errno, self._bind_error(port, exc, strict_port)) from exc
-            self._server, self._thread = start_server(registry, 0, addr, web_config, self.scrapers)
+            self._server, self._thread = start_server(registry, 0, addr, web_config, self.scrapers, status)
             self.fallback = True
             log.warning(
                 "lossbeat: port %s:%d is unavailable (%s: another job on this node?); serving /metrics on "

@@ -7,12 +7,41 @@ the other.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
+from typing import Any
 
 from lossbeat.exposition.metrics import HEALTH_CHECKS
 
-__all__ = ["MonitorState"]
+__all__ = ["MonitorState", "Ring", "RECENT_STEPS", "LAYER_HISTORY_STEPS", "EVALS_KEPT"]
+
+RECENT_STEPS = 500
+"""Steps kept for the status page's curves: (step, loss, grad norm, baseline, LR), ~100 B each (50 KB)."""
+LAYER_HISTORY_STEPS = 100
+"""Measured steps kept for the status page's per-layer heatmap: references to the per-step layer
+dicts the state swaps in anyway (no copy): ~60 KB a step at 1,000 layers (6 MB), 4 KB at 64."""
+EVALS_KEPT = 200
+"""Evaluations kept for the status page's eval-loss curve: (step, eval loss)."""
+
+
+class Ring:
+    """A bounded window the training thread appends to and a request thread copies.
+
+    The lock is held only for one append or one copy (a copy of a few hundred references:
+    microseconds), so a status request never stalls a step for longer than that."""
+
+    def __init__(self, maxlen: int) -> None:
+        self._items: collections.deque[Any] = collections.deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def append(self, item: Any) -> None:
+        with self._lock:
+            self._items.append(item)
+
+    def snapshot(self) -> tuple[Any, ...]:
+        with self._lock:
+            return tuple(self._items)
 
 
 class MonitorState:
@@ -67,6 +96,20 @@ class MonitorState:
         """The guard stopped the run (TrainingHalted raised)."""
         self.errors: dict[str, int] = {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}
         self._error_lock = threading.Lock()
+        # The status page's data (lossbeat.exposition.status), plain values like the rest.
+        self.started = time.time()
+        self.findings: tuple[tuple[str, str, int, str, str, bool], ...] = ()
+        """The last diagnosis as (check, component, status, message, fix, known): swapped whole."""
+        self.grad_norm_ceiling: float | None = None
+        """The profile's absolute gradient-norm ceiling (gradients.explosion)."""
+        self.event_steps: dict[str, int] = {}
+        """The step of each event counter's last event (name without _total): swapped whole."""
+        self.recent = Ring(RECENT_STEPS)
+        """(step, loss, grad norm, grad-norm baseline, max LR) per applied step; None where absent."""
+        self.evals = Ring(EVALS_KEPT)
+        """(step, eval loss) per evaluation."""
+        self.layer_history = Ring(LAYER_HISTORY_STEPS)
+        """(step, {layer: norm}) per step with per-layer norms: the dict the state already holds."""
 
     def count_error(self, where: str) -> int:
         """Count one error at ``where``; returns how many there have been there (log the first)."""

@@ -102,12 +102,17 @@ class StepApplier:
         s.loss_trend_ratio = None if math.isnan(trend) else trend
         baseline = self.history.grad.median
         s.grad_norm_baseline = baseline if math.isfinite(baseline) else None
+        # The status page's windows: one tuple of floats already at hand, one dict reference.
+        s.recent.append((record.step, loss, grad_norm, s.grad_norm_baseline, lr_max))
+        if layer_norms is not None:
+            s.layer_history.append((record.step, layer_norms))
 
         s.steps_total += 1
         if "tokens" in v and math.isfinite(v["tokens"]):
             s.tokens_total += max(v["tokens"], 0.0)
         if events.nonfinite_loss:
             s.nonfinite_loss_total += 1
+            s.event_steps = {**s.event_steps, "nonfinite_loss": record.step}
             self.log("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, record.step)
         if events.nonfinite_grad or layer_nonfinite:
             if layer_nonfinite:
@@ -117,6 +122,7 @@ class StepApplier:
             # Set before the counter moves: a scrape in between sees the new count with its layer.
             s.first_nonfinite_layer = origin
             s.nonfinite_grad_total += 1
+            s.event_steps = {**s.event_steps, "nonfinite_grad": record.step}
             self._nonfinite_run = True
             if origin is not None:
                 self.log(
@@ -129,10 +135,13 @@ class StepApplier:
             self._nonfinite_run = False
         if overflow:
             s.grad_scaler_overflows_total += 1
+            s.event_steps = {**s.event_steps, "grad_scaler_overflows": record.step}
         if events.spike:
             s.loss_spikes_total += 1
+            s.event_steps = {**s.event_steps, "loss_spikes": record.step}
         if events.explosion:
             s.grad_explosions_total += 1
+            s.event_steps = {**s.event_steps, "grad_explosions": record.step}
             if layer_norms:
                 top = max((x for x in layer_norms.items() if math.isfinite(x[1])), key=lambda x: x[1], default=None)
                 self.log(

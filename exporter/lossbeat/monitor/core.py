@@ -30,6 +30,7 @@ from lossbeat.exposition.metrics import PHASES
 from lossbeat.exposition.registration import Registration, register
 from lossbeat.exposition.server import MetricsServer, RankContext
 from lossbeat.exposition.state import MonitorState
+from lossbeat.exposition.status import StatusSource
 from lossbeat.measure.cross_rank import CrossRankSignals
 from lossbeat.measure.meter import GradientMeter, ShardedMeasurementError
 from lossbeat.monitor import identity, inputs, lifecycle
@@ -94,7 +95,8 @@ class Monitor:
         if serve:
             port = config.port + (ctx.local_rank if config.port and config.port_per_local_rank else 0)
             self._server = MetricsServer(self.registry, port, config.addr, web_config=config.load_web_config(),
-                                         strict_port=config.strict_port)
+                                         strict_port=config.strict_port,
+                                         status=StatusSource(self.state, self._transfer.drain_at_scrape))
             self._registration = register(
                 config.file_sd_dir, addr=config.addr, port=self._server.port, rank=ctx.rank,
                 job=config.run_name, on_error=lambda: self.state.count_error("register"))

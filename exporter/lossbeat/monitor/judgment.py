@@ -28,6 +28,8 @@ class Judgment:
         self.log = log_limited
         self.findings: tuple[Finding, ...] = ()
         """The findings of the last diagnosis."""
+        state.grad_norm_ceiling = judge.thresholds.gradients.explosion  # for the status page
+        self._evals_seen = 0
 
     def due(self, step: int) -> bool:
         return self.judge.due(step)
@@ -58,6 +60,12 @@ class Judgment:
             health[(f.check, f.component)] = int(f.status)
         s.health = health
         self.findings = tuple(findings)
+        # The status page's copy, as plain data (exposition/ never imports the monitor).
+        s.findings = tuple((f.check, f.component, int(f.status), f.message, f.fix if f.status else "", f.known)
+                           for f in self.findings)
+        if s.evals_total != self._evals_seen and s.eval_loss is not None:  # judged after each evaluation
+            self._evals_seen = s.evals_total
+            s.evals.append((step, s.eval_loss))
         if self.log_status_changes:
             for change in changes:
                 log_change(change)

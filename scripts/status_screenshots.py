@@ -1,0 +1,83 @@
+"""Screenshots of the exporter's status page (docs/img/status-*.png) on live `lossbeat demo` runs.
+
+    PYTHONPATH=exporter python3 scripts/status_screenshots.py [healthy nan explode ...]
+
+Needs chromium, chromium-driver and selenium (scripts/setup.sh --servers). Each run: a demo on a
+free port, the page opened in headless chromium, a screenshot once the page shows a step past
+the fault (or near the end for a healthy run).
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from selenium import webdriver
+from selenium.webdriver.common.by import By
+
+OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
+STEPS, FAULT_STEP = 240, 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shoot(fault: str, driver: webdriver.Chrome) -> Path:
+    port = free_port()
+    args = [sys.executable, "-m", "lossbeat", "demo", "--port", str(port), "--steps", str(STEPS),
+            "--step-delay", "0.05", "--fault-step", str(FAULT_STEP)]
+    if fault != "healthy":
+        args += ["--fault", fault]
+    demo = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                driver.get(f"http://127.0.0.1:{port}/")
+                break
+            except Exception:  # noqa: BLE001 - not serving yet
+                time.sleep(1)
+        target = STEPS - 60  # well before the end: the demo closes its exporter when it finishes
+        while time.monotonic() < deadline:
+            text = driver.find_element(By.ID, "run-step").text
+            if text.isdigit() and int(text) >= target:
+                break
+            time.sleep(0.5)
+        time.sleep(2.5)  # one more refresh
+        path = OUT / f"status-{fault}.png"
+        # The whole page, not the window: the content's height through the DevTools protocol.
+        height = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]["height"]
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+            "width": 1300, "height": int(height) + 20, "deviceScaleFactor": 1, "mobile": False})
+        shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
+        path.write_bytes(base64.b64decode(shot["data"]))
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        return path
+    finally:
+        demo.terminate()
+        demo.wait(timeout=30)
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1300,900"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path="/usr/bin/chromedriver"), options=options)
+    try:
+        for fault in sys.argv[1:] or ["healthy", "nan", "explode"]:
+            print(shoot(fault, driver), flush=True)
+    finally:
+        driver.quit()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
