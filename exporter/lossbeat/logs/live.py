@@ -19,7 +19,7 @@ from lossbeat.logs import _LINE_FORMATS, FORMATS
 from lossbeat.logs.json_logs import _step, _train_and_evals
 from lossbeat.logs.records import _MIN_STEPS_BEFORE_RESTART, LogFormatError, RecordBuilder, _Run
 from lossbeat.logs.source import Source, iter_lines, text_lines
-from lossbeat.logs.text_logs import _BAR, _HF_EVAL, HF_DICT, _dict_items, _py_number
+from lossbeat.logs.text_logs import _HF_EVAL, HF_DICT, _dict_items, _py_number
 
 __all__ = ["LiveSink", "LiveBuilder", "live_parser", "LIVE_FORMATS"]
 
@@ -95,47 +95,28 @@ class LiveBuilder(RecordBuilder):
 
 
 def parse_hf_stdout_live(src: Source, out: LiveBuilder) -> None:
-    """The HF Trainer's printed dicts, one at a time. The step is the training progress bar's
-    position when the bar is in the log (stderr captured too), else the record number (1, 2, ...;
-    again from 1 where the epoch goes back: a new run). An eval dict belongs to the last train
-    dict's step. The final ``train_runtime`` summary completes the run."""
-    main_total: int | None = None
-    last_total: int | None = None
-    bar: dict[int, int] = {}
-    after_eval = False
+    """The HF Trainer's printed dicts, one at a time. The Trainer prints no step: the step is the
+    record number (1, 2, ...; again from 1 where the epoch goes back: a new run). The progress
+    bar is not used live: stdout redirected to a file is block-buffered while the bar (stderr)
+    is not, so the bar drawn before a dict may be hundreds of steps ahead of it (the offline
+    parser checks the bar against the whole file; a live reader cannot). An eval dict belongs
+    to the last train dict's step. The final ``train_runtime`` summary completes the run."""
     for line in text_lines(src, out):
         found = False
-        for b in _BAR.finditer(line):
-            last_total = int(b.group(2))
-            bar[last_total] = int(b.group(1))
-            after_eval = after_eval and last_total != main_total
         for m in HF_DICT.finditer(line):
             found = True
             items = _dict_items(m.group(0)[1:-1])
             if "loss" in items:
-                if not after_eval or main_total is None:
-                    main_total = last_total
-                after_eval = False
                 epoch = _py_number(out, "epoch", items.get("epoch"))
-                restarted = epoch is not None and out.hf_epoch is not None and epoch < out.hf_epoch
-                if restarted:
+                if epoch is not None and out.hf_epoch is not None and epoch < out.hf_epoch:
                     out.hf_records = 0  # the epoch went back: a new run in the same log
                 out.hf_epoch = epoch if epoch is not None else out.hf_epoch
                 out.hf_records += 1
-                position = bar.get(main_total) if main_total else None
-                last = out.last_step
-                if position and (last is None or position > last or restarted):
-                    step = position
-                elif position and last is not None:
-                    step = last + 1  # the bar lags behind the printed dict: the next step, never a repeat
-                else:
-                    step = out.hf_records
                 lr_key = "learning_rate" if "learning_rate" in items else ("lr" if "lr" in items else None)
-                out.train(step, _py_number(out, "loss", items["loss"]),
+                out.train(out.hf_records, _py_number(out, "loss", items["loss"]),
                           _py_number(out, "grad_norm", items.get("grad_norm")),
                           _py_number(out, "learning_rate", items.get(lr_key)) if lr_key else None, epoch)
             elif any(_HF_EVAL.match(k) for k in items):
-                after_eval = True
                 for key, value in items.items():
                     g = _HF_EVAL.match(key)
                     if g and (loss := _py_number(out, key, value)) is not None:

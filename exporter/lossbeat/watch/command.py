@@ -17,6 +17,7 @@ last of ``total_steps``): the monitor closes as completed and the command exits 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -41,9 +42,9 @@ _log = logging.getLogger("lossbeat.watch")
 class MonitorFeed:
     """The :class:`~lossbeat.logs.live.LiveSink` that feeds a Monitor; a new run in the log gets a new Monitor."""
 
-    def __init__(self, make_monitor: Callable[[], Monitor]) -> None:
+    def __init__(self, make_monitor: Callable[[int | None], Monitor]) -> None:
         self._make = make_monitor
-        self.monitor = make_monitor()
+        self.monitor = make_monitor(None)
         self.replaying = True
         """Records of the backlog (what the file held at start): no step times, stamped at the file's mtime."""
         self.completed: str | None = None
@@ -67,8 +68,9 @@ class MonitorFeed:
     def new_run(self, step: int) -> None:
         _log.warning("lossbeat watch: the step went back to %d: a new run in the same log (a restart); "
                      "its metrics start again", step)
+        port = self.monitor.port  # the new run's monitor serves where the last one did (also when 0 was asked)
         self.monitor.close(completed=False)
-        self.monitor = self._make()
+        self.monitor = self._make(port)
         self.eval_group = None
 
     def complete(self, why: str) -> None:
@@ -109,7 +111,7 @@ class Watcher:
         self.poll_interval = poll_interval
         self.follower = Follower(self.path, from_start=from_start)
         self._rank_context = rank_context or RankContext.from_env()
-        self.feed = MonitorFeed(lambda: Monitor(config, rank_context=self._rank_context))
+        self.feed = MonitorFeed(self._new_monitor)
         self.builder: LiveBuilder | None = None
         self.ended: str | None = None
         """Why watching ended: 'completed', 'idle' or 'stopped'."""
@@ -117,6 +119,10 @@ class Watcher:
         self._last_data = time.monotonic()
         self._pending: list[str] = []
         self._reset = False
+
+    def _new_monitor(self, port: int | None) -> Monitor:
+        config = self.config if port is None else dataclasses.replace(self.config, port=port, port_per_local_rank=False)
+        return Monitor(config, rank_context=self._rank_context)
 
     @property
     def monitor(self) -> Monitor:

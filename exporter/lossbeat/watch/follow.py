@@ -20,6 +20,8 @@ __all__ = ["Follower", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 1 << 20
 """Bytes read per call: a long backlog is replayed in bounded pieces."""
+_HEAD_BYTES = 64
+"""The file's first bytes, kept to see it rewritten from its start (truncated, then grown past the offset)."""
 _SPLIT = re.compile(rb"\r\n|\r|\n")  # as iter_lines: \n, \r\n and progress bars' bare \r
 
 
@@ -41,6 +43,7 @@ class Follower:
         """Bytes of the current file consumed (whole lines plus the held partial line)."""
         self._partial = b""
         self._dropping = False  # inside an overlong line: skip to its end
+        self._head = b""
         self.resets = 0
         self.overlong = 0
         self.replay_until: int | None = None
@@ -65,6 +68,7 @@ class Follower:
         self._fh, self._inode = fh, (st.st_dev, st.st_ino)
         self._partial, self._dropping = b"", False
         self.offset = 0
+        self._head = b""
         if first:
             self.replay_until = st.st_size if self.from_start else 0
             if not self.from_start:
@@ -93,18 +97,30 @@ class Follower:
                 if not self._open(first=False):
                     return [], False
                 reset = True
-            elif st is not None and st.st_size < self.offset:  # cut shorter than what was read
+            elif st is not None and (st.st_size < self.offset or not self._same_start()):
+                # cut shorter than what was read, or cut and rewritten past it between two reads
                 self._fh.seek(0)
-                self.offset, self._partial, self._dropping = 0, b"", False
+                self.offset, self._partial, self._dropping, self._head = 0, b"", False, b""
                 reset = True
         if reset:
             self.resets += 1
         return self._read(), reset
 
+    def _same_start(self) -> bool:
+        """Whether the file still begins with the bytes read from its start (a cheap 64-byte read)."""
+        if not self._head:
+            return True
+        try:
+            return os.pread(self._fh.fileno(), len(self._head), 0) == self._head
+        except OSError:
+            return True
+
     def _read(self) -> list[str]:
         data = self._fh.read(CHUNK_BYTES)
         if not data:
             return []
+        if len(self._head) < _HEAD_BYTES and self.offset == len(self._head):
+            self._head += data[:_HEAD_BYTES - len(self._head)]
         self.offset += len(data)
         try:
             self.last_growth = os.fstat(self._fh.fileno()).st_mtime
