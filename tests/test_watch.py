@@ -284,7 +284,7 @@ def test_live_parsers_read_real_logs_as_the_offline_ones(name, fmt):
     assert len(got) == len(want) and all(same), [(a, b) for a, b in zip(got, want) if str(a) != str(b)][:5]
 
 
-def test_command_exits_0_at_completion_and_3_when_idle(tmp_path):
+def test_command_exits_0_at_completion(tmp_path):
     log = tmp_path / "train.log"
     log.write_text(hf_line(2.0, 0.1) + "{'train_runtime': 3.0, 'train_loss': 2.0, 'epoch': 1.0}\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
@@ -292,12 +292,15 @@ def test_command_exits_0_at_completion_and_3_when_idle(tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == EXIT_COMPLETED, done.stderr
     assert "completed (the HF Trainer printed its final summary" in done.stderr
+
+
+def test_command_exits_3_when_idle_and_2_for_a_format_it_cannot_follow(tmp_path, capsys):
+    from lossbeat.cli import main
+
     idle = tmp_path / "idle.log"
     idle.write_text(hf_line(2.0, 0.1))
-    done = subprocess.run(cmd[:4] + [str(idle)] + cmd[5:] + ["--idle-timeout", "0.5"], env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == EXIT_IDLE, done.stderr
-    assert "1 train records" in done.stderr
-    bad = subprocess.run(cmd[:4] + [str(idle)] + cmd[5:] + ["--format", "hf"], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2
+    args = ["watch", str(idle), "--port", "0", "--addr", "127.0.0.1", "--linger", "0", "--poll-interval", "0.01"]
+    assert main(args + ["--idle-timeout", "0.3"]) == EXIT_IDLE
+    assert "idle; read 1 line: 1 train records" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="fmt: .*hf.*not a line-by-line log"):
+        Watcher(idle, MonitorConfig(port=0), fmt="hf")

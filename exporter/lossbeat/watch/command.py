@@ -99,7 +99,10 @@ class Watcher:
         if fmt is not None and fmt not in FORMATS:
             raise ValueError(f"fmt: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
         if fmt is not None:
-            live_parser(fmt)  # a format that cannot be followed fails here, naming itself
+            try:
+                live_parser(fmt)
+            except LogFormatError as exc:  # a format that cannot be followed: a usage error
+                raise ValueError(f"fmt: {exc}") from None
         if idle_timeout is not None and not idle_timeout > 0:
             raise ValueError(f"idle_timeout: expected a positive number of seconds, got {idle_timeout!r}")
         if not poll_interval > 0:
