@@ -304,3 +304,18 @@ def test_command_exits_3_when_idle_and_2_for_a_format_it_cannot_follow(tmp_path,
     assert "idle; read 1 line: 1 train records" in capsys.readouterr().err
     with pytest.raises(ValueError, match="fmt: .*hf.*not a line-by-line log"):
         Watcher(idle, MonitorConfig(port=0), fmt="hf")
+
+
+def test_deploy_examples_validate():
+    from conftest import require_module
+
+    yaml = require_module("yaml")
+    kubernetes_validate = require_module("kubernetes_validate")
+    manifest = yaml.safe_load((ROOT / "deploy/watch/watch-sidecar.yaml").read_text())
+    kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+    sidecar = manifest["spec"]["template"]["spec"]["initContainers"][0]
+    assert sidecar["restartPolicy"] == "Always" and sidecar["command"] == ["lossbeat", "watch"]
+    assert sidecar["ports"] == [{"name": "lossbeat-0", "containerPort": 8470}]  # what podmonitor.yaml scrapes
+    script = ROOT / "deploy/watch/watch.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    assert "srun --overlap" in script.read_text() and "lossbeat watch" in script.read_text()
