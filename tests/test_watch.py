@@ -342,3 +342,30 @@ def test_real_hf_printed_log_written_in_odd_chunks_is_read_whole(tmp_path):
     assert w.builder.counts.train == len(offline.train) == w.feed.records
     assert w.builder.counts.evals == len(offline.evals)
     assert w.monitor.history is not None
+
+
+def test_tensorboard_run_dir_written_by_a_real_summary_writer(tmp_path):
+    from conftest import require_module
+
+    require_module("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir = tmp_path / "runs" / "exp"
+    w, t, _ = start(run_dir)  # the directory does not exist yet
+    writer = SummaryWriter(str(run_dir))
+    for step in range(1, 6):
+        writer.add_scalar("train/loss", float("nan") if step == 4 else 3.0 - step / 10, step)
+        writer.add_scalar("train/grad_norm", 0.5 * step, step)
+        writer.add_scalar("train/learning_rate", 1e-4, step)
+        writer.flush()
+        wait_for(step_is(w, step), f"step {step}")
+    writer.add_scalar("eval/loss", 2.25, 5)
+    writer.flush()
+    wait_for(lambda: value(try_scrape(w.monitor.port), "training_eval_loss") == 2.25, "the eval loss")
+    m = scrape(w.monitor.port)
+    assert value(m, "training_loss") == pytest.approx(2.5) and value(m, "training_grad_norm") == 2.5
+    assert value(m, "training_nonfinite_loss_total") == 1
+    assert value(m, "training_learning_rate") == pytest.approx(1e-4)
+    writer.close()
+    stop(w, t)
+    assert w.builder.counts.train == 5 and w.builder.counts.evals == 1

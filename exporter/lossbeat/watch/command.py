@@ -30,6 +30,8 @@ from lossbeat.logs.source import SNIFF_BYTES, Source
 from lossbeat.monitor import Monitor, MonitorConfig
 from lossbeat.monitor.config import DEFAULT_PORT
 from lossbeat.exposition.server import RankContext
+from lossbeat.watch.events import EventFollower
+from lossbeat.watch.events import records as event_records
 from lossbeat.watch.follow import Follower
 
 __all__ = ["Watcher", "MonitorFeed", "add_arguments", "run", "EXIT_COMPLETED", "EXIT_IDLE"]
@@ -98,7 +100,7 @@ class Watcher:
                  rank_context: RankContext | None = None) -> None:
         if fmt is not None and fmt not in FORMATS:
             raise ValueError(f"fmt: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
-        if fmt is not None:
+        if fmt is not None and fmt != "tensorboard":
             try:
                 live_parser(fmt)
             except LogFormatError as exc:  # a format that cannot be followed: a usage error
@@ -180,7 +182,10 @@ class Watcher:
         """Watch until the run ends; returns why ('completed', 'idle' or 'stopped') and closes the monitor."""
         try:
             fmt = self.format or self._wait_for_format()
-            if fmt is not None:
+            if fmt == "tensorboard":
+                self.format = fmt
+                self._follow_events()
+            elif fmt is not None:
                 parser = live_parser(fmt)
                 self.format = fmt
                 _log.info("lossbeat watch: following %s (%s) on port %s", self.path, fmt, self.monitor.port)
@@ -203,9 +208,33 @@ class Watcher:
         return self.ended
 
 
+    def _follow_events(self) -> None:
+        """A TensorBoard run directory or event file: scalars grouped by step, fed as they arrive."""
+        follower = EventFollower(self.path)
+        self.builder = builder = LiveBuilder(self.path, "tensorboard", self.feed)
+        builder.counts.unit = "events"
+        pending: dict = {}
+        _log.info("lossbeat watch: following %s (tensorboard) on port %s", self.path, self.monitor.port)
+        while not (self._stop or self._idle()):
+            scalars = follower.poll()
+            if scalars:
+                self._last_data = time.monotonic()
+                builder.counts.read += len(scalars)
+            for kind, step, *rest in event_records(scalars, pending, flush=not scalars):
+                builder.where = f"step {step}"
+                if kind == "train":
+                    builder.train(step, *rest)
+                else:
+                    builder.eval(step, *rest)
+            if not scalars:
+                if self.feed.replaying and follower.file is not None:
+                    self.feed.end_replay(os.path.getmtime(follower.file) if os.path.exists(follower.file) else None)
+                time.sleep(self.poll_interval)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="the log file to follow (it may not exist yet)")
-    parser.add_argument("--format", dest="fmt", choices=sorted(LIVE_FORMATS),
+    parser.add_argument("path", help="the log file or TensorBoard run directory to follow (it may not exist yet)")
+    parser.add_argument("--format", dest="fmt", choices=sorted([*LIVE_FORMATS, "tensorboard"]),
                         help="the log's format (default: detected from its first records)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port of /metrics (default {DEFAULT_PORT}; "
                         "+ LOCAL_RANK or --rank, as the in-process exporter)")
