@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "stack": ("lossbeat.stack.local", "start or stop a local Prometheus + Alertmanager on loopback"),
     "analyze": ("lossbeat.analyze", "diagnose a finished run from its log files"),
     "checklist": ("lossbeat.analyze.checklist", "the article's daily checklist for a live job or a finished log"),
+    "watch": ("lossbeat.watch", "follow a live training log and serve it as a monitored run (no code change)"),
     "targets": ("lossbeat.exposition.registration", "list or prune the file_sd entries ranks registered themselves"),
 }
 

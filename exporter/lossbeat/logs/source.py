@@ -43,6 +43,8 @@ class Source:
     """The text codec, or None for binary data."""
     head: str
     """The first bytes decoded ('' for binary data)."""
+    lines: Iterator[str] | None = None
+    """A live file's lines as they are written (``lossbeat watch``): read instead of opening ``path``."""
 
 
 def _fail(path: str, problem: str) -> LogFormatError:
@@ -123,6 +125,12 @@ def iter_lines(src: Source, out: RecordBuilder) -> Iterator[str]:
     chunks, skipped and counted; bytes that are not valid text are replaced and counted.
     """
     assert src.encoding is not None
+    if src.lines is not None:  # a followed file: the follower bounds each line and holds the offset
+        for n, line in enumerate(src.lines, 1):
+            out.counts.read += 1
+            out.where = f"line {n}"
+            yield line
+        return
     garbled = 0
     with open(src.path, encoding=src.encoding, errors="replace", newline="") as fh:
         n = 0

@@ -1,0 +1,279 @@
+"""``lossbeat watch``: follow a live log and feed each record to a real :class:`~lossbeat.monitor.Monitor`.
+
+For runs whose code cannot change (a trainer launched from a YAML file, a vendor's job): the
+log is the only thing there is. Each record read from it goes to ``Monitor.observe`` /
+``observe_eval``, so ``/metrics``, the judgments, the shipped alert rules and the dashboards
+work unchanged. What a log cannot give is absent: per-layer gradient norms, the memory
+gauges, the per-step time (the time between two records spans the logging interval).
+
+Liveness: the heartbeat is the time of the last record (the time its line was read; for the
+backlog replayed at start, the time the file last grew), so ``TrainingStalled`` fires when the
+log stops growing. ``TrainingExporterDown`` keeps its meaning: the watcher died. The run
+completes when the log says so (the HF Trainer's ``train_runtime`` summary, LLaMA-Factory's
+last of ``total_steps``): the monitor closes as completed and the command exits 0; after
+``--idle-timeout`` seconds without a new byte it exits 3, closed as not completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import time
+from typing import Callable, Iterator
+
+from lossbeat.logs import FORMATS, LogFormatError, detect_format
+from lossbeat.logs.live import LIVE_FORMATS, LiveBuilder, live_parser
+from lossbeat.logs.source import SNIFF_BYTES, Source
+from lossbeat.monitor import Monitor, MonitorConfig
+from lossbeat.monitor.config import DEFAULT_PORT
+from lossbeat.exposition.server import RankContext
+from lossbeat.watch.events import EventFollower
+from lossbeat.watch.events import records as event_records
+from lossbeat.watch.follow import Follower
+
+__all__ = ["Watcher", "MonitorFeed", "add_arguments", "run", "EXIT_COMPLETED", "EXIT_IDLE"]
+
+EXIT_COMPLETED = 0
+EXIT_IDLE = 3
+_log = logging.getLogger("lossbeat.watch")
+
+
+class MonitorFeed:
+    """The :class:`~lossbeat.logs.live.LiveSink` that feeds a Monitor; a new run in the log gets a new Monitor."""
+
+    def __init__(self, make_monitor: Callable[[int | None], Monitor]) -> None:
+        self._make = make_monitor
+        self.monitor = make_monitor(None)
+        self.replaying = True
+        """Records of the backlog (what the file held at start): no step times, stamped at the file's mtime."""
+        self.completed: str | None = None
+        self.eval_group: str | None = None
+        self.records = 0
+
+    def train(self, step, loss, grad_norm, learning_rate, epoch) -> None:
+        m = self.monitor
+        if self.replaying:
+            m._last_perf = None  # a replayed record took no training time: no step duration
+        m.observe(step, loss=loss, grad_norm=grad_norm, learning_rate=learning_rate, epoch=epoch)
+        self.records += 1
+
+    def eval(self, step, loss, group) -> None:
+        # observe_eval has one eval loss: the log's first (or unnamed) eval set
+        if self.eval_group is None:
+            self.eval_group = group
+        if group == self.eval_group:
+            self.monitor.observe_eval(step, loss)
+
+    def new_run(self, step: int) -> None:
+        _log.warning("lossbeat watch: the step went back to %d: a new run in the same log (a restart); "
+                     "its metrics start again", step)
+        port = self.monitor.port  # the new run's monitor serves where the last one did (also when 0 was asked)
+        self.monitor.close(completed=False)
+        self.monitor = self._make(port)
+        self.eval_group = None
+
+    def complete(self, why: str) -> None:
+        self.completed = why
+
+    def end_replay(self, last_growth: float | None) -> None:
+        """The backlog is read: the heartbeat is the time the file last grew, not the time of the replay."""
+        self.replaying = False
+        m = self.monitor
+        m.flush()
+        if last_growth is not None:
+            state = m.state
+            # the state's own fields, as observe() sets them: the last record's time is the log's
+            for name in ("last_step_time", "last_activity_time"):
+                if getattr(state, name) is not None:
+                    setattr(state, name, min(getattr(state, name), last_growth))
+
+
+class Watcher:
+    """Follows ``path`` and feeds each record to a Monitor until the log says the run ended,
+    ``idle_timeout`` seconds pass without a new byte, or :meth:`stop` is called (another thread)."""
+
+    def __init__(self, path: str | os.PathLike, config: MonitorConfig, *, fmt: str | None = None,
+                 from_start: bool = True, idle_timeout: float | None = None, poll_interval: float = 0.05,
+                 rank_context: RankContext | None = None) -> None:
+        if fmt is not None and fmt not in FORMATS:
+            raise ValueError(f"fmt: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+        if fmt is not None and fmt != "tensorboard":
+            try:
+                live_parser(fmt)
+            except LogFormatError as exc:  # a format that cannot be followed: a usage error
+                raise ValueError(f"fmt: {exc}") from None
+        if idle_timeout is not None and not idle_timeout > 0:
+            raise ValueError(f"idle_timeout: expected a positive number of seconds, got {idle_timeout!r}")
+        if not poll_interval > 0:
+            raise ValueError(f"poll_interval: expected a positive number of seconds, got {poll_interval!r}")
+        self.path = os.fspath(path)
+        self.config = config
+        self.format = fmt
+        self.idle_timeout = idle_timeout
+        self.poll_interval = poll_interval
+        self.follower = Follower(self.path, from_start=from_start)
+        self._rank_context = rank_context or RankContext.from_env()
+        self.feed = MonitorFeed(self._new_monitor)
+        self.builder: LiveBuilder | None = None
+        self.ended: str | None = None
+        """Why watching ended: 'completed', 'idle' or 'stopped'."""
+        self._stop = False
+        self._last_data = time.monotonic()
+        self._pending: list[str] = []
+        self._reset = False
+
+    def _new_monitor(self, port: int | None) -> Monitor:
+        config = self.config if port is None else dataclasses.replace(self.config, port=port, port_per_local_rank=False)
+        return Monitor(config, rank_context=self._rank_context)
+
+    @property
+    def monitor(self) -> Monitor:
+        return self.feed.monitor
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def _idle(self) -> bool:
+        return self.idle_timeout is not None and time.monotonic() - self._last_data > self.idle_timeout
+
+    def _wait_for_format(self) -> str | None:
+        """The file's format once it exists and holds a record of a known one (None: idle or stopped)."""
+        while not self._stop and not self._idle():
+            try:
+                return detect_format(self.path)
+            except LogFormatError as exc:
+                size = os.path.getsize(self.path) if os.path.isfile(self.path) else 0
+                if size >= SNIFF_BYTES or "compressed" in str(exc) or "binary" in str(exc):
+                    raise  # the head is all there is to sniff: no format will turn up
+            time.sleep(self.poll_interval)
+        return None
+
+    def _lines(self) -> Iterator[str]:
+        """The lines as written, waiting for more; returns at a reset (the parser starts again),
+        at completion, when idle, or when stopped."""
+        follower, feed = self.follower, self.feed
+        while True:
+            if self._pending:
+                lines, self._pending = self._pending, []
+            else:
+                if self._stop or self._idle():
+                    return
+                lines, reset = follower.poll()
+                if reset:
+                    self._pending, self._reset = lines, True
+                    _log.warning("lossbeat watch: %s was rotated or truncated: reading it again from its start",
+                                 self.path)
+                    return
+            if lines:
+                self._last_data = time.monotonic()
+                for line in lines:
+                    yield line
+                    if feed.completed:
+                        return
+            if feed.replaying and follower.opened and follower.offset >= (follower.replay_until or 0):
+                feed.end_replay(follower.last_growth)
+            if not lines:
+                time.sleep(self.poll_interval)
+
+    def run(self) -> str:
+        """Watch until the run ends; returns why ('completed', 'idle' or 'stopped') and closes the monitor."""
+        try:
+            fmt = self.format or self._wait_for_format()
+            if fmt == "tensorboard":
+                self.format = fmt
+                self._follow_events()
+            elif fmt is not None:
+                parser = live_parser(fmt)
+                self.format = fmt
+                _log.info("lossbeat watch: following %s (%s) on port %s", self.path, fmt, self.monitor.port)
+                self.builder = LiveBuilder(self.path, fmt, self.feed)
+                while not (self.feed.completed or self._stop or self._idle()):
+                    self._reset = False
+                    source = Source(self.path, 0, b"", "utf-8", "", lines=self._lines())
+                    try:
+                        parser(source, self.builder)
+                    except Exception:  # a line the parser chokes on: counted, the watch goes on
+                        self.monitor.state.count_error("input")
+                        _log.exception("lossbeat watch: cannot parse a line of %s; reading on", self.path)
+        except BaseException:
+            self.follower.close()
+            self.monitor.close(completed=False)
+            raise
+        self.follower.close()
+        self.ended = "completed" if self.feed.completed else ("stopped" if self._stop else "idle")
+        self.monitor.close(completed=self.ended == "completed")
+        return self.ended
+
+
+    def _follow_events(self) -> None:
+        """A TensorBoard run directory or event file: scalars grouped by step, fed as they arrive."""
+        follower = EventFollower(self.path)
+        self.builder = builder = LiveBuilder(self.path, "tensorboard", self.feed)
+        builder.counts.unit = "events"
+        pending: dict = {}
+        _log.info("lossbeat watch: following %s (tensorboard) on port %s", self.path, self.monitor.port)
+        while not (self._stop or self._idle()):
+            scalars = follower.poll()
+            if scalars:
+                self._last_data = time.monotonic()
+                builder.counts.read += len(scalars)
+            for kind, step, *rest in event_records(scalars, pending, flush=not scalars):
+                builder.where = f"step {step}"
+                if kind == "train":
+                    builder.train(step, *rest)
+                else:
+                    builder.eval(step, *rest)
+            if not scalars:
+                if self.feed.replaying and follower.file is not None:
+                    self.feed.end_replay(os.path.getmtime(follower.file) if os.path.exists(follower.file) else None)
+                time.sleep(self.poll_interval)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="the log file or TensorBoard run directory to follow (it may not exist yet)")
+    parser.add_argument("--format", dest="fmt", choices=sorted([*LIVE_FORMATS, "tensorboard"]),
+                        help="the log's format (default: detected from its first records)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port of /metrics (default {DEFAULT_PORT}; "
+                        "+ LOCAL_RANK or --rank, as the in-process exporter)")
+    parser.add_argument("--addr", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    parser.add_argument("--job", default=None, help="run name in training_run_info (default: the file's name)")
+    parser.add_argument("--profile", default=None, help="task profile (causal-lm, classification, ...)")
+    parser.add_argument("--thresholds", default=None, help="a thresholds YAML overlaid on the defaults")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--from-start", dest="from_start", action="store_true", default=True,
+                       help="replay what the file holds, then follow (the default: the whole run is judged)")
+    where.add_argument("--tail", dest="from_start", action="store_false", help="start at the end of the file")
+    parser.add_argument("--idle-timeout", type=float, default=None, metavar="S",
+                        help="exit (code 3) after S seconds without a new byte (default: follow forever)")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="the rank this log is (one watcher per rank{N}.log; default: from the environment)")
+    parser.add_argument("--linger", type=float, default=90.0, metavar="S",
+                        help="at completion, keep /metrics up at most S seconds for a last scrape (default 90)")
+    parser.add_argument("--poll-interval", type=float, default=0.05, metavar="S", help="seconds between reads")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        config = MonitorConfig(port=args.port, addr=args.addr, run_name=args.job or os.path.basename(args.path),
+                               profile=args.profile, thresholds=args.thresholds, linger_seconds=args.linger)
+        ctx = RankContext(args.rank, args.rank, args.rank + 1, "log") if args.rank is not None else None
+        watcher = Watcher(args.path, config, fmt=args.fmt, from_start=args.from_start,
+                          idle_timeout=args.idle_timeout, poll_interval=args.poll_interval, rank_context=ctx)
+    except (TypeError, ValueError) as exc:
+        print(f"lossbeat watch: {exc}", file=sys.stderr)
+        return 2
+    try:
+        ended = watcher.run()
+    except LogFormatError as exc:
+        print(f"lossbeat watch: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    b = watcher.builder
+    print(f"lossbeat watch: {ended}" + (f" ({watcher.feed.completed})" if watcher.feed.completed else "")
+          + (f"; {b.counts.summary()}" if b else ""), file=sys.stderr)
+    return EXIT_COMPLETED if ended == "completed" else EXIT_IDLE
