@@ -191,7 +191,8 @@ def _safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:100]
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, mode 0644 set on the open descriptor (file_sd readers)."""
     # mkstemp opens O_EXCL with mode 0600; the mode is set on that descriptor, never by path
     # (a path could be swapped for a symlink between the write and a chmod).
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
@@ -234,7 +235,7 @@ class Registration:
         self._lock = threading.Lock()
         self._removed = False
         self.directory.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.path, json.dumps(self.entry, indent=2) + "\n")
+        write_atomic(self.path, json.dumps(self.entry, indent=2) + "\n")
         atexit.register(self.remove)
 
     def remove(self) -> None:

@@ -123,24 +123,31 @@ def parse_llamafactory(src: Source, out: RecordBuilder) -> None:
     A line cut short (a crash while writing) is counted, not fatal.
     """
     for line in iter_lines(src, out):
-        line = line.strip()
-        if not line:
-            out.skip("blank lines")
-            continue
-        try:
-            entry = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            out.skip("lines that are not JSON (a line cut short?)")
-            continue
-        if not isinstance(entry, Mapping):
-            out.skip("lines that are not JSON objects")
-            continue
-        step = _step(out, entry, "current_steps")
-        if step is None:
-            out.skip("lines without current_steps")
-            continue
-        if not _train_and_evals(out, entry, step):
-            out.skip("lines without a loss or eval loss (progress only)")
+        read_llamafactory_line(line, out)
+
+
+def read_llamafactory_line(line: str, out: Any) -> tuple[Mapping, int] | None:
+    """One ``trainer_log.jsonl`` line into ``out`` (a RecordBuilder or the live one); returns the
+    entry and its step, or None for a line that is not a record (counted in ``out``'s notes)."""
+    line = line.strip()
+    if not line:
+        out.skip("blank lines")
+        return None
+    try:
+        entry = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        out.skip("lines that are not JSON (a line cut short?)")
+        return None
+    if not isinstance(entry, Mapping):
+        out.skip("lines that are not JSON objects")
+        return None
+    step = _step(out, entry, "current_steps")
+    if step is None:
+        out.skip("lines without current_steps")
+        return None
+    if not _train_and_evals(out, entry, step):
+        out.skip("lines without a loss or eval loss (progress only)")
+    return entry, step
 
 
 def _missing_or_number(out: RecordBuilder, raw: object, name: str, missing: list[int]) -> float | None:

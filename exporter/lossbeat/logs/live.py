@@ -12,11 +12,10 @@ whose steps the offline parser derives after reading the whole file, and LLaMA-F
 
 from __future__ import annotations
 
-import json
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Protocol
 
 from lossbeat.logs import _LINE_FORMATS, FORMATS
-from lossbeat.logs.json_logs import _step, _train_and_evals
+from lossbeat.logs.json_logs import read_llamafactory_line
 from lossbeat.logs.records import _MIN_STEPS_BEFORE_RESTART, LogFormatError, RecordBuilder, _Run
 from lossbeat.logs.source import Source, iter_lines, text_lines
 from lossbeat.logs.text_logs import _HF_EVAL, HF_DICT, _dict_items, _py_number
@@ -134,24 +133,10 @@ def parse_llamafactory_live(src: Source, out: LiveBuilder) -> None:
     """``trainer_log.jsonl`` a line at a time; the record whose ``current_steps`` reaches
     ``total_steps`` completes the run."""
     for line in iter_lines(src, out):
-        line = line.strip()
-        if not line:
-            out.skip("blank lines")
+        read = read_llamafactory_line(line, out)
+        if read is None:
             continue
-        try:
-            entry = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            out.skip("lines that are not JSON (a line cut short?)")
-            continue
-        if not isinstance(entry, Mapping):
-            out.skip("lines that are not JSON objects")
-            continue
-        step = _step(out, entry, "current_steps")
-        if step is None:
-            out.skip("lines without current_steps")
-            continue
-        if not _train_and_evals(out, entry, step):
-            out.skip("lines without a loss or eval loss (progress only)")
+        entry, step = read
         total = entry.get("total_steps")
         if isinstance(total, int) and not isinstance(total, bool) and 0 < total <= step:
             out.complete(f"step {step} of total_steps {total} logged")

@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +36,7 @@ import yaml
 from lossbeat.mixin import rules as rules_module
 from lossbeat.mixin.generated import shipped_text, with_runbook_base
 from lossbeat.diagnosis.thresholds import ThresholdsError, load_thresholds
+from lossbeat.exposition.registration import write_atomic
 from lossbeat.stack.private import UnsafeDirError, default_dir, private_dir
 from lossbeat.stack.webhook import read_notifications
 
@@ -111,18 +111,7 @@ def write_targets_file(path: Path, targets: Iterable[str], job: str = DEFAULT_JO
 
 def write_target_groups(path: Path, groups: list[dict]) -> None:
     """Write file_sd target groups ({"targets": [...], "labels": {...}}) atomically."""
-    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).stem}.", suffix=".tmp")  # O_EXCL
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), 0o644)  # Prometheus may run as another user
-            f.write(json.dumps(groups, indent=2))
-        os.replace(tmp, path)  # a reader never sees half a file
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(Path(path), json.dumps(groups, indent=2))
 
 
 def render_prometheus_config(*, targets_file: Path, rule_files: Sequence[Path], alertmanagers: Sequence[str],
