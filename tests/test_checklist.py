@@ -44,10 +44,12 @@ def test_items_from_findings_tick_cross_and_unknown():
     assert items[4].value == "not in this log"
 
 
-def test_overfitting_log_names_pattern_3_and_fails():
+def test_overfitting_log_names_pattern_3():
+    # A seq2seq fine-tune (detected from eval_wer): its train loss near 0 is no range fault, so no
+    # checklist item fails; the curve's pattern names the overfitting the eval losses show.
     path = REAL_LOGS / "hf-whisper-large-v2-ja-overfit-trainer_state.json"
     result = _checklist(str(path))
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "pattern: 3, overfitting" in lines[1]
     assert [line.split(". ", 1)[0].strip()[-1] for line in lines[2:10]] == list("12345678")

@@ -31,11 +31,13 @@ def free_port_pair() -> int:
 
 
 def scrape(port):
+    """{sample name: [(labels, value)]}, the labels without ``run_id`` (test_run_identity.py tests it)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
+            labels = {k: v for k, v in s.labels.items() if k != "run_id"}
+            out.setdefault(s.name, []).append((labels, s.value))
     return out
 
 

@@ -26,7 +26,7 @@ def _samples(monitor: Monitor) -> dict[str, dict[tuple, float]]:
     out: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(generate_latest(monitor.registry).decode()):
         for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted((k, v) for k, v in s.labels.items() if k != "rank"))] = s.value
+            out.setdefault(s.name, {})[tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("rank", "run_id")))] = s.value
     return out
 
 

@@ -48,7 +48,11 @@ _SEQ2SEQ = re.compile(r"^(?:eval|val|test|predict)_(?:.+_)?(?:wer|cer|rouge[-_]?
 _PREFERENCE = frozenset({"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
                          "logps/chosen", "logps/rejected", "kto/rewards", "odds_ratio_loss"})
 _RL = frozenset({"reward", "reward_std", "frac_reward_zero_std", "zero_std_ratio", "kl", "clip_ratio",
-                 "objective/kl", "env/reward_mean", "env/reward_std", "objective/scores", "advantages"})
+                 "objective/kl", "env/reward_mean", "env/reward_std", "objective/scores", "advantages",
+                 # Actor-critic (PPO) logs name the policy's and the value head's losses apart
+                 # (DeepSpeed-Chat, OpenRLHF, CleanRL, stable-baselines): no supervised run does.
+                 "act_loss", "actor_loss", "cri_loss", "critic_loss", "policy_loss", "value_loss",
+                 "vf_loss", "pg_loss", "policy_gradient_loss"})
 _RL_PREFIXES = ("completions/", "clip_ratio/")
 
 
@@ -82,8 +86,10 @@ def detect_profile(fields: Iterable[str]) -> Detection:
     names = [f for f in fields if isinstance(f, str)]
     rl = [f for f in names if f in _RL or f.startswith(_RL_PREFIXES)]
     # A reward alone (e.g. a reward model's own log) is not RL: a reward and its spread, or a KL, is.
-    if any(f in ("reward_std", "frac_reward_zero_std", "zero_std_ratio", "env/reward_std", "objective/kl", "kl")
-           for f in rl) or (rl and any(f.startswith(_RL_PREFIXES) for f in rl)):
+    actor_critic = {"act_loss", "actor_loss", "policy_loss", "pg_loss", "policy_gradient_loss"} & set(rl) and \
+        {"cri_loss", "critic_loss", "value_loss", "vf_loss"} & set(rl)  # a policy loss and a value loss
+    if actor_critic or any(f in ("reward_std", "frac_reward_zero_std", "zero_std_ratio", "env/reward_std",
+                                 "objective/kl", "kl") for f in rl) or (rl and any(f.startswith(_RL_PREFIXES) for f in rl)):
         return Detection("rl", tuple(rl))
     pref = [f for f in names if f in _PREFERENCE]
     if pref:

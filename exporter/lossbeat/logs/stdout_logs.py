@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 
+from lossbeat.diagnosis.profiles import is_signal
 from lossbeat.logs.records import RecordBuilder
 from lossbeat.logs.source import Source, parse_number, text_lines
 
@@ -228,6 +229,10 @@ def parse_kv_stdout(src: Source, out: RecordBuilder) -> None:
             out.skip(_NOT_RECORD)
             continue
         step = int(pairs[key])
+        out.field_names(pairs)  # the task profile is detected from them (reward, kl, ...)
+        for name, text in pairs.items():
+            if is_signal(name) and (value := _number(out, name, text)) is not None:
+                out.signal(step, name, value)
         loss_key = _loss_key(pairs)
         evals = [k for k in pairs if _EVAL_KEY.match(k)]
         if loss_key is None and not evals:
