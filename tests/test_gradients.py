@@ -241,7 +241,29 @@ def test_clipping_odd_dtypes_matches_torch():
         assert a.grad.dtype == b.grad.dtype
 
 
-def test_the_shard_handshake_agrees_on_one_decision_for_early_and_late_ranks():
+class _StoreClock:
+    """The clock of lossbeat.measure.gradients while a rank waits alone: each of its polls'
+    sleeps advances it by exactly what was asked (and yields), so "gives up after the timeout"
+    is checked in the waits the code made, not in wall time on a loaded machine."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.now, self.slept, self._lock = 1000.0, 0.0, threading.Lock()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        import time
+
+        with self._lock:
+            self.now += seconds
+            self.slept += seconds
+        time.sleep(0)
+
+
+def test_the_shard_handshake_agrees_on_one_decision_for_early_and_late_ranks(monkeypatch):
     """Through a real TCPStore: all arrive -> every rank reduces; one missing -> the ones
     waiting give up after the timeout, and a rank that comes later reads that decision
     instead of entering a collective the others skipped."""
@@ -249,16 +271,23 @@ def test_the_shard_handshake_agrees_on_one_decision_for_early_and_late_ranks():
     import time
     from datetime import timedelta
 
+    import lossbeat.measure.gradients as gradients
     from lossbeat.measure.gradients import _store_handshake
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
 
-    def meet(key, ranks, timeout, delays):
+    def meet(key, ranks, timeout, delays, after_first=False):
+        """One thread per delay; ``after_first``: the last one starts once the first has decided."""
         out = [None] * len(delays)
+        first_done = threading.Event()
 
         def one(i, delay):
+            if after_first and i == len(delays) - 1:
+                first_done.wait(60)
             time.sleep(delay)
             out[i] = _store_handshake(store, key, ranks, timeout)
+            if i == 0:
+                first_done.set()
 
         threads = [threading.Thread(target=one, args=(i, d)) for i, d in enumerate(delays)]
         for t in threads:
@@ -267,22 +296,26 @@ def test_the_shard_handshake_agrees_on_one_decision_for_early_and_late_ranks():
             t.join()
         return out
 
-    assert meet("all", 3, 5.0, [0.0, 0.2, 0.4]) == [True, True, True]
-    started = time.monotonic()
-    assert meet("one-missing", 2, 0.5, [0.0]) == [False]  # rank 1 never came: no hang
-    assert time.monotonic() - started < 5
-    assert meet("one-missing", 2, 5.0, [0.0]) == [False]  # it comes late: it skips too, at once
-    assert meet("late", 2, 0.3, [0.0, 1.0]) == [False, False]
+    # All three arrive (a timeout they never need: the last one decides for all).
+    assert meet("all", 3, 60.0, [0.0, 0.2, 0.4]) == [True, True, True]
+    with monkeypatch.context() as patched:
+        clock = _StoreClock()
+        patched.setattr(gradients, "time", clock)
+        assert meet("one-missing", 2, 0.5, [0.0]) == [False]  # rank 1 never came: no hang ...
+        assert 0.5 <= clock.slept <= 0.5 + 0.05  # ... it waited its timeout (polls <= 50 ms apart), no more
+    assert meet("one-missing", 2, 60.0, [0.0]) == [False]  # it comes late: it skips too, at once
+    # The late rank arrives after the early one gave up (ordered by an event, not by a sleep).
+    assert meet("late", 2, 0.3, [0.0, 0.0], after_first=True) == [False, False]
 
 
-def test_ranks_whose_groups_differ_meet_every_rank_they_are_linked_to():
+def test_ranks_whose_groups_differ_meet_every_rank_they_are_linked_to(monkeypatch):
     """PP x FSDP on 4 ranks: rank 0's groups are {0, 1} (stages) and {0, 2} (shards), rank 1's
     {0, 1} and {1, 3}. Each rank's own union differs, so meeting at it would time out; following
     the groups the ranks publish, all four find {0, 1, 2, 3}. One that never publishes: None."""
     import threading
-    import time
     from datetime import timedelta
 
+    import lossbeat.measure.gradients as gradients
     from lossbeat.measure.gradients import _linked_ranks
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
@@ -290,10 +323,11 @@ def test_ranks_whose_groups_differ_meet_every_rank_they_are_linked_to():
 
     def link(prefix, ranks, timeout):
         out = {}
+        deadline = gradients.time.monotonic() + timeout
 
         def one(rank):
             store.set(f"{prefix}/groups/{rank}", ",".join(map(str, own[rank])))
-            out[rank] = _linked_ranks(store, prefix, rank, own[rank], time.monotonic() + timeout)
+            out[rank] = _linked_ranks(store, prefix, rank, own[rank], deadline)
 
         threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
         for t in threads:
@@ -302,7 +336,8 @@ def test_ranks_whose_groups_differ_meet_every_rank_they_are_linked_to():
             t.join()
         return out
 
-    assert link("all", (0, 1, 2, 3), 5.0) == {r: [0, 1, 2, 3] for r in range(4)}
-    started = time.monotonic()
-    assert link("three", (0, 1, 2), 0.5) == {0: None, 1: None, 2: None}  # rank 3 never came
-    assert time.monotonic() - started < 5
+    assert link("all", (0, 1, 2, 3), 60.0) == {r: [0, 1, 2, 3] for r in range(4)}
+    with monkeypatch.context() as patched:
+        patched.setattr(gradients, "time", _StoreClock())
+        # Rank 3 never came: past the deadline (on the clock the waits advance) each gives up.
+        assert link("three", (0, 1, 2), 0.5) == {0: None, 1: None, 2: None}

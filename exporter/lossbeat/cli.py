@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Iterable
 
 __all__ = ["main"]
 
@@ -25,10 +26,17 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: "Iterable[str] | None" = None) -> argparse.ArgumentParser:
+    """The ``lossbeat`` parser. Only the subcommands in ``commands`` (all when None) import
+    their module and take their arguments; the others are listed, for ``--help``. ``main``
+    imports only the one it runs: ``lossbeat rules`` never pays for torch (``demo`` does)."""
     parser = argparse.ArgumentParser(prog="lossbeat", description="Training-health monitor for PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = set(SUBCOMMANDS if commands is None else commands)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if name not in wanted:
+            sub.add_parser(name, help=help_text, description=help_text)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -42,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The subcommand is the first argument (the top-level parser has no option but --help).
+    command = [argv[0]] if argv and argv[0] in SUBCOMMANDS else []
+    args = build_parser(command).parse_args(argv)
     return int(args._run(args) or 0)
 
 

@@ -16,7 +16,8 @@ causal-LM healthy range. ``--fault`` injects a failure at ``--fault-step``:
 - ``leak``:    every step keeps a 4 MiB tensor alive (a list that is never
                emptied): the process's memory grows step after step.
 - ``slow``:    every step takes four times as long (a throttled node, a stalled
-               data loader): the throughput falls below the run's own level.
+               data loader): the throughput falls below the run's own level
+               (with ``--step-time``: four slots of it).
 
 Faults combine: ``--fault explode,vanish``. ``--multi-task`` adds a second task
 (tell, for each token, whether it is noise that breaks its sequence's pattern):
@@ -186,6 +187,28 @@ class Progress:
             sys.stderr.write("\n")
 
 
+class Pace:
+    """Steps on a fixed schedule (``--step-time``): the loop sleeps until the step's slot ends.
+
+    A step that ran late (an evaluation, a busy machine) is made up by the next ones, so the
+    steps/s over a few seconds stay 1/seconds as long as the work fits in the slots on average.
+    More than ``catch_up_s`` behind (the work itself is slower): the schedule restarts from now.
+    """
+
+    def __init__(self, seconds: float, catch_up_s: float = 2.0) -> None:
+        self.seconds, self.catch_up_s = seconds, catch_up_s
+        self._next = time.perf_counter()
+
+    def wait(self, slots: int = 1) -> None:
+        """Sleep until the end of this step's ``slots`` slots (4 for the ``slow`` fault)."""
+        self._next += slots * self.seconds
+        now = time.perf_counter()
+        if self._next > now:
+            time.sleep(self._next - now)
+        elif now - self._next > self.catch_up_s:
+            self._next = now
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8470, help="exporter port (default 8470; 0 = a free port)")
     parser.add_argument("--addr", default="127.0.0.1", help="exporter address (default 127.0.0.1)")
@@ -196,6 +219,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a noise-detection task; components lm and noise (profile multi-task)")
     parser.add_argument("--fault-step", type=int, help="step at which the fault starts (default: steps / 2)")
     parser.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step, to watch it live")
+    parser.add_argument("--step-time", type=float, default=0.0,
+                        help="pace the steps: each takes this many seconds of wall time, whatever its work took "
+                             "(the loop sleeps the rest and catches up after a late step), so the steps/s stay "
+                             "steady on a busy machine; not with --step-delay")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
@@ -231,6 +258,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise SystemExit("lossbeat demo: --steps must be >= 1")
+    if args.step_time < 0 or args.step_delay < 0:
+        raise SystemExit("lossbeat demo: --step-time and --step-delay must be >= 0")
+    if args.step_time and args.step_delay:
+        raise SystemExit("lossbeat demo: --step-time or --step-delay, not both")
     fault_step = args.fault_step if args.fault_step is not None else args.steps // 2
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # small model: threads cost more than they give on a 2-core machine
@@ -264,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
     stop = {"now": False}
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     progress = Progress(args.steps, not args.no_progress and sys.stderr.isatty())
+    pace = Pace(args.step_time)
     try:
         for step in range(args.steps):
             if stop["now"]:
@@ -314,10 +346,13 @@ def run(args: argparse.Namespace) -> int:
             if "leak" in active:
                 leaked.append(torch.ones(LEAK_BYTES_PER_STEP // 4))  # filled: the pages are resident
             step_started = time.perf_counter() - step_started
-            if "slow" in active:
-                time.sleep(3 * (step_started + args.step_delay))
-            if args.step_delay:
-                time.sleep(args.step_delay)
+            if args.step_time:
+                pace.wait(4 if "slow" in active else 1)
+            else:
+                if "slow" in active:
+                    time.sleep(3 * (step_started + args.step_delay))
+                if args.step_delay:
+                    time.sleep(args.step_delay)
     except TrainingHalted as halted:  # the guard stopped the run: no bad step reached the weights
         progress.close()
         print(f"lossbeat demo: {halted}", file=sys.stderr, flush=True)

@@ -7,7 +7,9 @@ A bad file raises :class:`ThresholdsError` naming the offending key.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -322,6 +324,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _default_document() -> dict:
+    """The packaged defaults, a fresh copy each call (parsed once: every Monitor loads them)."""
+    return copy.deepcopy(_parsed_defaults())
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_defaults() -> dict:
     text = resources.files("lossbeat").joinpath(DEFAULT_PATH).read_text(encoding="utf-8")
     return yaml.safe_load(text)
 
