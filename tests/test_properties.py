@@ -50,7 +50,7 @@ def monitor() -> Monitor:
 
 
 def sample(m: Monitor, name: str, **labels: str) -> float | None:
-    return m.registry.get_sample_value(name, {"rank": "0", **labels})
+    return m.registry.get_sample_value(name, {"rank": "0", "run_id": m.state.run_id, **labels})
 
 
 def errors(m: Monitor) -> int:
