@@ -106,7 +106,7 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
     assert len(list((out / "tests").glob("*.yml"))) >= 16
     # The files these thresholds changed (the others are the checked-in ones, run by test_rules.py).
     tests = changed_rule_tests(out)
-    assert tests == ["tests/traininggradientexplosion.yml", "tests/trainingstalled.yml"]
+    assert {"tests/traininggradientexplosion.yml", "tests/trainingstalled.yml"} <= set(tests)
     tested = _run([promtool, "test", "rules", *tests], out, env)
     assert tested.stdout.count("SUCCESS") == len(tests)
     assert "SUCCESS" in _run([amtool, "check-config", "alertmanager.yml"], out, env).stdout
