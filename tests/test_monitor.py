@@ -971,7 +971,7 @@ def test_status_change_lines_start_above_a_tqdm_bar(monitor, capsys):
     try:
         with tqdm.tqdm(total=100, file=sys.stderr, mininterval=0) as bar:
             for step in range(50):
-                monitor.observe(step, loss=2.0, grad_norm=50.0 if step >= 40 else 1.0)
+                monitor.observe(step, loss=2.0 + 0.01 * (step % 3), grad_norm=50.0 if step >= 40 else 1.0)  # a loss that moves: trained
                 bar.update(1)
     finally:
         logging.getLogger("lossbeat").removeHandler(handler)
