@@ -102,6 +102,10 @@ class _Line:
     kind: str  # static | moving | step | tokens | timestamp | nonfinite_loss
 
 
+RUN_ID = "scale-benchmark"
+"""The run identity every synthetic rank exports: the ranks of one job, one run."""
+
+
 class SyntheticRank:
     """One rank's exposition, re-rendered at each scrape from a real template."""
 
@@ -120,6 +124,7 @@ class SyntheticRank:
             name, labels, value = m.group(1), m.group(2) or "", m.group(3)
             labels = re.sub(r'\brank="\d+"', f'rank="{rank}"', labels)
             labels = re.sub(r'\blocal_rank="\d+"', f'local_rank="{rank % 8}"', labels)
+            labels = re.sub(r'\brun_id="[^"]*"', f'run_id="{RUN_ID}"', labels)  # one run, as torchrun's ranks share
             base = float(value)
             if name in _STEP_LIKE:
                 kind = "step"

@@ -80,8 +80,8 @@ def main() -> None:
     out["latency_p50_ms"] = 1000 * lat[len(lat) // 2]
     out["latency_p99_ms"] = 1000 * lat[int(len(lat) * 0.99)]
     out["latency_max_ms"] = 1000 * lat[-1]
-    out["steps_total_seen"] = max((c.get('training_steps_total{\'rank\': \'0\'}', 0) for c in out.pop("last_counters")),
-                                  default=0)
+    out["steps_total_seen"] = max((v for c in out.pop("last_counters") for k, v in c.items()
+                                   if k.startswith("training_steps_total{") and "'rank': '0'" in k), default=0)
     print(json.dumps(out))
 
 

@@ -38,8 +38,8 @@ def test_a_synthetic_rank_moves_and_turns_nan(templates):
     assert early != later and " NaN\n" not in later
     rank.nan_since = 1050.0
     nan = rank.render(1051.0).decode()
-    assert 'training_loss{rank="4"} NaN' in nan
-    assert 'training_nonfinite_loss_total{rank="4"} 3.0' in nan  # 2 steps/s since the flip, and the first
+    assert 'training_loss{rank="4",run_id="scale-benchmark"} NaN' in nan
+    assert 'training_nonfinite_loss_total{rank="4",run_id="scale-benchmark"} 3.0' in nan  # 2 steps/s since the flip, and the first
 
 
 def test_a_real_prometheus_scrapes_the_ranks_and_the_nan_fires(templates):

@@ -274,7 +274,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         monitor = start_exporter(
             args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name,
-            work_time=True,  # the demo shows every signal, the Cluster dashboard's per-rank work time too
+            # The demo shows every signal, the Cluster dashboard's too: per-rank work time, and the
+            # aligned grad norm (on by itself only under DDP, where replicas must agree).
+            work_time=True, grad_norm_align_every=10,
             guard=args.guard,
         )
     except OSError as exc:  # a busy port: the message names it and the fix; no traceback

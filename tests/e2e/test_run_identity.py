@@ -26,8 +26,10 @@ CROSS_RANK = ("TrainingStraggler", "TrainingRankGradientMismatch", "TrainingLoss
 
 @pytest.fixture(scope="module")
 def e2e_overrides() -> dict:
-    return {"alerts": {**E2E_THRESHOLDS["alerts"], "straggler_for": "3s", "grad_mismatch_for": "3s",
-                       "rank_down_for": "3s", "loss_spread_for": "3s"}}
+    # Short `for`s, yet longer than a scrape or two missed on a loaded machine (1 s timeouts):
+    # a missed scrape makes a rank look down for a moment; comparing two runs does for good.
+    return {"alerts": {**E2E_THRESHOLDS["alerts"], "straggler_for": "5s", "grad_mismatch_for": "5s",
+                       "rank_down_for": "5s", "loss_spread_for": "5s"}}
 
 
 def _start(folder: Path, job: str, thresholds: Path) -> subprocess.Popen:
@@ -61,10 +63,10 @@ def test_two_concurrent_runs_under_one_job_label_fire_no_cross_rank_alert(stack,
         steps = wait_until(both_compared, 120, "both runs' ranks at an aligned step")
         run_ids = {s["metric"]["run_id"] for s in steps}
         assert len(run_ids) == 2 and "" not in run_ids  # one identity per run, shared by its ranks
-        deadline = time.monotonic() + 12  # several evaluations past every cross-rank `for` (3 s)
+        deadline = time.monotonic() + 15  # several evaluations past every cross-rank `for` (5 s)
         while time.monotonic() < deadline:
             for name in CROSS_RANK:
-                assert not prometheus.alerts(alertname=name, job=job), f"{name} fired for two healthy runs"
+                assert not prometheus.firing(name, job=job), f"{name} fired for two healthy runs"
             time.sleep(1)
         info = prometheus.query(f'count by (run_id) (training_run_info{{job="{job}"}})')
         assert sorted(float(s["value"][1]) for s in info) == [2.0, 2.0]

@@ -387,12 +387,12 @@ def _overview_panels(t: Thresholds) -> list[dict]:
                     "short", _targets((f"sum by (where) ({_counter('increase', 'training_exporter_errors_total')})",
                                        "{{where}}")), bars=True),
         _timeseries("Steps per second", "Optimizer steps per second per rank.", "count:steps/s",
-                    _targets((f"sum by (job, rank) ({_counter('rate', 'training_steps_total')})",
+                    _targets((f"sum by (job, run_id, rank) ({_counter('rate', 'training_steps_total')})",
                               "{{job}} rank {{rank}}")), size=(8, 8)),
         _timeseries("Tokens per second", "Tokens per second per rank, and in total per job.", "count:tok/s",
-                    _targets((f"sum by (job, rank) ({_counter('rate', 'training_tokens_total')})",
+                    _targets((f"sum by (job, run_id, rank) ({_counter('rate', 'training_tokens_total')})",
                               "{{job}} rank {{rank}}"),
-                             (f"sum by (job) ({_counter('rate', 'training_tokens_total')})", "{{job}} total")),
+                             (f"sum by (job, run_id) ({_counter('rate', 'training_tokens_total')})", "{{job}} total")),
                     size=(8, 8)),
         _timeseries("Step duration", "Wall time between the last two observed steps.",
                     METRICS["training_step_duration_seconds"].unit,
@@ -499,7 +499,7 @@ def _cluster_panels(t: Thresholds) -> list[dict]:
     return [
         _timeseries("Ranks reporting", "Distinct ranks exporting metrics, against the world size they "
                     "report (legend): fewer for the alerts' `for` fires TrainingRankDown.", "short",
-                    _targets((f"count by (job, world_size) (count by (job, rank, world_size) ({run_info}))",
+                    _targets((f"count by (job, run_id, world_size) (count by (job, run_id, rank, world_size) ({run_info}))",
                               "{{job}}: reporting of world size {{world_size}}")), size=(8, 8)),
         _table("Slowest ranks", f"The ten ranks with the longest own work per step (data wait + forward, "
                f"5m mean; `work_time=True`). Above {_num(c.straggler_ratio)}x the job's median: "
@@ -509,8 +509,9 @@ def _cluster_panels(t: Thresholds) -> list[dict]:
                     "multiple of grad_norm_align_every, relative to the job's median at that step: data-parallel "
                     f"replicas agree to float tolerance; above {_num(c.grad_norm_rtol)}: "
                     "TrainingRankGradientMismatch.", "percentunit",
-                    _targets((f"abs({aligned} - on(job) group_left quantile by (job) (0.5, {aligned}))\n"
-                              f"  / on(job) group_left quantile by (job) (0.5, {aligned})", "rank {{rank}}")),
+                    _targets((f"abs({aligned} - on(job, run_id) group_left quantile by (job, run_id) (0.5, {aligned}))\n"
+                              f"  / on(job, run_id) group_left quantile by (job, run_id) (0.5, {aligned})",
+                              "rank {{rank}}")),
                     size=(8, 8), thresholds=_thresholds("green", (c.grad_norm_rtol, "red")),
                     threshold_style="dashed"),
         _panel("heatmap", "Work time per rank", "Each rank's own work per step (training_rank_work_seconds: "
