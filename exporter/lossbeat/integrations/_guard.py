@@ -41,10 +41,20 @@ class Patch:
     """
 
     def __init__(self, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
-        self.obj, self.name, self.replacement = obj, name, replacement
+        self.obj, self.name = obj, name
         self._saved = vars(obj).get(name, _ABSENT)
         self.original: Callable[..., Any] = getattr(obj, name)
-        setattr(obj, name, replacement)
+        scheduled = hasattr(self.original, "_wrapped_by_lr_sched")
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            if scheduled:  # what torch's LR-scheduler wrapper records (private): a step came first
+                obj._opt_called = True
+            return replacement(*args, **kwargs)
+
+        if scheduled:  # the scheduler's check that nothing replaced the step after it wrapped it
+            patched._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self.replacement = patched
+        setattr(obj, name, patched)
 
     @contextlib.contextmanager
     def unpatched(self) -> Iterator[None]:
