@@ -164,3 +164,103 @@ def test_olmo_core_nan_loss_is_counted_before_the_trainer_stops(tmp_path):
     assert _value(samples, "training_steps_total") == 4
     assert _value(samples, "training_loss") != logged.get(3, {}).get("train/CE loss")
     monitor.close(completed=False)
+
+
+# --- torchtitan --------------------------------------------------------------------------------
+# torchtitan's Trainer cannot run on this CPU-only machine: `torchtitan.trainer` imports triton at
+# module level (torchtitan/distributed/minimal_async_ep/kernels.py, `import triton`), and
+# `torchtitan.tools.utils.device_type` is "cuda" on any machine, so Trainer.__init__
+# (`device_module.set_device`) and MetricsProcessor.__init__ (DeviceMemoryMonitor:
+# `torch.cuda.get_device_name`) need a GPU. On CPU the logger backend is driven through
+# torchtitan's real LoggerContainer with the metric dicts MetricsProcessor.log builds (its keys,
+# imported from the integration, are checked against torchtitan's source); the processor itself
+# is tested on a GPU (test_torchtitan_processor_on_gpu, skipped without CUDA).
+
+
+def _titan_metrics(step: int, loss: float, grad_norm: float, tokens: int) -> dict:
+    """The dict MetricsProcessor.log hands its backends (torchtitan 0.3.0), with the trainer's extras."""
+    return {"loss_metrics/global_avg_loss": loss, "loss_metrics/global_max_loss": loss * 1.1,
+            "grad_norm": grad_norm, "throughput(tps)": 1000.0, "tflops": 1.0, "memory/max_reserved(GiB)": 1.0,
+            "n_tokens_seen": tokens, "lr/AdamW": 3e-4 * step}
+
+
+def test_torchtitan_logger_keys_are_those_torchtitan_logs():
+    metrics = require_module("torchtitan.components.metrics")
+    import inspect
+
+    from lossbeat.integrations import torchtitan as tt
+
+    source = inspect.getsource(metrics.MetricsProcessor)
+    for key in (tt.LOSS_KEY, tt.GRAD_NORM_KEY, tt.EVAL_LOSS_KEY):
+        assert f'"{key}"' in source
+    trainer_source = open(os.path.join(os.path.dirname(metrics.__file__), "..", "trainer.py")).read()
+    assert f'"{tt.TOKENS_KEY}"' in trainer_source
+    assert 'f"Loss is not finite (global_avg_loss={global_avg_loss}) at "' in trainer_source
+    assert tt.LossbeatMetricsProcessor.Config()._owner is tt.LossbeatMetricsProcessor
+    assert tt.LossbeatMetricsProcessor.Config(lossbeat_port=9100).log_freq == 10
+
+
+def test_torchtitan_logger_exports_what_torchtitan_logs():
+    metrics = require_module("torchtitan.components.metrics")
+    from lossbeat.integrations.torchtitan import LossbeatLogger
+
+    monitor = Monitor(MonitorConfig(port=0, linger_seconds=0), serve=False)
+    container = metrics.LoggerContainer()
+    logger = LossbeatLogger(monitor)
+    container.add_logger(logger)
+    for step, loss in ((1, 5.5), (10, 5.0), (20, 4.5)):
+        container.log(_titan_metrics(step, loss, 0.5 + step / 100, tokens=step * 2048), step)
+    container.log({"validation_metrics/loss": 4.8, "validation_metrics/throughput(tps)": 10.0}, 20)
+    try:  # the trainer's stop on a NaN, as torchtitan's train.py closes the trainer: inside the except
+        raise RuntimeError("Loss is not finite (global_avg_loss=nan) at step 30. Stopping training.")
+    except RuntimeError:
+        container.close()
+    samples = _scrape(monitor)
+    assert _value(samples, "training_nonfinite_loss_total") == 1
+    assert math.isnan(_value(samples, "training_loss"))
+    assert _value(samples, "training_step") == 30
+    assert _value(samples, "training_steps_total") == 4
+    assert _value(samples, "training_eval_loss") == pytest.approx(4.8)
+    assert _value(samples, "training_learning_rate", param_group="0") == pytest.approx(3e-4 * 20)
+    assert _value(samples, "training_tokens_total") == pytest.approx(20 * 2048 - 2048)
+    assert monitor.closed is False  # given: flushed, the caller closes it
+    monitor.close(completed=False)
+
+
+def test_torchtitan_placeholder_loss_of_a_pipeline_stage_is_no_loss():
+    require_module("torchtitan.components.metrics")
+    from lossbeat.integrations.torchtitan import LossbeatLogger
+
+    monitor = Monitor(MonitorConfig(port=0, linger_seconds=0), serve=False)
+    logger = LossbeatLogger(monitor)
+    logger.log(_titan_metrics(1, -1.0, 0.7, tokens=1024), 1)
+    logger.close()
+    samples = _scrape(monitor)
+    assert "training_loss" not in samples or not samples["training_loss"]
+    assert _value(samples, "training_grad_norm") == pytest.approx(0.7)
+    monitor.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torchtitan's MetricsProcessor needs CUDA (device_type)")
+def test_torchtitan_processor_on_gpu(tmp_path):
+    require_module("torchtitan.components.metrics")
+    from torchtitan.distributed import ParallelDims
+
+    from lossbeat.integrations.torchtitan import LossbeatMetricsProcessor
+
+    config = LossbeatMetricsProcessor.Config(log_freq=1, lossbeat_port=0, lossbeat_settings={"linger_seconds": 0})
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    processor = config.build(parallel_dims=dims, dump_folder=str(tmp_path))
+    processor.num_flops_per_token = 1
+    processor.ntokens_since_last_log = 4096
+    processor.data_loading_times.append(0.01)
+    assert processor.should_log(1)
+    processor.log(1, 5.25, 5.5, 0.75, extra_metrics={"n_tokens_seen": 4096, "lr/AdamW": 1e-3})
+    monitor = processor.lossbeat.monitor
+    monitor.flush()
+    samples = {s.name: s.value for f in text_string_to_metric_families(generate_latest(monitor.registry).decode())
+               for s in f.samples}
+    processor.close()
+    assert monitor.closed  # the exporter it started closes with the trainer
+    assert samples["training_loss"] == pytest.approx(5.25)
+    assert samples["training_grad_norm"] == pytest.approx(0.75)
