@@ -174,7 +174,7 @@ def test_olmo_core_nan_loss_is_counted_before_the_trainer_stops(tmp_path):
 # `torch.cuda.get_device_name`) need a GPU. On CPU the logger backend is driven through
 # torchtitan's real LoggerContainer with the metric dicts MetricsProcessor.log builds (its keys,
 # imported from the integration, are checked against torchtitan's source); the processor itself
-# is tested on a GPU (test_torchtitan_processor_on_gpu, skipped without CUDA).
+# is tested on a GPU by benchmarks/gpu.sh (benchmarks/gpu_checks.py), never skipped here.
 
 
 def _titan_metrics(step: int, loss: float, grad_norm: float, tokens: int) -> dict:
@@ -239,28 +239,3 @@ def test_torchtitan_placeholder_loss_of_a_pipeline_stage_is_no_loss():
     assert "training_loss" not in samples or not samples["training_loss"]
     assert _value(samples, "training_grad_norm") == pytest.approx(0.7)
     monitor.close()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torchtitan's MetricsProcessor needs CUDA (device_type)")
-def test_torchtitan_processor_on_gpu(tmp_path):
-    require_module("torchtitan.components.metrics")
-    from torchtitan.distributed import ParallelDims
-
-    from lossbeat.integrations.torchtitan import LossbeatMetricsProcessor
-
-    config = LossbeatMetricsProcessor.Config(log_freq=1, lossbeat_port=0, lossbeat_settings={"linger_seconds": 0})
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
-    processor = config.build(parallel_dims=dims, dump_folder=str(tmp_path))
-    processor.num_flops_per_token = 1
-    processor.ntokens_since_last_log = 4096
-    processor.data_loading_times.append(0.01)
-    assert processor.should_log(1)
-    processor.log(1, 5.25, 5.5, 0.75, extra_metrics={"n_tokens_seen": 4096, "lr/AdamW": 1e-3})
-    monitor = processor.lossbeat.monitor
-    monitor.flush()
-    samples = {s.name: s.value for f in text_string_to_metric_families(generate_latest(monitor.registry).decode())
-               for s in f.samples}
-    processor.close()
-    assert monitor.closed  # the exporter it started closes with the trainer
-    assert samples["training_loss"] == pytest.approx(5.25)
-    assert samples["training_grad_norm"] == pytest.approx(0.75)
