@@ -4,9 +4,9 @@
     python3 scripts/status_screenshots.py [healthy nan explode lr-high plateau vanish leak slow]
 
 Needs chromium, chromium-driver and selenium (scripts/setup.sh --servers). Each run: a demo
-(seed 0, fault at step 120) on a free port, the page opened in headless chromium at 1300 px
-wide, a screenshot of the whole page once it shows step 180 (60 steps past the fault, well
-before the demo's end). The curves are the same from one run to the next (the demo is seeded);
+(seed 0, fault at step 120 but for ``slow``) on a free port, the page opened in headless chromium at 1300 px
+wide, a screenshot of the whole page once it shows the step of ``RUNS`` (230 of 300 steps, later
+for the faults the diagnosis needs longer windows to see), before the demo's end. The curves are the same from one run to the next (the demo is seeded);
 the uptime, timing-dependent counters and the step a screenshot lands on vary by a few steps.
 """
 
@@ -25,7 +25,14 @@ from selenium.webdriver.common.by import By
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "img"
-STEPS, FAULT_STEP = 240, 120
+# (the demo's steps, the fault's step, the step a screenshot waits for): by default 110 steps past
+# the fault, 70 before the end (the demo closes its exporter when it finishes). Longer for the
+# faults whose checks need longer windows: `plateau`, a trend over two windows of at least 100
+# steps, both past the fault from step 320; `leak`, the memory slope over 60 samples, one per
+# 10 steps (4 MiB a step reaches 5% of 24 GiB over ~50 samples); `slow`, blocks of 50 timed steps
+# after 100 of warm-up against the run's level from the normal blocks before the fault.
+RUNS = {"plateau": (450, 120, 380), "leak": (800, 120, 700), "slow": (400, 250, 310)}
+DEFAULT_RUN = (300, 120, 230)
 # Every demo fault (lossbeat.demo.FAULTS), after a healthy run.
 SHOTS = ("healthy", "nan", "explode", "lr-high", "plateau", "vanish", "leak", "slow")
 MAX_BYTES = 300_000  # a screenshot over this is re-encoded with a palette (Pillow, when installed)
@@ -39,8 +46,9 @@ def free_port() -> int:
 
 def shoot(fault: str, driver: webdriver.Chrome) -> Path:
     port = free_port()
-    args = [sys.executable, "-m", "lossbeat", "demo", "--port", str(port), "--steps", str(STEPS),
-            "--step-delay", "0.05", "--fault-step", str(FAULT_STEP), "--seed", "0", "--no-progress"]
+    steps, fault_step, target = RUNS.get(fault, DEFAULT_RUN)
+    args = [sys.executable, "-m", "lossbeat", "demo", "--port", str(port), "--steps", str(steps),
+            "--step-delay", "0.05", "--fault-step", str(fault_step), "--seed", "0", "--no-progress"]
     if fault != "healthy":
         args += ["--fault", fault]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "exporter"),
@@ -54,7 +62,6 @@ def shoot(fault: str, driver: webdriver.Chrome) -> Path:
                 break
             except Exception:  # noqa: BLE001 - not serving yet
                 time.sleep(1)
-        target = STEPS - 60  # well before the end: the demo closes its exporter when it finishes
         while time.monotonic() < deadline:
             text = driver.find_element(By.ID, "run-step").text
             if text.isdigit() and int(text) >= target:
