@@ -15,7 +15,7 @@ TEST_WORKERS ?= 4
 
 test:
 	scripts/setup.sh --servers
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
 
 # Regenerate every checked-in generated file from the thresholds file: the one command
 # that writes into the checkout (users write into a folder: lossbeat generate --output-dir DIR).

@@ -3,13 +3,15 @@
     python tests/signal_worker.py with|exit-handler
 
 Prints ``READY <port>`` once serving, and ``CLOSED <observed> <applied> <pending>`` after
-the monitor's with-block has closed it (however the loop ended).
+the monitor's with-block has closed it (however the loop ended), after ``CLOSE_SECONDS <s>``,
+the time close() took.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import time
 
 import torch
 
@@ -25,6 +27,17 @@ def main() -> None:
     x, y = torch.randn(256, 64), torch.randn(256, 1)
     observed = 0
     monitor = Monitor(MonitorConfig(port=0, addr="127.0.0.1"))
+    close = monitor.close
+
+    def timed_close(*args, **kwargs):
+        # The time close() itself takes (flush, linger), on this process's clock: what a hang
+        # in lossbeat would stretch, unlike the interpreter's start and exit on a busy machine.
+        started = time.monotonic()
+        try:
+            return close(*args, **kwargs)
+        finally:
+            print(f"CLOSE_SECONDS {time.monotonic() - started:.3f}", flush=True)
+    monitor.close = timed_close
     try:
         with monitor:
             step = 0

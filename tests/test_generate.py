@@ -93,7 +93,7 @@ def test_a_bad_runbook_base_is_refused(tmp_path, capsys):
 def test_generators_write_nothing_without_an_output_folder(tmp_path, thresholds_file, command):
     before = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
     result = subprocess.run([sys.executable, "-m", "lossbeat", command, "--thresholds", str(thresholds_file)],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 2
     assert "--output-dir" in result.stderr and result.stdout == ""
     assert list(tmp_path.iterdir()) == [thresholds_file]
@@ -103,7 +103,7 @@ def test_generators_write_nothing_without_an_output_folder(tmp_path, thresholds_
 
 def test_rules_check_alone_reads_the_checkout_and_writes_nothing():
     result = subprocess.run([sys.executable, "-m", "lossbeat", "rules", "--check"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

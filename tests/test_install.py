@@ -116,7 +116,7 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
     _run([lossbeat, "stack", "up", "--dir", str(stack_dir), "--prometheus-port", str(free_port()),
           "--alertmanager-port", str(free_port()), "--receiver-port", str(free_port()),
           "--targets", f"127.0.0.1:{exporter_port}", "--scrape-interval", "1s",
-          "--thresholds", "my-thresholds.yaml"], work, env, timeout=120)
+          "--thresholds", "my-thresholds.yaml"], work, env, timeout=600)
     demo = None
     try:
         demo = subprocess.Popen([lossbeat, "demo", "--fault", "nan", "--port", str(exporter_port), "--steps", "60",
@@ -145,7 +145,7 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
             demo.terminate()
             demo.wait(timeout=60)
         down = subprocess.run([lossbeat, "stack", "down", "--dir", str(stack_dir)], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=600)
     assert down.returncode == 0, down.stderr
     ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
     assert not [l for l in ps.splitlines() if str(stack_dir) in l and " Z" not in l], "stack processes survived"

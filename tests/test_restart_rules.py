@@ -81,5 +81,5 @@ def test_counters_reset_and_steps_going_back(tmp_path):
     path = tmp_path / "restart.yml"
     path.write_text(yaml.safe_dump({"rule_files": [str(RULES)], "evaluation_interval": "1m",
                                     "group_eval_order": groups, "tests": TESTS}, sort_keys=False))
-    result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -68,7 +68,7 @@ CUSTOM_THRESHOLDS = {
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([require_binary("promtool"), *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    return subprocess.run([require_binary("promtool"), *args], capture_output=True, text=True, timeout=600, cwd=cwd)  # a hang guard: promtool needs ~40 s of CPU for every test file
 
 
 def checked_in_rules() -> list[dict]:

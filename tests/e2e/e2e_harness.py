@@ -172,7 +172,7 @@ class DemoRun:
         self.started_at = time.time()
         return self
 
-    def wait_serving(self, timeout: float = 60) -> None:
+    def wait_serving(self, timeout: float = 180) -> None:  # a hang guard: torch's import is slow on a busy machine
         def serving():
             if self.proc.poll() is not None:
                 pytest.fail(f"demo exited early ({self.proc.returncode}):\n{self.log_tail()}")
