@@ -42,6 +42,28 @@ def require_module(name: str) -> ModuleType:
         raise AssertionError("unreachable")
 
 
+def registry_samples(monitor) -> dict[str, dict[tuple, float]]:
+    """{sample name: {sorted label items without rank and run_id: value}}, from the monitor's
+    /metrics text (its registry, no HTTP)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(generate_latest(monitor.registry).decode()):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("rank", "run_id")))
+            out.setdefault(s.name, {})[labels] = s.value
+    return out
+
+
+def sample_value(samples: dict, name: str, **labels: str) -> float:
+    """The one value of ``name`` in :func:`registry_samples`' output, or the one with ``labels``."""
+    if labels:
+        return samples[name][tuple(sorted(labels.items()))]
+    (value,) = samples[name].values()
+    return value
+
+
 def find_real_logs() -> Path:
     """``shared/data/real-logs`` beside the checkout (or above a worktree), or $LOSSBEAT_REAL_LOGS."""
     if os.environ.get("LOSSBEAT_REAL_LOGS"):

@@ -8,26 +8,11 @@ import math
 
 import pytest
 import torch
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import require_module
+from conftest import registry_samples, require_module, sample_value
 from lossbeat.monitor import Monitor, MonitorConfig
 
 
-def _scrape(monitor: Monitor) -> dict[str, dict[tuple, float]]:
-    """{sample name: {sorted label items without rank: value}}."""
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(generate_latest(monitor.registry).decode()):
-        for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("rank", "run_id")))
-            out.setdefault(s.name, {})[labels] = s.value
-    return out
-
-
-def _value(samples: dict, name: str) -> float:
-    (value,) = samples[name].values()
-    return value
 
 
 def _layers(samples: dict) -> dict[str, float]:
@@ -71,17 +56,17 @@ def _hf_run(tmp_path, *, per_step: bool, max_grad_norm: float = 0.05):
 
 def test_hf_trainer_per_step_feeds_loss_grad_norms_and_eval(tmp_path):
     monitor, callback, model, logged, evals = _hf_run(tmp_path, per_step=True)
-    s = _scrape(monitor)
+    s = registry_samples(monitor)
     assert callback.observed_steps == 6
-    assert _value(s, "training_steps_total") == 6
-    assert _value(s, "training_step") == 6
+    assert sample_value(s, "training_steps_total") == 6
+    assert sample_value(s, "training_step") == 6
     last = logged[-1]
     assert last["step"] == 6
     # Gradient accumulation 2: the model returns each micro-batch's share; their sum is the logged loss.
-    assert _value(s, "training_loss") == pytest.approx(last["loss"], rel=1e-5)
+    assert sample_value(s, "training_loss") == pytest.approx(last["loss"], rel=1e-5)
     # The global norm is measured before the Trainer clips: it equals the Trainer's own (pre-clip) grad_norm.
     assert last["grad_norm"] > 0.05
-    assert _value(s, "training_grad_norm") == pytest.approx(last["grad_norm"], rel=1e-4)
+    assert sample_value(s, "training_grad_norm") == pytest.approx(last["grad_norm"], rel=1e-4)
     # Measured once per optimizer step (on the micro-batch that completes it), not once per micro-batch.
     assert monitor.measured_calls == 6
     layers = _layers(s)
@@ -91,22 +76,22 @@ def test_hf_trainer_per_step_feeds_loss_grad_norms_and_eval(tmp_path):
     assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(last["grad_norm"], rel=1e-4)
     lrs = s["training_learning_rate"]
     assert all(v == pytest.approx(last["learning_rate"]) for v in lrs.values())
-    assert _value(s, "training_epoch") == pytest.approx(last["epoch"])  # the epoch the Trainer gives the step
-    assert _value(s, "training_eval_total") == len(evals) == 2
-    assert _value(s, "training_eval_loss") == pytest.approx(evals[-1]["eval_loss"])
+    assert sample_value(s, "training_epoch") == pytest.approx(last["epoch"])  # the epoch the Trainer gives the step
+    assert sample_value(s, "training_eval_total") == len(evals) == 2
+    assert sample_value(s, "training_eval_loss") == pytest.approx(evals[-1]["eval_loss"])
     assert callback._hook is None  # removed at on_train_end
 
 
 def test_hf_trainer_log_fallback_observes_logged_records(tmp_path):
     monitor, callback, _, logged, evals = _hf_run(tmp_path, per_step=False, max_grad_norm=1.0)
-    s = _scrape(monitor)
+    s = registry_samples(monitor)
     assert callback.observed_steps == 0
-    assert _value(s, "training_steps_total") == len(logged) == 6
-    assert _value(s, "training_loss") == pytest.approx(logged[-1]["loss"])
-    assert _value(s, "training_grad_norm") == pytest.approx(logged[-1]["grad_norm"])
-    assert _value(s, "training_epoch") == pytest.approx(logged[-1]["epoch"])
+    assert sample_value(s, "training_steps_total") == len(logged) == 6
+    assert sample_value(s, "training_loss") == pytest.approx(logged[-1]["loss"])
+    assert sample_value(s, "training_grad_norm") == pytest.approx(logged[-1]["grad_norm"])
+    assert sample_value(s, "training_epoch") == pytest.approx(logged[-1]["epoch"])
     assert "training_layer_grad_norm" not in s  # gradients are gone by on_log
-    assert _value(s, "training_eval_total") == 2
+    assert sample_value(s, "training_eval_total") == 2
 
 
 def test_hf_fp16_scaler_is_passed_and_unscales_when_the_trainer_does_not_clip():
@@ -149,10 +134,10 @@ def test_hf_fp16_scaler_is_passed_and_unscales_when_the_trainer_does_not_clip():
         scaler.update()
         optimizer.zero_grad()
         state.global_step += 1
-    s = _scrape(monitor)
-    assert _value(s, "training_grad_scaler_overflows_total") == 1
-    assert _value(s, "training_nonfinite_grad_total") == 0
-    assert _value(s, "training_grad_scale") == 2.0**10  # read before update() halved it
+    s = registry_samples(monitor)
+    assert sample_value(s, "training_grad_scaler_overflows_total") == 1
+    assert sample_value(s, "training_nonfinite_grad_total") == 0
+    assert sample_value(s, "training_grad_scale") == 2.0**10  # read before update() halved it
 
 
 def test_hf_eval_key_picks_named_eval_set():
@@ -224,22 +209,22 @@ def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
         accumulate_grad_batches=2, gradient_clip_val=0.01,
     )
 
-    s = _scrape(monitor)
+    s = registry_samples(monitor)
     assert trainer.global_step == 6 and callback.observed_steps == 6
-    assert _value(s, "training_steps_total") == 6
-    assert _value(s, "training_step") == 6
+    assert sample_value(s, "training_steps_total") == 6
+    assert sample_value(s, "training_step") == 6
     # Lightning divides each micro-batch loss by accumulate_grad_batches: the step's loss is their mean.
-    assert _value(s, "training_loss") == pytest.approx(sum(module.losses[-2:]) / 2, rel=1e-5)
+    assert sample_value(s, "training_loss") == pytest.approx(sum(module.losses[-2:]) / 2, rel=1e-5)
     layers = _layers(s)
     assert set(layers) == {"net.0", "net.2"}
-    global_norm = _value(s, "training_grad_norm")
+    global_norm = sample_value(s, "training_grad_norm")
     # Read before Lightning clips to 0.01: the real norms, consistent with each other.
     assert global_norm > 0.1
     assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(global_norm, rel=1e-5)
     assert list(s["training_learning_rate"].values()) == [pytest.approx(0.05)]
     assert module.val_runs >= 1
-    assert _value(s, "training_eval_total") == module.val_runs
-    assert _value(s, "training_eval_loss") == pytest.approx(float(trainer.callback_metrics["val_loss"]))
+    assert sample_value(s, "training_eval_total") == module.val_runs
+    assert sample_value(s, "training_eval_loss") == pytest.approx(float(trainer.callback_metrics["val_loss"]))
 
 
 def test_lightning_loss_is_read_as_it_was_at_backward_not_after_an_in_place_change():
@@ -254,7 +239,7 @@ def test_lightning_loss_is_read_as_it_was_at_backward_not_after_an_in_place_chan
                 loss.mul_(100.0)
 
     _, module, monitor, _ = _fit_lightning(RescalesAfterBackward, 32, max_steps=4, limit_val_batches=0)
-    assert _value(_scrape(monitor), "training_loss") == pytest.approx(module.losses[-1], rel=1e-5)
+    assert sample_value(registry_samples(monitor), "training_loss") == pytest.approx(module.losses[-1], rel=1e-5)
 
 
 def test_lightning_fp16_scaler_overflow_is_counted_not_paged():
@@ -272,12 +257,12 @@ def test_lightning_fp16_scaler_overflow_is_counted_not_paged():
     _, _, monitor, _ = _fit_lightning(Overflowing, 48, max_epochs=1, limit_val_batches=0,
                                       plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
 
-    s = _scrape(monitor)
-    assert _value(s, "training_steps_total") == 6
-    assert _value(s, "training_grad_scaler_overflows_total") == 1
-    assert _value(s, "training_nonfinite_grad_total") == 0
-    assert _value(s, "training_grad_scale") == 2.0**7 == scaler.get_scale()  # halved once, at the overflow
-    assert math.isfinite(_value(s, "training_grad_norm"))
+    s = registry_samples(monitor)
+    assert sample_value(s, "training_steps_total") == 6
+    assert sample_value(s, "training_grad_scaler_overflows_total") == 1
+    assert sample_value(s, "training_nonfinite_grad_total") == 0
+    assert sample_value(s, "training_grad_scale") == 2.0**7 == scaler.get_scale()  # halved once, at the overflow
+    assert math.isfinite(sample_value(s, "training_grad_norm"))
 
 
 def test_lightning_fallback_uses_train_batch_outputs_when_backward_bypasses_lightning():
@@ -299,10 +284,10 @@ def test_lightning_fallback_uses_train_batch_outputs_when_backward_bypasses_ligh
             return {"loss": loss.detach()}
 
     _, module, monitor, callback = _fit_lightning(Manual, 32, max_steps=4, limit_val_batches=0)
-    s = _scrape(monitor)
+    s = registry_samples(monitor)
     assert callback.observed_steps == 0
-    assert _value(s, "training_steps_total") == 4
-    assert _value(s, "training_loss") == pytest.approx(module.losses[-1], rel=1e-6)
+    assert sample_value(s, "training_steps_total") == 4
+    assert sample_value(s, "training_loss") == pytest.approx(module.losses[-1], rel=1e-6)
     assert "training_layer_grad_norm" not in s
 
 
@@ -344,18 +329,18 @@ def test_hf_fp16_with_clipping_measures_before_the_clip_and_exports_each_steps_e
     trainer.train()
 
     logged = [r for r in trainer.state.log_history if "loss" in r]
-    s = _scrape(monitor)
-    assert _value(s, "training_steps_total") == len(logged) == 7
+    s = registry_samples(monitor)
+    assert sample_value(s, "training_steps_total") == len(logged) == 7
     last = logged[-1]
     assert last["grad_norm"] > 0.05
-    assert _value(s, "training_grad_norm") == pytest.approx(last["grad_norm"], rel=1e-4)
+    assert sample_value(s, "training_grad_norm") == pytest.approx(last["grad_norm"], rel=1e-4)
     layers = _layers(s)
     assert math.sqrt(sum(v * v for v in layers.values())) == pytest.approx(last["grad_norm"], rel=1e-4)
-    assert _value(s, "training_grad_scale") == 2.0**12
-    assert _value(s, "training_grad_scaler_overflows_total") == 0
+    assert sample_value(s, "training_grad_scale") == 2.0**12
+    assert sample_value(s, "training_grad_scaler_overflows_total") == 0
     assert [e for e, _ in epochs] == pytest.approx([t for _, t in epochs])
     assert [t for _, t in epochs] == pytest.approx([0.4, 0.8, 1.0, 1.4, 1.8, 2.0, 2.4])
-    assert _value(s, "training_epoch") == pytest.approx(last["epoch"])
+    assert sample_value(s, "training_epoch") == pytest.approx(last["epoch"])
 
 
 class _FailingFlush(Monitor):
@@ -389,7 +374,7 @@ def test_a_failing_flush_at_train_end_is_counted_not_raised_into_the_trainer(tmp
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
                              use_cpu=True, save_strategy="no", disable_tqdm=True)
     Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(16, 1), callbacks=[HFCallback(hf_monitor)]).train()
-    assert _value(_scrape(hf_monitor), "training_steps_total") == 2
+    assert sample_value(registry_samples(hf_monitor), "training_steps_total") == 2
     assert hf_monitor.state.errors["observe"] == 1
 
 

@@ -16,28 +16,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import require_module
+from conftest import registry_samples, require_module, sample_value
 from lossbeat.monitor import Monitor, MonitorConfig
 
 
-def _scrape(monitor: Monitor) -> dict[str, dict[tuple, float]]:
-    """{sample name: {sorted label items without rank and run_id: value}}, from /metrics text."""
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(generate_latest(monitor.registry).decode()):
-        for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("rank", "run_id")))
-            out.setdefault(s.name, {})[labels] = s.value
-    return out
-
-
-def _value(samples: dict, name: str, **labels: str) -> float:
-    if labels:
-        return samples[name][tuple(sorted(labels.items()))]
-    (value,) = samples[name].values()
-    return value
 
 
 def test_lossbeat_imports_without_the_frameworks():
@@ -132,24 +115,24 @@ def _olmo_run(tmp_path, *, nan_at: int | None = None, steps: int = 6):
 def test_olmo_core_trainer_exports_what_it_logs(tmp_path):
     monitor, callback, logged, phases, error, train_module = _olmo_run(tmp_path)
     assert error is None
-    samples = _scrape(monitor)
+    samples = registry_samples(monitor)
     last = logged[6]
-    assert _value(samples, "training_steps_total") == 6
-    assert _value(samples, "training_step") == 6
-    assert _value(samples, "training_loss") == pytest.approx(last["train/CE loss"], rel=1e-6)
-    assert _value(samples, "training_grad_norm") == pytest.approx(last["optim/total grad norm"], rel=1e-6)
-    assert _value(samples, "training_learning_rate", param_group="0") == pytest.approx(1e-3)
+    assert sample_value(samples, "training_steps_total") == 6
+    assert sample_value(samples, "training_step") == 6
+    assert sample_value(samples, "training_loss") == pytest.approx(last["train/CE loss"], rel=1e-6)
+    assert sample_value(samples, "training_grad_norm") == pytest.approx(last["optim/total grad norm"], rel=1e-6)
+    assert sample_value(samples, "training_learning_rate", param_group="0") == pytest.approx(1e-3)
     eval_steps = sorted(s for s, m in logged.items() if "eval/heldout/CE loss" in m)
     assert eval_steps == [3, 6]
-    assert _value(samples, "training_eval_loss") == pytest.approx(logged[6]["eval/heldout/CE loss"], rel=1e-6)
+    assert sample_value(samples, "training_eval_loss") == pytest.approx(logged[6]["eval/heldout/CE loss"], rel=1e-6)
     first = min(s for s, m in logged.items() if "throughput/total tokens" in m)  # the speed monitor's first
     assert 1 < first < 6
-    assert _value(samples, "training_tokens_total") == pytest.approx(
+    assert sample_value(samples, "training_tokens_total") == pytest.approx(
         last["throughput/total tokens"] - logged[first]["throughput/total tokens"])
-    assert _value(samples, "training_nonfinite_loss_total") == 0
+    assert sample_value(samples, "training_nonfinite_loss_total") == 0
     # The evaluator's steps ran in the eval phase (set before the EvaluatorCallback's post_step).
     assert phases[2] == "eval" and phases[5] == "eval" and phases[0] == "train"
-    assert _value(samples, "training_phase", phase="train") == 1
+    assert sample_value(samples, "training_phase", phase="train") == 1
     assert monitor.closed is False  # a monitor given to the callback is the caller's to close
     monitor.close()
 
@@ -157,12 +140,12 @@ def test_olmo_core_trainer_exports_what_it_logs(tmp_path):
 def test_olmo_core_nan_loss_is_counted_before_the_trainer_stops(tmp_path):
     monitor, callback, logged, phases, error, _ = _olmo_run(tmp_path, nan_at=4)
     assert error is not None and "nan loss encountered at step 4" in str(error)
-    samples = _scrape(monitor)
-    assert _value(samples, "training_nonfinite_loss_total") == 1
-    assert math.isnan(_value(samples, "training_loss"))
-    assert _value(samples, "training_step") == 4
-    assert _value(samples, "training_steps_total") == 4
-    assert _value(samples, "training_loss") != logged.get(3, {}).get("train/CE loss")
+    samples = registry_samples(monitor)
+    assert sample_value(samples, "training_nonfinite_loss_total") == 1
+    assert math.isnan(sample_value(samples, "training_loss"))
+    assert sample_value(samples, "training_step") == 4
+    assert sample_value(samples, "training_steps_total") == 4
+    assert sample_value(samples, "training_loss") != logged.get(3, {}).get("train/CE loss")
     monitor.close(completed=False)
 
 
@@ -215,14 +198,14 @@ def test_torchtitan_logger_exports_what_torchtitan_logs():
         raise RuntimeError("Loss is not finite (global_avg_loss=nan) at step 30. Stopping training.")
     except RuntimeError:
         container.close()
-    samples = _scrape(monitor)
-    assert _value(samples, "training_nonfinite_loss_total") == 1
-    assert math.isnan(_value(samples, "training_loss"))
-    assert _value(samples, "training_step") == 30
-    assert _value(samples, "training_steps_total") == 4
-    assert _value(samples, "training_eval_loss") == pytest.approx(4.8)
-    assert _value(samples, "training_learning_rate", param_group="0") == pytest.approx(3e-4 * 20)
-    assert _value(samples, "training_tokens_total") == pytest.approx(20 * 2048 - 2048)
+    samples = registry_samples(monitor)
+    assert sample_value(samples, "training_nonfinite_loss_total") == 1
+    assert math.isnan(sample_value(samples, "training_loss"))
+    assert sample_value(samples, "training_step") == 30
+    assert sample_value(samples, "training_steps_total") == 4
+    assert sample_value(samples, "training_eval_loss") == pytest.approx(4.8)
+    assert sample_value(samples, "training_learning_rate", param_group="0") == pytest.approx(3e-4 * 20)
+    assert sample_value(samples, "training_tokens_total") == pytest.approx(20 * 2048 - 2048)
     assert monitor.closed is False  # given: flushed, the caller closes it
     monitor.close(completed=False)
 
@@ -235,7 +218,7 @@ def test_torchtitan_placeholder_loss_of_a_pipeline_stage_is_no_loss():
     logger = LossbeatLogger(monitor)
     logger.log(_titan_metrics(1, -1.0, 0.7, tokens=1024), 1)
     logger.close()
-    samples = _scrape(monitor)
+    samples = registry_samples(monitor)
     assert "training_loss" not in samples or not samples["training_loss"]
-    assert _value(samples, "training_grad_norm") == pytest.approx(0.7)
+    assert sample_value(samples, "training_grad_norm") == pytest.approx(0.7)
     monitor.close()
