@@ -43,6 +43,7 @@ model's own names (the same under DDP as on one GPU; ``layer_depth`` counts the 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -364,12 +365,24 @@ def _all_ranks_arrive(groups: Sequence[Any], timeout: float) -> tuple[str, str]:
         return handshake.REDUCE, ""
     prefix = f"lossbeat/shard-handshake/{next(_handshakes)}"
     started = time.monotonic()
-    try:
-        # Blocks the first measurement until the linked ranks arrive (once; host-side store requests only).
-        outcome = handshake.meet(store, prefix, rank, members, timeout, timeout)
-    except Exception as e:  # a dead or hung store: an exporter failure, not the user's
-        return HANDSHAKE_FAILED, f"{type(e).__name__}: {e}"
-    return outcome, f"{time.monotonic() - started:.1f}s"
+    done: list[tuple[str, str]] = []
+
+    def run() -> None:
+        try:
+            done.append((handshake.meet(store, prefix, rank, members, timeout, timeout), ""))
+        except Exception as e:  # a dead store: an exporter failure, not the user's
+            done.append((HANDSHAKE_FAILED, f"{type(e).__name__}: {e}"))
+
+    # In a thread: a store that stops answering blocks its client past the store's timeout (a
+    # frozen server), while every wait of the handshake itself ends within 2 x timeout. So the
+    # training loop waits (host-side only, once) for at most that and a margin.
+    worker = threading.Thread(target=run, name="lossbeat-shard-handshake", daemon=True)
+    worker.start()
+    worker.join(2 * timeout + max(timeout, 1.0))
+    if not done:
+        return HANDSHAKE_FAILED, f"the process group's store did not answer within {time.monotonic() - started:.1f}s"
+    outcome, detail = done[0]
+    return outcome, detail or f"{time.monotonic() - started:.1f}s"
 
 
 @dataclass
