@@ -341,10 +341,8 @@ class Monitor:
 
     def _gradient_error(self, where: str, error: Exception) -> None:
         self.state.count_error("gradients")
-        if isinstance(error, ShardedMeasurementError):  # a usage error: say what to do, without a traceback
-            self._log("sharded", logging.ERROR, "lossbeat: %s(): %s", where, error)
-        elif isinstance(error, ShardHandshakeError):  # the store failed, or a straggler: no traceback either
-            self._log("handshake", logging.WARNING, "lossbeat: %s(): %s", where, error)
+        if isinstance(error, (ShardedMeasurementError, ShardHandshakeError)):  # usage or store: say it, no traceback
+            self._log(type(error).__name__, logging.ERROR, "lossbeat: %s(): %s", where, error)
         else:
             self._log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
                       "norms are skipped, the step and training go on", where, exc_info=True)
