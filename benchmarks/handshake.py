@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import platform
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,8 +38,6 @@ import torch.distributed as dist
 try:
     from lossbeat.measure import handshake
 except ImportError:  # run from the checkout without PYTHONPATH=exporter
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
     from lossbeat.measure import handshake
 
