@@ -22,7 +22,8 @@ gradients are sharded on, with one small all-reduce per sharding layout (a
 vector of two floats per layer), so every rank gets the model's norms. Those
 all-reduces are collectives: every rank must measure at the same steps, as
 training loops do. The first time, the ranks check through the process
-group's store, with a short timeout, that they all came (``if rank == 0:
+group's store, with a short timeout and O(1) requests per rank
+(:mod:`lossbeat.measure.handshake`), that they all came (``if rank == 0:
 monitor.observe(...)`` would otherwise wait in the collective forever); if
 not, :class:`ShardedMeasurementError` says so.
 
@@ -42,21 +43,27 @@ model's own names (the same under DDP as on one GPU; ``layer_depth`` counts the 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from lossbeat.measure import handshake
+
 __all__ = [
-    "LayerGrouping", "GradientNorms", "ShardedMeasurementError", "compute_grad_norms", "clip_with_norms",
+    "LayerGrouping", "GradientNorms", "ShardedMeasurementError", "ShardHandshakeError", "compute_grad_norms",
+    "clip_with_norms",
     "deepspeed_zero_stage",
 ]
 
 SHARD_HANDSHAKE_TIMEOUT_S = 30.0
-"""How long the first sharded measurement waits for every rank of its groups to arrive.
+"""How long the first sharded measurement waits for every rank of its groups to arrive; a rank
+arriving within as long again is a straggler (all still measure), one later is absent.
 Ranks leave backward within moments of each other (its collectives align them)."""
+HANDSHAKE_FAILED = "failed"  # the store failed: no collective, the clip falls back to torch's
 
 # Modules that wrappers insert into parameter names; never a user's own module name.
 _WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -67,6 +74,11 @@ _handshakes = itertools.count()  # the same sequence on every rank: keys the sto
 
 class ShardedMeasurementError(RuntimeError):
     """Not every rank of a sharded model measures its gradients: the collective would hang."""
+
+
+class ShardHandshakeError(RuntimeError):
+    """The shard handshake's store failed, or every rank came but late: the exporter's trouble,
+    not a usage error (``clip_grad_norm_`` clips as torch does instead of raising)."""
 
 
 def _placement_groups(param: torch.Tensor, placements: Any) -> tuple[tuple[Any, ...], tuple[tuple[Any, str], ...]]:
@@ -215,8 +227,11 @@ class LayerGrouping:
         self.uniform = True
         """Whether the gradients are all strided fp32/fp16/bf16 (one fused float32 norm kernel);
         False once a step showed otherwise (fp64, complex, sparse): dtypes do not change."""
-        self.agreed: bool | None = None
-        """Whether every rank measures (the first sharded measurement checks); None before."""
+        self.handshake: str | None = None
+        """The first sharded measurement's handshake: REDUCE, LATE, ABSENT or HANDSHAKE_FAILED; None before."""
+        self._handshake_detail = ""
+        self.on_late: Callable[[Exception], None] | None = None
+        """Told once when every rank arrived, but after the first timeout (an exporter error to count)."""
         self._layout([getattr(p.grad, "placements", None) for p in self.params])
 
     def _layout(self, grad_placements: list[Any]) -> None:
@@ -307,16 +322,23 @@ class LayerGrouping:
     def check_all_ranks_measure(self) -> None:
         """Before the first collective: every rank of the groups must be measuring too.
 
-        Raises :class:`ShardedMeasurementError` (at once after the first time)
-        when some did not arrive within ``SHARD_HANDSHAKE_TIMEOUT_S``.
+        Raises :class:`ShardedMeasurementError` (at once after the first time) when some
+        never arrived (within ``SHARD_HANDSHAKE_TIMEOUT_S`` twice over), and
+        :class:`ShardHandshakeError` when the store failed: no collective either way. All
+        arriving late (a straggler past the first timeout) still measures; ``on_late`` hears it.
         """
-        if self.agreed is None:
+        if self.handshake is None:
             groups = [g for layout in self.shard_groups[1:] for g in layout]
             groups += [g for key in self.partial_sets for g, _ in key]
             if self.pipeline_group is not None:
                 groups.append(self.pipeline_group)
-            self.agreed = _all_ranks_arrive(groups, SHARD_HANDSHAKE_TIMEOUT_S)
-        if not self.agreed:
+            self.handshake, detail = _all_ranks_arrive(groups, SHARD_HANDSHAKE_TIMEOUT_S)
+            self._handshake_detail = detail
+            if self.handshake == handshake.LATE and self.on_late is not None:
+                self.on_late(ShardHandshakeError(
+                    f"the shard handshake missed its {SHARD_HANDSHAKE_TIMEOUT_S:g}s deadline (every rank arrived, "
+                    f"after {detail}): gradient norms are measured as usual"))
+        if self.handshake == handshake.ABSENT:
             raise ShardedMeasurementError(
                 "the gradients of a sharded or pipelined model (FSDP, HSDP, tensor/sequence/pipeline parallel) are "
                 "measured with a collective, but not every rank measured them (e.g. `if rank == 0: "
@@ -325,75 +347,42 @@ class LayerGrouping:
                 "measure each rank's own shards (pipeline_group=None: each stage's own layers); gradient norms are "
                 "not exported meanwhile"
             )
+        if self.handshake == HANDSHAKE_FAILED:
+            raise ShardHandshakeError(
+                f"the shard handshake through the process group's store failed ({self._handshake_detail}): "
+                "the sharded gradient norms are not exported, clip_grad_norm_ clips as torch does")
 
 
-def _all_ranks_arrive(groups: Sequence[Any], timeout: float) -> bool:
-    """Whether every rank joined to this one by ``groups`` arrives at this point within ``timeout`` seconds.
-
-    A handshake through the default process group's store (point to point with
-    the store, not a collective: a rank that never comes cannot block it). The
-    ranks that must come are all those linked to this one through their groups,
-    not only its own groups' (2-D and 3-D layouts: a pipeline group and a shard
-    group of one rank each meet other ranks' groups): each rank publishes its
-    groups' ranks, and each follows the others' until the set closes, so every
-    rank of one job meets at the same key. One decision, set once for all
-    (compare-and-set): ranks that arrive after a rank gave up read it too, so no
-    rank enters a collective the others skip.
-    """
+def _all_ranks_arrive(groups: Sequence[Any], timeout: float) -> tuple[str, str]:
+    """(outcome, detail) of the handshake of the ranks linked to this one by ``groups``, through
+    the default process group's store (:mod:`lossbeat.measure.handshake`): REDUCE, LATE, ABSENT,
+    or FAILED when the store failed (never raises: the training loop goes on)."""
     try:
-        mine = sorted({r for group in groups for r in dist.get_process_group_ranks(group)})
+        members = [dist.get_process_group_ranks(group) for group in groups]
         store = dist.distributed_c10d._get_default_store()
         rank = dist.get_rank()
     except Exception:  # no store to meet at (a private API): measure as before
-        return True
+        return handshake.REDUCE, ""
     prefix = f"lossbeat/shard-handshake/{next(_handshakes)}"
-    deadline = time.monotonic() + timeout
-    store.set(f"{prefix}/groups/{rank}", ",".join(map(str, mine)))
-    ranks = _linked_ranks(store, prefix, rank, mine, deadline)
-    if ranks is None:  # a linked rank never came: so nobody links all and none reduces (the key below)
-        return False
-    key = f"{prefix}/{','.join(map(str, ranks))}"
-    return _store_handshake(store, key, len(ranks), max(deadline - time.monotonic(), 0.0))
+    started = time.monotonic()
+    done: list[tuple[str, str]] = []
 
+    def run() -> None:
+        try:
+            done.append((handshake.meet(store, prefix, rank, members, timeout, timeout), ""))
+        except Exception as e:  # a dead store: an exporter failure, not the user's
+            done.append((HANDSHAKE_FAILED, f"{type(e).__name__}: {e}"))
 
-def _linked_ranks(store: Any, prefix: str, rank: int, mine: Sequence[int], deadline: float) -> list[int] | None:
-    """Every rank reachable from ``rank`` through the groups the ranks published, sorted;
-    None when one of them has not published by ``deadline``."""
-    known, todo = set(mine) | {rank}, set(mine) - {rank}
-    delay = 0.001
-    while todo:
-        keys = [f"{prefix}/groups/{r}" for r in sorted(todo)]
-        if store.check(keys):
-            todo = set()
-            for key in keys:
-                linked = {int(r) for r in store.get(key).decode().split(",") if r}
-                todo |= linked - known
-                known |= linked
-            continue
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    return sorted(known)
-
-
-def _store_handshake(store: Any, key: str, ranks: int, timeout: float) -> bool:
-    """``ranks`` callers meet at ``key`` in ``store``: True for all when all arrive within
-    ``timeout`` of each other's waiting; False for all (early and late) otherwise."""
-    decision_key = key + "/decision"
-    arrived = store.add(key + "/arrived", 1)
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while True:
-        if arrived >= ranks:
-            return store.compare_set(decision_key, "", "reduce") == b"reduce"
-        if time.monotonic() > deadline:
-            return store.compare_set(decision_key, "", "skip") == b"reduce"
-        if store.check([decision_key]):
-            return store.get(decision_key) == b"reduce"
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-        arrived = store.add(key + "/arrived", 0)
+    # In a thread: a store that stops answering blocks its client past the store's timeout (a
+    # frozen server), while every wait of the handshake itself ends within 2 x timeout. So the
+    # training loop waits (host-side only, once) for at most that and a margin.
+    worker = threading.Thread(target=run, name="lossbeat-shard-handshake", daemon=True)
+    worker.start()
+    worker.join(2 * timeout + max(timeout, 1.0))
+    if not done:
+        return HANDSHAKE_FAILED, f"the process group's store did not answer within {time.monotonic() - started:.1f}s"
+    outcome, detail = done[0]
+    return outcome, detail or f"{time.monotonic() - started:.1f}s"
 
 
 @dataclass

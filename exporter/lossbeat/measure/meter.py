@@ -12,10 +12,11 @@ from typing import Any, Callable
 import torch
 
 from lossbeat.measure.gradients import (
-    GradientNorms, LayerGrouping, ShardedMeasurementError, clip_with_norms, compute_grad_norms, deepspeed_zero_stage,
+    GradientNorms, LayerGrouping, ShardedMeasurementError, ShardHandshakeError, clip_with_norms, compute_grad_norms,
+    deepspeed_zero_stage,
 )
 
-__all__ = ["GradientMeter", "ShardedMeasurementError"]
+__all__ = ["GradientMeter", "ShardedMeasurementError", "ShardHandshakeError"]
 
 log = logging.getLogger("lossbeat")
 
@@ -65,6 +66,7 @@ class GradientMeter:
         grouping = self.grouping = LayerGrouping(
             model, self.layer_depth, self.max_layers, self.reduce_shards, self.pipeline_group,
         )
+        grouping.on_late = lambda error: self.on_error("handshake", error)
         stage = deepspeed_zero_stage(model)
         if stage is not None and not self._warned_deepspeed:
             self._warned_deepspeed = True
@@ -83,7 +85,7 @@ class GradientMeter:
             # torch's clip would wait in the same collective forever: say why instead
             self.on_error("clip_grad_norm_", e)
             raise RuntimeError(f"clip_grad_norm_: {e}") from None
-        except Exception as e:  # clip as torch does; only the measurement is lost
+        except Exception as e:  # clip as torch does (a failed shard handshake too); only the measurement is lost
             self.on_error("clip_grad_norm_", e)
             return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
         if norms is None:

@@ -32,7 +32,7 @@ from lossbeat.exposition.server import MetricsServer, RankContext
 from lossbeat.exposition.state import MonitorState
 from lossbeat.exposition.status import StatusSource
 from lossbeat.measure.cross_rank import CrossRankSignals
-from lossbeat.measure.meter import GradientMeter, ShardedMeasurementError
+from lossbeat.measure.meter import GradientMeter, ShardedMeasurementError, ShardHandshakeError
 from lossbeat.monitor import identity, inputs, lifecycle
 from lossbeat.monitor.apply import StepApplier
 from lossbeat.monitor.config import DEFAULT_PORT, MonitorConfig
@@ -341,8 +341,8 @@ class Monitor:
 
     def _gradient_error(self, where: str, error: Exception) -> None:
         self.state.count_error("gradients")
-        if isinstance(error, ShardedMeasurementError):  # a usage error: say what to do, without a traceback
-            self._log("sharded", logging.ERROR, "lossbeat: %s(): %s", where, error)
+        if isinstance(error, (ShardedMeasurementError, ShardHandshakeError)):  # usage or store: say it, no traceback
+            self._log(type(error).__name__, logging.ERROR, "lossbeat: %s(): %s", where, error)
         else:
             self._log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
                       "norms are skipped, the step and training go on", where, exc_info=True)
