@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+from lossbeat.diagnosis.events import EVENT_CHECKS, EventTrack
 from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.diagnosis.window import LossWindow, Ring, StepSummary, median, robust_noise
@@ -335,6 +336,8 @@ class History:
         """Grad norms in a row that are not finite."""
         self.nonfinite_recent = Ring(w.cv_steps)
         """1.0 for each of the last records that had a non-finite loss or gradient, else 0.0."""
+        self.events = {check: EventTrack() for check in EVENT_CHECKS}
+        """The loss spikes and explosions counted, with their steps (:mod:`lossbeat.diagnosis.events`)."""
 
     # Older names, kept for callers that read them.
     @property
@@ -366,6 +369,8 @@ class History:
         self.signals.clear()
         self.grad_records = self.grad_zero_run = self.grad_nonfinite_run = 0
         self.nonfinite_recent.clear()
+        for track in self.events.values():
+            track.clear()
 
     def add_step(
         self,
@@ -385,9 +390,12 @@ class History:
             self.reset_windows()
         self.last_step = step
 
+        level_before = self.loss.local
         if loss is not None:
             events.nonfinite_loss = not math.isfinite(loss)
             events.spike = self.loss.push(step, loss)
+            if events.spike:
+                self.events["loss_spikes"].push(self.steps_seen, step, level_before)
 
         if grad_norm is not None:
             self.grad_records += 1
@@ -397,6 +405,8 @@ class History:
                 self.grad_norms.push(grad_norm)
                 if grad_norm != 0.0:  # no gradient (an RL step without advantage) is not a level
                     events.explosion = self.grad.push(step, grad_norm)
+                    if events.explosion:
+                        self.events["grad_explosions"].push(self.steps_seen, step, level_before)
             else:
                 events.nonfinite_grad = True
 

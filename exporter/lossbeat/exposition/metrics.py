@@ -106,6 +106,8 @@ HEALTH_CHECKS = (
     "warmup",
     "overfitting",
     "nonfinite",
+    "loss_spikes",
+    "grad_explosions",
     "learning",
     "memory",
     "throughput",
