@@ -357,6 +357,13 @@ class History:
         track = self.evals.get("")
         return [] if track is None else [track.latest]
 
+    def retarget(self, thresholds: Thresholds) -> None:
+        """Judge with ``thresholds`` (another profile) from now on; every window is kept."""
+        self.thresholds = thresholds
+        for part in (self.loss, self.grad, self.lr, *self.components.values(), *self.evals.values()):
+            if hasattr(part, "t"):
+                part.t = thresholds
+
     def reset_windows(self) -> None:
         """The step went backwards (a restart, or another run appended): old windows no longer apply."""
         self.loss.clear()

@@ -39,6 +39,7 @@ from lossbeat.monitor.config import DEFAULT_PORT, MonitorConfig
 from lossbeat.monitor.guard import make_guard
 from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.null import NullMonitor, PhaseScope
+from lossbeat.monitor.profile import ProfileChoice
 from lossbeat.monitor.ratelog import RateLimitedLog
 from lossbeat.monitor.report import Report
 from lossbeat.monitor.transfer import DeviceTransfer
@@ -68,6 +69,8 @@ class Monitor:
         self._log = RateLimitedLog()
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
         self.history = self._judge.history
+        self._profile = ProfileChoice(config.profile, self._judge, self.state)
+        self._fields_seen: set[str] = set()  # names observe(metrics=...) was given (bounded)
         vitals = Vitals(self.thresholds, config.lr_schedule)
         self._judgment = Judgment(self.state, self._judge, vitals, config.log_status_changes, self._log)
         align = config.grad_norm_align_every  # None: decided from the first model (pure DDP only)
@@ -81,7 +84,8 @@ class Monitor:
         self._guard = make_guard(config.guard, config.guard_spikes, config.guard_schedule, self.thresholds,
                                  self.history, self.state, config.defer_device_reads and torch.cuda.is_available())
         self._transfer = DeviceTransfer(
-            StepApplier(self.state, self.history, self._cross_rank, vitals, self._judgment, self._log, self._guard),
+            StepApplier(self.state, self.history, self._cross_rank, vitals, self._judgment, self._log, self._guard,
+                        self._profile),
             config.defer_device_reads)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._transfer.drain_at_scrape)
@@ -128,7 +132,7 @@ class Monitor:
     def observe(self, step: int, *, loss: Any = None, optimizer: Any = None, learning_rate: Any = None,
                 grad_norm: Any = None, model: torch.nn.Module | None = None, tokens: Any = None,
                 losses: Mapping[str, Any] | None = None, epoch: float | None = None,
-                grad_scaler: Any = None) -> None:
+                grad_scaler: Any = None, metrics: Mapping[str, Any] | None = None) -> None:
         """Record one optimizer step. Call after ``backward()`` and before ``zero_grad()``.
 
         ``loss`` and ``grad_norm`` may be floats or 0-d tensors on any device; ``model`` adds
@@ -142,6 +146,12 @@ class Monitor:
         stages before the last. The step, its time, learning rates, tokens and gradient norms
         are recorded (``model=`` still joins the shard and pipeline all-reduces); the loss is
         not. Never pass a placeholder such as torchtitan's ``-1``: it would be judged as the loss.
+
+        ``metrics``: the task's own named values this step, as its trainer logs them
+        (``{"reward": r, "reward_std": s, "frac_reward_zero_std": z, "kl": k}`` for GRPO/PPO,
+        ``{"rewards/margins": m, "rewards/accuracies": a}`` for DPO): their names choose the
+        profile (unless ``MonitorConfig.profile`` is set; see ``training_profile_info``), and the
+        ones lossbeat knows are judged and exported as ``training_signal{signal=...}``.
 
         Wrong types raise ``TypeError``; NaN, Inf and other anomalies in the values are
         counted and exported, never raised. A loss (or component) tensor of several values is
@@ -162,6 +172,10 @@ class Monitor:
         }
         values.update(inputs.learning_rates(optimizer, learning_rate))
         values.update(inputs.components(losses, anomalies))
+        signals, new_fields = inputs.signals(metrics, self._fields_seen, anomalies)
+        values.update(signals)
+        if new_fields:
+            values["fields"] = new_fields
         inputs.check_model(model)
         epoch = inputs.check_epoch(epoch)
         for name in anomalies:
@@ -205,12 +219,15 @@ class Monitor:
             raise TypeError(f"optimizer: expected a torch optimizer, got {type(optimizer).__name__}")
         self._guard.step(optimizer, grad_scaler, scheduler)
 
-    def observe_eval(self, step: int, eval_loss: Any) -> None:
+    def observe_eval(self, step: int, eval_loss: Any, *, metrics: Mapping[str, Any] | None = None) -> None:
         """Record an evaluation loss (feeds ``training_eval_loss`` and the overfitting check).
 
+        ``metrics``: the evaluation's own metrics (``{"eval_accuracy": 0.91}``, ``{"eval_wer": 0.2}``):
+        their names choose the profile (classification, seq2seq) as ``observe(metrics=...)`` does.
         Also a sign of progress: it refreshes the heartbeat TrainingStalled watches."""
         step = inputs.check_step(step)
         value = inputs.scalar("eval_loss", eval_loss)
+        signals, new_fields = inputs.signals(metrics, self._fields_seen)
         self.state.last_activity_time = time.time()
         try:
             if isinstance(value, torch.Tensor):
@@ -218,6 +235,14 @@ class Monitor:
             self.state.eval_loss = value if math.isfinite(value) else math.nan
             self.state.evals_total += 1
             self._transfer.drain(block=True)  # the steps before this evaluation first (host sync: not the hot path)
+            with self._transfer.lock:
+                if new_fields:
+                    self._profile.seen(new_fields)
+                named = {k[1]: float(x.item()) if isinstance(x, torch.Tensor) else x for k, x in signals.items()}
+                for name, x in named.items():
+                    self.history.add_signal(name, x, step)
+                if named:
+                    self.state.signals = {**self.state.signals, **named}
             self.history.add_eval(value, step=step)
             self._judgment.diagnose(step)  # judged after each evaluation, as `lossbeat analyze` does
         except Exception:
