@@ -147,11 +147,9 @@ class Monitor:
         are recorded (``model=`` still joins the shard and pipeline all-reduces); the loss is
         not. Never pass a placeholder such as torchtitan's ``-1``: it would be judged as the loss.
 
-        ``metrics``: the task's own named values this step, as its trainer logs them
-        (``{"reward": r, "reward_std": s, "frac_reward_zero_std": z, "kl": k}`` for GRPO/PPO,
-        ``{"rewards/margins": m, "rewards/accuracies": a}`` for DPO): their names choose the
-        profile (unless ``MonitorConfig.profile`` is set; see ``training_profile_info``), and the
-        ones lossbeat knows are judged and exported as ``training_signal{signal=...}``.
+        ``metrics``: the task's named values (``{"reward_std": s}`` for GRPO, ``{"rewards/margins": m}``
+        for DPO): their names choose the profile (``training_profile_info``; ``MonitorConfig.profile``
+        wins); known ones are judged and exported as ``training_signal{signal=...}``.
 
         Wrong types raise ``TypeError``; NaN, Inf and other anomalies in the values are
         counted and exported, never raised. A loss (or component) tensor of several values is
@@ -222,8 +220,7 @@ class Monitor:
     def observe_eval(self, step: int, eval_loss: Any, *, metrics: Mapping[str, Any] | None = None) -> None:
         """Record an evaluation loss (feeds ``training_eval_loss`` and the overfitting check).
 
-        ``metrics``: the evaluation's own metrics (``{"eval_accuracy": 0.91}``, ``{"eval_wer": 0.2}``):
-        their names choose the profile (classification, seq2seq) as ``observe(metrics=...)`` does.
+        ``metrics``: its metrics (``{"eval_accuracy": 0.91}``): their names choose the profile too.
         Also a sign of progress: it refreshes the heartbeat TrainingStalled watches."""
         step = inputs.check_step(step)
         value = inputs.scalar("eval_loss", eval_loss)
@@ -236,13 +233,7 @@ class Monitor:
             self.state.evals_total += 1
             self._transfer.drain(block=True)  # the steps before this evaluation first (host sync: not the hot path)
             with self._transfer.lock:
-                if new_fields:
-                    self._profile.seen(new_fields)
-                named = {k[1]: float(x.item()) if isinstance(x, torch.Tensor) else x for k, x in signals.items()}
-                for name, x in named.items():
-                    self.history.add_signal(name, x, step)
-                if named:
-                    self.state.signals = {**self.state.signals, **named}
+                self._profile.evaluation(step, signals, new_fields)
             self.history.add_eval(value, step=step)
             self._judgment.diagnose(step)  # judged after each evaluation, as `lossbeat analyze` does
         except Exception:

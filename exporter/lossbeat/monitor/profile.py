@@ -60,6 +60,16 @@ class ProfileChoice:
         if changed:
             log.info("lossbeat: judging this run with the %s", self.reason)
 
+    def evaluation(self, step: int, signals: dict, new_fields: tuple[str, ...]) -> None:
+        """``observe_eval(metrics=...)``: its names and known signals (not the hot path: tensors read here)."""
+        if new_fields:
+            self.seen(new_fields)
+        named = {k[1]: float(x.item()) if hasattr(x, "item") else x for k, x in signals.items()}
+        for name, x in named.items():
+            self.judge.history.add_signal(name, x, step)
+        if named:
+            self.state.signals = {**self.state.signals, **named}
+
     def _publish(self) -> None:
         s = self.state
         source = "given" if self.given is not None else "detected" if self.detection.profile else "default"
