@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: demo test generate docs
+.PHONY: demo test generate docs screenshots
 
 demo:
 	scripts/setup.sh
@@ -27,3 +27,7 @@ generate:
 # The evaluation tables of docs/analyze.md (false alarms and detection; trains the demo model).
 docs:
 	$(PYTHON) -m lossbeat.analyze.evaluation --write
+
+# The status page's screenshots in docs/img/ (a healthy run and each demo fault; headless chromium).
+screenshots:
+	$(PYTHON) scripts/status_screenshots.py $(ARGS)

@@ -14,3 +14,7 @@ python3 -c 'import prometheus_client, yaml, numpy, torch; assert torch.cuda.is_a
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 benchmarks/run.py --gpu-only --threads 4 ${GPU_MODELS:+--gpu-models "$GPU_MODELS"} \
     --json "$out/results-gpu.json" --out "$out/RESULTS-gpu.md" 2>&1 | tee "$out/log.txt"
+# The checks that need CUDA (torchtitan's MetricsProcessor), if torchtitan is installed there.
+if python3 -c 'import torchtitan' 2>/dev/null; then
+    python3 -m pytest -q -p no:cacheprovider benchmarks/gpu_checks.py 2>&1 | tee "$out/gpu-checks.txt"
+fi

@@ -20,8 +20,9 @@ import socket
 import urllib.error
 import urllib.request
 
-from lossbeat.stack.local import Stack, alert_lines, render_prometheus_config, write_targets_file
-from lossbeat.stack.webhook import read_notifications, serve
+from lossbeat.stack.local import (Stack, alert_lines, render_prometheus_config, write_target_groups,
+                                  write_targets_file)
+from lossbeat.stack.webhook import notifications_html, read_notifications, read_targets, serve, status_links
 
 from conftest import require_binary
 from e2e.e2e_harness import Prometheus, free_port, wait_until
@@ -182,7 +183,7 @@ def test_receiver_records_webhooks_and_serves_the_runbooks(tmp_path):
         assert bad.value.code == 400
         (note,) = read_notifications(log)
         assert note["receiver"] == "page" and note["path"] == "/page"
-        assert note["alerts"] == [{"labels": NAN, "status": "firing", "startsAt": None}]
+        assert note["alerts"] == [{"labels": NAN, "annotations": {}, "status": "firing", "startsAt": None}]
         with urllib.request.urlopen(f"{url}/runbooks", timeout=10) as resp:
             page = resp.read().decode()
         assert '<h2 id="traininglossnan">TrainingLossNaN</h2>' in page and "Stop &lt;the&gt; run." in page
@@ -219,6 +220,138 @@ def test_status_lines_name_the_receiver_and_the_delivery():
     assert lines[-1] == by_name["TrainingLossNaN"][1]  # firing first
     unknown = alert_lines(prometheus[:1], alertmanager[:1], None)
     assert "delivery not recorded" in unknown[0] and "paged" not in unknown[0]
+
+
+# --- each alert links to the status page of its rank ----------------------------------
+
+LINK_RULES = """\
+groups:
+- name: links
+  rules:
+  - alert: RankUp
+    expr: up == 1
+    labels: {severity: critical}
+    annotations: {summary: "rank {{ $labels.instance }} is up"}
+  - alert: JobUp
+    expr: count by (job) (up == 1) > 0
+    labels: {severity: critical}
+  - alert: HostileLabel
+    expr: up == 1
+    labels: {severity: critical, note: "<script>alert(1)</script>"}
+    annotations: {summary: "<script>alert(2)</script>", runbook_url: "javascript:alert(3)"}
+"""
+# Webhooks to the shipped receiver address: the stack sends them to its own receiver.
+LINK_ALERTMANAGER = """\
+route: {receiver: page, group_by: [alertname], group_wait: 1s, group_interval: 1s, repeat_interval: 1h}
+receivers:
+- name: page
+  webhook_configs: [{url: "http://127.0.0.1:5001/page"}]
+"""
+
+
+def test_stack_status_and_the_receivers_page_link_each_alert_to_its_ranks_status_page(tmp_path, exporter):
+    """Real Prometheus alerts, routed by a real Alertmanager to the stack's own receiver: its page
+    of notifications and `stack status` link each alert to http://<instance>/ (a job-level alert
+    to the job's ranks), and a `<script>` in a label or an annotation is shown as text."""
+    require_binary("prometheus")
+    require_binary("alertmanager", "prometheus-alertmanager")
+    rules, am = tmp_path / "rules.yml", tmp_path / "alertmanager.yml"
+    rules.write_text(LINK_RULES)
+    am.write_text(LINK_ALERTMANAGER)
+    workdir, receiver_port = tmp_path / "links-stack", free_port()
+    up = _lossbeat("up", "--dir", str(workdir), "--prometheus-port", str(free_port()),
+                   "--alertmanager-port", str(free_port()), "--receiver-port", str(receiver_port),
+                   "--targets", exporter, "--job-name", "train-links", "--scrape-interval", "1s",
+                   "--rules", str(rules), "--alertmanager-config", str(am))
+    receiver = f"http://127.0.0.1:{receiver_port}"
+    try:
+        assert up.returncode == 0, up.stderr
+        assert f"{receiver}/" in up.stdout
+
+        def delivered() -> set[str]:
+            with urllib.request.urlopen(f"{receiver}/notifications", timeout=10) as resp:
+                return {a["labels"]["alertname"] for n in json.load(resp) for a in n["alerts"]}
+
+        wait_until(lambda: delivered() >= {"RankUp", "JobUp", "HostileLabel"}, 60, "the three notifications")
+        with urllib.request.urlopen(f"{receiver}/", timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("text/html")
+            page = resp.read().decode()
+        rows = {name: next(r for r in page.splitlines() if f"<b>{name}</b>" in r)
+                for name in ("RankUp", "JobUp", "HostileLabel")}
+        link = f'<a class=page href="http://{exporter}/">http://{exporter}/</a>'
+        assert link in rows["RankUp"] and f"rank {exporter} is up" in rows["RankUp"]
+        assert "instance=" not in rows["JobUp"] and link in rows["JobUp"]  # the job's one rank
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in rows["HostileLabel"]
+        assert "&lt;script&gt;alert(2)&lt;/script&gt;" in rows["HostileLabel"]
+        assert "<script" not in page and 'href="javascript' not in page
+
+        status = _lossbeat("status", "--dir", str(workdir))
+        assert status.returncode == 0, status.stdout + status.stderr
+        lines = {line.split()[1]: line for line in status.stdout.splitlines() if line.startswith("  alert ")}
+        assert lines["RankUp"].endswith(f"page http://{exporter}/"), lines
+        assert "paged: RankUp" in lines["RankUp"]
+        assert lines["JobUp"].endswith(f"page http://{exporter}/"), lines
+    finally:
+        down = _lossbeat("down", "--dir", str(workdir))
+    assert down.returncode == 0, down.stderr
+
+
+def test_status_links_follow_the_instance_the_scheme_and_the_jobs_ranks(tmp_path):
+    ranks = [{"instance": "node1:8470", "job": "train", "scheme": "https"},
+             {"instance": "node1:8471", "job": "train", "scheme": "https"},
+             {"instance": "127.0.0.1:8470", "job": "other", "scheme": "http"}]
+    assert status_links({"instance": "127.0.0.1:8470", "job": "other"}, ranks) == ["http://127.0.0.1:8470/"]
+    assert status_links({"instance": "node1:8471"}, ranks) == ["https://node1:8471/"]  # scraped over TLS
+    assert status_links({"instance": "[::1]:8470"}) == ["http://[::1]:8470/"]
+    assert status_links({"job": "train"}, ranks) == ["https://node1:8470/", "https://node1:8471/"]
+    assert status_links({"job": "unknown"}, ranks) == [] and status_links({}, ranks) == []
+    for hostile in ('x"><script>alert(1)</script>:1', "javascript:alert(1)", "evil.example/@x:80", "node1"):
+        assert status_links({"instance": hostile}) == [], hostile
+    # The stack's file_sd targets file: a group's __scheme__ label says it is scraped over TLS.
+    targets = tmp_path / "targets.json"
+    write_target_groups(targets, [{"targets": ["node1:8470"], "labels": {"job": "train", "__scheme__": "https"}},
+                                  {"targets": ["node2:8470"], "labels": {"job": "train"}}])
+    assert read_targets(targets) == [{"instance": "node1:8470", "job": "train", "scheme": "https"},
+                                     {"instance": "node2:8470", "job": "train", "scheme": "http"}]
+    assert read_targets(tmp_path / "absent.json") == [] and read_targets(None) == []
+
+
+def test_the_page_of_notifications_escapes_every_string_from_the_alerts():
+    hostile = '"><script>alert(1)</script>'
+    notifications = [{"receiver": "page", "received_at": 0.0, "alerts": [{
+        "status": "firing", "labels": {"alertname": "Nan<script>", "job": hostile, "instance": hostile + ":1"},
+        "annotations": {"summary": hostile, "runbook_url": "javascript:alert(1)"}}]},
+        {"receiver": "ticket", "received_at": 1.0, "alerts": [{
+            "status": "firing", "labels": {"alertname": "TrainingLossNaN", "job": "train", "instance": "h:8470"},
+            "annotations": {"runbook_url": "http://127.0.0.1:5001/runbooks#traininglossnan"}}]}]
+    page = notifications_html(notifications)
+    assert "<script" not in page and "javascript:" not in page.replace("javascript:alert(1)", "")
+    assert "&lt;b&gt;" not in page and "Nan&lt;script&gt;" in page
+    assert '&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;' in page
+    assert 'href="http://h:8470/"' in page and 'href="http://127.0.0.1:5001/runbooks#traininglossnan"' in page
+    assert page.index("TrainingLossNaN") < page.index("Nan&lt;script&gt;")  # newest first
+    assert page.count("<a class=page ") == 1  # the hostile instance gets no link
+
+
+def test_status_lines_end_with_the_status_page_of_the_rank():
+    targets = [{"instance": "127.0.0.1:8470", "job": "train", "scheme": "http"},
+               {"instance": "127.0.0.1:8471", "job": "train", "scheme": "http"}]
+    rank = {**NAN, "instance": "127.0.0.1:8471"}
+    job_level = {"alertname": "TrainingRanksMissing", "job": "train", "severity": "warning"}
+    lonely = {"alertname": "TrainingRanksMissing", "job": "gone", "severity": "warning"}
+    hostile = {**NAN, "instance": "\x1b[2J\x1b[31mred:1"}  # a terminal escape sequence in a label
+    prometheus = [{"labels": rank, "state": "firing"}, {"labels": job_level, "state": "pending"},
+                  {"labels": lonely, "state": "pending"}, {"labels": hostile, "state": "pending"}]
+    lines = alert_lines(prometheus, [{"labels": rank, "receivers": [{"name": "page"}], "status": {"state": "active"}}],
+                        [], targets)
+    firing = lines[0]
+    (red,) = [line for line in lines if "red:1" in line]
+    (train,) = [line for line in lines if "TrainingRanksMissing" in line and "job=train" in line]
+    (gone,) = [line for line in lines if "job=gone" in line]
+    assert firing.endswith("instance=127.0.0.1:8471  page http://127.0.0.1:8471/")
+    assert train.endswith("job=train  page http://127.0.0.1:8470/ http://127.0.0.1:8471/")  # the job's ranks
+    assert gone.endswith("job=gone")  # no rank known: no link
+    assert "\x1b" not in red and red.endswith("instance=\\x1b[2J\\x1b[31mred:1")  # escaped, unlinked
 
 
 def test_a_busy_port_is_one_line_naming_it(tmp_path):

@@ -18,6 +18,7 @@ from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import (AfterBackward, check_monitor, deepspeed_grad_norm, eval_loss_from,
                                            flush_quietly, phase_quietly, rank_monitor, uses_deepspeed)
+from lossbeat.integrations._guard import Patch, ScheduleGate, guard_mode, settings_guard
 
 __all__ = ["LossbeatCallback"]
 
@@ -82,6 +83,15 @@ class LossbeatCallback(TrainerCallback):
       evaluation batch; ``on_evaluate`` moves on to ``"checkpoint"`` (a save follows) or
       ``"train"``; ``on_save`` back to ``"train"``. A long evaluation or save pages only past
       ``alerts.stalled_phase_after``.
+    - ``guard="skip"``/``"stop"`` (docs/guard.md): from ``on_train_begin`` the Trainer's
+      optimizer has its own ``step`` on the instance, which applies the step decided in
+      ``on_pre_optimizer_step`` through ``Monitor.step`` (the torch optimizer inside accelerate's,
+      with its GradScaler under fp16): a bad step leaves parameters and optimizer state as they
+      were, and ``TrainingHalted`` leaves ``trainer.train()``. The LR scheduler the Trainer steps
+      next follows ``guard_schedule``: ``"advance"`` steps it, ``"hold"`` marks the step skipped
+      for accelerate (``accelerator.optimizer_step_was_skipped``), which holds it as for an fp16
+      overflow. Under fp16 a guard skip is the scaler's skip, so the schedule holds either way.
+      Taken off at train end, or when the step raises.
     - ``on_train_end``: removes the hook and flushes the monitor (an error there is
       counted, never raised); work after ``train()`` (``push_to_hub``, a final
       ``evaluate()``, whose batches heartbeat) is yours to mark: ``monitor.phase(...)`` or
@@ -101,16 +111,20 @@ class LossbeatCallback(TrainerCallback):
             rank's exporter, started in ``on_train_begin`` (/metrics on port 8470 + local rank).
         eval_key: the metric that is the eval loss. Default ``eval_loss``, or
             with several eval datasets the first ``eval_<name>_loss`` in sorted order.
-        per_step: ``False`` observes logged steps only (``on_log``).
+        per_step: ``False`` observes logged steps only (``on_log``); the guard needs ``True``.
         **settings: :func:`~lossbeat.monitor.start_exporter` arguments (``port``,
             ``addr``, ``run_name``, any :class:`~lossbeat.monitor.MonitorConfig`
-            field) for the exporter each rank starts; checked here.
+            field) for the exporter each rank starts; checked here. ``guard="skip"`` or
+            ``"stop"`` guards the Trainer's optimizer step (with ``monitor=``, its config's guard).
 
     Raises:
         TypeError: if ``monitor`` is not a lossbeat monitor, is given with settings,
-            or a setting is unknown; ValueError for a bad setting value.
+            or a setting is unknown; ValueError for a bad setting value, or a guard with
+            ``per_step=False``.
         RuntimeError: in ``on_train_begin``, if ``monitor`` was built in another
             process than the one that trains (a forked or spawned rank).
+        ValueError: in ``on_train_begin``, a guard under DeepSpeed (its engine steps inside
+            ``backward``, before any callback).
 
     Note:
         With ``fp16=True`` (a GradScaler) and no clipping, the norms are read in
@@ -131,6 +145,8 @@ class LossbeatCallback(TrainerCallback):
         **settings: Any,
     ) -> None:
         check_monitor(monitor, settings)
+        if settings_guard(monitor, settings)[0] != "off" and not per_step:
+            raise ValueError("guard: the guard decides each step in on_pre_optimizer_step; it needs per_step=True")
         self._monitor = monitor
         self._given = monitor
         self._given_in_pid = os.getpid()
@@ -152,6 +168,8 @@ class LossbeatCallback(TrainerCallback):
         self._measure_pre_clip = False
         self._steps_in_epoch: float | None = None  # micro-batches per epoch, as the Trainer counts them
         self._epoch_at_step_begin = 0.0
+        self._step_patch: Patch | None = None  # the optimizer's guarded step (guard="skip"/"stop")
+        self._decided = False  # on_pre_optimizer_step observed the step the optimizer applies next
 
     @property
     def monitor(self) -> Monitor | NullMonitor | None:
@@ -180,6 +198,12 @@ class LossbeatCallback(TrainerCallback):
         # Across devices, num_items_in_batch counts every rank's tokens: the Trainer then
         # multiplies each rank's loss by the process count, and so does this callback.
         self._share_scale = float(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1.0
+        self._unguard()
+        if guard_mode(self._monitor) != "off" and optimizer is not None:
+            if uses_deepspeed(model, optimizer):
+                raise ValueError("guard: not available under DeepSpeed, whose engine steps inside backward; "
+                                 "use guard='off'")
+            self._step_patch = Patch(optimizer, "step", self._guarded_step)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._reset()
@@ -214,6 +238,7 @@ class LossbeatCallback(TrainerCallback):
                 measured = {"grad_norm": norm}
         self.monitor.observe(state.global_step + 1, loss=loss, optimizer=optimizer, epoch=epoch,
                              grad_scaler=scaler, **measured)
+        self._decided = self._step_patch is not None
         self._observed_steps += 1
         self._reset()
 
@@ -253,11 +278,49 @@ class LossbeatCallback(TrainerCallback):
         phase_quietly(self._monitor, "train")  # the checkpoint is written
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._unguard()
         self._remove_hook()
         self._reset()
         flush_quietly(self._monitor)
 
     # --- internals ---------------------------------------------------------------
+
+    def _guarded_step(self, closure: Any = None) -> Any:
+        """The Trainer's ``optimizer.step()`` under a guard: the step observed in
+        ``on_pre_optimizer_step`` goes through ``Monitor.step``; any other is accelerate's own."""
+        patch = self._step_patch
+        assert patch is not None
+        decided, self._decided = self._decided, False
+        if closure is not None or not decided:
+            return patch.original() if closure is None else patch.original(closure)
+        accelerated = patch.obj
+        inner = getattr(accelerated, "optimizer", accelerated)  # the torch optimizer: the guard's strategies know it
+        scaler = getattr(accelerated, "scaler", None)
+        scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        gate, ran = ScheduleGate(), []
+        # Under fp16 the scaler skips an overflow (or a guard skip) by not calling the torch step.
+        hook = inner.register_step_post_hook(lambda *_: ran.append(True)) \
+            if scaler is not None and hasattr(inner, "register_step_post_hook") else None
+        try:
+            self._monitor.step(inner, grad_scaler=scaler, scheduler=gate)
+        except BaseException:  # TrainingHalted (or a failing step) leaves train(): no on_train_end follows
+            self._unguard()
+            raise
+        finally:
+            if hook is not None:
+                hook.remove()
+        took = gate.stepped and (scaler is None or hook is None or bool(ran))
+        if hasattr(accelerated, "_is_overflow"):
+            # accelerate's own record of a skipped step (private; its step would have set it):
+            # the Trainer and accelerate's scheduler wrapper hold the LR schedule for it.
+            accelerated._is_overflow = not took
+        return None
+
+    def _unguard(self) -> None:
+        if self._step_patch is not None:
+            self._step_patch.restore()
+            self._step_patch = None
+        self._decided = False
 
     def _start(self, args: Any) -> Monitor | NullMonitor:
         """The monitor, started in this (rank) process on first use."""

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import check_monitor, eval_loss_from, flush_quietly, phase_quietly, rank_monitor
+from lossbeat.integrations._guard import Patch, guard_mode, settings_guard
 
 __all__ = ["LossbeatCallback"]
 
@@ -47,6 +48,15 @@ class LossbeatCallback(Callback):
       validation batch heartbeats in it, ``on_validation_end`` goes back to ``"train"``;
       ``on_save_checkpoint`` sets ``phase("checkpoint")`` until the next training batch
       starts. A long validation or save pages only past ``alerts.stalled_phase_after``.
+    - ``guard="skip"``/``"stop"`` (docs/guard.md): from ``on_train_start`` each optimizer has
+      its own ``step`` on the instance. Lightning calls ``optimizer.step(closure)``; the guarded
+      step runs the closure (training step, backward, ``on_before_optimizer_step``, where the
+      step is observed and decided, clipping), then applies the step through ``Monitor.step``:
+      a bad step leaves parameters and optimizer state as they were. With ``"16-mixed"``
+      precision (a GradScaler) the scaler's ``step``/``update`` are guarded instead, so the skip
+      joins the scaler's own and its scale is put back. ``TrainingHalted`` leaves
+      ``trainer.fit()``. Lightning steps the LR schedulers itself: a skipped step takes its slot
+      (``guard_schedule="advance"``; ``"hold"`` is refused). Taken off at train end or on an exception.
     - ``on_train_end``: flushes the monitor (an error there is counted, never raised).
 
     Args:
@@ -57,11 +67,14 @@ class LossbeatCallback(Callback):
             ``val_loss``, else the first ``val_<name>_loss`` in sorted order.
         **settings: :func:`~lossbeat.monitor.start_exporter` arguments (``port``,
             ``addr``, ``run_name``, any :class:`~lossbeat.monitor.MonitorConfig`
-            field) for the exporter each rank starts; checked here.
+            field) for the exporter each rank starts; checked here. ``guard="skip"`` or
+            ``"stop"`` guards the optimizer step (with ``monitor=``, its config's guard).
 
     Raises:
         TypeError: if ``monitor`` is not a lossbeat monitor, is given with settings,
-            or a setting is unknown; ValueError for a bad setting value.
+            or a setting is unknown; ValueError for a bad setting value, or
+            ``guard_schedule="hold"`` with a guard; in ``on_train_start``, a guard on LBFGS
+            (its step re-evaluates the closure).
         RuntimeError: in ``setup``, if ``monitor`` was built in another process
             than the rank's (a spawned or forked rank).
 
@@ -80,6 +93,7 @@ class LossbeatCallback(Callback):
         self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None, **settings: Any
     ) -> None:
         check_monitor(monitor, settings)
+        _check_schedule(*settings_guard(monitor, settings))
         self._monitor = monitor
         self._given = monitor
         self._given_in_pid = os.getpid()
@@ -88,6 +102,9 @@ class LossbeatCallback(Callback):
         self._loss_sum: torch.Tensor | None = None
         self._observed_at: int | None = None  # trainer.global_step at the last observation
         self._observed_steps = 0
+        self._patches: list[Patch] = []  # the guarded steps (guard="skip"/"stop"), for the fit
+        self._decided: Any = None  # the optimizer whose step on_before_optimizer_step observed
+        self._updated = False  # the guard ran the scaler's update: Lightning's own call is skipped
 
     @property
     def monitor(self) -> Monitor | NullMonitor | None:
@@ -108,6 +125,7 @@ class LossbeatCallback(Callback):
                 "pass exporter settings instead (LossbeatCallback(port=..., run_name=...)), each rank starts its own"
             )
         state["_monitor"] = self._given
+        state["_patches"], state["_decided"] = [], None
         return state
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -133,6 +151,7 @@ class LossbeatCallback(Callback):
             step, loss=self._loss_sum, model=pl_module, optimizer=optimizer, epoch=float(trainer.current_epoch),
             grad_scaler=scaler,
         )
+        self._decided = optimizer if self._patches else None
         self._loss_sum = None
         self._observed_at = step
         self._observed_steps += 1
@@ -173,6 +192,73 @@ class LossbeatCallback(Callback):
         if monitor is not None and getattr(monitor, "state", None) is not None and monitor.state.phase[0] != "train":
             phase_quietly(monitor, "train")  # after a checkpoint (no hook follows the write)
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._unguard()
+        monitor = self._monitor
+        if guard_mode(monitor) == "off":
+            return
+        _check_schedule("on", monitor.config.guard_schedule)
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if scaler is not None:  # "16-mixed": Lightning runs scaler.step(optimizer) and scaler.update()
+            self._patches = [Patch(scaler, "step", self._guarded_scaler_step),
+                             Patch(scaler, "update", self._guarded_scaler_update)]
+            return
+        for optimizer in trainer.optimizers:
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise ValueError("guard: LBFGS re-evaluates the loss inside its step and cannot be guarded; "
+                                 "use guard='off'")
+        self._patches = [Patch(optimizer, "step", self._guarded_step(optimizer)) for optimizer in trainer.optimizers]
+
     def on_train_end(self, trainer, pl_module) -> None:
+        self._unguard()
         self._loss_sum = None
         flush_quietly(self._monitor)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._unguard()  # TrainingHalted, or any error: the optimizers are the user's again
+
+    # --- the guard ---------------------------------------------------------------
+
+    def _guarded_step(self, optimizer: torch.optim.Optimizer) -> Any:
+        def step(closure: Any = None, **kwargs: Any) -> Any:
+            loss = None
+            if closure is not None:  # what a torch optimizer does first: the closure runs backward,
+                with torch.enable_grad():  # then on_before_optimizer_step decides, then Lightning clips
+                    loss = closure()
+            patch = next(p for p in self._patches if p.obj is optimizer)
+            if self._decided is not optimizer or kwargs:
+                patch.original(**kwargs)  # a step nothing decided on (no loss seen): as Lightning's
+                return loss
+            self._decided = None
+            with patch.unpatched():
+                self.monitor.step(optimizer)
+            return loss
+
+        return step
+
+    def _guarded_scaler_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        step, update = self._patches
+        if self._decided is not optimizer or args or kwargs:
+            return step.original(optimizer, *args, **kwargs)
+        self._decided = None
+        with step.unpatched(), update.unpatched():
+            self.monitor.step(optimizer, grad_scaler=step.obj)  # runs scaler.step and scaler.update
+        self._updated = True
+        return None
+
+    def _guarded_scaler_update(self, new_scale: Any = None) -> None:
+        if self._updated and new_scale is None:
+            self._updated = False  # the guard updated the scaler already
+            return
+        self._patches[1].original(new_scale)
+
+    def _unguard(self) -> None:
+        for patch in reversed(self._patches):
+            patch.restore()
+        self._patches, self._decided, self._updated = [], None, False
+
+
+def _check_schedule(guard: str, schedule: str) -> None:
+    if guard != "off" and schedule == "hold":
+        raise ValueError("guard_schedule: 'hold' is not available with the Lightning callback: Lightning steps "
+                         "its LR schedulers itself, so a skipped step takes its slot; use 'advance'")

@@ -38,6 +38,7 @@ from lossbeat.mixin.generated import shipped_text, with_runbook_base
 from lossbeat.diagnosis.thresholds import ThresholdsError, load_thresholds
 from lossbeat.exposition.registration import write_atomic
 from lossbeat.stack.private import UnsafeDirError, default_dir, private_dir
+from lossbeat.stack.alerts import alert_lines, scraped_targets
 from lossbeat.stack.webhook import read_notifications
 
 __all__ = [
@@ -59,8 +60,6 @@ DEFAULT_JOB = "training"
 # Where the shipped alertmanager.yml sends its page and ticket webhooks; the stack's receiver
 # listens there (or the stack rewrites these URLs to the receiver's own port).
 SHIPPED_RECEIVER = "127.0.0.1:5001"
-# What a delivered notification means to a user, by receiver name (the shipped alertmanager.yml's).
-_DELIVERED = {"page": "paged", "ticket": "ticketed"}
 # Debian ships Alertmanager as `prometheus-alertmanager`; upstream tarballs as `alertmanager`.
 _BINARIES = {
     "prometheus": ("prometheus",),
@@ -264,7 +263,7 @@ class Stack:
                 # Run as a file in isolated mode: stdlib only, without importing lossbeat (and torch).
                 self._spawn("receiver", ["-I", str(Path(__file__).with_name("webhook.py")),
                                          f"--port={self.receiver_port}", f"--log={self.notifications_file}",
-                                         f"--runbooks={runbooks}"])
+                                         f"--runbooks={runbooks}", f"--targets={self.targets_file}"])
             self._spawn("alertmanager", [
                 f"--config.file={am_config}",
                 f"--storage.path={self.workdir / 'alertmanager-data'}",
@@ -455,6 +454,7 @@ def _up(args: argparse.Namespace) -> int:
           f"amtool --alertmanager.url={stack.alertmanager_url} alert query)")
     if stack.receiver_url:
         print(f"Receiver:     {stack.receiver_url}  (pages and tickets land in {stack.notifications_file}; "
+              f"shown, linked to each rank's status page, at {stack.receiver_url}/; "
               f"runbooks at {stack.receiver_url}/runbooks)")
     print(f"Logs and data: {stack.workdir}")
     where = "" if args.dir == DEFAULT_DIR else f" --dir {args.dir}"
@@ -489,54 +489,6 @@ def _get_json(url: str) -> object:
         return json.load(resp)
 
 
-def alert_lines(prometheus_alerts: list[dict], alertmanager_alerts: list[dict],
-                notifications: list[dict] | None) -> list[str]:
-    """One line per alert Prometheus holds: its state, the receiver Alertmanager routed it to,
-    and whether that receiver got the notification (``paged: TrainingLossNaN``); with
-    ``notifications`` None (no local receiver) delivery is unknown."""
-    routed = {_key(a["labels"]): a for a in alertmanager_alerts}
-    delivered: dict[tuple, tuple[str, float]] = {}
-    for note in notifications or ():
-        for alert in note.get("alerts", []):
-            if alert.get("status") == "firing":
-                delivered[(_key(alert["labels"]), note.get("receiver"))] = (note.get("receiver"), note["received_at"])
-    lines = []
-    for alert in sorted(prometheus_alerts, key=lambda a: (a["state"] != "firing", a["labels"]["alertname"])):
-        labels = alert["labels"]
-        name, where = labels["alertname"], " ".join(
-            f"{k}={labels[k]}" for k in ("job", "rank", "instance") if k in labels)
-        head = f"  alert  {name:30} {alert['state']:8}"
-        if alert["state"] != "firing":
-            lines.append(f"{head} (fires once its condition holds for the rule's `for`) {where}")
-            continue
-        am = routed.get(_key(labels))
-        if am is None:
-            lines.append(f"{head} not yet in Alertmanager {where}")
-            continue
-        receivers = [r["name"] for r in am.get("receivers", [])]
-        state = am.get("status", {}).get("state", "active")
-        if state != "active":
-            lines.append(f"{head} receiver {','.join(receivers):8} {state}: inhibited or silenced, "
-                         f"no notification  {where}")
-            continue
-        for receiver in receivers:
-            got = delivered.get((_key(labels), receiver))
-            if notifications is None:
-                lines.append(f"{head} receiver {receiver:8} (no local receiver: delivery not recorded)  {where}")
-            elif got:
-                verb = _DELIVERED.get(receiver, f"notified ({receiver})")
-                at = time.strftime("%H:%M:%S", time.localtime(got[1]))
-                lines.append(f"{head} receiver {receiver:8} {verb}: {name} at {at}  {where}")
-            else:
-                lines.append(f"{head} receiver {receiver:8} not delivered yet (Alertmanager waits its "
-                             f"group_wait; see alertmanager.log)  {where}")
-    return lines
-
-
-def _key(labels: dict) -> tuple:
-    return tuple(sorted(labels.items()))
-
-
 def _status(args: argparse.Namespace) -> int:
     stack = Stack.from_state(args.dir)
     if stack is None:
@@ -553,7 +505,8 @@ def _status(args: argparse.Namespace) -> int:
     if not ok:
         return 1
     try:
-        for target in _get_json(f"{stack.prometheus_url}/api/v1/targets")["data"]["activeTargets"]:
+        active = _get_json(f"{stack.prometheus_url}/api/v1/targets")["data"]["activeTargets"]
+        for target in active:
             print(f"  target {target['scrapeUrl']:32} {target['health']}")
         prometheus_alerts = _get_json(f"{stack.prometheus_url}/api/v1/alerts")["data"]["alerts"]
         alertmanager_alerts = _get_json(f"{stack.alertmanager_url}/api/v2/alerts")
@@ -561,7 +514,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"lossbeat stack: cannot read the servers' APIs: {exc}", file=sys.stderr)
         return 1
     notifications = read_notifications(stack.notifications_file) if stack.receiver_url else None
-    lines = alert_lines(prometheus_alerts, alertmanager_alerts, notifications)
+    lines = alert_lines(prometheus_alerts, alertmanager_alerts, notifications, scraped_targets(active))
     print("\n".join(lines) if lines else "  no alerts pending or firing")
     return 0
 

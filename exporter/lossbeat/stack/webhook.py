@@ -3,10 +3,14 @@
 ``lossbeat stack up`` runs it on loopback for the page and ticket webhooks of the shipped
 ``alertmanager.yml`` (``http://127.0.0.1:5001/page``, ``/ticket``), so a user sees a page
 arrive without PagerDuty or Slack. Each POST is appended as one JSON line to the log file;
-``lossbeat stack status`` reads them back. It also serves the shipped runbooks as HTML at
-``/runbooks`` (one anchor per alert), which the local stack's ``runbook_url`` links point to.
+``lossbeat stack status`` reads them back. At ``/`` it shows them as a page, newest first, each
+alert linked to the live status page of the rank it fired on (``http://<instance>/``, or the
+job's ranks for a job-level alert: :func:`status_links`); at ``/notifications`` as JSON. It
+also serves the shipped runbooks as HTML at ``/runbooks`` (one anchor per alert), which the
+local stack's ``runbook_url`` links point to. Stdlib only: the stack runs it as a file.
 
-Run as ``python -m lossbeat.stack.webhook --port 5001 --log notifications.jsonl``.
+Run as ``python -m lossbeat.stack.webhook --port 5001 --log notifications.jsonl
+[--targets targets.json]`` (the stack's file_sd targets: the job's ranks and their scheme).
 """
 
 from __future__ import annotations
@@ -22,9 +26,14 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-__all__ = ["read_notifications", "runbooks_html", "serve", "main"]
+__all__ = ["read_notifications", "read_targets", "status_links", "notifications_html", "runbooks_html",
+           "serve", "main"]
 
 MAX_BODY = 4 << 20  # Alertmanager batches stay far below this; anything larger is refused
+PAGE_NOTIFICATIONS = 200  # the page shows the newest ones; the log keeps them all
+# An exporter address as Prometheus's ``instance`` label holds it: host (name, IPv4 or [IPv6]) and
+# port. Anything else (a relabelled instance, a hostile label) gets no link: text only.
+_ADDRESS = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.\-]{0,252})|\[[0-9A-Fa-f:.%a-zA-Z]{2,60}\]):[0-9]{1,5}$")
 
 
 def read_notifications(log: Path) -> list[dict]:
@@ -40,6 +49,84 @@ def read_notifications(log: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def read_targets(path: Path | None) -> list[dict]:
+    """The file_sd target groups in ``path`` (``[{"targets": [...], "labels": {...}}]``) as
+    ``[{"instance", "job", "scheme"}]``; a group's ``__scheme__`` label (``https``: scraped over
+    TLS) sets its scheme. Nothing when the file is absent or unreadable."""
+    if path is None:
+        return []
+    try:
+        groups = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    out = []
+    for group in groups if isinstance(groups, list) else []:
+        if not isinstance(group, dict):
+            continue
+        labels = group.get("labels") or {}
+        for target in group.get("targets") or []:
+            out.append({"instance": str(target), "job": str(labels.get("job", "")),
+                        "scheme": str(labels.get("__scheme__", "http"))})
+    return out
+
+
+def status_links(labels: dict, targets: list[dict] = ()) -> list[str]:
+    """The status pages an alert points at: ``<scheme>://<instance>/`` of the rank it fired on
+    (``https`` where ``targets`` say that instance is scraped over TLS), or, for an alert
+    without an ``instance`` (a job-level one), the pages of the job's ranks in ``targets``
+    (``[{"instance", "job", "scheme"}]``); none when neither is known or the instance is not a
+    host:port address."""
+    schemes = {t["instance"]: t.get("scheme") for t in targets}
+    instance = labels.get("instance")
+    if instance:
+        instances = [str(instance)]
+    else:
+        job = labels.get("job")
+        instances = sorted({t["instance"] for t in targets if job is not None and t.get("job") == job})
+    links = []
+    for address in instances:
+        if _ADDRESS.match(address):
+            scheme = "https" if schemes.get(address) == "https" else "http"
+            links.append(f"{scheme}://{address}/")
+    return links
+
+
+def notifications_html(notifications: list[dict], targets: list[dict] = ()) -> str:
+    """The page of notifications, newest first: one row per alert, its labels, summary, runbook
+    and a link to the status page of its rank (:func:`status_links`). Every string that came
+    with an alert (label, annotation) is escaped; links are only ``http(s)://`` ones."""
+    esc = html.escape
+    rows = []
+    for note in reversed(notifications[-PAGE_NOTIFICATIONS:]):
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(note.get("received_at") or 0)))
+        for alert in note.get("alerts") or []:
+            labels = {str(k): str(v) for k, v in (alert.get("labels") or {}).items()}
+            notes = {str(k): str(v) for k, v in (alert.get("annotations") or {}).items()}
+            pages = " ".join(f'<a class=page href="{esc(url)}">{esc(url)}</a>'
+                             for url in status_links(labels, targets)) or "<span class=none>no page known</span>"
+            runbook = notes.get("runbook_url", "")
+            runbook = (f'<a href="{esc(runbook)}">runbook</a>'
+                       if re.match(r"^https?://", runbook) else esc(runbook))
+            others = " ".join(f"<code>{esc(k)}={esc(v)}</code>" for k, v in sorted(labels.items())
+                              if k != "alertname")
+            rows.append(
+                f"<tr class={'firing' if alert.get('status') == 'firing' else 'resolved'}>"
+                f"<td>{esc(at)}</td><td>{esc(str(note.get('receiver') or note.get('path') or ''))}</td>"
+                f"<td>{esc(str(alert.get('status') or ''))}</td><td><b>{esc(labels.get('alertname', ''))}</b>"
+                f"<br>{others}</td><td>{esc(notes.get('summary', ''))}</td><td>{pages}</td><td>{runbook}</td></tr>")
+    body = "\n".join(rows) or "<tr><td colspan=7>no notification yet</td></tr>"
+    return ("<!doctype html><html lang=en><head><meta charset=utf-8><meta http-equiv=refresh content=5>"
+            "<title>lossbeat notifications</title><style>body{font-family:sans-serif;margin:1em}"
+            "table{border-collapse:collapse}td,th{border-bottom:1px solid #ccc;padding:.3em .6em;"
+            "text-align:left;vertical-align:top}tr.firing td:nth-child(3){color:#b00;font-weight:bold}"
+            "code{font-size:.85em;margin-right:.4em}.none{color:#888}</style></head><body>"
+            "<h1>Notifications</h1><p>What Alertmanager sent to this receiver, newest first "
+            f"(the last {PAGE_NOTIFICATIONS}); each alert links to the status page of its rank. "
+            "<a href=/notifications>JSON</a> · <a href=/runbooks>runbooks</a></p>"
+            "<table><tr><th>received</th><th>receiver</th><th>status</th><th>alert</th><th>summary</th>"
+            f"<th>status page</th><th>runbook</th></tr>\n{body}</table></body></html>\n")
 
 
 def runbooks_html(markdown: str) -> str:
@@ -76,8 +163,9 @@ class _Handler(BaseHTTPRequestHandler):
             "path": self.path,
             "receiver": payload.get("receiver"),
             "status": payload.get("status"),
-            "alerts": [{"labels": a.get("labels", {}), "status": a.get("status"),
-                        "startsAt": a.get("startsAt")} for a in payload.get("alerts", [])],
+            "alerts": [{"labels": a.get("labels", {}), "annotations": a.get("annotations", {}),
+                        "status": a.get("status"), "startsAt": a.get("startsAt")}
+                       for a in payload.get("alerts", [])],
         }
         with self.server.lock, open(self.server.log, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record, sort_keys=True) + "\n")
@@ -86,6 +174,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         if self.path == "/-/ready":
             self._reply(200, b"ready\n")
+        elif self.path in ("/", "/index.html"):
+            page = notifications_html(read_notifications(self.server.log), read_targets(self.server.targets))
+            self._reply(200, page.encode(), "text/html; charset=utf-8")
         elif self.path == "/notifications":
             self._reply(200, json.dumps(read_notifications(self.server.log)).encode(), "application/json")
         elif self.path.split("#")[0] in ("/runbooks", "/runbooks.md") and self.server.runbooks:
@@ -107,14 +198,17 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], log: Path, runbooks: str) -> None:
+    def __init__(self, addr: tuple[str, int], log: Path, runbooks: str, targets: Path | None = None) -> None:
         super().__init__(addr, _Handler)
         self.log, self.runbooks, self.lock = Path(log), runbooks, threading.Lock()
+        self.targets = targets
 
 
-def serve(port: int, log: Path, addr: str = "127.0.0.1", runbooks: str = "") -> _Server:
-    """Bind the receiver (not yet serving); raises OSError when the port is taken."""
-    return _Server((addr, port), log, runbooks_html(runbooks) if runbooks else "")
+def serve(port: int, log: Path, addr: str = "127.0.0.1", runbooks: str = "",
+          targets: Path | None = None) -> _Server:
+    """Bind the receiver (not yet serving); raises OSError when the port is taken. ``targets``:
+    the stack's file_sd targets file, read at each request of the page (the job's ranks)."""
+    return _Server((addr, port), log, runbooks_html(runbooks) if runbooks else "", targets)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,10 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--addr", default="127.0.0.1")
     parser.add_argument("--log", type=Path, required=True, help="JSON-lines file the notifications go to")
     parser.add_argument("--runbooks", type=Path, help="runbooks.md to serve at /runbooks")
+    parser.add_argument("--targets", type=Path, help="the stack's file_sd targets file (the job's ranks)")
     args = parser.parse_args(argv)
     try:
         server = serve(args.port, args.log, args.addr,
-                       args.runbooks.read_text(encoding="utf-8") if args.runbooks else "")
+                       args.runbooks.read_text(encoding="utf-8") if args.runbooks else "", args.targets)
     except OSError as exc:
         print(f"lossbeat webhook receiver: cannot listen on {args.addr}:{args.port} ({exc.strerror or exc})",
               file=sys.stderr)
