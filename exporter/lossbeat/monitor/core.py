@@ -70,7 +70,6 @@ class Monitor:
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
         self.history = self._judge.history
         self._profile = ProfileChoice(config.profile, self._judge, self.state)
-        self._fields_seen: set[str] = set()  # names observe(metrics=...) was given (bounded)
         vitals = Vitals(self.thresholds, config.lr_schedule)
         self._judgment = Judgment(self.state, self._judge, vitals, config.log_status_changes, self._log)
         align = config.grad_norm_align_every  # None: decided from the first model (pure DDP only)
@@ -161,25 +160,11 @@ class Monitor:
             raise RuntimeError("observe: this monitor is closed")
         step = inputs.check_step(step)
         inputs.refuse_graph_capture("observe")
-        anomalies: list[str] = []  # per-step data that is not one value: counted below, never raised
-        values: dict[Any, Any] = {
-            "loss": inputs.per_step("loss", loss, anomalies),  # None: no loss on this rank (a pipeline stage)
-            "grad_norm": inputs.scalar("grad_norm", grad_norm, optional=True),
-            "tokens": inputs.scalar("tokens", tokens, optional=True),
-            "grad_scale": inputs.loss_scale(grad_scaler),
-        }
-        values.update(inputs.learning_rates(optimizer, learning_rate))
-        values.update(inputs.components(losses, anomalies))
-        signals, new_fields = inputs.signals(metrics, self._fields_seen, anomalies)
-        values.update(signals)
-        if new_fields:
-            values["fields"] = new_fields
-        inputs.check_model(model)
+        values, anomalies = inputs.step_values(
+            loss=loss, optimizer=optimizer, learning_rate=learning_rate, grad_norm=grad_norm, tokens=tokens,
+            losses=losses, grad_scaler=grad_scaler, metrics=metrics, model=model, seen=self._profile.names_seen)
         epoch = inputs.check_epoch(epoch)
-        for name in anomalies:
-            self.state.count_error("input")
-            self._log("input", logging.WARNING, "lossbeat: %s: expected one value, got a tensor of several "
-                      "(pass e.g. loss.mean()); observed as its mean (an empty one: skipped)", name)
+        _count_anomalies(self.state, self._log, anomalies)
 
         now_perf = time.perf_counter()
         duration = None if self._last_perf is None else now_perf - self._last_perf
@@ -224,7 +209,7 @@ class Monitor:
         Also a sign of progress: it refreshes the heartbeat TrainingStalled watches."""
         step = inputs.check_step(step)
         value = inputs.scalar("eval_loss", eval_loss)
-        signals, new_fields = inputs.signals(metrics, self._fields_seen)
+        signals, new_fields = inputs.signals(metrics, self._profile.names_seen)
         self.state.last_activity_time = time.time()
         try:
             if isinstance(value, torch.Tensor):
@@ -362,3 +347,11 @@ class Monitor:
         else:
             self._log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
                       "norms are skipped, the step and training go on", where, exc_info=True)
+
+
+def _count_anomalies(state: MonitorState, log: RateLimitedLog, anomalies: list[str]) -> None:
+    """Per-step data that was not one value (observed as its mean): counted and logged, never raised."""
+    for name in anomalies:
+        state.count_error("input")
+        log("input", logging.WARNING, "lossbeat: %s: expected one value, got a tensor of several "
+            "(pass e.g. loss.mean()); observed as its mean (an empty one: skipped)", name)

@@ -11,13 +11,36 @@ import torch
 
 from lossbeat.diagnosis.profiles import signal_kind
 
-__all__ = ["scalar", "per_step", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components", "signals",
+__all__ = ["step_values", "scalar", "per_step", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components", "signals",
            "check_step", "check_model", "check_epoch"]
 
 MAX_PARAM_GROUPS = 32
 MAX_COMPONENTS = 32
 MAX_FIELDS = 64
 """Names of ``observe(metrics=...)`` remembered per run for the profile detection."""
+
+
+def step_values(*, loss: Any, optimizer: Any, learning_rate: Any, grad_norm: Any, tokens: Any,
+                losses: Mapping[str, Any] | None, grad_scaler: Any, metrics: Mapping[str, Any] | None,
+                model: Any, seen: set[str]) -> tuple[dict[Any, Any], list[str]]:
+    """One ``observe`` call's values, validated, and the names of its per-step data that was not
+    one value (reduced to its mean: counted by the caller, never raised). ``seen``: the
+    ``metrics`` names already given (the profile detection's); the new ones are ``values["fields"]``."""
+    anomalies: list[str] = []
+    values: dict[Any, Any] = {
+        "loss": per_step("loss", loss, anomalies),  # None: no loss on this rank (a pipeline stage)
+        "grad_norm": scalar("grad_norm", grad_norm, optional=True),
+        "tokens": scalar("tokens", tokens, optional=True),
+        "grad_scale": loss_scale(grad_scaler),
+    }
+    values.update(learning_rates(optimizer, learning_rate))
+    values.update(components(losses, anomalies))
+    found, new_fields = signals(metrics, seen, anomalies)
+    values.update(found)
+    if new_fields:
+        values["fields"] = new_fields
+    check_model(model)
+    return values, anomalies
 
 
 def check_step(step: Any) -> int:

@@ -29,6 +29,7 @@ class ProfileChoice:
     def __init__(self, given: str | None, judge: Judge, state: MonitorState) -> None:
         self.given, self.judge, self.state = given, judge, state
         self.fields: list[str] = []
+        self.names_seen: set[str] = set()  # names observe(metrics=...) was given (bounded by the inputs)
         self.detection = Detection(None)
         self._publish()
 
