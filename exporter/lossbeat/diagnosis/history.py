@@ -379,6 +379,13 @@ class History:
         for track in self.events.values():
             track.clear()
 
+    def _level_before(self, pushed: bool) -> tuple[float, int]:
+        """The loss level before this record's event: the median of the ``windows.cv_steps``
+        finite records before it, and how many there were (read only when an event is counted)."""
+        n = self.thresholds.windows.cv_steps
+        values = self.loss.ring.last(n + 1)[:-1] if pushed else self.loss.ring.last(n)
+        return (median(values) if values else math.nan), len(values)
+
     def add_step(
         self,
         step: int,
@@ -397,12 +404,14 @@ class History:
             self.reset_windows()
         self.last_step = step
 
-        level_before = self.loss.local
+        pushed = False  # this record's loss is in the loss ring (an event's level before excludes it)
         if loss is not None:
             events.nonfinite_loss = not math.isfinite(loss)
             events.spike = self.loss.push(step, loss)
+            pushed = not events.nonfinite_loss
             if events.spike:
-                self.events["loss_spikes"].push(self.steps_seen, step, level_before)
+                self.events["loss_spikes"].push(self.steps_seen, step, *self._level_before(pushed),
+                                                 self.loss.noise, self.loss.records)
 
         if grad_norm is not None:
             self.grad_records += 1
@@ -413,7 +422,8 @@ class History:
                 if grad_norm != 0.0:  # no gradient (an RL step without advantage) is not a level
                     events.explosion = self.grad.push(step, grad_norm)
                     if events.explosion:
-                        self.events["grad_explosions"].push(self.steps_seen, step, level_before)
+                        self.events["grad_explosions"].push(self.steps_seen, step, *self._level_before(pushed),
+                                                            self.loss.noise, self.loss.records)
             else:
                 events.nonfinite_grad = True
 
