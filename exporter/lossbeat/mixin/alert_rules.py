@@ -549,12 +549,12 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             summary="Loss spikes that did damage",
             description=(
                 f"The exporter judges (status {VALUE}) the loss spikes of {WHO} harmful: {t.events.repeated} or more "
-                f"within {t.windows.cv_steps} records with the loss not back at its level, or a spike followed by a "
-                f"loss more than {number(100 * t.events.worse_after)}% above its level before; for {a.diverging_for}."
+                f"within {t.windows.cv_steps} records with the loss not back at its level, or a spike after which the "
+                f"loss stays more than {number(100 * t.events.worse_after)}% above its level before; for {a.diverging_for}."
             ),
             condition=(
                 f"loss spikes judged harmful (>= {t.events.repeated} within {t.windows.cv_steps} records and the loss "
-                f"not recovered, or a spike followed by a loss {number(100 * t.events.worse_after)}% worse) "
+                f"not recovered, or a spike after which the loss stays {number(100 * t.events.worse_after)}% worse) "
                 f"for {a.diverging_for} (`trigger=sustained`)"
             ),
             action="roll back to the checkpoint before the spikes; lower the LR, clip gradients, inspect those batches",
