@@ -126,7 +126,8 @@ def test_every_metric_is_exported_with_its_value(monitor):
     # Every name in the contract is present: the first-bad-layer info only after a NaN, the clip
     # coefficient with monitor.clip_grad_norm_, the loss scale with a GradScaler, the work time
     # with work_time=True, the loss-curve pattern once the trend can be judged, the aligned norms
-    # under DDP, the guard's series with guard on (their own tests).
+    # under DDP, the guard's series with guard on, the task's signals with observe(metrics=...)
+    # (their own tests).
     exported = {name for name, _ in parsed}
     for spec in METRICS.values():
         name = spec.name + ("_info" if spec.kind == "info" else "")
@@ -134,7 +135,7 @@ def test_every_metric_is_exported_with_its_value(monitor):
                     "training_grad_scale", "training_rank_work_seconds", "training_loss_pattern",
                     "training_loss_pattern_since_step", "training_grad_norm_aligned",
                     "training_grad_norm_aligned_step", "training_skipped_steps_total",
-                    "training_guard_consecutive_skips", "training_halted"):
+                    "training_guard_consecutive_skips", "training_halted", "training_signal"):
             continue
         assert name in exported, name
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+from lossbeat.diagnosis.events import EVENT_CHECKS, EventTrack
 from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.diagnosis.window import LossWindow, Ring, StepSummary, median, robust_noise
@@ -335,6 +336,8 @@ class History:
         """Grad norms in a row that are not finite."""
         self.nonfinite_recent = Ring(w.cv_steps)
         """1.0 for each of the last records that had a non-finite loss or gradient, else 0.0."""
+        self.events = {check: EventTrack() for check in EVENT_CHECKS}
+        """The loss spikes and explosions counted, with their steps (:mod:`lossbeat.diagnosis.events`)."""
 
     # Older names, kept for callers that read them.
     @property
@@ -354,6 +357,13 @@ class History:
         track = self.evals.get("")
         return [] if track is None else [track.latest]
 
+    def retarget(self, thresholds: Thresholds) -> None:
+        """Judge with ``thresholds`` (another profile) from now on; every window is kept."""
+        self.thresholds = thresholds
+        for part in (self.loss, self.grad, self.lr, *self.components.values(), *self.evals.values()):
+            if hasattr(part, "t"):
+                part.t = thresholds
+
     def reset_windows(self) -> None:
         """The step went backwards (a restart, or another run appended): old windows no longer apply."""
         self.loss.clear()
@@ -366,6 +376,15 @@ class History:
         self.signals.clear()
         self.grad_records = self.grad_zero_run = self.grad_nonfinite_run = 0
         self.nonfinite_recent.clear()
+        for track in self.events.values():
+            track.clear()
+
+    def _level_before(self, pushed: bool) -> tuple[float, int]:
+        """The loss level before this record's event: the median of the ``windows.cv_steps``
+        finite records before it, and how many there were (read only when an event is counted)."""
+        n = self.thresholds.windows.cv_steps
+        values = self.loss.ring.last(n + 1)[:-1] if pushed else self.loss.ring.last(n)
+        return (median(values) if values else math.nan), len(values)
 
     def add_step(
         self,
@@ -385,9 +404,14 @@ class History:
             self.reset_windows()
         self.last_step = step
 
+        pushed = False  # this record's loss is in the loss ring (an event's level before excludes it)
         if loss is not None:
             events.nonfinite_loss = not math.isfinite(loss)
             events.spike = self.loss.push(step, loss)
+            pushed = not events.nonfinite_loss
+            if events.spike:
+                self.events["loss_spikes"].push(self.steps_seen, step, *self._level_before(pushed),
+                                                 self.loss.noise, self.loss.records)
 
         if grad_norm is not None:
             self.grad_records += 1
@@ -397,6 +421,9 @@ class History:
                 self.grad_norms.push(grad_norm)
                 if grad_norm != 0.0:  # no gradient (an RL step without advantage) is not a level
                     events.explosion = self.grad.push(step, grad_norm)
+                    if events.explosion:
+                        self.events["grad_explosions"].push(self.steps_seen, step, *self._level_before(pushed),
+                                                            self.loss.noise, self.loss.records)
             else:
                 events.nonfinite_grad = True
 

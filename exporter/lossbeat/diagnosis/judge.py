@@ -53,6 +53,12 @@ class Judge:
         self._records = 0
         self._judged_at: int | None = None
 
+    def retarget(self, thresholds: Thresholds) -> None:
+        """Judge with ``thresholds`` from now on (another profile of the same file, detected
+        live from the names ``observe`` was given); the windows and held statuses stay."""
+        self.thresholds = thresholds
+        self.history.retarget(thresholds)
+
     def due(self, step: int) -> bool:
         """Whether the judgment is due after a record at ``step``: every ``diagnose_every`` records, or
         ``diagnose_every`` steps, whichever comes first (a sparse log is judged at every record, so a dwell

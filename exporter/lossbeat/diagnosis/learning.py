@@ -30,9 +30,7 @@ MIN_CONSTANT_RECORDS = 10
 _MAX_CLASSES = 100
 _CHANCE_Z = 3.0  # within this many standard errors of the mean of ln K is "at" ln K
 _CHANCE_MIN_TOL = 1e-4  # relative: printed losses are rounded
-_ZERO_STD = 1e-6
 _FEW_RECORDS_FALL = 0.1
-_COLLAPSE_RECORDS = 10
 _FIX_NOTHING = ("check that the loss is computed from the model's outputs (not detached, not under no_grad), "
                 "that some labels are not the ignore index, that parameters have requires_grad and are in the "
                 "optimizer, and that the LR is not 0")
@@ -149,9 +147,11 @@ def _rl(history, t: Thresholds) -> Finding | None:
     std, zero, reward = sig.get("reward_std"), sig.get("frac_reward_zero_std"), sig.get("reward")
     # Collapsed: every one of the last records (a zero-spread step now and then is a group that
     # was all solved or all failed, not a collapse).
-    std_gone = std is not None and std.count >= _COLLAPSE_RECORDS and max(
-        abs(v) for v in std.recent.last(len(std.recent))) <= _ZERO_STD
-    zero_all = zero is not None and zero.count >= _COLLAPSE_RECORDS and min(zero.recent.last(len(zero.recent))) >= 0.99
+    rl = t.rl
+    std_gone = std is not None and std.count >= rl.collapse_records and max(
+        abs(v) for v in std.recent.last(len(std.recent))) <= rl.reward_std_zero
+    zero_all = zero is not None and zero.count >= rl.collapse_records and min(
+        zero.recent.last(len(zero.recent))) >= rl.zero_std_fraction
     if std_gone or zero_all:
         n = len((std if std_gone else zero).recent)
         which = (f"reward_std 0 on each of the last {n} records" if std_gone else

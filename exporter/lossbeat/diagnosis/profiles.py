@@ -20,7 +20,7 @@ from typing import Iterable
 
 from lossbeat.diagnosis.window import Ring, StepSummary, fsum, median, robust_noise
 
-__all__ = ["Detection", "detect_profile", "SIGNALS", "is_signal", "signal_kind", "SignalTrack", "MAX_SIGNALS"]
+__all__ = ["RLThresholds", "Detection", "detect_profile", "SIGNALS", "is_signal", "signal_kind", "SignalTrack", "MAX_SIGNALS"]
 
 MAX_SIGNALS = 16
 """Named signals kept per run (bounded label cardinality live, bounded memory offline)."""
@@ -54,6 +54,17 @@ _RL = frozenset({"reward", "reward_std", "frac_reward_zero_std", "zero_std_ratio
                  "act_loss", "actor_loss", "cri_loss", "critic_loss", "policy_loss", "value_loss",
                  "vf_loss", "pg_loss", "policy_gradient_loss"})
 _RL_PREFIXES = ("completions/", "clip_ratio/")
+
+
+@dataclass(frozen=True)
+class RLThresholds:
+    """When an RL run's learning signal has collapsed (the ``learning`` check and TrainingRLSignalCollapsed)."""
+    reward_std_zero: float
+    """``reward_std`` at or below this: every completion of a group got the same reward."""
+    zero_std_fraction: float
+    """``frac_reward_zero_std`` at or above this: (nearly) every group is without spread."""
+    collapse_records: int
+    """Records in a row (the diagnosis) that must all say so: one such step is a group all solved or all failed."""
 
 
 def signal_kind(name: str) -> str | None:

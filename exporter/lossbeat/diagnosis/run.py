@@ -9,6 +9,7 @@ from lossbeat.diagnosis.findings import Finding, Status
 from lossbeat.diagnosis.gradients import check_grad_norm, check_layer_grad_norms
 from lossbeat.diagnosis.history import History
 from lossbeat.diagnosis.learning import check_learning, learned
+from lossbeat.diagnosis.events import check_events
 from lossbeat.diagnosis.learning_rate import check_learning_rate, check_warmup
 from lossbeat.diagnosis.loss import check_loss_range, check_loss_trend, check_loss_volatility, check_overfitting, robust_cv, trend_of
 
@@ -46,6 +47,8 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
         check_warmup(loss, profile, t.learning_rate),
         check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn),
         _nonfinite(history),
+        check_events(history, "loss_spikes"),
+        check_events(history, "grad_explosions"),
         check_learning(history, trend, t),
     ]
     for group, track in history.evals.items():

@@ -19,6 +19,9 @@ from typing import Any, Mapping
 
 import yaml
 
+from lossbeat.diagnosis.events import EventThresholds
+from lossbeat.diagnosis.profiles import RLThresholds
+
 __all__ = ["Thresholds", "Profile", "ThresholdsError", "load_thresholds", "DEFAULT_PATH"]
 
 DEFAULT_PATH = "thresholds.yaml"  # package data of ``lossbeat``
@@ -248,6 +251,9 @@ class AlertSettings:
     loss_spread_for: str
     straggler_for: str
     grad_mismatch_for: str
+    nonfinite_events: int
+    """Non-finite steps within ``event_window`` that page; fewer (with a finite value now) are a ticket."""
+    rl_collapse_for: str
     guard_window: str
     """Window over which the optimizer guard's skips are counted (a ticket, or a page past ``guard.page_skips``)."""
 
@@ -294,6 +300,8 @@ class Thresholds:
     lr_schedule: ScheduleThresholds
     cross_rank: CrossRankThresholds
     guard: GuardThresholds
+    events: EventThresholds
+    rl: RLThresholds
     source: str = field(default="<package>", compare=False)
     """Where the values came from (for error messages and the run info)."""
 
@@ -548,6 +556,8 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         lr_schedule=_build(ScheduleThresholds, _section(doc, "lr_schedule"), "lr_schedule"),
         cross_rank=_build(CrossRankThresholds, _section(doc, "cross_rank"), "cross_rank"),
         guard=_build(GuardThresholds, _section(doc, "guard"), "guard"),
+        events=_build(EventThresholds, _section(doc, "events"), "events"),
+        rl=_build(RLThresholds, _section(doc, "rl"), "rl"),
         source=source,
     )
 

@@ -86,6 +86,7 @@ class MonitorCollector(Collector):
 
         labelled = (
             ("training_loss_component", "component", s.components),
+            ("training_signal", "signal", s.signals),
             ("training_learning_rate", "param_group", s.learning_rates),
             ("training_layer_grad_norm", "layer", s.layer_norms),
         )
@@ -108,6 +109,10 @@ class MonitorCollector(Collector):
         info = InfoMetricFamily("training_run", METRICS["training_run"].help, labels=("rank",))
         info.add_metric([rank], s.run_info)
         yield info
+        if s.profile_info:
+            profile = InfoMetricFamily("training_profile", METRICS["training_profile"].help, labels=("rank",))
+            profile.add_metric([rank], s.profile_info)
+            yield profile
         if s.first_nonfinite_layer is not None:
             bad = InfoMetricFamily(
                 "training_nonfinite_grad_first_layer",

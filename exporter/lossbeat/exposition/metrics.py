@@ -68,9 +68,11 @@ _SPECS = [
     MetricSpec("training_loss_pattern_since_step", "gauge", "The step at which the current loss-curve pattern began.", unit="none"),
     MetricSpec("training_grad_clip_coefficient", "gauge", "Factor the last clip_grad_norm_ through lossbeat scaled gradients by (1 = not clipped).", unit="none"),
     MetricSpec("training_grad_scale", "gauge", "Loss scale of the fp16 GradScaler passed to observe(grad_scaler=...).", unit="none"),
+    MetricSpec("training_signal", "gauge", "Named signals of the task beside the loss, as passed to observe(metrics=...) or observe_eval(metrics=...): reward, reward_std, frac_reward_zero_std, kl (RL), margins, preference_accuracy (preference), eval_accuracy, eval_f1, eval_wer, eval_cer; each under its canonical name (TRL's rewards/std is reward_std).", ("signal",), unit="none"),
     MetricSpec("training_layers_without_grad", "gauge", "Layers none of whose parameters had a gradient at the last per-layer measurement (unused this step); they are left out of training_layer_grad_norm.", unit="none"),
     # --- info ---------------------------------------------------------------------
     MetricSpec("training_run", "info", "Metadata of the training run.", ("run", "profile", "world_size", "local_rank", "version", "torch_version")),
+    MetricSpec("training_profile", "info", "The task profile the run is judged with, and why: source 'given' (MonitorConfig.profile), 'detected' (from the names observe was given, listed in fields) or 'default' (no name says; the thresholds file's profile).", ("profile", "source", "fields")),
     MetricSpec("training_nonfinite_grad_first_layer", "info", "Where the last non-finite gradient started: the last layer in model order whose gradient was non-finite (backprop spreads it to the layers before), or 'all layers' when a non-finite loss (on a pipeline stage without one: the gradient from the later stages) poisoned every one, or 'poisoned by the gradient all-reduce from another rank' when every layer is non-finite but this rank's loss is finite (another rank's NaN, averaged in by DDP).", ("layer",)),
     # --- counters: events are never missed between scrapes ------------------------
     MetricSpec("training_steps_total", "counter", "Observed training steps."),
@@ -106,6 +108,8 @@ HEALTH_CHECKS = (
     "warmup",
     "overfitting",
     "nonfinite",
+    "loss_spikes",
+    "grad_explosions",
     "learning",
     "memory",
     "throughput",

@@ -74,6 +74,10 @@ class MonitorState:
         self.clip_coefficient: float | None = None
         self.grad_scale: float | None = None
         self.components: dict[str, float] = {}
+        self.signals: dict[str, float] = {}
+        """Named signals (``observe(metrics=...)``) by canonical name: swapped whole."""
+        self.profile_info: dict[str, str] = {}
+        """The training_profile info labels (profile, source, fields): swapped whole."""
         self.learning_rates: dict[str, float] = {}
         self.layer_norms: dict[str, float] = {}
         self.health: dict[tuple[str, str], int] = {(check, ""): 0 for check in HEALTH_CHECKS}

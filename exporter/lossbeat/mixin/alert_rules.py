@@ -358,6 +358,28 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             keeps=TARGET,
         ),
         AlertRule(
+            name="TrainingGradientExplosion",
+            group="lossbeat.gradients",
+            severity="warning",
+            # One departure the run absorbed (fewer than explosion_events, not judged sustained): a ticket.
+            expr=(f"{new_events('training_grad_explosions_total', a.event_window)}\n"
+                  f"  unless {ON_TARGET} (increase(training_grad_explosions_total[{a.event_window}]) >= {a.explosion_events}"
+                  f" or {_status('grad_norm')} == 2)\n"),
+            labels={"trigger": "isolated"},
+            summary="An isolated gradient-norm explosion",
+            description=(
+                f"{WHO_CAP} had {VALUE} step(s) whose global gradient norm departed from its baseline in the last "
+                f"{a.event_window}, fewer than {a.explosion_events} and not sustained: the run absorbed it so far "
+                "(clipping, one bad batch). It pages if it repeats or the norm stays high."
+            ),
+            condition=(
+                f"1 to {a.explosion_events - 1} explosion events within {a.event_window}, the grad norm not judged "
+                "exploding (`trigger=isolated`, a ticket)"
+            ),
+            action="look at the batch of that step; check that gradients are clipped",
+            keeps=TARGET,
+        ),
+        AlertRule(
             name="TrainingGradientVanishing",
             group="lossbeat.gradients",
             severity="warning",
@@ -514,6 +536,29 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             ),
             action="look for bad batches; clip gradients, lower the LR",
             keeps=TARGET,
+        ),
+        AlertRule(
+            name="TrainingLossSpikes",
+            group="lossbeat.loss",
+            severity="critical",
+            # The exporter's judgment (lossbeat.diagnosis.events): spikes repeated within its
+            # window and the loss not back at its level, or one followed by a worse loss.
+            expr=f'{_status("loss_spikes")} == 2\n',
+            for_=a.diverging_for,
+            labels={"trigger": "sustained"},
+            summary="Loss spikes that did damage",
+            description=(
+                f"The exporter judges (status {VALUE}) the loss spikes of {WHO} harmful: {t.events.repeated} or more "
+                f"within {t.windows.cv_steps} records with the loss not back at its level, or a spike after which the "
+                f"loss stays more than {number(100 * t.events.worse_after)}% above its level before; for {a.diverging_for}."
+            ),
+            condition=(
+                f"loss spikes judged harmful (>= {t.events.repeated} within {t.windows.cv_steps} records and the loss "
+                f"not recovered, or a spike after which the loss stays {number(100 * t.events.worse_after)}% worse) "
+                f"for {a.diverging_for} (`trigger=sustained`)"
+            ),
+            action="roll back to the checkpoint before the spikes; lower the LR, clip gradients, inspect those batches",
+            keeps=TARGET + ("check", "component"),
         ),
         _range_alert(t),
         AlertRule(
@@ -927,6 +972,40 @@ def _guard_alerts(t: Thresholds) -> list[AlertRule]:
     ]
 
 
+def _rl_alerts(t: Thresholds) -> list[AlertRule]:
+    a, rl = t.alerts, t.rl
+    zero = number(rl.reward_std_zero)
+    fraction = number(rl.zero_std_fraction)
+    return [
+        AlertRule(
+            name="TrainingRLSignalCollapsed",
+            group="lossbeat.loss",
+            severity="critical",
+            expr=(
+                f'max by ({_by(TARGET)}) (training_signal{{signal="reward_std"}}) <= {zero}\n'
+                f'or max by ({_by(TARGET)}) (training_signal{{signal="frac_reward_zero_std"}}) >= {fraction}\n'
+                # No advantage at all: a zero loss with zero gradients, in a run judged as RL.
+                f"or (max by ({_by(TARGET)}) (training_grad_norm) == 0\n"
+                f"  and {ON_TARGET} training_loss == 0\n"
+                f'  and {ON_TARGET} training_profile_info{{profile="rl"}})\n'
+            ),
+            for_=a.rl_collapse_for,
+            summary="The RL run's learning signal collapsed",
+            description=(
+                f"{WHO_CAP} shows no learning signal for {a.rl_collapse_for} (value {VALUE}): reward_std at or below "
+                f"{zero}, frac_reward_zero_std at or above {fraction}, or a zero loss with a zero gradient norm. "
+                "Every completion of a group gets the same reward: no advantage, no gradient, the policy does not move."
+            ),
+            condition=(
+                f"reward_std <= {zero}, or frac_reward_zero_std >= {fraction}, or grad norm and loss both 0 in an RL "
+                f"run, for {a.rl_collapse_for}"
+            ),
+            action="raise the sampling temperature or group size; check the reward function; filter prompts always or never solved",
+            keeps=TARGET,
+        ),
+    ]
+
+
 def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
     """Every alerting rule, in the order of the rule groups."""
     if not isinstance(thresholds, Thresholds):
@@ -935,6 +1014,7 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
         _nonfinite_alerts(thresholds)
         + _gradient_alerts(thresholds)
         + _loss_alerts(thresholds)
+        + _rl_alerts(thresholds)
         + _progress_alerts(thresholds)
         + _resource_alerts(thresholds)
         + _cluster_alerts(thresholds)

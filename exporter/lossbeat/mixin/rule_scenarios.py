@@ -80,6 +80,8 @@ def _gradients(b: _Builder) -> dict[str, list[Scenario]]:
     a, g = b.t.alerts, b.t.gradients
     sustained = b.rule("TrainingGradientExplosion", trigger="sustained")
     events = b.rule("TrainingGradientExplosion", trigger="events")
+    isolated = b.rule("TrainingGradientExplosion", trigger="isolated")
+    one, one_at = b.jump("training_grad_explosions_total", _target(), a.event_window, 1)
     at = b.after_for(a.explosion_for)
     samples = int(at // b.i) + 2
     judged = lambda v: b.hold("training_health_status", _target(check="grad_norm", component=""), v, samples)  # noqa: E731
@@ -97,7 +99,14 @@ def _gradients(b: _Builder) -> dict[str, list[Scenario]]:
             Scenario("a vanishing warning is not an explosion", [judged(1)], [(at, name, [])]),
             Scenario("enough explosion events fire at once", [burst],
                      [(burst_at, name, [Expect(events, _target(), a.explosion_events)])]),
-            Scenario("one event fewer is silent", [few], [(burst_at, name, [])]),
+            Scenario("one event fewer is a ticket, not a page", [few],
+                     [(burst_at, name, [Expect(isolated, _target(), a.explosion_events - 1)])]),
+            Scenario("one isolated explosion is a ticket", [one, judged(0)],
+                     [(one_at, name, [Expect(isolated, _target(), 1)])]),
+            Scenario("an explosion in a grad norm judged exploding pages only", [one, judged(2), norm(g.explosion * 1.5)],
+                     [(at, name, [Expect(sustained, _target(), g.explosion * 1.5)])]),
+            Scenario("no explosion event is silent", [b.hold("training_grad_explosions_total", _target(), 0, samples)],
+                     [(one_at, name, [])]),
         ],
     }
     vanish = b.rule("TrainingGradientVanishing")
@@ -157,7 +166,44 @@ def _trend(b: _Builder) -> dict[str, list[Scenario]]:
         Scenario("enough spikes fire", [many], [(at, spikes.name, [Expect(spikes, _target(), a.spikes_events)])]),
         Scenario("one spike fewer is silent", [fewer], [(at, spikes.name, [])]),
     ]
+    # Spikes judged harmful (repeated and not recovered, or followed by a worse loss) page.
+    harmful = b.rule("TrainingLossSpikes", trigger="sustained")
+    h_at = b.after_for(a.diverging_for)
+    h_samples = int(h_at // b.i) + 2
+    judged = lambda v: b.hold("training_health_status", _target(check="loss_spikes", component=""), v, h_samples)  # noqa: E731
+    out[spikes.name] += [
+        Scenario("spikes judged harmful page after their for", [judged(2)],
+                 [(h_at, spikes.name, [Expect(harmful, _target(check="loss_spikes", component=""), 2)]),
+                  (h_at - 2 * b.i, spikes.name, [])]),
+        Scenario("isolated spikes (judged a warning) do not page", [judged(1)], [(h_at, spikes.name, [])]),
+    ]
     return out
+
+
+def _rl(b: _Builder) -> dict[str, list[Scenario]]:
+    a, rl = b.t.alerts, b.t.rl
+    rule = b.rule("TrainingRLSignalCollapsed")
+    at = b.after_for(a.rl_collapse_for)
+    n = int(at // b.i) + 2
+    signal = lambda name, v: b.hold("training_signal", _target(signal=name), v, n)  # noqa: E731
+    hold = lambda metric, v, **labels: b.hold(metric, _target(**labels), v, n)  # noqa: E731
+    info = lambda profile: b.hold("training_profile_info", _target(profile=profile, source="detected",  # noqa: E731
+                                                                  fields="reward_std"), 1, n)
+    name = rule.name
+    return {name: [
+        Scenario("reward_std at 0 fires after its for", [signal("reward_std", 0), signal("reward", 0.5)],
+                 [(at, name, [Expect(rule, _target(), 0)]), (at - 2 * b.i, name, [])]),
+        Scenario("every group without spread fires", [signal("frac_reward_zero_std", 1)],
+                 [(at, name, [Expect(rule, _target(), 1)])]),
+        Scenario("a zero loss with a zero grad norm in an RL run fires",
+                 [hold("training_grad_norm", 0), hold("training_loss", 0), info("rl")],
+                 [(at, name, [Expect(rule, _target(), 0)])]),
+        Scenario("a zero loss with a zero grad norm outside RL is not this alert",
+                 [hold("training_grad_norm", 0), hold("training_loss", 0), info("causal-lm")], [(at, name, [])]),
+        Scenario("a healthy spread is silent", [signal("reward_std", 0.3), signal("frac_reward_zero_std", rl.zero_std_fraction * 0.9)],
+                 [(at, name, [])]),
+        Scenario("just above the zero is silent", [signal("reward_std", rl.reward_std_zero * 2)], [(at, name, [])]),
+    ]}
 
 
 def _out_of_range(b: _Builder) -> dict[str, list[Scenario]]:
@@ -546,6 +592,6 @@ JUDGED = {
 }
 
 
-SCENARIO_FAMILIES = (_nonfinite, _gradients, _trend, _out_of_range, _concurrent_runs, _overfitting, _progress,
+SCENARIO_FAMILIES = (_nonfinite, _gradients, _trend, _rl, _out_of_range, _concurrent_runs, _overfitting, _progress,
                      _resources, _cluster, concurrent_cross_rank, ranks_finishing, guard_scenarios)
 """Every family of scenarios, in the order the test documents list them."""

@@ -95,6 +95,10 @@ def render_prometheus_rule(thresholds: Thresholds) -> str:
     return HEADER + comment + _dump(document)
 
 
+_SEVERITIES = ("critical", "warning", "info")
+"""The severities in the order the alert table names them."""
+
+
 def render_alert_table(thresholds: Thresholds) -> str:
     """The alert table of ``docs/metrics.md`` (Markdown), linking each alert to its runbook
     (relative to that file: ``runbooks.md#<alert>``)."""
@@ -106,13 +110,16 @@ def render_alert_table(thresholds: Thresholds) -> str:
         "|---|---|---|---|",
     ]
     rows: dict[str, tuple[AlertRule, list[str]]] = {}
+    severities: dict[str, set[str]] = {}
     for rule in alert_rules(thresholds):  # one row per alert; a profile or trigger adds a condition
         rows.setdefault(rule.name, (rule, []))[1].append(rule.condition)
+        severities.setdefault(rule.name, set()).add(rule.severity)
     for name, (rule, conditions) in rows.items():
         condition = "; ".join(c for c in conditions if c).replace("|", "\\|")
         action = rule.action.replace("|", "\\|")
+        severity = ", ".join(s for s in _SEVERITIES if s in severities[name])  # a trigger may be a ticket
         lines.append(
-            f"| `{name}` | {rule.severity} | {condition} | {action} ([runbook]({runbooks}#{name.lower()})) |"
+            f"| `{name}` | {severity} | {condition} | {action} ([runbook]({runbooks}#{name.lower()})) |"
         )
     names = ", ".join(f"`{r.record}`" for r in recording_rules())
     lines += ["", f"Recording rules shared by alerts and dashboards: {names}."]

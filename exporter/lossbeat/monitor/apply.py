@@ -30,8 +30,9 @@ class StepApplier:
     """Called with each step, in order, once its values are on the host (the transfer's lock held)."""
 
     def __init__(self, state: MonitorState, history: History, cross_rank: Any, vitals: Vitals,
-                 judgment: Judgment, log: RateLimitedLog, guard: Any) -> None:
+                 judgment: Judgment, log: RateLimitedLog, guard: Any, profile: Any = None) -> None:
         self.state, self.history, self.cross_rank, self.vitals = state, history, cross_rank, vitals
+        self.profile = profile  # a ProfileChoice: the names observe(metrics=...) was given choose it
         self.guard = guard
         self.judgment, self.log = judgment, log
         self._nonfinite_run = False  # the last applied step had a non-finite gradient
@@ -77,6 +78,13 @@ class StepApplier:
         else:
             events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
         self.cross_rank.record(record.step, grad_norm)
+        if "fields" in v and self.profile is not None:
+            self.profile.seen(v["fields"])
+        if record.has_signals:
+            signals = {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "signal"}
+            for name, x in signals.items():
+                self.history.add_signal(name, x, record.step)
+            s.signals = {**s.signals, **{k: (x if math.isfinite(x) else math.nan) for k, x in signals.items()}}
         if loss is not None:
             s.loss = loss if math.isfinite(loss) else math.nan
         if grad_norm is not None:

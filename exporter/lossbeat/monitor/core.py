@@ -39,6 +39,7 @@ from lossbeat.monitor.config import DEFAULT_PORT, MonitorConfig
 from lossbeat.monitor.guard import make_guard
 from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.null import NullMonitor, PhaseScope
+from lossbeat.monitor.profile import ProfileChoice
 from lossbeat.monitor.ratelog import RateLimitedLog
 from lossbeat.monitor.report import Report
 from lossbeat.monitor.transfer import DeviceTransfer
@@ -68,6 +69,7 @@ class Monitor:
         self._log = RateLimitedLog()
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
         self.history = self._judge.history
+        self._profile = ProfileChoice(config.profile, self._judge, self.state)
         vitals = Vitals(self.thresholds, config.lr_schedule)
         self._judgment = Judgment(self.state, self._judge, vitals, config.log_status_changes, self._log)
         align = config.grad_norm_align_every  # None: decided from the first model (pure DDP only)
@@ -81,7 +83,8 @@ class Monitor:
         self._guard = make_guard(config.guard, config.guard_spikes, config.guard_schedule, self.thresholds,
                                  self.history, self.state, config.defer_device_reads and torch.cuda.is_available())
         self._transfer = DeviceTransfer(
-            StepApplier(self.state, self.history, self._cross_rank, vitals, self._judgment, self._log, self._guard),
+            StepApplier(self.state, self.history, self._cross_rank, vitals, self._judgment, self._log, self._guard,
+                        self._profile),
             config.defer_device_reads)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._transfer.drain_at_scrape)
@@ -128,7 +131,7 @@ class Monitor:
     def observe(self, step: int, *, loss: Any = None, optimizer: Any = None, learning_rate: Any = None,
                 grad_norm: Any = None, model: torch.nn.Module | None = None, tokens: Any = None,
                 losses: Mapping[str, Any] | None = None, epoch: float | None = None,
-                grad_scaler: Any = None) -> None:
+                grad_scaler: Any = None, metrics: Mapping[str, Any] | None = None) -> None:
         """Record one optimizer step. Call after ``backward()`` and before ``zero_grad()``.
 
         ``loss`` and ``grad_norm`` may be floats or 0-d tensors on any device; ``model`` adds
@@ -143,6 +146,10 @@ class Monitor:
         are recorded (``model=`` still joins the shard and pipeline all-reduces); the loss is
         not. Never pass a placeholder such as torchtitan's ``-1``: it would be judged as the loss.
 
+        ``metrics``: the task's named values (``{"reward_std": s}`` for GRPO, ``{"rewards/margins": m}``
+        for DPO): their names choose the profile (``training_profile_info``; ``MonitorConfig.profile``
+        wins); known ones are judged and exported as ``training_signal{signal=...}``.
+
         Wrong types raise ``TypeError``; NaN, Inf and other anomalies in the values are
         counted and exported, never raised. A loss (or component) tensor of several values is
         reduced to its mean and counted (``training_exporter_errors_total{where="input"}``); a
@@ -153,21 +160,11 @@ class Monitor:
             raise RuntimeError("observe: this monitor is closed")
         step = inputs.check_step(step)
         inputs.refuse_graph_capture("observe")
-        anomalies: list[str] = []  # per-step data that is not one value: counted below, never raised
-        values: dict[Any, Any] = {
-            "loss": inputs.per_step("loss", loss, anomalies),  # None: no loss on this rank (a pipeline stage)
-            "grad_norm": inputs.scalar("grad_norm", grad_norm, optional=True),
-            "tokens": inputs.scalar("tokens", tokens, optional=True),
-            "grad_scale": inputs.loss_scale(grad_scaler),
-        }
-        values.update(inputs.learning_rates(optimizer, learning_rate))
-        values.update(inputs.components(losses, anomalies))
-        inputs.check_model(model)
+        values, anomalies = inputs.step_values(
+            loss=loss, optimizer=optimizer, learning_rate=learning_rate, grad_norm=grad_norm, tokens=tokens,
+            losses=losses, grad_scaler=grad_scaler, metrics=metrics, model=model, seen=self._profile.names_seen)
         epoch = inputs.check_epoch(epoch)
-        for name in anomalies:
-            self.state.count_error("input")
-            self._log("input", logging.WARNING, "lossbeat: %s: expected one value, got a tensor of several "
-                      "(pass e.g. loss.mean()); observed as its mean (an empty one: skipped)", name)
+        _count_anomalies(self.state, self._log, anomalies)
 
         now_perf = time.perf_counter()
         duration = None if self._last_perf is None else now_perf - self._last_perf
@@ -205,12 +202,14 @@ class Monitor:
             raise TypeError(f"optimizer: expected a torch optimizer, got {type(optimizer).__name__}")
         self._guard.step(optimizer, grad_scaler, scheduler)
 
-    def observe_eval(self, step: int, eval_loss: Any) -> None:
+    def observe_eval(self, step: int, eval_loss: Any, *, metrics: Mapping[str, Any] | None = None) -> None:
         """Record an evaluation loss (feeds ``training_eval_loss`` and the overfitting check).
 
+        ``metrics``: its metrics (``{"eval_accuracy": 0.91}``): their names choose the profile too.
         Also a sign of progress: it refreshes the heartbeat TrainingStalled watches."""
         step = inputs.check_step(step)
         value = inputs.scalar("eval_loss", eval_loss)
+        signals, new_fields = inputs.signals(metrics, self._profile.names_seen)
         self.state.last_activity_time = time.time()
         try:
             if isinstance(value, torch.Tensor):
@@ -218,6 +217,8 @@ class Monitor:
             self.state.eval_loss = value if math.isfinite(value) else math.nan
             self.state.evals_total += 1
             self._transfer.drain(block=True)  # the steps before this evaluation first (host sync: not the hot path)
+            with self._transfer.lock:
+                self._profile.evaluation(step, signals, new_fields)
             self.history.add_eval(value, step=step)
             self._judgment.diagnose(step)  # judged after each evaluation, as `lossbeat analyze` does
         except Exception:
@@ -346,3 +347,11 @@ class Monitor:
         else:
             self._log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
                       "norms are skipped, the step and training go on", where, exc_info=True)
+
+
+def _count_anomalies(state: MonitorState, log: RateLimitedLog, anomalies: list[str]) -> None:
+    """Per-step data that was not one value (observed as its mean): counted and logged, never raised."""
+    for name in anomalies:
+        state.count_error("input")
+        log("input", logging.WARNING, "lossbeat: %s: expected one value, got a tensor of several "
+            "(pass e.g. loss.mean()); observed as its mean (an empty one: skipped)", name)

@@ -9,11 +9,38 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["scalar", "per_step", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components",
+from lossbeat.diagnosis.profiles import signal_kind
+
+__all__ = ["step_values", "scalar", "per_step", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components", "signals",
            "check_step", "check_model", "check_epoch"]
 
 MAX_PARAM_GROUPS = 32
 MAX_COMPONENTS = 32
+MAX_FIELDS = 64
+"""Names of ``observe(metrics=...)`` remembered per run for the profile detection."""
+
+
+def step_values(*, loss: Any, optimizer: Any, learning_rate: Any, grad_norm: Any, tokens: Any,
+                losses: Mapping[str, Any] | None, grad_scaler: Any, metrics: Mapping[str, Any] | None,
+                model: Any, seen: set[str]) -> tuple[dict[Any, Any], list[str]]:
+    """One ``observe`` call's values, validated, and the names of its per-step data that was not
+    one value (reduced to its mean: counted by the caller, never raised). ``seen``: the
+    ``metrics`` names already given (the profile detection's); the new ones are ``values["fields"]``."""
+    anomalies: list[str] = []
+    values: dict[Any, Any] = {
+        "loss": per_step("loss", loss, anomalies),  # None: no loss on this rank (a pipeline stage)
+        "grad_norm": scalar("grad_norm", grad_norm, optional=True),
+        "tokens": scalar("tokens", tokens, optional=True),
+        "grad_scale": loss_scale(grad_scaler),
+    }
+    values.update(learning_rates(optimizer, learning_rate))
+    values.update(components(losses, anomalies))
+    found, new_fields = signals(metrics, seen, anomalies)
+    values.update(found)
+    if new_fields:
+        values["fields"] = new_fields
+    check_model(model)
+    return values, anomalies
 
 
 def check_step(step: Any) -> int:
@@ -69,6 +96,35 @@ def components(losses: Mapping[str, Any] | None, anomalies: list[str] | None = N
         if value is not None:
             out[("component", name)] = value
     return out
+
+
+def signals(metrics: Mapping[str, Any] | None, seen: set[str], anomalies: list[str] | None = None
+            ) -> tuple[dict[Any, Any], tuple[str, ...]]:
+    """``({("signal", canonical name): value}, names not in ``seen``)`` from ``observe(metrics=...)``.
+
+    Every name counts for the profile detection (bounded: at most MAX_FIELDS names per run are
+    remembered); the values of the names :data:`~lossbeat.diagnosis.profiles.SIGNALS` knows are
+    kept (others are not exported: bounded label values). A value that is None is absent."""
+    if metrics is None:
+        return {}, ()
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics: expected a mapping of name to value, got {type(metrics).__name__}")
+    out: dict[Any, Any] = {}
+    new = []
+    for name, value in list(metrics.items())[:MAX_FIELDS]:
+        if not isinstance(name, str):
+            raise TypeError(f"metrics: names must be strings, got {name!r}")
+        kind = signal_kind(name)
+        if kind is not None:
+            value = per_step(f"metrics[{name!r}]", value, anomalies)
+            if value is not None:
+                out[("signal", kind)] = value
+        elif value is not None and not isinstance(value, torch.Tensor):
+            scalar(f"metrics[{name!r}]", value)  # a wrong type raises, as for the signals
+        if name not in seen and len(seen) < MAX_FIELDS:
+            seen.add(name)
+            new.append(name)
+    return out, tuple(new)
 
 
 def per_step(name: str, value: Any, anomalies: list[str] | None) -> float | torch.Tensor | None:

@@ -41,7 +41,7 @@ class NullMonitor:
     def observe(self, step: int, **kwargs: Any) -> None:
         pass
 
-    def observe_eval(self, step: int, eval_loss: Any) -> None:
+    def observe_eval(self, step: int, eval_loss: Any, **kwargs: Any) -> None:
         pass
 
     def phase(self, name: str) -> "PhaseScope":

@@ -43,6 +43,7 @@ class PendingStep:
     layer_names: list[str] = field(default_factory=list)
     has_lrs: bool = False
     has_components: bool = False
+    has_signals: bool = False
 
 
 def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -109,13 +110,15 @@ class DeviceTransfer:
         layout: list[tuple[Any, int]] = []
         cpu_layout: list[tuple[Any, int]] = []
         device = None
-        has_lrs = has_components = False
+        has_lrs = has_components = has_signals = False
         for key, value in values.items():
             if value is None:
                 continue
             if type(key) is tuple:
                 if key[0] == "lr":
                     has_lrs = True
+                elif key[0] == "signal":
+                    has_signals = True
                 else:
                     has_components = True
             if not isinstance(value, torch.Tensor):
@@ -143,7 +146,7 @@ class DeviceTransfer:
             unpack(_as_float_list(packed), cpu_layout, host)
 
         record = PendingStep(step, wall, duration, epoch, host, layout, layer_names=layer_names,
-                             has_lrs=has_lrs, has_components=has_components)
+                             has_lrs=has_lrs, has_components=has_components, has_signals=has_signals)
         if device_parts:
             packed = torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
             if device.type == "cuda" and self.defer:
