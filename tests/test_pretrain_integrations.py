@@ -36,7 +36,7 @@ def test_lossbeat_imports_without_the_frameworks():
 # --- OLMo-core -------------------------------------------------------------------------------
 
 
-def _olmo_run(tmp_path, *, nan_at: int | None = None, steps: int = 6):
+def _olmo_run(tmp_path, *, nan_at: int | None = None, steps: int = 6, grads: dict | None = None):
     require_module("olmo_core")
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDataset
     from olmo_core.eval import Evaluator
@@ -86,6 +86,15 @@ def _olmo_run(tmp_path, *, nan_at: int | None = None, steps: int = 6):
     class Record(Callback):  # what the trainer passed on, and the phase the eval ran in
         def log_metrics(self, step, metrics):
             logged.setdefault(step, {}).update(metrics)
+
+        def pre_optim_step(self):  # the norms of the gradients the optimizer is about to get, per module
+            if grads is not None:
+                squares: dict[str, float] = {}
+                for name, p in model.named_parameters():
+                    if p.grad is not None:
+                        layer = name.rsplit(".", 1)[0] if "." in name else name
+                        squares[layer] = squares.get(layer, 0.0) + float(p.grad.double().square().sum())
+                grads[self.step] = {layer: math.sqrt(x) for layer, x in squares.items()}
 
         def pre_step(self, batch):
             if nan_at is not None and self.step == nan_at:
@@ -137,6 +146,32 @@ def test_olmo_core_trainer_exports_what_it_logs(tmp_path):
     monitor.close()
 
 
+def test_olmo_core_trainer_exports_per_layer_norms_of_each_step(tmp_path):
+    # Measured in pre_optim_step (before the train module clips), observed when the trainer's
+    # metrics reach log_metrics two steps at a time: each step gets its own norms.
+    grads: dict[int, dict[str, float]] = {}
+    monitor, callback, logged, phases, error, train_module = _olmo_run(tmp_path, grads=grads)
+    assert error is None
+    samples = registry_samples(monitor)
+    exported = {dict(labels)["layer"]: v for labels, v in samples["training_layer_grad_norm"].items()}
+    assert len(grads[6]) > 10 and "blocks.0.attention.w_q" in grads[6]
+    assert sorted(exported) == sorted(grads[6])
+    for layer, norm in grads[6].items():
+        assert exported[layer] == pytest.approx(norm, rel=1e-5), layer
+    history = dict(monitor.state.layer_history.snapshot())
+    assert sorted(history) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert history[step] == pytest.approx(grads[step], rel=1e-5), step
+    assert grads[5] != pytest.approx(grads[6], rel=1e-3)
+    # The global norm is still the trainer's (it clips: max_grad_norm), and the total of the layers.
+    total = math.sqrt(sum(x * x for x in grads[6].values()))
+    assert sample_value(samples, "training_grad_norm") == pytest.approx(logged[6]["optim/total grad norm"], rel=1e-6)
+    assert logged[6]["optim/total grad norm"] == pytest.approx(total, rel=1e-4)
+    assert sample_value(samples, "training_exporter_errors_total", where="gradients") == 0
+    assert monitor.host_transfers <= 6  # one packed read per step, none in pre_optim_step
+    monitor.close()
+
+
 def test_olmo_core_nan_loss_is_counted_before_the_trainer_stops(tmp_path):
     monitor, callback, logged, phases, error, _ = _olmo_run(tmp_path, nan_at=4)
     assert error is not None and "nan loss encountered at step 4" in str(error)
@@ -146,6 +181,9 @@ def test_olmo_core_nan_loss_is_counted_before_the_trainer_stops(tmp_path):
     assert sample_value(samples, "training_step") == 4
     assert sample_value(samples, "training_steps_total") == 4
     assert sample_value(samples, "training_loss") != logged.get(3, {}).get("train/CE loss")
+    # The NaN step's gradients, measured before the trainer stopped: every layer non-finite.
+    assert sample_value(samples, "training_nonfinite_grad_total") == 1
+    assert monitor.state.first_nonfinite_layer == "all layers"
     monitor.close(completed=False)
 
 

@@ -7,6 +7,7 @@ import os
 import re
 from typing import Any, ClassVar, Dict, Optional
 
+import torch
 from olmo_core.distributed.utils import get_local_rank, get_rank, get_world_size
 from olmo_core.train.callbacks import Callback, EvaluatorCallback
 from olmo_core.train.common import OPTIM_GRAD_NORM_METRIC, TRAIN_CE_LOSS_METRIC
@@ -27,9 +28,10 @@ _TOKENS_KEY = "throughput/total tokens"
 class LossbeatCallback(Callback):
     r"""Feed an OLMo-core ``Trainer`` run to a lossbeat :class:`~lossbeat.monitor.Monitor`.
 
-    One job: export the metrics the trainer already gathers. It reads them where the
-    trainer has already moved them to the host and reduced them across ranks
-    (``log_metrics``), so it adds no host-device sync and no collective to the step.
+    It exports the metrics the trainer already gathers, read where the trainer has already
+    moved them to the host and reduced them across ranks (``log_metrics``), and the per-layer
+    gradient norms, measured by lossbeat on the device before the optimizer step: no
+    host-device sync is added to the step.
 
     Hooks and the fields they feed:
 
@@ -39,12 +41,19 @@ class LossbeatCallback(Callback):
       global rank, local rank and world size, serving on ``port + local rank``.
     - ``pre_step``: ``phase("train")``: a heartbeat every step (no sync), so TrainingStalled
       sees a live run between metric collections.
+    - ``pre_optim_step`` (after backward, before the train module clips and steps):
+      ``monitor.measure_gradients(model, step=step)``: the global and per-layer norms of the
+      unclipped gradients (per-layer every ``layer_every`` steps), lossbeat's one fused reduction
+      left on the device (for a sharded model, its all-reduce over the shards, on every rank).
+      That step's ``observe`` reports them: their host read is the packed transfer of the
+      step's values, once the trainer's own transfer of its metrics has waited for the device.
     - ``post_step`` (priority 10: before the ``EvaluatorCallback``, priority 0, runs its
       evaluations in its own ``post_step``): ``phase("eval")`` when an evaluator is due.
     - ``log_metrics(step, metrics)``: ``observe(step, loss=metrics["train/CE loss"],
       grad_norm=metrics["optim/total grad norm"], learning_rate=metrics["optim/LR (group 0)"],
       tokens=...)``: the loss is the mean over the data-parallel ranks, the gradient norm the
-      total one before clipping (recorded only with ``max_grad_norm``); without a scheduler's
+      total one before clipping (recorded only with ``max_grad_norm``; else lossbeat's, measured
+      in ``pre_optim_step``); the per-layer norms of that step; without a scheduler's
       ``LR`` metric the learning rates come from the optimizer's param groups (read then:
       with ``metrics_collect_interval`` > 1, those of the step being trained);
       ``tokens`` is the growth of ``throughput/total tokens`` (``SpeedMonitorCallback``).
@@ -60,7 +69,9 @@ class LossbeatCallback(Callback):
         default), all the steps since at once: the steps arrive in bursts, so the monitor's
         step times are those of the bursts (``training_step_duration_seconds``); the steps/s
         rate over a minute and the throughput judgment over blocks of steps are unaffected.
-        Per-layer gradient norms are not exported (the trainer does not gather them).
+        The gradients are those of this rank's model as the train module holds them at
+        ``pre_optim_step`` (data-parallel: all-reduced; FSDP: sharded, the shards' norms summed
+        over their ranks, ``reduce_shards``).
         With ``async_bookkeeping`` (the default on a CPU-capable backend) ``log_metrics`` runs
         in the trainer's bookkeeping thread: that one thread is the only one that observes.
 
@@ -112,6 +123,13 @@ class LossbeatCallback(Callback):
 
     def pre_step(self, batch: Dict[str, Any]) -> None:
         phase_quietly(self._monitor, "train")
+
+    def pre_optim_step(self) -> None:
+        # The training thread, every rank at the same step (a sharded model's all-reduce): the
+        # norms stay on the device until log_metrics observes this step (no host read here).
+        monitor, model = self._monitor, getattr(self._trainer_module(), "model", None)
+        if monitor is not None and isinstance(model, torch.nn.Module):
+            monitor.measure_gradients(model, step=self.step)  # errors are counted, never raised
 
     def post_step(self) -> None:
         for callback in self.trainer.callbacks.values():

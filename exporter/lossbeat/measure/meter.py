@@ -24,6 +24,9 @@ log = logging.getLogger("lossbeat")
 # (a pass over the parameters: too slow for every step, cheap amortised): unfreezing layers
 # mid-run, or adding adapters, regroups.
 REGROUP_CHECK_EVERY = 100
+# Steps measured ahead by ``measure_gradients(step=...)`` kept for their observe (a trainer that
+# passes its metrics on in bursts: OLMo-core's metrics_collect_interval); the oldest go first.
+MAX_STEPS_AHEAD = 256
 
 
 class GradientMeter:
@@ -45,6 +48,13 @@ class GradientMeter:
         self._warned_deepspeed = False
         # Norms measured ahead of the next observe(model=...): (model, norms, clip coefficient or None).
         self._measured: tuple[torch.nn.Module, GradientNorms, torch.Tensor | None] | None = None
+        # Norms measured for a given step, reported by observe(step): step -> (norms, layer names).
+        # Written by the training thread, taken by the thread that observes (OLMo-core's bookkeeping one).
+        self._ahead: dict[int, tuple[GradientNorms, list[str]]] = {}
+        self._ahead_model: torch.nn.Module | None = None
+        """The model measured by step: observe never reads its gradients (by then they are a later step's)."""
+        self.measured_ahead = 0
+        """Steps measured by step so far: their per-layer cadence (observe may lag them by several steps)."""
 
     def layers_due(self) -> bool:
         """Whether this step is one for per-layer norms (every ``layer_every`` submitted steps).
@@ -93,11 +103,17 @@ class GradientMeter:
         self._measured = (model, norms, coefficient)
         return norms.global_norm
 
-    def measure_ahead(self, model: torch.nn.Module, scale: torch.Tensor | None) -> torch.Tensor | None:
-        """Measure now (norms divided by a loss ``scale`` on the device); the next step reuses them."""
+    def measure_ahead(self, model: torch.nn.Module, scale: torch.Tensor | None, step: int | None = None
+                      ) -> torch.Tensor | None:
+        """Measure now (norms divided by a loss ``scale`` on the device); the next step reuses them,
+        or, with ``step``, ``observe(step)`` does, with or without the model (per-layer norms every
+        ``layer_every`` steps measured so: observe may come several steps later)."""
         try:
-            per_layer = self.layers_due() and self.exports_layers
-            norms = compute_grad_norms(self.grouping_for(model), per_layer)
+            due = self.layers_due() if step is None else self.measured_ahead % self.layer_every == 0
+            if step is not None:
+                self._ahead_model = model
+                self.measured_ahead += 1
+            norms = compute_grad_norms(self.grouping_for(model), due and self.exports_layers)
             if norms is not None and scale is not None:
                 layers = norms.layer_norms
                 norms = dataclasses.replace(norms, global_norm=norms.global_norm / scale,
@@ -106,17 +122,32 @@ class GradientMeter:
             self._measured = None
             self.on_error("measure_gradients", e)
             return None
-        self._measured = None if norms is None else (model, norms, None)
+        if step is None:
+            self._measured = None if norms is None else (model, norms, None)
+        elif norms is not None:
+            names = self.grouping.layer_names if self.grouping and norms.layer_norms is not None else []
+            self._ahead[step] = (norms, names)  # the names of the grouping measured, should another regroup
+            for old in sorted(self._ahead)[:-MAX_STEPS_AHEAD]:  # never observed (sorted: a snapshot)
+                self._ahead.pop(old, None)
         return None if norms is None else norms.global_norm
 
-    def measure_step(self, model: torch.nn.Module | None, need_global: bool, values: dict[Any, Any]) -> list[str]:
+    def measure_step(self, model: torch.nn.Module | None, need_global: bool, values: dict[Any, Any],
+                     step: int | None = None) -> list[str]:
         """Adds device tensors for the global and per-layer norms to ``values``; returns the layer names.
 
         Isolated: a failure here (an unsupported gradient, a sharded model some rank
         does not measure) is reported to ``on_error`` and the step is still recorded with
         its loss, learning rates and timestamp, without gradient values."""
         measured, self._measured = self._measured, None
-        if model is None:
+        if self._ahead and step is not None:  # measured by step: that step's norms, if any
+            ahead = self._ahead.pop(step, None)
+            for old in sorted(self._ahead):  # the steps before this one were never observed
+                if old >= step:
+                    break
+                self._ahead.pop(old, None)
+            if ahead is not None:
+                return self._report(ahead[0], need_global, values, ahead[1])
+        if model is None or model is self._ahead_model:  # by now its gradients are a later step's
             return []
         try:
             due = self.layers_due()
@@ -138,9 +169,13 @@ class GradientMeter:
             values["clip"] = coefficient
         if norms is None:  # no parameter has a gradient this step
             return []
+        return self._report(norms, need_global, values, self.grouping.layer_names if self.grouping else [])
+
+    @staticmethod
+    def _report(norms: GradientNorms, need_global: bool, values: dict[Any, Any], names: list[str]) -> list[str]:
         if need_global:
             values["grad_norm"] = norms.global_norm
         if norms.layer_norms is None:
             return []
         values["layers"] = norms.layer_norms
-        return self.grouping.layer_names if self.grouping else []
+        return names

@@ -12,6 +12,7 @@ thread (:mod:`lossbeat.exposition.collector`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import numbers
@@ -173,7 +174,7 @@ class Monitor:
             self._transfer.drain(block=False)  # drain: the steps whose values arrived since
             # measure (device tensors only, no host read)
             try:
-                layer_names = self._meter.measure_step(model, values["grad_norm"] is None, values)
+                layer_names = self._meter.measure_step(model, values["grad_norm"] is None, values, step)
             except Exception:  # gradients we cannot measure: the step's loss and LR still count
                 layer_names = []
                 values.pop("layers", None)
@@ -266,21 +267,23 @@ class Monitor:
         inputs.refuse_graph_capture("clip_grad_norm_")
         return self._meter.clip(model, float(max_norm))
 
-    def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None) -> torch.Tensor | None:
+    def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None,
+                          step: int | None = None) -> torch.Tensor | None:
         """Measure ``model``'s gradients now; the next ``observe(model=model)`` reports these norms.
 
         For a loop or framework that changes the gradients between backward and ``observe``
-        (a Trainer that clips before its callback): the norms are the unclipped ones, and
-        ``observe`` does not read the gradients again. Returns the global norm (a 0-d tensor,
-        no host sync), or None when no parameter has a gradient or the measurement failed
-        (counted in ``training_exporter_errors_total{where="gradients"}``). ``grad_scaler``:
-        fp16's GradScaler when the gradients still carry its scale: the norms are divided by
-        the scale on the device.
+        (a Trainer that clips before its callback): the norms are the unclipped ones, and ``observe``
+        does not read the gradients again. Returns the global norm (a 0-d tensor, no host sync), or
+        None when no parameter has a gradient or the measurement failed (``where="gradients"`` errors).
+        ``grad_scaler``: fp16's GradScaler when the gradients still carry its scale: the norms are
+        divided by it on the device. ``step``: ``observe(step)`` reports them, even after
+        later steps' (metrics passed on in bursts), and never reads that model's gradients again.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         inputs.refuse_graph_capture("measure_gradients")
-        return self._meter.measure_ahead(model, inputs.loss_scale(grad_scaler))
+        return self._meter.measure_ahead(model, inputs.loss_scale(grad_scaler),
+                                         None if step is None else inputs.check_step(step))
 
     def flush(self) -> None:
         """Process every step still waiting for its device values (waits for them)."""
@@ -320,10 +323,8 @@ class Monitor:
             self._server.close()
         self._cross_rank.close()
         for collector in (self._collector, self._cross_rank_collector):
-            try:
+            with contextlib.suppress(KeyError):
                 self.registry.unregister(collector)
-            except KeyError:
-                pass
         lifecycle.process.forget(self)
 
     def __enter__(self) -> "Monitor":

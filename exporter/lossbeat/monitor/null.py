@@ -64,7 +64,8 @@ class NullMonitor:
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
-    def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None) -> torch.Tensor | None:
+    def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None,
+                          step: int | None = None) -> torch.Tensor | None:
         return None
 
     def flush(self) -> None:
