@@ -98,7 +98,10 @@ def check_events(history, check: str) -> Finding:
     what = EVENT_CHECKS[check]
     t = history.thresholds
     if not track.total:
-        return Finding(check, Status.GOOD, f"no {what}s")
+        # A rank that never had the series (a pipeline stage before the last has no loss) has
+        # nothing to judge: unknown, as the other loss checks say, not "no spikes".
+        seen = history.loss.records if check == "loss_spikes" else history.grad_records
+        return Finding(check, Status.GOOD, f"no {what}s") if seen else Finding.unknown(check, f"no {what} series")
     now = history.steps_seen
     window = t.windows.cv_steps
     # An event holds the finding until the run showed where it left the loss (the windows
