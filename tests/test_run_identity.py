@@ -49,6 +49,8 @@ def test_a_single_process_gets_an_id_of_its_own_and_ranks_without_one_say_so(cle
     handler.emit = lambda record: seen.append(record.getMessage())
     logger = logging.getLogger("lossbeat")
     clean_env.setattr(logger, "disabled", False)
+    level = logger.level  # another test of this worker may have left it at ERROR
+    logger.setLevel(logging.WARNING)
     logger.addHandler(handler)
     try:
         a, b = run_identity("", 1), run_identity("", 1)
@@ -56,6 +58,7 @@ def test_a_single_process_gets_an_id_of_its_own_and_ranks_without_one_say_so(cle
         assert run_identity("", 8) == ""
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     assert any("no run identity" in m for m in seen)
 
 
