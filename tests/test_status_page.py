@@ -18,7 +18,7 @@ from lossbeat.exposition.metrics import HEALTH_CHECKS
 from lossbeat.exposition.state import LAYER_HISTORY_STEPS, RECENT_STEPS
 from lossbeat.exposition.status import _quantise, heatmap_matrix, level_norm, page_html
 
-from conftest import require_binary, require_module
+from conftest import require, require_binary, require_module
 
 EVIL = "<script>alert(1)</script>"
 
@@ -294,8 +294,7 @@ def static_page(tmp_path_factory):
     from lossbeat.analyze import add_arguments, run
 
     log = find_real_logs() / "hf-t5-small-summarization-gradspike-trainer_state.json"
-    if not log.exists():
-        pytest.skip(f"{log} not here")
+    require(log.exists(), f"{log} not here (the real logs of ../shared/data)")
     out = tmp_path_factory.mktemp("html") / "run.html"
     parser = argparse.ArgumentParser()
     add_arguments(parser)
