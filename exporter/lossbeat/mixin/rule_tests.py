@@ -32,17 +32,21 @@ def _rle(values: list[float]) -> list[str]:
     return out
 
 
-def _healthy(b: _Builder) -> dict[str, list[Scenario]]:
-    """The synthetic healthy shapes of ``lossbeat.analyze.evaluation`` replayed through the exporter's Judge,
-    one scrape per judgment: every judgment alert whose check the Judge never raised to its level
-    stays silent (the rules agree with the live checks), and the explosion events never page."""
+def _replayed_shapes(t: Thresholds) -> list[tuple[str, list[tuple[dict[str, float], int]]]]:
+    """Each synthetic healthy shape of ``lossbeat.analyze.evaluation`` replayed through the exporter's
+    Judge: (its name, one (statuses, explosion events) sample per judgment). Some 30,000 judged
+    steps, the bulk of generating the rule tests, and the same for the same thresholds: kept for
+    the last few thresholds (the drift check, the bundle and the rules command each build them)."""
+    key = repr(t)  # frozen dataclasses: the repr is every field, nested ones included
+    if key in _REPLAYED:
+        return _REPLAYED[key]
     from lossbeat.analyze.replay import _merged, _Replay  # the live judgment, offline
     from lossbeat.analyze.evaluation import healthy_shapes
     from lossbeat.logs import TrainRecord
 
-    out: dict[str, list[Scenario]] = {name: [] for name in JUDGED}
+    shapes = []
     for shape in healthy_shapes():
-        replay = _Replay(shape.log, b.t)
+        replay = _Replay(shape.log, t)
         samples: list[tuple[dict[str, float], int]] = []
         judge = replay.diagnose
 
@@ -55,6 +59,23 @@ def _healthy(b: _Builder) -> dict[str, list[Scenario]]:
         replay.diagnose = record
         for item in _merged(shape.log.train, shape.log.evals):
             replay.train(item) if isinstance(item, TrainRecord) else replay.eval(item)
+        shapes.append((shape.name, samples))
+    while len(_REPLAYED) >= _REPLAYED_KEPT:
+        _REPLAYED.pop(next(iter(_REPLAYED)))
+    _REPLAYED[key] = shapes
+    return shapes
+
+
+_REPLAYED: dict[str, list] = {}
+_REPLAYED_KEPT = 4
+
+
+def _healthy(b: _Builder) -> dict[str, list[Scenario]]:
+    """The synthetic healthy shapes, one scrape per judgment: every judgment alert whose check the
+    Judge never raised to its level stays silent (the rules agree with the live checks), and the
+    explosion events never page."""
+    out: dict[str, list[Scenario]] = {name: [] for name in JUDGED}
+    for shape_name, samples in _replayed_shapes(b.t):
         # At most _HEALTHY_SAMPLES scrapes (promtool evaluates every rule at each): the worst status
         # and the last counter value of each stretch of judgments, so nothing raised is lost.
         chunk = -(-len(samples) // _HEALTHY_SAMPLES)
@@ -62,7 +83,7 @@ def _healthy(b: _Builder) -> dict[str, list[Scenario]]:
         samples = [({c: max(p[0].get(c, 0.0) for p in part) for c in part[0][0]}, part[-1][1]) for part in parts]
         end = (len(samples) - 1) * b.i
         events = Series("training_grad_explosions_total", _target(), _rle([float(n) for _, n in samples]))
-        name = shape.name.removeprefix("synthetic: ")
+        name = shape_name.removeprefix("synthetic: ")
         for alert, (check, level) in JUDGED.items():
             statuses = [s.get(check, 0.0) for s, _ in samples]
             if max(statuses) >= level:
