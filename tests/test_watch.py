@@ -111,7 +111,8 @@ def test_hf_printed_log_followed_live_nan_counted_and_completion_ends_the_watch(
     assert value(m, "training_grad_norm") == pytest.approx(1.5)
     assert value(m, "training_nonfinite_loss_total") == 0
     info = m["training_run_info"][0][0]
-    assert info["run"] == "watched"
+    assert info["run"] == "watched" and info["feed"] == "log"  # the labels say the source is a log
+    assert not [name for name in m if name.startswith("training_memory_")]  # the watcher's memory is not the run's
     out.write(hf_line("nan", 0.5))  # a NaN written at step 5
     wait_for(step_is(w, 5), "step 5")
     assert value(scrape(w.monitor.port), "training_nonfinite_loss_total") == 1
@@ -196,6 +197,24 @@ def test_llamafactory_jsonl_written_line_by_line_completes_at_total_steps(tmp_pa
     out.write(jsonl(40, 1.9, total=40))
     t.join(20)
     assert result == ["completed"] and w.builder.counts.train == 4
+    out.close()
+
+
+def test_step_time_is_per_step_over_the_logging_interval(tmp_path):
+    # a record every 10 steps: the Monitor's step time is the time between the records over 10
+    log = tmp_path / "trainer_log.jsonl"
+    out = Writer(log)
+    w, t, _ = start(log, fmt="llamafactory")
+    wait_for(lambda: w.follower.opened and not w.feed.replaying, "the watcher at the end")  # live records only
+    out.write(jsonl(10, 2.3))
+    wait_for(step_is(w, 10), "step 10")
+    assert value(scrape(w.monitor.port), "training_step_duration_seconds") is None  # one record: no interval yet
+    time.sleep(1.0)  # step 20 is written >= 1 s after step 10 was read
+    out.write(jsonl(20, 2.2))
+    wait_for(step_is(w, 20), "step 20")
+    per_step = value(scrape(w.monitor.port), "training_step_duration_seconds")
+    assert 0.1 <= per_step < 1.0  # >= 1 s over 10 steps; the whole interval would be >= 1 s
+    stop(w, t)
     out.close()
 
 
@@ -350,7 +369,7 @@ def test_tensorboard_run_dir_written_by_a_real_summary_writer(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
     run_dir = tmp_path / "runs" / "exp"
-    w, t, _ = start(run_dir)  # the directory does not exist yet
+    w, t, result = start(run_dir)  # the directory does not exist yet
     writer = SummaryWriter(str(run_dir))
     for step in range(1, 6):
         writer.add_scalar("train/loss", float("nan") if step == 4 else 3.0 - step / 10, step)
@@ -365,6 +384,30 @@ def test_tensorboard_run_dir_written_by_a_real_summary_writer(tmp_path):
     assert value(m, "training_loss") == pytest.approx(2.5) and value(m, "training_grad_norm") == 2.5
     assert value(m, "training_nonfinite_loss_total") == 1
     assert value(m, "training_learning_rate") == pytest.approx(1e-4)
+    assert t.is_alive()
+    # the HF Trainer's final summary, as its TensorBoardCallback writes it at the last step: the run's end
+    for tag, v in (("train/train_runtime", 12.5), ("train/train_loss", 2.75), ("train/epoch", 1.0)):
+        writer.add_scalar(tag, v, 5)
+    writer.flush()
+    t.join(20)
+    assert result == ["completed"] and w.monitor.state.completed
+    assert w.builder.counts.train == 5 and w.builder.counts.evals == 1  # the summary's mean loss is no record
+    assert w.monitor.state.loss == pytest.approx(2.5)  # the last step's, not the summary's 2.75
     writer.close()
-    stop(w, t)
-    assert w.builder.counts.train == 5 and w.builder.counts.evals == 1
+
+
+def test_llmc_printed_log_completes_at_its_last_step(tmp_path):
+    log = tmp_path / "train.log"
+    out = Writer(log)
+    w, t, result = start(log)
+    for step in (1, 2):
+        out.write(f"step {step:4d}/3 | loss {3.0 - step / 10:.6f} (+nanz)| norm 1.2000 (+nanz)| lr 6.00e-04 | "
+                  "3594.75 ms | 37.6% bf16 MFU | 144426 tok/s\n")
+        wait_for(step_is(w, step), f"step {step}")
+    out.write("val loss 2.850000\n")
+    wait_for(lambda: value(scrape(w.monitor.port), "training_eval_loss") == 2.85, "the val loss")
+    assert t.is_alive() and w.format == "llmc-stdout"
+    out.write("step    3/3 | loss 2.700000 (+nanz)| norm 1.1000 (+nanz)| lr 6.00e-04 | 3594.75 ms\n")
+    t.join(20)
+    assert result == ["completed"] and w.builder.completed == "llm.c printed its last step (3/3)"
+    out.close()

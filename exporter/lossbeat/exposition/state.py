@@ -54,6 +54,8 @@ class MonitorState:
         """The run identity, a label of every series this monitor exports."""
         self.run_info = run_info
         self.cuda_device: int | None = None
+        self.measures_memory = True
+        """Whether this process's memory is the training's (False: the steps come from a log)."""
         self.loss: float | None = None
         self.eval_loss: float | None = None
         self.grad_norm: float | None = None

@@ -70,12 +70,13 @@ _LLMC_VAL = re.compile(r"^\s*val loss\s+(\S+)")
 
 def parse_llmc_stdout(src: Source, out: RecordBuilder) -> None:
     """The step printed is 1-based (``step + 1``); ``val loss`` lines, printed before a step's
-    training, belong to the last printed step (0 before the first)."""
+    training, belong to the last printed step (0 before the first). ``step N/N`` is the last
+    training step: it completes the run (the final validation, printed after it, is not waited for)."""
     last = 0
     for line in text_lines(src, out):
         m = LLMC_STDOUT.match(line)
         if m:
-            step, rest = int(m.group(1)), m.group(3)
+            step, total, rest = int(m.group(1)), int(m.group(2)), m.group(3)
             raw = {k: (r.group(1) if (r := rx.search(rest)) else None) for k, rx in _LLMC_FIELD.items()}
             if raw["loss"] is None:
                 out.skip("step lines without a loss")
@@ -83,6 +84,8 @@ def parse_llmc_stdout(src: Source, out: RecordBuilder) -> None:
             out.train(step, _number(out, "loss", raw["loss"]), _number(out, "norm", raw["norm"]),
                       _number(out, "lr", raw["lr"]))
             last = step
+            if step == total > 0:
+                out.complete(f"llm.c printed its last step ({step}/{total})")
             continue
         v = _LLMC_VAL.match(line)
         if v:

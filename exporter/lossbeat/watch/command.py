@@ -4,14 +4,16 @@ For runs whose code cannot change (a trainer launched from a YAML file, a vendor
 log is the only thing there is. Each record read from it goes to ``Monitor.observe`` /
 ``observe_eval``, so ``/metrics``, the judgments, the shipped alert rules and the dashboards
 work unchanged. What a log cannot give is absent: per-layer gradient norms, the memory
-gauges, the per-step time (the time between two records spans the logging interval).
+gauges (this process's memory is not the run's). The step time is the time between two
+records read, divided by the steps between them.
 
 Liveness: the heartbeat is the time of the last record (the time its line was read; for the
 backlog replayed at start, the time the file last grew), so ``TrainingStalled`` fires when the
 log stops growing. ``TrainingExporterDown`` keeps its meaning: the watcher died. The run
-completes when the log says so (the HF Trainer's ``train_runtime`` summary, LLaMA-Factory's
-last of ``total_steps``): the monitor closes as completed and the command exits 0; after
-``--idle-timeout`` seconds without a new byte it exits 3, closed as not completed.
+completes when the log says so (the HF Trainer's ``train_runtime`` summary, printed or in
+TensorBoard; LLaMA-Factory's last of ``total_steps``): the monitor closes as completed and the
+command exits 0; after ``--idle-timeout`` seconds without a new byte it exits 3, closed as not
+completed.
 """
 
 from __future__ import annotations
@@ -52,11 +54,20 @@ class MonitorFeed:
         self.completed: str | None = None
         self.eval_group: str | None = None
         self.records = 0
+        self._last_read: tuple[float, int] | None = None
+        """(perf_counter, step) of the last live record read."""
 
     def train(self, step, loss, grad_norm, learning_rate, epoch) -> None:
         m = self.monitor
-        if self.replaying:
+        now = time.perf_counter()
+        if self.replaying or self._last_read is None:
             m._last_perf = None  # a replayed record took no training time: no step duration
+        elif step > self._last_read[1]:
+            # The Monitor's step time is the time since its last observe: here, the time per step
+            # over the logging interval (a record every N steps is N steps apart).
+            last_time, last_step = self._last_read
+            m._last_perf = now - (now - last_time) / (step - last_step)
+        self._last_read = None if self.replaying else (now, step)
         m.observe(step, loss=loss, grad_norm=grad_norm, learning_rate=learning_rate, epoch=epoch)
         self.records += 1
 
@@ -74,6 +85,7 @@ class MonitorFeed:
         self.monitor.close(completed=False)
         self.monitor = self._make(port)
         self.eval_group = None
+        self._last_read = None
 
     def complete(self, why: str) -> None:
         self.completed = why
@@ -110,7 +122,7 @@ class Watcher:
         if not poll_interval > 0:
             raise ValueError(f"poll_interval: expected a positive number of seconds, got {poll_interval!r}")
         self.path = os.fspath(path)
-        self.config = config
+        self.config = dataclasses.replace(config, feed="log")  # training_run_info{feed="log"}
         self.format = fmt
         self.idle_timeout = idle_timeout
         self.poll_interval = poll_interval
@@ -224,8 +236,12 @@ class Watcher:
                 builder.where = f"step {step}"
                 if kind == "train":
                     builder.train(step, *rest)
-                else:
+                elif kind == "eval":
                     builder.eval(step, *rest)
+                else:
+                    builder.complete("the HF Trainer logged its final summary (train/train_runtime)")
+            if self.feed.completed:
+                return
             if not scalars:
                 if self.feed.replaying and follower.file is not None:
                     self.feed.end_replay(os.path.getmtime(follower.file) if os.path.exists(follower.file) else None)
