@@ -411,3 +411,57 @@ def test_llmc_printed_log_completes_at_its_last_step(tmp_path):
     t.join(20)
     assert result == ["completed"] and w.builder.completed == "llm.c printed its last step (3/3)"
     out.close()
+
+
+def test_ranks_of_the_logs_from_their_names_their_order_or_a_template():
+    from lossbeat.watch.ranks import RankedLog, assign_ranks
+
+    assert assign_ranks(["logs/rank1.log", "logs/rank0.log"]) == [RankedLog("logs/rank0.log", 0, 2),
+                                                                  RankedLog("logs/rank1.log", 1, 2)]
+    assert [r.rank for r in assign_ranks(["a/train_rank-3.log", "a/train_rank-5.log"], world_size=8)] == [3, 5]
+    assert assign_ranks(["node-a.log", "node-b.log"]) == [RankedLog("node-a.log", 0, 2), RankedLog("node-b.log", 1, 2)]
+    assert assign_ranks(["out/rank{rank}.log"], world_size=3) == [RankedLog(f"out/rank{r}.log", r, 3) for r in range(3)]
+    assert assign_ranks(["train.log"]) == [RankedLog("train.log", -1, 0)]  # one log: the environment says
+    assert assign_ranks(["rank3.log"], rank=3, world_size=4) == [RankedLog("rank3.log", 3, 4)]
+    for args, message in [((["rank3.log"], 3), "--world-size: needed with --rank"),
+                          ((["r{rank}.log"],), "--world-size: needed to expand"),
+                          ((["a.log", "b.log"], 1), "--rank: one log only"),
+                          ((["rank0.log", "rank7.log"], None, 4), "--world-size: 4 ranks, but a log is rank 7"),
+                          ((["a.log", "./a.log"],), "path: a log given twice"),
+                          ((["train.log"], None, 2), "--world-size: given without --rank")]:
+        with pytest.raises(ValueError, match=message):
+            assign_ranks(*args)
+
+
+def test_one_command_follows_the_ranks_of_a_job_each_its_own_rank(tmp_path):
+    import argparse
+
+    from lossbeat.watch import command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
+    args = parser.parse_args([str(tmp_path / "rank{rank}.log"), "--world-size", "2", "--port", "0",
+                              "--addr", "127.0.0.1", "--linger", "0", "--poll-interval", "0.01"])
+    watchers = command.make_watchers(args)  # serving before the logs exist
+    ended: list = []
+    t = threading.Thread(target=lambda: ended.extend(command.follow(watchers)), daemon=True)
+    t.start()
+    for r, log in enumerate(logs):
+        log.write_text(hf_line(2.0 + r, 0.1))
+    for r, w in enumerate(watchers):
+        wait_for(step_is(w, 1), f"rank {r}'s step")
+        m = scrape(w.monitor.port)
+        info = m["training_run_info"][0][0]
+        assert (info["rank"], info["world_size"], info["run"]) == (str(r), "2", "rank{rank}.log")
+        assert value(m, "training_loss") == 2.0 + r
+    run_ids = {w.monitor.state.run_id for w in watchers}
+    assert len(run_ids) == 1 and "" not in run_ids  # one run, its own identity: the ranks are compared
+    with open(logs[0], "a") as fh:
+        fh.write("{'train_runtime': 3.0, 'train_loss': 2.0, 'epoch': 0.1}\n")
+    wait_for(lambda: watchers[0].ended == "completed", "rank 0's end")
+    assert t.is_alive()  # rank 1 still runs
+    with open(logs[1], "a") as fh:
+        fh.write("{'train_runtime': 3.0, 'train_loss': 3.0, 'epoch': 0.1}\n")
+    t.join(20)
+    assert ended == ["completed", "completed"]

@@ -67,7 +67,6 @@ class Monitor:
             "local_rank": str(ctx.local_rank), "feed": config.feed, "version": __version__,
             "torch_version": torch.__version__.split("+")[0],
         }, identity.run_identity(config.run_id, ctx.world_size))
-        self.state.measures_memory = config.feed == "process"  # a watcher's own memory is not the run's
         self._log = RateLimitedLog()
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
         self.history = self._judge.history
