@@ -396,20 +396,30 @@ def test_tensorboard_run_dir_written_by_a_real_summary_writer(tmp_path):
     writer.close()
 
 
-def test_llmc_printed_log_completes_at_its_last_step(tmp_path):
+LLMC = "step {:4d}/3 | loss {} (+nanz)| norm 1.2000 (+nanz)| lr 6.00e-04 | 3594.75 ms | 37.6% bf16 MFU | 144426 tok/s\n"
+MEGATRON = (" [2024-10-10 02:20:29] iteration        {}/       3 | consumed samples:          96 | elapsed time per "
+            "iteration (ms): 812.3 | learning rate: 6.000000E-04 | global batch size:    32 | lm loss: {} | "
+            "loss scale: 1.0 | grad norm: 1.200 | number of skipped iterations:   0 | number of nan iterations:   0 |\n")
+
+
+@pytest.mark.parametrize("fmt, line, eval_line, why", [
+    ("llmc-stdout", LLMC, "val loss 2.850000\n", "llm.c printed its last step (3/3)"),
+    ("megatron-log", MEGATRON, " validation loss at iteration 2 | lm loss value: 2.850000E+00 | lm loss PPL: 17.3 |\n",
+     "Megatron-LM logged its last iteration (3/3)"),
+])
+def test_printed_last_step_completes_the_run(tmp_path, fmt, line, eval_line, why):
     log = tmp_path / "train.log"
     out = Writer(log)
     w, t, result = start(log)
     for step in (1, 2):
-        out.write(f"step {step:4d}/3 | loss {3.0 - step / 10:.6f} (+nanz)| norm 1.2000 (+nanz)| lr 6.00e-04 | "
-                  "3594.75 ms | 37.6% bf16 MFU | 144426 tok/s\n")
+        out.write(line.format(step, f"{3.0 - step / 10:.6f}"))
         wait_for(step_is(w, step), f"step {step}")
-    out.write("val loss 2.850000\n")
-    wait_for(lambda: value(scrape(w.monitor.port), "training_eval_loss") == 2.85, "the val loss")
-    assert t.is_alive() and w.format == "llmc-stdout"
-    out.write("step    3/3 | loss 2.700000 (+nanz)| norm 1.1000 (+nanz)| lr 6.00e-04 | 3594.75 ms\n")
+    out.write(eval_line)
+    wait_for(lambda: value(scrape(w.monitor.port), "training_eval_loss") == 2.85, "the eval loss")
+    assert t.is_alive() and w.format == fmt  # detected
+    out.write(line.format(3, "2.700000"))
     t.join(20)
-    assert result == ["completed"] and w.builder.completed == "llm.c printed its last step (3/3)"
+    assert result == ["completed"] and w.builder.completed == why and w.builder.counts.train == 3
     out.close()
 
 

@@ -146,7 +146,8 @@ def _fields(text: str) -> dict[str, str]:
 def parse_megatron_log(src: Source, out: RecordBuilder) -> None:
     """``lm loss`` is the mean over the logging interval's iterations; an interval that reports
     ``number of nan iterations`` > 0 had a non-finite loss: its record's loss is NaN (the printed
-    mean of the other iterations is in the notes)."""
+    mean of the other iterations is in the notes). ``iteration N/ N`` is the last one (printed
+    when ``train_iters`` is a multiple of ``log_interval``): it completes the run."""
     last = 0
     nan_steps: list[str] = []
     skipped_iters = 0
@@ -166,6 +167,8 @@ def parse_megatron_log(src: Source, out: RecordBuilder) -> None:
             else:
                 out.train(step, loss, _number(out, "grad norm", fields.get("grad norm")),
                           _number(out, "learning rate", fields.get("learning rate")))
+                if step == int(m.group(2)) > 0:
+                    out.complete(f"Megatron-LM logged its last iteration ({step}/{step})")
             last = step
             continue
         v = _MEGATRON_VAL.search(line)
