@@ -122,6 +122,7 @@ def test_every_metric_is_exported_with_its_value(monitor):
     assert value(parsed, "training_memory_peak_bytes", device="cpu") >= value(parsed, "training_memory_allocated_bytes", device="cpu") * 0.5
     info = [dict(k[1]) for k in parsed if k[0] == "training_run_info"]
     assert info and info[0]["profile"] == "causal-lm" and info[0]["version"] == lossbeat.__version__
+    assert info[0]["feed"] == "process"  # the training process itself (lossbeat watch: "log")
     for counter in ("nonfinite_loss", "nonfinite_grad", "loss_spikes", "grad_explosions", "grad_scaler_overflows"):
         assert value(parsed, f"training_{counter}_total") == 0
     # Every name in the contract is present: the first-bad-layer info only after a NaN, the clip
@@ -303,6 +304,8 @@ def test_bad_arguments_raise_and_name_the_argument(monitor):
         MonitorConfig(port=70000)
     with pytest.raises(ValueError, match="layer_every"):
         MonitorConfig(layer_every=0)
+    with pytest.raises(ValueError, match="feed: expected one of process, log, got 'file'"):
+        MonitorConfig(feed="file")
     with pytest.raises(ValueError, match="layer_ranks: expected 'first', 'all'"):
         MonitorConfig(layer_ranks="rank0")
     with pytest.raises(TypeError, match="layer_ranks"):

@@ -111,7 +111,8 @@ def test_hf_printed_log_followed_live_nan_counted_and_completion_ends_the_watch(
     assert value(m, "training_grad_norm") == pytest.approx(1.5)
     assert value(m, "training_nonfinite_loss_total") == 0
     info = m["training_run_info"][0][0]
-    assert info["run"] == "watched"
+    assert info["run"] == "watched" and info["feed"] == "log"  # the labels say the source is a log
+    assert not [name for name in m if name.startswith("training_memory_")]  # the watcher's memory is not the run's
     out.write(hf_line("nan", 0.5))  # a NaN written at step 5
     wait_for(step_is(w, 5), "step 5")
     assert value(scrape(w.monitor.port), "training_nonfinite_loss_total") == 1
@@ -196,6 +197,24 @@ def test_llamafactory_jsonl_written_line_by_line_completes_at_total_steps(tmp_pa
     out.write(jsonl(40, 1.9, total=40))
     t.join(20)
     assert result == ["completed"] and w.builder.counts.train == 4
+    out.close()
+
+
+def test_step_time_is_per_step_over_the_logging_interval(tmp_path):
+    # a record every 10 steps: the Monitor's step time is the time between the records over 10
+    log = tmp_path / "trainer_log.jsonl"
+    out = Writer(log)
+    w, t, _ = start(log, fmt="llamafactory")
+    wait_for(lambda: w.follower.opened and not w.feed.replaying, "the watcher at the end")  # live records only
+    out.write(jsonl(10, 2.3))
+    wait_for(step_is(w, 10), "step 10")
+    assert value(scrape(w.monitor.port), "training_step_duration_seconds") is None  # one record: no interval yet
+    time.sleep(1.0)  # step 20 is written >= 1 s after step 10 was read
+    out.write(jsonl(20, 2.2))
+    wait_for(step_is(w, 20), "step 20")
+    per_step = value(scrape(w.monitor.port), "training_step_duration_seconds")
+    assert 0.1 <= per_step < 1.0  # >= 1 s over 10 steps; the whole interval would be >= 1 s
+    stop(w, t)
     out.close()
 
 
@@ -350,7 +369,7 @@ def test_tensorboard_run_dir_written_by_a_real_summary_writer(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
     run_dir = tmp_path / "runs" / "exp"
-    w, t, _ = start(run_dir)  # the directory does not exist yet
+    w, t, result = start(run_dir)  # the directory does not exist yet
     writer = SummaryWriter(str(run_dir))
     for step in range(1, 6):
         writer.add_scalar("train/loss", float("nan") if step == 4 else 3.0 - step / 10, step)
@@ -365,6 +384,94 @@ def test_tensorboard_run_dir_written_by_a_real_summary_writer(tmp_path):
     assert value(m, "training_loss") == pytest.approx(2.5) and value(m, "training_grad_norm") == 2.5
     assert value(m, "training_nonfinite_loss_total") == 1
     assert value(m, "training_learning_rate") == pytest.approx(1e-4)
+    assert t.is_alive()
+    # the HF Trainer's final summary, as its TensorBoardCallback writes it at the last step: the run's end
+    for tag, v in (("train/train_runtime", 12.5), ("train/train_loss", 2.75), ("train/epoch", 1.0)):
+        writer.add_scalar(tag, v, 5)
+    writer.flush()
+    t.join(20)
+    assert result == ["completed"] and w.monitor.state.completed
+    assert w.builder.counts.train == 5 and w.builder.counts.evals == 1  # the summary's mean loss is no record
+    assert w.monitor.state.loss == pytest.approx(2.5)  # the last step's, not the summary's 2.75
     writer.close()
-    stop(w, t)
-    assert w.builder.counts.train == 5 and w.builder.counts.evals == 1
+
+
+LLMC = "step {:4d}/3 | loss {} (+nanz)| norm 1.2000 (+nanz)| lr 6.00e-04 | 3594.75 ms | 37.6% bf16 MFU | 144426 tok/s\n"
+MEGATRON = (" [2024-10-10 02:20:29] iteration        {}/       3 | consumed samples:          96 | elapsed time per "
+            "iteration (ms): 812.3 | learning rate: 6.000000E-04 | global batch size:    32 | lm loss: {} | "
+            "loss scale: 1.0 | grad norm: 1.200 | number of skipped iterations:   0 | number of nan iterations:   0 |\n")
+
+
+@pytest.mark.parametrize("fmt, line, eval_line, why", [
+    ("llmc-stdout", LLMC, "val loss 2.850000\n", "llm.c printed its last step (3/3)"),
+    ("megatron-log", MEGATRON, " validation loss at iteration 2 | lm loss value: 2.850000E+00 | lm loss PPL: 17.3 |\n",
+     "Megatron-LM logged its last iteration (3/3)"),
+])
+def test_printed_last_step_completes_the_run(tmp_path, fmt, line, eval_line, why):
+    log = tmp_path / "train.log"
+    out = Writer(log)
+    w, t, result = start(log)
+    for step in (1, 2):
+        out.write(line.format(step, f"{3.0 - step / 10:.6f}"))
+        wait_for(step_is(w, step), f"step {step}")
+    out.write(eval_line)
+    wait_for(lambda: value(scrape(w.monitor.port), "training_eval_loss") == 2.85, "the eval loss")
+    assert t.is_alive() and w.format == fmt  # detected
+    out.write(line.format(3, "2.700000"))
+    t.join(20)
+    assert result == ["completed"] and w.builder.completed == why and w.builder.counts.train == 3
+    out.close()
+
+
+def test_ranks_of_the_logs_from_their_names_their_order_or_a_template():
+    from lossbeat.watch.ranks import RankedLog, assign_ranks
+
+    assert assign_ranks(["logs/rank1.log", "logs/rank0.log"]) == [RankedLog("logs/rank0.log", 0, 2),
+                                                                  RankedLog("logs/rank1.log", 1, 2)]
+    assert [r.rank for r in assign_ranks(["a/train_rank-3.log", "a/train_rank-5.log"], world_size=8)] == [3, 5]
+    assert assign_ranks(["node-a.log", "node-b.log"]) == [RankedLog("node-a.log", 0, 2), RankedLog("node-b.log", 1, 2)]
+    assert assign_ranks(["out/rank{rank}.log"], world_size=3) == [RankedLog(f"out/rank{r}.log", r, 3) for r in range(3)]
+    assert assign_ranks(["train.log"]) == [RankedLog("train.log", -1, 0)]  # one log: the environment says
+    assert assign_ranks(["rank3.log"], rank=3, world_size=4) == [RankedLog("rank3.log", 3, 4)]
+    for args, message in [((["rank3.log"], 3), "--world-size: needed with --rank"),
+                          ((["r{rank}.log"],), "--world-size: needed to expand"),
+                          ((["a.log", "b.log"], 1), "--rank: one log only"),
+                          ((["rank0.log", "rank7.log"], None, 4), "--world-size: 4 ranks, but a log is rank 7"),
+                          ((["a.log", "./a.log"],), "path: a log given twice"),
+                          ((["train.log"], None, 2), "--world-size: given without --rank")]:
+        with pytest.raises(ValueError, match=message):
+            assign_ranks(*args)
+
+
+def test_one_command_follows_the_ranks_of_a_job_each_its_own_rank(tmp_path):
+    import argparse
+
+    from lossbeat.watch import command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
+    args = parser.parse_args([str(tmp_path / "rank{rank}.log"), "--world-size", "2", "--port", "0",
+                              "--addr", "127.0.0.1", "--linger", "0", "--poll-interval", "0.01"])
+    watchers = command.make_watchers(args)  # serving before the logs exist
+    ended: list = []
+    t = threading.Thread(target=lambda: ended.extend(command.follow(watchers)), daemon=True)
+    t.start()
+    for r, log in enumerate(logs):
+        log.write_text(hf_line(2.0 + r, 0.1))
+    for r, w in enumerate(watchers):
+        wait_for(step_is(w, 1), f"rank {r}'s step")
+        m = scrape(w.monitor.port)
+        info = m["training_run_info"][0][0]
+        assert (info["rank"], info["world_size"], info["run"]) == (str(r), "2", "rank{rank}.log")
+        assert value(m, "training_loss") == 2.0 + r
+    run_ids = {w.monitor.state.run_id for w in watchers}
+    assert len(run_ids) == 1 and "" not in run_ids  # one run, its own identity: the ranks are compared
+    with open(logs[0], "a") as fh:
+        fh.write("{'train_runtime': 3.0, 'train_loss': 2.0, 'epoch': 0.1}\n")
+    wait_for(lambda: watchers[0].ended == "completed", "rank 0's end")
+    assert t.is_alive()  # rank 1 still runs
+    with open(logs[1], "a") as fh:
+        fh.write("{'train_runtime': 3.0, 'train_loss': 3.0, 'epoch': 0.1}\n")
+    t.join(20)
+    assert ended == ["completed", "completed"]

@@ -68,13 +68,15 @@ class Vitals:
 
     def findings(self, step: int | None, lr: float | None, memory: Any) -> list[Finding]:
         """The vitals' findings; ``memory`` is a reading with ``allocated``, ``peak`` and ``limit``
-        (bytes; :func:`lossbeat.measure.memory.read_memory`), taken by the caller so this room needs no torch."""
+        (bytes; :func:`lossbeat.measure.memory.read_memory`), taken by the caller so this room needs
+        no torch; None where the memory is not the training's (a run read from its log): unknown."""
         reading = memory
-        self._memory_seen += 1
-        self._peak = reading.peak  # windowed: the peak since the previous diagnosis, not the lifetime one
-        self._limit = reading.limit
-        if self._memory_seen > self.t.memory.warmup_samples:
-            self._memory.push(reading.allocated)
+        if reading is not None:
+            self._memory_seen += 1
+            self._peak = reading.peak  # windowed: the peak since the previous diagnosis, not the lifetime one
+            self._limit = reading.limit
+            if self._memory_seen > self.t.memory.warmup_samples:
+                self._memory.push(reading.allocated)
         counter = self._scheduler.last_epoch if self._scheduler is not None else None
         return [
             check_memory(list(self._memory), self._peak, self._limit, self.t.memory),

@@ -185,6 +185,8 @@ class MonitorCollector(Collector):
             yield g
 
     def _memory(self, s: "MonitorState") -> Iterator[Metric]:
+        if not s.measures_memory:  # this process is not the one that trains (lossbeat watch)
+            return
         reading = read_memory(s.cuda_device)
         for name, value in (("training_memory_allocated_bytes", reading.allocated),
                             ("training_memory_peak_bytes", reading.peak),

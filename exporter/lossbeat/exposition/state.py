@@ -54,6 +54,8 @@ class MonitorState:
         """The run identity, a label of every series this monitor exports."""
         self.run_info = run_info
         self.cuda_device: int | None = None
+        self.measures_memory = run_info.get("feed", "process") == "process"
+        """Whether this process's memory is the training's (not when a log feeds it: lossbeat watch)."""
         self.loss: float | None = None
         self.eval_loss: float | None = None
         self.grad_norm: float | None = None

@@ -1,4 +1,4 @@
-"""torchtitan's metrics processor feeding lossbeat (extra ``torchtitan``; not yet released: see docs/integrations.md)."""
+"""torchtitan's metrics processor feeding lossbeat (extra ``torchtitan``; not yet released: see docs/torchtitan.md)."""
 
 from __future__ import annotations
 

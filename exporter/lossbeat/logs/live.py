@@ -7,7 +7,8 @@ long the run. A record is final when handed on: a step logged again (two ranks, 
 skipped, not revised. The step going back to the start is a new run (the same test as the
 offline split). Two formats need a live parser of their own: the HF Trainer's printed dicts,
 whose steps the offline parser derives after reading the whole file, and LLaMA-Factory's
-``trainer_log.jsonl``, whose ``total_steps`` says when the run ends. Torch-free.
+``trainer_log.jsonl``, whose ``total_steps`` says when the run ends. The others end the run
+where their offline parser finds an end marker (llm.c's ``step N/N``). Torch-free.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class LiveSink(Protocol):
         """The step went back to the start: the records that follow are another run's."""
 
     def complete(self, why: str) -> None:
-        """The log says the run ended (the HF Trainer's final summary, the last of total_steps)."""
+        """The log says the run ended (the HF Trainer's final summary, the last of total_steps,
+        llm.c's last step)."""
 
 
 class LiveBuilder(RecordBuilder):

@@ -256,6 +256,10 @@ class RecordBuilder:
             self.skip("repeated evals (the latest kept)")
         run.evals[(step, group)] = EvalRecord(step, loss, group)
 
+    def complete(self, why: str) -> None:
+        """The log says the run ended here (an end marker). Offline the file's end says as much;
+        the live builder (:mod:`lossbeat.logs.live`) ends the watch on it."""
+
     def field_names(self, names) -> None:
         """Names of fields the file holds (bounded: the first 256)."""
         for name in names:

@@ -70,12 +70,13 @@ _LLMC_VAL = re.compile(r"^\s*val loss\s+(\S+)")
 
 def parse_llmc_stdout(src: Source, out: RecordBuilder) -> None:
     """The step printed is 1-based (``step + 1``); ``val loss`` lines, printed before a step's
-    training, belong to the last printed step (0 before the first)."""
+    training, belong to the last printed step (0 before the first). ``step N/N`` is the last
+    training step: it completes the run (the final validation, printed after it, is not waited for)."""
     last = 0
     for line in text_lines(src, out):
         m = LLMC_STDOUT.match(line)
         if m:
-            step, rest = int(m.group(1)), m.group(3)
+            step, total, rest = int(m.group(1)), int(m.group(2)), m.group(3)
             raw = {k: (r.group(1) if (r := rx.search(rest)) else None) for k, rx in _LLMC_FIELD.items()}
             if raw["loss"] is None:
                 out.skip("step lines without a loss")
@@ -83,6 +84,8 @@ def parse_llmc_stdout(src: Source, out: RecordBuilder) -> None:
             out.train(step, _number(out, "loss", raw["loss"]), _number(out, "norm", raw["norm"]),
                       _number(out, "lr", raw["lr"]))
             last = step
+            if step == total > 0:
+                out.complete(f"llm.c printed its last step ({step}/{total})")
             continue
         v = _LLMC_VAL.match(line)
         if v:
@@ -143,7 +146,8 @@ def _fields(text: str) -> dict[str, str]:
 def parse_megatron_log(src: Source, out: RecordBuilder) -> None:
     """``lm loss`` is the mean over the logging interval's iterations; an interval that reports
     ``number of nan iterations`` > 0 had a non-finite loss: its record's loss is NaN (the printed
-    mean of the other iterations is in the notes)."""
+    mean of the other iterations is in the notes). ``iteration N/ N`` is the last one (printed
+    when ``train_iters`` is a multiple of ``log_interval``): it completes the run."""
     last = 0
     nan_steps: list[str] = []
     skipped_iters = 0
@@ -163,6 +167,8 @@ def parse_megatron_log(src: Source, out: RecordBuilder) -> None:
             else:
                 out.train(step, loss, _number(out, "grad norm", fields.get("grad norm")),
                           _number(out, "learning rate", fields.get("learning rate")))
+                if step == int(m.group(2)) > 0:
+                    out.complete(f"Megatron-LM logged its last iteration ({step}/{step})")
             last = step
             continue
         v = _MEGATRON_VAL.search(line)

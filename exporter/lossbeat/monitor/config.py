@@ -19,6 +19,8 @@ __all__ = ["MonitorConfig", "DEFAULT_PORT"]
 DEFAULT_PORT = 8470
 """8470 + LOCAL_RANK: clear of DCGM's 9400 and torchrun's 29400/29500."""
 MAX_LINGER_S = 600.0
+FEEDS = ("process", "log")
+"""The values of ``MonitorConfig.feed``."""
 
 
 @dataclass
@@ -39,6 +41,10 @@ class MonitorConfig:
     """The run identity, the ``run_id`` label of every series: shared by the ranks of this run,
     different from any concurrent run of the same job name. "" (default): ``LOSSBEAT_RUN_ID``,
     else the Slurm job id, torchrun's run id, ... (:mod:`lossbeat.monitor.identity`)."""
+    feed: str = "process"
+    """What feeds this monitor, the ``feed`` label of ``training_run_info``: ``"process"`` (the
+    training process observes its own steps) or ``"log"`` (``lossbeat watch`` reading the run's
+    log: no per-layer norms, memory gauges or step times)."""
     port_per_local_rank: bool = True
     """Add LOCAL_RANK to the port so every rank of a node can serve."""
     layer_depth: int | None = None
@@ -135,6 +141,8 @@ class MonitorConfig:
             raise TypeError(f"profile: expected a profile name, got {type(self.profile).__name__}")
         if not isinstance(self.run_name, str):
             raise TypeError(f"run_name: expected a string, got {type(self.run_name).__name__}")
+        if self.feed not in FEEDS:
+            raise ValueError(f"feed: expected one of {', '.join(FEEDS)}, got {self.feed!r}")
         if not isinstance(self.run_id, str):
             raise TypeError(f"run_id: expected a string, got {type(self.run_id).__name__}")
         if self.layer_depth is not None and (

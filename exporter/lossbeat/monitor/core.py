@@ -64,7 +64,7 @@ class Monitor:
         self.rank_context = ctx = rank_context or RankContext.detect()
         self.state = MonitorState(str(ctx.rank), {
             "run": config.run_name, "profile": self.thresholds.profile.name, "world_size": str(ctx.world_size),
-            "local_rank": str(ctx.local_rank), "version": __version__,
+            "local_rank": str(ctx.local_rank), "feed": config.feed, "version": __version__,
             "torch_version": torch.__version__.split("+")[0],
         }, identity.run_identity(config.run_id, ctx.world_size))
         self._log = RateLimitedLog()

@@ -42,7 +42,8 @@ class Judgment:
             # Memory, throughput and the LR schedule: checks with their own bounded memory
             # (blocks, thirds, departures in a row) next to the Judge's.
             lrs = s.learning_rates
-            vitals = self.vitals.findings(step, max(lrs.values()) if lrs else None, read_memory(s.cuda_device, "diagnosis"))
+            memory = read_memory(s.cuda_device, "diagnosis") if s.measures_memory else None
+            vitals = self.vitals.findings(step, max(lrs.values()) if lrs else None, memory)
             held = s.health
             changes = list(changes) + [
                 StatusChange(Status(held[key]), f, step) for f in vitals

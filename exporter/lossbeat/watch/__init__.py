@@ -2,8 +2,8 @@
 
 :mod:`~lossbeat.watch.follow` reads a growing file without re-reading it (rotation, truncation,
 half-written lines); :mod:`~lossbeat.watch.command` feeds each record the live parsers
-(:mod:`lossbeat.logs.live`) read to a real :class:`~lossbeat.monitor.Monitor`. See
-docs/integrations.md, "Monitor a run you cannot change".
+(:mod:`lossbeat.logs.live`) read to a real :class:`~lossbeat.monitor.Monitor`;
+:mod:`~lossbeat.watch.ranks` says which rank each log is. See docs/watch.md.
 """
 
 from lossbeat.watch.command import EXIT_COMPLETED, EXIT_IDLE, MonitorFeed, Watcher, add_arguments, run

@@ -4,14 +4,16 @@ For runs whose code cannot change (a trainer launched from a YAML file, a vendor
 log is the only thing there is. Each record read from it goes to ``Monitor.observe`` /
 ``observe_eval``, so ``/metrics``, the judgments, the shipped alert rules and the dashboards
 work unchanged. What a log cannot give is absent: per-layer gradient norms, the memory
-gauges, the per-step time (the time between two records spans the logging interval).
+gauges (this process's memory is not the run's). The step time is the time between two
+records read, divided by the steps between them.
 
 Liveness: the heartbeat is the time of the last record (the time its line was read; for the
 backlog replayed at start, the time the file last grew), so ``TrainingStalled`` fires when the
 log stops growing. ``TrainingExporterDown`` keeps its meaning: the watcher died. The run
-completes when the log says so (the HF Trainer's ``train_runtime`` summary, LLaMA-Factory's
-last of ``total_steps``): the monitor closes as completed and the command exits 0; after
-``--idle-timeout`` seconds without a new byte it exits 3, closed as not completed.
+completes when the log says so (the HF Trainer's ``train_runtime`` summary, printed or in
+TensorBoard; LLaMA-Factory's last of ``total_steps``): the monitor closes as completed and the
+command exits 0; after ``--idle-timeout`` seconds without a new byte it exits 3, closed as not
+completed.
 """
 
 from __future__ import annotations
@@ -20,21 +22,25 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import sys
+import threading
 import time
 from typing import Callable, Iterator
 
 from lossbeat.logs import FORMATS, LogFormatError, detect_format
 from lossbeat.logs.live import LIVE_FORMATS, LiveBuilder, live_parser
 from lossbeat.logs.source import SNIFF_BYTES, Source
-from lossbeat.monitor import Monitor, MonitorConfig
+from lossbeat.monitor import Monitor, MonitorConfig, identity
 from lossbeat.monitor.config import DEFAULT_PORT
 from lossbeat.exposition.server import RankContext
 from lossbeat.watch.events import EventFollower
 from lossbeat.watch.events import records as event_records
 from lossbeat.watch.follow import Follower
+from lossbeat.watch.ranks import RANK_FIELD, assign_ranks
 
-__all__ = ["Watcher", "MonitorFeed", "add_arguments", "run", "EXIT_COMPLETED", "EXIT_IDLE"]
+__all__ = ["Watcher", "MonitorFeed", "add_arguments", "make_watchers", "follow", "run", "EXIT_COMPLETED",
+           "EXIT_IDLE"]
 
 EXIT_COMPLETED = 0
 EXIT_IDLE = 3
@@ -52,11 +58,20 @@ class MonitorFeed:
         self.completed: str | None = None
         self.eval_group: str | None = None
         self.records = 0
+        self._last_read: tuple[float, int] | None = None
+        """(perf_counter, step) of the last live record read."""
 
     def train(self, step, loss, grad_norm, learning_rate, epoch) -> None:
         m = self.monitor
-        if self.replaying:
+        now = time.perf_counter()
+        if self.replaying or self._last_read is None:
             m._last_perf = None  # a replayed record took no training time: no step duration
+        elif step > self._last_read[1]:
+            # The Monitor's step time is the time since its last observe: here, the time per step
+            # over the logging interval (a record every N steps is N steps apart).
+            last_time, last_step = self._last_read
+            m._last_perf = now - (now - last_time) / (step - last_step)
+        self._last_read = None if self.replaying else (now, step)
         m.observe(step, loss=loss, grad_norm=grad_norm, learning_rate=learning_rate, epoch=epoch)
         self.records += 1
 
@@ -74,6 +89,7 @@ class MonitorFeed:
         self.monitor.close(completed=False)
         self.monitor = self._make(port)
         self.eval_group = None
+        self._last_read = None
 
     def complete(self, why: str) -> None:
         self.completed = why
@@ -110,7 +126,7 @@ class Watcher:
         if not poll_interval > 0:
             raise ValueError(f"poll_interval: expected a positive number of seconds, got {poll_interval!r}")
         self.path = os.fspath(path)
-        self.config = config
+        self.config = dataclasses.replace(config, feed="log")  # training_run_info{feed="log"}
         self.format = fmt
         self.idle_timeout = idle_timeout
         self.poll_interval = poll_interval
@@ -224,8 +240,12 @@ class Watcher:
                 builder.where = f"step {step}"
                 if kind == "train":
                     builder.train(step, *rest)
-                else:
+                elif kind == "eval":
                     builder.eval(step, *rest)
+                else:
+                    builder.complete("the HF Trainer logged its final summary (train/train_runtime)")
+            if self.feed.completed:
+                return
             if not scalars:
                 if self.feed.replaying and follower.file is not None:
                     self.feed.end_replay(os.path.getmtime(follower.file) if os.path.exists(follower.file) else None)
@@ -233,13 +253,17 @@ class Watcher:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="the log file or TensorBoard run directory to follow (it may not exist yet)")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="the log file or TensorBoard run directory to follow (it may not exist yet); several: "
+                        f"the ranks of one job (rank{{N}} in each name, else their order), or one path with "
+                        f"{RANK_FIELD} expanded over --world-size")
     parser.add_argument("--format", dest="fmt", choices=sorted([*LIVE_FORMATS, "tensorboard"]),
                         help="the log's format (default: detected from its first records)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port of /metrics (default {DEFAULT_PORT}; "
-                        "+ LOCAL_RANK or --rank, as the in-process exporter)")
+                        "+ each log's rank, or LOCAL_RANK, as the in-process exporter)")
     parser.add_argument("--addr", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
-    parser.add_argument("--job", default=None, help="run name in training_run_info (default: the file's name)")
+    parser.add_argument("--job", default=None, help="run name in training_run_info (default: the file's name; "
+                        "several ranks: the first one's, its rank number as {rank})")
     parser.add_argument("--profile", default=None, help="task profile (causal-lm, classification, ...)")
     parser.add_argument("--thresholds", default=None, help="a thresholds YAML overlaid on the defaults")
     where = parser.add_mutually_exclusive_group()
@@ -249,31 +273,98 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--idle-timeout", type=float, default=None, metavar="S",
                         help="exit (code 3) after S seconds without a new byte (default: follow forever)")
     parser.add_argument("--rank", type=int, default=None,
-                        help="the rank this log is (one watcher per rank{N}.log; default: from the environment)")
+                        help="the rank this one log is (with --world-size; default: from the environment)")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="the job's number of ranks, which every rank reports (with --rank, or to expand "
+                        f"{RANK_FIELD}; several logs: default their number)")
     parser.add_argument("--linger", type=float, default=90.0, metavar="S",
                         help="at completion, keep /metrics up at most S seconds for a last scrape (default 90)")
     parser.add_argument("--poll-interval", type=float, default=0.05, metavar="S", help="seconds between reads")
 
 
+def make_watchers(args: argparse.Namespace) -> list[Watcher]:
+    """One Watcher per log (each serving at once); raises ValueError or TypeError naming the argument."""
+    watchers: list[Watcher] = []
+    try:
+        logs = assign_ranks(args.paths, args.rank, args.world_size)
+        run_name = args.job or _run_name(args.paths[0], len(logs) > 1)
+        # the ranks followed here are one run: one identity (the environment's, else a fresh one)
+        run_id = identity.run_identity() if len(logs) > 1 else ""
+        for log in logs:
+            config = MonitorConfig(port=args.port, addr=args.addr, run_name=run_name, profile=args.profile,
+                                   thresholds=args.thresholds, linger_seconds=args.linger, run_id=run_id)
+            ctx = RankContext(log.rank, log.rank, log.world_size, "log") if log.rank >= 0 else None
+            watchers.append(Watcher(log.path, config, fmt=args.fmt, from_start=args.from_start,
+                                    idle_timeout=args.idle_timeout, poll_interval=args.poll_interval,
+                                    rank_context=ctx))
+    except BaseException:
+        for watcher in watchers:
+            watcher.monitor.close(completed=False)
+        raise
+    return watchers
+
+
+def follow(watchers: list[Watcher]) -> list[object]:
+    """Run every watcher to its end (the ranks of a job each in its own thread); returns, per
+    watcher, why it ended ('completed', 'idle', 'stopped') or the exception that ended it.
+    Ctrl-C stops them all."""
+    ended: list[object] = [None] * len(watchers)
+
+    def watch(i: int) -> None:
+        try:
+            ended[i] = watchers[i].run()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller; the other ranks' watch goes on
+            ended[i] = exc
+
+    if len(watchers) == 1:
+        watch(0)
+        return ended
+    threads = [threading.Thread(target=watch, args=(i,), name=f"lossbeat-watch-{i}", daemon=True)
+               for i in range(len(watchers))]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.5)
+    except KeyboardInterrupt:
+        for watcher in watchers:
+            watcher.stop()
+        for thread in threads:
+            thread.join(30)
+        raise
+    return ended
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        config = MonitorConfig(port=args.port, addr=args.addr, run_name=args.job or os.path.basename(args.path),
-                               profile=args.profile, thresholds=args.thresholds, linger_seconds=args.linger)
-        ctx = RankContext(args.rank, args.rank, args.rank + 1, "log") if args.rank is not None else None
-        watcher = Watcher(args.path, config, fmt=args.fmt, from_start=args.from_start,
-                          idle_timeout=args.idle_timeout, poll_interval=args.poll_interval, rank_context=ctx)
+        watchers = make_watchers(args)
     except (TypeError, ValueError) as exc:
         print(f"lossbeat watch: {exc}", file=sys.stderr)
         return 2
     try:
-        ended = watcher.run()
-    except LogFormatError as exc:
-        print(f"lossbeat watch: {exc}", file=sys.stderr)
-        return 2
+        ended = follow(watchers)
     except KeyboardInterrupt:
         return 130
-    b = watcher.builder
-    print(f"lossbeat watch: {ended}" + (f" ({watcher.feed.completed})" if watcher.feed.completed else "")
-          + (f"; {b.counts.summary()}" if b else ""), file=sys.stderr)
-    return EXIT_COMPLETED if ended == "completed" else EXIT_IDLE
+    for watcher, why in zip(watchers, ended):
+        who = f"rank {watcher.monitor.state.rank} ({watcher.path}): " if len(watchers) > 1 else ""
+        if isinstance(why, BaseException):
+            print(f"lossbeat watch: {who}{why}", file=sys.stderr)
+            continue
+        b = watcher.builder
+        print(f"lossbeat watch: {who}{why}" + (f" ({watcher.feed.completed})" if watcher.feed.completed else "")
+              + (f"; {b.counts.summary()}" if b else ""), file=sys.stderr)
+    errors = [why for why in ended if isinstance(why, Exception)]
+    for error in errors:
+        if not isinstance(error, LogFormatError):
+            raise error  # not the log's fault: a bug, shown whole
+    if errors:
+        return 2
+    return EXIT_COMPLETED if all(why == "completed" for why in ended) else EXIT_IDLE
+
+
+def _run_name(path: str, ranks: bool) -> str:
+    """The default run name: the log's file name; for the ranks of a job, with ``{rank}`` for the number."""
+    name = os.path.basename(os.path.normpath(path))
+    return re.sub(r"(?i)(rank[-_]?)\d+", r"\1{rank}", name) if ranks and RANK_FIELD not in name else name

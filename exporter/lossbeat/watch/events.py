@@ -6,6 +6,8 @@ newer one (a resumed or restarted run) is switched to after the rest of the old 
 The scalars of one step arrive as separate events: a step's record is handed on when an event
 of another step arrives, or when a poll finds nothing new. Tags are mapped by name as the
 offline reader does (``train/loss``, ``train/grad_norm``, ``train/learning_rate``, ``eval/loss``...).
+The HF Trainer's final summary (``train/train_runtime``, ``train/train_loss``, ...) says the run
+ended: it completes the run, and its mean ``train_loss`` is no step's loss.
 """
 
 from __future__ import annotations
@@ -73,9 +75,13 @@ class EventFollower:
         return out + self._drain()
 
 
+# What the HF Trainer logs once, at the end of training (TensorBoardCallback prefixes "train/").
+_SUMMARY = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss")
+
+
 def records(scalars: list[tuple[int, str, float]], pending: dict, flush: bool) -> Iterator[tuple]:
-    """Group scalars by step: yields ``("train", step, loss, grad, lr, epoch)`` and ``("eval", step,
-    loss, group)`` for each finished step. ``pending`` holds the step still open (``{"step": s,
+    """Group scalars by step: yields ``("train", step, loss, grad, lr, epoch)``, ``("eval", step,
+    loss, group)`` and, for the HF Trainer's final summary, ``("complete", step)`` for each finished step. ``pending`` holds the step still open (``{"step": s,
     "values": {tag: v}}``); ``flush`` finishes it too."""
     for step, tag, value in scalars:
         if pending.get("step") is not None and step != pending["step"]:
@@ -89,6 +95,9 @@ def records(scalars: list[tuple[int, str, float]], pending: dict, flush: bool) -
 def _finish(pending: dict) -> Iterator[tuple]:
     step, values = pending["step"], pending.get("values", {})
     pending.clear()
+    completed = any(t.rsplit("/", 1)[-1] == "train_runtime" for t in values)
+    if completed:  # the summary's tags are no record (its train_loss is the run's mean)
+        values = {t: v for t, v in values.items() if not (t.startswith("train/") and t[6:] in _SUMMARY)}
     train = next((t for t in _TRAIN if t in values), None)
     if train is None:
         train = min((t for t in values if "loss" in t.lower() and not _EVAL.match(t)), key=len, default=None)
@@ -102,3 +111,5 @@ def _finish(pending: dict) -> Iterator[tuple]:
     for tag, value in values.items():
         if tag != train and (m := _EVAL.match(tag)):
             yield ("eval", step, value, m.group(1) or "")
+    if completed:
+        yield ("complete", step)
