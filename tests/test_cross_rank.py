@@ -104,6 +104,39 @@ def test_work_time_counts_data_wait_and_forward_but_not_the_collective(monkeypat
     assert not model._forward_pre_hooks and not model.module._forward_hooks  # close() removes the hooks
 
 
+def test_work_time_is_host_time_and_the_straggler_alert_says_so(monkeypatch):
+    """What TrainingStraggler measures (issue 19): the host's time. A host-side wait that only
+    this rank does after observe() (rank 0 reading ``loss.item()`` to log, which under CUDA
+    waits for the device) is charged to its work; the alert, its action and the metric's help
+    say it is host time and that a slow GPU does not show (before, they sent on-call to look
+    for a throttled GPU, which host time cannot see)."""
+    import lossbeat.measure.cross_rank as cross_rank
+    from lossbeat.diagnosis.thresholds import load_thresholds
+    from lossbeat.exposition.metrics import METRICS
+    from lossbeat.mixin.alert_rules import alert_rules
+
+    clock = _Clock()
+    monkeypatch.setattr(cross_rank, "time", clock)
+    data_s, forward_s, logging_sync_s = 0.03, 0.02, 0.05
+    model = _SlowForward(forward_s, clock)
+    m = Monitor(MonitorConfig(port=0, work_time=True), serve=False)
+    for step in range(6):
+        clock.sleep(data_s)
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        m.observe(step, loss=loss.detach(), model=model)
+        clock.sleep(logging_sync_s)  # rank 0's own logging: the host waits after observe()
+    work = _samples(m)['training_rank_work_seconds{rank="0"}']
+    assert work == pytest.approx(data_s + forward_s + logging_sync_s), work
+    m.close()
+
+    rule = next(r for r in alert_rules(load_thresholds()) if r.name == "TrainingStraggler")
+    assert "timed on the host" in rule.description and "slow GPU does not show" in rule.description
+    assert "loss.item()" in rule.description  # the host-device sync that makes rank 0 look slow
+    assert "throttled GPU" not in rule.action and "DCGM" in rule.action
+    assert "host time" in METRICS["training_rank_work_seconds"].help
+
+
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="grad_norm_align_every"):
         MonitorConfig(grad_norm_align_every=-1)

@@ -121,8 +121,9 @@ class MonitorConfig:
     ``"advance"`` (it takes its slot of the schedule, as torchtitan and OLMo-core do; no host read)
     or ``"hold"`` (the schedule waits; on CUDA, one host read of the decision per step)."""
     work_time: bool = False
-    """Time this rank's own work per step (data wait + forward, through forward hooks on the
-    ``observe(model=...)`` module) for ``TrainingStraggler``."""
+    """Time this rank's own work per step on the host (data wait + forward, through forward
+    hooks on the ``observe(model=...)`` module) for ``TrainingStraggler``: under asynchronous
+    CUDA the forward's launch, not its kernels (a slow GPU does not show)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
