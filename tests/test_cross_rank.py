@@ -148,10 +148,14 @@ _ALIGN = """
 import sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from lossbeat import Monitor, MonitorConfig
-dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-for name, wrap, reduce in (("plain", False, True), ("ddp", True, True), ("ddp-noreduce", True, False)):
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+alone = [dist.new_group([0]), dist.new_group([1])][rank]  # every rank creates every group, in order
+for name, wrap, reduce, group in (("plain", False, True, None), ("ddp", True, True, None),
+                                  ("ddp-noreduce", True, False, None), ("ddp-subgroup", True, True, alone)):
     model = torch.nn.Linear(2, 1)
-    observed = DistributedDataParallel(model) if wrap else model
+    # A DDP over a subgroup: the data-parallel ranks of a TP/EP layout, next to other groups' shards.
+    observed = DistributedDataParallel(model, process_group=group) if wrap else model
     m = Monitor(MonitorConfig(port=0, reduce_shards=reduce), serve=False)  # grad_norm_align_every left alone
     for step in range(1, 201):
         model.zero_grad()
@@ -165,14 +169,18 @@ dist.destroy_process_group()
 
 
 def test_aligned_norms_are_on_by_default_only_for_pure_ddp(tmp_path):
-    """TrainingRankGradientMismatch compares ranks that must agree: pure DDP replicas. Elsewhere
-    (a plain module: FSDP/TP/EP/pipeline layouts, or a callback's unwrapped model; and
-    reduce_shards=False) the ranks' norms legitimately differ, so nothing is exported."""
+    """TrainingRankGradientMismatch compares ranks that must agree: pure DDP replicas over every
+    rank. Elsewhere (a plain module: FSDP/TP/EP/pipeline layouts, or a callback's unwrapped
+    model; reduce_shards=False; a DDP over a data-parallel subgroup, whose other groups hold other
+    shards) the ranks' norms legitimately differ, so nothing is exported. Before, a DDP over a
+    subgroup turned it on."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _ALIGN, str(tmp_path / "store")], capture_output=True,
-                          text=True, timeout=180)
-    assert done.returncode == 0, done.stderr
-    assert dict(line.split() for line in done.stdout.splitlines()) == {
-        "plain": "False", "ddp": "True", "ddp-noreduce": "False"}
+    procs = [subprocess.Popen([sys.executable, "-c", _ALIGN, str(tmp_path / "store"), str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        assert dict(line.split() for line in out.splitlines()) == {
+            "plain": "False", "ddp": "True", "ddp-noreduce": "False", "ddp-subgroup": "False"}

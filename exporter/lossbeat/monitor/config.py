@@ -102,9 +102,10 @@ class MonitorConfig:
     rule compares ranks at the same aligned step). 0 disables it.
 
     None (the default): on, every 100 steps, only where the ranks are known to be replicas that
-    must agree: the model given to ``observe(model=...)`` is a ``DistributedDataParallel`` (pure
-    data parallelism) and ``reduce_shards`` is True; off otherwise (FSDP/DTensor, expert
-    parallelism, plain-tensor tensor parallelism, pipeline stages, ``reduce_shards=False``,
+    must agree: the model given to ``observe(model=...)`` is a ``DistributedDataParallel`` over
+    every rank (pure data parallelism) and ``reduce_shards`` is True; off otherwise (FSDP/DTensor,
+    a DDP over a subgroup next to expert or plain-tensor tensor parallelism, pipeline stages,
+    ``reduce_shards=False``,
     or a callback that observes the unwrapped model), where ranks legitimately hold different
     norms. Set N explicitly where you know the ranks agree (the replicate dimension of HSDP,
     a Trainer or Lightning run under plain DDP)."""
