@@ -151,3 +151,38 @@ def test_a_slow_hf_evaluation_is_in_the_eval_phase_and_heartbeats(tmp_path):
         assert sample(monitor.port)["phase"] == "checkpoint"
     finally:
         monitor.close()
+
+
+def test_an_hf_save_at_the_end_of_an_epoch_runs_in_the_checkpoint_phase(tmp_path):
+    """``save_strategy="epoch"``: the Trainer saves after ``on_epoch_end``, where no step-end hook
+    runs. The phase is ``checkpoint`` as the save starts (sampled by a callback after lossbeat's),
+    and ``train`` once it is written; before, the save ran in ``train`` with no heartbeat."""
+    require_module("transformers")
+    require_module("accelerate")
+    from hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from lossbeat.integrations.hf import LossbeatCallback
+
+    monitor = Monitor(MonitorConfig(port=0, addr="127.0.0.1", linger_seconds=0))
+    seen: dict[str, str] = {}
+
+    class Sampler(TrainerCallback):
+        def on_epoch_end(self, args, state, control, **kwargs):
+            seen.setdefault("epoch_end", sample(monitor.port)["phase"])  # the save comes next
+
+        def on_save(self, args, state, control, **kwargs):
+            seen.setdefault("saved", sample(monitor.port)["phase"])
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
+        eval_strategy="no", save_strategy="epoch", save_only_model=True, learning_rate=1e-3, report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(8, 1),  # 2 steps an epoch
+                      callbacks=[LossbeatCallback(monitor), Sampler()])
+    try:
+        trainer.train()
+        assert seen == {"epoch_end": "checkpoint", "saved": "train"}, seen
+    finally:
+        monitor.close()

@@ -77,9 +77,9 @@ class LossbeatCallback(TrainerCallback):
       ``learning_rate`` and ``epoch`` of the log record. Eval keys are left to
       ``on_evaluate`` so nothing is counted twice.
     - ``on_evaluate``: ``Monitor.observe_eval(state.global_step, metrics[eval_key])``.
-    - The phases TrainingStalled reads: ``on_step_end`` sets ``phase("eval")`` when the
-      Trainer will evaluate next (``control.should_evaluate``), ``phase("checkpoint")`` when it
-      will save; ``on_prediction_step`` sets ``phase("eval")`` and heartbeats every
+    - The phases TrainingStalled reads: ``on_step_end`` and ``on_epoch_end`` set
+      ``phase("eval")`` when the Trainer will evaluate next (``control.should_evaluate``),
+      ``phase("checkpoint")`` when it will save (``save_strategy="epoch"`` saves after the epoch); ``on_prediction_step`` sets ``phase("eval")`` and heartbeats every
       evaluation and prediction batch; ``on_evaluate`` moves on to ``"checkpoint"`` (a save
       follows) or ``"train"``; ``on_save`` back to ``"train"``; ``on_train_end`` sets
       ``"checkpoint"`` for the work after ``train()`` (``save_model``, ``push_to_hub``), and an
@@ -262,7 +262,13 @@ class LossbeatCallback(TrainerCallback):
         )
 
     def on_step_end(self, args, state, control, **kwargs):
-        # DefaultFlowCallback (first in the list) has decided what follows this step.
+        self._before_evaluate_or_save(control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._before_evaluate_or_save(control)  # "epoch" strategies evaluate and save here
+
+    def _before_evaluate_or_save(self, control) -> None:
+        # DefaultFlowCallback (first in the list) has decided what follows.
         if control.should_evaluate:
             phase_quietly(self._monitor, "eval")
         elif control.should_save:
