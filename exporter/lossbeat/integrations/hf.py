@@ -77,12 +77,14 @@ class LossbeatCallback(TrainerCallback):
       ``learning_rate`` and ``epoch`` of the log record. Eval keys are left to
       ``on_evaluate`` so nothing is counted twice.
     - ``on_evaluate``: ``Monitor.observe_eval(state.global_step, metrics[eval_key])``.
-    - The phases TrainingStalled reads: ``on_step_end`` sets ``phase("eval")`` when the
-      Trainer will evaluate next (``control.should_evaluate``), ``phase("checkpoint")`` when it
-      will save; ``on_prediction_step`` sets ``phase("eval")`` and heartbeats every
-      evaluation batch; ``on_evaluate`` moves on to ``"checkpoint"`` (a save follows) or
-      ``"train"``; ``on_save`` back to ``"train"``. A long evaluation or save pages only past
-      ``alerts.stalled_phase_after``.
+    - The phases TrainingStalled reads: ``on_step_end`` and ``on_epoch_end`` set
+      ``phase("eval")`` when the Trainer will evaluate next (``control.should_evaluate``),
+      ``phase("checkpoint")`` when it will save (``save_strategy="epoch"`` saves after the epoch); ``on_prediction_step`` sets ``phase("eval")`` and heartbeats every
+      evaluation and prediction batch; ``on_evaluate`` moves on to ``"checkpoint"`` (a save
+      follows) or ``"train"``; ``on_save`` back to ``"train"``; ``on_train_end`` sets
+      ``"checkpoint"`` for the work after ``train()`` (``save_model``, ``push_to_hub``), and an
+      ``evaluate()`` or ``predict()`` outside training returns to it. A long evaluation, save or
+      wrap-up pages only past ``alerts.stalled_phase_after``.
     - ``guard="skip"``/``"stop"`` (docs/guard.md): from ``on_train_begin`` the Trainer's
       optimizer has its own ``step`` on the instance, which applies the step decided in
       ``on_pre_optimizer_step`` through ``Monitor.step`` (the torch optimizer inside accelerate's,
@@ -92,10 +94,9 @@ class LossbeatCallback(TrainerCallback):
       for accelerate (``accelerator.optimizer_step_was_skipped``), which holds it as for an fp16
       overflow. Under fp16 a guard skip is the scaler's skip, so the schedule holds either way.
       Taken off at train end, or when the step raises.
-    - ``on_train_end``: removes the hook and flushes the monitor (an error there is
-      counted, never raised); work after ``train()`` (``push_to_hub``, a final
-      ``evaluate()``, whose batches heartbeat) is yours to mark: ``monitor.phase(...)`` or
-      ``monitor.close()``.
+    - ``on_train_end``: removes the hook, flushes the monitor (an error there is
+      counted, never raised) and sets ``phase("checkpoint")``; close the monitor
+      (``monitor.close()``) when the script's work is done.
 
     Under ``nn.DataParallel`` (one process, several GPUs: the Trainer wraps the model
     itself) the forward hook runs in every replica's thread, each with the loss on its own
@@ -170,6 +171,7 @@ class LossbeatCallback(TrainerCallback):
         self._epoch_at_step_begin = 0.0
         self._step_patch: Patch | None = None  # the optimizer's guarded step (guard="skip"/"stop")
         self._decided = False  # on_pre_optimizer_step observed the step the optimizer applies next
+        self._training = False  # between on_train_begin and on_train_end: evaluations return to "train"
 
     @property
     def monitor(self) -> Monitor | NullMonitor | None:
@@ -185,7 +187,8 @@ class LossbeatCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         self._remove_hook()
-        self._start(args)
+        phase_quietly(self._start(args), "train")  # after an evaluate() or a train() before this one
+        self._training = True
         # fp16: accelerate's optimizer carries the GradScaler; the norms measured at the end of
         # backward are divided by its scale, read there as a device tensor.
         self._after_backward = AfterBackward(self._monitor, getattr(optimizer, "scaler", None))
@@ -259,7 +262,13 @@ class LossbeatCallback(TrainerCallback):
         )
 
     def on_step_end(self, args, state, control, **kwargs):
-        # DefaultFlowCallback (first in the list) has decided what follows this step.
+        self._before_evaluate_or_save(control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._before_evaluate_or_save(control)  # "epoch" strategies evaluate and save here
+
+    def _before_evaluate_or_save(self, control) -> None:
+        # DefaultFlowCallback (first in the list) has decided what follows.
         if control.should_evaluate:
             phase_quietly(self._monitor, "eval")
         elif control.should_save:
@@ -272,15 +281,21 @@ class LossbeatCallback(TrainerCallback):
         found = eval_loss_from(metrics, self.eval_key)
         if found is not None:
             self._start(args).observe_eval(state.global_step, found[1])
-        phase_quietly(self._monitor, "checkpoint" if control.should_save else "train")
+        phase_quietly(self._monitor, "checkpoint" if control.should_save else self._after_evaluation())
+
+    def on_predict(self, args, state, control, metrics=None, **kwargs):
+        phase_quietly(self._monitor, self._after_evaluation())
 
     def on_save(self, args, state, control, **kwargs):
-        phase_quietly(self._monitor, "train")  # the checkpoint is written
+        phase_quietly(self._monitor, self._after_evaluation())  # the checkpoint is written
 
     def on_train_end(self, args, state, control, **kwargs):
         self._unguard()
         self._remove_hook()
         self._reset()
+        self._training = False
+        # What follows train() (save_model, push_to_hub) takes no steps: not a stall for 10m.
+        phase_quietly(self._monitor, "checkpoint")
         flush_quietly(self._monitor)
 
     # --- internals ---------------------------------------------------------------
@@ -357,6 +372,10 @@ class LossbeatCallback(TrainerCallback):
             self._micro_batches += 1
             self._devices.add(value.device)
             self._shares = kwargs.get("num_items_in_batch") is not None
+
+    def _after_evaluation(self) -> str:
+        """The phase an evaluation returns to: training, or the wrap-up after ``train()``."""
+        return "train" if self._training else "checkpoint"
 
     def _reset(self) -> None:
         with self._lock:

@@ -46,8 +46,11 @@ class LossbeatCallback(Callback):
       trainer.callback_metrics[eval_key])``; skipped during the sanity check.
     - The phases TrainingStalled reads: ``on_validation_start`` sets ``phase("eval")``, each
       validation batch heartbeats in it, ``on_validation_end`` goes back to ``"train"``;
+      ``trainer.test()`` and ``trainer.predict()`` do the same with their own hooks;
       ``on_save_checkpoint`` sets ``phase("checkpoint")`` until the next training batch
-      starts. A long validation or save pages only past ``alerts.stalled_phase_after``.
+      starts; ``on_train_end`` sets ``"checkpoint"`` for the work after ``fit`` (the final save,
+      an upload), and an evaluation outside ``fit`` returns to it. A long validation, save or
+      wrap-up pages only past ``alerts.stalled_phase_after``.
     - ``guard="skip"``/``"stop"`` (docs/guard.md): from ``on_train_start`` each optimizer has
       its own ``step`` on the instance. Lightning calls ``optimizer.step(closure)``; the guarded
       step runs the closure (training step, backward, ``on_before_optimizer_step``, where the
@@ -57,7 +60,8 @@ class LossbeatCallback(Callback):
       joins the scaler's own and its scale is put back. ``TrainingHalted`` leaves
       ``trainer.fit()``. Lightning steps the LR schedulers itself: a skipped step takes its slot
       (``guard_schedule="advance"``; ``"hold"`` is refused). Taken off at train end or on an exception.
-    - ``on_train_end``: flushes the monitor (an error there is counted, never raised).
+    - ``on_train_end``: flushes the monitor (an error there is counted, never raised) and sets
+      ``phase("checkpoint")``.
 
     Args:
         monitor: the monitor to feed, built in the process that trains (not with
@@ -105,6 +109,7 @@ class LossbeatCallback(Callback):
         self._patches: list[Patch] = []  # the guarded steps (guard="skip"/"stop"), for the fit
         self._decided: Any = None  # the optimizer whose step on_before_optimizer_step observed
         self._updated = False  # the guard ran the scaler's update: Lightning's own call is skipped
+        self._fitting = False  # between on_train_start and on_train_end: evaluations return to "train"
 
     @property
     def monitor(self) -> Monitor | NullMonitor | None:
@@ -182,7 +187,31 @@ class LossbeatCallback(Callback):
         phase_quietly(self._monitor, "eval")  # a heartbeat each batch
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        phase_quietly(self._monitor, "train")
+        phase_quietly(self._monitor, self._after_evaluation())
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        phase_quietly(self._monitor, "eval")
+
+    def on_test_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
+        phase_quietly(self._monitor, "eval")  # a heartbeat each batch
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        phase_quietly(self._monitor, self._after_evaluation())
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        phase_quietly(self._monitor, "eval")
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:
+        phase_quietly(self._monitor, "eval")  # a heartbeat each batch
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        phase_quietly(self._monitor, self._after_evaluation())
+
+    def _after_evaluation(self) -> str:
+        """The phase an evaluation returns to: training, or the wrap-up after ``fit``."""
+        return "train" if self._fitting else "checkpoint"
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         phase_quietly(self._monitor, "checkpoint")  # the checkpoint is written after this hook
@@ -193,6 +222,8 @@ class LossbeatCallback(Callback):
             phase_quietly(monitor, "train")  # after a checkpoint (no hook follows the write)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._fitting = True
+        phase_quietly(self._monitor, "train")  # after the sanity check's validation
         self._unguard()
         monitor = self._monitor
         if guard_mode(monitor) == "off":
@@ -212,6 +243,9 @@ class LossbeatCallback(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self._unguard()
         self._loss_sum = None
+        self._fitting = False
+        # What follows fit (the final checkpoint, an upload) takes no steps: not a stall for 10m.
+        phase_quietly(self._monitor, "checkpoint")
         flush_quietly(self._monitor)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

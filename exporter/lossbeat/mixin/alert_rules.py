@@ -880,14 +880,17 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             summary="One rank is consistently slower than the others",
             description=(
                 f"{WHO_CAP} (instance {{{{ $labels.instance }}}}) spends {VALUE}x the job's median on its own "
-                "work per step (data loading, optimizer step and forward, `training_rank_work_seconds`): "
-                "every other rank waits for it in each all-reduce."
+                "work per step, timed on the host (`training_rank_work_seconds`: data loading, optimizer step "
+                "and forward): every other rank waits for it in each all-reduce. Host time: under asynchronous "
+                "CUDA a slow GPU does not show here, and a host that waits for its device (`loss.item()` to log "
+                "on rank 0 only) is charged that wait."
             ),
             condition=(
                 f"a rank's 5m mean work time > {number(c.straggler_ratio)}x the job's median and "
                 f"> median + {number(c.straggler_min_seconds)}s, with >= {ranks} ranks; for {a.straggler_for}"
             ),
-            action="check that rank's data loading (workers, storage) and its node (throttled GPU, CPU contention)",
+            action="check that rank's data loading (workers, storage), its host (CPU contention) and any "
+                   "host-device sync it alone does (rank-0 logging); a slow GPU needs DCGM, not this alert",
             keeps=TARGET,
         ),
         AlertRule(
