@@ -16,7 +16,6 @@ from lossbeat.diagnosis.loss import check_loss_range, check_loss_trend, check_lo
 __all__ = ["diagnose"]
 
 _NOISE_GREW = 1.5  # the absolute noise above this x the run's early noise: it grew
-_REPEATED_NONFINITE = 3  # more non-finite records than this in the window (and > 10 % of it): repeated
 
 
 def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = None) -> list[Finding]:
@@ -106,8 +105,9 @@ def _nonfinite(history: History) -> Finding:
         # non-finite gradient beside a finite loss is what an fp16 overflow skip looks like.
         ongoing = history.loss.nonfinite_run > 0 or history.grad_nonfinite_run > 1
         # Isolated and recovered (fp16 loss-scale overflow skips look like this): a warning that
-        # says so. Ongoing (the latest record), or repeated within the window: danger.
-        if ongoing or bad > max(_REPEATED_NONFINITE, len(recent) // 10):
+        # says so. Ongoing (the latest record), or repeated within the window (events.repeated,
+        # the count the TrainingGradientNonFinite page uses, alerts.nonfinite_events): danger.
+        if ongoing or bad >= history.thresholds.events.repeated:
             return Finding(
                 "nonfinite", Status.DANGER,
                 f"non-finite loss or gradient {ago} step(s) ago ({bad} of the last {len(recent)} records, "

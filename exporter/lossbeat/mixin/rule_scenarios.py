@@ -30,12 +30,17 @@ def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
     a = b.t.alerts
     nan = b.rule("TrainingLossNaN")
     early_nan, early_at, early_last = b.first_scrape("training_nonfinite_loss_total", _target(), 1, a.event_window)
-    early_grad, _, _ = b.first_scrape("training_nonfinite_grad_total", _target(), 3, a.event_window)
+    early_grad, _, _ = b.first_scrape("training_nonfinite_grad_total", _target(), a.nonfinite_events, a.event_window)
     counter, at = b.jump("training_nonfinite_loss_total", _target(), a.event_window, 1)
     loss_ok = b.hold("training_loss", _target(), 2.5, 40)
     loss_nan = Series("training_loss", _target(), [run(2.5, 3), run(math.nan, 5)])
-    grad = b.rule("TrainingGradientNonFinite")
-    gcounter, gat = b.jump("training_nonfinite_grad_total", _target(), a.event_window, 2)
+    grad = b.rule("TrainingGradientNonFinite", trigger="events")
+    gevents, gsustained = grad, b.rule(grad.name, trigger="sustained")
+    gisolated = b.rule(grad.name, trigger="isolated")
+    gcounter, gat = b.jump("training_nonfinite_grad_total", _target(), a.event_window, a.nonfinite_events)
+    gfew, _ = b.jump("training_nonfinite_grad_total", _target(), a.event_window, a.nonfinite_events - 1)
+    gone, gone_at = b.jump("training_nonfinite_grad_total", _target(), a.event_window, 1)
+    gjudged = lambda v: b.hold("training_health_status", _target(check="nonfinite", component=""), v, 40)  # noqa: E731
     info = b.hold("training_nonfinite_grad_first_layer_info", _target(layer="blocks.1.mlp"), 1, 40)
     flat = b.hold("training_nonfinite_grad_total", _target(), 0, 40)
     scale = b.rule("TrainingLossScaleCollapsed")
@@ -57,14 +62,21 @@ def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
                      [(at, nan.name, [])]),
         ],
         "TrainingGradientNonFinite": [
-            Scenario("fires naming the first bad layer", [gcounter, info],
-                     [(gat, grad.name, [Expect(grad, _target(layer="blocks.1.mlp"), 2)])]),
-            Scenario("fires with layer unknown when the exporter named none", [gcounter],
-                     [(gat, grad.name, [Expect(grad, _target(layer="unknown"), 2)])]),
-            Scenario("non-finite gradients counted before the first scrape fire", [early_grad, info],
-                     [(early_at, grad.name, [Expect(grad, _target(layer="blocks.1.mlp"), 3)]),
+            Scenario("one non-finite gradient the run went on from is a ticket naming the first bad layer",
+                     [gone, info, gjudged(1)],
+                     [(gone_at, grad.name, [Expect(gisolated, _target(layer="blocks.1.mlp"), 1)])]),
+            Scenario("one fewer than the page's count is a ticket, with layer unknown when none was named",
+                     [gfew],
+                     [(gat, grad.name, [Expect(gisolated, _target(layer="unknown"), a.nonfinite_events - 1)])]),
+            Scenario("repeated non-finite gradients page naming the first bad layer", [gcounter, info],
+                     [(gat, grad.name, [Expect(gevents, _target(layer="blocks.1.mlp"), a.nonfinite_events)])]),
+            Scenario("one non-finite gradient the exporter judges ongoing pages only", [gone, info, gjudged(2)],
+                     [(gone_at, grad.name, [Expect(gsustained, _target(layer="blocks.1.mlp"), 1)])]),
+            Scenario("repeated non-finite gradients counted before the first scrape page", [early_grad, info],
+                     [(early_at, grad.name, [Expect(gevents, _target(layer="blocks.1.mlp"), a.nonfinite_events)]),
+                      (early_last, grad.name, [Expect(gevents, _target(layer="blocks.1.mlp"), a.nonfinite_events)]),
                       (early_last + 2 * b.i, grad.name, [])]),
-            Scenario("finite gradients are silent", [flat, info], [(gat, grad.name, [])]),
+            Scenario("finite gradients are silent", [flat, info, gjudged(0)], [(gat, grad.name, [])]),
         ],
         "TrainingLossScaleCollapsed": [
             Scenario("a collapsed loss scale fires after its for", [loss_scale(scale_min * 0.5)],
