@@ -311,11 +311,13 @@ def is_spike(value: float, level: float, noise: float, t: LossThresholds) -> boo
 
 
 def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "",
-                      learned: bool | None = None) -> Finding:
+                      learned: bool | None = None, metric: tuple | None = None) -> Finding:
     """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
 
     ``learned`` False (the training loss never fell below its start): an eval loss rising there is
-    not overfitting, the run never learned (the ``learning`` check says so)."""
+    not overfitting, the run never learned (the ``learning`` check says so). ``metric``: the eval
+    set's task metric, ``(name, SignalTrack, higher_is_better)``: an eval loss that rises while the
+    metric still improves is over-confidence, and the finding says so."""
     check = "overfitting"
     if track is None or track.count < 2:
         return Finding.unknown(check, component=component)
@@ -327,6 +329,16 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
                        f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
                        component=component)
     if track.above >= t.evals and not trend.rising:
+        confident = _still_improving(metric, track)
+        if confident:
+            return Finding(
+                check, Status.WARNING,
+                f"over-confident: eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} "
+                f"(step {track.best_step}) for {track.above} evaluations while the {confident}: the model grows "
+                "more confident in the answers it gets wrong, so the loss rises while the metric improves",
+                "choose the checkpoint by the metric (metric_for_best_model), not the eval loss; calibrate "
+                "(label smoothing, temperature scaling) if probabilities matter; regularise once the metric stops "
+                "improving", component)
         return Finding(
             check, Status.WARNING,
             f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} (step {track.best_step}) "
@@ -339,3 +351,26 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
                        f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}: "
                        "one evaluation, watching", component=component)
     return Finding(check, Status.GOOD, f"eval loss {track.latest:.4g} (best {track.best:.4g})", component=component)
+
+
+_METRIC_NAMES = {"eval_accuracy": "eval accuracy", "eval_f1": "eval F1", "eval_wer": "eval WER", "eval_cer": "eval CER"}
+
+
+def _still_improving(metric: tuple | None, track) -> str | None:
+    """How the eval metric still improves past the eval loss's best evaluation, or None.
+
+    Improved: the median of its latest 3 values beats its best block mean up to the eval loss's
+    best step by more than its own record-to-record noise."""
+    if metric is None or track.best_step is None:
+        return None
+    name, values, higher = metric
+    if values is None or values.count < 3:
+        return None
+    before = values.best_until(track.best_step, higher)
+    now = values.recent_median(3)
+    noise = values.noise()
+    tol = max(noise if math.isfinite(noise) else 0.0, 1e-3 * abs(before) if math.isfinite(before) else 0.0)
+    gain = (now - before) if higher else (before - now)
+    if not (math.isfinite(gain) and gain > tol):
+        return None
+    return f"{_METRIC_NAMES.get(name, name)} still improves ({before:.4g} by then, {now:.4g} now)"

@@ -16,6 +16,7 @@ from lossbeat.diagnosis.loss import check_loss_range, check_loss_trend, check_lo
 __all__ = ["diagnose"]
 
 _NOISE_GREW = 1.5  # the absolute noise above this x the run's early noise: it grew
+_REPEATED_NONFINITE = 3  # more non-finite records than this in the window (and > 10 % of it): repeated
 
 
 def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = None) -> list[Finding]:
@@ -44,7 +45,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
         check_layer_grad_norms(history.layer_norms, t.gradients),
         check_learning_rate(schedule, trend, cv, t.learning_rate),
         check_warmup(loss, profile, t.learning_rate),
-        check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn),
+        check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn, metric=_eval_metric(history)),
         _nonfinite(history),
         check_events(history, "loss_spikes"),
         check_events(history, "grad_explosions"),
@@ -63,6 +64,18 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
                                               nonfinite=bool(series.nonfinite_run),
                                               held=held.get(("loss_volatility", name), Status.GOOD), release=release))
     return findings
+
+
+_EVAL_METRICS = (("eval_accuracy", True), ("eval_f1", True), ("eval_wer", False), ("eval_cer", False))
+
+
+def _eval_metric(history: History) -> tuple | None:
+    """The eval set's task metric beside its loss (the first logged of accuracy, F1, WER, CER)."""
+    for name, higher in _EVAL_METRICS:
+        track = history.signals.get(name)
+        if track is not None and track.count:
+            return name, track, higher
+    return None
 
 
 def _hides_trend(f: Finding, trend, series, did_learn: bool | None = None) -> Finding:
@@ -104,10 +117,10 @@ def _nonfinite(history: History) -> Finding:
         # A non-finite loss now, or gradients non-finite twice in a row, is ongoing; one
         # non-finite gradient beside a finite loss is what an fp16 overflow skip looks like.
         ongoing = history.loss.nonfinite_run > 0 or history.grad_nonfinite_run > 1
-        # Isolated and recovered (fp16 loss-scale overflow skips look like this): a warning that
-        # says so. Ongoing (the latest record), or repeated within the window (events.repeated,
-        # the count the TrainingGradientNonFinite page uses, alerts.nonfinite_events): danger.
-        if ongoing or bad >= history.thresholds.events.repeated:
+        # Isolated and recovered (fp16 loss-scale overflow skips look like this, a GradScaler's
+        # warm-up too: 2-5 in its first steps): a warning that says so. Ongoing (the latest
+        # record), or repeated within the window: danger (TrainingGradientNonFinite pages on it).
+        if ongoing or bad > max(_REPEATED_NONFINITE, len(recent) // 10):
             return Finding(
                 "nonfinite", Status.DANGER,
                 f"non-finite loss or gradient {ago} step(s) ago ({bad} of the last {len(recent)} records, "
