@@ -110,3 +110,19 @@ def test_an_eval_loss_rising_while_the_accuracy_still_rises_is_over_confidence_o
     falling = _eval_run(lambda s: 0.74 if s <= 400 else 0.74 - 0.01 * (s - 400) / 100)
     f = _final(replay(falling, t).findings, "overfitting")
     assert f.status is Status.WARNING and "over-confident" not in f.message and "above its best" in f.message
+
+
+def test_a_run_that_never_learned_at_a_large_peak_lr_names_the_lr():
+    rng = random.Random(6)
+    lr = [min(i / 50, 1.0) * 3e-3 for i in range(400)]  # a fine-tune warmed up to 3e-3
+
+    def with_lr(losses):
+        log = ParsedLog("test", "synthetic")
+        log.train.extend(TrainRecord(i + 1, v, None, lr[i]) for i, v in enumerate(losses))
+        return log
+
+    failed = with_lr([1.2 + 0.3 * min(i / 100, 1.0) + rng.gauss(0, 0.05) for i in range(400)])
+    f = _final(replay(failed, T).findings, "learning_rate")
+    assert f.status is Status.WARNING and f.message.startswith("learning rate peaked at 0.003 and the loss never fell")
+    healthy = with_lr([1.2 * math.exp(-i / 200) + 0.5 + rng.gauss(0, 0.02) for i in range(400)])
+    assert _final(replay(healthy, T).findings, "learning_rate").status is Status.GOOD

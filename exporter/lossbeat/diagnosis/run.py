@@ -43,7 +43,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
                      trend, loss, did_learn),
         check_grad_norm(history.grad, t.gradients),
         check_layer_grad_norms(history.layer_norms, t.gradients),
-        check_learning_rate(schedule, trend, cv, t.learning_rate),
+        check_learning_rate(schedule, trend, cv, t.learning_rate, learned=did_learn),
         check_warmup(loss, profile, t.learning_rate),
         check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn, metric=_eval_metric(history)),
         _nonfinite(history),
