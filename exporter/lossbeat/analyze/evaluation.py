@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from lossbeat.analyze.replay import Analysis, replay
-from lossbeat.analyze.truth import render_truth, score_dir, truth_dirs
+from lossbeat.analyze.truth import FLAPPING_ENTRIES, flapping, render_truth, score_dir, truth_dirs
 from lossbeat.diagnosis import Status
 from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord, parse_log
 from lossbeat.diagnosis.thresholds import Thresholds, load_thresholds
@@ -47,8 +47,6 @@ DATA = DEFAULT_LOGS.parent
 DOC = REPO / "docs" / "analyze.md"
 PAGING_CHECKS = ("grad_norm", "loss_trend", "nonfinite")
 """Checks whose danger pages (critical alerts: explosion, diverging, NaN)."""
-FLAPPING_ENTRIES = 3
-"""A check that enters a worse status this many times in one run flaps."""
 
 
 @dataclass
@@ -323,12 +321,7 @@ def verdict(run: Run, t: Thresholds) -> Verdict:
                 v.pages.append(name)
         elif w.finding.status is Status.WARNING:
             v.warnings.append(name)
-    entries: dict[str, int] = {}
-    for c in a.changes:
-        if c.finding.status > c.previous:
-            key = _where(c.finding.check, c.finding.component)
-            entries[key] = entries.get(key, 0) + 1
-    v.flapping = [k for k, n in entries.items() if n >= FLAPPING_ENTRIES]
+    v.flapping = flapping(a)
     # Explosion events page in bursts (alerts.explosion_events within the event window): count
     # a burst as that many events within 10 diagnoses' worth of records.
     burst = _burst(a.event_steps["grad_explosions"], t.alerts.explosion_events, a)

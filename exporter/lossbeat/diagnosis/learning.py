@@ -32,6 +32,7 @@ _MAX_CLASSES = 100
 _CHANCE_Z = 3.0  # within this many standard errors of the mean of ln K is "at" ln K
 _CHANCE_MIN_TOL = 1e-4  # relative: printed losses are rounded
 _FEW_RECORDS_FALL = 0.1
+_BEST_BELOW_CHANCE = 0.05  # a best eval loss this fraction below ln K: not at chance all along
 _FIX_NOTHING = ("check that the loss is computed from the model's outputs (not detached, not under no_grad), "
                 "that some labels are not the ignore index, that parameters have requires_grad and are in the "
                 "optimizer, and that the LR is not 0")
@@ -136,10 +137,12 @@ def _eval_chance(history) -> tuple[int, float] | None:
             noise = (max(values) - min(values)) / 2.0
         se = noise / math.sqrt(len(tail))
         k = chance_level(mean, se)
-        # At chance all along: the best eval was at ln K too (an eval loss rising through ln K
-        # from below is overfitting, not chance).
-        if k is not None and chance_level(track.best, max(se, noise)) == k:
-            return k, mean
+        # At chance all along: the first and the best eval at ln K too (an eval loss falling or
+        # rising through ln K is learning or overfitting, not chance), within its noise but never
+        # more than _BEST_BELOW_CHANCE from it: a best that far below ln K learned something.
+        tol = min(max(se, noise), _BEST_BELOW_CHANCE * math.log(k) / _CHANCE_Z) if k is not None else 0.0
+        if k is not None and chance_level(track.best, tol) == k and chance_level(track.first, tol) == k:
+            return k, mean  # the first evaluation at ln K too: not an eval loss falling through it
     return None
 
 
@@ -284,7 +287,9 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         found = _preference(history, mean, se, falling)
         if found is not None:
             return found
-    if profile.name in ("classification", "preference"):
+    if profile.name in ("classification", "preference") and did is not True:
+        # A loss that already fell well below its start passes through ln K on its way down (an
+        # 8-class model at ln 3): a model at chance never left it.
         k = chance_level(mean, se)
         if k is not None and not falling:
             return Finding(CHECK, Status.WARNING,

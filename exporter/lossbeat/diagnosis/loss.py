@@ -256,8 +256,11 @@ def check_loss_trend(
             "if it keeps rising: lower the learning rate, enable gradient clipping, and check the data of the recent "
             "steps", component)
     release = t.hysteresis.release
-    falling = trend.falling and (held is not Status.WARNING or (
-        trend.ratio >= t.loss.plateau_max_fall / release and trend.z >= t.loss.fall_min_z / release))
+    if held is Status.WARNING:  # a plateau is left for a fall beyond its threshold / release ...
+        falling = trend.falling and trend.ratio >= t.loss.plateau_max_fall / release \
+            and trend.z >= t.loss.fall_min_z / release
+    else:
+        falling = trend.falling
     if falling:
         return Finding(check, Status.GOOD, f"loss falling ({pct:.1f}% over the last {span})", component=component)
     if schedule_ended and learned is not False:
@@ -267,8 +270,14 @@ def check_loss_trend(
             f"(LR at {lr_fraction * 100:.2g}% of its peak): expected",
             component=component,
         )
+    # ... and entered only below its threshold x release: a descent at the threshold does not flap.
+    if held is not Status.WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release \
+            and trend.z >= t.loss.fall_min_z * release:
+        return Finding(check, Status.GOOD, f"loss falling slowly ({pct:.1f}% over the last {span}), at the plateau "
+                                           "threshold", component=component)
     floor = profile.volatility_floor
-    if floor is not None and abs(trend.recent) < 0.1 * floor:
+    near_zero = 0.1 * (floor or 0.0) * (release if held is Status.WARNING else 1.0 / release)
+    if floor is not None and abs(trend.recent) < near_zero:
         return Finding(check, Status.GOOD, f"loss flat near zero ({trend.recent:.3g}): nothing left to fall",
                        component=component)
     return Finding(
