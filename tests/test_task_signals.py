@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.analyze.replay import replay
 from lossbeat.diagnosis import Status
@@ -29,7 +31,7 @@ def _final(findings, check="learning"):
     return next(f for f in findings if f.check == check and not f.component)
 
 
-def _live(log, profile):
+def _live(log, profile, learning_rates=False):
     """The same series through a real Monitor: observe(metrics=...), observe_eval(metrics=...)."""
     m = Monitor(MonitorConfig(run_name="t", profile=profile), serve=False)
     by_step = {}
@@ -40,6 +42,7 @@ def _live(log, profile):
     for r in log.train:
         named = by_step.get(r.step, {})
         m.observe(r.step, loss=r.loss, grad_norm=r.grad_norm,
+                  learning_rate=r.learning_rate if learning_rates else None,
                   metrics={k: v for k, v in named.items() if not k.startswith("eval_")} or None)
         if r.step in evals:
             m.observe_eval(r.step, evals[r.step], metrics={k: v for k, v in named.items() if k.startswith("eval_")})
@@ -126,3 +129,23 @@ def test_a_run_that_never_learned_at_a_large_peak_lr_names_the_lr():
     assert f.status is Status.WARNING and f.message.startswith("learning rate peaked at 0.003 and the loss never fell")
     healthy = with_lr([1.2 * math.exp(-i / 200) + 0.5 + rng.gauss(0, 0.02) for i in range(400)])
     assert _final(replay(healthy, T).findings, "learning_rate").status is Status.GOOD
+
+
+@pytest.mark.parametrize("name", ["hf-llada-grpo-remasking-policy-ckpt1000-trainer_state.json",
+                                  "hf-vit-skin-cancer-10ep-overfit-trainer_state.json"])
+def test_a_real_log_fed_to_a_monitor_with_its_signals_gives_the_findings_analyze_gives(name):
+    """Live = offline on real logs whose task signals judge them (GRPO's reward; ViT's eval accuracy)."""
+    from lossbeat.analyze import judge_log
+    from lossbeat.analyze.evaluation import DATA
+    from lossbeat.diagnosis.vitals import LIVE_ONLY_CHECKS
+    from lossbeat.logs import parse_log
+
+    path = DATA / "real-logs-3" / name
+    if not path.is_file():
+        pytest.skip(f"no {path}")
+    log = parse_log(path)
+    (offline,) = judge_log(log, T).runs
+    live = _live(log, offline.profile, learning_rates=True)
+    shared = lambda findings: sorted((f.check, f.component, f.status, f.message)  # noqa: E731
+                                     for f in findings if f.check not in LIVE_ONLY_CHECKS)
+    assert shared(live) == shared(offline.findings)
