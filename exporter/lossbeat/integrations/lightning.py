@@ -10,7 +10,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
-from lossbeat.integrations._common import check_monitor, eval_loss_from, flush_quietly, phase_quietly, rank_monitor
+from lossbeat.integrations._common import (check_monitor, eval_loss_from, flush_quietly, phase_quietly, rank_monitor,
+                                           task_metrics)
 from lossbeat.integrations._guard import Patch, guard_mode, settings_guard
 
 __all__ = ["LossbeatCallback"]
@@ -38,12 +39,17 @@ class LossbeatCallback(Callback):
       the real gradients. ``step`` is ``trainer.global_step + 1`` (steps
       completed once this one is), ``loss`` the summed micro-batch losses,
       the learning rates from ``optimizer.param_groups``, ``epoch`` is
-      ``trainer.current_epoch``.
+      ``trainer.current_epoch``; ``metrics``: the task's values the step logged
+      (``self.log("reward", ...)``, ``self.log("train_acc", ...)``: ``trainer.callback_metrics``, its
+      known signals' values each step and every other name once, for the live profile detection
+      and the RL, preference and classification judgments; no host read).
     - ``on_train_batch_end``: fallback for an optimizer step that came without a
       loss in ``on_before_backward``: ``outputs["loss"]`` (or ``outputs`` when it
       is a tensor), observed without gradients.
     - ``on_validation_epoch_end``: ``Monitor.observe_eval(trainer.global_step,
-      trainer.callback_metrics[eval_key])``; skipped during the sanity check.
+      trainer.callback_metrics[eval_key], metrics=...)`` with the other ``val_``/``test_`` values
+      (``val_acc``, ``val_f1``, ``val_wer``: their names choose the profile); skipped during the
+      sanity check.
     - The phases TrainingStalled reads: ``on_validation_start`` sets ``phase("eval")``, each
       validation batch heartbeats in it, ``on_validation_end`` goes back to ``"train"``;
       ``trainer.test()`` and ``trainer.predict()`` do the same with their own hooks;
@@ -110,6 +116,7 @@ class LossbeatCallback(Callback):
         self._decided: Any = None  # the optimizer whose step on_before_optimizer_step observed
         self._updated = False  # the guard ran the scaler's update: Lightning's own call is skipped
         self._fitting = False  # between on_train_start and on_train_end: evaluations return to "train"
+        self._names_passed: set[str] = set()  # logged names given to the monitor (each once; signals always)
 
     @property
     def monitor(self) -> Monitor | NullMonitor | None:
@@ -138,6 +145,7 @@ class LossbeatCallback(Callback):
             return
         ranks = RankContext(trainer.global_rank, trainer.local_rank, trainer.world_size, "trainer")
         self._monitor = rank_monitor(self._given, self._given_in_pid, self._settings, ranks)
+        self._names_passed = set()
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -154,7 +162,7 @@ class LossbeatCallback(Callback):
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         self.monitor.observe(
             step, loss=self._loss_sum, model=pl_module, optimizer=optimizer, epoch=float(trainer.current_epoch),
-            grad_scaler=scaler,
+            grad_scaler=scaler, metrics=task_metrics(trainer.callback_metrics, self._names_passed),
         )
         self._decided = optimizer if self._patches else None
         self._loss_sum = None
@@ -168,16 +176,19 @@ class LossbeatCallback(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self.monitor.observe(step, loss=loss, optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-                                 epoch=float(trainer.current_epoch))
+                                 epoch=float(trainer.current_epoch),
+                                 metrics=task_metrics(trainer.callback_metrics, self._names_passed))
             self._observed_at = step
         self._loss_sum = None
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or self._monitor is None:  # None: trainer.validate() outside a fit
             return
-        found = eval_loss_from(trainer.callback_metrics, self.eval_key, prefix="val_")
+        logged = trainer.callback_metrics
+        found = eval_loss_from(logged, self.eval_key, prefix="val_")
         if found is not None:
-            self.monitor.observe_eval(trainer.global_step, found[1])
+            self.monitor.observe_eval(trainer.global_step, found[1], metrics=task_metrics(
+                logged, self._names_passed, evaluation=True, skip=found[0]))
 
     def on_validation_start(self, trainer, pl_module) -> None:
         phase_quietly(self._monitor, "eval")  # None: trainer.validate() outside a fit
