@@ -104,6 +104,39 @@ def test_work_time_counts_data_wait_and_forward_but_not_the_collective(monkeypat
     assert not model._forward_pre_hooks and not model.module._forward_hooks  # close() removes the hooks
 
 
+def test_work_time_is_host_time_and_the_straggler_alert_says_so(monkeypatch):
+    """What TrainingStraggler measures (issue 19): the host's time. A host-side wait that only
+    this rank does after observe() (rank 0 reading ``loss.item()`` to log, which under CUDA
+    waits for the device) is charged to its work; the alert, its action and the metric's help
+    say it is host time and that a slow GPU does not show (before, they sent on-call to look
+    for a throttled GPU, which host time cannot see)."""
+    import lossbeat.measure.cross_rank as cross_rank
+    from lossbeat.diagnosis.thresholds import load_thresholds
+    from lossbeat.exposition.metrics import METRICS
+    from lossbeat.mixin.alert_rules import alert_rules
+
+    clock = _Clock()
+    monkeypatch.setattr(cross_rank, "time", clock)
+    data_s, forward_s, logging_sync_s = 0.03, 0.02, 0.05
+    model = _SlowForward(forward_s, clock)
+    m = Monitor(MonitorConfig(port=0, work_time=True), serve=False)
+    for step in range(6):
+        clock.sleep(data_s)
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        m.observe(step, loss=loss.detach(), model=model)
+        clock.sleep(logging_sync_s)  # rank 0's own logging: the host waits after observe()
+    work = _samples(m)['training_rank_work_seconds{rank="0"}']
+    assert work == pytest.approx(data_s + forward_s + logging_sync_s), work
+    m.close()
+
+    rule = next(r for r in alert_rules(load_thresholds()) if r.name == "TrainingStraggler")
+    assert "timed on the host" in rule.description and "slow GPU does not show" in rule.description
+    assert "loss.item()" in rule.description  # the host-device sync that makes rank 0 look slow
+    assert "throttled GPU" not in rule.action and "DCGM" in rule.action
+    assert "host time" in METRICS["training_rank_work_seconds"].help
+
+
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="grad_norm_align_every"):
         MonitorConfig(grad_norm_align_every=-1)
@@ -115,10 +148,14 @@ _ALIGN = """
 import sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from lossbeat import Monitor, MonitorConfig
-dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-for name, wrap, reduce in (("plain", False, True), ("ddp", True, True), ("ddp-noreduce", True, False)):
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+alone = [dist.new_group([0]), dist.new_group([1])][rank]  # every rank creates every group, in order
+for name, wrap, reduce, group in (("plain", False, True, None), ("ddp", True, True, None),
+                                  ("ddp-noreduce", True, False, None), ("ddp-subgroup", True, True, alone)):
     model = torch.nn.Linear(2, 1)
-    observed = DistributedDataParallel(model) if wrap else model
+    # A DDP over a subgroup: the data-parallel ranks of a TP/EP layout, next to other groups' shards.
+    observed = DistributedDataParallel(model, process_group=group) if wrap else model
     m = Monitor(MonitorConfig(port=0, reduce_shards=reduce), serve=False)  # grad_norm_align_every left alone
     for step in range(1, 201):
         model.zero_grad()
@@ -132,14 +169,18 @@ dist.destroy_process_group()
 
 
 def test_aligned_norms_are_on_by_default_only_for_pure_ddp(tmp_path):
-    """TrainingRankGradientMismatch compares ranks that must agree: pure DDP replicas. Elsewhere
-    (a plain module: FSDP/TP/EP/pipeline layouts, or a callback's unwrapped model; and
-    reduce_shards=False) the ranks' norms legitimately differ, so nothing is exported."""
+    """TrainingRankGradientMismatch compares ranks that must agree: pure DDP replicas over every
+    rank. Elsewhere (a plain module: FSDP/TP/EP/pipeline layouts, or a callback's unwrapped
+    model; reduce_shards=False; a DDP over a data-parallel subgroup, whose other groups hold other
+    shards) the ranks' norms legitimately differ, so nothing is exported. Before, a DDP over a
+    subgroup turned it on."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _ALIGN, str(tmp_path / "store")], capture_output=True,
-                          text=True, timeout=180)
-    assert done.returncode == 0, done.stderr
-    assert dict(line.split() for line in done.stdout.splitlines()) == {
-        "plain": "False", "ddp": "True", "ddp-noreduce": "False"}
+    procs = [subprocess.Popen([sys.executable, "-c", _ALIGN, str(tmp_path / "store"), str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        assert dict(line.split() for line in out.splitlines()) == {
+            "plain": "False", "ddp": "True", "ddp-noreduce": "False", "ddp-subgroup": "False"}

@@ -27,7 +27,7 @@ RUNBOOKS = REPO / "docs" / "runbooks.md"
 
 ALERTS = {  # the contract: name -> severity
     "TrainingLossNaN": "critical",
-    "TrainingGradientNonFinite": "critical",
+    "TrainingGradientNonFinite": ("critical", "warning"),  # one non-finite gradient the run went on from is a ticket
     "TrainingLossScaleCollapsed": "critical",
     "TrainingGradientExplosion": ("critical", "warning"),  # an isolated event is a ticket
     "TrainingGradientVanishing": "warning",

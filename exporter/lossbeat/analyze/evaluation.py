@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Callable
 
 from lossbeat.analyze.replay import Analysis, replay
-from lossbeat.analyze.truth import render_truth, score_dir, truth_dirs
+from lossbeat.analyze.truth import FLAPPING_ENTRIES, flapping, render_truth, score_dir, truth_dirs
 from lossbeat.diagnosis import Status
 from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord, parse_log
 from lossbeat.diagnosis.thresholds import Thresholds, load_thresholds
 from lossbeat.diagnosis.vitals import LIVE_ONLY_CHECKS
 
-__all__ = ["Run", "healthy_shapes", "synthetic_faults", "evaluate", "render", "update_doc", "main",
+__all__ = ["Run", "healthy_shapes", "synthetic_faults", "evaluate", "render", "update_doc", "update_truth", "main",
            "BEGIN", "END", "PAGING_CHECKS"]
 
 BEGIN, END = "<!-- evaluation:begin -->", "<!-- evaluation:end -->"
@@ -47,8 +47,6 @@ DATA = DEFAULT_LOGS.parent
 DOC = REPO / "docs" / "analyze.md"
 PAGING_CHECKS = ("grad_norm", "loss_trend", "nonfinite")
 """Checks whose danger pages (critical alerts: explosion, diverging, NaN)."""
-FLAPPING_ENTRIES = 3
-"""A check that enters a worse status this many times in one run flaps."""
 
 
 @dataclass
@@ -323,12 +321,7 @@ def verdict(run: Run, t: Thresholds) -> Verdict:
                 v.pages.append(name)
         elif w.finding.status is Status.WARNING:
             v.warnings.append(name)
-    entries: dict[str, int] = {}
-    for c in a.changes:
-        if c.finding.status > c.previous:
-            key = _where(c.finding.check, c.finding.component)
-            entries[key] = entries.get(key, 0) + 1
-    v.flapping = [k for k, n in entries.items() if n >= FLAPPING_ENTRIES]
+    v.flapping = flapping(a)
     # Explosion events page in bursts (alerts.explosion_events within the event window): count
     # a burst as that many events within 10 diagnoses' worth of records.
     burst = _burst(a.event_steps["grad_explosions"], t.alerts.explosion_events, a)
@@ -439,6 +432,24 @@ def render(runs: list[Run], t: Thresholds | None = None) -> str:
     return "\n".join(lines)
 
 
+TRUTH_HEADING = "\n### Against an independent ground truth (`--truth`)\n\n"
+"""Where the ground-truth tables start inside the evaluation block."""
+
+
+def update_truth(path: Path, truth: str) -> bool:
+    """Replace only the ground-truth tables of the evaluation block (``--truth --write``)."""
+    text = path.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{path}: no evaluation block ({BEGIN} ... {END}); write the whole one first")
+    start, end = text.index(BEGIN), text.index(END)
+    block = text[start:end]
+    head = block.split(TRUTH_HEADING)[0].rstrip("\n") + "\n"
+    new = text[:start] + head + TRUTH_HEADING + truth + "\n" + text[end:]
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
 def update_doc(path: Path, table: str) -> bool:
     text = path.read_text(encoding="utf-8")
     if BEGIN not in text or END not in text:
@@ -458,14 +469,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="score analyze against the truth.json of each DIR (default: every folder of "
                              f"{DATA} that has one) and print that table only")
     parser.add_argument("--write", type=Path, nargs="?", const=DOC, default=None,
-                        help=f"write the tables into this file between the markers (default {DOC})")
+                        help=f"write the tables into this file between the markers (default {DOC}); with "
+                             "--truth, only the ground-truth tables")
     args = parser.parse_args(argv)
     if args.truth is not None:
         dirs = args.truth or truth_dirs(DATA)
         if not dirs:
             print(f"lossbeat evaluation: no truth.json under {DATA}", file=sys.stderr)
             return 2
-        print("\n\n".join(render_truth(d.name, score_dir(d)) for d in dirs))
+        truth = "\n\n".join(render_truth(d.name, score_dir(d)) for d in dirs)
+        if args.write:  # the truth tables only: no demo run, no synthetic series
+            update_truth(args.write, truth)
+            print(f"wrote the ground-truth tables into {args.write}")
+        else:
+            print(truth)
         return 0
     if not args.logs.is_dir():
         print(f"lossbeat evaluation: no real logs at {args.logs}; evaluating the synthetic and demo runs",
@@ -473,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(evaluate(args.logs if args.logs.is_dir() else None, args.demo_steps))
     if args.write and truth_dirs(DATA):
         truth = "\n\n".join(render_truth(d.name, score_dir(d)) for d in truth_dirs(DATA))
-        table = table.replace(END, "\n### Against an independent ground truth (`--truth`)\n\n" + truth + "\n" + END)
+        table = table.replace(END, TRUTH_HEADING + truth + "\n" + END)
     if args.write:
         update_doc(args.write, table)
         print(f"wrote {args.write}")

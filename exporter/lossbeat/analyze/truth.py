@@ -1,5 +1,9 @@
 """Score ``lossbeat analyze`` against an independent ground truth (``truth.json`` beside real logs).
 
+A folder without its own ``truth.json`` is scored against the project's
+``tests/data/truth/<folder>.json`` when there is one (``real-logs-3``: its ground truth is the
+"what I see in the curve" column of its SOURCES.md, written out in the same vocabulary).
+
 Each entry of ``truth.json`` names a file, its verdict (healthy or fault), its faults, the
 findings a reader would accept and those the truth rules out, and the records it holds.
 Every file is analysed as ``lossbeat analyze`` does (profile detected from its fields), and
@@ -25,12 +29,25 @@ from lossbeat.diagnosis import Status
 from lossbeat.diagnosis.thresholds import Thresholds, load_thresholds
 from lossbeat.logs import LogFormatError, parse_log
 
-__all__ = ["FileScore", "categories", "score_dir", "render_truth", "truth_dirs", "SPIKES_NAMED"]
+__all__ = ["FileScore", "categories", "score_dir", "render_truth", "truth_dirs", "truth_file", "SPIKES_NAMED",
+           "FLAPPING_ENTRIES", "flapping", "REPO_TRUTH"]
 
 SPIKES_NAMED = 3
 """Loss spikes in a run that name 'loss_spikes' (the TrainingLossSpikes alert's count)."""
 
 _PAGING = ("grad_norm", "loss_trend", "nonfinite")
+FLAPPING_ENTRIES = 3
+"""A check that enters a worse status this many times in one run flaps."""
+
+
+def flapping(analysis) -> list[str]:
+    """The checks (``check[component]``) that entered a worse status FLAPPING_ENTRIES times or more."""
+    entries: dict[str, int] = {}
+    for c in analysis.changes:
+        if c.finding.status > c.previous:
+            key = f"{c.finding.check}[{c.finding.component}]" if c.finding.component else c.finding.check
+            entries[key] = entries.get(key, 0) + 1
+    return [k for k, n in entries.items() if n >= FLAPPING_ENTRIES]
 
 
 def categories(analyses, status: Status = Status.WARNING) -> set[str]:
@@ -103,6 +120,7 @@ class FileScore:
     wrong_dangers: list[str] = field(default_factory=list)
     wrong_warnings: list[str] = field(default_factory=list)
     pages: bool = False
+    flapping: list[str] = field(default_factory=list)
     error: str = ""
 
     @property
@@ -125,6 +143,8 @@ def _score(directory: Path, entry: dict, t: Thresholds) -> FileScore:
         return s
     runs = fa.runs
     s.records, s.evals = log.counts.train, log.counts.evals
+    if s.records != s.truth_records and sum(r.loss is not None for r in log.train) == s.truth_records:
+        s.records = s.truth_records  # the truth counts the records with a loss (a closing null-loss line apart)
     s.read = f"{s.records}/{s.truth_records}" + (f", evals {s.evals}/{s.truth_evals}" if s.truth_evals or s.evals else "")
     s.profile = runs[-1].profile if runs else ""
     s.status = fa.status.name.lower()
@@ -139,19 +159,35 @@ def _score(directory: Path, entry: dict, t: Thresholds) -> FileScore:
     s.wrong_dangers = _ruled_out(wrong, danger)
     s.wrong_warnings = [w for w in _ruled_out(wrong, found) if w not in s.wrong_dangers]
     s.pages = any(w.finding.status is Status.DANGER and key[0] in _PAGING for a in runs for key, w in a.worst.items())
+    s.flapping = sorted({k for a in runs for k in flapping(a)})
     return s
 
 
+REPO_TRUTH = Path(__file__).resolve().parents[3] / "tests" / "data" / "truth"
+"""The project's ground truths of folders that have none of their own (``<folder>.json``)."""
+
+
+def truth_file(directory: Path) -> Path | None:
+    """``directory/truth.json``, else the project's ``tests/data/truth/<folder>.json``, else None."""
+    for path in (directory / "truth.json", REPO_TRUTH / f"{directory.name}.json"):
+        if path.is_file():
+            return path
+    return None
+
+
 def score_dir(directory: Path, thresholds: Thresholds | None = None) -> list[FileScore]:
-    """Every entry of ``directory/truth.json``, analysed and scored."""
+    """Every entry of the folder's ground truth (:func:`truth_file`), analysed and scored."""
     t = thresholds or load_thresholds()
-    entries = json.loads((directory / "truth.json").read_text(encoding="utf-8"))
+    path = truth_file(directory)
+    if path is None:
+        raise FileNotFoundError(f"{directory}: no truth.json (nor {REPO_TRUTH / (directory.name + '.json')})")
+    entries = json.loads(path.read_text(encoding="utf-8"))
     return [_score(directory, e, t) for e in entries]
 
 
 def truth_dirs(base: Path) -> list[Path]:
-    """The folders under ``base`` (``../shared/data``) that hold a ``truth.json``."""
-    return sorted(p for p in base.iterdir() if (p / "truth.json").is_file()) if base.is_dir() else []
+    """The folders under ``base`` (``../shared/data``) with a ground truth (:func:`truth_file`)."""
+    return sorted(p for p in base.iterdir() if p.is_dir() and truth_file(p) is not None) if base.is_dir() else []
 
 
 def totals(scores: list[FileScore]) -> dict[str, int]:
@@ -163,6 +199,7 @@ def totals(scores: list[FileScore]) -> dict[str, int]:
         "healthy": len(healthy),
         "healthy_danger": sum(s.worst == "danger" for s in healthy),
         "healthy_pages": sum(s.pages for s in healthy),
+        "healthy_flapping": sum(bool(s.flapping) for s in healthy),
         "faults": len(faults),
         "named": sum(len(s.named) for s in scores),
         "wrong_dangers": sum(bool(s.wrong_dangers) for s in scores),
@@ -178,7 +215,7 @@ def render_truth(name: str, scores: list[FileScore]) -> str:
     n = totals(scores)
     lines = [
         f"**{name}: {n['files']} files, {n['unread']} unreadable; healthy {n['healthy']}: with a danger "
-        f"{n['healthy_danger']}, that would page {n['healthy_pages']}; faults {n['faults']}: named "
+        f"{n['healthy_danger']}, that would page {n['healthy_pages']}, flapping {n['healthy_flapping']}; faults {n['faults']}: named "
         f"{n['named']}; files with a danger the truth rules out: {n['wrong_dangers']}; read in full: "
         f"{n['read_in_full']}.**",
         "",
@@ -189,6 +226,8 @@ def render_truth(name: str, scores: list[FileScore]) -> str:
     for s in scores:
         truth = s.verdict + (f": {', '.join(s.faults)}" if s.faults else "")
         status = f"{s.status} ({s.worst})" if s.status != "unread" else f"unread: {s.error}"
+        if s.flapping:
+            status += f"; flapping: {', '.join(s.flapping)}"
         ruled = f"{_cell(s.wrong_dangers)} / {_cell(s.wrong_warnings)}"
         lines.append(f"| {s.file} | {truth} | {s.profile or '-'} | {status} | {_cell(s.found)} | {_cell(s.named)} | "
                      f"{_cell(s.missed)} | {ruled} | {s.read or '-'} |")

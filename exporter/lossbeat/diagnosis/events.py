@@ -6,9 +6,10 @@ A counted event is a fact; what it means depends on what followed it:
   spike the run absorbed): a WARNING that says so. It holds while the event is recent (over a
   tenth of the records seen, at least ``windows.cv_steps``), so it does not come and go with
   each of a long run's sparse events; once the run has absorbed events of the kind (they left
-  that window), a later isolated one is the run's own pattern: a GOOD note that counts it;
+  that window), later ones the loss recovers from are the run's own pattern: a GOOD note that
+  counts them (a warning that came back with each burst would flap);
 * repeated (``events.repeated`` within the last ``windows.cv_steps`` records): a WARNING while
-  the loss recovers from them, a DANGER when it did not;
+  the loss recovers from them (the run's first), a DANGER when it did not;
 * followed by a worse loss (the loss level after it ``events.worse_after`` above the level
   before it, and beyond the noise of those levels): a DANGER.
 
@@ -135,13 +136,14 @@ def check_events(history, check: str) -> Finding:
     back = (f"; the loss is back at its level ({first.before:.4g} before, {last.after[-1]:.4g} after)"
             if t.profile.trend and math.isfinite(first.before) and last.after and math.isfinite(last.after[-1]) else "")
     earlier = track.total - len(recent)
-    if not bursts and earlier:
-        # The run absorbed events of this kind before (they left the window): an isolated one
-        # now is its own pattern (a long run's sparse spikes), a note, not a warning again.
-        return Finding(check, Status.GOOD,
-                       f"{len(recent)} isolated {what}(s) in the last {held} records ({_steps(steps, len(steps))}; "
-                       f"{track.total} so far, the {earlier} before absorbed): this run's own pattern{back}")
     kind = "repeated" if bursts else "isolated"
+    if earlier:
+        # The run absorbed events of this kind before (they left the window): more now that the
+        # loss recovers from (isolated or in a burst; one it did not recover from is a danger
+        # above) are its own pattern (a long run's sparse spikes), a note, not a warning again.
+        return Finding(check, Status.GOOD,
+                       f"{len(recent)} {kind} {what}(s) in the last {held} records ({_steps(steps, len(steps))}; "
+                       f"{track.total} so far, the {earlier} before absorbed): this run's own pattern{back}")
     return Finding(check, Status.WARNING,
                    f"{len(recent)} {kind} {what}(s) in the last {held} records ({_steps(steps, len(steps))}; "
                    f"{track.total} so far); the run goes on{back}", fix)

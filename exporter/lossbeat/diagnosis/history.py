@@ -329,6 +329,8 @@ class History:
         self.grad_scale: float | None = None  # fp16 GradScaler's loss scale, when one is observed
         self.signals: dict[str, SignalTrack] = {}
         """Named signals beside the loss (:data:`lossbeat.diagnosis.profiles.SIGNALS`), by canonical name."""
+        self.grad_level_peak = math.nan
+        """The highest grad-norm baseline median a diagnosis has seen (the RL collapse check's earlier level)."""
         self.grad_records = 0
         self.grad_zero_run = 0
         """Grad norms in a row that are exactly 0."""
@@ -375,6 +377,7 @@ class History:
         self.evals.clear()
         self.signals.clear()
         self.grad_records = self.grad_zero_run = self.grad_nonfinite_run = 0
+        self.grad_level_peak = math.nan
         self.nonfinite_recent.clear()
         for track in self.events.values():
             track.clear()

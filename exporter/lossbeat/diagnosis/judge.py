@@ -79,7 +79,11 @@ class Judge:
             key = (raw.check, raw.component)
             held = self._held.get(key)
             if held is None:
-                held = self._held[key] = _Held(Finding(raw.check, Status.GOOD, raw.message, component=raw.component,
+                # Good until confirmed; a first word of a worse status says it is only that.
+                first = raw.message if raw.status is Status.GOOD or not raw.known else (
+                    f"{raw.message} (said once, not yet confirmed: a {raw.status.name.lower()} after "
+                    f"{h.danger_enter if raw.status is Status.DANGER else h.warning_enter} diagnoses in a row)")
+                held = self._held[key] = _Held(Finding(raw.check, Status.GOOD, first, component=raw.component,
                                                        known=raw.known))
             before = held.finding.status
             if not raw.known or raw.status == before:

@@ -6,8 +6,9 @@
   (the standard error of the window's mean, not a fixed tolerance), and not falling.
 * No significant fall from the initial level over the whole run.
 * RL (GRPO, PPO, RLOO): the reward spread collapsed (``reward_std`` -> 0,
-  ``frac_reward_zero_std`` -> 1: no advantage, no learning signal), most groups give no
-  gradient, or the reward does not improve.
+  ``frac_reward_zero_std`` -> 1: no advantage, no learning signal) or the gradient norm did
+  (exactly 0, or a hundredth of its earlier level, on each of the last records), the KL to the
+  reference runs away, most groups give no gradient, or the reward does not improve.
 * Preference (DPO, ORPO, KTO, SimPO): the loss at ln 2 with accuracies at 0.5 (chance),
   or a loss saturated at exactly 0 while the margins run away.
 
@@ -20,7 +21,7 @@ import math
 
 from lossbeat.diagnosis.findings import Finding, Status
 from lossbeat.diagnosis.thresholds import Profile, Thresholds
-from lossbeat.diagnosis.window import fsum, robust_noise
+from lossbeat.diagnosis.window import fsum, median, robust_noise
 
 __all__ = ["check_learning", "learned", "chance_level", "MIN_CONSTANT_RECORDS"]
 
@@ -31,6 +32,7 @@ _MAX_CLASSES = 100
 _CHANCE_Z = 3.0  # within this many standard errors of the mean of ln K is "at" ln K
 _CHANCE_MIN_TOL = 1e-4  # relative: printed losses are rounded
 _FEW_RECORDS_FALL = 0.1
+_BEST_BELOW_CHANCE = 0.05  # a best eval loss this fraction below ln K: not at chance all along
 _FIX_NOTHING = ("check that the loss is computed from the model's outputs (not detached, not under no_grad), "
                 "that some labels are not the ignore index, that parameters have requires_grad and are in the "
                 "optimizer, and that the LR is not 0")
@@ -135,10 +137,12 @@ def _eval_chance(history) -> tuple[int, float] | None:
             noise = (max(values) - min(values)) / 2.0
         se = noise / math.sqrt(len(tail))
         k = chance_level(mean, se)
-        # At chance all along: the best eval was at ln K too (an eval loss rising through ln K
-        # from below is overfitting, not chance).
-        if k is not None and chance_level(track.best, max(se, noise)) == k:
-            return k, mean
+        # At chance all along: the first and the best eval at ln K too (an eval loss falling or
+        # rising through ln K is learning or overfitting, not chance), within its noise but never
+        # more than _BEST_BELOW_CHANCE from it: a best that far below ln K learned something.
+        tol = min(max(se, noise), _BEST_BELOW_CHANCE * math.log(k) / _CHANCE_Z) if k is not None else 0.0
+        if k is not None and chance_level(track.best, tol) == k and chance_level(track.first, tol) == k:
+            return k, mean  # the first evaluation at ln K too: not an eval loss falling through it
     return None
 
 
@@ -161,6 +165,16 @@ def _rl(history, t: Thresholds) -> Finding | None:
                        "gets the same reward, so there is no advantage and no gradient",
                        "raise the sampling temperature or the group size, check the reward function (constant? "
                        "saturated?) and make the prompts neither all solved nor all failed")
+    grads = _grad_collapsed(history, rl)
+    if grads is not None:
+        return Finding(CHECK, Status.DANGER,
+                       f"the learning signal collapsed: {grads}: no advantage reaches the policy (every completion "
+                       "of a group gets the same reward, or the loss is detached from it)",
+                       "log reward_std to confirm; raise the sampling temperature or the group size, check the reward "
+                       "function, and that the policy loss is computed from the model's outputs")
+    runaway = _kl_runs_away(sig.get("kl"), rl)
+    if runaway is not None:
+        return runaway
     if reward is not None and reward.count >= 20:
         n0, m0, n1, m1 = reward.ends()
         noise = reward.noise()
@@ -182,6 +196,42 @@ def _rl(history, t: Thresholds) -> Finding | None:
     if reward is not None and reward.count >= 2:
         return Finding(CHECK, Status.GOOD, f"reward {reward.latest:.4g} (first {reward.first:.4g})")
     return None
+
+
+def _grad_collapsed(history, rl) -> str | None:
+    """Why the RL run's gradient norm has collapsed, or None: exactly 0, or at most
+    ``grad_collapse_ratio`` of the run's earlier level, on each of the last ``collapse_records``."""
+    n = rl.collapse_records
+    if history.grad_zero_run >= n:
+        return f"the gradient norm is exactly 0 on each of the last {history.grad_zero_run} records"
+    values = history.grad.ring.last(len(history.grad.ring))
+    if len(values) < 2 * n:
+        return None
+    # The earlier level: the highest median of the records before the latest ones a diagnosis has
+    # seen (kept on the history: the window itself follows a collapse within its length).
+    before = median(values[:-n])
+    if math.isfinite(before) and not before <= history.grad_level_peak:
+        history.grad_level_peak = before
+    level, last = history.grad_level_peak, values[-n:]
+    if level > 0 and max(last) <= rl.grad_collapse_ratio * level:
+        return (f"the gradient norm fell to {median(last):.3g} on each of the last {n} records, at most "
+                f"{rl.grad_collapse_ratio:.0%} of its earlier level {level:.3g}")
+    return None
+
+
+def _kl_runs_away(kl, rl) -> Finding | None:
+    """A KL to the reference still multiplying late in the run (see ``rl.kl_growth``)."""
+    if kl is None or kl.count < 20:
+        return None
+    n0, m0, n1, m1 = kl.last_fifths()
+    if not (n0 and n1 and m1 > rl.kl_floor and m0 > 0 and m1 > rl.kl_growth * m0):
+        return None
+    return Finding(CHECK, Status.WARNING,
+                   f"the KL to the reference runs away: {m0:.3g} -> {m1:.3g} over the last two fifths of the run "
+                   f"(x{m1 / m0:.1f}): the policy leaves the reference model (reward hacking, or a learning rate "
+                   "too high)",
+                   "raise the KL coefficient (beta), lower the learning rate, and read the latest completions for "
+                   "reward hacking")
 
 
 def _preference(history, mean: float, se: float, falling: bool) -> Finding | None:
@@ -237,7 +287,9 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         found = _preference(history, mean, se, falling)
         if found is not None:
             return found
-    if profile.name in ("classification", "preference"):
+    if profile.name in ("classification", "preference") and did is not True:
+        # A loss that already fell well below its start passes through ln K on its way down (an
+        # 8-class model at ln 3): a model at chance never left it.
         k = chance_level(mean, se)
         if k is not None and not falling:
             return Finding(CHECK, Status.WARNING,

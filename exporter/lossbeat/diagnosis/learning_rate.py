@@ -11,11 +11,14 @@ from lossbeat.diagnosis.loss import Trend
 __all__ = ["check_learning_rate", "check_warmup"]
 
 
-def check_learning_rate(schedule, trend: Trend, cv: float, t: LearningRateThresholds) -> Finding:
+def check_learning_rate(schedule, trend: Trend, cv: float, t: LearningRateThresholds,
+                        learned: bool | None = None) -> Finding:
     """``schedule``: a :class:`LearningRateSchedule` (the largest LR across param groups per step).
 
     ``trend``: the loss trend (too small = a flat loss at a tiny LR that did not
-    get there by a gradual decay); ``cv``: the robust loss CV (too large).
+    get there by a gradual decay); ``cv``: the robust loss CV (too large); ``learned``: whether
+    the loss ever fell significantly below its start (a run that never did, at a peak LR above
+    ``too_large``: the LR is the first suspect).
     """
     check = "learning_rate"
     recent = list(schedule.recent)
@@ -49,6 +52,14 @@ def check_learning_rate(schedule, trend: Trend, cv: float, t: LearningRateThresh
             check, Status.WARNING,
             f"learning rate {max(recent):.3g} with a rising loss",
             "the learning rate looks too large: lower it (e.g. 3-10x) or lengthen the warmup",
+        )
+    peak = schedule.peak
+    if learned is False and math.isfinite(peak) and peak > t.too_large:
+        return Finding(
+            check, Status.WARNING,
+            f"learning rate peaked at {peak:.3g} and the loss never fell below its start: a learning rate that "
+            "large overshoots (fine-tuning a pre-trained model usually takes 1e-5 to 2e-4)",
+            "lower the learning rate 10-100x and warm it up; check the model's usual fine-tuning LR",
         )
     if math.isfinite(cv) and max(recent) > t.too_large and cv > t.too_large_cv:
         return Finding(

@@ -47,15 +47,18 @@ class Trend:
     best: float = math.nan
     """The lowest window mean of the run so far (windows of the same width)."""
     rising: bool = False
-    """Significantly and meaningfully higher than before (danger)."""
+    """Significantly and meaningfully higher than before, and lasting or far beyond the noise (danger)."""
     falling: bool = False
     """Significantly and meaningfully lower than before (learning)."""
+    watching: bool = False
+    """Higher beyond trend_min_z standard errors, but not yet lasting (a warning)."""
 
 
-def _compare(s, noise: float, width: float, t: Thresholds, floor: float | None):
-    """(known, ratio, z, recent, previous, best, rising, n_recent) for windows of ``width`` steps."""
+def _compare(s, noise: float, width: float, t: Thresholds, floor: float | None, end: float | None = None):
+    """(ratio, z, recent, previous, best, rising, rise_z) for windows of ``width`` steps ending at
+    ``end`` (default: the last step seen); ``rise_z``: the rise in standard errors."""
     w, loss = t.windows, t.loss
-    end = s.last_step
+    end = s.last_step if end is None else end
     n_recent, recent = s.window(end - width, end)
     n_previous, previous = s.window(end - 2 * width, end - width)
     if min(n_recent, n_previous) < w.trend_min_records or not math.isfinite(previous) or previous == 0:
@@ -67,6 +70,7 @@ def _compare(s, noise: float, width: float, t: Thresholds, floor: float | None):
     # 0.0100 -> 0.0104 is +4% of itself but nothing against the task's scale.
     ratio = fall / max(abs(previous), floor or 0.0)
     rising = ratio < loss.trend_rising and z < -loss.trend_min_z
+    rise_z = -z
     # Or well above the best level the run reached (a jump that settled higher: the previous
     # window alone would read the way back down as a fall).
     n_best, best = s.best(width, w.trend_min_records, end - width)
@@ -74,7 +78,17 @@ def _compare(s, noise: float, width: float, t: Thresholds, floor: float | None):
         above = (recent - best) / max(abs(best), floor or 0.0) if best else math.inf
         z_best = (recent - best) / (noise * math.sqrt(1.0 / n_recent + 1.0 / n_best)) if noise > 0 else math.inf
         rising = above > loss.regress_max and z_best > loss.trend_min_z
-    return ratio, z, recent, previous, best, rising
+        rise_z = z_best
+    return ratio, z, recent, previous, best, rising, rise_z
+
+
+def _lasts(s, noise: float, width: float, t: Thresholds, floor: float | None) -> bool:
+    """A rise within ``loss.trend_danger_z`` standard errors must last: the same comparison half a
+    window earlier says so too. A bump shorter than half a window (a stretch of harder batches in a
+    noisy per-record log) is tested at every diagnosis, and over the many diagnoses of a run one
+    passes 3 standard errors by chance (issue 18 §4, §5)."""
+    earlier = _compare(s, noise, width, t, floor, s.last_step - width / 2.0)
+    return earlier is not None and earlier[5]
 
 
 def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
@@ -95,23 +109,28 @@ def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
     got = _compare(s, noise, width, t, floor)
     if got is None:
         return Trend(False)
-    ratio, z, recent, previous, best, rising = got
+    ratio, z, recent, previous, best, rising, rise_z = got
+    watching = rising
+    rising = rising and (rise_z >= loss.trend_danger_z or _lasts(s, noise, width, t, floor))
     short = max(float(w.trend_min_steps), float(w.rise_max_steps))
     if not rising and short < width:
         fast = _compare(s, noise, short, t, floor)
         if fast is not None and fast[5]:
-            ratio, z, recent, previous, best, rising = fast
-            width = short
+            confirmed = fast[6] >= loss.trend_danger_z or _lasts(s, noise, short, t, floor)
+            if confirmed or not watching:  # the shorter windows say it (the message quotes them)
+                ratio, z, recent, previous, best, _, rise_z = fast
+                width, rising, watching = short, confirmed, True
     # A rise must show in the median of the latest records too: one huge spike that recovered
     # at the next record lifts a window's mean, not the run's level.
     local = getattr(series, "local", math.nan)
-    if rising and math.isfinite(local):
+    if (rising or watching) and math.isfinite(local):
         # The median of n records has a standard error of about 1.25 noise / sqrt(n).
         tolerance = max(abs(loss.trend_rising) * max(abs(previous), floor or 0.0),
                         loss.trend_min_z * 1.25 * noise / math.sqrt(loss.spike_min_steps) if math.isfinite(noise) else 0.0)
-        rising = local > previous + tolerance
+        rising = rising and local > previous + tolerance
+        watching = watching and local > previous + tolerance
     falling = not rising and ratio >= loss.plateau_max_fall and z >= loss.fall_min_z
-    return Trend(True, ratio, z, width, recent, previous, best, rising, falling)
+    return Trend(True, ratio, z, width, recent, previous, best, rising, falling, watching and not rising)
 
 
 def uniform_classes(loss: float) -> int | None:
@@ -228,9 +247,20 @@ def check_loss_trend(
             "lower the learning rate, enable gradient clipping, and check the data of the recent steps",
             component,
         )
+    if trend.watching:
+        against = (trend.recent - trend.previous) / abs(trend.previous) * 100 if trend.previous else math.inf
+        return Finding(
+            check, Status.WARNING,
+            f"loss {_moved(against)} over the last {span} against the window before ({trend.recent:.4g} against "
+            f"{trend.previous:.4g}): beyond its noise, not yet lasting half a window: watching",
+            "if it keeps rising: lower the learning rate, enable gradient clipping, and check the data of the recent "
+            "steps", component)
     release = t.hysteresis.release
-    falling = trend.falling and (held is not Status.WARNING or (
-        trend.ratio >= t.loss.plateau_max_fall / release and trend.z >= t.loss.fall_min_z / release))
+    if held is Status.WARNING:  # a plateau is left for a fall beyond its threshold / release ...
+        falling = trend.falling and trend.ratio >= t.loss.plateau_max_fall / release \
+            and trend.z >= t.loss.fall_min_z / release
+    else:
+        falling = trend.falling
     if falling:
         return Finding(check, Status.GOOD, f"loss falling ({pct:.1f}% over the last {span})", component=component)
     if schedule_ended and learned is not False:
@@ -240,8 +270,14 @@ def check_loss_trend(
             f"(LR at {lr_fraction * 100:.2g}% of its peak): expected",
             component=component,
         )
+    # ... and entered only below its threshold x release: a descent at the threshold does not flap.
+    if held is not Status.WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release \
+            and trend.z >= t.loss.fall_min_z * release:
+        return Finding(check, Status.GOOD, f"loss falling slowly ({pct:.1f}% over the last {span}), at the plateau "
+                                           "threshold", component=component)
     floor = profile.volatility_floor
-    if floor is not None and abs(trend.recent) < 0.1 * floor:
+    near_zero = 0.1 * (floor or 0.0) * (release if held is Status.WARNING else 1.0 / release)
+    if floor is not None and abs(trend.recent) < near_zero:
         return Finding(check, Status.GOOD, f"loss flat near zero ({trend.recent:.3g}): nothing left to fall",
                        component=component)
     return Finding(
@@ -311,11 +347,13 @@ def is_spike(value: float, level: float, noise: float, t: LossThresholds) -> boo
 
 
 def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "",
-                      learned: bool | None = None) -> Finding:
+                      learned: bool | None = None, metric: tuple | None = None) -> Finding:
     """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
 
     ``learned`` False (the training loss never fell below its start): an eval loss rising there is
-    not overfitting, the run never learned (the ``learning`` check says so)."""
+    not overfitting, the run never learned (the ``learning`` check says so). ``metric``: the eval
+    set's task metric, ``(name, SignalTrack, higher_is_better)``: an eval loss that rises while the
+    metric still improves is over-confidence, and the finding says so."""
     check = "overfitting"
     if track is None or track.count < 2:
         return Finding.unknown(check, component=component)
@@ -327,6 +365,16 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
                        f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
                        component=component)
     if track.above >= t.evals and not trend.rising:
+        confident = _still_improving(metric, track)
+        if confident:
+            return Finding(
+                check, Status.WARNING,
+                f"over-confident: eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} "
+                f"(step {track.best_step}) for {track.above} evaluations while the {confident}: the model grows "
+                "more confident in the answers it gets wrong, so the loss rises while the metric improves",
+                "choose the checkpoint by the metric (metric_for_best_model), not the eval loss; calibrate "
+                "(label smoothing, temperature scaling) if probabilities matter; regularise once the metric stops "
+                "improving", component)
         return Finding(
             check, Status.WARNING,
             f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} (step {track.best_step}) "
@@ -339,3 +387,26 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
                        f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}: "
                        "one evaluation, watching", component=component)
     return Finding(check, Status.GOOD, f"eval loss {track.latest:.4g} (best {track.best:.4g})", component=component)
+
+
+_METRIC_NAMES = {"eval_accuracy": "eval accuracy", "eval_f1": "eval F1", "eval_wer": "eval WER", "eval_cer": "eval CER"}
+
+
+def _still_improving(metric: tuple | None, track) -> str | None:
+    """How the eval metric still improves past the eval loss's best evaluation, or None.
+
+    Improved: the median of its latest 3 values beats its best block mean up to the eval loss's
+    best step by more than its own record-to-record noise."""
+    if metric is None or track.best_step is None:
+        return None
+    name, values, higher = metric
+    if values is None or values.count < 3:
+        return None
+    before = values.best_until(track.best_step, higher)
+    now = values.recent_median(3)
+    noise = values.noise()
+    tol = max(noise if math.isfinite(noise) else 0.0, 1e-3 * abs(before) if math.isfinite(before) else 0.0)
+    gain = (now - before) if higher else (before - now)
+    if not (math.isfinite(gain) and gain > tol):
+        return None
+    return f"{_METRIC_NAMES.get(name, name)} still improves ({before:.4g} by then, {now:.4g} now)"

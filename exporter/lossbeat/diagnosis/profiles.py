@@ -65,6 +65,12 @@ class RLThresholds:
     """``frac_reward_zero_std`` at or above this: (nearly) every group is without spread."""
     collapse_records: int
     """Records in a row (the diagnosis) that must all say so: one such step is a group all solved or all failed."""
+    grad_collapse_ratio: float
+    """A grad norm at or below this fraction of the run's earlier level on each of those records: collapsed."""
+    kl_floor: float
+    """A KL below this (nats) is small, whatever its growth."""
+    kl_growth: float
+    """The KL's last fifth of the run above this x the fifth before it: it runs away."""
 
 
 def signal_kind(name: str) -> str | None:
@@ -148,6 +154,23 @@ class SignalTrack:
 
     def noise(self) -> float:
         return robust_noise(self.recent.last(len(self.recent)))
+
+    def best_until(self, step: float, higher: bool) -> float:
+        """The best block mean (highest when ``higher``) among the blocks that start by ``step``."""
+        means = [b[2] / b[1] for b in self.summary.blocks if b[0] <= step and b[1]]
+        if not means:
+            return math.nan
+        return max(means) if higher else min(means)
+
+    def last_fifths(self) -> tuple[int, float, int, float]:
+        """(count, mean) of the fifth of the steps seen before the last fifth, and of the last."""
+        s = self.summary
+        if s.first_step is None:
+            return 0, math.nan, 0, math.nan
+        width = max(1.0, 0.2 * s.span)
+        n0, m0 = s.window(s.last_step - 2 * width, s.last_step - width)
+        n1, m1 = s.window(s.last_step - width, s.last_step)
+        return n0, m0, n1, m1
 
     def ends(self, fraction: float = 0.2) -> tuple[int, float, int, float]:
         """(count, mean) of the first and of the last ``fraction`` of the steps seen."""

@@ -43,9 +43,9 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
                      trend, loss, did_learn),
         check_grad_norm(history.grad, t.gradients),
         check_layer_grad_norms(history.layer_norms, t.gradients),
-        check_learning_rate(schedule, trend, cv, t.learning_rate),
+        check_learning_rate(schedule, trend, cv, t.learning_rate, learned=did_learn),
         check_warmup(loss, profile, t.learning_rate),
-        check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn),
+        check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn, metric=_eval_metric(history)),
         _nonfinite(history),
         check_events(history, "loss_spikes"),
         check_events(history, "grad_explosions"),
@@ -64,6 +64,18 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
                                               nonfinite=bool(series.nonfinite_run),
                                               held=held.get(("loss_volatility", name), Status.GOOD), release=release))
     return findings
+
+
+_EVAL_METRICS = (("eval_accuracy", True), ("eval_f1", True), ("eval_wer", False), ("eval_cer", False))
+
+
+def _eval_metric(history: History) -> tuple | None:
+    """The eval set's task metric beside its loss (the first logged of accuracy, F1, WER, CER)."""
+    for name, higher in _EVAL_METRICS:
+        track = history.signals.get(name)
+        if track is not None and track.count:
+            return name, track, higher
+    return None
 
 
 def _hides_trend(f: Finding, trend, series, did_learn: bool | None = None) -> Finding:
@@ -105,8 +117,9 @@ def _nonfinite(history: History) -> Finding:
         # A non-finite loss now, or gradients non-finite twice in a row, is ongoing; one
         # non-finite gradient beside a finite loss is what an fp16 overflow skip looks like.
         ongoing = history.loss.nonfinite_run > 0 or history.grad_nonfinite_run > 1
-        # Isolated and recovered (fp16 loss-scale overflow skips look like this): a warning that
-        # says so. Ongoing (the latest record), or repeated within the window: danger.
+        # Isolated and recovered (fp16 loss-scale overflow skips look like this, a GradScaler's
+        # warm-up too: 2-5 in its first steps): a warning that says so. Ongoing (the latest
+        # record), or repeated within the window: danger (TrainingGradientNonFinite pages on it).
         if ongoing or bad > max(_REPEATED_NONFINITE, len(recent) // 10):
             return Finding(
                 "nonfinite", Status.DANGER,

@@ -72,6 +72,7 @@ class LossThresholds:
     trend_rising: float
     """Trend ratio below which the loss is rising (danger)."""
     trend_min_z: float
+    trend_danger_z: float
     """A rise counts only beyond this many standard errors of the step-to-step noise."""
     cv_warning: float
     """Loss CV at or above which volatility is a warning."""

@@ -92,7 +92,7 @@ _SPECS = [
     # Cross-rank signals (lossbeat.measure.cross_rank): compared across the ranks of a job by the rules.
     MetricSpec("training_grad_norm_aligned", "gauge", "Global gradient norm at the last step that is a multiple of grad_norm_align_every (equal on every data-parallel replica).", unit="none"),
     MetricSpec("training_grad_norm_aligned_step", "gauge", "The step of training_grad_norm_aligned.", unit="none"),
-    MetricSpec("training_rank_work_seconds", "gauge", "This rank's own work per step, mean of the last 50 steps: end of the previous observe() to the start of the forward, plus the forward (no collectives).", unit="s"),
+    MetricSpec("training_rank_work_seconds", "gauge", "This rank's own work per step, host time, mean of the last 50 steps: end of the previous observe() to the start of the forward, plus the forward (no collectives; under asynchronous CUDA the kernels' launch, not their run).", unit="s"),
 ]
 
 METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in _SPECS}

@@ -9,11 +9,12 @@ from typing import Any, Mapping
 
 import torch
 
+from lossbeat.diagnosis.profiles import is_signal
 from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
 from lossbeat.exposition.server import RankContext
 
-__all__ = ["check_monitor", "rank_monitor", "flush_quietly", "phase_quietly", "eval_loss_from", "AfterBackward",
-           "uses_deepspeed", "deepspeed_grad_norm"]
+__all__ = ["check_monitor", "rank_monitor", "flush_quietly", "phase_quietly", "eval_loss_from", "task_metrics",
+           "AfterBackward", "uses_deepspeed", "deepspeed_grad_norm"]
 
 log = logging.getLogger("lossbeat")
 
@@ -111,6 +112,48 @@ def eval_loss_from(metrics: Mapping[str, Any] | None, key: str | None, prefix: s
         if value is not None:
             return k, value
     return None
+
+
+EVAL_PREFIXES = ("eval_", "val_", "test_", "predict_", "eval/", "val/", "test/")
+"""Logged names of an evaluation: they reach ``observe_eval``, never a training step."""
+_FED_APART = frozenset({"loss", "grad_norm", "learning_rate", "lr", "epoch", "step", "global_step"})
+"""Logged values a callback passes to ``observe`` as its own arguments."""
+_NAMES_KEPT = 256
+"""Distinct names a callback passes on per run (the monitor remembers at most 64)."""
+
+
+def task_metrics(logged: Mapping[str, Any] | None, passed: set[str], *, evaluation: bool = False,
+                 skip: str | None = None) -> dict[str, Any] | None:
+    """The task's named values in what a framework logged, for ``observe(metrics=...)`` (training)
+    or ``observe_eval(metrics=...)`` (``evaluation``), or None when there is nothing to pass.
+
+    The live profile detection and the RL, preference and classification judgments read them.
+    Every known signal (``reward``, ``reward_std``, ``kl``, ``rewards/margins``, ``eval_accuracy``,
+    ... :data:`lossbeat.diagnosis.profiles.SIGNALS`) comes with its value each time, first; any
+    other name once per run with the value None: it still names the task, and its value is neither
+    read nor exported. A value that is not one real number (a string, a list) is None. Training
+    leaves out the evaluation's names (:data:`EVAL_PREFIXES`) and what ``observe`` takes as its own
+    arguments (loss, grad_norm, learning_rate, epoch); an evaluation takes only its own names but
+    ``skip`` (its loss). ``passed``: the names passed so far, updated. No host read: a tensor is
+    passed as it is (the step's one transfer carries it)."""
+    if not logged:
+        return None
+    signals: dict[str, Any] = {}
+    names: dict[str, Any] = {}
+    for name, value in logged.items():
+        if not isinstance(name, str) or name == skip or name in _FED_APART:
+            continue
+        if name.startswith(EVAL_PREFIXES) != evaluation:
+            continue
+        if is_signal(name):
+            signals[name] = _real(value)
+        elif name not in passed and len(passed) < _NAMES_KEPT:
+            names[name] = None
+        else:
+            continue
+        passed.add(name)
+    signals.update(names)
+    return signals or None
 
 
 def uses_deepspeed(model: Any, optimizer: Any) -> bool:

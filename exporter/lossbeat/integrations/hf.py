@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - the Trainer itself needs accelerate
 from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import (AfterBackward, check_monitor, deepspeed_grad_norm, eval_loss_from,
-                                           flush_quietly, phase_quietly, rank_monitor, uses_deepspeed)
+                                           flush_quietly, phase_quietly, rank_monitor, task_metrics, uses_deepspeed)
 from lossbeat.integrations._guard import Patch, ScheduleGate, guard_mode, settings_guard
 
 __all__ = ["LossbeatCallback"]
@@ -73,16 +73,25 @@ class LossbeatCallback(TrainerCallback):
       norms are those measured at the end of backward (read here when nothing
       clips; under FSDP the same collective, after the Trainer's own norm, which
       leaves the gradients unchanged).
-    - ``on_log``: only in fallback mode: ``loss``, ``grad_norm``,
-      ``learning_rate`` and ``epoch`` of the log record. Eval keys are left to
-      ``on_evaluate`` so nothing is counted twice.
-    - ``on_evaluate``: ``Monitor.observe_eval(state.global_step, metrics[eval_key])``.
-    - The phases TrainingStalled reads: ``on_step_end`` sets ``phase("eval")`` when the
-      Trainer will evaluate next (``control.should_evaluate``), ``phase("checkpoint")`` when it
-      will save; ``on_prediction_step`` sets ``phase("eval")`` and heartbeats every
-      evaluation batch; ``on_evaluate`` moves on to ``"checkpoint"`` (a save follows) or
-      ``"train"``; ``on_save`` back to ``"train"``. A long evaluation or save pages only past
-      ``alerts.stalled_phase_after``.
+    - ``on_log``: in fallback mode, ``loss``, ``grad_norm``, ``learning_rate`` and
+      ``epoch`` of the log record, and the task's other logged values as ``metrics=``
+      (TRL's ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``kl``, ``rewards/margins``,
+      ``rewards/accuracies``, ...: the live profile detection and the RL and preference
+      judgments read them; :func:`~lossbeat.integrations._common.task_metrics`). In per-step
+      mode those values reach the monitor with the next step's ``observe`` (a log follows its
+      step's ``on_pre_optimizer_step``; the last log of a run, after its last step, is not
+      passed). Eval keys are left to ``on_evaluate`` so nothing is counted twice.
+    - ``on_evaluate``: ``Monitor.observe_eval(state.global_step, metrics[eval_key],
+      metrics=...)``, with the evaluation's other values (``eval_accuracy``, ``eval_wer``,
+      ``eval_rouge1``, ...: their names choose the classification or seq2seq profile).
+    - The phases TrainingStalled reads: ``on_step_end`` and ``on_epoch_end`` set
+      ``phase("eval")`` when the Trainer will evaluate next (``control.should_evaluate``),
+      ``phase("checkpoint")`` when it will save (``save_strategy="epoch"`` saves after the epoch); ``on_prediction_step`` sets ``phase("eval")`` and heartbeats every
+      evaluation and prediction batch; ``on_evaluate`` moves on to ``"checkpoint"`` (a save
+      follows) or ``"train"``; ``on_save`` back to ``"train"``; ``on_train_end`` sets
+      ``"checkpoint"`` for the work after ``train()`` (``save_model``, ``push_to_hub``), and an
+      ``evaluate()`` or ``predict()`` outside training returns to it. A long evaluation, save or
+      wrap-up pages only past ``alerts.stalled_phase_after``.
     - ``guard="skip"``/``"stop"`` (docs/guard.md): from ``on_train_begin`` the Trainer's
       optimizer has its own ``step`` on the instance, which applies the step decided in
       ``on_pre_optimizer_step`` through ``Monitor.step`` (the torch optimizer inside accelerate's,
@@ -92,10 +101,9 @@ class LossbeatCallback(TrainerCallback):
       for accelerate (``accelerator.optimizer_step_was_skipped``), which holds it as for an fp16
       overflow. Under fp16 a guard skip is the scaler's skip, so the schedule holds either way.
       Taken off at train end, or when the step raises.
-    - ``on_train_end``: removes the hook and flushes the monitor (an error there is
-      counted, never raised); work after ``train()`` (``push_to_hub``, a final
-      ``evaluate()``, whose batches heartbeat) is yours to mark: ``monitor.phase(...)`` or
-      ``monitor.close()``.
+    - ``on_train_end``: removes the hook, flushes the monitor (an error there is
+      counted, never raised) and sets ``phase("checkpoint")``; close the monitor
+      (``monitor.close()``) when the script's work is done.
 
     Under ``nn.DataParallel`` (one process, several GPUs: the Trainer wraps the model
     itself) the forward hook runs in every replica's thread, each with the loss on its own
@@ -170,6 +178,9 @@ class LossbeatCallback(TrainerCallback):
         self._epoch_at_step_begin = 0.0
         self._step_patch: Patch | None = None  # the optimizer's guarded step (guard="skip"/"stop")
         self._decided = False  # on_pre_optimizer_step observed the step the optimizer applies next
+        self._training = False  # between on_train_begin and on_train_end: evaluations return to "train"
+        self._names_passed: set[str] = set()  # logged names given to the monitor (each once; signals always)
+        self._logged: dict[str, Any] | None = None  # per-step mode: a log's task values, for the next observe
 
     @property
     def monitor(self) -> Monitor | NullMonitor | None:
@@ -185,7 +196,9 @@ class LossbeatCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         self._remove_hook()
-        self._start(args)
+        phase_quietly(self._start(args), "train")  # after an evaluate() or a train() before this one
+        self._training = True
+        self._names_passed, self._logged = set(), None
         # fp16: accelerate's optimizer carries the GradScaler; the norms measured at the end of
         # backward are divided by its scale, read there as a device tensor.
         self._after_backward = AfterBackward(self._monitor, getattr(optimizer, "scaler", None))
@@ -236,30 +249,43 @@ class LossbeatCallback(TrainerCallback):
             norm = deepspeed_grad_norm(model, optimizer)
             if norm is not None:
                 measured = {"grad_norm": norm}
+        logged, self._logged = self._logged, None
         self.monitor.observe(state.global_step + 1, loss=loss, optimizer=optimizer, epoch=epoch,
-                             grad_scaler=scaler, **measured)
+                             grad_scaler=scaler, metrics=logged, **measured)
         self._decided = self._step_patch is not None
         self._observed_steps += 1
         self._reset()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._observed_steps or not logs or "loss" not in logs:
+        if not logs:
             return
-        loss = logs["loss"]
-        if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+        metrics = task_metrics(logs, self._names_passed)
+        loss = logs.get("loss")
+        if self._observed_steps or not isinstance(loss, (int, float)) or isinstance(loss, bool):
+            # Per-step mode (or a log without a loss): the values go with the next observed step.
+            if metrics:
+                self._logged = metrics if self._logged is None else {**self._logged, **metrics}
             return
         grad_norm = logs.get("grad_norm")
         lr = logs.get("learning_rate")
         epoch = logs.get("epoch")
+        logged, self._logged = self._logged, None
         self._start(args).observe(
             state.global_step, loss=float(loss),
             grad_norm=float(grad_norm) if isinstance(grad_norm, (int, float)) else None,
             learning_rate=float(lr) if isinstance(lr, (int, float)) else None,
             epoch=float(epoch) if isinstance(epoch, (int, float)) else None,
+            metrics=metrics if logged is None else {**logged, **(metrics or {})},
         )
 
     def on_step_end(self, args, state, control, **kwargs):
-        # DefaultFlowCallback (first in the list) has decided what follows this step.
+        self._before_evaluate_or_save(control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._before_evaluate_or_save(control)  # "epoch" strategies evaluate and save here
+
+    def _before_evaluate_or_save(self, control) -> None:
+        # DefaultFlowCallback (first in the list) has decided what follows.
         if control.should_evaluate:
             phase_quietly(self._monitor, "eval")
         elif control.should_save:
@@ -271,16 +297,24 @@ class LossbeatCallback(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         found = eval_loss_from(metrics, self.eval_key)
         if found is not None:
-            self._start(args).observe_eval(state.global_step, found[1])
-        phase_quietly(self._monitor, "checkpoint" if control.should_save else "train")
+            self._start(args).observe_eval(
+                state.global_step, found[1],
+                metrics=task_metrics(metrics, self._names_passed, evaluation=True, skip=found[0]))
+        phase_quietly(self._monitor, "checkpoint" if control.should_save else self._after_evaluation())
+
+    def on_predict(self, args, state, control, metrics=None, **kwargs):
+        phase_quietly(self._monitor, self._after_evaluation())
 
     def on_save(self, args, state, control, **kwargs):
-        phase_quietly(self._monitor, "train")  # the checkpoint is written
+        phase_quietly(self._monitor, self._after_evaluation())  # the checkpoint is written
 
     def on_train_end(self, args, state, control, **kwargs):
         self._unguard()
         self._remove_hook()
         self._reset()
+        self._training = False
+        # What follows train() (save_model, push_to_hub) takes no steps: not a stall for 10m.
+        phase_quietly(self._monitor, "checkpoint")
         flush_quietly(self._monitor)
 
     # --- internals ---------------------------------------------------------------
@@ -357,6 +391,10 @@ class LossbeatCallback(TrainerCallback):
             self._micro_batches += 1
             self._devices.add(value.device)
             self._shares = kwargs.get("num_items_in_batch") is not None
+
+    def _after_evaluation(self) -> str:
+        """The phase an evaluation returns to: training, or the wrap-up after ``train()``."""
+        return "train" if self._training else "checkpoint"
 
     def _reset(self) -> None:
         with self._lock:

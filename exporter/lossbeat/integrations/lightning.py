@@ -10,7 +10,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
-from lossbeat.integrations._common import check_monitor, eval_loss_from, flush_quietly, phase_quietly, rank_monitor
+from lossbeat.integrations._common import (check_monitor, eval_loss_from, flush_quietly, phase_quietly, rank_monitor,
+                                           task_metrics)
 from lossbeat.integrations._guard import Patch, guard_mode, settings_guard
 
 __all__ = ["LossbeatCallback"]
@@ -38,16 +39,24 @@ class LossbeatCallback(Callback):
       the real gradients. ``step`` is ``trainer.global_step + 1`` (steps
       completed once this one is), ``loss`` the summed micro-batch losses,
       the learning rates from ``optimizer.param_groups``, ``epoch`` is
-      ``trainer.current_epoch``.
+      ``trainer.current_epoch``; ``metrics``: the task's values the step logged
+      (``self.log("reward", ...)``, ``self.log("train_acc", ...)``: ``trainer.callback_metrics``, its
+      known signals' values each step and every other name once, for the live profile detection
+      and the RL, preference and classification judgments; no host read).
     - ``on_train_batch_end``: fallback for an optimizer step that came without a
       loss in ``on_before_backward``: ``outputs["loss"]`` (or ``outputs`` when it
       is a tensor), observed without gradients.
     - ``on_validation_epoch_end``: ``Monitor.observe_eval(trainer.global_step,
-      trainer.callback_metrics[eval_key])``; skipped during the sanity check.
+      trainer.callback_metrics[eval_key], metrics=...)`` with the other ``val_``/``test_`` values
+      (``val_acc``, ``val_f1``, ``val_wer``: their names choose the profile); skipped during the
+      sanity check.
     - The phases TrainingStalled reads: ``on_validation_start`` sets ``phase("eval")``, each
       validation batch heartbeats in it, ``on_validation_end`` goes back to ``"train"``;
+      ``trainer.test()`` and ``trainer.predict()`` do the same with their own hooks;
       ``on_save_checkpoint`` sets ``phase("checkpoint")`` until the next training batch
-      starts. A long validation or save pages only past ``alerts.stalled_phase_after``.
+      starts; ``on_train_end`` sets ``"checkpoint"`` for the work after ``fit`` (the final save,
+      an upload), and an evaluation outside ``fit`` returns to it. A long validation, save or
+      wrap-up pages only past ``alerts.stalled_phase_after``.
     - ``guard="skip"``/``"stop"`` (docs/guard.md): from ``on_train_start`` each optimizer has
       its own ``step`` on the instance. Lightning calls ``optimizer.step(closure)``; the guarded
       step runs the closure (training step, backward, ``on_before_optimizer_step``, where the
@@ -57,7 +66,8 @@ class LossbeatCallback(Callback):
       joins the scaler's own and its scale is put back. ``TrainingHalted`` leaves
       ``trainer.fit()``. Lightning steps the LR schedulers itself: a skipped step takes its slot
       (``guard_schedule="advance"``; ``"hold"`` is refused). Taken off at train end or on an exception.
-    - ``on_train_end``: flushes the monitor (an error there is counted, never raised).
+    - ``on_train_end``: flushes the monitor (an error there is counted, never raised) and sets
+      ``phase("checkpoint")``.
 
     Args:
         monitor: the monitor to feed, built in the process that trains (not with
@@ -105,6 +115,8 @@ class LossbeatCallback(Callback):
         self._patches: list[Patch] = []  # the guarded steps (guard="skip"/"stop"), for the fit
         self._decided: Any = None  # the optimizer whose step on_before_optimizer_step observed
         self._updated = False  # the guard ran the scaler's update: Lightning's own call is skipped
+        self._fitting = False  # between on_train_start and on_train_end: evaluations return to "train"
+        self._names_passed: set[str] = set()  # logged names given to the monitor (each once; signals always)
 
     @property
     def monitor(self) -> Monitor | NullMonitor | None:
@@ -133,6 +145,7 @@ class LossbeatCallback(Callback):
             return
         ranks = RankContext(trainer.global_rank, trainer.local_rank, trainer.world_size, "trainer")
         self._monitor = rank_monitor(self._given, self._given_in_pid, self._settings, ranks)
+        self._names_passed = set()
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -149,7 +162,7 @@ class LossbeatCallback(Callback):
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         self.monitor.observe(
             step, loss=self._loss_sum, model=pl_module, optimizer=optimizer, epoch=float(trainer.current_epoch),
-            grad_scaler=scaler,
+            grad_scaler=scaler, metrics=task_metrics(trainer.callback_metrics, self._names_passed),
         )
         self._decided = optimizer if self._patches else None
         self._loss_sum = None
@@ -163,16 +176,19 @@ class LossbeatCallback(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self.monitor.observe(step, loss=loss, optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-                                 epoch=float(trainer.current_epoch))
+                                 epoch=float(trainer.current_epoch),
+                                 metrics=task_metrics(trainer.callback_metrics, self._names_passed))
             self._observed_at = step
         self._loss_sum = None
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or self._monitor is None:  # None: trainer.validate() outside a fit
             return
-        found = eval_loss_from(trainer.callback_metrics, self.eval_key, prefix="val_")
+        logged = trainer.callback_metrics
+        found = eval_loss_from(logged, self.eval_key, prefix="val_")
         if found is not None:
-            self.monitor.observe_eval(trainer.global_step, found[1])
+            self.monitor.observe_eval(trainer.global_step, found[1], metrics=task_metrics(
+                logged, self._names_passed, evaluation=True, skip=found[0]))
 
     def on_validation_start(self, trainer, pl_module) -> None:
         phase_quietly(self._monitor, "eval")  # None: trainer.validate() outside a fit
@@ -182,7 +198,31 @@ class LossbeatCallback(Callback):
         phase_quietly(self._monitor, "eval")  # a heartbeat each batch
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        phase_quietly(self._monitor, "train")
+        phase_quietly(self._monitor, self._after_evaluation())
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        phase_quietly(self._monitor, "eval")
+
+    def on_test_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
+        phase_quietly(self._monitor, "eval")  # a heartbeat each batch
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        phase_quietly(self._monitor, self._after_evaluation())
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        phase_quietly(self._monitor, "eval")
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:
+        phase_quietly(self._monitor, "eval")  # a heartbeat each batch
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        phase_quietly(self._monitor, self._after_evaluation())
+
+    def _after_evaluation(self) -> str:
+        """The phase an evaluation returns to: training, or the wrap-up after ``fit``."""
+        return "train" if self._fitting else "checkpoint"
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         phase_quietly(self._monitor, "checkpoint")  # the checkpoint is written after this hook
@@ -193,6 +233,8 @@ class LossbeatCallback(Callback):
             phase_quietly(monitor, "train")  # after a checkpoint (no hook follows the write)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._fitting = True
+        phase_quietly(self._monitor, "train")  # after the sanity check's validation
         self._unguard()
         monitor = self._monitor
         if guard_mode(monitor) == "off":
@@ -212,6 +254,9 @@ class LossbeatCallback(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self._unguard()
         self._loss_sum = None
+        self._fitting = False
+        # What follows fit (the final checkpoint, an upload) takes no steps: not a stall for 10m.
+        phase_quietly(self._monitor, "checkpoint")
         flush_quietly(self._monitor)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

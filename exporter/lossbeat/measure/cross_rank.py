@@ -11,8 +11,10 @@ multiple of ``every`` together with that step; the rule compares the ranks whose
 is the job's latest. Cost: one tuple assignment every ``every`` steps, from the float the
 monitor already has on the host. Only where ranks must agree: by default (``every`` None) it
 turns on (every :data:`AUTO_ALIGN_EVERY` steps) when the first model observed is a
-``DistributedDataParallel``, and stays off for anything else (sharded or model-parallel
-layouts hold per-rank norms that legitimately differ).
+``DistributedDataParallel`` over the whole world, and stays off for anything else (sharded or
+model-parallel layouts hold per-rank norms that legitimately differ; so does a DDP over a
+data-parallel subgroup next to plain-tensor tensor or expert parallelism, whose replica groups
+hold different shards).
 
 **Rank work time** (``TrainingStraggler``). Under synchronous data parallelism every rank's
 step takes the same wall time (the all-reduce waits for the slowest), so the time between
@@ -49,11 +51,16 @@ AUTO_ALIGN_EVERY = 100
 
 
 def _pure_data_parallel(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is a DistributedDataParallel whose replicas hold whole parameters."""
+    """Whether ``model`` is a DistributedDataParallel over every rank whose replicas hold whole
+    parameters: then, and only then, every rank's gradients must agree."""
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    return isinstance(model, DistributedDataParallel) and not any(
-        hasattr(p, "_local_tensor") for p in model.parameters())
+    if not isinstance(model, DistributedDataParallel) or any(hasattr(p, "_local_tensor") for p in model.parameters()):
+        return False
+    group = getattr(model, "process_group", None)
+    # A subgroup (DDP over the data-parallel ranks of a TP/EP layout): other groups hold other shards.
+    return group is None or not dist.is_initialized() or group.size() == dist.get_world_size()
 
 
 class CrossRankSignals:

@@ -266,33 +266,7 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
             action="stop or roll back; lower the LR 10x, check the data for NaN/Inf",
             keeps=TARGET,
         ),
-        AlertRule(
-            name="TrainingGradientNonFinite",
-            group="lossbeat.nonfinite",
-            severity="critical",
-            expr=(
-                f"{new_events('training_nonfinite_grad_total', a.event_window)}\n"
-                f"  * {ON_TARGET} group_left(layer)\n"
-                "    training_nonfinite_grad_first_layer_info\n"
-                "or\n"
-                "label_replace(\n"
-                f"  {new_events('training_nonfinite_grad_total', a.event_window)}\n"
-                f"    unless {ON_TARGET} training_nonfinite_grad_first_layer_info,\n"
-                '  "layer", "unknown", "__name__", ".*"\n'
-                ")\n"
-            ),
-            summary="Gradients became NaN or infinite",
-            description=(
-                f"{WHO_CAP} produced {VALUE} steps with a NaN/Inf gradient norm in the last {a.event_window}; "
-                "it started at layer {{ $labels.layer }} (the last layer in model order with a non-finite "
-                "gradient: backprop spreads it to every layer before; 'all layers' when a non-finite loss "
-                "poisoned them all (on a pipeline stage without a loss: the gradient from later stages), "
-                "'unknown' without per-layer norms)."
-            ),
-            condition=f"any step with a NaN/Inf gradient norm within {a.event_window}; names the first bad layer",
-            action="inspect the named layer; lower the LR, clip gradients, use bf16 or loss scaling",
-            keeps=TARGET + ("layer",),
-        ),
+        *_gradient_nonfinite_alerts(t),
         AlertRule(
             name="TrainingLossScaleCollapsed",
             group="lossbeat.nonfinite",
@@ -307,6 +281,90 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
             condition=f"the fp16 GradScaler's loss scale below {scale_min} for {a.loss_scale_for}",
             action="lower the LR, check the data for NaN/Inf, train in bf16; find the first bad op with anomaly detection",
             keeps=TARGET,
+        ),
+    ]
+
+
+def events_in(counter: str, window: str) -> str:
+    """The events a counter counted within ``window``, as a vector (0 included). A series that did
+    not exist ``window`` ago counts at its face value (its events before the first scrape too,
+    which ``increase()`` misses), a longer one by ``increase()``."""
+    return f"(({counter} unless {counter} offset {window}) or increase({counter}[{window}]))"
+
+
+def _with_first_layer(expr: str) -> str:
+    """``expr`` (one series per rank) labelled with the first layer whose gradient was non-finite,
+    ``layer="unknown"`` where the exporter named none."""
+    return (f"{expr}\n"
+            f"  * {ON_TARGET} group_left(layer)\n"
+            "    training_nonfinite_grad_first_layer_info\n"
+            "or\n"
+            "label_replace(\n"
+            f"  {expr}\n"
+            f"    unless {ON_TARGET} training_nonfinite_grad_first_layer_info,\n"
+            '  "layer", "unknown", "__name__", ".*"\n'
+            ")\n")
+
+
+_FIRST_LAYER = (
+    "it started at layer {{ $labels.layer }} (the last layer in model order with a non-finite "
+    "gradient: backprop spreads it to every layer before; 'all layers' when a non-finite loss "
+    "poisoned them all (on a pipeline stage without a loss: the gradient from later stages), "
+    "'unknown' without per-layer norms)."
+)
+
+
+def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
+    """Non-finite gradient norms: repeated or judged ongoing page, one the run went on from is a
+    ticket (what an fp16 overflow skip looks like), as the exporter's ``nonfinite`` finding says."""
+    a, window, n = t.alerts, t.alerts.event_window, t.alerts.nonfinite_events
+    counter = "training_nonfinite_grad_total"
+    new, count = new_events(counter, window), events_in(counter, window)
+    judged = f"{_status('nonfinite')} == 2"
+    rule = dict(name="TrainingGradientNonFinite", group="lossbeat.nonfinite",
+                action="inspect the named layer; lower the LR, clip gradients, use bf16 or loss scaling",
+                keeps=TARGET + ("layer",))
+    return [
+        AlertRule(
+            **rule,
+            severity="critical",
+            # The exporter's judgment: non-finite gradients twice in a row, or a non-finite loss.
+            expr=_with_first_layer(f"({new}\n  and {ON_TARGET} {judged})"),
+            labels={"trigger": "sustained"},
+            summary="Gradients keep coming out NaN or infinite",
+            description=(
+                f"{WHO_CAP} produced {VALUE} steps with a NaN/Inf gradient norm in the last {window}, and the "
+                f"exporter judges them ongoing (non-finite in consecutive steps, or with the loss); " + _FIRST_LAYER
+            ),
+            condition=(f"a NaN/Inf gradient norm within {window} and the exporter's nonfinite check a danger "
+                       "(consecutive non-finite steps); names the first bad layer (`trigger=sustained`)"),
+        ),
+        AlertRule(
+            **rule,
+            severity="critical",
+            expr=_with_first_layer(f"({count} >= {n})"),
+            labels={"trigger": "events"},
+            summary="Repeated NaN or infinite gradients",
+            description=(
+                f"{WHO_CAP} produced {VALUE} steps with a NaN/Inf gradient norm in the last {window} "
+                f"(alert at {n}): the run keeps producing them; " + _FIRST_LAYER
+            ),
+            condition=f">= {n} steps with a NaN/Inf gradient norm within {window}; names the first bad layer (`trigger=events`)",
+        ),
+        AlertRule(
+            **rule,
+            severity="warning",
+            # One non-finite step the run went on from (fp16 overflow skipping, one bad batch): a ticket.
+            expr=_with_first_layer(f"({new}\n  unless {ON_TARGET} ({count} >= {n} or {judged}))"),
+            labels={"trigger": "isolated"},
+            summary="An isolated NaN or infinite gradient",
+            description=(
+                f"{WHO_CAP} produced {VALUE} step(s) with a NaN/Inf gradient norm in the last {window}, fewer "
+                f"than {n} and not consecutive: the run went on (what fp16 loss-scale overflow skipping or one bad "
+                "batch looks like). It pages if it repeats. " + _FIRST_LAYER[0].upper() + _FIRST_LAYER[1:]
+            ),
+            condition=(f"1 to {n - 1} steps with a NaN/Inf gradient norm within {window}, not judged ongoing "
+                       "(`trigger=isolated`, a ticket)"),
         ),
     ]
 
@@ -880,14 +938,17 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             summary="One rank is consistently slower than the others",
             description=(
                 f"{WHO_CAP} (instance {{{{ $labels.instance }}}}) spends {VALUE}x the job's median on its own "
-                "work per step (data loading, optimizer step and forward, `training_rank_work_seconds`): "
-                "every other rank waits for it in each all-reduce."
+                "work per step, timed on the host (`training_rank_work_seconds`: data loading, optimizer step "
+                "and forward): every other rank waits for it in each all-reduce. Host time: under asynchronous "
+                "CUDA a slow GPU does not show here, and a host that waits for its device (`loss.item()` to log "
+                "on rank 0 only) is charged that wait."
             ),
             condition=(
                 f"a rank's 5m mean work time > {number(c.straggler_ratio)}x the job's median and "
                 f"> median + {number(c.straggler_min_seconds)}s, with >= {ranks} ranks; for {a.straggler_for}"
             ),
-            action="check that rank's data loading (workers, storage) and its node (throttled GPU, CPU contention)",
+            action="check that rank's data loading (workers, storage), its host (CPU contention) and any "
+                   "host-device sync it alone does (rank-0 logging); a slow GPU needs DCGM, not this alert",
             keeps=TARGET,
         ),
         AlertRule(

@@ -502,7 +502,7 @@ def _cluster_panels(t: Thresholds) -> list[dict]:
                     _targets((f"count by (job, run_id, world_size) (count by (job, run_id, rank, world_size) ({run_info}))",
                               "{{job}}: reporting of world size {{world_size}}")), size=(8, 8)),
         _table("Slowest ranks", f"The ten ranks with the longest own work per step (data wait + forward, "
-               f"5m mean; `work_time=True`). Above {_num(c.straggler_ratio)}x the job's median: "
+               f"host time, 5m mean; `work_time=True`). Above {_num(c.straggler_ratio)}x the job's median: "
                "TrainingStraggler.", "s", f"topk(10, avg_over_time({work}[5m]))",
                size=(8, 8), hide=("Time", "__name__")),
         _timeseries("Gradient-norm agreement", "Each rank's global gradient norm at the last step that is a "
@@ -515,7 +515,7 @@ def _cluster_panels(t: Thresholds) -> list[dict]:
                     size=(8, 8), thresholds=_thresholds("green", (c.grad_norm_rtol, "red")),
                     threshold_style="dashed"),
         _panel("heatmap", "Work time per rank", "Each rank's own work per step (training_rank_work_seconds: "
-               "data wait + forward, no collectives), one row per rank: a straggler is a darker row.", "s",
+               "data wait + forward on the host, no collectives), one row per rank: a straggler is a darker row.", "s",
                _targets((f"avg by (rank) ({work})", "{{rank}}")), size=(24, 10), options=heatmap_options,
                custom={"hideFrom": {"legend": False, "tooltip": False, "viz": False},
                        "scaleDistribution": {"type": "linear"}}),

@@ -9,6 +9,7 @@ import math
 
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.mixin.alert_rules import JOB_RANK, MAD_TO_SIGMA, duration_seconds
+from lossbeat.mixin.event_scenarios import gradient_nonfinite
 from lossbeat.mixin.guard_scenarios import guard_scenarios
 from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_finishing
 from lossbeat.mixin.rule_series import (
@@ -30,14 +31,9 @@ def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
     a = b.t.alerts
     nan = b.rule("TrainingLossNaN")
     early_nan, early_at, early_last = b.first_scrape("training_nonfinite_loss_total", _target(), 1, a.event_window)
-    early_grad, _, _ = b.first_scrape("training_nonfinite_grad_total", _target(), 3, a.event_window)
     counter, at = b.jump("training_nonfinite_loss_total", _target(), a.event_window, 1)
     loss_ok = b.hold("training_loss", _target(), 2.5, 40)
     loss_nan = Series("training_loss", _target(), [run(2.5, 3), run(math.nan, 5)])
-    grad = b.rule("TrainingGradientNonFinite")
-    gcounter, gat = b.jump("training_nonfinite_grad_total", _target(), a.event_window, 2)
-    info = b.hold("training_nonfinite_grad_first_layer_info", _target(layer="blocks.1.mlp"), 1, 40)
-    flat = b.hold("training_nonfinite_grad_total", _target(), 0, 40)
     scale = b.rule("TrainingLossScaleCollapsed")
     scale_at = b.after_for(a.loss_scale_for)
     scale_min = b.t.gradients.loss_scale_min
@@ -55,16 +51,6 @@ def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
                      [(3 * b.i, nan.name, [Expect(nan, _target(), math.nan)])]),
             Scenario("a finite loss is silent", [loss_ok, b.hold("training_nonfinite_loss_total", _target(), 0, 40)],
                      [(at, nan.name, [])]),
-        ],
-        "TrainingGradientNonFinite": [
-            Scenario("fires naming the first bad layer", [gcounter, info],
-                     [(gat, grad.name, [Expect(grad, _target(layer="blocks.1.mlp"), 2)])]),
-            Scenario("fires with layer unknown when the exporter named none", [gcounter],
-                     [(gat, grad.name, [Expect(grad, _target(layer="unknown"), 2)])]),
-            Scenario("non-finite gradients counted before the first scrape fire", [early_grad, info],
-                     [(early_at, grad.name, [Expect(grad, _target(layer="blocks.1.mlp"), 3)]),
-                      (early_last + 2 * b.i, grad.name, [])]),
-            Scenario("finite gradients are silent", [flat, info], [(gat, grad.name, [])]),
         ],
         "TrainingLossScaleCollapsed": [
             Scenario("a collapsed loss scale fires after its for", [loss_scale(scale_min * 0.5)],
@@ -592,6 +578,6 @@ JUDGED = {
 }
 
 
-SCENARIO_FAMILIES = (_nonfinite, _gradients, _trend, _rl, _out_of_range, _concurrent_runs, _overfitting, _progress,
+SCENARIO_FAMILIES = (_nonfinite, gradient_nonfinite, _gradients, _trend, _rl, _out_of_range, _concurrent_runs, _overfitting, _progress,
                      _resources, _cluster, concurrent_cross_rank, ranks_finishing, guard_scenarios)
 """Every family of scenarios, in the order the test documents list them."""

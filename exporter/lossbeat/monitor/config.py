@@ -108,9 +108,10 @@ class MonitorConfig:
     rule compares ranks at the same aligned step). 0 disables it.
 
     None (the default): on, every 100 steps, only where the ranks are known to be replicas that
-    must agree: the model given to ``observe(model=...)`` is a ``DistributedDataParallel`` (pure
-    data parallelism) and ``reduce_shards`` is True; off otherwise (FSDP/DTensor, expert
-    parallelism, plain-tensor tensor parallelism, pipeline stages, ``reduce_shards=False``,
+    must agree: the model given to ``observe(model=...)`` is a ``DistributedDataParallel`` over
+    every rank (pure data parallelism) and ``reduce_shards`` is True; off otherwise (FSDP/DTensor,
+    a DDP over a subgroup next to expert or plain-tensor tensor parallelism, pipeline stages,
+    ``reduce_shards=False``,
     or a callback that observes the unwrapped model), where ranks legitimately hold different
     norms. Set N explicitly where you know the ranks agree (the replicate dimension of HSDP,
     a Trainer or Lightning run under plain DDP)."""
@@ -127,8 +128,9 @@ class MonitorConfig:
     ``"advance"`` (it takes its slot of the schedule, as torchtitan and OLMo-core do; no host read)
     or ``"hold"`` (the schedule waits; on CUDA, one host read of the decision per step)."""
     work_time: bool = False
-    """Time this rank's own work per step (data wait + forward, through forward hooks on the
-    ``observe(model=...)`` module) for ``TrainingStraggler``."""
+    """Time this rank's own work per step on the host (data wait + forward, through forward
+    hooks on the ``observe(model=...)`` module) for ``TrainingStraggler``: under asynchronous
+    CUDA the forward's launch, not its kernels (a slow GPU does not show)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
