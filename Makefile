@@ -10,12 +10,13 @@ demo:
 
 # Four test processes (pytest-xdist): most of the suite's time is spent waiting on servers
 # and alert windows, not computing, so even two cores run four at once; TEST_WORKERS=0 runs
-# them in this process.
+# them in this process. Bytecode is written (ignored __pycache__ folders): a machine that turns it
+# off globally would compile lossbeat and rewrite the tests' asserts in every process the suite starts.
 TEST_WORKERS ?= 4
 
 test:
 	scripts/setup.sh --servers
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
 
 # Regenerate every checked-in generated file from the thresholds file: the one command
 # that writes into the checkout (users write into a folder: lossbeat generate --output-dir DIR).

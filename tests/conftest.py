@@ -84,3 +84,28 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# --- CPU time per test (LOSSBEAT_TEST_CPU=FILE): what the suite's wall time on 2 cores is made of.
+# Each test's user + system time, its own process and the children it waited for (servers, trainers,
+# promtool), appended as one JSON line to FILE (one writer per line: xdist workers share it).
+_CPU_LOG = os.environ.get("LOSSBEAT_TEST_CPU")
+
+
+def _cpu_seconds() -> float:
+    import resource
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if _CPU_LOG:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        import json
+        import time
+        cpu, wall = _cpu_seconds(), time.monotonic()
+        yield
+        line = json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 3),
+                           "wall_s": round(time.monotonic() - wall, 3)})
+        with open(_CPU_LOG, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")

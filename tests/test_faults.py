@@ -184,7 +184,7 @@ def run_worker(tmp_path, mode: str, sig: signal.Signals) -> tuple[int, str, floa
         assert scrape(port)["training_steps_total"] > 0
         sent = time.monotonic()
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=120)  # a hang guard only: the verdict is on close()'s own time
+        out, _ = proc.communicate(timeout=600)  # a hang guard only: the verdict is on close()'s own time
         return proc.returncode, "".join(lines) + out, time.monotonic() - sent
     finally:
         if proc.poll() is None:

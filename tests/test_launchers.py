@@ -66,7 +66,7 @@ def run_ranks(tmp_path: Path, launches: list[tuple[list[str], dict[str, str]]], 
             for argv, env in launches]
     out: dict[int, dict] = {}
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 400  # a hang guard: several ranks import torch at once
         while not all((tmp_path / f"ready.{r}").exists() for r in ranks):
             ended = [j for j in jobs if j.poll() is not None]
             if ended or time.monotonic() > deadline:

@@ -62,9 +62,12 @@ CUSTOM_THRESHOLDS = {
     "gradients": {"explosion": 25, "layer_explosion": 30, "vanishing": 1e-6, "layer_vanishing": 1e-7},
     "overfitting": {"eval_rise": 0.1},
     "profiles": {"causal-lm": {"loss_warn_high": 6.0, "loss_warn_low": 0.2}},
-    "alerts": {"event_window": "1m", "explosion_for": "30s", "explosion_events": 5, "spikes_events": 4,
-               "spikes_window": "2m", "stalled_after": "45s", "exporter_down_for": "15s",
-               "overfitting_for": "90s", "plateau_for": "5m"},
+    # Whole minutes: the rule tests evaluate every minute, as the shipped ones do. A sub-minute
+    # duration shrinks every file's evaluation step (the gcd), which multiplies promtool's work by
+    # four; that case is checked on the documents (test_sub_minute_durations_shrink_the_step).
+    "alerts": {"event_window": "3m", "explosion_for": "4m", "explosion_events": 5, "spikes_events": 4,
+               "spikes_window": "2m", "stalled_after": "4m", "exporter_down_for": "3m",
+               "overfitting_for": "3m", "plateau_for": "5m"},
 }
 
 
@@ -122,7 +125,7 @@ def test_promtool_unit_tests_pass():
     files = sorted(TESTS_DIR.glob("*.yml"))
     result = promtool("test", "rules", *map(str, files))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("SUCCESS") == len(files) == len(ALERTS)
+    assert result.stdout.count("SUCCESS") == len(files) == len(ALERTS) + 1  # and healthyshapes.yml
 
 
 def test_unit_tests_fail_against_rules_with_other_thresholds(tmp_path):
@@ -145,7 +148,20 @@ def test_generated_unit_tests_follow_a_threshold_change(tmp_path, custom_thresho
     explosion = yaml.safe_load((tmp_path / "tests" / "traininggradientexplosion.yml").read_text())
     events = next(t for t in explosion["tests"] if t["name"] == "enough explosion events fire at once")
     assert events["input_series"][0]["values"].endswith("5+0x7")  # alerts.explosion_events: 5
-    assert explosion["evaluation_interval"] == "15s"  # the gcd of the durations
+    assert explosion["evaluation_interval"] == "1m"
+
+
+def test_sub_minute_durations_shrink_the_step(tmp_path):
+    """The rule tests evaluate at the largest step that divides every duration: 15 s for
+    durations of 45 s and 15 s, and their series are sampled at that step."""
+    thresholds = load_thresholds(_write(tmp_path, {"alerts": {"stalled_after": "45s", "exporter_down_for": "15s"}}))
+    documents = rule_test_documents(thresholds)
+    assert {d["evaluation_interval"] for d in documents.values()} == {"15s"}
+    assert {t["interval"] for d in documents.values() for t in d["tests"]} == {"15s"}
+    stalled = next(t for t in documents["trainingstalled.yml"]["tests"] if t["name"] == "no progress while training fires")
+    # The heartbeat age grows by one 15 s step a sample; the alert fires one step past 45 s + 15 s.
+    assert stalled["input_series"][0]["values"].startswith("0+0x1 15+15x")
+    assert [(c["eval_time"], len(c["exp_alerts"])) for c in stalled["alert_rule_test"]] == [("75s", 1), ("1m", 0)]
 
 
 def run_rules(*argv: str) -> int:
@@ -246,7 +262,7 @@ def test_a_threshold_change_changes_the_alert_expression(tmp_path):
     assert promtool("check", "rules", str(tmp_path / "out" / "rules.yml")).returncode == 0
     # The file these thresholds changed (the others are the checked-in ones, run above).
     tests = changed_rule_tests(tmp_path / "out")
-    assert tests == ["tests/traininggradientexplosion.yml"]
+    assert tests == ["tests/healthyshapes.yml", "tests/traininggradientexplosion.yml"]  # the shapes: explosion silent
     tested = promtool("test", "rules", *tests, cwd=tmp_path / "out")
     assert tested.returncode == 0, tested.stdout + tested.stderr
 

@@ -35,7 +35,7 @@ def _fires(prometheus, alertname: str, job: str, timeout: float) -> dict:
 def test_a_leaking_run_fires_memory_growing_and_opens_a_ticket(demo, prometheus, receiver):
     run = demo("--steps", "400", "--step-delay", "0.05", "--fault", "leak", "--fault-step", "100")
     run.wait_serving()
-    alert = _fires(prometheus, "TrainingMemoryGrowing", run.job, timeout=120)
+    alert = _fires(prometheus, "TrainingMemoryGrowing", run.job, timeout=300)
     assert alert["labels"]["severity"] == "warning" and alert["labels"]["device"] == "cpu"
     # A warning: Alertmanager routes it to the ticket queue, never to the pager.
     ticket = wait_for_page(receiver, "TrainingMemoryGrowing", run.job, timeout=60, path="/ticket")
@@ -48,7 +48,7 @@ def test_a_slowed_run_fires_throughput_dropped_and_the_checklist_crosses_item_8(
     run = demo("--steps", "2000", "--step-time", "0.1", "--batch-size", "8", "--fault", "slow",
                "--fault-step", "300", "--eval-every", "0")
     run.wait_serving()
-    alert = _fires(prometheus, "TrainingThroughputDropped", run.job, timeout=150)
+    alert = _fires(prometheus, "TrainingThroughputDropped", run.job, timeout=300)
     assert alert["labels"]["rank"] == "0"
     # The checklist while the alert fires: once the slow rate fills the baseline window, the
     # run's new level is its own and the alert resolves (the ticket stays).

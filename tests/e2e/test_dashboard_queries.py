@@ -23,7 +23,7 @@ def test_every_panel_query_returns_data_from_real_runs(demo, prometheus, e2e_thr
 
     def runs_done():
         return all(exporter_samples(r.port).get('training_steps_total{rank="0"}') == 120 for r in (exploding, nan))
-    wait_until(runs_done, 180, "both runs to finish training")
+    wait_until(runs_done, 600, "both runs to finish training")
     wait_until(lambda: prometheus.firing("TrainingLossNaN", job=nan.job), 30, "an alert to fire (Firing alerts panel)")
 
     jobs = f"{exploding.job}|{nan.job}"

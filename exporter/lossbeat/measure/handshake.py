@@ -143,7 +143,9 @@ def _leader(store: Any, prefix: str, rank: int, codes: Sequence[str], pointer: i
 def _meet(store: Any, key: str, size: int, soft: float, hard: float) -> str:
     """``size`` ranks meet at ``key``: one decision for all, early and late."""
     if store.add(f"{key}/n", 1) >= size:  # the last arrival decides for all
-        decided = _text(store.compare_set(f"{key}/d", "", REDUCE))
+        # Within its own timeout, all met in time; past it (it waited that long for the others'
+        # entries), the meeting is late whatever the order of the last two arrivals.
+        decided = _text(store.compare_set(f"{key}/d", "", REDUCE if time.monotonic() < soft else _SKIP))
         if decided == REDUCE:
             return REDUCE
         return _text(store.compare_set(f"{key}/late", "", LATE))  # late, unless the grace ran out

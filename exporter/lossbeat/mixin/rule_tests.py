@@ -32,17 +32,21 @@ def _rle(values: list[float]) -> list[str]:
     return out
 
 
-def _healthy(b: _Builder) -> dict[str, list[Scenario]]:
-    """The synthetic healthy shapes of ``lossbeat.analyze.evaluation`` replayed through the exporter's Judge,
-    one scrape per judgment: every judgment alert whose check the Judge never raised to its level
-    stays silent (the rules agree with the live checks), and the explosion events never page."""
+def _replayed_shapes(t: Thresholds) -> list[tuple[str, list[tuple[dict[str, float], int]]]]:
+    """Each synthetic healthy shape of ``lossbeat.analyze.evaluation`` replayed through the exporter's
+    Judge: (its name, one (statuses, explosion events) sample per judgment). Some 30,000 judged
+    steps, the bulk of generating the rule tests, and the same for the same thresholds: kept for
+    the last few thresholds (the drift check, the bundle and the rules command each build them)."""
+    key = repr(t)  # frozen dataclasses: the repr is every field, nested ones included
+    if key in _REPLAYED:
+        return _REPLAYED[key]
     from lossbeat.analyze.replay import _merged, _Replay  # the live judgment, offline
     from lossbeat.analyze.evaluation import healthy_shapes
     from lossbeat.logs import TrainRecord
 
-    out: dict[str, list[Scenario]] = {name: [] for name in JUDGED}
+    shapes = []
     for shape in healthy_shapes():
-        replay = _Replay(shape.log, b.t)
+        replay = _Replay(shape.log, t)
         samples: list[tuple[dict[str, float], int]] = []
         judge = replay.diagnose
 
@@ -55,24 +59,44 @@ def _healthy(b: _Builder) -> dict[str, list[Scenario]]:
         replay.diagnose = record
         for item in _merged(shape.log.train, shape.log.evals):
             replay.train(item) if isinstance(item, TrainRecord) else replay.eval(item)
+        shapes.append((shape.name, samples))
+    while len(_REPLAYED) >= _REPLAYED_KEPT:
+        _REPLAYED.pop(next(iter(_REPLAYED)))
+    _REPLAYED[key] = shapes
+    return shapes
+
+
+_REPLAYED: dict[str, list] = {}
+_REPLAYED_KEPT = 4
+
+
+HEALTHY_SHAPES_FILE = "healthyshapes.yml"
+
+
+def _healthy(b: _Builder) -> list[Scenario]:
+    """The synthetic healthy shapes, one scrape per judgment, one test each: every judgment alert
+    whose check the Judge never raised to its level stays silent (the rules agree with the live
+    checks), and the explosion events never page. One test holds every check's series (no alert
+    reads another), so promtool evaluates the rules once per shape, not once per shape and alert."""
+    out = []
+    for shape_name, samples in _replayed_shapes(b.t):
         # At most _HEALTHY_SAMPLES scrapes (promtool evaluates every rule at each): the worst status
         # and the last counter value of each stretch of judgments, so nothing raised is lost.
         chunk = -(-len(samples) // _HEALTHY_SAMPLES)
         parts = [samples[i:i + chunk] for i in range(0, len(samples), chunk)]
         samples = [({c: max(p[0].get(c, 0.0) for p in part) for c in part[0][0]}, part[-1][1]) for part in parts]
         end = (len(samples) - 1) * b.i
-        events = Series("training_grad_explosions_total", _target(), _rle([float(n) for _, n in samples]))
-        name = shape.name.removeprefix("synthetic: ")
-        for alert, (check, level) in JUDGED.items():
+        series = [Series("training_grad_explosions_total", _target(), _rle([float(n) for _, n in samples])),
+                  Series("training_grad_norm", _target(), [run(1.0, len(samples))]),
+                  Series("training_eval_loss", _target(), [run(1.0, len(samples))])]
+        silent = []
+        for check in dict.fromkeys(check for check, _ in JUDGED.values()):
             statuses = [s.get(check, 0.0) for s, _ in samples]
-            if max(statuses) >= level:
-                continue  # the Judge raised it (a warning a reader agrees with): not a silent case
-            series = [Series("training_health_status", _target(check=check, component=""), _rle(statuses)),
-                      Series("training_grad_norm", _target(), [run(1.0, len(samples))]),
-                      Series("training_eval_loss", _target(), [run(1.0, len(samples))])]
-            if alert == "TrainingGradientExplosion":
-                series.append(events)
-            out[alert].append(Scenario(f"healthy shape, silent: {name}", series, [(end, alert, [])]))
+            series.append(Series("training_health_status", _target(check=check, component=""), _rle(statuses)))
+            # An alert whose check the Judge raised (a warning a reader agrees with) is no silent case.
+            silent += [alert for alert, (c, level) in JUDGED.items() if c == check and max(statuses) < level]
+        name = shape_name.removeprefix("synthetic: ")
+        out.append(Scenario(f"healthy shape, silent: {name}", series, [(end, alert, []) for alert in silent]))
     return out
 
 
@@ -97,7 +121,8 @@ def _duration_text(seconds: float) -> str:
 
 
 def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml") -> dict[str, dict]:
-    """One promtool test document per alert name, keyed by ``<alertname lowercased>.yml``."""
+    """One promtool test document per alert name, keyed by ``<alertname lowercased>.yml``, and
+    the healthy shapes' (``healthyshapes.yml``: every judgment alert silent on each)."""
     if not isinstance(thresholds, Thresholds):
         raise TypeError(f"thresholds: expected Thresholds, got {type(thresholds).__name__}")
     interval = _interval(thresholds)
@@ -106,17 +131,17 @@ def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml")
     for part in SCENARIO_FAMILIES:
         for name, more in part(b).items():
             scenarios.setdefault(name, []).extend(more)
-    for name, healthy in _healthy(b).items():
-        scenarios[name] = scenarios[name] + healthy
     missing = {r.name for r in b.rules} - set(scenarios)
     if missing:
         raise ValueError(f"rule tests: no scenarios for {sorted(missing)}")
     groups = [RECORDING_GROUP] + list(dict.fromkeys(r.group for r in b.rules))
     runbook = thresholds.alerts.runbook_url
     documents = {}
-    for alert_name in dict.fromkeys(r.name for r in b.rules):
+    files = {f"{name.lower()}.yml": scenarios[name] for name in dict.fromkeys(r.name for r in b.rules)}
+    files[HEALTHY_SHAPES_FILE] = _healthy(b)
+    for file_name, file_scenarios in files.items():
         tests = []
-        for scenario in scenarios[alert_name]:
+        for scenario in file_scenarios:
             checks = []
             for when, name, expects in scenario.checks:
                 alerts = [_expected(e, runbook) for e in expects]
@@ -127,7 +152,7 @@ def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml")
                 "input_series": [s.to_doc() for s in scenario.series],
                 "alert_rule_test": checks,
             })
-        documents[f"{alert_name.lower()}.yml"] = {
+        documents[file_name] = {
             "rule_files": [rule_file],
             "evaluation_interval": _duration_text(interval),
             "group_eval_order": groups,
