@@ -8,6 +8,7 @@ ring once per lap so floating-point drift stays bounded.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Iterator
 
@@ -242,7 +243,7 @@ class StepSummary:
     N steps means the same whether the log holds every step or every 500th.
     """
 
-    __slots__ = ("capacity", "width", "blocks", "first_step", "last_step")
+    __slots__ = ("capacity", "width", "blocks", "first_step", "last_step", "_starts", "_added", "_starts_at")
 
     def __init__(self, capacity: int = 128) -> None:
         if not isinstance(capacity, int) or capacity < 4 or capacity % 2:
@@ -255,6 +256,9 @@ class StepSummary:
         self.blocks: list[list[float]] = []  # [first step, count, sum]
         self.first_step: int | None = None
         self.last_step: int | None = None
+        self._starts: list[float] = []
+        self._added = 0  # blocks added or merged so far
+        self._starts_at = -1  # ... when _starts was read
 
     def push(self, step: int, value: float) -> None:
         if self.first_step is None:
@@ -263,10 +267,12 @@ class StepSummary:
         start = self.first_step + (step - self.first_step) // self.width * self.width
         blocks = self.blocks
         if blocks and blocks[-1][0] == start:
-            blocks[-1][1] += 1
-            blocks[-1][2] += value
+            last = blocks[-1]
+            last[1] += 1
+            last[2] += value
             return
         blocks.append([float(start), 1.0, value])
+        self._added += 1
         while len(self.blocks) > self.capacity:
             self._merge()
 
@@ -282,6 +288,14 @@ class StepSummary:
                 merged.append([float(start), count, total])
         self.blocks = merged
 
+    def _block_starts(self) -> list[float]:
+        """The blocks' first steps, ascending: rebuilt only when a block was added or merged
+        (a block's first step never changes), so the diagnosis finds windows by bisection."""
+        if self._starts_at != self._added:
+            self._starts = [b[0] for b in self.blocks]
+            self._starts_at = self._added
+        return self._starts
+
     @property
     def span(self) -> int:
         """Steps from the first value to the last (0 when empty)."""
@@ -289,25 +303,28 @@ class StepSummary:
 
     def window(self, start: float, end: float) -> tuple[int, float]:
         """(count, mean) of the values in blocks starting in ``(start, end]``."""
+        starts = self._block_starts()
         count, total = 0.0, 0.0
-        for first, n, s in self.blocks:
-            if start < first <= end:
-                count += n
-                total += s
+        # The same additions, in the same order, as over every block: only the ones inside.
+        for _, n, s in self.blocks[bisect.bisect_right(starts, start):bisect.bisect_right(starts, end)]:
+            count += n
+            total += s
         return int(count), (total / count if count else math.nan)
 
     def best(self, width: float, min_count: int, end: float) -> tuple[int, float]:
         """(count, mean) of the lowest-mean window of ``width`` steps (block-aligned) ending by ``end``,
         among those holding at least ``min_count`` values; (0, nan) when none does. O(blocks)."""
-        blocks = [b for b in self.blocks if b[0] <= end]
+        starts = self._block_starts()
+        blocks = self.blocks[:bisect.bisect_right(starts, end)]
         best_n, best_mean = 0, math.nan
         i, count, total = 0, 0.0, 0.0
-        for j, (first, n, s) in enumerate(blocks):
+        for first, n, s in blocks:
             count += n
             total += s
-            while blocks[i][0] <= first - width:
-                count -= blocks[i][1]
-                total -= blocks[i][2]
+            while starts[i] <= first - width:
+                leaving = blocks[i]
+                count -= leaving[1]
+                total -= leaving[2]
                 i += 1
             if count >= min_count and (best_n == 0 or total / count < best_mean):
                 best_n, best_mean = int(count), total / count

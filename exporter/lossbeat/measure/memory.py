@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import resource
 import sys
 import threading
@@ -93,11 +94,10 @@ def _cpu_memory() -> tuple[float, float]:
     current = peak = math.nan
     with _lock:
         try:
-            with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
-                status = fh.read()  # one read and two finds: a line-by-line scan costs several times more
-            current = _status_kib(status, "\nVmRSS:") * 1024
-            peak = _status_kib(status, "\nVmHWM:") * 1024
-            _reset_cpu_peak()
+            status = _PROC.read_status()
+            current = _status_kib(status, b"\nVmRSS:") * 1024
+            peak = _status_kib(status, b"\nVmHWM:") * 1024
+            _PROC.reset_peak()
         except (OSError, ValueError, IndexError):
             pass
     if math.isnan(peak):  # not Linux: the rusage peak (bytes on macOS, KiB elsewhere), a lifetime one
@@ -108,21 +108,54 @@ def _cpu_memory() -> tuple[float, float]:
     return current, max(current, peak)
 
 
-def _reset_cpu_peak() -> None:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); without it the peak stays a lifetime one."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-            fh.write("5")
-    except OSError:
-        pass
+class _ProcFiles:
+    """/proc/self/status and /proc/self/clear_refs, opened once per process (under ``_lock``).
+
+    A diagnosis reads memory every ``diagnose_every`` steps: opening both files and wrapping
+    them in Python file objects cost more than the kernel's work, so the descriptors stay open
+    (``pread`` at offset 0 makes the kernel render the status afresh) and are reopened after a
+    fork (``/proc/self`` of the parent would be read otherwise)."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._status = self._clear = -1
+
+    def _open(self) -> None:
+        if self._pid == os.getpid():
+            return
+        for fd in (self._status, self._clear):  # the parent's, inherited across a fork
+            if fd >= 0:
+                os.close(fd)
+        self._status = self._clear = -1
+        self._pid = os.getpid()
+        self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._clear = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            self._clear = -1  # without it (Linux < 4.0, a sandbox) the peak stays a lifetime one
+
+    def read_status(self) -> bytes:
+        self._open()
+        return os.pread(self._status, 8192, 0)
+
+    def reset_peak(self) -> None:
+        """Reset VmHWM to the current RSS (Linux >= 4.0); without it the peak stays a lifetime one."""
+        if self._clear >= 0:
+            try:
+                os.write(self._clear, b"5")
+            except OSError:
+                pass
 
 
-def _status_kib(status: str, key: str) -> float:
-    """The kB value of ``key`` (``"\\nVmRSS:"``) in /proc/self/status; NaN when absent."""
+_PROC = _ProcFiles()
+
+
+def _status_kib(status: bytes, key: bytes) -> float:
+    """The kB value of ``key`` (``b"\\nVmRSS:"``) in /proc/self/status; NaN when absent."""
     at = status.find(key)
     if at < 0:
         return math.nan
-    return float(status[at + len(key):status.index("\n", at + 1)].split()[0])
+    return float(status[at + len(key):status.index(b"\n", at + 1)].split()[0])
 
 
 @functools.lru_cache(maxsize=1)
