@@ -11,7 +11,8 @@ Figures per side (medians and minima over the rounds; the paired ratio against t
 
 * ``float`` / ``tensor_0d``: mean µs per scalars-only ``observe()`` over a round of calls
   (``benchmarks/observe_cost.py``'s inputs: a slowly falling noisy loss, grad norm 0.5, LR 1e-3),
-  after a warm-up that fills every window;
+  after a warm-up that fills every window; ``*_cpu``: the same in the thread's CPU time, which
+  a thread waiting for a core does not count (the steadier figure on a loaded machine);
 * ``heap_churn_bytes``: the Python heap a step allocates beyond what it started with,
   ``tracemalloc``'s peak during one ``observe()`` minus the traced size before it, averaged
   over the steps (what the allocator turns over per step, freed or not);
@@ -118,18 +119,19 @@ class _Stream:
     def inputs(self, calls: int) -> list[tuple[Any, Any]]:
         return [self.make(i) for i in range(self.step, self.step + calls)]
 
-    def run(self, calls: int) -> float:
-        """Mean µs per call over ``calls`` observes (inputs built before the clock starts)."""
+    def run(self, calls: int) -> tuple[float, float]:
+        """Mean µs per call over ``calls`` observes (inputs built before the clock starts): wall
+        time, and the CPU time of this thread (what a descheduled thread does not count)."""
         args = self.inputs(calls)
         observe, step = self.monitor.observe, self.step
         with self.side.active():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             for loss, grad_norm in args:
                 observe(step, loss=loss, grad_norm=grad_norm, learning_rate=1e-3)
                 step += 1
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
         self.step = step
-        return elapsed / calls * 1e6
+        return elapsed / calls * 1e6, cpu / calls * 1e6
 
     def churn(self, calls: int) -> float:
         """Mean bytes a step allocates beyond what it started with (tracemalloc's per-step peak)."""
@@ -164,12 +166,12 @@ class _Render:
                 self.monitor.observe(step, loss=1.0, learning_rate=1e-3, model=model)
         self.series = len(self.monitor.state.layer_norms)
 
-    def run(self, repeats: int) -> float:
+    def run(self, repeats: int) -> tuple[float, float]:
         with self.side.active():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             for _ in range(repeats):
                 self.generate(self.monitor.registry)
-            return (time.perf_counter() - start) / repeats * 1e3
+            return (time.perf_counter() - start) / repeats * 1e3, (time.thread_time() - cpu) / repeats * 1e3
 
 
 def _summary(values: list[float]) -> dict:
@@ -187,9 +189,13 @@ def compare(sides: list[Side], rounds: int, calls: int, warmup: int, churn_calls
         order = sides[r % len(sides):] + sides[:r % len(sides)]
         for kind in ("float", "tensor_0d"):
             for side in order:
-                samples.setdefault((side.label, kind), []).append(streams[side.label, kind].run(calls))
+                wall, cpu = streams[side.label, kind].run(calls)
+                samples.setdefault((side.label, kind), []).append(wall)
+                samples.setdefault((side.label, kind + "_cpu"), []).append(cpu)
         for side in order:
-            samples.setdefault((side.label, "render_ms"), []).append(renders[side.label].run(render_repeats))
+            wall, cpu = renders[side.label].run(render_repeats)
+            samples.setdefault((side.label, "render_ms"), []).append(wall)
+            samples.setdefault((side.label, "render_ms_cpu"), []).append(cpu)
         for side in order:
             samples.setdefault((side.label, "heap_churn_bytes"), []).append(
                 streams[side.label, "float"].churn(churn_calls))
@@ -198,7 +204,8 @@ def compare(sides: list[Side], rounds: int, calls: int, warmup: int, churn_calls
     out: dict[str, Any] = {}
     for side in sides:
         figures = {}
-        for metric in ("float", "tensor_0d", "render_ms", "heap_churn_bytes"):
+        for metric in ("float", "float_cpu", "tensor_0d", "tensor_0d_cpu", "render_ms", "render_ms_cpu",
+                       "heap_churn_bytes"):
             values = samples[side.label, metric]
             figures[metric] = _summary(values)
             if side.label != base:

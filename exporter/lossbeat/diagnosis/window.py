@@ -1,9 +1,9 @@
 """Bounded windows over a series of floats, with O(1) updates.
 
-A :class:`Ring` keeps the last ``capacity`` values; :class:`SlidingSum` keeps
-the sum (and sum of squares) of a sub-window that ends ``offset`` values back,
-updated by one add and one subtract per push. Sums are recomputed from the
-ring once per lap so floating-point drift stays bounded.
+A :class:`Ring` keeps the last ``capacity`` values (a push is one list write); the
+statistics over it are computed when they are read (the diagnosis, every
+``windows.diagnose_every`` records, or a scrape), never kept up to date per push.
+:class:`StepSummary` summarises a whole run in a fixed number of blocks.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import bisect
 import math
 from typing import Iterator
 
-__all__ = ["Ring", "SlidingSum", "LossWindow", "fsum"]
+__all__ = ["Ring", "LossWindow", "StepSummary", "fsum", "median", "robust_noise"]
 
 
 def fsum(values) -> float:
@@ -76,105 +76,66 @@ class Ring:
         self._count = 0
 
 
-class SlidingSum:
-    """Sum and sum of squares of ``length`` values ending ``offset`` pushes back."""
-
-    __slots__ = ("offset", "length", "total", "squares", "count")
-
-    def __init__(self, offset: int, length: int) -> None:
-        self.offset = offset
-        self.length = length
-        self.total = 0.0
-        self.squares = 0.0
-        self.count = 0
-
-    def update(self, ring: Ring) -> None:
-        """Call right after ``ring.push``. Indexes the ring directly: this runs every step."""
-        n, data, capacity, newest = ring._count, ring._data, ring._capacity, ring._next - 1
-        if n > self.offset:
-            entering = data[(newest - self.offset) % capacity]
-            self.total += entering
-            self.squares += entering * entering
-            self.count += 1
-        leaving_at = self.offset + self.length
-        if n > leaving_at:
-            leaving = data[(newest - leaving_at) % capacity]
-            self.total -= leaving
-            self.squares -= leaving * leaving
-            self.count -= 1
-
-    def resync(self, ring: Ring) -> None:
-        """Recompute from the ring (drift control)."""
-        values = [ring.back(k) for k in range(self.offset, min(len(ring), self.offset + self.length))]
-        self.total = fsum(values)
-        self.squares = fsum(v * v for v in values)
-        self.count = len(values)
-
-    def mean(self) -> float:
-        return self.total / self.count if self.count else math.nan
-
-    def std(self) -> float:
-        """Population standard deviation."""
-        if not self.count:
-            return math.nan
-        mean = self.total / self.count
-        return math.sqrt(max(self.squares / self.count - mean * mean, 0.0))
-
-
 class LossWindow:
-    """Finite losses with the derived statistics the exporter publishes every step.
+    """Finite losses, and the raw statistics the exporter publishes (computed when read).
 
     ``cv()``: std / mean over the last ``cv_steps``; ``trend_ratio()``:
     (mean of the ``trend_steps`` before the last ``trend_steps`` - mean of the
-    last ``trend_steps``) / the former, positive when the loss falls.
+    last ``trend_steps``) / the former, positive when the loss falls. A push is one
+    ring write: the statistics are read at scrape time, not every step, so they are
+    summed from the ring then (O(window), exact) instead of kept up to date per push.
     """
 
-    __slots__ = ("ring", "_cv", "_recent", "_previous", "_pushes", "trend_steps", "cv_steps")
+    __slots__ = ("ring", "trend_steps", "cv_steps")
 
     def __init__(self, cv_steps: int, trend_steps: int, history: int = 0) -> None:
         self.cv_steps = cv_steps
         self.trend_steps = trend_steps
-        # +1 so the value leaving the oldest sub-window is still in the ring.
         self.ring = Ring(max(cv_steps, 2 * trend_steps, history) + 1)
-        self._cv = SlidingSum(0, cv_steps)
-        self._recent = SlidingSum(0, trend_steps)
-        self._previous = SlidingSum(trend_steps, trend_steps)
-        self._pushes = 0
 
     def push(self, value: float) -> None:
         self.ring.push(value)
-        self._pushes += 1
-        if self._pushes % self.ring.capacity == 0:
-            for s in (self._cv, self._recent, self._previous):
-                s.resync(self.ring)
-        else:
-            for s in (self._cv, self._recent, self._previous):
-                s.update(self.ring)
 
     def __len__(self) -> int:
-        return len(self.ring)
+        return self.ring._count
+
+    def _cv_window(self) -> tuple[int, float, float]:
+        """(count, mean, population std) of the last ``cv_steps`` values."""
+        values = self.ring.last(self.cv_steps)
+        n = len(values)
+        if not n:
+            return 0, math.nan, math.nan
+        mean = fsum(values) / n
+        return n, mean, math.sqrt(fsum([(v - mean) * (v - mean) for v in values]) / n)
 
     def mean(self) -> float:
-        return self._cv.mean()
+        return self._cv_window()[1]
 
     def std(self) -> float:
-        return self._cv.std()
+        """Population standard deviation."""
+        return self._cv_window()[2]
 
     def cv(self) -> float:
         """NaN until the window holds two values or when the mean is not positive."""
-        mean = self._cv.mean()
-        if self._cv.count < 2 or not mean > 0:
+        n, mean, std = self._cv_window()
+        if n < 2 or not mean > 0:
             return math.nan
-        return self._cv.std() / mean
+        return std / mean
+
+    def _halves(self) -> tuple[float, float]:
+        """(mean of the previous ``trend_steps``, mean of the last ``trend_steps``); NaN until both are full."""
+        k = self.trend_steps
+        values = self.ring.last(2 * k)
+        if len(values) < 2 * k:
+            return math.nan, math.nan
+        return fsum(values[:k]) / k, fsum(values[k:]) / k
 
     def trend_ratio(self) -> float:
         """NaN until both halves are full or when the previous mean is not positive."""
-        if self._previous.count < self.trend_steps:
-            return math.nan
-        previous = self._previous.mean()
+        previous, recent = self._halves()
         if not previous > 0:
             return math.nan
-        return (previous - self._recent.mean()) / previous
+        return (previous - recent) / previous
 
     def detrended_cv(self) -> float:
         """Std of the CV window around its least-squares line, over its mean.
@@ -196,18 +157,14 @@ class LossWindow:
 
     def trend_noise_ratio(self) -> float:
         """Standard error of ``trend_ratio()`` if the window were pure noise (0 when unknown)."""
-        previous = self._previous.mean()
-        std = self._cv.std()
-        if self._previous.count < self.trend_steps or not previous > 0 or not math.isfinite(std):
+        previous, _ = self._halves()
+        std = self._cv_window()[2]
+        if not previous > 0 or not math.isfinite(std):
             return 0.0
         return std / previous * math.sqrt(2.0 / self.trend_steps)
 
     def clear(self) -> None:
         self.ring.clear()
-        self._cv = SlidingSum(0, self.cv_steps)
-        self._recent = SlidingSum(0, self.trend_steps)
-        self._previous = SlidingSum(self.trend_steps, self.trend_steps)
-        self._pushes = 0
 
 
 def median(values: list[float]) -> float:
@@ -243,7 +200,8 @@ class StepSummary:
     N steps means the same whether the log holds every step or every 500th.
     """
 
-    __slots__ = ("capacity", "width", "blocks", "first_step", "last_step", "_starts", "_added", "_starts_at")
+    __slots__ = ("capacity", "width", "blocks", "first_step", "last_step", "_starts", "_added", "_starts_at",
+                 "_ordered")
 
     def __init__(self, capacity: int = 128) -> None:
         if not isinstance(capacity, int) or capacity < 4 or capacity % 2:
@@ -259,6 +217,7 @@ class StepSummary:
         self._starts: list[float] = []
         self._added = 0  # blocks added or merged so far
         self._starts_at = -1  # ... when _starts was read
+        self._ordered = True  # blocks in ascending order (a step before the last block's breaks it)
 
     def push(self, step: int, value: float) -> None:
         if self.first_step is None:
@@ -271,6 +230,8 @@ class StepSummary:
             last[1] += 1
             last[2] += value
             return
+        if blocks and start < blocks[-1][0]:
+            self._ordered = False
         blocks.append([float(start), 1.0, value])
         self._added += 1
         while len(self.blocks) > self.capacity:
@@ -303,8 +264,14 @@ class StepSummary:
 
     def window(self, start: float, end: float) -> tuple[int, float]:
         """(count, mean) of the values in blocks starting in ``(start, end]``."""
-        starts = self._block_starts()
         count, total = 0.0, 0.0
+        if not self._ordered:
+            for first, n, s in self.blocks:
+                if start < first <= end:
+                    count += n
+                    total += s
+            return int(count), (total / count if count else math.nan)
+        starts = self._block_starts()
         # The same additions, in the same order, as over every block: only the ones inside.
         for _, n, s in self.blocks[bisect.bisect_right(starts, start):bisect.bisect_right(starts, end)]:
             count += n
@@ -314,8 +281,12 @@ class StepSummary:
     def best(self, width: float, min_count: int, end: float) -> tuple[int, float]:
         """(count, mean) of the lowest-mean window of ``width`` steps (block-aligned) ending by ``end``,
         among those holding at least ``min_count`` values; (0, nan) when none does. O(blocks)."""
-        starts = self._block_starts()
-        blocks = self.blocks[:bisect.bisect_right(starts, end)]
+        if self._ordered:
+            starts = self._block_starts()
+            blocks = self.blocks[:bisect.bisect_right(starts, end)]
+        else:
+            blocks = [b for b in self.blocks if b[0] <= end]
+            starts = [b[0] for b in blocks]
         best_n, best_mean = 0, math.nan
         i, count, total = 0, 0.0, 0.0
         for first, n, s in blocks:
