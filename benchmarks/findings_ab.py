@@ -102,9 +102,13 @@ def _live(side: Side, run: Any) -> dict:
                 if findings != last_findings:
                     trail.append(("findings", step, findings))
                     last_findings = findings
+            list(monitor.registry.collect())  # a scrape: the gauges a scrape derives are derived
             s = monitor.state
-            trail.append(("end", tuple(_num(x) for x in (s.loss, s.grad_norm, s.step, s.loss_cv, s.loss_trend_ratio,
-                                                          s.grad_norm_baseline))))
+            # The raw gauges to 9 digits: summed in another order (exactly now, a running sum before),
+            # they differ in the last bits.
+            trail.append(("end", tuple(_num(x if not isinstance(x, float) else float(f"{x:.9g}"))
+                                       for x in (s.loss, s.grad_norm, s.step, s.loss_cv, s.loss_trend_ratio,
+                                                 s.grad_norm_baseline))))
         finally:
             monitor.close()
         return {"trail": trail}

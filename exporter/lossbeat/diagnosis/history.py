@@ -14,7 +14,7 @@ from typing import Mapping
 from lossbeat.diagnosis.events import EVENT_CHECKS, EventTrack
 from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
 from lossbeat.diagnosis.thresholds import Thresholds
-from lossbeat.diagnosis.window import LossWindow, Ring, StepSummary, median, robust_noise
+from lossbeat.diagnosis.window import LossWindow, NoiseWindow, Ring, StepSummary, median, robust_noise
 
 __all__ = ["History", "StepEvents", "LossSeries", "GradBaseline", "LearningRateSchedule", "EvalTrack"]
 
@@ -58,6 +58,7 @@ class LossSeries:
         self._pushes = 0
         self._latest = math.nan  # the newest finite record (the ring's back)
         self._spike_limit = math.inf  # spike_limit(), recomputed when its inputs change (a refresh)
+        self._noise_window = NoiseWindow(w.noise_records)
         self.same_run = 0
         """Finite records in a row exactly equal to the latest one (1: it differs from the one before)."""
         self.records = 0
@@ -99,7 +100,10 @@ class LossSeries:
         if self.loss_at_warmup_check != self.loss_at_warmup_check \
                 and step - self.first_step >= self.t.learning_rate.warmup_check_step:  # NaN: not reached yet
             self.loss_at_warmup_check = value
-        self.window.ring.push(value)
+        ring = self.window.ring
+        ring.push(value)
+        if self._noise_window.size < ring._capacity:
+            self._noise_window.update(ring)
         self.summary.push(step, value)
         self._pushes += 1
         if self._pushes % self.t.windows.diagnose_every == 0 or self._pushes <= self.t.loss.spike_min_steps:
@@ -119,24 +123,41 @@ class LossSeries:
         return self._local + max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._local))
 
     def refresh(self) -> None:
-        """Recompute the robust level and noise of the noise window (O(window), every few records)."""
-        values = self.ring.last(self.t.windows.noise_records)
-        self._level = median(values)
+        """Recompute the robust level and noise of the noise window (every few records): read
+        from the window kept sorted as records come (O(1)), or sorted again (O(window)) for a
+        zero-inflated loss."""
+        size = self.t.windows.noise_records
+        window = self._noise_window
+        n = min(size, len(self.ring))
         # A loss that is often exactly 0 (GRPO/PPO groups without advantage, a satisfied hinge) has
         # a median second difference of 0: against that every non-zero record would be a spike.
         # Its noise and local level are those of its non-zero records.
-        nonzero = [v for v in values if v != 0.0]
-        if len(values) - len(nonzero) > _ZERO_INFLATED * len(values) and len(nonzero) >= 4:
-            values = nonzero
-        self._noise = robust_noise(values)
-        if math.isnan(self.first_noise) and len(values) >= _EARLY_NOISE_RECORDS:
+        if window.size == size and window.size < self.ring.capacity and not (
+                window.zeros > _ZERO_INFLATED * n and n - window.zeros >= 4):
+            self._level = window.values.median()
+            self._noise = window.noise()
+            local = self.ring.last(self.t.loss.spike_min_steps) if n >= self.t.loss.spike_min_steps \
+                else self.ring.last(n)
+        else:
+            values = self.ring.last(size)
+            self._level = median(values)
+            nonzero = [v for v in values if v != 0.0]
+            if len(values) - len(nonzero) > _ZERO_INFLATED * len(values) and len(nonzero) >= 4:
+                values = nonzero
+            self._noise = robust_noise(values)
+            n = len(values)
+            local = values[-self.t.loss.spike_min_steps:]
+        if math.isnan(self.first_noise) and n >= _EARLY_NOISE_RECORDS:
             self.first_noise = self._noise
         # Spikes are judged against the local level (a falling loss leaves the window's median behind).
-        self._local = median(values[-self.t.loss.spike_min_steps:])
+        self._local = median(local)
         self._spike_limit = self._limit()
 
     def retarget(self, thresholds: Thresholds) -> None:
         self.t = thresholds
+        if self._noise_window.size != thresholds.windows.noise_records:
+            self._noise_window = NoiseWindow(thresholds.windows.noise_records)
+            self._noise_window.rebuild(self.ring)
         self._spike_limit = self._limit()
 
     @property
@@ -176,6 +197,7 @@ class LossSeries:
         self._pushes = 0
         self._latest = math.nan
         self._spike_limit = math.inf
+        self._noise_window.clear()
         self.same_run = self.records = 0
         self.fell_once = False
         self.first_noise = math.nan
@@ -386,6 +408,8 @@ class History:
         """1.0 for each of the last records that had a non-finite loss or gradient, else 0.0."""
         self.events = {check: EventTrack() for check in EVENT_CHECKS}
         """The loss spikes and explosions counted, with their steps (:mod:`lossbeat.diagnosis.events`)."""
+        self.resets = 0
+        """Times the windows were reset (the step went backwards)."""
 
     # Older names, kept for callers that read them.
     @property
@@ -416,6 +440,7 @@ class History:
 
     def reset_windows(self) -> None:
         """The step went backwards (a restart, or another run appended): old windows no longer apply."""
+        self.resets += 1
         self.loss.clear()
         for series in self.components.values():
             series.clear()

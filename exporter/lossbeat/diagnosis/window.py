@@ -12,7 +12,7 @@ import bisect
 import math
 from typing import Iterator
 
-__all__ = ["Ring", "LossWindow", "StepSummary", "fsum", "median", "robust_noise"]
+__all__ = ["Ring", "LossWindow", "StepSummary", "SortedValues", "NoiseWindow", "fsum", "median", "robust_noise"]
 
 
 def fsum(values) -> float:
@@ -192,6 +192,105 @@ def robust_noise(values: list[float]) -> float:
     return 1.4826 * median(second) / math.sqrt(6.0)
 
 
+class SortedValues:
+    """A multiset of floats kept in the order ``sorted()`` gives them (equal values in the order
+    they came, so 0.0 and -0.0 too): a change is a bisection and a C memmove, the median O(1)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def add(self, x: float) -> None:
+        bisect.insort(self.values, x)  # after its equals: the order of arrival
+
+    def remove_oldest(self, x: float) -> None:
+        """Remove the earliest-added value equal to ``x`` (of its sign, for a zero)."""
+        values = self.values
+        i = bisect.bisect_left(values, x)
+        if x == 0.0:
+            sign = math.copysign(1.0, x)
+            while math.copysign(1.0, values[i]) != sign:
+                i += 1
+        del values[i]
+
+    def median(self) -> float:
+        """:func:`median` of the values, the same float."""
+        s = self.values
+        n = len(s)
+        if not n:
+            return math.nan
+        mid = n // 2
+        return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+    def clear(self) -> None:
+        self.values = []
+
+
+class NoiseWindow:
+    """The last ``size`` values of a :class:`Ring` sorted, their second differences sorted and
+    their exact zeros counted, updated at each push: what a refresh of the robust level and noise
+    (:func:`median`, :func:`robust_noise`) reads, in O(1) instead of sorting the window again.
+
+    The ring must hold ``size + 1`` values (the one leaving is read from it)."""
+
+    __slots__ = ("size", "values", "seconds", "zeros")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.values = SortedValues()
+        self.seconds = SortedValues()
+        self.zeros = 0
+
+    def update(self, ring: Ring) -> None:
+        """After ``ring.push``: the newest value in, the one ``size`` back out (every step:
+        :class:`SortedValues`' operations written out, without their calls)."""
+        data, capacity, newest, n = ring._data, ring._capacity, ring._next - 1, ring._count
+        size = self.size
+        values, seconds = self.values.values, self.seconds.values
+        if n > size:  # the window slid: its oldest value and oldest second difference leave
+            a = data[(newest - size) % capacity]
+            if a == 0.0:
+                self.values.remove_oldest(a)
+                self.zeros -= 1
+            else:
+                del values[bisect.bisect_left(values, a)]
+            if size >= 3:
+                b, c = data[(newest - size + 1) % capacity], data[(newest - size + 2) % capacity]
+                second = abs(c - 2.0 * b + a)
+                del seconds[bisect.bisect_left(seconds, second)]  # >= 0.0: no -0.0 among them
+        value = data[newest % capacity]
+        bisect.insort(values, value)
+        if value == 0.0:
+            self.zeros += 1
+        if n >= 3 and size >= 3:
+            a, b = data[(newest - 2) % capacity], data[(newest - 1) % capacity]
+            bisect.insort(seconds, abs(value - 2.0 * b + a))
+
+    def rebuild(self, ring: Ring) -> None:
+        self.clear()
+        values = ring.last(self.size)
+        for v in values:
+            self.values.add(v)
+        self.zeros = values.count(0.0)
+        for a, b, c in zip(values, values[1:], values[2:]):
+            self.seconds.add(abs(c - 2.0 * b + a))
+
+    def __len__(self) -> int:
+        return len(self.values.values)
+
+    def noise(self) -> float:
+        """:func:`robust_noise` of the window, the same float."""
+        if len(self.values.values) < 4:
+            return math.nan
+        return 1.4826 * self.seconds.median() / math.sqrt(6.0)
+
+    def clear(self) -> None:
+        self.values.clear()
+        self.seconds.clear()
+        self.zeros = 0
+
+
 class StepSummary:
     """The whole run's values summarised in at most ``capacity`` blocks of equal width in steps.
 
@@ -201,7 +300,7 @@ class StepSummary:
     """
 
     __slots__ = ("capacity", "width", "blocks", "first_step", "last_step", "_starts", "_added", "_starts_at",
-                 "_ordered")
+                 "_ordered", "_merges", "_best_states")
 
     def __init__(self, capacity: int = 128) -> None:
         if not isinstance(capacity, int) or capacity < 4 or capacity % 2:
@@ -218,6 +317,9 @@ class StepSummary:
         self._added = 0  # blocks added or merged so far
         self._starts_at = -1  # ... when _starts was read
         self._ordered = True  # blocks in ascending order (a step before the last block's breaks it)
+        self._merges = 0
+        self._best_states: dict[tuple[int, int], tuple[int, int, float, float, int, float]] = {}
+        """best()'s loop state over the blocks that no longer change, by (window blocks, min_count)."""
 
     def push(self, step: int, value: float) -> None:
         if self.first_step is None:
@@ -239,6 +341,8 @@ class StepSummary:
 
     def _merge(self) -> None:
         self.width *= 2
+        self._merges += 1
+        self._best_states.clear()
         merged: list[list[float]] = []
         for first, count, total in self.blocks:
             start = self.first_step + (int(first) - self.first_step) // self.width * self.width
@@ -283,7 +387,15 @@ class StepSummary:
         among those holding at least ``min_count`` values; (0, nan) when none does. O(blocks)."""
         if self._ordered:
             starts = self._block_starts()
-            blocks = self.blocks[:bisect.bisect_right(starts, end)]
+            cut = bisect.bisect_right(starts, end)
+            blocks = self.blocks[:cut]
+            if cut > 1 and starts[cut - 1] - starts[0] == (cut - 1) * self.width and width > 0:
+                # A block leaves the window once it starts `width` or more before the newest: for
+                # contiguous blocks, after ceil(width / block width) of them, unless `width` is a
+                # hair from a multiple of the block width, where the loop's rounding decides.
+                multiple = round(width / self.width) * self.width
+                if width == multiple or abs(width - multiple) > 1e-9 * max(1.0, width, abs(starts[cut - 1])):
+                    return self._best_contiguous(math.ceil(width / self.width), min_count, cut)
         else:
             blocks = [b for b in self.blocks if b[0] <= end]
             starts = [b[0] for b in blocks]
@@ -299,6 +411,36 @@ class StepSummary:
                 i += 1
             if count >= min_count and (best_n == 0 or total / count < best_mean):
                 best_n, best_mean = int(count), total / count
+        return best_n, best_mean
+
+    def _best_contiguous(self, m: int, min_count: int, cut: int) -> tuple[int, float]:
+        """best() over ``blocks[:cut]``, contiguous (each ``width`` steps after the one before),
+        where a window is the last ``m`` blocks: the same loop, resumed where the previous call
+        with these ``m`` and ``min_count`` left it over the blocks that have not changed since
+        (all but the last, which still fills, until a merge): the same additions in the same
+        order, so the same floats, without redoing the whole run at every diagnosis."""
+        blocks = self.blocks
+        key = (m, min_count)
+        state = self._best_states.get(key)
+        if state is None or state[0] > cut:
+            k, count, total, best_n, best_mean = 0, 0.0, 0.0, 0, math.nan
+        else:
+            k, count, total, best_n, best_mean = state
+        keep = min(cut, len(blocks) - 1)  # the state after blocks[:keep], which no longer change
+        for j in range(k, cut):
+            block = blocks[j]
+            count += block[1]
+            total += block[2]
+            if j >= m:  # the block leaving the window (the loop's `while starts[i] <= first - width`)
+                leaving = blocks[j - m]
+                count -= leaving[1]
+                total -= leaving[2]
+            if count >= min_count and (best_n == 0 or total / count < best_mean):
+                best_n, best_mean = int(count), total / count
+            if j + 1 == keep:
+                if len(self._best_states) >= 8 and key not in self._best_states:
+                    del self._best_states[next(iter(self._best_states))]
+                self._best_states[key] = (keep, count, total, best_n, best_mean)
         return best_n, best_mean
 
     def __len__(self) -> int:

@@ -94,9 +94,7 @@ def _cpu_memory() -> tuple[float, float]:
     current = peak = math.nan
     with _lock:
         try:
-            status = _PROC.read_status()
-            current = _status_kib(status, b"\nVmRSS:") * 1024
-            peak = _status_kib(status, b"\nVmHWM:") * 1024
+            current, peak = _PROC.read()
             _PROC.reset_peak()
         except (OSError, ValueError, IndexError):
             pass
@@ -109,34 +107,52 @@ def _cpu_memory() -> tuple[float, float]:
 
 
 class _ProcFiles:
-    """/proc/self/status and /proc/self/clear_refs, opened once per process (under ``_lock``).
+    """This process's resident memory and its peak, read cheaply (under ``_lock``).
 
-    A diagnosis reads memory every ``diagnose_every`` steps: opening both files and wrapping
-    them in Python file objects cost more than the kernel's work, so the descriptors stay open
-    (``pread`` at offset 0 makes the kernel render the status afresh) and are reopened after a
-    fork (``/proc/self`` of the parent would be read otherwise)."""
+    A diagnosis reads memory every ``diagnose_every`` steps. /proc/self/status, which the kernel
+    renders whole at each read, costs tens of µs; so the resident size comes from
+    /proc/self/statm (one line) and the peak from ``getrusage`` (the same high-water mark,
+    VmHWM, which ``clear_refs`` resets), unless ``getrusage`` carries a larger peak from before
+    the process's exec (a launcher's fork), checked at the first reading: then the status it is.
+    Descriptors stay open (``pread`` at offset 0 reads afresh) and are reopened after a fork."""
 
     def __init__(self) -> None:
         self._pid = -1
-        self._status = self._clear = -1
+        self._status = self._statm = self._clear = -1
+        self._rusage_peak: bool | None = None  # None: not checked yet
 
     def _open(self) -> None:
         if self._pid == os.getpid():
             return
-        for fd in (self._status, self._clear):  # the parent's, inherited across a fork
+        for fd in (self._status, self._statm, self._clear):  # the parent's, inherited across a fork
             if fd >= 0:
                 os.close(fd)
-        self._status = self._clear = -1
+        self._status = self._statm = self._clear = -1
         self._pid = os.getpid()
+        self._rusage_peak = None
         self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+        self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
         try:
             self._clear = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
         except OSError:
             self._clear = -1  # without it (Linux < 4.0, a sandbox) the peak stays a lifetime one
 
-    def read_status(self) -> bytes:
+    def read(self) -> tuple[float, float]:
+        """(resident, peak resident) bytes."""
         self._open()
-        return os.pread(self._status, 8192, 0)
+        if self._rusage_peak:
+            resident = float(os.pread(self._statm, 256, 0).split()[1]) * _PAGE
+            return resident, resident_peak_kib() * 1024.0
+        status = os.pread(self._status, 8192, 0)
+        current, peak = _status_kib(status, b"\nVmRSS:") * 1024, _status_kib(status, b"\nVmHWM:") * 1024
+        if self._rusage_peak is None and self._clear >= 0:
+            # Just after a reset VmHWM is the resident size; getrusage's peak, if it is the same
+            # mark, is no higher (a page or two of growth since aside).
+            self.reset_peak()
+            status = os.pread(self._status, 8192, 0)
+            hwm = _status_kib(status, b"\nVmHWM:")
+            self._rusage_peak = math.isfinite(hwm) and resident_peak_kib() <= hwm + 1024
+        return current, peak
 
     def reset_peak(self) -> None:
         """Reset VmHWM to the current RSS (Linux >= 4.0); without it the peak stays a lifetime one."""
@@ -145,6 +161,14 @@ class _ProcFiles:
                 os.write(self._clear, b"5")
             except OSError:
                 pass
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_peak_kib() -> float:
+    """``getrusage``'s peak resident size in KiB (Linux; bytes on macOS are not read here)."""
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
 _PROC = _ProcFiles()
