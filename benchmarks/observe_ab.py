@@ -153,11 +153,16 @@ class _Stream:
 
 
 class _Render:
+    """What /metrics serves with ``layers`` per-layer norms: ``exposition.render.bake`` where the
+    side has it, else prometheus_client's ``generate_latest`` (what its endpoint served)."""
+
     def __init__(self, side: Side, layers: int) -> None:
         import torch
         from prometheus_client import generate_latest
 
-        self.side, self.generate = side, generate_latest
+        render = side.modules.get("lossbeat.exposition.render")
+        self.side = side
+        self.generate = (lambda registry: render.bake(registry, None, None)) if render else generate_latest
         model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(layers)))
         model(torch.randn(2, 4)).square().mean().backward()
         self.monitor = side.monitor(max_layers=layers)
