@@ -10,6 +10,7 @@ import urllib.request
 import torch
 from prometheus_client import generate_latest
 
+from lossbeat.exposition.render import bake
 from lossbeat.monitor import Monitor, MonitorConfig
 
 from .models import Workload
@@ -26,8 +27,14 @@ def layered_model(layers: int) -> torch.nn.Module:
     return model
 
 
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+"""What Prometheus asks for (prometheus_client answers it with OpenMetrics)."""
+
+
 def measure_render(layer_counts: tuple[int, ...], repeats: int) -> list[dict]:
-    """Median ``generate_latest`` time and body size with each layer count's series present."""
+    """Median time and body size of what /metrics serves (``lossbeat.exposition.render.bake``,
+    the text format; OpenMetrics, what Prometheus asks for, beside it) with each layer count's
+    series present, and ``generate_latest``'s, which formats every sample, for comparison."""
     results = []
     for layers in layer_counts:
         model = layered_model(layers)
@@ -38,18 +45,24 @@ def measure_render(layer_counts: tuple[int, ...], repeats: int) -> list[dict]:
             monitor.observe(step, loss=1.0, learning_rate=1e-3, model=model)
             observe_s.append(time.perf_counter() - start)
         series = len(monitor.state.layer_norms)
-        body = generate_latest(monitor.registry)
-        render_s = []
-        for _ in range(repeats):
+        body = bake(monitor.registry, None, None)[2]
+        render_s, openmetrics_s, generic_s = [], [], []
+        for _ in range(repeats):  # interleaved: the three see the same machine
+            for accept, times in ((None, render_s), (OPENMETRICS, openmetrics_s)):
+                start = time.perf_counter()
+                bake(monitor.registry, accept, None)
+                times.append(time.perf_counter() - start)
             start = time.perf_counter()
             generate_latest(monitor.registry)
-            render_s.append(time.perf_counter() - start)
+            generic_s.append(time.perf_counter() - start)
         monitor.close()
         results.append({
             "layers": layers,
             "layer_series": series,
             "render_ms": statistics.median(render_s) * 1e3,
             "render_ms_p90": sorted(render_s)[int(0.9 * (len(render_s) - 1))] * 1e3,
+            "render_ms_openmetrics": statistics.median(openmetrics_s) * 1e3,
+            "generate_latest_ms": statistics.median(generic_s) * 1e3,
             "bytes": len(body),
             "observe_model_ms": statistics.median(observe_s[1:]) * 1e3,
         })

@@ -14,7 +14,7 @@ from typing import Mapping
 from lossbeat.diagnosis.events import EVENT_CHECKS, EventTrack
 from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
 from lossbeat.diagnosis.thresholds import Thresholds
-from lossbeat.diagnosis.window import LossWindow, Ring, StepSummary, median, robust_noise
+from lossbeat.diagnosis.window import LossWindow, NoiseWindow, Ring, StepSummary, median, robust_noise
 
 __all__ = ["History", "StepEvents", "LossSeries", "GradBaseline", "LearningRateSchedule", "EvalTrack"]
 
@@ -56,6 +56,9 @@ class LossSeries:
         self._local = math.nan  # median of the last spike_min_steps records
         self._noise = math.nan
         self._pushes = 0
+        self._latest = math.nan  # the newest finite record (the ring's back)
+        self._spike_limit = math.inf  # spike_limit(), recomputed when its inputs change (a refresh)
+        self._noise_window = NoiseWindow(w.noise_records)
         self.same_run = 0
         """Finite records in a row exactly equal to the latest one (1: it differs from the one before)."""
         self.records = 0
@@ -78,31 +81,41 @@ class LossSeries:
         return math.fsum(self._initial) / len(self._initial) if self._initial else math.nan
 
     def push(self, step: int, value: float) -> bool:
-        """Record one value; returns whether it is a spike (finite values only)."""
+        """Record one value; returns whether it is a spike (finite values only).
+
+        O(1) but every ``windows.diagnose_every`` records (and each of the first
+        ``loss.spike_min_steps``), when the noise window's level and noise are refreshed."""
         if not math.isfinite(value):
             self.nonfinite_run += 1
             return False
         self.nonfinite_run = 0
-        t = self.t
-        spike = value > self.spike_limit()
+        spike = value > self._spike_limit
         if self.first_step is None:
             self.first_step = step
-        self.same_run = self.same_run + 1 if self.records and value == self.ring.back(0) else 1
+        self.same_run = self.same_run + 1 if self.records and value == self._latest else 1
+        self._latest = value
         self.records += 1
         if len(self._initial) < _INITIAL_RECORDS:
             self._initial.append(value)
-        if math.isnan(self.loss_at_warmup_check) and step - self.first_step >= t.learning_rate.warmup_check_step:
+        if self.loss_at_warmup_check != self.loss_at_warmup_check \
+                and step - self.first_step >= self.t.learning_rate.warmup_check_step:  # NaN: not reached yet
             self.loss_at_warmup_check = value
-        self.window.push(value)
+        ring = self.window.ring
+        ring.push(value)
+        if self._noise_window.size < ring._capacity:
+            self._noise_window.update(ring)
         self.summary.push(step, value)
         self._pushes += 1
-        if self._pushes % t.windows.diagnose_every == 0 or self._pushes <= t.loss.spike_min_steps:
+        if self._pushes % self.t.windows.diagnose_every == 0 or self._pushes <= self.t.loss.spike_min_steps:
             self.refresh()
         return spike
 
     def spike_limit(self) -> float:
         """The loss above which the next record is a spike (inf until enough records): the local
         level + max(``spike_sigma`` x the robust noise, ``spike_min_rise`` x the level)."""
+        return self._spike_limit
+
+    def _limit(self) -> float:
         t = self.t
         if (not t.profile.trend  # an RL policy loss is ~0 by construction: its excursions mean nothing
                 or len(self.window) < t.loss.spike_min_steps or not math.isfinite(self._noise) or not self._noise > 0):
@@ -110,20 +123,42 @@ class LossSeries:
         return self._local + max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._local))
 
     def refresh(self) -> None:
-        """Recompute the robust level and noise of the noise window (O(window), every few records)."""
-        values = self.ring.last(self.t.windows.noise_records)
-        self._level = median(values)
+        """Recompute the robust level and noise of the noise window (every few records): read
+        from the window kept sorted as records come (O(1)), or sorted again (O(window)) for a
+        zero-inflated loss."""
+        size = self.t.windows.noise_records
+        window = self._noise_window
+        n = min(size, len(self.ring))
         # A loss that is often exactly 0 (GRPO/PPO groups without advantage, a satisfied hinge) has
         # a median second difference of 0: against that every non-zero record would be a spike.
         # Its noise and local level are those of its non-zero records.
-        nonzero = [v for v in values if v != 0.0]
-        if len(values) - len(nonzero) > _ZERO_INFLATED * len(values) and len(nonzero) >= 4:
-            values = nonzero
-        self._noise = robust_noise(values)
-        if math.isnan(self.first_noise) and len(values) >= _EARLY_NOISE_RECORDS:
+        if window.size == size and window.size < self.ring.capacity and not (
+                window.zeros > _ZERO_INFLATED * n and n - window.zeros >= 4):
+            self._level = window.values.median()
+            self._noise = window.noise()
+            local = self.ring.last(self.t.loss.spike_min_steps) if n >= self.t.loss.spike_min_steps \
+                else self.ring.last(n)
+        else:
+            values = self.ring.last(size)
+            self._level = median(values)
+            nonzero = [v for v in values if v != 0.0]
+            if len(values) - len(nonzero) > _ZERO_INFLATED * len(values) and len(nonzero) >= 4:
+                values = nonzero
+            self._noise = robust_noise(values)
+            n = len(values)
+            local = values[-self.t.loss.spike_min_steps:]
+        if math.isnan(self.first_noise) and n >= _EARLY_NOISE_RECORDS:
             self.first_noise = self._noise
         # Spikes are judged against the local level (a falling loss leaves the window's median behind).
-        self._local = median(values[-self.t.loss.spike_min_steps:])
+        self._local = median(local)
+        self._spike_limit = self._limit()
+
+    def retarget(self, thresholds: Thresholds) -> None:
+        self.t = thresholds
+        if self._noise_window.size != thresholds.windows.noise_records:
+            self._noise_window = NoiseWindow(thresholds.windows.noise_records)
+            self._noise_window.rebuild(self.ring)
+        self._spike_limit = self._limit()
 
     @property
     def level(self) -> float:
@@ -160,6 +195,9 @@ class LossSeries:
         self.loss_at_warmup_check = math.nan
         self._level = self._noise = self._local = math.nan
         self._pushes = 0
+        self._latest = math.nan
+        self._spike_limit = math.inf
+        self._noise_window.clear()
         self.same_run = self.records = 0
         self.fell_once = False
         self.first_noise = math.nan
@@ -181,6 +219,9 @@ class GradBaseline:
         self.recent = math.nan
         self.last_step: int | None = None
         self._pushes = 0
+        self._limit = math.inf  # event_limit(), recomputed when the median or the records change
+        self._one_step = (math.nan, math.nan)  # _follow's two factors for a step of 1 (the usual)
+        self._one_step_for: float | None = None
 
     @property
     def established(self) -> bool:
@@ -190,6 +231,9 @@ class GradBaseline:
         """The norm above which a step departs from the baseline (inf until it is established):
         a jump (``jump_ratio`` x the median), or above the absolute ceiling and ``ceiling_ratio``
         x the median. The optimizer guard compares the step's norm with it on the device."""
+        return self._limit
+
+    def _event_limit(self) -> float:
         if not self.established:
             return math.inf
         g_t = self.t.gradients
@@ -197,19 +241,31 @@ class GradBaseline:
 
     def is_event(self, g: float) -> bool:
         """A departure from the baseline: a jump, or above the absolute ceiling and well above the level."""
-        return g > self.event_limit()
+        return g > self._limit
 
     def push(self, step: int, g: float) -> bool:
-        event = self.is_event(g)
-        self.ring.push(g)
+        """Record one finite, non-zero norm; returns whether it departs from the baseline.
+        O(1) but every ``windows.diagnose_every`` records (and until established), when the
+        baseline's median is taken again."""
+        event = g > self._limit
+        ring = self.ring
+        ring.push(g)
         self._pushes += 1
-        n = len(self.ring)
-        self.recent = median(self.ring.last(_RECENT_GRADS))
+        n = ring._count
+        recent = ring.last(_RECENT_GRADS)
+        if len(recent) == _RECENT_GRADS:  # the median of 5, as median() takes it
+            recent.sort()
+            self.recent = recent[_RECENT_GRADS // 2]
+        else:
+            self.recent = median(recent)
         established = self.established
         if self._pushes % self.t.windows.diagnose_every == 0 or not established:
             if n > _RECENT_GRADS:
-                self.median = median(self.ring.last(n)[: n - _RECENT_GRADS])
+                self.median = median(ring.last(n)[: n - _RECENT_GRADS])
                 established = self.established
+            self._limit = self._event_limit()
+        elif self._limit == math.inf:  # established by this record's count, with the median taken before
+            self._limit = self._event_limit()
         if established:
             self._follow(step)
         self.last_step = step
@@ -221,15 +277,27 @@ class GradBaseline:
             return
         half_life = self.t.gradients.climb_half_life_steps
         dt = max(1, step - (self.last_step if self.last_step is not None else step))
+        if dt == 1:  # the same two powers every step: computed once per half-life setting
+            rise, pull = self._one_step
+            if rise != rise or self._one_step_for != half_life:  # NaN: not computed yet
+                rise, pull = self._one_step = (2.0 ** (1 / half_life), 1.0 - 0.5 ** (1 / (half_life / 10.0)))
+                self._one_step_for = half_life
+        else:
+            rise, pull = 2.0 ** (dt / half_life), 1.0 - 0.5 ** (dt / (half_life / 10.0))
         # Falls are followed fast (a run settles), rises at most 2x per half-life.
-        target = min(self.recent, self.level * 2.0 ** (dt / half_life))
-        self.level += (1.0 - 0.5 ** (dt / (half_life / 10.0))) * (target - self.level)
+        target = min(self.recent, self.level * rise)
+        self.level += pull * (target - self.level)
+
+    def retarget(self, thresholds: Thresholds) -> None:
+        self.t = thresholds
+        self._limit = self._event_limit()
 
     def clear(self) -> None:
         self.ring.clear()
         self.median = self.level = self.recent = math.nan
         self.last_step = None
         self._pushes = 0
+        self._limit = math.inf
 
 
 class LearningRateSchedule:
@@ -340,6 +408,8 @@ class History:
         """1.0 for each of the last records that had a non-finite loss or gradient, else 0.0."""
         self.events = {check: EventTrack() for check in EVENT_CHECKS}
         """The loss spikes and explosions counted, with their steps (:mod:`lossbeat.diagnosis.events`)."""
+        self.resets = 0
+        """Times the windows were reset (the step went backwards)."""
 
     # Older names, kept for callers that read them.
     @property
@@ -363,11 +433,14 @@ class History:
         """Judge with ``thresholds`` (another profile) from now on; every window is kept."""
         self.thresholds = thresholds
         for part in (self.loss, self.grad, self.lr, *self.components.values(), *self.evals.values()):
-            if hasattr(part, "t"):
+            if hasattr(part, "retarget"):
+                part.retarget(thresholds)  # and what it derived from them (the event limits)
+            elif hasattr(part, "t"):
                 part.t = thresholds
 
     def reset_windows(self) -> None:
         """The step went backwards (a restart, or another run appended): old windows no longer apply."""
+        self.resets += 1
         self.loss.clear()
         for series in self.components.values():
             series.clear()

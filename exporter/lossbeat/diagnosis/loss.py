@@ -8,7 +8,7 @@ loss-derived check says it cannot judge: its windows hold only stale values.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from lossbeat.diagnosis.thresholds import LossThresholds, OverfittingThresholds, Profile, Thresholds
 from lossbeat.diagnosis.window import fsum
@@ -32,9 +32,8 @@ _CHANCE_TOLERANCE = 0.005  # relative distance to ln K that reads as "exactly" c
 _MAX_CLASSES = 100
 
 
-@dataclass(frozen=True)
-class Trend:
-    """The loss over the last two windows of equal length in steps."""
+class Trend(NamedTuple):
+    """The loss over the last two windows of equal length in steps (a tuple: built at every diagnosis)."""
 
     known: bool
     ratio: float = math.nan

@@ -8,11 +8,10 @@ times, and these judge the samples.
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Sequence
 
 from lossbeat.diagnosis.thresholds import MemoryThresholds, ThroughputThresholds
-from lossbeat.diagnosis.window import Ring
+from lossbeat.diagnosis.window import Ring, median  # the same float as statistics.median, a tenth of its cost
 from lossbeat.diagnosis.findings import Finding, Status
 
 __all__ = ["check_memory", "ThroughputTracker"]
@@ -44,9 +43,9 @@ def check_memory(
         return Finding(check, Status.GOOD, f"memory {_gib(current)} ({current / limit:.0%} of the limit)", known=True)
     # Medians of the window's first and last thirds: robust to one eval's or one step's bump.
     third = len(allocated) // 3
-    first = statistics.median(allocated[:third])
-    middle = statistics.median(allocated[third:-third])
-    last = statistics.median(allocated[-third:])
+    first = median(allocated[:third])
+    middle = median(allocated[third:-third])
+    last = median(allocated[-third:])
     growth = last - first
     if growth > t.growth_fraction * limit and first < middle < last:
         return Finding(
@@ -85,11 +84,11 @@ class ThroughputTracker:
         self._block.append(seconds)
         if len(self._block) < self.t.steps:
             return
-        median, self._block = statistics.median(self._block), []
-        self._recent = median
+        block, self._block = median(self._block), []
+        self._recent = block
         level = self.level()
-        if level is not None and level / median < self.t.drop_fraction:
-            self._slow.push(median)
+        if level is not None and level / block < self.t.drop_fraction:
+            self._slow.push(block)
             if len(self._slow) == self._slow.capacity:  # the new normal
                 self._level.clear()
                 for value in self._slow:
@@ -97,11 +96,11 @@ class ThroughputTracker:
                 self._slow.clear()
             return
         self._slow.clear()
-        self._level.push(median)
+        self._level.push(block)
 
     def level(self) -> float | None:
         """The run's own step time (median of its normal blocks), once two blocks are in."""
-        return statistics.median(self._level) if len(self._level) >= 2 else None
+        return median(self._level) if len(self._level) >= 2 else None
 
     def finding(self) -> Finding:
         check = "throughput"

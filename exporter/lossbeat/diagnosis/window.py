@@ -1,17 +1,18 @@
 """Bounded windows over a series of floats, with O(1) updates.
 
-A :class:`Ring` keeps the last ``capacity`` values; :class:`SlidingSum` keeps
-the sum (and sum of squares) of a sub-window that ends ``offset`` values back,
-updated by one add and one subtract per push. Sums are recomputed from the
-ring once per lap so floating-point drift stays bounded.
+A :class:`Ring` keeps the last ``capacity`` values (a push is one list write); the
+statistics over it are computed when they are read (the diagnosis, every
+``windows.diagnose_every`` records, or a scrape), never kept up to date per push.
+:class:`StepSummary` summarises a whole run in a fixed number of blocks.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Iterator
 
-__all__ = ["Ring", "SlidingSum", "LossWindow", "fsum"]
+__all__ = ["Ring", "LossWindow", "StepSummary", "SortedValues", "NoiseWindow", "fsum", "median", "robust_noise"]
 
 
 def fsum(values) -> float:
@@ -75,105 +76,66 @@ class Ring:
         self._count = 0
 
 
-class SlidingSum:
-    """Sum and sum of squares of ``length`` values ending ``offset`` pushes back."""
-
-    __slots__ = ("offset", "length", "total", "squares", "count")
-
-    def __init__(self, offset: int, length: int) -> None:
-        self.offset = offset
-        self.length = length
-        self.total = 0.0
-        self.squares = 0.0
-        self.count = 0
-
-    def update(self, ring: Ring) -> None:
-        """Call right after ``ring.push``. Indexes the ring directly: this runs every step."""
-        n, data, capacity, newest = ring._count, ring._data, ring._capacity, ring._next - 1
-        if n > self.offset:
-            entering = data[(newest - self.offset) % capacity]
-            self.total += entering
-            self.squares += entering * entering
-            self.count += 1
-        leaving_at = self.offset + self.length
-        if n > leaving_at:
-            leaving = data[(newest - leaving_at) % capacity]
-            self.total -= leaving
-            self.squares -= leaving * leaving
-            self.count -= 1
-
-    def resync(self, ring: Ring) -> None:
-        """Recompute from the ring (drift control)."""
-        values = [ring.back(k) for k in range(self.offset, min(len(ring), self.offset + self.length))]
-        self.total = fsum(values)
-        self.squares = fsum(v * v for v in values)
-        self.count = len(values)
-
-    def mean(self) -> float:
-        return self.total / self.count if self.count else math.nan
-
-    def std(self) -> float:
-        """Population standard deviation."""
-        if not self.count:
-            return math.nan
-        mean = self.total / self.count
-        return math.sqrt(max(self.squares / self.count - mean * mean, 0.0))
-
-
 class LossWindow:
-    """Finite losses with the derived statistics the exporter publishes every step.
+    """Finite losses, and the raw statistics the exporter publishes (computed when read).
 
     ``cv()``: std / mean over the last ``cv_steps``; ``trend_ratio()``:
     (mean of the ``trend_steps`` before the last ``trend_steps`` - mean of the
-    last ``trend_steps``) / the former, positive when the loss falls.
+    last ``trend_steps``) / the former, positive when the loss falls. A push is one
+    ring write: the statistics are read at scrape time, not every step, so they are
+    summed from the ring then (O(window), exact) instead of kept up to date per push.
     """
 
-    __slots__ = ("ring", "_cv", "_recent", "_previous", "_pushes", "trend_steps", "cv_steps")
+    __slots__ = ("ring", "trend_steps", "cv_steps")
 
     def __init__(self, cv_steps: int, trend_steps: int, history: int = 0) -> None:
         self.cv_steps = cv_steps
         self.trend_steps = trend_steps
-        # +1 so the value leaving the oldest sub-window is still in the ring.
         self.ring = Ring(max(cv_steps, 2 * trend_steps, history) + 1)
-        self._cv = SlidingSum(0, cv_steps)
-        self._recent = SlidingSum(0, trend_steps)
-        self._previous = SlidingSum(trend_steps, trend_steps)
-        self._pushes = 0
 
     def push(self, value: float) -> None:
         self.ring.push(value)
-        self._pushes += 1
-        if self._pushes % self.ring.capacity == 0:
-            for s in (self._cv, self._recent, self._previous):
-                s.resync(self.ring)
-        else:
-            for s in (self._cv, self._recent, self._previous):
-                s.update(self.ring)
 
     def __len__(self) -> int:
-        return len(self.ring)
+        return self.ring._count
+
+    def _cv_window(self) -> tuple[int, float, float]:
+        """(count, mean, population std) of the last ``cv_steps`` values."""
+        values = self.ring.last(self.cv_steps)
+        n = len(values)
+        if not n:
+            return 0, math.nan, math.nan
+        mean = fsum(values) / n
+        return n, mean, math.sqrt(fsum([(v - mean) * (v - mean) for v in values]) / n)
 
     def mean(self) -> float:
-        return self._cv.mean()
+        return self._cv_window()[1]
 
     def std(self) -> float:
-        return self._cv.std()
+        """Population standard deviation."""
+        return self._cv_window()[2]
 
     def cv(self) -> float:
         """NaN until the window holds two values or when the mean is not positive."""
-        mean = self._cv.mean()
-        if self._cv.count < 2 or not mean > 0:
+        n, mean, std = self._cv_window()
+        if n < 2 or not mean > 0:
             return math.nan
-        return self._cv.std() / mean
+        return std / mean
+
+    def _halves(self) -> tuple[float, float]:
+        """(mean of the previous ``trend_steps``, mean of the last ``trend_steps``); NaN until both are full."""
+        k = self.trend_steps
+        values = self.ring.last(2 * k)
+        if len(values) < 2 * k:
+            return math.nan, math.nan
+        return fsum(values[:k]) / k, fsum(values[k:]) / k
 
     def trend_ratio(self) -> float:
         """NaN until both halves are full or when the previous mean is not positive."""
-        if self._previous.count < self.trend_steps:
-            return math.nan
-        previous = self._previous.mean()
+        previous, recent = self._halves()
         if not previous > 0:
             return math.nan
-        return (previous - self._recent.mean()) / previous
+        return (previous - recent) / previous
 
     def detrended_cv(self) -> float:
         """Std of the CV window around its least-squares line, over its mean.
@@ -195,18 +157,14 @@ class LossWindow:
 
     def trend_noise_ratio(self) -> float:
         """Standard error of ``trend_ratio()`` if the window were pure noise (0 when unknown)."""
-        previous = self._previous.mean()
-        std = self._cv.std()
-        if self._previous.count < self.trend_steps or not previous > 0 or not math.isfinite(std):
+        previous, _ = self._halves()
+        std = self._cv_window()[2]
+        if not previous > 0 or not math.isfinite(std):
             return 0.0
         return std / previous * math.sqrt(2.0 / self.trend_steps)
 
     def clear(self) -> None:
         self.ring.clear()
-        self._cv = SlidingSum(0, self.cv_steps)
-        self._recent = SlidingSum(0, self.trend_steps)
-        self._previous = SlidingSum(self.trend_steps, self.trend_steps)
-        self._pushes = 0
 
 
 def median(values: list[float]) -> float:
@@ -234,6 +192,105 @@ def robust_noise(values: list[float]) -> float:
     return 1.4826 * median(second) / math.sqrt(6.0)
 
 
+class SortedValues:
+    """A multiset of floats kept in the order ``sorted()`` gives them (equal values in the order
+    they came, so 0.0 and -0.0 too): a change is a bisection and a C memmove, the median O(1)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def add(self, x: float) -> None:
+        bisect.insort(self.values, x)  # after its equals: the order of arrival
+
+    def remove_oldest(self, x: float) -> None:
+        """Remove the earliest-added value equal to ``x`` (of its sign, for a zero)."""
+        values = self.values
+        i = bisect.bisect_left(values, x)
+        if x == 0.0:
+            sign = math.copysign(1.0, x)
+            while math.copysign(1.0, values[i]) != sign:
+                i += 1
+        del values[i]
+
+    def median(self) -> float:
+        """:func:`median` of the values, the same float."""
+        s = self.values
+        n = len(s)
+        if not n:
+            return math.nan
+        mid = n // 2
+        return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+    def clear(self) -> None:
+        self.values = []
+
+
+class NoiseWindow:
+    """The last ``size`` values of a :class:`Ring` sorted, their second differences sorted and
+    their exact zeros counted, updated at each push: what a refresh of the robust level and noise
+    (:func:`median`, :func:`robust_noise`) reads, in O(1) instead of sorting the window again.
+
+    The ring must hold ``size + 1`` values (the one leaving is read from it)."""
+
+    __slots__ = ("size", "values", "seconds", "zeros")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.values = SortedValues()
+        self.seconds = SortedValues()
+        self.zeros = 0
+
+    def update(self, ring: Ring) -> None:
+        """After ``ring.push``: the newest value in, the one ``size`` back out (every step:
+        :class:`SortedValues`' operations written out, without their calls)."""
+        data, capacity, newest, n = ring._data, ring._capacity, ring._next - 1, ring._count
+        size = self.size
+        values, seconds = self.values.values, self.seconds.values
+        if n > size:  # the window slid: its oldest value and oldest second difference leave
+            a = data[(newest - size) % capacity]
+            if a == 0.0:
+                self.values.remove_oldest(a)
+                self.zeros -= 1
+            else:
+                del values[bisect.bisect_left(values, a)]
+            if size >= 3:
+                b, c = data[(newest - size + 1) % capacity], data[(newest - size + 2) % capacity]
+                second = abs(c - 2.0 * b + a)
+                del seconds[bisect.bisect_left(seconds, second)]  # >= 0.0: no -0.0 among them
+        value = data[newest % capacity]
+        bisect.insort(values, value)
+        if value == 0.0:
+            self.zeros += 1
+        if n >= 3 and size >= 3:
+            a, b = data[(newest - 2) % capacity], data[(newest - 1) % capacity]
+            bisect.insort(seconds, abs(value - 2.0 * b + a))
+
+    def rebuild(self, ring: Ring) -> None:
+        self.clear()
+        values = ring.last(self.size)
+        for v in values:
+            self.values.add(v)
+        self.zeros = values.count(0.0)
+        for a, b, c in zip(values, values[1:], values[2:]):
+            self.seconds.add(abs(c - 2.0 * b + a))
+
+    def __len__(self) -> int:
+        return len(self.values.values)
+
+    def noise(self) -> float:
+        """:func:`robust_noise` of the window, the same float."""
+        if len(self.values.values) < 4:
+            return math.nan
+        return 1.4826 * self.seconds.median() / math.sqrt(6.0)
+
+    def clear(self) -> None:
+        self.values.clear()
+        self.seconds.clear()
+        self.zeros = 0
+
+
 class StepSummary:
     """The whole run's values summarised in at most ``capacity`` blocks of equal width in steps.
 
@@ -242,7 +299,8 @@ class StepSummary:
     N steps means the same whether the log holds every step or every 500th.
     """
 
-    __slots__ = ("capacity", "width", "blocks", "first_step", "last_step")
+    __slots__ = ("capacity", "width", "blocks", "first_step", "last_step", "_starts", "_added", "_starts_at",
+                 "_ordered", "_merges", "_best_states")
 
     def __init__(self, capacity: int = 128) -> None:
         if not isinstance(capacity, int) or capacity < 4 or capacity % 2:
@@ -255,6 +313,13 @@ class StepSummary:
         self.blocks: list[list[float]] = []  # [first step, count, sum]
         self.first_step: int | None = None
         self.last_step: int | None = None
+        self._starts: list[float] = []
+        self._added = 0  # blocks added or merged so far
+        self._starts_at = -1  # ... when _starts was read
+        self._ordered = True  # blocks in ascending order (a step before the last block's breaks it)
+        self._merges = 0
+        self._best_states: dict[tuple[int, int], tuple[int, int, float, float, int, float]] = {}
+        """best()'s loop state over the blocks that no longer change, by (window blocks, min_count)."""
 
     def push(self, step: int, value: float) -> None:
         if self.first_step is None:
@@ -263,15 +328,21 @@ class StepSummary:
         start = self.first_step + (step - self.first_step) // self.width * self.width
         blocks = self.blocks
         if blocks and blocks[-1][0] == start:
-            blocks[-1][1] += 1
-            blocks[-1][2] += value
+            last = blocks[-1]
+            last[1] += 1
+            last[2] += value
             return
+        if blocks and start < blocks[-1][0]:
+            self._ordered = False
         blocks.append([float(start), 1.0, value])
+        self._added += 1
         while len(self.blocks) > self.capacity:
             self._merge()
 
     def _merge(self) -> None:
         self.width *= 2
+        self._merges += 1
+        self._best_states.clear()
         merged: list[list[float]] = []
         for first, count, total in self.blocks:
             start = self.first_step + (int(first) - self.first_step) // self.width * self.width
@@ -282,6 +353,14 @@ class StepSummary:
                 merged.append([float(start), count, total])
         self.blocks = merged
 
+    def _block_starts(self) -> list[float]:
+        """The blocks' first steps, ascending: rebuilt only when a block was added or merged
+        (a block's first step never changes), so the diagnosis finds windows by bisection."""
+        if self._starts_at != self._added:
+            self._starts = [b[0] for b in self.blocks]
+            self._starts_at = self._added
+        return self._starts
+
     @property
     def span(self) -> int:
         """Steps from the first value to the last (0 when empty)."""
@@ -290,27 +369,78 @@ class StepSummary:
     def window(self, start: float, end: float) -> tuple[int, float]:
         """(count, mean) of the values in blocks starting in ``(start, end]``."""
         count, total = 0.0, 0.0
-        for first, n, s in self.blocks:
-            if start < first <= end:
-                count += n
-                total += s
+        if not self._ordered:
+            for first, n, s in self.blocks:
+                if start < first <= end:
+                    count += n
+                    total += s
+            return int(count), (total / count if count else math.nan)
+        starts = self._block_starts()
+        # The same additions, in the same order, as over every block: only the ones inside.
+        for _, n, s in self.blocks[bisect.bisect_right(starts, start):bisect.bisect_right(starts, end)]:
+            count += n
+            total += s
         return int(count), (total / count if count else math.nan)
 
     def best(self, width: float, min_count: int, end: float) -> tuple[int, float]:
         """(count, mean) of the lowest-mean window of ``width`` steps (block-aligned) ending by ``end``,
         among those holding at least ``min_count`` values; (0, nan) when none does. O(blocks)."""
-        blocks = [b for b in self.blocks if b[0] <= end]
+        if self._ordered:
+            starts = self._block_starts()
+            cut = bisect.bisect_right(starts, end)
+            blocks = self.blocks[:cut]
+            if cut > 1 and starts[cut - 1] - starts[0] == (cut - 1) * self.width and width > 0:
+                # A block leaves the window once it starts `width` or more before the newest: for
+                # contiguous blocks, after ceil(width / block width) of them, unless `width` is a
+                # hair from a multiple of the block width, where the loop's rounding decides.
+                multiple = round(width / self.width) * self.width
+                if width == multiple or abs(width - multiple) > 1e-9 * max(1.0, width, abs(starts[cut - 1])):
+                    return self._best_contiguous(math.ceil(width / self.width), min_count, cut)
+        else:
+            blocks = [b for b in self.blocks if b[0] <= end]
+            starts = [b[0] for b in blocks]
         best_n, best_mean = 0, math.nan
         i, count, total = 0, 0.0, 0.0
-        for j, (first, n, s) in enumerate(blocks):
+        for first, n, s in blocks:
             count += n
             total += s
-            while blocks[i][0] <= first - width:
-                count -= blocks[i][1]
-                total -= blocks[i][2]
+            while starts[i] <= first - width:
+                leaving = blocks[i]
+                count -= leaving[1]
+                total -= leaving[2]
                 i += 1
             if count >= min_count and (best_n == 0 or total / count < best_mean):
                 best_n, best_mean = int(count), total / count
+        return best_n, best_mean
+
+    def _best_contiguous(self, m: int, min_count: int, cut: int) -> tuple[int, float]:
+        """best() over ``blocks[:cut]``, contiguous (each ``width`` steps after the one before),
+        where a window is the last ``m`` blocks: the same loop, resumed where the previous call
+        with these ``m`` and ``min_count`` left it over the blocks that have not changed since
+        (all but the last, which still fills, until a merge): the same additions in the same
+        order, so the same floats, without redoing the whole run at every diagnosis."""
+        blocks = self.blocks
+        key = (m, min_count)
+        state = self._best_states.get(key)
+        if state is None or state[0] > cut:
+            k, count, total, best_n, best_mean = 0, 0.0, 0.0, 0, math.nan
+        else:
+            k, count, total, best_n, best_mean = state
+        keep = min(cut, len(blocks) - 1)  # the state after blocks[:keep], which no longer change
+        for j in range(k, cut):
+            block = blocks[j]
+            count += block[1]
+            total += block[2]
+            if j >= m:  # the block leaving the window (the loop's `while starts[i] <= first - width`)
+                leaving = blocks[j - m]
+                count -= leaving[1]
+                total -= leaving[2]
+            if count >= min_count and (best_n == 0 or total / count < best_mean):
+                best_n, best_mean = int(count), total / count
+            if j + 1 == keep:
+                if len(self._best_states) >= 8 and key not in self._best_states:
+                    del self._best_states[next(iter(self._best_states))]
+                self._best_states[key] = (keep, count, total, best_n, best_mean)
         return best_n, best_mean
 
     def __len__(self) -> int:

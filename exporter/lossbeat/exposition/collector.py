@@ -17,7 +17,8 @@ from prometheus_client.registry import Collector
 
 from lossbeat.diagnosis.patterns import PATTERNS
 from lossbeat.measure.memory import read_memory
-from lossbeat.exposition.metrics import METRICS, PHASES, SKIP_REASONS, with_run_id
+from lossbeat.exposition.metrics import METRICS, PHASES, RUN_ID_LABEL, SKIP_REASONS, with_run_id
+from lossbeat.exposition.render import LayerFamily, LayerLines
 
 if TYPE_CHECKING:
     from lossbeat.exposition.state import MonitorState
@@ -41,6 +42,7 @@ class MonitorCollector(Collector):
         self._state = state
         self._before_scrape = before_scrape
         """Applies device values that arrived since the training thread last looked (never waits)."""
+        self._layer_lines: LayerLines | None = None
         # Who scrapes, and how often, is the endpoint's: lossbeat.exposition.scrapers, per scraper.
 
     def collect(self) -> Iterator[Metric]:
@@ -88,7 +90,6 @@ class MonitorCollector(Collector):
             ("training_loss_component", "component", s.components),
             ("training_signal", "signal", s.signals),
             ("training_learning_rate", "param_group", s.learning_rates),
-            ("training_layer_grad_norm", "layer", s.layer_norms),
         )
         for name, label, values in labelled:
             if values:
@@ -96,6 +97,13 @@ class MonitorCollector(Collector):
                 for key, value in values.items():
                     g.add_metric([rank, key], value)
                 yield g
+        layers = s.layer_norms  # swapped whole
+        if layers:
+            if self._layer_lines is None or self._layer_lines.fixed != {"rank": rank, RUN_ID_LABEL: s.run_id}:
+                self._layer_lines = LayerLines("training_layer_grad_norm", "layer",
+                                               {"rank": rank, RUN_ID_LABEL: s.run_id})
+            yield LayerFamily("training_layer_grad_norm", METRICS["training_layer_grad_norm"].help,
+                              self._layer_lines, layers)
 
         if s.health:
             g = _gauge("training_health_status", ("check", "component"))

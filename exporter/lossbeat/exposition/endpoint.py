@@ -29,10 +29,11 @@ from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client.exposition import ThreadingWSGIServer, _bake_output, choose_encoder, gzip_accepted
+from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 
 from lossbeat._version import __version__
+from lossbeat.exposition.render import bake
 from lossbeat.exposition.scrapers import Scrapers, scraper_key
 from lossbeat.exposition.status import STATUS_PATH, StatusSource, page_html
 from lossbeat.exposition.webconfig import TLSServerConfig, WebConfig, WebConfigError, require_bcrypt
@@ -123,7 +124,7 @@ class _SharedRenders:
             if latest is not None and latest[0] >= arrived:
                 return latest
             started = time.monotonic()
-            response = _bake_output(self._registry, accept, accept_encoding, {}, False)
+            response = bake(self._registry, accept, accept_encoding)
             self._latest[key] = (started, response)
             return started, response
 
@@ -161,7 +162,7 @@ def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None,
         params = parse_qs(environ.get("QUERY_STRING", ""))
         arrived = time.monotonic()
         if params:  # name[] filters: rare, rendered on their own (and no full scrape)
-            status, headers, body = _bake_output(registry, accept, encoding, params, False)
+            status, headers, body = bake(registry, accept, encoding, params)
         else:
             rendered, (status, headers, body) = renders.get(accept, encoding, arrived)
             if scrapers is not None:

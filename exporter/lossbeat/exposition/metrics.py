@@ -24,7 +24,8 @@ RUN_ID_LABEL = "run_id"
 def with_run_id(families, run_id: str):
     """``families`` (prometheus_client metric families) with ``run_id`` added to every sample."""
     for family in families:
-        family.samples = [s._replace(labels={**s.labels, RUN_ID_LABEL: run_id}) for s in family.samples]
+        if not getattr(family, "labelled_run_id", False):  # a LayerFamily's lines carry it already
+            family.samples = [s._replace(labels={**s.labels, RUN_ID_LABEL: run_id}) for s in family.samples]
         yield family
 
 

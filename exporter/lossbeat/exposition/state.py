@@ -104,8 +104,11 @@ class MonitorState:
         self._error_lock = threading.Lock()
         # The status page's data (lossbeat.exposition.status), plain values like the rest.
         self.started = time.time()
-        self.findings: tuple[tuple[str, str, int, str, str, bool], ...] = ()
-        """The last diagnosis as (check, component, status, message, fix, known): swapped whole."""
+        self.findings_source: tuple[Any, ...] = ()
+        """The last diagnosis's findings (objects with check, component, status, message, fix,
+        known): swapped whole; :attr:`findings` reads them as plain tuples."""
+        self._findings: tuple[tuple[str, str, int, str, str, bool], ...] = ()
+        self._findings_of: tuple[Any, ...] = ()
         self.grad_norm_ceiling: float | None = None
         """The profile's absolute gradient-norm ceiling (gradients.explosion)."""
         self.event_steps: dict[str, int] = {}
@@ -116,6 +119,17 @@ class MonitorState:
         """(step, eval loss) per evaluation."""
         self.layer_history = Ring(LAYER_HISTORY_STEPS)
         """(step, {layer: norm}) per step with per-layer norms: the dict the state already holds."""
+
+    @property
+    def findings(self) -> tuple[tuple[str, str, int, str, str, bool], ...]:
+        """The last diagnosis as (check, component, status, message, fix, known), built when read
+        (a status request), not at every diagnosis."""
+        source = self.findings_source
+        if source is not self._findings_of:
+            self._findings = tuple((f.check, f.component, int(f.status), f.message, f.fix if f.status else "", f.known)
+                                   for f in source)
+            self._findings_of = source
+        return self._findings
 
     def count_error(self, where: str) -> int:
         """Count one error at ``where``; returns how many there have been there (log the first)."""

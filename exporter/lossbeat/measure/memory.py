@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import resource
 import sys
 import threading
@@ -93,11 +94,8 @@ def _cpu_memory() -> tuple[float, float]:
     current = peak = math.nan
     with _lock:
         try:
-            with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
-                status = fh.read()  # one read and two finds: a line-by-line scan costs several times more
-            current = _status_kib(status, "\nVmRSS:") * 1024
-            peak = _status_kib(status, "\nVmHWM:") * 1024
-            _reset_cpu_peak()
+            current, peak = _PROC.read()
+            _PROC.reset_peak()
         except (OSError, ValueError, IndexError):
             pass
     if math.isnan(peak):  # not Linux: the rusage peak (bytes on macOS, KiB elsewhere), a lifetime one
@@ -108,21 +106,80 @@ def _cpu_memory() -> tuple[float, float]:
     return current, max(current, peak)
 
 
-def _reset_cpu_peak() -> None:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); without it the peak stays a lifetime one."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-            fh.write("5")
-    except OSError:
-        pass
+class _ProcFiles:
+    """This process's resident memory and its peak, read cheaply (under ``_lock``).
+
+    A diagnosis reads memory every ``diagnose_every`` steps. /proc/self/status, which the kernel
+    renders whole at each read, costs tens of µs; so the resident size comes from
+    /proc/self/statm (one line) and the peak from ``getrusage`` (the same high-water mark,
+    VmHWM, which ``clear_refs`` resets), unless ``getrusage`` carries a larger peak from before
+    the process's exec (a launcher's fork), checked at the first reading: then the status it is.
+    Descriptors stay open (``pread`` at offset 0 reads afresh) and are reopened after a fork."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._status = self._statm = self._clear = -1
+        self._rusage_peak: bool | None = None  # None: not checked yet
+
+    def _open(self) -> None:
+        if self._pid == os.getpid():
+            return
+        for fd in (self._status, self._statm, self._clear):  # the parent's, inherited across a fork
+            if fd >= 0:
+                os.close(fd)
+        self._status = self._statm = self._clear = -1
+        self._pid = os.getpid()
+        self._rusage_peak = None
+        self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+        self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._clear = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            self._clear = -1  # without it (Linux < 4.0, a sandbox) the peak stays a lifetime one
+
+    def read(self) -> tuple[float, float]:
+        """(resident, peak resident) bytes."""
+        self._open()
+        if self._rusage_peak:
+            resident = float(os.pread(self._statm, 256, 0).split()[1]) * _PAGE
+            return resident, resident_peak_kib() * 1024.0
+        status = os.pread(self._status, 8192, 0)
+        current, peak = _status_kib(status, b"\nVmRSS:") * 1024, _status_kib(status, b"\nVmHWM:") * 1024
+        if self._rusage_peak is None and self._clear >= 0:
+            # Just after a reset VmHWM is the resident size; getrusage's peak, if it is the same
+            # mark, is no higher (a page or two of growth since aside).
+            self.reset_peak()
+            status = os.pread(self._status, 8192, 0)
+            hwm = _status_kib(status, b"\nVmHWM:")
+            self._rusage_peak = math.isfinite(hwm) and resident_peak_kib() <= hwm + 1024
+        return current, peak
+
+    def reset_peak(self) -> None:
+        """Reset VmHWM to the current RSS (Linux >= 4.0); without it the peak stays a lifetime one."""
+        if self._clear >= 0:
+            try:
+                os.write(self._clear, b"5")
+            except OSError:
+                pass
 
 
-def _status_kib(status: str, key: str) -> float:
-    """The kB value of ``key`` (``"\\nVmRSS:"``) in /proc/self/status; NaN when absent."""
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_peak_kib() -> float:
+    """``getrusage``'s peak resident size in KiB (Linux; bytes on macOS are not read here)."""
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+_PROC = _ProcFiles()
+
+
+def _status_kib(status: bytes, key: bytes) -> float:
+    """The kB value of ``key`` (``b"\\nVmRSS:"``) in /proc/self/status; NaN when absent."""
     at = status.find(key)
     if at < 0:
         return math.nan
-    return float(status[at + len(key):status.index("\n", at + 1)].split()[0])
+    return float(status[at + len(key):status.index(b"\n", at + 1)].split()[0])
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,7 +14,7 @@ from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.ratelog import RateLimitedLog
 from lossbeat.monitor.transfer import PendingStep
 
-__all__ = ["StepApplier", "ALL_LAYERS", "FROM_ANOTHER_RANK"]
+__all__ = ["StepApplier", "derive_gauges", "ALL_LAYERS", "FROM_ANOTHER_RANK"]
 
 ALL_LAYERS = "all layers"
 """The non-finite layer reported when a non-finite loss made every layer's gradient non-finite
@@ -37,6 +37,10 @@ class StepApplier:
         self.judgment, self.log = judgment, log
         self._nonfinite_run = False  # the last applied step had a non-finite gradient
 
+    def at_read(self) -> None:
+        """What a scrape computes itself (the transfer's lock held): the derived gauges."""
+        derive_gauges(self.state, self.history)
+
     def __call__(self, record: PendingStep) -> None:
         s, v = self.state, record.host
         loss = v.get("loss")  # None: a rank without a loss this step (a pipeline stage before the last)
@@ -46,9 +50,14 @@ class StepApplier:
             {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "component"} if record.has_components else None
         )
         layers = v.get("layers")
-        lr_max = max(lrs.values()) if lrs else None
-        if lr_max is not None and any(math.isnan(x) for x in lrs.values()):
-            lr_max = math.nan
+        if not lrs:
+            lr_max = None
+        elif len(lrs) == 1:
+            (lr_max,) = lrs.values()
+        else:
+            lr_max = max(lrs.values())
+            if any(math.isnan(x) for x in lrs.values()):
+                lr_max = math.nan
 
         layer_norms = without_grad = None
         if layers is not None:
@@ -105,9 +114,7 @@ class StepApplier:
             self.history.layer_norms = layer_norms
         if "clip" in v:
             s.clip_coefficient = v["clip"]
-        cv, trend = self.history.loss.cv(), self.history.loss.trend_ratio()
-        s.loss_cv = None if math.isnan(cv) else cv
-        s.loss_trend_ratio = None if math.isnan(trend) else trend
+        # training_loss_cv and training_loss_trend_ratio are read at scrape time (derive_gauges).
         baseline = self.history.grad.median
         s.grad_norm_baseline = baseline if math.isfinite(baseline) else None
         # The status page's windows: one tuple of floats already at hand, one dict reference.
@@ -159,6 +166,15 @@ class StepApplier:
         self.vitals.add_step_time(record.duration, s.phase[0] == "train")
         if self.judgment.due(record.step):  # every diagnose_every steps, as `lossbeat analyze` judges
             self.judgment.diagnose(record.step)
+
+
+def derive_gauges(state: MonitorState, history: History) -> None:
+    """The gauges derived from the loss window, computed when a scrape reads them (the caller
+    holds the transfer's lock, so the window is not written meanwhile): O(window) per scrape
+    instead of work on every step."""
+    cv, trend = history.loss.cv(), history.loss.trend_ratio()
+    state.loss_cv = None if math.isnan(cv) else cv
+    state.loss_trend_ratio = None if math.isnan(trend) else trend
 
 
 def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float | None, several_ranks: bool = False) -> str:

@@ -30,6 +30,7 @@ class Judgment:
         """The findings of the last diagnosis."""
         state.grad_norm_ceiling = judge.thresholds.gradients.explosion  # for the status page
         self._evals_seen = 0
+        self._health_from: tuple[int, int] = (-1, -1)  # (findings, history resets) the health dict holds
 
     def due(self, step: int) -> bool:
         return self.judge.due(step)
@@ -56,14 +57,17 @@ class Judgment:
             s.count_error("diagnose")
             self.log("diagnose", logging.ERROR, "lossbeat: error in the diagnosis", exc_info=True)
             return
-        health = dict(s.health)
-        for f in findings:
-            health[(f.check, f.component)] = int(f.status)
-        s.health = health
+        # The health dict moves only with a status change or a new check (a new loss component or
+        # eval set; keys come and go only with a reset of the windows): else it stays as it is.
+        source = (len(findings), self.judge.history.resets)
+        if changes or source != self._health_from:
+            health = dict(s.health)
+            for f in findings:
+                health[(f.check, f.component)] = int(f.status)
+            s.health = health
+            self._health_from = source
         self.findings = tuple(findings)
-        # The status page's copy, as plain data (exposition/ never imports the monitor).
-        s.findings = tuple((f.check, f.component, int(f.status), f.message, f.fix if f.status else "", f.known)
-                           for f in self.findings)
+        s.findings_source = self.findings  # the status page reads them as plain tuples, when it asks
         if s.evals_total != self._evals_seen and s.eval_loss is not None:  # judged after each evaluation
             self._evals_seen = s.evals_total
             s.evals.append((step, s.eval_loss))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -22,28 +21,32 @@ MAX_PENDING = 4  # deferred host copies in flight before the oldest is waited fo
 # A scrape applies deferred device values that arrived once the training thread has not
 # observed for this long (an evaluation, a checkpoint): a NaN just before them shows at once.
 SCRAPE_DRAIN_AFTER_S = 1.0
+READ_LOCK_WAIT_S = 0.1  # a read waits this long for the step being applied (what it computes needs the lock)
 
 
-@dataclass
 class PendingStep:
-    """One step whose device values are on their way to the host."""
+    """One step whose device values are on their way to the host (or already there).
 
-    step: int
-    wall_time: float
-    duration: float | None
-    epoch: float | None
-    host: dict[str, Any]
-    """Values already on the host (Python floats)."""
-    layout: list[tuple[str, int]]
-    """(key, length) of each slice of the packed device tensor."""
-    packed: torch.Tensor | None = None
-    """The packed values: a pinned host buffer filling asynchronously, or a CPU tensor."""
-    event: Any = None
-    """CUDA event recorded after the copy; None when the values are already on the host."""
-    layer_names: list[str] = field(default_factory=list)
-    has_lrs: bool = False
-    has_components: bool = False
-    has_signals: bool = False
+    A plain class with slots: one is built per observed step."""
+
+    __slots__ = ("step", "wall_time", "duration", "epoch", "host", "layout", "packed", "event", "layer_names",
+                 "has_lrs", "has_components", "has_signals")
+
+    def __init__(self, step: int, wall_time: float, duration: float | None, epoch: float | None,
+                 host: dict[Any, Any], layout: list[tuple[Any, int]], packed: torch.Tensor | None = None,
+                 event: Any = None, layer_names: list[str] | None = None, has_lrs: bool = False,
+                 has_components: bool = False, has_signals: bool = False) -> None:
+        self.step, self.wall_time, self.duration, self.epoch = step, wall_time, duration, epoch
+        self.host = host
+        """Values already on the host (Python floats)."""
+        self.layout = layout
+        """(key, length) of each slice of the packed device tensor."""
+        self.packed = packed
+        """The packed values: a pinned host buffer filling asynchronously, or a CPU tensor."""
+        self.event = event
+        """CUDA event recorded after the copy; None when the values are already on the host."""
+        self.layer_names = layer_names if layer_names is not None else []
+        self.has_lrs, self.has_components, self.has_signals = has_lrs, has_components, has_signals
 
 
 def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -65,18 +68,48 @@ def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return buffer, event
 
 
+_VECTORS = ("layers", "guard")  # vectors; every other key is one value
+
+
 def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:
     offset = 0
     for key, length in layout:
-        if key == "layers" or key == "guard":  # vectors; every other key is one value
+        if key in _VECTORS:
             into[key] = values[offset : offset + length]
         else:
             into[key] = values[offset]
         offset += length
 
 
+def _read_cpu(parts: list[tuple[Any, torch.Tensor]], into: dict[Any, Any]) -> None:
+    """CPU tensors' values in one read (nothing to wait for). The common case, 0-d floats of one
+    dtype (a loss and a norm), is one ``stack``: a fifth of the float64 pack, and the same values
+    (a float32's value is a float64 exactly); anything else is packed as a device's values are."""
+    tensors = [value for _, value in parts]
+    dtype = tensors[0].dtype
+    if dtype.is_floating_point and all(t.dim() == 0 and t.dtype == dtype for t in tensors):
+        read = tensors[0].tolist() if len(tensors) == 1 else torch.stack(tensors).tolist()
+        for (key, _), x in zip(parts, read if len(tensors) > 1 else (read,)):
+            into[key] = [x] if key in _VECTORS else x
+        return
+    flats = [t.reshape(-1) if t.dtype == torch.float64 else t.reshape(-1).double() for t in tensors]
+    packed = torch.cat(flats) if len(flats) > 1 else flats[0]
+    unpack(_as_float_list(packed), [(key, flat.numel()) for (key, _), flat in zip(parts, flats)], into)
+
+
 def _as_float_list(t: torch.Tensor) -> list[float]:
     return t.tolist()
+
+
+def with_lock_or_skip(lock: threading.Lock, timeout: float, fn: Callable[[], None]) -> bool:
+    """Run ``fn`` holding ``lock`` if it can be had within ``timeout`` seconds; whether it ran."""
+    if not lock.acquire(timeout=timeout):
+        return False
+    try:
+        fn()
+    finally:
+        lock.release()
+    return True
 
 
 class DeviceTransfer:
@@ -88,6 +121,8 @@ class DeviceTransfer:
 
     def __init__(self, apply: Callable[[PendingStep], None], defer_device_reads: bool) -> None:
         self.apply = apply
+        self.at_read: Callable[[], None] | None = getattr(apply, "at_read", None)
+        """What a read (a scrape, a status request) computes under the lock after draining."""
         self.defer = defer_device_reads
         self.pending: collections.deque[PendingStep] = collections.deque()
         self.lock = threading.Lock()
@@ -106,9 +141,8 @@ class DeviceTransfer:
         """Pack ``values`` (floats and tensors) into one record and start its host copy."""
         host: dict[Any, Any] = {}
         device_parts: list[torch.Tensor] = []
-        cpu_parts: list[torch.Tensor] = []
+        cpu_parts: list[tuple[Any, torch.Tensor]] = []
         layout: list[tuple[Any, int]] = []
-        cpu_layout: list[tuple[Any, int]] = []
         device = None
         has_lrs = has_components = has_signals = False
         for key, value in values.items():
@@ -121,17 +155,16 @@ class DeviceTransfer:
                     has_signals = True
                 else:
                     has_components = True
-            if not isinstance(value, torch.Tensor):
+            if type(value) is float or not isinstance(value, torch.Tensor):
                 host[key] = value
+                continue
+            if value.is_cpu:
+                cpu_parts.append((key, value))
                 continue
             flat = value.reshape(-1)
             if flat.dtype != torch.float64:
                 # float64: token counts stay exact past 2**24 and bf16/fp16 values lose nothing.
                 flat = flat.double()
-            if flat.device.type == "cpu":
-                cpu_parts.append(flat)
-                cpu_layout.append((key, flat.numel()))
-                continue
             if device is None:
                 device = flat.device
                 self.cuda_device = device.index if device.type == "cuda" else None
@@ -141,12 +174,20 @@ class DeviceTransfer:
             layout.append((key, flat.numel()))
 
         if cpu_parts:  # CPU tensors: reading them waits for nothing
-            packed = torch.cat(cpu_parts) if len(cpu_parts) > 1 else cpu_parts[0]
             self.host_transfers += 1
-            unpack(_as_float_list(packed), cpu_layout, host)
+            _read_cpu(cpu_parts, host)
 
-        record = PendingStep(step, wall, duration, epoch, host, layout, layer_names=layer_names,
-                             has_lrs=has_lrs, has_components=has_components, has_signals=has_signals)
+        record = PendingStep(step, wall, duration, epoch, host, layout, None, None, layer_names,
+                             has_lrs, has_components, has_signals)
+        if not device_parts:
+            with self.lock:
+                self.last_submit = time.monotonic()
+                if not self.pending:  # nothing in flight before it: applied now, no queue
+                    self.apply(record)
+                    return
+                self.pending.append(record)
+                self._drain_locked(block=False, may_wait=True)
+            return
         if device_parts:
             packed = torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
             if device.type == "cuda" and self.defer:
@@ -178,7 +219,15 @@ class DeviceTransfer:
 
         Caveat: an event query from this thread during a CUDA-graph capture in global mode on
         another thread would invalidate that capture; captures happen while the loop steps,
-        and this runs only once the loop has not observed for ``SCRAPE_DRAIN_AFTER_S``."""
+        and this runs only once the loop has not observed for ``SCRAPE_DRAIN_AFTER_S``.
+
+        Then ``at_read`` (the gauges computed at read time) under the lock: it waits for a step
+        being applied, at most ``READ_LOCK_WAIT_S``, else those gauges stay as last read."""
+        self._drain_at_scrape()
+        if self.at_read is not None:
+            with_lock_or_skip(self.lock, READ_LOCK_WAIT_S, self.at_read)
+
+    def _drain_at_scrape(self) -> None:
         if not self.pending or time.monotonic() - self.last_submit < SCRAPE_DRAIN_AFTER_S:
             return
         if not self.lock.acquire(blocking=False):
