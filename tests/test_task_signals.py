@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from conftest import require
+
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.analyze.replay import replay
 from lossbeat.diagnosis import Status
@@ -141,8 +143,7 @@ def test_a_real_log_fed_to_a_monitor_with_its_signals_gives_the_findings_analyze
     from lossbeat.logs import parse_log
 
     path = DATA / "real-logs-3" / name
-    if not path.is_file():
-        pytest.skip(f"no {path}")
+    require(path.is_file(), f"the real log {path} (../shared/data) is needed")
     log = parse_log(path)
     (offline,) = judge_log(log, T).runs
     live = _live(log, offline.profile, learning_rates=True)
