@@ -976,14 +976,22 @@ def test_deepspeed_zero_partitioned_gradients_are_reported_once(monitor, caplog)
 def test_status_change_lines_start_above_a_tqdm_bar(monitor, capsys):
     tqdm = pytest.importorskip("tqdm")
     handler = logging.StreamHandler()  # stderr as it is now (captured)
-    logging.getLogger("lossbeat").addHandler(handler)
+    logger = logging.getLogger("lossbeat")
+    level, disabled = logger.level, logger.disabled  # whatever an earlier test in this process left
+    logger.setLevel(logging.WARNING)
+    logger.disabled = False
+    logger.addHandler(handler)
     try:
         with tqdm.tqdm(total=100, file=sys.stderr, mininterval=0) as bar:
             for step in range(50):
                 monitor.observe(step, loss=2.0 + 0.01 * (step % 3), grad_norm=50.0 if step >= 40 else 1.0)  # a loss that moves: trained
                 bar.update(1)
     finally:
-        logging.getLogger("lossbeat").removeHandler(handler)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.disabled = disabled
     err = capsys.readouterr().err
-    line = next(part for part in err.replace("\r", "\n").split("\n") if "GOOD -> DANGER" in part)
+    lines = [part for part in err.replace("\r", "\n").split("\n") if "GOOD -> DANGER" in part]
+    assert lines, (dict(monitor.state.errors), monitor.state.health, err[-2000:])
+    line = lines[0]
     assert line.startswith("lossbeat: grad_norm GOOD -> DANGER")  # its own line, not after the bar's text

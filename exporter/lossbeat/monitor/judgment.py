@@ -103,7 +103,10 @@ def log_change(change: StatusChange) -> None:
     tqdm = sys.modules.get("tqdm")
     bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
     if bars:
-        with tqdm.tqdm.external_write_mode(file=sys.stderr):
-            log.warning(message, *args)
-    else:
-        log.warning(message, *args)
+        try:  # tqdm's lock or a stale bar failing must not cost the line
+            with tqdm.tqdm.external_write_mode(file=sys.stderr):
+                log.warning(message, *args)
+            return
+        except Exception:
+            pass
+    log.warning(message, *args)
