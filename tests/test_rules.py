@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from lossbeat.mixin import rules
-from lossbeat.mixin.alert_rules import alert_rules, recording_rules
+from lossbeat.mixin.alert_rules import LOOKBACK_GROUP, LOOKBACK_INTERVAL, alert_rules, lookback_rules, recording_rules
 from lossbeat.exposition.metrics import METRICS
 from lossbeat.mixin.rule_tests import render_template, rule_test_documents
 from lossbeat.diagnosis.thresholds import load_thresholds
@@ -300,7 +300,7 @@ def test_rendering_is_deterministic():
     thresholds = load_thresholds()
     assert rules.render_rules(thresholds) == rules.render_rules(load_thresholds())
     assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
-        "lossbeat.recording", "lossbeat.nonfinite", "lossbeat.gradients", "lossbeat.loss",
+        "lossbeat.recording", "lossbeat.lookback", "lossbeat.nonfinite", "lossbeat.gradients", "lossbeat.loss",
         "lossbeat.optimizer", "lossbeat.liveness", "lossbeat.resources",
         "lossbeat.cross_rank", "lossbeat.guard",
     ]
@@ -356,7 +356,7 @@ def _names_in(expr: str) -> set[str]:
 
 def test_expressions_use_only_contract_metrics_and_recording_rules():
     exported = {spec.name + ("_info" if spec.kind == "info" else "") for spec in METRICS.values()}
-    records = {r.record for r in recording_rules()}
+    records = {r.record for r in recording_rules() + lookback_rules()}
     for rule in all_rules(checked_in_rules()):
         for name in _names_in(rule["expr"]):
             assert name in exported or name in records or name == "up", (
@@ -372,8 +372,27 @@ def test_metric_name_scan_finds_the_series():
     assert {"training_eval_loss", "training_health_status"} <= _names_in(expr)
 
 
+def test_the_long_lookbacks_are_state_the_lookback_group_carries():
+    """TrainingExporterDown (6h) and TrainingRankDown (1h) read recorded state, O(1) per rank:
+    no rule reads hours of a rank's samples; the state rules each keep their own previous sample."""
+    groups = {g["name"]: g for g in yaml.safe_load(rules.render_rules(load_thresholds()))["groups"]}
+    assert groups[LOOKBACK_GROUP]["interval"] == LOOKBACK_INTERVAL
+    for group in groups.values():
+        for rule in group["rules"]:
+            ranges = re.findall(r"\[(\d+)([smh])(?::[^\]]*)?\]", rule["expr"])
+            longest = max((int(n) * {"s": 1, "m": 60, "h": 3600}[u] for n, u in ranges), default=0)
+            name = rule.get("alert") or rule.get("record")
+            if name in ("TrainingExporterDown", "TrainingRankDown") or group["name"] == LOOKBACK_GROUP:
+                assert longest <= 120, name
+    for rule in lookback_rules():
+        if rule.record.endswith("_timestamp_seconds"):
+            assert f"or\n{rule.record} > time() - " in rule.expr, rule.record  # kept until too old
+        else:
+            assert f"or\n({rule.record} and on(" in rule.expr, rule.record  # kept while the rank is
+
+
 def test_recording_rules_follow_level_metric_operations():
-    for rule in recording_rules():
+    for rule in recording_rules() + lookback_rules():
         level, metric, operations = rule.record.split(":")
         assert metric in METRICS or metric + "_total" in METRICS, rule.record
         assert operations and re.fullmatch(r"[a-z0-9_]+", operations), rule.record

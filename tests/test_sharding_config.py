@@ -1,11 +1,11 @@
-"""The shipped sharding configs: valid for promtool, and the agents partition the targets."""
+"""The shipped sharding configs: valid for promtool, and the shards partition the targets."""
 
 import subprocess
 
 import yaml
 
 from conftest import require_binary
-from lossbeat.mixin.alert_rules import rule_groups
+from lossbeat.mixin.stages import stage_groups
 from lossbeat.diagnosis.thresholds import load_thresholds
 
 from e2e.test_sharded import SHARDING, SHARDS, hashmod_shard
@@ -15,10 +15,11 @@ def _load(name: str) -> dict:
     return yaml.safe_load((SHARDING / name).read_text(encoding="utf-8"))
 
 
-def test_agents_partition_the_targets_with_hashmod():
+def test_shards_partition_the_targets_with_hashmod():
     regexes = set()
     for shard in range(SHARDS):
-        config = _load(f"agent-{shard}.yml")
+        config = _load(f"shard-{shard}.yml")
+        assert config["rule_files"][0].endswith("rules-shard.yml")
         assert "external_labels" not in config["global"]  # series must not depend on the shard
         [job] = config["scrape_configs"]
         hashmod, keep = job["relabel_configs"]
@@ -35,12 +36,12 @@ def test_agents_partition_the_targets_with_hashmod():
 
 def test_promtool_accepts_the_sharding_configs(tmp_path):
     promtool = require_binary("promtool")
-    rules = tmp_path / "rules.yml"
-    rules.write_text(yaml.safe_dump({"groups": rule_groups(load_thresholds())}))
-    for name in ("agent-0.yml", "agent-1.yml", "central.yml"):
+    for name in ("shard-0.yml", "shard-1.yml", "global.yml"):
         config = _load(name)
-        if "rule_files" in config:
-            config["rule_files"] = [str(rules)]
+        stage = "global" if name == "global.yml" else "shard"
+        rules = tmp_path / f"rules-{stage}.yml"
+        rules.write_text(yaml.safe_dump({"groups": stage_groups(load_thresholds(), stage)}))
+        config["rule_files"] = [str(rules)]
         path = tmp_path / name
         path.write_text(yaml.safe_dump(config))
         result = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)

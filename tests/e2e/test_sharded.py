@@ -1,8 +1,9 @@
-"""Sharding on the existing engine, end to end with real servers on loopback: two Prometheus
-agents (the shipped deploy/sharding configs, hashmod relabelling) each scrape half of the
-ranks and remote-write into a central Prometheus that evaluates the shipped rules and
-notifies a real Alertmanager. A NaN on a rank of either shard pages once; a rank killed on
-one shard fires TrainingRankDown, a rule that counts ranks across both shards."""
+"""The sharded set-up, end to end with real servers on loopback: two Prometheus shards (the
+shipped deploy/sharding configs, hashmod relabelling) each scrape half of the ranks, judge them
+with rules-shard.yml and remote-write into a global Prometheus that evaluates rules-global.yml;
+both notify one real Alertmanager. A NaN on a rank of either shard pages once, from its shard;
+a rank killed on one shard fires TrainingRankDown on the global, a rule that counts ranks
+across both shards."""
 
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ def shipped(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def sharded(servers, e2e_rules, receiver, tmp_path_factory):
-    """Alertmanager, the central Prometheus and two agents, from the shipped configs with
-    loopback addresses, 1 s intervals and a test file_sd folder."""
+    """Alertmanager, the global Prometheus and two shards, from the shipped configs with
+    loopback addresses, 1 s intervals, the test thresholds' stage rules and a test file_sd folder."""
     work = tmp_path_factory.mktemp("sharded")
     sd = work / "file_sd"
     sd.mkdir()
@@ -61,26 +62,28 @@ def sharded(servers, e2e_rules, receiver, tmp_path_factory):
     processes: list = [alertmanager]
     try:
         alertmanager.wait_ready()
-        central_config = shipped("central.yml")
+        central_config = shipped("global.yml")
         central_config["global"]["evaluation_interval"] = "1s"
-        central_config["rule_files"] = [str(e2e_rules)]
+        central_config["rule_files"] = [str(e2e_rules.parent / "rules-global.yml")]
         central_config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] = [alertmanager.address]
-        central = PrometheusProcess(work, central_config, name="central",
+        central = PrometheusProcess(work, central_config, name="global",
                                     extra_flags=("--web.enable-remote-write-receiver",))
         processes.append(central)
         central.wait_ready()
-        agents = []
+        shards = []
         for shard in range(SHARDS):
-            config = shipped(f"agent-{shard}.yml")
-            config["global"].update(scrape_interval="1s", scrape_timeout="1s")
+            config = shipped(f"shard-{shard}.yml")
+            config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+            config["rule_files"] = [str(e2e_rules.parent / "rules-shard.yml")]
+            config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] = [alertmanager.address]
             job = config["scrape_configs"][0]
             job["file_sd_configs"] = [{"files": [str(sd / "*.json")], "refresh_interval": "1s"}]
             config["remote_write"][0]["url"] = f"{central.url}/api/v1/write"
             config["remote_write"][0]["queue_config"]["batch_send_deadline"] = "1s"
-            agent = PrometheusProcess(work, config, agent=True, name=f"agent-{shard}")
-            processes.append(agent)
-            agents.append(agent.wait_ready())
-        yield {"central": central, "agents": agents, "sd": sd, "work": work}
+            process = PrometheusProcess(work, config, name=f"shard-{shard}")
+            processes.append(process)
+            shards.append(process.wait_ready())
+        yield {"central": central, "shards": shards, "sd": sd, "work": work}
     finally:
         for process in reversed(processes):
             process.stop()
@@ -115,15 +118,15 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
         write_target_groups(sd / "training.json", [
             {"targets": [f"127.0.0.1:{port}"], "labels": {"job": job}} for (job, _), (port, _) in layout.items()])
 
-        # Each agent scrapes exactly its half: `up` reaches the central once per target, from one shard.
+        # Each shard scrapes exactly its half: `up` reaches the global once per target, from one shard.
         def all_up():
             series = central.api.query('up{job=~"sharded-.*"} == 1')
             return len(series) == len(layout) and series
-        wait_until(all_up, 120, "every rank scraped by its shard and remote-written to the central")
-        for shard, agent in enumerate(sharded["agents"]):
-            scraped = {t["labels"]["instance"] for t in agent.api._get("/api/v1/targets")["activeTargets"]}
+        wait_until(all_up, 120, "every rank scraped by its shard and remote-written to the global")
+        for shard, process in enumerate(sharded["shards"]):
+            scraped = {t["labels"]["instance"] for t in process.api._get("/api/v1/targets")["activeTargets"]}
             expected = {f"127.0.0.1:{port}" for port, s in layout.values() if s == shard}
-            assert scraped == expected, f"agent-{shard} scrapes {scraped}, expected {expected}"
+            assert scraped == expected, f"shard-{shard} scrapes {scraped}, expected {expected}"
 
         for shard in range(SHARDS):
             job = f"sharded-nan-s{shard}"
@@ -137,6 +140,9 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
             assert pages[0].labels["rank"] == "0"
             port, rank_shard = layout[(job, 0)]
             assert pages[0].labels["instance"] == f"127.0.0.1:{port}" and rank_shard == shard
+            # Judged by the rank's own shard; the global holds no per-rank alert.
+            assert sharded["shards"][shard].api.firing("TrainingLossNaN", job=job)
+            assert not central.api.alerts(alertname="TrainingLossNaN", job=job)
 
         # Kill the healthy rank of job s0 (it lives on shard 1): its job still has rank 0 on
         # shard 0, so only a rule that sees both shards can tell a rank is missing.

@@ -18,6 +18,9 @@ __all__ = [
     "RecordingRule",
     "LOSS_DERIVED_ALERTS",
     "RECORDING_GROUP",
+    "LOOKBACK_GROUP",
+    "LOOKBACK_INTERVAL",
+    "lookback_rules",
     "alert_rules",
     "recording_rules",
     "rule_groups",
@@ -32,6 +35,13 @@ __all__ = [
 ]
 
 RECORDING_GROUP = "lossbeat.recording"
+LOOKBACK_GROUP = "lossbeat.lookback"
+"""Recording rules evaluated every ``LOOKBACK_INTERVAL``: what the long lookbacks of
+TrainingExporterDown (6h) and TrainingRankDown (1h) need, kept per rank at O(1) per evaluation."""
+LOOKBACK_INTERVAL = "1m"
+SEEN_WINDOW = "2m"
+"""Raw samples a lookback rule or alert reads: a scrape and the lookback group's interval, so a
+rank seen between two evaluations of the group is never missed (8 samples at 15 s)."""
 
 # Profiles whose loss is a sum of tasks: the range applies to each component.
 COMPONENT_PROFILES = frozenset({"multi-task"})
@@ -235,10 +245,78 @@ def _cross_rank_recording_rules() -> list[RecordingRule]:
                       f"max by ({job}) (training_grad_norm_aligned_step)))", JOB_RANK),
         RecordingRule("job:training_grad_norm_aligned:median_latest_step",
                       f"quantile by ({job}) (0.5, {level(JOB_RANK)}:training_grad_norm_aligned:latest_step)", JOB),
+        # Each rank's work time once (the median and TrainingStraggler read it).
+        RecordingRule(WORK_AVG_5M, f"avg by ({job_rank}) (avg_over_time(training_rank_work_seconds[5m]))", JOB_RANK),
         RecordingRule("job:training_rank_work_seconds:median_avg_over_time5m",
-                      f"quantile by ({job}) (0.5, avg by ({job_rank}) (avg_over_time(training_rank_work_seconds[5m])))",
-                      JOB),
+                      f"quantile by ({job}) (0.5, {WORK_AVG_5M})", JOB),
+        # The ranks present (reporting now, or gone after their completion marker), and per run
+        # the count that differs from the world size the ranks report: once per evaluation for
+        # every rank, where TrainingRankDown read them five times, each over an hour of samples.
+        RecordingRule(RANK_PRESENT, _present(), JOB_RANK + ("world_size",)),
+        RecordingRule(RANKS_SHORT,
+                      f"count by ({job}, world_size) ({RANK_PRESENT})\nunless on({job}, world_size)\n"
+                      f'count_values by ({job}) ("world_size", count by ({job}) ({RANK_PRESENT}))',
+                      JOB + ("world_size",)),
     ]
+
+
+WORK_AVG_5M = f"{level(JOB_RANK)}:training_rank_work_seconds:avg_over_time5m"
+RANK_PRESENT = f"{level(JOB_RANK + ('world_size',))}:training_run:present"
+"""1 for each rank of a run reporting now, or gone after its completion marker."""
+RANKS_SHORT = "job_world_size:training_run:ranks_short"
+"""Per run whose count of present ranks is not the world size they report: that count."""
+STEPS_LAST = f"{level(TARGET)}:training_steps_total:last"
+"""Each rank's last step count, kept EXPORTER_SEEN_LOOKBACK after it was last seen."""
+SEEN_AT = f"{level(TARGET)}:training_steps:last_seen_timestamp_seconds"
+COMPLETED_LAST = f"{level(TARGET)}:training_run_completed:last"
+"""Each rank's last completion marker, kept as long as STEPS_LAST."""
+INFO_SEEN_AT = f"{level(JOB_RANK + ('world_size',))}:training_run:last_seen_timestamp_seconds"
+"""When each rank last reported ``training_run_info``, kept RANK_SEEN_LOOKBACK."""
+
+
+def lookback_rules() -> list[RecordingRule]:
+    """The long lookbacks as state carried from one evaluation to the next (group
+    ``LOOKBACK_GROUP``, every ``LOOKBACK_INTERVAL``): each rule keeps what it recorded last time
+    for the ranks it does not see now (``or`` its own previous sample), until it is too old.
+    Every evaluation reads ``SEEN_WINDOW`` of raw samples and one recorded sample per rank:
+    O(ranks), where ``last_over_time(x[6h])`` read every sample of six hours of every rank.
+    The state lives in the recorded series: a Prometheus down for more than the 5m staleness
+    window forgets the ranks that vanished before it came back (their alerts then need a rank
+    seen since)."""
+    t, jr = _by(TARGET), _by(JOB_RANK)
+    keep_for, info_for = duration_seconds(EXPORTER_SEEN_LOOKBACK), duration_seconds(RANK_SEEN_LOOKBACK)
+    seen_now = f"max by ({t}) (last_over_time(training_steps_total[{SEEN_WINDOW}]))"
+    return [
+        RecordingRule(SEEN_AT, f"{seen_now} * 0 + time()\nor\n{SEEN_AT} > time() - {number(keep_for)}", TARGET),
+        RecordingRule(STEPS_LAST, f"{seen_now}\nor\n({STEPS_LAST} and on({t}) {SEEN_AT})", TARGET),
+        RecordingRule(INFO_SEEN_AT,
+                      f"group by ({jr}, world_size) (last_over_time(training_run_info[{SEEN_WINDOW}])) * 0 + time()\n"
+                      f"or\n{INFO_SEEN_AT} > time() - {number(info_for)}", JOB_RANK + ("world_size",)),
+        # Kept while either lookback remembers the rank.
+        RecordingRule(COMPLETED_LAST,
+                      f"max by ({t}) (max_over_time(training_run_completed[{SEEN_WINDOW}]))\n"
+                      f"or\n({COMPLETED_LAST} and on({t}) ({SEEN_AT} or on({t}) {INFO_SEEN_AT}))", TARGET),
+    ]
+
+
+def _completed() -> str:
+    """The ranks whose last word was the completion marker: recorded, or in the raw window the
+    lookback group has not recorded yet."""
+    t = _by(TARGET)
+    return (f"({COMPLETED_LAST} == 1 or max by ({t}) (max_over_time(training_run_completed[{SEEN_WINDOW}])) == 1)")
+
+
+def _seen_lately() -> str:
+    """The ranks (with their world size) that reported ``training_run_info`` in the last RANK_SEEN_LOOKBACK."""
+    jr = _by(JOB_RANK)
+    return (f"group by ({jr}, world_size) ({INFO_SEEN_AT} or "
+            f"group by ({jr}, world_size) (last_over_time(training_run_info[{SEEN_WINDOW}])))")
+
+
+def _present() -> str:
+    jr = _by(JOB_RANK)
+    return (f"group by ({jr}, world_size) (training_run_info)\nor on({jr})\n"
+            f"({_seen_lately()} and on({jr}) {_completed()})")
 
 
 def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
@@ -685,12 +763,14 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
             # target answers no more, or service discovery removed it), and the last thing
             # it said was not "completed" (Monitor.close() publishes that and lingers one
             # scrape interval). The value: the steps it had taken.
+            # The lookback: each rank's last step count, recorded by the lookback group (O(1) per
+            # rank and evaluation), or the raw window it has not recorded yet.
             expr=(
-                f"max by ({', '.join(TARGET)}) (last_over_time(training_steps_total[{EXPORTER_SEEN_LOOKBACK}]))\n"
+                f"({STEPS_LAST} or max by ({', '.join(TARGET)}) (last_over_time(training_steps_total[{SEEN_WINDOW}])))\n"
                 f"unless {ON_TARGET}\n"
                 "  training_steps_total\n"
                 f"unless {ON_TARGET}\n"
-                f"  (last_over_time(training_run_completed[{EXPORTER_SEEN_LOOKBACK}]) == 1)\n"
+                f"  {_completed()}\n"
             ),
             for_=a.exporter_down_for,
             summary="A training process stopped sending metrics without finishing",
@@ -768,6 +848,7 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
     horizon = number(duration_seconds(m.oom_horizon))
     allocated, limit = "training_memory_allocated_bytes", "training_memory_limit_bytes"
     rate = f"rate(training_steps_total[{tp.rate_window}])"
+    past_rate = f"{level(TARGET)}:training_steps:rate5m" if duration_seconds(tp.rate_window) == 300 else rate
     # The baseline's subquery samples the rate every minute, or every rate window when shorter.
     resolution = _duration(min(60, duration_seconds(tp.rate_window)))
     return [
@@ -823,9 +904,12 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
             severity="warning",
             # The baseline ends `for` ago so a drop never lowers its own reference; only while
             # the run says it trains (Monitor.phase), and not when it stopped (TrainingStalled).
+            # The baseline reads the recorded per-rank rate when it is the same window (one sample
+            # per rank and resolution step, where the raw rate reads every sample of each window).
             expr=(
                 f"{rate}\n"
-                f"  < {number(tp.drop_fraction)} * quantile_over_time(0.5, {rate}[{tp.baseline}:{resolution}] offset {tp.for_})\n"
+                f"  < {ON_TARGET} {number(tp.drop_fraction)} * quantile_over_time(0.5, "
+                f"{past_rate}[{tp.baseline}:{resolution}] offset {tp.for_})\n"
                 f"and {ON_TARGET} (training_phase{{phase=\"train\"}} == 1)\n"
                 f"and {rate} > 0\n"
             ),
@@ -849,18 +933,14 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
     """Alerts that compare the ranks of one job with each other, from series every rank already exports."""
     a, c = t.alerts, t.cross_rank
     job, job_rank = _by(JOB), _by(JOB_RANK)
-    # The ranks present: reporting now, or gone after their completion marker (ranks that
-    # finished before rank 0's final eval or upload are not down).
-    present = (f"(group by ({job_rank}, world_size) (training_run_info) or on({job_rank}) "
-               f"(group by ({job_rank}, world_size) (max_over_time(training_run_info[{RANK_SEEN_LOOKBACK}])) "
-               f"and on({job_rank}) last_over_time(training_run_completed[{RANK_SEEN_LOOKBACK}]) == 1))")
-    # Distinct ranks present, per run and the world size the ranks report.
-    reporting = f"count by ({job}, world_size) ({present})"
-    # PromQL cannot read a label as a number: count_values writes the count into a label to compare.
-    short = (f"(\n  {reporting}\n  unless on({job}, world_size)\n"
-             f'  count_values by ({job}) ("world_size", count by ({job}) ({present}))\n)')
-    gone = (f"(\n  group by ({job_rank}) (max_over_time(training_run_info[{RANK_SEEN_LOOKBACK}]))\n"
-            f"  unless on({job_rank}) {present}\n)")
+    # The ranks present (reporting now, or gone after their completion marker: ranks that
+    # finished before rank 0's final eval or upload are not down) and the runs short of their
+    # world size are recording rules (RANK_PRESENT, RANKS_SHORT: PromQL cannot read a label as
+    # a number, count_values writes the count into one to compare); the missing ranks are the
+    # ones seen in the last RANK_SEEN_LOOKBACK (recorded by the lookback group) not present.
+    short = RANKS_SHORT
+    gone = (f"(\n  group by ({job_rank}) ({_seen_lately()})\n"
+            f"  unless on({job_rank}) {RANK_PRESENT}\n)")
     z, rel, ranks = number(c.loss_spread_z), number(c.loss_spread_min_relative), c.min_ranks
     mean, median = LOSS_AVG_5M, "job:training_loss:median_avg_over_time5m"
     robust_z = f"{level(JOB_RANK)}:training_loss:robust_z5m"
@@ -924,15 +1004,15 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.cross_rank",
             severity="warning",
             expr=(
-                f"avg_over_time(training_rank_work_seconds[5m])\n"
+                f"{WORK_AVG_5M}\n"
                 f"  / on({job}) group_left {work_median}\n"
                 f"> {number(c.straggler_ratio)}\n"
                 f"and\n"
-                f"avg_over_time(training_rank_work_seconds[5m])\n"
+                f"{WORK_AVG_5M}\n"
                 f"  - on({job}) group_left {work_median}\n"
                 f"> {number(c.straggler_min_seconds)}\n"
                 f"and on({job})\n"
-                f"  count by ({job}) (training_rank_work_seconds) >= {ranks}\n"
+                f"  count by ({job}) ({WORK_AVG_5M}) >= {ranks}\n"
             ),
             for_=a.straggler_for,
             summary="One rank is consistently slower than the others",
@@ -1086,8 +1166,10 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
 def rule_groups(thresholds: Thresholds) -> list[dict]:
     """Prometheus rule groups: recording rules first, then the alerts by group."""
     groups: dict[str, list[dict]] = {
-        RECORDING_GROUP: [{"record": r.record, "expr": r.expr} for r in recording_rules()]
+        RECORDING_GROUP: [{"record": r.record, "expr": r.expr} for r in recording_rules()],
+        LOOKBACK_GROUP: [{"record": r.record, "expr": r.expr} for r in lookback_rules()],
     }
     for alert in alert_rules(thresholds):
         groups.setdefault(alert.group, []).append(alert.to_rule(thresholds.alerts.runbook_url))
-    return [{"name": name, "rules": rules} for name, rules in groups.items()]
+    return [{"name": name, **({"interval": LOOKBACK_INTERVAL} if name == LOOKBACK_GROUP else {}), "rules": rules}
+            for name, rules in groups.items()]

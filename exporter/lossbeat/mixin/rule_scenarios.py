@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 from lossbeat.diagnosis.thresholds import Thresholds
-from lossbeat.mixin.alert_rules import JOB_RANK, MAD_TO_SIGMA, duration_seconds
+from lossbeat.mixin.alert_rules import (EXPORTER_SEEN_LOOKBACK, JOB_RANK, MAD_TO_SIGMA, RANK_SEEN_LOOKBACK,
+                                       duration_seconds)
 from lossbeat.mixin.event_scenarios import gradient_nonfinite
 from lossbeat.mixin.guard_scenarios import guard_scenarios
 from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_finishing
@@ -311,6 +312,8 @@ def _exporter_down(b: _Builder) -> dict[str, list[Scenario]]:
     up_then_down = Series("up", target, [run(1, up_for), run(0, samples - up_for)])
     up_then_removed = Series("up", target, [run(1, up_for), "stale"])
     last_steps = 10 * (up_for - 1)
+    hours, past = 3 * 3600.0, duration_seconds(EXPORTER_SEEN_LOOKBACK) + 15 * b.i
+    long_down = Series("up", target, [run(1, up_for), run(0, int(past // b.i) + 2 - up_for)])
     checks = lambda *expected: [(fires, down.name, list(expected)), (fires - 2 * b.i, down.name, [])]  # noqa: E731
     return {down.name: [
         Scenario("a crash with the target kept (up == 0) fires",
@@ -326,6 +329,13 @@ def _exporter_down(b: _Builder) -> dict[str, list[Scenario]]:
                   b.hold("training_run_completed", _target(), 0, samples)], checks()),
         Scenario("other jobs' targets are not ours",
                  [b.hold("up", {"job": "node", "instance": "n1:9100"}, 0, samples)], checks()),
+        # The lookback is state the lookback group carries from one evaluation to the next: it
+        # must hold for hours past the raw samples' window, and end with the lookback.
+        Scenario(f"a crash still fires hours later, and no more after {EXPORTER_SEEN_LOOKBACK}",
+                 [long_down, info, steps, running],
+                 [(hours, down.name, [Expect(down, _target(), last_steps)]), (past, down.name, [])]),
+        Scenario("a normal finish is still silent hours later", [long_down, info, steps, finished],
+                 [(hours, down.name, [])]),
     ]}
 
 
@@ -457,6 +467,8 @@ def _cluster(b: _Builder) -> dict[str, list[Scenario]]:
         return Series("training_run_info", labels, values or [run(1, samples)])
 
     gone = [run(1, up_for), "stale"]
+    beyond = duration_seconds(RANK_SEEN_LOOKBACK) + 15 * b.i
+    long = int(beyond // b.i) + 2
     out = {down.name: [
         Scenario("a rank that stops reporting fires, named",
                  [info("0", 4), info("1", 4), info("2", 4), info("3", 4, gone)],
@@ -469,6 +481,11 @@ def _cluster(b: _Builder) -> dict[str, list[Scenario]]:
         Scenario("a job whose ranks all ended is silent", [info(str(r), 4, gone) for r in range(4)],
                  [(fires, down.name, [])]),
         Scenario("a single-rank job is silent", [info("0", 1)], [(fires, down.name, [])]),
+        # Named while the lookback group remembers it (past the raw samples' window), unknown after.
+        Scenario(f"a rank gone half an hour is still named, unknown after {RANK_SEEN_LOOKBACK}",
+                 [*(info(str(r), 4, [run(1, long)]) for r in range(3)), info("3", 4, gone)],
+                 [(1800.0, down.name, [Expect(down, job_labels("3", world_size="4"), 3)]),
+                  (beyond, down.name, [Expect(down, {"job": JOB, "rank": "unknown", "world_size": "4"}, 3)])]),
     ]}
 
     spread = b.rule("TrainingLossRankSpread")

@@ -1,8 +1,9 @@
 """``lossbeat rules``: write the Prometheus rules and their tests from the thresholds file.
 
-``--output-dir DIR`` writes ``rules.yml``, ``tests/*.yml`` (promtool unit tests) and
+``--output-dir DIR`` writes ``rules.yml`` (and its two stages for a sharded set-up,
+``rules-shard.yml`` and ``rules-global.yml``), ``tests/*.yml`` (promtool unit tests) and
 ``kubernetes/prometheusrule.yaml`` there. ``--checkout`` (``make generate``) writes the repository's
-checked-in files instead: ``alerting/rules.yml``, ``alerting/tests/*.yml``,
+checked-in files instead: ``alerting/rules.yml`` (and the stages), ``alerting/tests/*.yml``,
 ``deploy/kubernetes/prometheusrule.yaml`` and the alert table of ``docs/metrics.md``.
 ``--check`` reports drift instead of writing.
 """
@@ -18,6 +19,7 @@ import yaml
 from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
 from lossbeat.mixin.alert_rules import AlertRule, alert_rules, recording_rules, rule_groups
 from lossbeat.mixin.rule_tests import rule_test_documents
+from lossbeat.mixin.stages import STAGES, stage_groups
 from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 RULES_PATH = "alerting/rules.yml"
+STAGE_PATHS = {stage: f"alerting/rules-{stage}.yml" for stage in STAGES}
+"""The same rules split for a sharded set-up (lossbeat.mixin.stages, deploy/sharding/)."""
 TESTS_DIR = "alerting/tests"
 PROMETHEUS_RULE_PATH = "deploy/kubernetes/prometheusrule.yaml"
 REFERENCE_DOC = "docs/metrics.md"
@@ -74,6 +78,13 @@ def build_rule_groups(thresholds: Thresholds) -> list[dict]:
 def render_rules(thresholds: Thresholds) -> str:
     """``alerting/rules.yml``."""
     return HEADER + _dump({"groups": build_rule_groups(thresholds)})
+
+
+def render_stage_rules(thresholds: Thresholds, stage: str) -> str:
+    """``alerting/rules-shard.yml`` or ``alerting/rules-global.yml``."""
+    what = {"shard": "every shard of a sharded set-up: each rank's own rules",
+            "global": "the global evaluator of a sharded set-up: the rules across the ranks of a job"}[stage]
+    return HEADER + f"# For {what} (deploy/sharding/README.md).\n" + _dump({"groups": stage_groups(thresholds, stage)})
 
 
 def render_prometheus_rule(thresholds: Thresholds) -> str:
@@ -136,6 +147,7 @@ def _replace_region(text: str, table: str) -> str:
 def generated_files(thresholds: Thresholds) -> dict[str, str]:
     """Every generated file except the alert table of ``docs/metrics.md``, keyed by its path in the repository."""
     files = {RULES_PATH: render_rules(thresholds), PROMETHEUS_RULE_PATH: render_prometheus_rule(thresholds)}
+    files.update({path: render_stage_rules(thresholds, stage) for stage, path in STAGE_PATHS.items()})
     for name, document in rule_test_documents(thresholds).items():
         files[f"{TESTS_DIR}/{name}"] = HEADER + _dump(document)
     return files
@@ -144,7 +156,8 @@ def generated_files(thresholds: Thresholds) -> dict[str, str]:
 def output_files(thresholds: Thresholds) -> dict[str, str]:
     """The files for an output folder, keyed by their path in it: ``rules.yml``, ``tests/*.yml``
     (their ``rule_files: [../rules.yml]`` holds there too), ``kubernetes/prometheusrule.yaml``."""
-    renamed = {RULES_PATH: "rules.yml", PROMETHEUS_RULE_PATH: "kubernetes/prometheusrule.yaml"}
+    renamed = {RULES_PATH: "rules.yml", PROMETHEUS_RULE_PATH: "kubernetes/prometheusrule.yaml",
+               **{path: posixpath.basename(path) for path in STAGE_PATHS.values()}}
     return {renamed.get(path, path.removeprefix("alerting/")): text
             for path, text in generated_files(thresholds).items()}
 
