@@ -377,7 +377,7 @@ class Setup:
     The shipped files, changed only where a loopback run must: addresses, the file_sd path, the
     interval, and no Alertmanager (alerts are read from each server's API)."""
 
-    def __init__(self, workdir: Path, ports: list[int], shards: int, interval: float) -> None:
+    def __init__(self, workdir: Path, ports: list[int], shards: int, interval: float, rules: Path = RULES) -> None:
         import yaml
 
         sd = workdir / "file_sd"
@@ -391,7 +391,7 @@ class Setup:
         self.global_server: Server | None = None
         try:
             if shards == 0:
-                config = {"global": timing, "rule_files": [str(RULES)],
+                config = {"global": timing, "rule_files": [str(rules)],
                           "scrape_configs": [{"job_name": JOB, "sample_limit": 2000,
                                               "file_sd_configs": [{"files": [str(sd / "*.json")]}]}]}
                 self.shards.append(Server(workdir, "prometheus", config))
@@ -482,14 +482,14 @@ def _wait_firing(server: Server, alert: str, deadline: float, **labels: str) -> 
 
 
 def measure(ranks: int, warmup_cycles: int, templates: dict[str, str], interval: float = SCRAPE_INTERVAL,
-            shards: int = 0, kill: bool = True, farm_processes: int = 1) -> dict:
+            shards: int = 0, kill: bool = True, farm_processes: int = 1, rules: Path = RULES) -> dict:
     """One size: serve ``ranks`` ranks to the set-up, measure every server while it scrapes and
     evaluates, then turn one rank NaN (time to TrainingLossNaN) and kill another (TrainingRankDown)."""
     load = [os.getloadavg()[0]]
     farm = RankFarm(templates, ranks, farm_processes)
     _log(f"{ranks} ranks serving on ports {min(farm.ports)}..{max(farm.ports)} ({farm_processes} process(es))")
     with tempfile.TemporaryDirectory(prefix="lossbeat-scale-") as tmp:
-        setup = Setup(Path(tmp), farm.ports, shards, interval)
+        setup = Setup(Path(tmp), farm.ports, shards, interval, rules)
         try:
             # Discovery hands targets to the scrapers after ~5 s; measure from when all answer.
             wait = max(120.0, 6 * interval)
@@ -644,7 +644,7 @@ def _parse_time(text: str) -> float:
 
 def report(results: list[dict]) -> str:
     """The docs tables: one row per run, then every server's rule groups for the largest run."""
-    results = sorted(results, key=lambda r: (r["ranks"], r["shards"]))
+    results = sorted(results, key=lambda r: (r["ranks"], r["shards"], r.get("rules", "")))
     rows = ["| ranks | set-up | interval (s) | up | slowest rule group, max (ms) | missed iterations | "
             "series per rank (shards / global) | RSS per 1,000 ranks (MiB) | Prometheus CPU (cores) | "
             "NaN to TrainingLossNaN (s) | kill to TrainingRankDown / ExporterDown firing (s) | load (1m) |",
@@ -658,7 +658,10 @@ def report(results: list[dict]) -> str:
         kill = (f"{k.get('rank_down_firing_after_s') or '-'} / {k.get('exporter_down_firing_after_s') or '-'}"
                 if k else "not run")
         load = r["load_average_1m"]
-        rows.append(f"| {r['ranks']:,} | {r['shards']} shard(s){' + global' if r['shards'] else ''} | "
+        setup = f"{r['shards']} shards + global" if r["shards"] else "one Prometheus"
+        if r.get("rules"):
+            setup += " (rules before issue 21)"
+        rows.append(f"| {r['ranks']:,} | {setup} | "
                     f"{r['interval_s']:g} | {r['up']:.0f} | {1e3 * slow:.0f} ({server} {group}) | "
                     f"{r['rule_iterations_missed']:.0f} | {series} | {r['rss_mib_per_1000_ranks']:.0f} | "
                     f"{r['prometheus_cpu_cores_total']:.2f} | {nan} | {kill} | "
@@ -687,6 +690,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--farm-processes", type=int, default=None,
                         help="processes serving the ranks (default: one per 4,000 ranks; each holds two "
                              "file descriptors a rank)")
+    parser.add_argument("--rules", type=Path, default=RULES,
+                        help="the rules of the one-Prometheus set-up (default alerting/rules.yml; another "
+                             "commit's, to compare)")
     parser.add_argument("--results", default=str(RESULTS), help="JSON file the results are merged into")
     parser.add_argument("--report", action="store_true", help="print the markdown tables of the stored results")
     args = parser.parse_args(argv)
@@ -707,7 +713,9 @@ def main(argv: list[str] | None = None) -> int:
         # world_size in training_run_info is the size of this run's job.
         sized = {k: v.replace(f'world_size="{max(args.ranks)}"', f'world_size="{ranks}"') for k, v in templates.items()}
         result = measure(ranks, args.warmup_cycles, sized, args.interval, shards, kill=not args.no_kill,
-                         farm_processes=processes)
+                         farm_processes=processes, rules=args.rules)
+        if args.rules != RULES:
+            result["rules"] = str(args.rules)
         result["prometheus_version"] = versions[0] if versions else "unknown"
         result["date"] = time.strftime("%Y-%m-%d %H:%M")
         stored["runs"] = [r for r in stored["runs"] if (r["ranks"], r.get("shards")) != (ranks, shards)] + [result]
