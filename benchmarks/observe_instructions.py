@@ -49,13 +49,14 @@ def _measure(revs: list[str], calls: int, warmup: int) -> None:
             stream.args = stream.inputs(calls)
         _control("-i", "on")
         _control("-d", "empty")  # the control call itself, counted in every region: subtracted
+        labels = {s.label: i for i, s in enumerate(sides)}
         for (label, kind), stream in streams.items():
             observe, step = stream.monitor.observe, stream.step
             with stream.side.active():
                 for loss, grad_norm in stream.args:
                     observe(step, loss=loss, grad_norm=grad_norm, learning_rate=1e-3)
                     step += 1
-            _control("-d", f"{label}@{kind}")
+            _control("-d", f"side{labels[label]}@{kind}")  # a plain name: callgrind_control reads others as options
         _control("-i", "off")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -104,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     empty = next(v for k, v in totals.items() if k.endswith("empty"))
     results: dict = {"calls": args.calls, "warmup": args.warmup, "instructions_per_call": {}}
+    names = ["this", *args.against]
     for name, total in totals.items():
         if "@" in name:
-            label, kind = name.removeprefix("dump ").rsplit("@", 1)
+            side, kind = name.removeprefix("dump ").rsplit("@", 1)
+            label = names[int(side.removeprefix("side"))]
             results["instructions_per_call"].setdefault(label, {})[kind] = round((total - empty) / args.calls)
     text = json.dumps(results, indent=2)
     print(text)

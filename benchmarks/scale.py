@@ -1,24 +1,28 @@
-"""What a real Prometheus pays for N ranks with lossbeat's shipped rules, measured.
+"""What the Prometheus set-up deploy/ ships pays for N ranks with lossbeat's rules, measured.
 
-    python benchmarks/scale.py --ranks 1000              # one size: about 3 minutes on 2 cores
-    python benchmarks/scale.py --ranks 250 --ranks 500   # several sizes, one after the other
-    python benchmarks/scale.py --report                  # docs tables from benchmarks/scale_results.json
+    python benchmarks/scale.py --ranks 1000                 # one Prometheus, rules.yml: ~4 minutes
+    python benchmarks/scale.py --ranks 10000                # deploy/sharding (4 shards + global): ~12 min
+    python benchmarks/scale.py --ranks 1000 --shards 2      # the sharded set-up at a small size
+    python benchmarks/scale.py --report                     # docs/scale.md tables from scale_results.json
 
-One process (this one) serves the expositions of N synthetic ranks, one HTTP target per rank
-on loopback ports (asyncio, keep-alive). The expositions are real: a 10M-parameter TinyLM
-trains a few steps under two real Monitors (global rank 0, which exports per-layer norms, and
-rank 1, scalars only), and their rendered text is the template; every scrape re-renders the
-changing values (step, counters, loss with per-rank noise, grad norms, timestamps), so the
-TSDB compresses what a real run gives it, not constants. A real Prometheus scrapes every
-target at 15 s with alerting/rules.yml loaded (evaluated every 15 s). After a warm-up, one rank
-turns NaN and the time until TrainingLossNaN fires is measured from the first exposition
-that shows it to the alert's activeAt.
+Worker processes (one per 4,000 ranks) serve the expositions of N synthetic ranks, one HTTP
+target per rank on loopback ports (asyncio, keep-alive). The expositions are real: a
+10M-parameter TinyLM trains a few steps under two real Monitors (global rank 0, which exports
+per-layer norms, and rank 1, scalars only), and their rendered text is the template; every
+scrape re-renders the changing values (step, counters, loss with per-rank noise, grad norms,
+timestamps), so the TSDB compresses what a real run gives it, not constants.
 
-Reported per size: scrape duration (quantiles over targets), rule-group evaluation time
-(prometheus_rule_group_last_duration_seconds, sampled every scrape interval), missed rule
-iterations, head series, Prometheus RSS, and the NaN-to-firing time. ``--report`` fits
-every measure linearly in N over the measured sizes (least squares) and extrapolates to
-10,000 ranks; docs/scale.md quotes it.
+The servers are the ones deploy/ ships for the size, from its files: up to 2,000 ranks one
+Prometheus with ``alerting/rules.yml`` (deploy/local); above, ``deploy/sharding``: shards
+that scrape their ``hashmod`` share of one file_sd list and evaluate ``rules-shard.yml``,
+remote-writing to a global Prometheus that evaluates ``rules-global.yml``. After all ranks
+answer and ``--warmup-cycles`` intervals, one rank turns NaN (time from the first exposition
+showing it to TrainingLossNaN's activeAt on its shard), and another is killed (its port refuses:
+time to TrainingRankDown firing on the global, and TrainingExporterDown on its shard).
+
+Recorded per run: the Prometheus version, the set-up, the machine's load, every server's rule
+groups (``prometheus_rule_group_last_duration_seconds``, sampled every interval: max and mean),
+missed iterations, head series, RSS and CPU, series per rank, memory per 1,000 ranks.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -46,6 +49,10 @@ sys.path.insert(0, str(REPO))  # `python benchmarks/scale.py` from anywhere
 
 RESULTS = HERE / "scale_results.json"
 SCRAPE_INTERVAL = 15.0
+SHARDING = REPO / "deploy" / "sharding"
+RULES = REPO / "alerting" / "rules.yml"
+STAGE_RULES = {stage: REPO / "alerting" / f"rules-{stage}.yml" for stage in ("shard", "global")}
+JOB = "scale"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)$")
 
 
@@ -166,41 +173,56 @@ class SyntheticRank:
         return ("\n".join(out) + "\n").encode()
 
 
-class RankFarm:
-    """N synthetic ranks, each on its own loopback port, served by one asyncio loop on a thread."""
+class _FarmWorker:
+    """One process of the farm: ``ranks`` synthetic ranks on loopback ports, one asyncio loop.
 
-    def __init__(self, templates: dict[str, str], ranks: int) -> None:
-        started = time.time()
-        self.ranks = [SyntheticRank(templates["layers" if r == 0 else "scalars"], r, started, seed=r)
-                      for r in range(ranks)]
-        self.ports: list[int] = []
+    Commands come on ``conn``: ("nan", rank, at), ("kill", rank), ("stats",), ("stop",)."""
+
+    def __init__(self, templates: dict[str, str], first: int, count: int, started: float, conn) -> None:
+        self.ranks = {r: SyntheticRank(templates["layers" if r == 0 else "scalars"], r, started, seed=r)
+                      for r in range(first, first + count)}
+        self.conn = conn
+        self.servers: dict[int, asyncio.AbstractServer] = {}
         self.scrapes = 0
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        if not self._ready.wait(120):
-            raise RuntimeError("the synthetic ranks did not start")
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self._start())
-        self._ready.set()
-        self.loop.run_forever()
-
-    async def _start(self) -> None:
-        self._servers = []
-        for rank in self.ranks:
-            server = await asyncio.start_server(self._handler(rank), "127.0.0.1", 0, backlog=16)
-            self._servers.append(server)
-            self.ports.append(server.sockets[0].getsockname()[1])
+    async def main(self) -> None:
+        ports = {}
+        for rank in self.ranks.values():
+            server = await asyncio.start_server(self._handler(rank), "127.0.0.1", 0, backlog=64)
+            self.servers[rank.rank] = server
+            ports[rank.rank] = server.sockets[0].getsockname()[1]
+        self.conn.send(ports)
+        loop = asyncio.get_running_loop()
+        while True:
+            command = await loop.run_in_executor(None, self.conn.recv)
+            if command[0] == "nan":
+                self.ranks[command[1]].nan_since = command[2]
+            elif command[0] == "kill":  # the process dies: its port refuses, its connections drop
+                server = self.servers.pop(command[1])
+                server.close()
+                for writer in getattr(self.ranks[command[1]], "writers", ()):
+                    writer.close()
+            elif command[0] == "stats":
+                usage = os.times()
+                self.conn.send({"scrapes": self.scrapes, "cpu_s": usage.user + usage.system})
+            elif command[0] == "stop":
+                for server in self.servers.values():
+                    server.close()
+                self.conn.send("stopped")
+                return
 
     def _handler(self, rank: SyntheticRank):
+        rank.writers = set()
+
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if rank.rank not in self.servers:
+                writer.close()
+                return
+            rank.writers.add(writer)
             try:
                 while True:  # keep-alive: Prometheus reuses its connection
                     request = await reader.readuntil(b"\r\n\r\n")
-                    if not request:
+                    if not request or rank.rank not in self.servers:
                         break
                     body = rank.render(time.time())
                     self.scrapes += 1
@@ -210,53 +232,99 @@ class RankFarm:
             except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
                 pass
             finally:
+                rank.writers.discard(writer)
                 writer.close()
         return handle
 
+
+def _farm_process(templates: dict[str, str], first: int, count: int, started: float, conn) -> None:
+    asyncio.run(_FarmWorker(templates, first, count, started, conn).main())
+
+
+class RankFarm:
+    """N synthetic ranks, each on its own loopback port, served by ``processes`` worker
+    processes (a listening socket and a connection per rank: ~2 file descriptors each)."""
+
+    def __init__(self, templates: dict[str, str], ranks: int, processes: int = 1) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # no copy of this process's threads or torch
+        started = time.time()
+        per = math.ceil(ranks / processes)
+        self._workers = []
+        for first in range(0, ranks, per):
+            parent, child = context.Pipe()
+            proc = context.Process(target=_farm_process, args=(templates, first, min(per, ranks - first), started,
+                                                                 child), daemon=True)
+            proc.start()
+            self._workers.append((first, min(per, ranks - first), proc, parent))
+        self.ports: list[int] = [0] * ranks
+        for first, count, proc, conn in self._workers:
+            if not conn.poll(300):
+                raise RuntimeError("the synthetic ranks did not start")
+            for rank, port in conn.recv().items():
+                self.ports[rank] = port
+
+    def _worker(self, rank: int):
+        return next(conn for first, count, _, conn in self._workers if first <= rank < first + count)
+
+    def turn_nan(self, rank: int, at: float) -> None:
+        self._worker(rank).send(("nan", rank, at))
+
+    def kill(self, rank: int) -> None:
+        self._worker(rank).send(("kill", rank))
+
+    def stats(self) -> dict:
+        out = {"scrapes": 0, "cpu_s": 0.0}
+        for _, _, _, conn in self._workers:
+            conn.send(("stats",))
+            got = conn.recv()
+            out["scrapes"] += got["scrapes"]
+            out["cpu_s"] += got["cpu_s"]
+        return out
+
     def close(self) -> None:
-        async def stop() -> None:
-            for server in self._servers:
-                server.close()
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(30)
+        for _, _, proc, conn in self._workers:
+            try:
+                conn.send(("stop",))
+                conn.poll(30) and conn.recv()
+            except (OSError, EOFError):
+                pass
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
 
 
 # --- Prometheus -----------------------------------------------------------------------------
 
 
 class Server:
-    def __init__(self, workdir: Path, ports: list[int], rules: Path, interval: float) -> None:
+    """One Prometheus of the set-up, from ``config`` (a dict), on a free loopback port."""
+
+    def __init__(self, workdir: Path, name: str, config: dict, flags: tuple[str, ...] = ()) -> None:
         from lossbeat.stack.local import find_binary
         import yaml
 
+        self.name = name
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = {
-            "global": {"scrape_interval": f"{interval:g}s", "scrape_timeout": f"{min(interval, 10):g}s",
-                       "evaluation_interval": f"{interval:g}s"},
-            "rule_files": [str(rules)],
-            "scrape_configs": [{
-                "job_name": "scale",
-                "sample_limit": 5000,
-                "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}],
-            }],
-        }
-        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config), encoding="utf-8")
-        self.log = open(workdir / "prometheus.log", "wb")
+        (workdir / f"{name}.yml").write_text(yaml.safe_dump(config), encoding="utf-8")
+        self.log = open(workdir / f"{name}.log", "wb")
         self.proc = subprocess.Popen(
-            [find_binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}"],
+            [find_binary("prometheus"), f"--config.file={workdir / (name + '.yml')}",
+             f"--storage.tsdb.path={workdir / (name + '-data')}", f"--web.listen-address=127.0.0.1:{self.port}",
+             *flags],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while not _ok(f"{self.url}/-/ready"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("prometheus did not start; see " + str(workdir / "prometheus.log"))
+                tail = (workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} did not start:\n{tail}")
             time.sleep(0.2)
 
     def query(self, expr: str) -> list[dict]:
         url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
-        with urllib.request.urlopen(url, timeout=30) as resp:
+        with urllib.request.urlopen(url, timeout=60) as resp:
             return json.load(resp)["data"]["result"]
 
     def scalar(self, expr: str) -> float | None:
@@ -265,7 +333,7 @@ class Server:
 
     def own_metrics(self) -> dict[str, float]:
         """Prometheus' own /metrics: {name{labels}: value}."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as resp:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=60) as resp:
             text = resp.read().decode()
         out = {}
         for line in text.splitlines():
@@ -275,7 +343,7 @@ class Server:
         return out
 
     def alerts(self) -> list[dict]:
-        with urllib.request.urlopen(f"{self.url}/api/v1/alerts", timeout=30) as resp:
+        with urllib.request.urlopen(f"{self.url}/api/v1/alerts", timeout=60) as resp:
             return json.load(resp)["data"]["alerts"]
 
     def rss(self) -> int:
@@ -290,11 +358,87 @@ class Server:
     def stop(self) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(30)
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(30)
         self.log.close()
+
+
+def _shipped(name: str) -> dict:
+    import yaml
+    return yaml.safe_load((SHARDING / name).read_text(encoding="utf-8"))
+
+
+class Setup:
+    """The Prometheus servers ``deploy/`` ships for the size: ``shards`` = 0, one Prometheus with
+    ``alerting/rules.yml`` (deploy/local); else ``deploy/sharding``: that many shards (hashmod on
+    the address, ``rules-shard.yml``) remote-writing to a global Prometheus (``rules-global.yml``).
+    The shipped files, changed only where a loopback run must: addresses, the file_sd path, the
+    interval, and no Alertmanager (alerts are read from each server's API)."""
+
+    def __init__(self, workdir: Path, ports: list[int], shards: int, interval: float, rules: Path = RULES) -> None:
+        import yaml
+
+        sd = workdir / "file_sd"
+        sd.mkdir()
+        (sd / "ranks.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{p}" for p in ports],
+                                                    "labels": {"job": JOB}}]), encoding="utf-8")
+        timing = {"scrape_interval": f"{interval:g}s", "scrape_timeout": f"{min(interval, 10):g}s",
+                  "evaluation_interval": f"{interval:g}s"}
+        self.servers: list[Server] = []
+        self.shards: list[Server] = []
+        self.global_server: Server | None = None
+        try:
+            if shards == 0:
+                config = {"global": timing, "rule_files": [str(rules)],
+                          "scrape_configs": [{"job_name": JOB, "sample_limit": 2000,
+                                              "file_sd_configs": [{"files": [str(sd / "*.json")]}]}]}
+                self.shards.append(Server(workdir, "prometheus", config))
+                self.servers = list(self.shards)
+                return
+            central = _shipped("global.yml")
+            central["global"].update(evaluation_interval=f"{interval:g}s")
+            central["rule_files"] = [str(STAGE_RULES["global"])]
+            central.pop("alerting", None)
+            self.global_server = Server(workdir, "global", central, ("--web.enable-remote-write-receiver",))
+            self.servers.append(self.global_server)
+            for i in range(shards):
+                config = _shipped("shard-0.yml")
+                config["global"].update(timing)
+                config["rule_files"] = [str(STAGE_RULES["shard"])]
+                config.pop("alerting", None)
+                job = config["scrape_configs"][0]
+                job["file_sd_configs"] = [{"files": [str(sd / "*.json")]}]
+                hashmod, keep = job["relabel_configs"]
+                hashmod["modulus"], keep["regex"] = shards, str(i)
+                config["remote_write"][0]["url"] = f"{self.global_server.url}/api/v1/write"
+                config["remote_write"][0]["queue_config"]["batch_send_deadline"] = f"{max(1, min(5, int(interval / 3)))}s"
+                server = Server(workdir, f"shard-{i}", config)
+                self.shards.append(server)
+                self.servers.append(server)
+            (workdir / "setup.yml").write_text(yaml.safe_dump({"shards": shards}), encoding="utf-8")
+        except Exception:
+            self.stop()
+            raise
+
+    @property
+    def evaluator(self) -> Server:
+        """Where the cross-rank alerts are evaluated."""
+        return self.global_server or self.shards[0]
+
+    def up(self) -> float:
+        return sum(s.scalar(f'count(up{{job="{JOB}"}} == 1)') or 0 for s in self.shards)
+
+    def shard_of(self, port: int) -> Server:
+        for server in self.shards:
+            if server.query(f'up{{instance="127.0.0.1:{port}"}}'):
+                return server
+        raise LookupError(port)
+
+    def stop(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
 
 
 def _free_port() -> int:
@@ -322,89 +466,171 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     return {"p50": pick(0.5), "p99": pick(0.99), "max": ordered[-1], "mean": sum(ordered) / len(ordered)}
 
 
-def measure(ranks: int, warmup_cycles: int, rules: Path, templates: dict[str, str],
-            interval: float = SCRAPE_INTERVAL) -> dict:
-    """One size: serve ``ranks`` ranks, let Prometheus scrape and evaluate, measure, turn one NaN."""
-    farm = RankFarm(templates, ranks)
-    _log(f"{ranks} ranks serving on ports {farm.ports[0]}..{farm.ports[-1]}")
+def _firing(server: Server, alert: str, **labels: str) -> list[dict]:
+    return [a for a in server.alerts() if a["labels"].get("alertname") == alert and a["state"] == "firing"
+            and all(a["labels"].get(k) == v for k, v in labels.items())]
+
+
+def _wait_firing(server: Server, alert: str, deadline: float, **labels: str) -> float | None:
+    """The activeAt of ``alert`` once it fires with ``labels`` (None at the deadline)."""
+    while time.time() < deadline:
+        firing = _firing(server, alert, **labels)
+        if firing:
+            return _parse_time(firing[0]["activeAt"])
+        time.sleep(0.5)
+    return None
+
+
+def measure(ranks: int, warmup_cycles: int, templates: dict[str, str], interval: float = SCRAPE_INTERVAL,
+            shards: int = 0, kill: bool = True, farm_processes: int = 1, rules: Path = RULES) -> dict:
+    """One size: serve ``ranks`` ranks to the set-up, measure every server while it scrapes and
+    evaluates, then turn one rank NaN (time to TrainingLossNaN) and kill another (TrainingRankDown)."""
+    load = [os.getloadavg()[0]]
+    farm = RankFarm(templates, ranks, farm_processes)
+    _log(f"{ranks} ranks serving on ports {min(farm.ports)}..{max(farm.ports)} ({farm_processes} process(es))")
     with tempfile.TemporaryDirectory(prefix="lossbeat-scale-") as tmp:
-        server = Server(Path(tmp), farm.ports, rules, interval)
+        setup = Setup(Path(tmp), farm.ports, shards, interval, rules)
         try:
             # Discovery hands targets to the scrapers after ~5 s; measure from when all answer.
-            deadline = time.monotonic() + max(60.0, 4 * interval)
-            while (server.scalar('count(up{job="scale"} == 1)') or 0) < ranks:
+            wait = max(120.0, 6 * interval)
+            deadline = time.monotonic() + wait
+            while setup.up() < ranks:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"not every rank was scraped within {max(60.0, 4 * interval):.0f}s")
-                time.sleep(0.5)
+                    raise RuntimeError(f"only {setup.up():.0f} of {ranks} ranks up within {wait:.0f}s")
+                time.sleep(1.0)
+            _log(f"all {ranks} up on {len(setup.shards)} shard(s)")
             started = time.time()
-            cpu0 = server.cpu_seconds()
-            group_durations: dict[str, list[float]] = {}
-            rss: list[int] = []
+            cpu0 = {s.name: s.cpu_seconds() for s in setup.servers}
+            farm0 = farm.stats()
+            durations: dict[str, dict[str, list[float]]] = {s.name: {} for s in setup.servers}
+            rss: dict[str, list[int]] = {s.name: [] for s in setup.servers}
+
+            def sample() -> dict[str, dict[str, float]]:
+                owns = {}
+                for server in setup.servers:
+                    own = owns[server.name] = server.own_metrics()
+                    for key, value in own.items():
+                        if key.startswith("prometheus_rule_group_last_duration_seconds{"):
+                            group = re.search(r'rule_group="[^"]*;([^"]+)"', key).group(1)
+                            durations[server.name].setdefault(group, []).append(value)
+                    rss[server.name].append(server.rss())
+                load.append(os.getloadavg()[0])
+                return owns
+
             for cycle in range(warmup_cycles):
                 time.sleep(interval)
-                own = server.own_metrics()
-                for key, value in own.items():
-                    if key.startswith("prometheus_rule_group_last_duration_seconds{"):
-                        group = re.search(r'rule_group="[^"]*;([^"]+)"', key).group(1)
-                        group_durations.setdefault(group, []).append(value)
-                rss.append(server.rss())
-                up = server.scalar('count(up{job="scale"} == 1)') or 0
-                _log(f"cycle {cycle + 1}/{warmup_cycles}: {up:.0f}/{ranks} up, head series "
-                     f"{own.get('prometheus_tsdb_head_series', 0):.0f}, RSS {rss[-1] / 2**20:.0f} MiB")
-            elapsed = time.time() - started
-            cpu = server.cpu_seconds() - cpu0
-            own = server.own_metrics()
-            durations = [float(r["value"][1]) for r in server.query('scrape_duration_seconds{job="scale"}')]
-            samples = [float(r["value"][1]) for r in server.query('scrape_samples_scraped{job="scale"}')]
-            up = server.scalar('count(up{job="scale"} == 1)') or 0
-            missed = sum(v for k, v in own.items() if k.startswith("prometheus_rule_group_iterations_missed_total"))
-            intervals = max((v for k, v in own.items() if k.startswith("prometheus_target_interval_length_seconds{")
-                             and 'quantile="0.99"' in k), default=None)
+                owns = sample()
+                heads = sum(o.get("prometheus_tsdb_head_series", 0) for o in owns.values())
+                _log(f"cycle {cycle + 1}/{warmup_cycles}: {setup.up():.0f}/{ranks} up, head series {heads:.0f}, "
+                     f"RSS {sum(v[-1] for v in rss.values()) / 2**20:.0f} MiB, load {load[-1]:.1f}")
+            scrape_durations, samples = [], []
+            for server in setup.shards:
+                scrape_durations += [float(r["value"][1]) for r in server.query(f'scrape_duration_seconds{{job="{JOB}"}}')]
+                samples += [float(r["value"][1]) for r in server.query(f'scrape_samples_scraped{{job="{JOB}"}}')]
+            intervals = max((v for own in owns.values() for k, v in own.items()
+                             if k.startswith("prometheus_target_interval_length_seconds{") and 'quantile="0.99"' in k),
+                            default=None)
 
             victim = ranks // 2
+            owner = setup.shard_of(farm.ports[victim])
             flip = time.time() + 0.01
-            farm.ranks[victim].nan_since = flip
-            _log(f"rank {victim} turns NaN")
-            fired_at = None
-            deadline = flip + 4 * interval
-            while time.time() < deadline:
-                firing = [a for a in server.alerts() if a["labels"].get("alertname") == "TrainingLossNaN"
-                          and a["labels"].get("rank") == str(victim) and a["state"] == "firing"]
-                if firing:
-                    fired_at = _parse_time(firing[0]["activeAt"])
-                    break
-                time.sleep(0.25)
-            alerts = [a for a in server.alerts() if a["labels"].get("alertname") != "TrainingLossNaN"]
-            others = sorted({a["labels"]["alertname"] for a in alerts if a["state"] == "firing"})
-            pending = sorted({a["labels"]["alertname"] for a in alerts if a["state"] != "firing"})
+            farm.turn_nan(victim, flip)
+            _log(f"rank {victim} turns NaN (on {owner.name})")
+            fired_at = _wait_firing(owner, "TrainingLossNaN", flip + 4 * interval + 30, rank=str(victim))
+            sample()
+            killed = None
+            if kill:
+                dead = ranks // 3 if ranks >= 3 else ranks - 1
+                dead_owner = setup.shard_of(farm.ports[dead])
+                killed_at = time.time()
+                farm.kill(dead)
+                _log(f"rank {dead} killed (on {dead_owner.name}); waiting for TrainingRankDown on "
+                     f"{setup.evaluator.name} and TrainingExporterDown on {dead_owner.name} (both for: 2m)")
+                where = {"TrainingRankDown": setup.evaluator, "TrainingExporterDown": dead_owner}
+                found: dict[str, float | None] = dict.fromkeys(where)
+                deadline, last_sample = killed_at + 240 + 8 * interval, time.time()
+                while time.time() < deadline and None in found.values():
+                    for alert, server in where.items():
+                        if found[alert] is None and _firing(server, alert, rank=str(dead)):
+                            found[alert] = round(_firing_time(server, alert, dead) - killed_at, 1)
+                    if time.time() - last_sample >= interval:
+                        sample()
+                        last_sample = time.time()
+                    time.sleep(1.0)
+                killed = {"rank": dead, "shard": dead_owner.name,
+                          "rank_down_firing_after_s": found["TrainingRankDown"],
+                          "exporter_down_firing_after_s": found["TrainingExporterDown"]}
+                _log(f"killed rank: {killed}")
+            sample()
+            elapsed = time.time() - started
+            cpu = {s.name: (s.cpu_seconds() - cpu0[s.name]) / elapsed for s in setup.servers}
+            farm1 = farm.stats()
+            owns = {s.name: s.own_metrics() for s in setup.servers}
+            alerts = [a for s in setup.servers for a in s.alerts()
+                      if a["labels"].get("alertname") not in ("TrainingLossNaN", "TrainingRankDown",
+                                                                "TrainingExporterDown")]
+            per_server = {}
+            for server in setup.servers:
+                own = owns[server.name]
+                per_server[server.name] = {
+                    "rule_group_duration_s": {g: {"mean": sum(v) / len(v), "max": max(v), "samples": len(v)}
+                                              for g, v in sorted(durations[server.name].items())},
+                    "rule_iterations_missed": sum(v for k, v in own.items()
+                                                  if k.startswith("prometheus_rule_group_iterations_missed_total")),
+                    "head_series": own.get("prometheus_tsdb_head_series"),
+                    "rss_bytes_max": max(rss[server.name]),
+                    "cpu_cores": cpu[server.name],
+                }
+            shard_series = sum(per_server[s.name]["head_series"] or 0 for s in setup.shards)
+            all_rss = sum(v["rss_bytes_max"] for v in per_server.values())
             result = {
                 "ranks": ranks,
                 "interval_s": interval,
-                "series_per_rank": {"scalars": series_count(templates["scalars"]),
-                                    "with_layers": series_count(templates["layers"])},
-                "up": up,
-                "scrape_duration_s": _quantiles(durations),
+                "setup": "one Prometheus, alerting/rules.yml" if shards == 0 else
+                         f"deploy/sharding: {shards} shards (hashmod, rules-shard.yml) -> 1 global (rules-global.yml)",
+                "shards": shards,
+                "series_per_rank": {"exposed_scalars": series_count(templates["scalars"]),
+                                    "exposed_with_layers": series_count(templates["layers"]),
+                                    "shards_head": shard_series / ranks,
+                                    "global_head": (per_server["global"]["head_series"] or 0) / ranks
+                                    if shards else None},
+                "up": setup.up(),
+                "scrape_duration_s": _quantiles(scrape_durations),
                 "samples_per_scrape": _quantiles(samples),
                 "target_interval_p99_s": intervals,
-                "rule_group_duration_s": {g: {"mean": sum(v) / len(v), "max": max(v)}
-                                          for g, v in sorted(group_durations.items())},
-                "rule_groups_total_s": sum(max(v) for v in group_durations.values()),
-                "rule_iterations_missed": missed,
-                "head_series": own.get("prometheus_tsdb_head_series"),
-                "rss_bytes": max(rss),
-                "prometheus_cpu_cores": cpu / elapsed,
+                "servers": per_server,
+                "slowest_rule_group": max(((n, g, d["max"]) for n, v in per_server.items()
+                                           for g, d in v["rule_group_duration_s"].items()), key=lambda x: x[2]),
+                "rule_iterations_missed": sum(v["rule_iterations_missed"] for v in per_server.values()),
+                "rss_bytes_total": all_rss,
+                "rss_mib_per_1000_ranks": all_rss / 2**20 / ranks * 1000,
+                "prometheus_cpu_cores_total": sum(cpu.values()),
+                "farm_cpu_cores": (farm1["cpu_s"] - farm0["cpu_s"]) / elapsed,
+                "farm_scrapes_served": farm1["scrapes"] - farm0["scrapes"],
                 "measured_for_s": elapsed,
                 "nan_to_firing_s": None if fired_at is None else max(0.0, fired_at - flip),
-                "other_alerts": others,
-                "pending_alerts": pending,
-                "farm_scrapes_served": farm.scrapes,
-                "load_average_1m": os.getloadavg()[0],
+                "nan_rank_shard": owner.name,
+                "killed": killed,
+                "other_alerts": sorted({a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}),
+                "pending_alerts": sorted({a["labels"]["alertname"] for a in alerts if a["state"] != "firing"}),
+                "load_average_1m": {"min": min(load), "median": sorted(load)[len(load) // 2], "max": max(load)},
+                "cpus": os.cpu_count(),
             }
             _log(json.dumps(result))
             return result
         finally:
-            server.stop()
+            setup.stop()
             farm.close()
+
+
+def _firing_time(server: Server, alert: str, rank: int) -> float:
+    """When ``alert`` for ``rank`` started firing: its activeAt plus its ``for``."""
+    firing = _firing(server, alert, rank=str(rank))
+    for group in json.load(urllib.request.urlopen(f"{server.url}/api/v1/rules", timeout=60))["data"]["groups"]:
+        for rule in group["rules"]:
+            if rule.get("name") == alert:
+                return _parse_time(firing[0]["activeAt"]) + float(rule.get("duration", 0))
+    return _parse_time(firing[0]["activeAt"])
 
 
 def _parse_time(text: str) -> float:
@@ -416,61 +642,63 @@ def _parse_time(text: str) -> float:
 # --- the report --------------------------------------------------------------------------------
 
 
-def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares line y = a + b x."""
-    n = len(xs)
-    if n == 1:
-        return 0.0, ys[0] / xs[0]
-    mx, my = sum(xs) / n, sum(ys) / n
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
-
-
-def _mean_total(result: dict) -> float:
-    return sum(g["mean"] for g in result["rule_group_duration_s"].values())
-
-
 def report(results: list[dict]) -> str:
-    results = sorted(results, key=lambda r: r["ranks"])
-    rows = ["| ranks | up | scrape p50 / p99 / max (ms) | rule groups, sum of mean / max (ms) | slowest group (ms) | "
-            "missed iterations | head series | RSS (MiB) | Prometheus CPU (cores) | NaN to firing (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    """The docs tables: one row per run, then every server's rule groups for the largest run."""
+    results = sorted(results, key=lambda r: (r["ranks"], r["shards"], r.get("rules", "")))
+    rows = ["| ranks | set-up | interval (s) | up | slowest rule group, max (ms) | missed iterations | "
+            "series per rank (shards / global) | RSS per 1,000 ranks (MiB) | Prometheus CPU (cores) | "
+            "NaN to TrainingLossNaN (s) | kill to TrainingRankDown / ExporterDown firing (s) | load (1m) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        s = r["scrape_duration_s"]
-        slow_group, slow = max(r["rule_group_duration_s"].items(), key=lambda kv: kv[1]["max"])
+        server, group, slow = r["slowest_rule_group"]
+        per = r["series_per_rank"]
+        series = f"{per['shards_head']:.1f}" + (f" / {per['global_head']:.1f}" if per.get("global_head") else "")
         nan = "-" if r["nan_to_firing_s"] is None else f"{r['nan_to_firing_s']:.1f}"
-        rows.append(f"| {r['ranks']:,} | {r['up']:.0f} | {1e3 * s['p50']:.1f} / {1e3 * s['p99']:.1f} / "
-                    f"{1e3 * s['max']:.1f} | {1e3 * _mean_total(r):.0f} / {1e3 * r['rule_groups_total_s']:.0f} | "
-                    f"{1e3 * slow['max']:.0f} "
-                    f"({slow_group}) | {r['rule_iterations_missed']:.0f} | {r['head_series']:,.0f} | "
-                    f"{r['rss_bytes'] / 2**20:.0f} | {r['prometheus_cpu_cores']:.2f} | {nan} |")
-    lines = rows + [""]
-    xs = [r["ranks"] for r in results]
-    measures = {
-        "head series": ([r["head_series"] for r in results], "{:,.0f}"),
-        "RSS (MiB)": ([r["rss_bytes"] / 2**20 for r in results], "{:,.0f}"),
-        "rule groups, sum of mean (ms)": ([1e3 * _mean_total(r) for r in results], "{:,.0f}"),
-        "Prometheus CPU (cores)": ([r["prometheus_cpu_cores"] for r in results], "{:.2f}"),
-    }
-    lines += ["| measure | fit a + b x N | at 10,000 ranks |", "|---|---|---|"]
-    for name, (ys, fmt) in measures.items():
-        a, b = _fit(xs, ys)
-        lines.append(f"| {name} | {a:.4g} + {b:.4g} x N | {fmt.format(a + b * 10_000)} |")
+        k = r.get("killed") or {}
+        kill = (f"{k.get('rank_down_firing_after_s') or '-'} / {k.get('exporter_down_firing_after_s') or '-'}"
+                if k else "not run")
+        load = r["load_average_1m"]
+        setup = f"{r['shards']} shards + global" if r["shards"] else "one Prometheus"
+        if r.get("rules"):
+            setup += " (rules before issue 21)"
+        rows.append(f"| {r['ranks']:,} | {setup} | "
+                    f"{r['interval_s']:g} | {r['up']:.0f} | {1e3 * slow:.0f} ({server} {group}) | "
+                    f"{r['rule_iterations_missed']:.0f} | {series} | {r['rss_mib_per_1000_ranks']:.0f} | "
+                    f"{r['prometheus_cpu_cores_total']:.2f} | {nan} | {kill} | "
+                    f"{load['min']:.1f}-{load['max']:.1f} |")
+    largest = max(results, key=lambda r: r["ranks"])
+    lines = rows + ["", f"Every rule group of every server, {largest['ranks']:,} ranks (max / mean over the run, ms):", "",
+                    "| server | head series | RSS (MiB) | CPU (cores) | rule groups |", "|---|---|---|---|---|"]
+    for name, server in largest["servers"].items():
+        groups = ", ".join(f"{g} {1e3 * d['max']:.0f} / {1e3 * d['mean']:.0f}"
+                           for g, d in server["rule_group_duration_s"].items())
+        lines.append(f"| {name} | {server['head_series']:,.0f} | {server['rss_bytes_max'] / 2**20:,.0f} | "
+                     f"{server['cpu_cores']:.2f} | {groups} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, action="append", help="synthetic ranks (repeatable)")
+    parser.add_argument("--shards", type=int, default=None,
+                        help="0: one Prometheus with rules.yml; N: deploy/sharding with N shards "
+                             "(default: 0 up to 2,000 ranks, else one shard per 2,500 ranks)")
     parser.add_argument("--warmup-cycles", type=int, default=6, help="scrape intervals before the NaN (default 6)")
-    parser.add_argument("--rules", default=str(REPO / "alerting" / "rules.yml"))
     parser.add_argument("--interval", type=float, default=SCRAPE_INTERVAL,
                         help="scrape and evaluation interval in seconds (default 15)")
+    parser.add_argument("--no-kill", action="store_true", help="skip the killed rank (TrainingRankDown, ~3 min)")
+    parser.add_argument("--farm-processes", type=int, default=None,
+                        help="processes serving the ranks (default: one per 4,000 ranks; each holds two "
+                             "file descriptors a rank)")
+    parser.add_argument("--rules", type=Path, default=RULES,
+                        help="the rules of the one-Prometheus set-up (default alerting/rules.yml; another "
+                             "commit's, to compare)")
     parser.add_argument("--results", default=str(RESULTS), help="JSON file the results are merged into")
     parser.add_argument("--report", action="store_true", help="print the markdown tables of the stored results")
     args = parser.parse_args(argv)
     path = Path(args.results)
     stored = json.loads(path.read_text()) if path.exists() else {"runs": []}
+    stored.setdefault("runs", [])
     if args.report:
         print(report(stored["runs"]), end="")
         return 0
@@ -478,14 +706,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks N (or --report)")
     _log("rendering real expositions (TinyLM 10M, 12 steps)")
     templates = real_expositions(world_size=max(args.ranks))
+    versions = subprocess.run([_prometheus(), "--version"], capture_output=True, text=True).stdout.splitlines()
     for ranks in args.ranks:
+        shards = args.shards if args.shards is not None else (0 if ranks <= 2000 else math.ceil(ranks / 2500))
+        processes = args.farm_processes or max(1, math.ceil(ranks / 4000))
         # world_size in training_run_info is the size of this run's job.
         sized = {k: v.replace(f'world_size="{max(args.ranks)}"', f'world_size="{ranks}"') for k, v in templates.items()}
-        result = measure(ranks, args.warmup_cycles, Path(args.rules), sized, args.interval)
-        stored["runs"] = [r for r in stored["runs"] if r["ranks"] != ranks] + [result]
+        result = measure(ranks, args.warmup_cycles, sized, args.interval, shards, kill=not args.no_kill,
+                         farm_processes=processes, rules=args.rules)
+        if args.rules != RULES:
+            result["rules"] = str(args.rules)
+        result["prometheus_version"] = versions[0] if versions else "unknown"
+        result["date"] = time.strftime("%Y-%m-%d %H:%M")
+        stored["runs"] = [r for r in stored["runs"] if (r["ranks"], r.get("shards")) != (ranks, shards)] + [result]
         path.write_text(json.dumps(stored, indent=2) + "\n")
     print(report(stored["runs"]), end="")
     return 0
+
+
+def _prometheus() -> str:
+    from lossbeat.stack.local import find_binary
+    return find_binary("prometheus")
 
 
 if __name__ == "__main__":

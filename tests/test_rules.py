@@ -257,8 +257,10 @@ def test_a_threshold_change_changes_the_alert_expression(tmp_path):
     assert ">= 4" in isolated["expr"] and isolated["labels"]["severity"] == "warning"  # fewer: a ticket
     default_events = alerts_by_name(checked_in_rules(), "TrainingGradientExplosion")[1]
     assert default_events["expr"].strip() == "increase(training_grad_explosions_total[5m]) >= 3"
-    # The folder gets the rules, their unit tests (which pass) and the PrometheusRule; nothing else.
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["kubernetes", "rules.yml", "tests"]
+    # The folder gets the rules (and their two stages), their unit tests (which pass) and the
+    # PrometheusRule; nothing else.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "kubernetes", "rules-global.yml", "rules-shard.yml", "rules.yml", "tests"]
     assert promtool("check", "rules", str(tmp_path / "out" / "rules.yml")).returncode == 0
     # The file these thresholds changed (the others are the checked-in ones, run above).
     tests = changed_rule_tests(tmp_path / "out")

@@ -1,5 +1,5 @@
 """Smoke test of benchmarks/scale.py: a handful of synthetic ranks from real expositions,
-scraped by a real Prometheus with the shipped rules at 1 s; one rank turns NaN and pages."""
+scraped and judged by the shipped sharded set-up at 1 s; one rank turns NaN and fires."""
 
 from __future__ import annotations
 
@@ -42,13 +42,20 @@ def test_a_synthetic_rank_moves_and_turns_nan(templates):
     assert 'training_nonfinite_loss_total{rank="4",run_id="scale-benchmark"} 3.0' in nan  # 2 steps/s since the flip, and the first
 
 
-def test_a_real_prometheus_scrapes_the_ranks_and_the_nan_fires(templates):
+def test_the_sharded_set_up_scrapes_every_rank_once_and_the_nan_fires_on_its_shard(templates):
+    """deploy/sharding in miniature (2 shards + global, 1 s): every rank up on exactly one shard,
+    the global holds what its rules read, a NaN fires on the rank's shard; no other alert."""
     require_binary("prometheus")
-    result = measure(6, warmup_cycles=4, rules=REPO / "alerting" / "rules.yml", templates=templates, interval=1.0)
+    result = measure(6, warmup_cycles=3, templates=templates, interval=1.0, shards=2, kill=False)
     assert result["up"] == 6
-    assert result["head_series"] >= 6 * series_count(templates["scalars"])
+    servers = result["servers"]
+    assert set(servers) == {"global", "shard-0", "shard-1"}
+    assert sum(servers[s]["head_series"] for s in ("shard-0", "shard-1")) >= 6 * series_count(templates["scalars"])
+    assert 0 < servers["global"]["head_series"] < sum(servers[s]["head_series"] for s in ("shard-0", "shard-1"))
+    assert "lossbeat.recording" in servers["shard-0"]["rule_group_duration_s"]
+    assert set(servers["global"]["rule_group_duration_s"]) == {"lossbeat.recording.global", "lossbeat.cross_rank"}
     assert result["nan_to_firing_s"] is not None and result["nan_to_firing_s"] < 10
-    assert "lossbeat.recording" in result["rule_group_duration_s"]
-    assert result["other_alerts"] == []  # healthy synthetic ranks fire nothing
+    assert result["nan_rank_shard"] in ("shard-0", "shard-1")
+    assert result["other_alerts"] == [] and result["rule_iterations_missed"] == 0
     table = report([result])
-    assert "| 6 | 6 |" in table and "at 10,000 ranks" in table
+    assert "| 6 | 2 shards + global | 1 | 6 |" in table and "| global |" in table

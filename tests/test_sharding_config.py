@@ -34,6 +34,23 @@ def test_shards_partition_the_targets_with_hashmod():
     assert {hashmod_shard(f"127.0.0.1:{port}") for port in range(8470, 8478)} == set(range(SHARDS))
 
 
+def test_the_shards_forward_every_series_the_global_rules_read():
+    import re
+
+    from test_rules import _names_in
+
+    t = load_thresholds()
+    global_groups = stage_groups(t, "global")
+    recorded_there = {r["record"] for g in global_groups for r in g["rules"] if "record" in r}
+    needed = {n for g in global_groups for r in g["rules"] for n in _names_in(r["expr"])} - recorded_there
+    for shard in range(SHARDS):
+        [keep] = _load(f"shard-{shard}.yml")["remote_write"][0]["write_relabel_configs"]
+        assert keep["action"] == "keep" and keep["source_labels"] == ["__name__"]
+        pattern = re.compile(f"^(?:{keep['regex']})$")  # Prometheus anchors relabel regexes
+        assert all(pattern.match(name) for name in needed), sorted(n for n in needed if not pattern.match(n))
+        assert pattern.match("up") and not pattern.match("training_memory_allocated_bytes")
+
+
 def test_promtool_accepts_the_sharding_configs(tmp_path):
     promtool = require_binary("promtool")
     for name in ("shard-0.yml", "shard-1.yml", "global.yml"):

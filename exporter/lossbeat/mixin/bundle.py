@@ -3,6 +3,7 @@
 Everything a deployment needs, for the user's own numbers, from an installed package::
 
     DIR/rules.yml                                  Prometheus alert and recording rules
+    DIR/rules-{shard,global}.yml                   the same in two stages (deploy/sharding/)
     DIR/tests/*.yml                                promtool unit tests of those rules
     DIR/alertmanager.yml                           routing: critical pages, warning tickets
     DIR/runbooks.md                                one section per alert (host it; see --runbook-url-base)
