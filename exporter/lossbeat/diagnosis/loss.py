@@ -177,7 +177,13 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
             "(a sum instead of a mean, or a missing division by the accumulation steps)",
             component,
         )
-    learning = series.span < t.loss.range_after_steps and not (trend.known and not trend.falling)
+    # "Still falling" by the fall's size, not its significance: a high loss falling 5-8 % per window is
+    # learning even where two windows of few noisy records cannot prove it (the plateau check says no
+    # more either); keyed on significance, the exemption came and went with the fall's z and the range
+    # warning flapped (issue 18: a YOLO loss, 45.9 -> 3.4 over 40 epochs, above 5 for 60 % of the run).
+    descending = trend.known and (trend.falling or (not trend.rising and not trend.watching
+                                                    and trend.ratio >= t.loss.plateau_max_fall))
+    learning = series.span < t.loss.range_after_steps and not (trend.known and not descending)
     if learning:
         start = _start(series, profile)
         return Finding(check, Status.GOOD, f"mean loss {mean:.4g} while still learning" + (f"; {start}" if start else ""),
@@ -192,7 +198,7 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
             "and that the classifier head is trained",
             component,
         )
-    if profile.loss_warn_high is not None and mean > profile.loss_warn_high and trend.known and trend.falling:
+    if profile.loss_warn_high is not None and mean > profile.loss_warn_high and descending:
         return Finding(check, Status.GOOD, f"mean loss {mean:.4g}, above {profile.loss_warn_high:g} but still falling "
                        f"({trend.ratio * 100:.1f}% over the last {trend.window_steps:.0f} steps)", component=component)
     if profile.loss_warn_high is not None and mean > profile.loss_warn_high:
@@ -257,7 +263,7 @@ def check_loss_trend(
     release = t.hysteresis.release
     if held is Status.WARNING:  # a plateau is left for a fall beyond its threshold / release ...
         falling = trend.falling and trend.ratio >= t.loss.plateau_max_fall / release \
-            and trend.z >= t.loss.fall_min_z / release
+            and trend.z >= t.loss.fall_min_z / release and _fall_lasts(trend, series, t, profile)
     else:
         falling = trend.falling
     if falling:
@@ -274,6 +280,16 @@ def check_loss_trend(
             and trend.z >= t.loss.fall_min_z * release:
         return Finding(check, Status.GOOD, f"loss falling slowly ({pct:.1f}% over the last {span}), at the plateau "
                                            "threshold", component=component)
+    # A plateau is a fall too small to matter. A fall as large as one that matters, but within the
+    # noise of two windows of few records (a sparse or noisy log early in the run), is no evidence
+    # either way: absence of evidence of a fall is not evidence of its absence. The windows lack the
+    # power to tell, so no plateau is entered on it; one already held stays until a significant fall.
+    # Entering on it made noisy descents flap, plateau and back, as the fall's z crossed 3 by chance
+    # (issue 18: a YOLO loss falling 5-8 % per window, z 1.7-3, over 40 epochs).
+    if held is not Status.WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release:
+        return Finding(check, Status.GOOD, f"loss {_moved(-pct)} over the last {span}, within the noise of the "
+                                           "windows: too few records to call it falling or a plateau",
+                       component=component)
     floor = profile.volatility_floor
     near_zero = 0.1 * (floor or 0.0) * (release if held is Status.WARNING else 1.0 / release)
     if floor is not None and abs(trend.recent) < near_zero:
@@ -281,11 +297,31 @@ def check_loss_trend(
                        component=component)
     return Finding(
         check, Status.WARNING,
-        f"loss has plateaued: {_moved(-pct)} over the last {span} (not a significant fall)"
+        f"loss has plateaued: {_moved(-pct)} over the last {span} "
+        + (f"(no fall of {t.loss.plateau_max_fall * 100:g}% of the level)" if trend.ratio < t.loss.plateau_max_fall
+           else "(not a significant fall)")
         + ("; it never fell below its start" if learned is False else ""),
         "if it is not converged: raise the learning rate, try a cosine schedule with restarts, or check that the data is shuffled",
         component,
     )
+
+
+def _fall_lasts(trend: Trend, series, t: Thresholds, profile: Profile) -> bool:
+    """A plateau is left for a descent that lasts: the same comparison half a window earlier shows
+    a fall too (beyond ``plateau_max_fall`` and ``fall_min_z``), as a rise must last before it is a
+    danger. One stretch of easier batches, or a single step down, lifts the latest windows' fall
+    past its threshold for a few diagnoses and is gone: leaving on it, a slow noisy descent went
+    plateau, falling, plateau again within a window (issue 18: a LoRA SFT's three plateau episodes
+    in one epoch-long descent)."""
+    s = getattr(series, "summary", None)
+    if s is None or s.last_step is None or not math.isfinite(trend.window_steps):
+        return True
+    earlier = _compare(s, series.noise, trend.window_steps, t, profile.volatility_floor,
+                       s.last_step - trend.window_steps / 2.0)
+    if earlier is None:
+        return True  # no earlier windows inside the run: the latest comparison is all there is
+    ratio, z = earlier[0], earlier[1]
+    return ratio >= t.loss.plateau_max_fall and z >= t.loss.fall_min_z
 
 
 def _moved(pct: float) -> str:
