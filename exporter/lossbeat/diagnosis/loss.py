@@ -382,7 +382,8 @@ def is_spike(value: float, level: float, noise: float, t: LossThresholds) -> boo
 
 
 def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "",
-                      learned: bool | None = None, metric: tuple | None = None) -> Finding:
+                      learned: bool | None = None, metric: tuple | None = None,
+                      held: Status = Status.GOOD) -> Finding:
     """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
 
     ``learned`` False (the training loss never fell below its start): an eval loss rising there is
@@ -393,19 +394,22 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
     if track is None or track.count < 2:
         return Finding.unknown(check, component=component)
     rise = track.rise
-    if learned is not True and track.above:
+    # Entered on evaluations above the best beyond their noise; held while they stay above it by
+    # eval_rise x release (``held``: the status the check holds now).
+    above = max(track.above, getattr(track, "still_above", 0)) if held >= Status.WARNING else track.above
+    if learned is not True and above:
         why = ("the training loss never fell below its start: not overfitting, a run that never learned"
                if learned is False else "the training loss has not been seen falling yet")
         return Finding(check, Status.GOOD,
                        f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
                        component=component)
-    if track.above >= t.evals and not trend.rising:
+    if above >= t.evals and not trend.rising:
         confident = _still_improving(metric, track)
         if confident:
             return Finding(
                 check, Status.WARNING,
                 f"over-confident: eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} "
-                f"(step {track.best_step}) for {track.above} evaluations while the {confident}: the model grows "
+                f"(step {track.best_step}) for {above} evaluations while the {confident}: the model grows "
                 "more confident in the answers it gets wrong, so the loss rises while the metric improves",
                 "choose the checkpoint by the metric (metric_for_best_model), not the eval loss; calibrate "
                 "(label smoothing, temperature scaling) if probabilities matter; regularise once the metric stops "
@@ -413,11 +417,11 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
         return Finding(
             check, Status.WARNING,
             f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} (step {track.best_step}) "
-            f"for {track.above} evaluations while the training loss does not rise",
+            f"for {above} evaluations while the training loss does not rise",
             "add weight decay or dropout, get more data, or stop early at the best checkpoint",
             component,
         )
-    if track.above:
+    if above:
         return Finding(check, Status.GOOD,
                        f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}: "
                        "one evaluation, watching", component=component)
