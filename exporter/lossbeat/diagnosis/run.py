@@ -35,7 +35,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     ended = schedule.ended
     did_learn = learned(history, t)
     findings = [
-        check_loss_range(loss, profile, t, trend),
+        check_loss_range(loss, profile, t, trend, learned=did_learn),
         check_loss_trend(trend, loss, t, profile, ended, schedule.fraction_of_peak,
                          held=held.get(("loss_trend", ""), Status.GOOD), learned=did_learn),
         _hides_trend(check_loss_volatility(cv, t.loss, nonfinite=bool(loss.nonfinite_run),
