@@ -377,9 +377,9 @@ class EvalTrack:
         # (a small or shifting validation set: a TFT forecaster's val loss jumps 25-60 % and back
         # between epochs while trending down, issue 18). The noise is the robust evaluation-to-evaluation
         # noise of the last evaluations (second differences: a steady rise, real overfitting, is not
-        # noise), trend_min_z of it, as for a rise of the training loss.
+        # noise; see overfitting.noise_z).
         noise = robust_noise(self.recent.last(len(self.recent)))
-        beyond = not math.isfinite(noise) or loss - self.best > self.t.loss.trend_min_z * noise
+        beyond = not math.isfinite(noise) or loss - self.best > self.t.overfitting.noise_z * noise
         self.above = self.above + 1 if rise > self.t.overfitting.eval_rise and beyond else 0
         # Once overfitting is judged, it is left only when the eval loss comes back near its best
         # (value hysteresis, as for volatility and plateaus): one lucky evaluation of a noisy eval set
