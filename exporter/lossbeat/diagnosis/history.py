@@ -355,6 +355,9 @@ class EvalTrack:
         self.latest = math.nan
         self.count = 0
         self.above = 0
+        """Evaluations in a row above the best by ``eval_rise`` and beyond the evaluations' noise."""
+        self.still_above = 0
+        """Evaluations in a row above the best by ``eval_rise`` x ``hysteresis.release`` (to leave overfitting)."""
         self.recent = Ring(10)
         self.first = math.nan
 
@@ -369,7 +372,20 @@ class EvalTrack:
         if loss < self.best:
             self.best, self.best_step = loss, step
         rise = (loss - self.best) / self.best if self.best > 0 else (math.inf if loss > self.best else 0.0)
-        self.above = self.above + 1 if rise > self.t.overfitting.eval_rise else 0
+        # Above the best by eval_rise, and by more than the evaluations' own noise: the best of many
+        # noisy evaluations is their luckiest one, so a noisy eval loss sits above it most of the time
+        # (a small or shifting validation set: a TFT forecaster's val loss jumps 25-60 % and back
+        # between epochs while trending down, issue 18). The noise is the robust evaluation-to-evaluation
+        # noise of the last evaluations (second differences: a steady rise, real overfitting, is not
+        # noise; see overfitting.noise_z).
+        noise = robust_noise(self.recent.last(len(self.recent)))
+        beyond = not math.isfinite(noise) or loss - self.best > self.t.overfitting.noise_z * noise
+        self.above = self.above + 1 if rise > self.t.overfitting.eval_rise and beyond else 0
+        # Once overfitting is judged, it is left only when the eval loss comes back near its best
+        # (value hysteresis, as for volatility and plateaus): one lucky evaluation of a noisy eval set
+        # that rises steadily is within its noise of the best, not back at it.
+        self.still_above = self.still_above + 1 \
+            if rise > self.t.overfitting.eval_rise * self.t.hysteresis.release else 0
 
     @property
     def rise(self) -> float:

@@ -65,8 +65,13 @@ class Judge:
         lasts about as many steps whatever the log interval)."""
         every = self.thresholds.windows.diagnose_every
         self._records += 1
-        return self._records % every == 0 or (self._judged_at is not None and step - self._judged_at >= every) \
-            or (self._judged_at is not None and step < self._judged_at)
+        # Steps count from the first record before any judgment: a sparse log (every 10 steps) of a
+        # short run was otherwise first judged at its 10th record, and a run of 3-8 records only once,
+        # at its end, where no warning can be confirmed (issue 18: four restarts of 3-8 records each,
+        # every one flat, read as good).
+        if self._judged_at is None:
+            self._judged_at = step
+        return self._records % every == 0 or step - self._judged_at >= every or step < self._judged_at
 
     def judge(self, step: int | None = None) -> tuple[list[Finding], list[StatusChange]]:
         """Diagnose now; returns the held findings and the status changes this diagnosis made."""

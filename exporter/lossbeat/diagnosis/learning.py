@@ -32,6 +32,11 @@ _MAX_CLASSES = 100
 _CHANCE_Z = 3.0  # within this many standard errors of the mean of ln K is "at" ln K
 _CHANCE_MIN_TOL = 1e-4  # relative: printed losses are rounded
 _FEW_RECORDS_FALL = 0.1
+_CONSTANT_AFTER_FIRST = 5
+"""Identical records after the run's first needed to say nothing is trained after the first update.
+The first logged loss is the model before (or during) its first updates; every record after it
+exactly equal, 5 times or more, is a model whose output no longer changes with its batches (a
+loss printed to 4 significant digits does not repeat 5 times in a row while anything moves)."""
 _BEST_BELOW_CHANCE = 0.05  # a best eval loss this fraction below ln K: not at chance all along
 _FIX_NOTHING = ("check that the loss is computed from the model's outputs (not detached, not under no_grad), "
                 "that some labels are not the ignore index, that parameters have requires_grad and are in the "
@@ -90,9 +95,11 @@ def _nothing_trained(history, profile: Profile) -> Finding | None:
     value = loss.ring.back(0)
     # A preference loss of exactly 0 is saturated (-log sigmoid(x) rounds to 0 only for x > ~36).
     saturated = profile.name == "preference" and value == 0.0 and run >= 2
-    if run < MIN_CONSTANT_RECORDS and not (run == loss.records and run >= 3) and not saturated:
+    after_first = run == loss.records - 1 and run >= _CONSTANT_AFTER_FIRST
+    if run < MIN_CONSTANT_RECORDS and not (run == loss.records and run >= 3) and not saturated and not after_first:
         return None
-    every = "every record" if run == loss.records else f"the last {run} records"
+    every = "every record" if run == loss.records else (
+        "every record after the first" if after_first else f"the last {run} records")
     grads = history.grad_records
     zero_grad = grads and history.grad_zero_run >= min(run, history.grad_records)
     bad_grad = grads and history.grad_nonfinite_run >= min(run, history.grad_records)

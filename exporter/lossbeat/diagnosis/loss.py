@@ -155,8 +155,12 @@ def _start(series, profile: Profile) -> str:
     return f"initial loss {initial:.4g}: a model that already knows the task (fine-tuning)"
 
 
-def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, component: str = "") -> Finding:
-    """Layer 1: is the loss where this task's losses live, once the run has had time to learn?"""
+def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, component: str = "",
+                     learned: bool | None = None) -> Finding:
+    """Layer 1: is the loss where this task's losses live, once the run has had time to learn?
+
+    ``learned``: whether the loss fell significantly below its start
+    (:func:`lossbeat.diagnosis.learning.learned`)."""
     check = "loss_range"
     if series.nonfinite_run:
         return Finding.unknown(check, NONFINITE, component)
@@ -168,7 +172,12 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
         return Finding.unknown(check, component=component)
     mean = fsum(recent) / len(recent)
     initial = series.initial
-    if profile.loss_init_high is not None and initial > profile.loss_init_high and not mean < 0.5 * initial:
+    # A start above any vocabulary is a fact of the run's start (issue 18 §6): a warning only while the
+    # run has not left it, by half, and is not seen leaving it (a significant fall from the first
+    # records: the range judges where it settles). Judged from the third record of a sparse log, a
+    # fast fall 19.2 -> 13.0 (a VLM fine-tune, healthy) had not halved yet.
+    if profile.loss_init_high is not None and initial > profile.loss_init_high and not mean < 0.5 * initial \
+            and learned is not True:
         return Finding(
             check, Status.WARNING,
             f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, more than a uniform prediction over "
@@ -177,7 +186,13 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
             "(a sum instead of a mean, or a missing division by the accumulation steps)",
             component,
         )
-    learning = series.span < t.loss.range_after_steps and not (trend.known and not trend.falling)
+    # "Still falling" by the fall's size, not its significance: a high loss falling 5-8 % per window is
+    # learning even where two windows of few noisy records cannot prove it (the plateau check says no
+    # more either); keyed on significance, the exemption came and went with the fall's z and the range
+    # warning flapped (issue 18: a YOLO loss, 45.9 -> 3.4 over 40 epochs, above 5 for 60 % of the run).
+    descending = trend.known and (trend.falling or (not trend.rising and not trend.watching
+                                                    and trend.ratio >= t.loss.plateau_max_fall))
+    learning = series.span < t.loss.range_after_steps and not (trend.known and not descending)
     if learning:
         start = _start(series, profile)
         return Finding(check, Status.GOOD, f"mean loss {mean:.4g} while still learning" + (f"; {start}" if start else ""),
@@ -192,7 +207,7 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
             "and that the classifier head is trained",
             component,
         )
-    if profile.loss_warn_high is not None and mean > profile.loss_warn_high and trend.known and trend.falling:
+    if profile.loss_warn_high is not None and mean > profile.loss_warn_high and descending:
         return Finding(check, Status.GOOD, f"mean loss {mean:.4g}, above {profile.loss_warn_high:g} but still falling "
                        f"({trend.ratio * 100:.1f}% over the last {trend.window_steps:.0f} steps)", component=component)
     if profile.loss_warn_high is not None and mean > profile.loss_warn_high:
@@ -257,7 +272,7 @@ def check_loss_trend(
     release = t.hysteresis.release
     if held is Status.WARNING:  # a plateau is left for a fall beyond its threshold / release ...
         falling = trend.falling and trend.ratio >= t.loss.plateau_max_fall / release \
-            and trend.z >= t.loss.fall_min_z / release
+            and trend.z >= t.loss.fall_min_z / release and _fall_lasts(trend, series, t, profile)
     else:
         falling = trend.falling
     if falling:
@@ -274,6 +289,16 @@ def check_loss_trend(
             and trend.z >= t.loss.fall_min_z * release:
         return Finding(check, Status.GOOD, f"loss falling slowly ({pct:.1f}% over the last {span}), at the plateau "
                                            "threshold", component=component)
+    # A plateau is a fall too small to matter. A fall as large as one that matters, but within the
+    # noise of two windows of few records (a sparse or noisy log early in the run), is no evidence
+    # either way: absence of evidence of a fall is not evidence of its absence. The windows lack the
+    # power to tell, so no plateau is entered on it; one already held stays until a significant fall.
+    # Entering on it made noisy descents flap, plateau and back, as the fall's z crossed 3 by chance
+    # (issue 18: a YOLO loss falling 5-8 % per window, z 1.7-3, over 40 epochs).
+    if held is not Status.WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release:
+        return Finding(check, Status.GOOD, f"loss {_moved(-pct)} over the last {span}, within the noise of the "
+                                           "windows: too few records to call it falling or a plateau",
+                       component=component)
     floor = profile.volatility_floor
     near_zero = 0.1 * (floor or 0.0) * (release if held is Status.WARNING else 1.0 / release)
     if floor is not None and abs(trend.recent) < near_zero:
@@ -281,11 +306,31 @@ def check_loss_trend(
                        component=component)
     return Finding(
         check, Status.WARNING,
-        f"loss has plateaued: {_moved(-pct)} over the last {span} (not a significant fall)"
+        f"loss has plateaued: {_moved(-pct)} over the last {span} "
+        + (f"(no fall of {t.loss.plateau_max_fall * 100:g}% of the level)" if trend.ratio < t.loss.plateau_max_fall
+           else "(not a significant fall)")
         + ("; it never fell below its start" if learned is False else ""),
         "if it is not converged: raise the learning rate, try a cosine schedule with restarts, or check that the data is shuffled",
         component,
     )
+
+
+def _fall_lasts(trend: Trend, series, t: Thresholds, profile: Profile) -> bool:
+    """A plateau is left for a descent that lasts: the same comparison half a window earlier shows
+    a fall too (beyond ``plateau_max_fall`` and ``fall_min_z``), as a rise must last before it is a
+    danger. One stretch of easier batches, or a single step down, lifts the latest windows' fall
+    past its threshold for a few diagnoses and is gone: leaving on it, a slow noisy descent went
+    plateau, falling, plateau again within a window (issue 18: a LoRA SFT's three plateau episodes
+    in one epoch-long descent)."""
+    s = getattr(series, "summary", None)
+    if s is None or s.last_step is None or not math.isfinite(trend.window_steps):
+        return True
+    earlier = _compare(s, series.noise, trend.window_steps, t, profile.volatility_floor,
+                       s.last_step - trend.window_steps / 2.0)
+    if earlier is None:
+        return True  # no earlier windows inside the run: the latest comparison is all there is
+    ratio, z = earlier[0], earlier[1]
+    return ratio >= t.loss.plateau_max_fall and z >= t.loss.fall_min_z
 
 
 def _moved(pct: float) -> str:
@@ -346,7 +391,8 @@ def is_spike(value: float, level: float, noise: float, t: LossThresholds) -> boo
 
 
 def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "",
-                      learned: bool | None = None, metric: tuple | None = None) -> Finding:
+                      learned: bool | None = None, metric: tuple | None = None,
+                      held: Status = Status.GOOD) -> Finding:
     """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
 
     ``learned`` False (the training loss never fell below its start): an eval loss rising there is
@@ -357,19 +403,22 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
     if track is None or track.count < 2:
         return Finding.unknown(check, component=component)
     rise = track.rise
-    if learned is not True and track.above:
+    # Entered on evaluations above the best beyond their noise; held while they stay above it by
+    # eval_rise x release (``held``: the status the check holds now).
+    above = max(track.above, getattr(track, "still_above", 0)) if held >= Status.WARNING else track.above
+    if learned is not True and above:
         why = ("the training loss never fell below its start: not overfitting, a run that never learned"
                if learned is False else "the training loss has not been seen falling yet")
         return Finding(check, Status.GOOD,
                        f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
                        component=component)
-    if track.above >= t.evals and not trend.rising:
+    if above >= t.evals and not trend.rising:
         confident = _still_improving(metric, track)
         if confident:
             return Finding(
                 check, Status.WARNING,
                 f"over-confident: eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} "
-                f"(step {track.best_step}) for {track.above} evaluations while the {confident}: the model grows "
+                f"(step {track.best_step}) for {above} evaluations while the {confident}: the model grows "
                 "more confident in the answers it gets wrong, so the loss rises while the metric improves",
                 "choose the checkpoint by the metric (metric_for_best_model), not the eval loss; calibrate "
                 "(label smoothing, temperature scaling) if probabilities matter; regularise once the metric stops "
@@ -377,11 +426,11 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
         return Finding(
             check, Status.WARNING,
             f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} (step {track.best_step}) "
-            f"for {track.above} evaluations while the training loss does not rise",
+            f"for {above} evaluations while the training loss does not rise",
             "add weight decay or dropout, get more data, or stop early at the best checkpoint",
             component,
         )
-    if track.above:
+    if above:
         return Finding(check, Status.GOOD,
                        f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}: "
                        "one evaluation, watching", component=component)

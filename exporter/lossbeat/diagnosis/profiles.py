@@ -45,6 +45,12 @@ HIGHER_IS_BETTER = frozenset({"reward", "preference_accuracy", "eval_accuracy", 
 _CLASSIFICATION = re.compile(r"^(?:eval|val|test)_(?:.+_)?(?:accuracy|acc|f1|matthews_correlation|mcc|auc|roc_auc|"
                              r"precision|recall|balanced_accuracy)$")
 _SEQ2SEQ = re.compile(r"^(?:eval|val|test|predict)_(?:.+_)?(?:wer|cer|rouge[-_]?\w*|bleu|sacrebleu|meteor|chrf|gen_len)$")
+# Regression and forecasting report an error metric beside the loss (Lightning's val_MAE, pytorch-forecasting's
+# val_SMAPE, a hydrology model's val_mse or val_nse): their loss is on the data's own scale, with no absolute
+# range and no level to be "suspiciously low" against (a quantile loss of 0.03 is a good forecast, not a
+# memorised LM). Case-insensitive: torchmetrics-style names are upper case.
+_REGRESSION = re.compile(r"^(?:eval|val|valid|validation|test)[_/](?:.+_)?(?:mae|mse|rmse|msle|rmsle|mape|smape|wape|"
+                         r"r2|r2_score|nse|kge|mase)$", re.IGNORECASE)
 _PREFERENCE = frozenset({"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
                          "logps/chosen", "logps/rejected", "kto/rewards", "odds_ratio_loss"})
 _RL = frozenset({"reward", "reward_std", "frac_reward_zero_std", "zero_std_ratio", "kl", "clip_ratio",
@@ -99,7 +105,8 @@ class Detection:
 
 
 def detect_profile(fields: Iterable[str]) -> Detection:
-    """RL before preference (both log rewards) before seq2seq before classification; else None."""
+    """RL before preference (both log rewards) before seq2seq before classification before
+    regression (an error metric such as ``val_MAE``); else None."""
     names = [f for f in fields if isinstance(f, str)]
     rl = [f for f in names if f in _RL or f.startswith(_RL_PREFIXES)]
     # A reward alone (e.g. a reward model's own log) is not RL: a reward and its spread, or a KL, is.
@@ -117,6 +124,9 @@ def detect_profile(fields: Iterable[str]) -> Detection:
     cls = [f for f in names if _CLASSIFICATION.match(f)]
     if cls:
         return Detection("classification", tuple(cls))
+    reg = [f for f in names if _REGRESSION.match(f)]
+    if reg:
+        return Detection("regression", tuple(reg))
     return Detection(None)
 
 

@@ -35,7 +35,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     ended = schedule.ended
     did_learn = learned(history, t)
     findings = [
-        check_loss_range(loss, profile, t, trend),
+        check_loss_range(loss, profile, t, trend, learned=did_learn),
         check_loss_trend(trend, loss, t, profile, ended, schedule.fraction_of_peak,
                          held=held.get(("loss_trend", ""), Status.GOOD), learned=did_learn),
         _hides_trend(check_loss_volatility(cv, t.loss, nonfinite=bool(loss.nonfinite_run),
@@ -45,7 +45,8 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
         check_layer_grad_norms(history.layer_norms, t.gradients),
         check_learning_rate(schedule, trend, cv, t.learning_rate, learned=did_learn),
         check_warmup(loss, profile, t.learning_rate),
-        check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn, metric=_eval_metric(history)),
+        check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn, metric=_eval_metric(history),
+                          held=held.get(("overfitting", ""), Status.GOOD)),
         _nonfinite(history),
         check_events(history, "loss_spikes"),
         check_events(history, "grad_explosions"),
@@ -53,7 +54,8 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     ]
     for group, track in history.evals.items():
         if group:
-            findings.append(check_overfitting(track, trend, t.overfitting, group, learned=did_learn))
+            findings.append(check_overfitting(track, trend, t.overfitting, group, learned=did_learn,
+                                              held=held.get(("overfitting", group), Status.GOOD)))
     component_profile = t.profiles.get("multi-task", profile) if profile.name == "multi-task" else profile
     for name, series in history.components.items():
         c_trend = trend_of(series, t, component_profile.volatility_floor)

@@ -148,6 +148,7 @@ class OverfittingThresholds:
     """Relative rise of the eval loss over its best that counts as overfitting."""
     evals: int
     """Evaluations in a row above that rise before it is overfitting."""
+    noise_z: float  # ... each above the best by more than this many of the evaluations' own robust noise
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,7 @@ def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
     lr = _pick(latest, _LR, "lr-")
     epoch = _pick(latest, _EPOCH)
     evals = {t: (m.group(1) or "") for t in latest if t != train and (m := _EVAL.match(t))}
+    out.field_names(sorted(latest))  # the task profile is named from the tags (val_MAE, eval/accuracy, ...)
     used = {train, grad, lr, epoch, *evals}
     unused = sorted(t for t in latest if t not in used) + sorted(skipped_tags - set(latest))
     out.note(f"tags read: loss {train!r}, grad norm {grad!r}, LR {lr!r}, eval {sorted(evals) or None}")

@@ -711,12 +711,14 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             summary="Eval loss rises while the training loss falls",
             description=(
                 f"The eval loss of {WHO} is {VALUE}, more than {number(100 * t.overfitting.eval_rise)}% above "
-                f"its best for {t.overfitting.evals} evaluations in a row while the training loss does not rise: "
+                f"its best, and above it by more than {number(t.overfitting.noise_z)}x the evaluations' own noise, "
+                f"for {t.overfitting.evals} evaluations in a row while the training loss does not rise: "
                 "the model is overfitting."
             ),
             condition=(
-                f"eval loss > {number(100 * t.overfitting.eval_rise)}% above its best for "
-                f"{t.overfitting.evals} evaluations in a row while the training loss does not rise "
+                f"eval loss > {number(100 * t.overfitting.eval_rise)}% above its best and beyond "
+                f"{number(t.overfitting.noise_z)}x its own noise for {t.overfitting.evals} evaluations in a row "
+                "while the training loss does not rise "
                 f"(the exporter's judgment); for {a.overfitting_for}"
             ),
             action="early stop at the best checkpoint; weight decay, dropout, more data",
