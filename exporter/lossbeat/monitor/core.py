@@ -177,7 +177,8 @@ class Monitor:
             if transfer.pending:  # drain: the steps whose values arrived since (never any on CPU)
                 transfer.drain(block=False)
             meter = self._meter
-            layer_names = self._measure(model, values, step) if model is not None or meter.holds_norms else []
+            layer_names = (_measure(meter, self.state, self._log, model, values, step)
+                           if model is not None or meter.holds_norms else [])
             meter.submitted += 1
             self._guard.decide(values)  # guard="skip"/"stop": the step's verdict, on the device
             # submit (the step's one host transfer), then drain → apply → judge what has arrived
@@ -188,17 +189,6 @@ class Monitor:
         except Exception:  # the training loop must go on: count, log, continue
             self.state.count_error("observe")
             self._log("error", logging.ERROR, "lossbeat: error in observe(); training continues", exc_info=True)
-
-    def _measure(self, model: torch.nn.Module | None, values: dict[Any, Any], step: int) -> list[str]:
-        """The step's gradient norms as device tensors in ``values`` (no host read); the layer names."""
-        try:
-            return self._meter.measure_step(model, values["grad_norm"] is None, values, step)
-        except Exception:  # gradients we cannot measure: the step's loss and LR still count
-            values.pop("layers", None)
-            self.state.count_error("observe")
-            self._log("error", logging.ERROR, "lossbeat: cannot measure the gradients; training continues",
-                      exc_info=True)
-            return []
 
     def step(self, optimizer: Any, *, grad_scaler: Any = None, scheduler: Any = None) -> None:
         """Apply the observed step: ``optimizer.step()``, unless the guard keeps it from the optimizer.
@@ -357,6 +347,18 @@ class Monitor:
         else:
             self._log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
                       "norms are skipped, the step and training go on", where, exc_info=True)
+
+
+def _measure(meter: GradientMeter, state: MonitorState, log: RateLimitedLog, model: torch.nn.Module | None,
+             values: dict[Any, Any], step: int) -> list[str]:
+    """The step's gradient norms as device tensors in ``values`` (no host read); the layer names."""
+    try:
+        return meter.measure_step(model, values["grad_norm"] is None, values, step)
+    except Exception:  # gradients we cannot measure: the step's loss and LR still count
+        values.pop("layers", None)
+        state.count_error("observe")
+        log("error", logging.ERROR, "lossbeat: cannot measure the gradients; training continues", exc_info=True)
+        return []
 
 
 def _count_anomalies(state: MonitorState, log: RateLimitedLog, anomalies: list[str]) -> None:
