@@ -995,3 +995,22 @@ def test_status_change_lines_start_above_a_tqdm_bar(monitor, capsys):
     assert lines, (dict(monitor.state.errors), monitor.state.health, err[-2000:])
     line = lines[0]
     assert line.startswith("lossbeat: grad_norm GOOD -> DANGER")  # its own line, not after the bar's text
+
+
+def test_norms_measured_ahead_are_dropped_by_an_observe_without_the_model():
+    # observe() without a model skips the gradient meter, except while norms measured ahead
+    # wait: a clip's norms belong to its own step, never to a later observe(model=...).
+    model = torch.nn.Linear(4, 1)
+    m = Monitor(MonitorConfig(port=0, log_status_changes=False), serve=False)
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+        m.clip_grad_norm_(model, 1e9)  # measured, not clipped
+        m.observe(0, loss=1.0)  # without the model: the clip's norms are this step's, unreported
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 3.0)  # the next step's gradients
+        m.observe(1, loss=1.0, model=model)
+        m.flush()
+        expected = math.sqrt(sum(9.0 * p.numel() for p in model.parameters()))
+        assert m.state.grad_norm == pytest.approx(expected)
+    finally:
+        m.close()

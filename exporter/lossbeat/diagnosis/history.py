@@ -222,6 +222,7 @@ class GradBaseline:
         self._limit = math.inf  # event_limit(), recomputed when the median or the records change
         self._one_step = (math.nan, math.nan)  # _follow's two factors for a step of 1 (the usual)
         self._one_step_for: float | None = None
+        self._established = False  # `established` at the last push (once True, True until the median is taken again)
 
     @property
     def established(self) -> bool:
@@ -258,7 +259,9 @@ class GradBaseline:
             self.recent = recent[_RECENT_GRADS // 2]
         else:
             self.recent = median(recent)
-        established = self.established
+        # Once established, it stays so until the median is taken again (the ring only grows, the
+        # median moves only below): the flag is read, not recomputed, on the pushes in between.
+        established = self._established or self.established
         if self._pushes % self.t.windows.diagnose_every == 0 or not established:
             if n > _RECENT_GRADS:
                 self.median = median(ring.last(n)[: n - _RECENT_GRADS])
@@ -266,6 +269,7 @@ class GradBaseline:
             self._limit = self._event_limit()
         elif self._limit == math.inf:  # established by this record's count, with the median taken before
             self._limit = self._event_limit()
+        self._established = established
         if established:
             self._follow(step)
         self.last_step = step
@@ -290,6 +294,7 @@ class GradBaseline:
 
     def retarget(self, thresholds: Thresholds) -> None:
         self.t = thresholds
+        self._established = False  # baseline_min_records may differ: computed again at the next push
         self._limit = self._event_limit()
 
     def clear(self) -> None:
@@ -298,6 +303,7 @@ class GradBaseline:
         self.last_step = None
         self._pushes = 0
         self._limit = math.inf
+        self._established = False
 
 
 class LearningRateSchedule:

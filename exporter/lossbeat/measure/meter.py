@@ -56,6 +56,12 @@ class GradientMeter:
         self.measured_ahead = 0
         """Steps measured by step so far: their per-layer cadence (observe may lag them by several steps)."""
 
+    @property
+    def holds_norms(self) -> bool:
+        """Norms measured ahead (``clip``, ``measure_ahead``) wait for an observe, with a model or
+        without: then ``measure_step`` must run; else an observe without a model skips it."""
+        return self._measured is not None or bool(self._ahead)
+
     def layers_due(self) -> bool:
         """Whether this step is one for per-layer norms (every ``layer_every`` submitted steps).
 

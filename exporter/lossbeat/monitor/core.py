@@ -164,29 +164,28 @@ class Monitor:
         values, anomalies = inputs.step_values(
             loss=loss, optimizer=optimizer, learning_rate=learning_rate, grad_norm=grad_norm, tokens=tokens,
             losses=losses, grad_scaler=grad_scaler, metrics=metrics, model=model, seen=self._profile.names_seen)
-        epoch = inputs.check_epoch(epoch)
-        _count_anomalies(self.state, self._log, anomalies)
+        if epoch is not None:
+            epoch = inputs.check_epoch(epoch)
+        if anomalies:
+            _count_anomalies(self.state, self._log, anomalies)
 
         now_perf = time.perf_counter()
         duration = None if self._last_perf is None else now_perf - self._last_perf
         self._last_perf = now_perf
+        transfer = self._transfer
         try:
-            self._transfer.drain(block=False)  # drain: the steps whose values arrived since
-            # measure (device tensors only, no host read)
-            try:
-                layer_names = self._meter.measure_step(model, values["grad_norm"] is None, values, step)
-            except Exception:  # gradients we cannot measure: the step's loss and LR still count
-                layer_names = []
-                values.pop("layers", None)
-                self.state.count_error("observe")
-                self._log("error", logging.ERROR, "lossbeat: cannot measure the gradients; training continues",
-                          exc_info=True)
-            self._meter.submitted += 1
+            if transfer.pending:  # drain: the steps whose values arrived since (never any on CPU)
+                transfer.drain(block=False)
+            meter = self._meter
+            layer_names = (_measure(meter, self.state, self._log, model, values, step)
+                           if model is not None or meter.holds_norms else [])
+            meter.submitted += 1
             self._guard.decide(values)  # guard="skip"/"stop": the step's verdict, on the device
             # submit (the step's one host transfer), then drain → apply → judge what has arrived
-            self._transfer.submit(step, time.time(), duration, epoch, values, layer_names)
-            self.state.cuda_device = self._transfer.cuda_device
-            self._cross_rank.step_end(model)
+            transfer.submit(step, time.time(), duration, epoch, values, layer_names, now_perf)
+            self.state.cuda_device = transfer.cuda_device
+            if model is not None or self._cross_rank.work_time:  # else step_end has nothing to do
+                self._cross_rank.step_end(model)
         except Exception:  # the training loop must go on: count, log, continue
             self.state.count_error("observe")
             self._log("error", logging.ERROR, "lossbeat: error in observe(); training continues", exc_info=True)
@@ -348,6 +347,18 @@ class Monitor:
         else:
             self._log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
                       "norms are skipped, the step and training go on", where, exc_info=True)
+
+
+def _measure(meter: GradientMeter, state: MonitorState, log: RateLimitedLog, model: torch.nn.Module | None,
+             values: dict[Any, Any], step: int) -> list[str]:
+    """The step's gradient norms as device tensors in ``values`` (no host read); the layer names."""
+    try:
+        return meter.measure_step(model, values["grad_norm"] is None, values, step)
+    except Exception:  # gradients we cannot measure: the step's loss and LR still count
+        values.pop("layers", None)
+        state.count_error("observe")
+        log("error", logging.ERROR, "lossbeat: cannot measure the gradients; training continues", exc_info=True)
+        return []
 
 
 def _count_anomalies(state: MonitorState, log: RateLimitedLog, anomalies: list[str]) -> None:

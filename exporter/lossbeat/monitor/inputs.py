@@ -27,11 +27,13 @@ def step_values(*, loss: Any, optimizer: Any, learning_rate: Any, grad_norm: Any
     one value (reduced to its mean: counted by the caller, never raised). ``seen``: the
     ``metrics`` names already given (the profile detection's); the new ones are ``values["fields"]``.
 
-    Every step: floats go through without a call, an argument left out costs one test."""
+    Every step: floats and plain 0-d float tensors go through without a call, an argument left
+    out costs one test."""
     anomalies: list[str] = []
-    values: dict[Any, Any] = {
-        "loss": loss if type(loss) is float else per_step("loss", loss, anomalies),  # None: no loss on this rank
-        "grad_norm": grad_norm if type(grad_norm) is float else scalar("grad_norm", grad_norm, optional=True),
+    values: dict[Any, Any] = {  # loss None: no loss on this rank
+        "loss": loss if type(loss) is float or _plain_0d(loss) else per_step("loss", loss, anomalies),
+        "grad_norm": grad_norm if type(grad_norm) is float or _plain_0d(grad_norm)
+        else scalar("grad_norm", grad_norm, optional=True),
     }
     if tokens is not None:
         values["tokens"] = scalar("tokens", tokens)
@@ -51,6 +53,16 @@ def step_values(*, loss: Any, optimizer: Any, learning_rate: Any, grad_norm: Any
     if model is not None:
         check_model(model)
     return values, anomalies
+
+
+_FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
+
+
+def _plain_0d(value: Any) -> bool:
+    """A 0-d float tensor holding a value that needs nothing done to it (what a loss or a clip's norm
+    is, detached): what :func:`scalar` would return as it is, found with a few metadata reads."""
+    return (type(value) is torch.Tensor and value.dtype in _FLOAT_DTYPES and value.dim() == 0
+            and not value.requires_grad and not value.is_meta)
 
 
 def check_step(step: Any) -> int:

@@ -126,7 +126,9 @@ class DeviceTransfer:
         self.defer = defer_device_reads
         self.pending: collections.deque[PendingStep] = collections.deque()
         self.lock = threading.Lock()
-        self.last_submit = time.monotonic()
+        self.last_submit = time.perf_counter()
+        """When the last step was submitted (``time.perf_counter``, monotonic): a scrape drains only
+        once the loop has been away for ``SCRAPE_DRAIN_AFTER_S``."""
         self.cuda_device: int | None = None
         """Index of the CUDA device the step's tensors live on (for the memory reading), else None."""
         self.host_transfers = 0
@@ -137,8 +139,11 @@ class DeviceTransfer:
         steps in flight); 0 while the device keeps up. Waits in ``flush()`` are not counted."""
 
     def submit(self, step: int, wall: float, duration: float | None, epoch: float | None,
-               values: dict[Any, Any], layer_names: list[str]) -> None:
-        """Pack ``values`` (floats and tensors) into one record and start its host copy."""
+               values: dict[Any, Any], layer_names: list[str], now: float | None = None) -> None:
+        """Pack ``values`` (floats and tensors) into one record and start its host copy.
+
+        ``now``: ``time.perf_counter()`` at the call, when the caller has read it already."""
+        now = time.perf_counter() if now is None else now
         host: dict[Any, Any] = {}
         device_parts: list[torch.Tensor] = []
         cpu_parts: list[tuple[Any, torch.Tensor]] = []
@@ -148,10 +153,11 @@ class DeviceTransfer:
         for key, value in values.items():
             if value is None:
                 continue
-            if type(key) is tuple:
-                if key[0] == "lr":
+            if type(key) is tuple:  # ("lr" | "signal" | "component", name): what the applier looks for
+                kind = key[0]
+                if kind == "lr":
                     has_lrs = True
-                elif key[0] == "signal":
+                elif kind == "signal":
                     has_signals = True
                 else:
                     has_components = True
@@ -181,7 +187,7 @@ class DeviceTransfer:
                              has_lrs, has_components, has_signals)
         if not device_parts:
             with self.lock:
-                self.last_submit = time.monotonic()
+                self.last_submit = now
                 if not self.pending:  # nothing in flight before it: applied now, no queue
                     self.apply(record)
                     return
@@ -199,7 +205,7 @@ class DeviceTransfer:
                 record.packed = packed.cpu()
         with self.lock:
             self.pending.append(record)
-            self.last_submit = time.monotonic()
+            self.last_submit = now
             self._drain_locked(block=False, may_wait=True)
 
     def drain(self, block: bool, may_wait: bool = True) -> None:
@@ -228,7 +234,7 @@ class DeviceTransfer:
             with_lock_or_skip(self.lock, READ_LOCK_WAIT_S, self.at_read)
 
     def _drain_at_scrape(self) -> None:
-        if not self.pending or time.monotonic() - self.last_submit < SCRAPE_DRAIN_AFTER_S:
+        if not self.pending or time.perf_counter() - self.last_submit < SCRAPE_DRAIN_AFTER_S:
             return
         if not self.lock.acquire(blocking=False):
             return
