@@ -116,3 +116,12 @@ def test_accuracies_whose_denominator_cannot_be_recovered_are_not_judged():
 def test_the_class_prior_is_judged_for_classification_only():
     log = _log(_train(0.60), AT_PRIOR_EVAL, AT_PRIOR_ACC, AT_PRIOR_F1)
     assert "class prior" not in _learning(replay(log, T.with_profile("causal-lm"))).message
+
+
+def test_the_live_monitor_names_the_class_prior_as_analyze_does():
+    from test_task_signals import _live
+
+    log = _log(_train(0.60), AT_PRIOR_EVAL, AT_PRIOR_ACC, AT_PRIOR_F1)
+    for findings in (replay(log, T).findings, _live(log, "classification")):
+        f = next(f for f in findings if f.check == "learning" and not f.component)
+        assert f.status is Status.WARNING and f.message.startswith("at the class prior"), f.message

@@ -22,6 +22,7 @@ Pure functions over a :class:`~lossbeat.diagnosis.history.History`.
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -46,8 +47,13 @@ def prior_entropy(a: float) -> float:
 
 def eval_set_size(accuracies, largest: int) -> int | None:
     """The smallest n (at most ``largest``) for which every accuracy is a count / n, else None."""
+    return _set_size(tuple(sorted(set(accuracies))), largest)
+
+
+@functools.lru_cache(maxsize=64)  # judged at every diagnosis; the accuracies change once an evaluation
+def _set_size(accuracies: tuple[float, ...], largest: int) -> int | None:
     n = 1
-    for a in set(accuracies):
+    for a in accuracies:
         if not 0.0 <= a <= 1.0:
             return None
         d = Fraction(a).limit_denominator(largest).denominator
