@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.prior import check_class_prior
 from lossbeat.diagnosis.thresholds import Profile, Thresholds
 from lossbeat.diagnosis.window import fsum, median, robust_noise
 
@@ -280,10 +281,15 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         return found or Finding.unknown(CHECK, "an RL loss is not meant to fall: the reward signals judge learning "
                                                "(none logged)")
     did = learned(history, t)
+    prior = None
+    if profile.name == "classification":  # a binary classifier at its class prior, whatever the train loss did
+        ln2 = chance_level(loss.initial, loss.noise) == 2 or any(
+            chance_level(track.first, 0.0) == 2 for track in history.evals.values())
+        prior = check_class_prior(history, t.class_prior, ln2)
     if loss.records < t.windows.trend_min_records:
         if did is False and loss.span >= t.loss.range_after_steps // 5:
             return _never(loss, loss.ring.back(0))
-        return Finding.unknown(CHECK)
+        return prior or Finding.unknown(CHECK)
     recent = loss.ring.last(t.windows.noise_records)
     tail = recent[-max(t.windows.trend_min_records, len(recent) // 4):]
     mean = fsum(tail) / len(tail)
@@ -309,6 +315,8 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
             return Finding(CHECK, Status.WARNING,
                            f"at chance: the eval loss {value:.4g} equals ln {k} within its noise: the model predicts "
                            f"uniformly over {k} classes", _FIX_CHANCE)
+    if prior is not None:
+        return prior
     if did is False and loss.span >= t.loss.range_after_steps // 5:
         return _never(loss, mean)
     if did is None:

@@ -20,7 +20,7 @@ from typing import Iterable
 
 from lossbeat.diagnosis.window import Ring, StepSummary, fsum, median, robust_noise
 
-__all__ = ["RLThresholds", "Detection", "detect_profile", "SIGNALS", "is_signal", "signal_kind", "SignalTrack", "MAX_SIGNALS"]
+__all__ = ["RLThresholds", "ClassPriorThresholds", "Detection", "detect_profile", "SIGNALS", "is_signal", "signal_kind", "SignalTrack", "MAX_SIGNALS"]
 
 MAX_SIGNALS = 16
 """Named signals kept per run (bounded label cardinality live, bounded memory offline)."""
@@ -77,6 +77,19 @@ class RLThresholds:
     """A KL below this (nats) is small, whatever its growth."""
     kl_growth: float
     """The KL's last fifth of the run above this x the fifth before it: it runs away."""
+
+
+@dataclass(frozen=True)
+class ClassPriorThresholds:
+    """When a binary classifier predicts its class prior (the ``learning`` check, :mod:`lossbeat.diagnosis.prior`)."""
+    z: float
+    """Standard errors: an accuracy that rose, or an eval loss that fell below the prior's entropy, by more learned."""
+    min_eval_examples: int
+    """Fewer eval examples (recovered from the accuracies) are not judged: the band covers most of [0, 1]."""
+    max_eval_examples: int
+    """The largest eval set size looked for as the accuracies' common denominator."""
+    loss_spread_floor: float
+    """Per-example spread (nats) of the log loss, at least: a prior near 0.5 has none, a model near it some."""
 
 
 def signal_kind(name: str) -> str | None:

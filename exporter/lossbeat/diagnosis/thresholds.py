@@ -1,8 +1,7 @@
 """The thresholds file: typed, validated, one source for diagnosis, rules and dashboards.
 
-``load_thresholds()`` reads the packaged ``thresholds.yaml`` (or a user's file,
-which may override any subset of keys) and returns a frozen :class:`Thresholds`.
-A bad file raises :class:`ThresholdsError` naming the offending key.
+``load_thresholds()`` reads the packaged ``thresholds.yaml`` (or a user's file, which may override any subset
+of keys) and returns a frozen :class:`Thresholds`. A bad file raises :class:`ThresholdsError` naming the offending key.
 """
 
 from __future__ import annotations
@@ -20,14 +19,14 @@ from typing import Any, Mapping
 import yaml
 
 from lossbeat.diagnosis.events import EventThresholds
-from lossbeat.diagnosis.profiles import RLThresholds
+from lossbeat.diagnosis.profiles import ClassPriorThresholds, RLThresholds
 
 __all__ = ["Thresholds", "Profile", "ThresholdsError", "load_thresholds", "DEFAULT_PATH"]
 
 DEFAULT_PATH = "thresholds.yaml"  # package data of ``lossbeat``
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
-# Every window is a ring buffer allocated in full at start-up (and one per loss component):
-# a typo like 10000000000 must be an error here, not a MemoryError in the training script.
+# Every window is a ring buffer allocated in full at start-up (and one per loss component): a typo like
+# 10000000000 must be an error here, not a MemoryError in the training script.
 MAX_WINDOW_STEPS = 100_000
 
 
@@ -304,6 +303,7 @@ class Thresholds:
     guard: GuardThresholds
     events: EventThresholds
     rl: RLThresholds
+    class_prior: ClassPriorThresholds
     source: str = field(default="<package>", compare=False)
     """Where the values came from (for error messages and the run info)."""
 
@@ -560,6 +560,7 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         guard=_build(GuardThresholds, _section(doc, "guard"), "guard"),
         events=_build(EventThresholds, _section(doc, "events"), "events"),
         rl=_build(RLThresholds, _section(doc, "rl"), "rl"),
+        class_prior=_build(ClassPriorThresholds, _section(doc, "class_prior"), "class_prior"),
         source=source,
     )
 
@@ -568,8 +569,7 @@ def load_thresholds(path: str | os.PathLike | None = None, *, profile: str | Non
     """Load the packaged defaults, overlaid with ``path`` when given.
 
     ``path`` may hold any subset of the keys; unknown keys are errors.
-    ``profile`` selects a task profile by name and wins over the file's ``profile``.
-    """
+    ``profile`` selects a task profile by name and wins over the file's ``profile``."""
     doc = _default_document()
     source = "<package>"
     if path is not None:
