@@ -86,7 +86,7 @@ def _train_and_evals(out: RecordBuilder, entry: Mapping, step: int) -> bool:
 
 def _note_unread_keys(out: RecordBuilder, keys: set[str]) -> None:
     unread = sorted(k for k in keys if k not in _READ_KEYS and not HF_EVAL_KEY.match(k)
-                    and k not in _SUMMARY_KEYS)
+                    and k not in _SUMMARY_KEYS and not (isinstance(k, str) and is_signal(k)))
     if unread:
         out.note(f"fields not read: {', '.join(unread[:12])}{', ...' if len(unread) > 12 else ''}")
 
