@@ -42,15 +42,17 @@ def reference_norms(model: torch.nn.Module) -> tuple[float, dict[str, float]]:
     return math.sqrt(sum(squares.values())), {k: math.sqrt(v) for k, v in squares.items()}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--wrap", choices=("fsdp2", "fsdp1", "fsdp1-flat"), default="fsdp2")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore", category=FutureWarning)  # FSDP1's deprecation notice
+    return parser.parse_args(argv)
 
-    dist.init_process_group("gloo")
+
+def run(args: argparse.Namespace) -> dict:
+    """This rank's result (the process group already initialised)."""
+    warnings.filterwarnings("ignore", category=FutureWarning)  # FSDP1's deprecation notice
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -115,7 +117,13 @@ def main() -> None:
     result["errors"] = dict(monitor.state.errors)
     result["steps"] = monitor.state.steps_total
     monitor.close()
-    write_result(args.dir, rank, result)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    write_result(args.dir, dist.get_rank(), run(args))
     finish()
 
 

@@ -6,15 +6,13 @@ what the Trainer logged for it.
 """
 
 import argparse
-import json
-import pathlib
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.integrations.hf import LossbeatCallback
-from worker_exit import finish
+from worker_exit import finish, write_result
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -36,11 +34,14 @@ def tiny_gpt2() -> GPT2LMHeadModel:
                                       bos_token_id=0, eos_token_id=0))
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> dict:
+    """This rank's result (the Trainer initialises the process group unless it is already)."""
     torch.set_num_threads(1)
     model = tiny_gpt2()
     monitor = Monitor(MonitorConfig(port=0, layer_ranks="all"), serve=False)  # layers compared across ranks
@@ -69,9 +70,14 @@ def main() -> None:
         "loss": s.loss,
         "trainer_loss": logged[-1]["loss"],
     }
-    path = pathlib.Path(args.dir) / f"result.{trainer.args.process_index}.json"
-    path.write_text(json.dumps(result))
     monitor.close()
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    result = run(args)
+    write_result(args.dir, result["rank"], result)
     finish()
 
 

@@ -10,8 +10,6 @@ returns; ``<dir>/result.<rank>.json`` holds them with what the Trainer logged.
 """
 
 import argparse
-import json
-import pathlib
 import warnings
 
 import torch
@@ -25,7 +23,7 @@ from fsdp_worker import reference_norms
 from hf_ddp_worker import Tokens, tiny_gpt2
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.integrations.hf import LossbeatCallback
-from worker_exit import finish
+from worker_exit import finish, write_result
 
 
 def exported(monitor: Monitor) -> dict:
@@ -65,12 +63,16 @@ class Record(TrainerCallback):
         self.steps.append(exported(self.monitor))
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--fsdp-version", type=int, choices=(1, 2), default=2)
     parser.add_argument("--max-grad-norm", type=float, default=0.05)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """This rank's result (the Trainer initialises the process group unless it is already)."""
     warnings.filterwarnings("ignore", category=FutureWarning)  # FSDP1's deprecation notice
 
     torch.set_num_threads(1)
@@ -123,9 +125,14 @@ def main() -> None:
                    for r in trainer.state.log_history if "grad_norm" in r],
         "errors": dict(monitor.state.errors),
     }
-    path = pathlib.Path(args.dir) / f"result.{trainer.args.process_index}.json"
-    path.write_text(json.dumps(result))
     monitor.close()
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    result = run(args)
+    write_result(args.dir, result["rank"], result)
     finish()
 
 

@@ -73,12 +73,15 @@ def one_value(metrics, name):
     return metrics[name][0][1] if name in metrics else None
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--scenario", choices=("train", "one-stage"), default="train")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """This rank's result (the process group already initialised)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world // STAGES, STAGES), mesh_dim_names=("dp", "pp"))
@@ -180,7 +183,13 @@ def main() -> None:
             result.update(observe_alone(monitor, loss, module))
     monitor.close()
     dist.barrier()
-    write_result(args.dir, rank, result)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    write_result(args.dir, dist.get_rank(), run(args))
     finish()
 
 

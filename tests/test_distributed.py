@@ -1,6 +1,5 @@
 """Multi-rank: a real torchrun job on gloo, two processes, each rank serving its own port."""
 
-import json
 import math
 import socket
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import require_module
+from torchrun_jobs import Job, SharedJobs
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -79,23 +79,52 @@ def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):
     assert norm0 == pytest.approx(norm1, rel=1e-5)
 
 
-def _run_worker(worker, tmp_path, ranks, *args):
-    """A torchrun job of ``worker`` on ``ranks`` processes; each rank's ``result.<rank>.json``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           str(worker), "--dir", str(tmp_path), *args]
-    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert job.returncode == 0, job.stdout[-4000:]
-    return [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(ranks)]
+# The tests below read their results from shared torchrun jobs: one job a world size (and one for the
+# Trainer's variants, which import transformers), each variant run in it after the other (torchrun_jobs.py,
+# variants_worker.py; a test that raises in its variant fails alone). Each worker still runs one variant
+# alone: ``python -m torch.distributed.run --standalone --nproc-per-node N tests/<worker>.py ARGS --dir DIR``.
+HF_FSDP_CASES = {"fsdp2-clipping": (2, 0.05), "fsdp1-clipping": (1, 0.05), "fsdp2-no-clipping": (2, 0.0)}
+FSDP_CASES = {"fsdp2-2-shards": ("fsdp2", 2, 1), "hsdp-2x2": ("fsdp2", 4, 2), "fsdp1-orig-params": ("fsdp1", 2, 1),
+              "fsdp1-flat-params": ("fsdp1-flat", 2, 1), "fsdp2-1-rank": ("fsdp2", 1, 1)}
 
 
-HF_WORKER = Path(__file__).with_name("hf_ddp_worker.py")
+def _fsdp(case: str) -> tuple[str, list[str]]:
+    wrap, _, replicas = FSDP_CASES[case]
+    return "fsdp_worker", ["--replicas", str(replicas), "--wrap", wrap]
 
 
-def test_hf_trainer_under_ddp_exports_the_all_reduced_unclipped_norms(tmp_path):
+# Variants in which one rank observes alone (its shard handshakes then run ahead of the others') go last.
+JOBS = {
+    "trainer-2-ranks": Job(2, {
+        "hf-ddp": ("hf_ddp_worker", []),
+        **{f"hf-{case}": ("hf_fsdp_worker", ["--fsdp-version", str(version), "--max-grad-norm", str(max_norm)])
+           for case, (version, max_norm) in HF_FSDP_CASES.items()},
+        "pp-one-stage": ("pp_worker", ["--scenario", "one-stage"]),
+    }),
+    "2-ranks": Job(2, {
+        **{case: _fsdp(case) for case, (_, ranks, _) in FSDP_CASES.items() if ranks == 2},
+        "tp-sp": ("tp_worker", ["--scenario", "tp-sp"]),
+        "tp-rank0-only": ("tp_worker", ["--scenario", "rank0-only"]),
+    }),
+    "4-ranks": Job(4, {
+        "hsdp-2x2": _fsdp("hsdp-2x2"),
+        "fsdp-tp": ("tp_worker", ["--scenario", "fsdp-tp"]),
+        "pp-train": ("pp_worker", ["--scenario", "train"]),
+    }),
+    "1-rank": Job(1, {"fsdp2-1-rank": _fsdp("fsdp2-1-rank")}),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    return SharedJobs(JOBS, tmp_path_factory)
+
+
+def test_hf_trainer_under_ddp_exports_the_all_reduced_unclipped_norms(jobs):
     """The end-of-backward measurement runs after DDP writes the averaged gradients back."""
     require_module("transformers")
     require_module("accelerate")
-    results = _run_worker(HF_WORKER, tmp_path, 2)
+    results = jobs.results("hf-ddp")
     for r in results:
         assert r["steps"] == 4 and r["trainer_step"] == 4
         # The Trainer's grad_norm is taken after the all-reduce and before it clips to 0.05.
@@ -112,18 +141,14 @@ def test_hf_trainer_under_ddp_exports_the_all_reduced_unclipped_norms(tmp_path):
     assert (results[0]["loss"] + results[1]["loss"]) / 2 == pytest.approx(results[0]["trainer_loss"], rel=1e-5)
 
 
-HF_FSDP_WORKER = Path(__file__).with_name("hf_fsdp_worker.py")
-
-
-@pytest.mark.parametrize("version, max_grad_norm", [(2, 0.05), (1, 0.05), (2, 0.0)],
-                         ids=["fsdp2-clipping", "fsdp1-clipping", "fsdp2-no-clipping"])
-def test_hf_trainer_under_fsdp_exports_the_gathered_gradients_norms(tmp_path, version, max_grad_norm):
+@pytest.mark.parametrize("case", HF_FSDP_CASES)
+def test_hf_trainer_under_fsdp_exports_the_gathered_gradients_norms(jobs, case):
     """Sharded gradients: every rank exports the norms of the full gradients (not of its shard), measured
     after FSDP's reduce-scatter and before the Trainer clips; rank 0 the layers; each rank its loss."""
     require_module("transformers")
     require_module("accelerate")
-    results = _run_worker(HF_FSDP_WORKER, tmp_path, 2, "--fsdp-version", str(version),
-                          "--max-grad-norm", str(max_grad_norm))
+    version, max_grad_norm = HF_FSDP_CASES[case]
+    results = jobs.results(f"hf-{case}")
     for r in results:
         if version == 1:
             assert r["wrapped"] == "FullyShardedDataParallel"
@@ -153,17 +178,12 @@ def test_hf_trainer_under_fsdp_exports_the_gathered_gradients_norms(tmp_path, ve
         assert logged["grad_norm"] == pytest.approx(results[0]["steps"][i]["training_grad_norm"], rel=1e-5)
 
 
-FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
-
-
-@pytest.mark.parametrize(
-    "wrap, ranks, replicas",
-    [("fsdp2", 2, 1), ("fsdp2", 4, 2), ("fsdp1", 2, 1), ("fsdp1-flat", 2, 1), ("fsdp2", 1, 1)],
-    ids=["fsdp2-2-shards", "hsdp-2x2", "fsdp1-orig-params", "fsdp1-flat-params", "fsdp2-1-rank"],
-)
-def test_sharded_gradients_give_the_models_norms_on_every_rank(tmp_path, wrap, ranks, replicas):
+@pytest.mark.parametrize("case", FSDP_CASES)
+def test_sharded_gradients_give_the_models_norms_on_every_rank(jobs, case):
     """Shards: local squares summed over the shard group only (not over the replicas)."""
-    results = _run_worker(FSDP_WORKER, tmp_path, ranks, "--replicas", str(replicas), "--wrap", wrap)
+    wrap, ranks, _ = FSDP_CASES[case]
+    results = jobs.results(case)
+    assert len(results) == ranks
     for r in results:
         assert "Shard(dim=0)" in r["layout"] or r["layout"] == "ShardingStrategy.FULL_SHARD"
         assert r["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0} and r["steps"] == 3
@@ -190,18 +210,11 @@ def test_sharded_gradients_give_the_models_norms_on_every_rank(tmp_path, wrap, r
         assert results[0]["local_only"] == pytest.approx(results[0]["measured"][0], rel=1e-6)
 
 
-TP_WORKER = Path(__file__).with_name("tp_worker.py")
-
-
-def _run_tp_worker(tmp_path, scenario):
-    return _run_worker(TP_WORKER, tmp_path, 2, "--scenario", scenario)
-
-
-def test_tensor_and_sequence_parallel_norms_reduce_partial_gradients(tmp_path):
+def test_tensor_and_sequence_parallel_norms_reduce_partial_gradients(jobs):
     """SequenceParallel norms: replicated weights, Partial(sum) gradients. Measured as if each
     rank's summand were whole, the norm layers came out ~1/sqrt(2) of the truth and
     monitor.clip_grad_norm_ clipped with the wrong norm."""
-    results = _run_tp_worker(tmp_path, "tp-sp")
+    results = jobs.results("tp-sp")
     for r in results:
         assert r["placements"] == ["(Replicate(),)", "(Partial(sum),)"]  # the case at hand
         assert r["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}
@@ -216,12 +229,12 @@ def test_tensor_and_sequence_parallel_norms_reduce_partial_gradients(tmp_path):
     assert results[0]["measured"] == results[1]["measured"]
 
 
-def test_2d_fsdp_x_tensor_parallel_gives_the_models_norms_on_every_rank(tmp_path):
+def test_2d_fsdp_x_tensor_parallel_gives_the_models_norms_on_every_rank(jobs):
     """torchtitan's layout: TP on mesh["tp"], then fully_shard on mesh["dp"] (4 ranks, a 2 x 2 mesh).
     Each gradient is sharded over both dimensions (or over dp alone): squares summed over each of
     its groups. Each rank's groups span 3 ranks, a different 3 on each rank: the first-time
     handshake, keyed by those, used to make every rank give up and export no norm."""
-    results = _run_worker(TP_WORKER, tmp_path, 4, "--scenario", "fsdp-tp")
+    results = jobs.results("fsdp-tp")
     assert [r["dp_tp"] for r in results] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     placements = results[0]["placements"]
     # FSDP over dp times TP's placement, parameters and gradients alike (FSDP2 makes the SequenceParallel
@@ -255,12 +268,11 @@ def test_2d_fsdp_x_tensor_parallel_gives_the_models_norms_on_every_rank(tmp_path
         assert losses[0] != losses[2] and losses[1] != losses[3]  # dp ranks: their own data
 
 
-def test_observing_a_sharded_model_on_rank_0_alone_fails_fast_with_a_clear_message(tmp_path):
+def test_observing_a_sharded_model_on_rank_0_alone_fails_fast_with_a_clear_message(jobs):
     """`if rank == 0: monitor.observe(model=...)`: rank 0 used to wait alone in the all-reduce
     (gloo: until its 30-minute timeout; NCCL: pairing with the next all-gather or a hang)."""
-    started = time.monotonic()
-    results = _run_tp_worker(tmp_path, "rank0-only")
-    assert time.monotonic() - started < 200
+    results = jobs.results("tp-rank0-only")
+    assert jobs.seconds("tp-rank0-only") < 200  # its own time and its job's start-up
     r = results[0]
     assert 2.5 < r["seconds"] < 30  # the 3 s handshake, once: the second step does not wait again
     assert r["steps"] == 2 and r["loss"] > 0 and r["grad_norm"] is None  # the steps are still recorded
@@ -270,13 +282,10 @@ def test_observing_a_sharded_model_on_rank_0_alone_fails_fast_with_a_clear_messa
     assert "not every rank measured them" in r["clip_error"]  # torch's clip would hang there too
 
 
-PP_WORKER = Path(__file__).with_name("pp_worker.py")
-
-
-def test_pipeline_stages_export_the_models_norm_and_clip_alike(tmp_path):
+def test_pipeline_stages_export_the_models_norm_and_clip_alike(jobs):
     """2 stages (PipelineStage + ScheduleGPipe) x 2 FSDP2 replicas: every rank's /metrics serves the
     norm of all stages' gathered gradients; each stage's own norm used to be exported instead."""
-    results = _run_worker(PP_WORKER, tmp_path, 4, "--scenario", "train")
+    results = jobs.results("pp-train")
     assert [r["pp_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     for r in results:
         assert r["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0} and r["steps"] == 3
@@ -304,11 +313,10 @@ def test_pipeline_stages_export_the_models_norm_and_clip_alike(tmp_path):
     assert results[2]["layers"] == results[3]["layers"] == {}
 
 
-def test_observing_one_pipeline_stage_alone_fails_fast_with_a_clear_message(tmp_path):
+def test_observing_one_pipeline_stage_alone_fails_fast_with_a_clear_message(jobs):
     """`if stage == 0: monitor.observe(model=...)` would wait alone in the stages' all-reduce."""
-    started = time.monotonic()
-    results = _run_worker(PP_WORKER, tmp_path, 2, "--scenario", "one-stage")
-    assert time.monotonic() - started < 200
+    results = jobs.results("pp-one-stage")
+    assert jobs.seconds("pp-one-stage") < 200  # its own time and its job's start-up
     r = results[0]
     assert 2.5 < r["seconds"] < 30  # the 3 s handshake, once
     assert r["steps"] == 2 and r["grad_norm"] is None  # the steps are still recorded

@@ -146,18 +146,19 @@ def fsdp_tp(rank: int, world: int) -> dict:
     return result
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--scenario", choices=("tp-sp", "rank0-only", "fsdp-tp"), default="tp-sp")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """This rank's result (the process group already initialised)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     if args.scenario == "fsdp-tp":
-        result = fsdp_tp(rank, world)
-        write_result(args.dir, rank, result)
-        finish()
+        return fsdp_tp(rank, world)
     mesh = init_device_mesh("cpu", (world,))
     model = parallel_model(mesh)
     result: dict = {"rank": rank}
@@ -189,7 +190,13 @@ def main() -> None:
             result.update(observe_alone(monitor, loss, model))
     monitor.close()
     dist.barrier()
-    write_result(args.dir, rank, result)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    write_result(args.dir, dist.get_rank(), run(args))
     finish()
 
 
