@@ -17,12 +17,15 @@ FAULTS = {30: "local_loss_nan", 40: "grad_nan_before_allreduce", 50: "spike_one_
 """Step -> the fault injected there, each on one rank only (the last, the first, the last)."""
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """This rank's result (the process group already initialised)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -70,7 +73,7 @@ def main() -> None:
     flat = torch.cat([p.reshape(-1) for p in params]).double()
     gathered = [torch.zeros_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
-    write_result(args.dir, rank, {
+    result = {
         "skipped_at": skipped_at,
         "skipped": dict(monitor.state.skipped_steps),
         "params_equal_across_ranks": all(torch.equal(gathered[0], g) for g in gathered),
@@ -78,8 +81,15 @@ def main() -> None:
         "last_loss_finite": math.isfinite(losses[-1]),
         "world": world,
         "pid": os.getpid(),
-    })
+    }
     monitor.close()
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    write_result(args.dir, dist.get_rank(), run(args))
     finish()
 
 

@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-WORKER = Path(__file__).with_name("guard_worker.py")
+from torchrun_jobs import Job, SharedJobs
+
 # The worker's faults: a NaN in one rank's local loss (step 30), a NaN in one rank's gradient
 # before the all-reduce (40), and a x1e4 loss on one rank only (50).
 FAULT_STEPS = [30, 40, 50]
 
+# The 2-rank variants in one torchrun job (torchrun_jobs.py); one alone:
+# python -m torch.distributed.run --standalone --nproc-per-node N tests/guard_worker.py --wrap W --dir DIR
+JOBS = {
+    "guard-2-ranks": Job(2, {"guard-2-ddp": ("guard_worker", ["--wrap", "ddp"]),
+                             "guard-2-fsdp2": ("guard_worker", ["--wrap", "fsdp2"])}),
+    "guard-4-ranks": Job(4, {"guard-4-ddp": ("guard_worker", ["--wrap", "ddp"])}),
+}
 
-def _run(tmp_path, ranks, wrap):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           str(WORKER), "--dir", str(tmp_path), "--wrap", wrap]
-    job = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert job.returncode == 0, job.stdout[-4000:]
-    return [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(ranks)]
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    return SharedJobs(JOBS, tmp_path_factory)
 
 
 @pytest.mark.parametrize("ranks,wrap", [(2, "ddp"), (4, "ddp"), (2, "fsdp2")])
-def test_every_rank_skips_the_same_steps_and_stays_equal(tmp_path, ranks, wrap):
-    results = _run(tmp_path, ranks, wrap)
+def test_every_rank_skips_the_same_steps_and_stays_equal(jobs, ranks, wrap):
+    results = jobs.results(f"guard-{ranks}-{wrap}")
+    assert [r["world"] for r in results] == [ranks] * ranks
     for r in results:
         assert r["skipped_at"] == FAULT_STEPS, r  # the same steps on every rank, the faulty one or not
         assert r["params_equal_across_ranks"] and r["params_finite"] and r["last_loss_finite"], r
