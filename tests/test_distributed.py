@@ -1,5 +1,6 @@
 """Multi-rank: a real torchrun job on gloo, two processes, each rank serving its own port."""
 
+import importlib.util
 import math
 import socket
 import subprocess
@@ -81,8 +82,8 @@ def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):
 
 # The tests below read their results from shared torchrun jobs: one job a world size (and one for the
 # Trainer's variants, which import transformers), each variant run in it after the other (torchrun_jobs.py,
-# variants_worker.py; a test that raises in its variant fails alone). Each worker still runs one variant
-# alone: ``python -m torch.distributed.run --standalone --nproc-per-node N tests/<worker>.py ARGS --dir DIR``.
+# variants_worker.py; a variant that raises fails its own test, and no other). Each worker still runs one
+# variant alone: ``python -m torch.distributed.run --standalone --nproc-per-node N tests/<worker>.py ARGS --dir DIR``.
 HF_FSDP_CASES = {"fsdp2-clipping": (2, 0.05), "fsdp1-clipping": (1, 0.05), "fsdp2-no-clipping": (2, 0.0)}
 FSDP_CASES = {"fsdp2-2-shards": ("fsdp2", 2, 1), "hsdp-2x2": ("fsdp2", 4, 2), "fsdp1-orig-params": ("fsdp1", 2, 1),
               "fsdp1-flat-params": ("fsdp1-flat", 2, 1), "fsdp2-1-rank": ("fsdp2", 1, 1)}
@@ -93,12 +94,17 @@ def _fsdp(case: str) -> tuple[str, list[str]]:
     return "fsdp_worker", ["--replicas", str(replicas), "--wrap", wrap]
 
 
+# Without the Trainer the tests skip (CI fails them) before they ask: the job leaves those variants out.
+TRAINER_VARIANTS = {
+    "hf-ddp": ("hf_ddp_worker", []),
+    **{f"hf-{case}": ("hf_fsdp_worker", ["--fsdp-version", str(version), "--max-grad-norm", str(max_norm)])
+       for case, (version, max_norm) in HF_FSDP_CASES.items()},
+} if all(importlib.util.find_spec(m) for m in ("transformers", "accelerate")) else {}
+
 # Variants in which one rank observes alone (its shard handshakes then run ahead of the others') go last.
 JOBS = {
     "trainer-2-ranks": Job(2, {
-        "hf-ddp": ("hf_ddp_worker", []),
-        **{f"hf-{case}": ("hf_fsdp_worker", ["--fsdp-version", str(version), "--max-grad-norm", str(max_norm)])
-           for case, (version, max_norm) in HF_FSDP_CASES.items()},
+        **TRAINER_VARIANTS,
         "pp-one-stage": ("pp_worker", ["--scenario", "one-stage"]),
     }),
     "2-ranks": Job(2, {
