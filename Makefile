@@ -8,11 +8,11 @@ demo:
 	scripts/setup.sh
 	$(PYTHON) -m lossbeat demo $(ARGS)
 
-# Six test processes (pytest-xdist) on two cores: a third of the suite's time is spent waiting
-# on servers, alert windows and paced trainers, not computing; with four, the cores sat idle a
-# quarter of the run (docs/tests.md). TEST_WORKERS=0 runs them in this process. Bytecode is written (ignored __pycache__ folders): a machine that turns it
+# Four test processes (pytest-xdist): most of the suite's time is spent waiting on servers
+# and alert windows, not computing, so even two cores run four at once; TEST_WORKERS=0 runs
+# them in this process. Bytecode is written (ignored __pycache__ folders): a machine that turns it
 # off globally would compile lossbeat and rewrite the tests' asserts in every process the suite starts.
-TEST_WORKERS ?= 6
+TEST_WORKERS ?= 4
 
 test:
 	scripts/setup.sh --servers
