@@ -173,7 +173,7 @@ def test_dataloader_workers_during_scrapes():
 
 def run_worker(tmp_path, mode: str, sig: signal.Signals) -> tuple[int, str, float]:
     proc = subprocess.Popen([sys.executable, str(WORKER), mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
     lines = []
     try:
         for line in proc.stdout:
@@ -184,7 +184,13 @@ def run_worker(tmp_path, mode: str, sig: signal.Signals) -> tuple[int, str, floa
         assert scrape(port)["training_steps_total"] > 0
         sent = time.monotonic()
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=600)  # a hang guard only: the verdict is on close()'s own time
+        try:
+            out, _ = proc.communicate(timeout=600)  # a hang guard only: the verdict is on close()'s own time
+        except subprocess.TimeoutExpired:  # hung: SIGABRT makes faulthandler print every thread's stack
+            proc.send_signal(signal.SIGABRT)
+            out, _ = proc.communicate(timeout=60)
+            pytest.fail(f"the worker did not exit within 600 s of {sig.name}; its output and stacks:\n"
+                        + "".join(lines) + out[-20000:], pytrace=False)
         return proc.returncode, "".join(lines) + out, time.monotonic() - sent
     finally:
         if proc.poll() is None:
