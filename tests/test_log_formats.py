@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REAL_LOGS
+from conftest import REAL_LOGS, require_module
 from lossbeat.logs import LogFormatError, detect_format, parse_log
 
 
@@ -325,7 +325,7 @@ def test_every_real_log_with_a_known_count_is_known_here():
 def test_every_real_log_is_read_in_full(name):
     path = CORPORA / name
     if path.is_dir():
-        pytest.importorskip("tensorboard")
+        require_module("tensorboard")
     known = {**KNOWN, **_truth()}.get(name)
     try:
         log = parse_log(path)

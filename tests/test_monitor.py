@@ -26,7 +26,7 @@ from lossbeat.demo import ModelSize, SyntheticCorpus, TinyLM
 from lossbeat.diagnosis import Status
 from lossbeat.exposition.metrics import HEALTH_CHECKS, METRICS
 
-from conftest import require
+from conftest import require, require_module
 
 SIZE = ModelSize(vocab=32, context=16, width=32, layers=2, heads=2)
 
@@ -974,7 +974,7 @@ def test_deepspeed_zero_partitioned_gradients_are_reported_once(monitor, caplog)
 
 
 def test_status_change_lines_start_above_a_tqdm_bar(monitor, capsys):
-    tqdm = pytest.importorskip("tqdm")
+    tqdm = require_module("tqdm")
     handler = logging.StreamHandler()  # stderr as it is now (captured)
     logger = logging.getLogger("lossbeat")
     level, disabled = logger.level, logger.disabled  # whatever an earlier test in this process left
