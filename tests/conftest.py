@@ -77,6 +77,15 @@ REAL_LOGS = find_real_logs()
 """The corpus of real training logs (shared/data/real-logs/SOURCES.md says what each shows)."""
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, the longest modules first (tests/module_order.py): every process sorts the same way."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import module_order
+        indices = module_order.order([item.nodeid for item in items], module_order.load())
+        items[:] = [items[i] for i in indices]
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     # Small models on a 2-core machine: intra-op threads only add noise.
