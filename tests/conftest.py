@@ -9,7 +9,6 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -88,7 +87,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    # Small models on a 2-core machine: intra-op threads only add noise.
+    # Small models on a 2-core machine: intra-op threads only add noise. torch is imported here,
+    # not at the top: the xdist controller, which runs no test, loads this file too (3 CPU-s).
+    import torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
