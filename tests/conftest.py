@@ -76,13 +76,22 @@ REAL_LOGS = find_real_logs()
 """The corpus of real training logs (shared/data/real-logs/SOURCES.md says what each shows)."""
 
 
+# --- Under xdist (tests/module_order.py): each module, or group of modules, to one test process,
+# the longest first. Every process sorts its collection the same way; the controller hands out the units.
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Under xdist, the longest modules first (tests/module_order.py): every process sorts the same way."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import module_order
         indices = module_order.order([item.nodeid for item in items], module_order.load())
         items[:] = [items[i] for i in indices]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":  # xdist's default with -n; another --dist is xdist's own
+        return None
+    import module_order
+    return module_order.make_scheduler(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,13 @@
-"""The order the test processes take the modules in: the longest first (docs/tests.md#scheduling).
+"""Which test process runs what under xdist, and in what order (docs/tests.md#scheduling).
 
-Under xdist, ``--dist loadscope`` (pyproject.toml) hands out whole modules, each to the first
-process that is free, so a module's fixtures (a Prometheus stack, a wheel, a shared torchrun
-job) are set up once. ``order`` sorts the modules by their tests' seconds in
-``tests/durations.json`` (longest-processing-time first: the long modules start while every
-process is free, the short ones fill the end), keeping each module's tests in their collected
-order. A test the file does not list counts ``UNLISTED_S``. The order depends only on the
-file and the collection, so every xdist process computes the same one.
+The suite is handed out in units: a unit is a test module, or a group of modules in GROUPS.
+A unit goes whole to one process (``UnitScheduling``), so its module fixtures (a Prometheus
+stack, a wheel, a shared torchrun job) are set up once and a group's frameworks are imported
+once. The units go longest first (longest-processing-time first: the long ones start while
+every process is free, the short ones fill the end), by their tests' seconds in
+``tests/durations.json``; a unit keeps its tests in their collected order, and a test the file
+does not list counts ``UNLISTED_S``. The order depends only on the file and the collection, so
+every xdist process computes the same one.
 
 Refresh the file from a run's ``LOSSBEAT_TEST_CPU`` log (docs/tests.md)::
 
@@ -24,15 +25,30 @@ DURATIONS = Path(__file__).with_name("durations.json")
 LISTED_FROM_S = 1.0
 """Tests shorter than this are left out of the file (most of the suite: they count UNLISTED_S)."""
 UNLISTED_S = 0.15
-"""The seconds of a test the file does not list: the mean of those left out in the last refresh."""
+"""The seconds of a test the file does not list: about the mean of those left out."""
+
+GROUPS = {
+    # Their tests import Lightning or the HF Trainer in the test process: 6-7 CPU-s the first
+    # time in a process, nothing after.
+    "frameworks": ("tests/test_callback_phases.py", "tests/test_guard_integrations.py",
+                   "tests/test_integration_faults.py", "tests/test_integration_signals.py",
+                   "tests/test_integrations.py", "tests/test_launchers.py", "tests/test_pretrain_integrations.py"),
+}
+_GROUP_OF = {module: group for group, modules in GROUPS.items() for module in modules}
 
 
 def module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def unit_of(nodeid: str) -> str:
+    """The unit a test belongs to: its group's name, or its module's path."""
+    module = module_of(nodeid)
+    return _GROUP_OF.get(module, module)
+
+
 def load(path: Path = DURATIONS) -> dict[str, float]:
-    """{test id: seconds}; an empty dict if the file is missing (collection order is kept)."""
+    """{test id: seconds}; an empty dict if the file is missing (every test then counts UNLISTED_S)."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -40,16 +56,29 @@ def load(path: Path = DURATIONS) -> dict[str, float]:
 
 
 def order(nodeids: list[str], seconds: dict[str, float]) -> list[int]:
-    """The indices of ``nodeids`` with the modules longest first; a module's tests keep their
-    order, and modules of equal seconds keep theirs."""
+    """The indices of ``nodeids``, unit by unit, the longest units first; a unit's tests keep
+    their collected order, and units of equal seconds theirs."""
     first_seen: dict[str, int] = {}
     total: dict[str, float] = {}
     for index, nodeid in enumerate(nodeids):
-        module = module_of(nodeid)
-        first_seen.setdefault(module, index)
-        total[module] = total.get(module, 0.0) + seconds.get(nodeid, UNLISTED_S)
-    return sorted(range(len(nodeids)),
-                  key=lambda i: (-total[module_of(nodeids[i])], first_seen[module_of(nodeids[i])], i))
+        unit = unit_of(nodeid)
+        first_seen.setdefault(unit, index)
+        total[unit] = total.get(unit, 0.0) + seconds.get(nodeid, UNLISTED_S)
+    units = [unit_of(nodeid) for nodeid in nodeids]
+    return sorted(range(len(nodeids)), key=lambda i: (-total[units[i]], first_seen[units[i]], i))
+
+
+def make_scheduler(config, log):
+    """xdist's scope scheduler with our units as scopes and the collected order (ours) kept:
+    each unit to the first free process, a unit at a time."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False  # xdist would sort the units by their number of tests
+    return UnitScheduling(config, log)
 
 
 def refreshed(cpu_logs: list[Path]) -> dict[str, float]:
@@ -66,7 +95,7 @@ def refreshed(cpu_logs: list[Path]) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        print("usage: python3 tests/module_order.py LOSSBEAT_TEST_CPU_FILE...", file=sys.stderr)
         return 2
     durations = refreshed([Path(p) for p in argv])
     DURATIONS.write_text(json.dumps(durations, indent=0, sort_keys=True) + "\n", encoding="utf-8")
