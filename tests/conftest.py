@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import shutil
+import socket
 from pathlib import Path
 from types import ModuleType
 
@@ -39,6 +41,34 @@ def require_module(name: str) -> ModuleType:
     except ImportError as e:
         require(False, f"{name} not importable ({e}); pip install -e .[test]")
         raise AssertionError("unreachable")
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of ``count`` consecutive free loopback ports, below the kernel's ephemeral range.
+
+    ``bind(0)`` hands out ports from that range (ip_local_port_range), where every other bind(0)
+    and every outgoing connection draws too: between this probe and the bind of a process the test
+    then starts (a minute later on a loaded machine) one of them may take the port, and the
+    process serves elsewhere. Below the range only another probe like this one can pick it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            ephemeral = int(fh.read().split()[0])
+    except (OSError, ValueError):
+        ephemeral = 32768
+    for _ in range(200):
+        base = random.randrange(10000, ephemeral - count)
+        probes: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                probes.append(socket.socket())
+                probes[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {count} consecutive free ports below {ephemeral}")
 
 
 def registry_samples(monitor) -> dict[str, dict[tuple, float]]:
