@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import shutil
+import socket
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -40,6 +41,34 @@ def require_module(name: str) -> ModuleType:
     except ImportError as e:
         require(False, f"{name} not importable ({e}); pip install -e .[test]")
         raise AssertionError("unreachable")
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of ``count`` consecutive free loopback ports, below the kernel's ephemeral range.
+
+    ``bind(0)`` hands out ports from that range (ip_local_port_range), where every other bind(0)
+    and every outgoing connection draws too: between this probe and the bind of a process the test
+    then starts (a minute later on a loaded machine) one of them may take the port, and the
+    process serves elsewhere. Below the range only another probe like this one can pick it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            ephemeral = int(fh.read().split()[0])
+    except (OSError, ValueError):
+        ephemeral = 32768
+    for _ in range(200):
+        base = random.randrange(10000, ephemeral - count)
+        probes: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                probes.append(socket.socket())
+                probes[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {count} consecutive free ports below {ephemeral}")
 
 
 def registry_samples(monitor) -> dict[str, dict[tuple, float]]:
@@ -77,9 +106,30 @@ REAL_LOGS = find_real_logs()
 """The corpus of real training logs (shared/data/real-logs/SOURCES.md says what each shows)."""
 
 
+# --- Under xdist (tests/module_order.py): each module, or group of modules, to one test process,
+# the longest first. Every process sorts its collection the same way; the controller hands out the units.
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import module_order
+        indices = module_order.order([item.nodeid for item in items], module_order.load())
+        items[:] = [items[i] for i in indices]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":  # xdist's default with -n; another --dist is xdist's own
+        return None
+    import module_order
+    return module_order.make_scheduler(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
-    # Small models on a 2-core machine: intra-op threads only add noise.
+    # Small models on a 2-core machine: intra-op threads only add noise. torch is imported here,
+    # not at the top: the xdist controller, which runs no test, loads this file too (3 CPU-s).
+    import torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

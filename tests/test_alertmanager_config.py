@@ -4,7 +4,6 @@ loss for the same rank of the same run only."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.request
@@ -15,7 +14,7 @@ import yaml
 
 from lossbeat.mixin.alert_rules import JOB, LOSS_DERIVED_ALERTS, TARGET, alert_rules
 from lossbeat.diagnosis.thresholds import load_thresholds
-from conftest import require_binary
+from conftest import free_ports, require_binary
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "alerting" / "alertmanager.yml"
@@ -115,9 +114,7 @@ def test_inhibition_rule_content():
 # --- a real Alertmanager applies the inhibition -----------------------------------------
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 def _api(port: int, path: str, body: object | None = None):

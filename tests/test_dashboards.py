@@ -6,7 +6,6 @@ import copy
 import json
 import math
 import re
-import socket
 import subprocess
 import time
 import urllib.error
@@ -25,7 +24,7 @@ from lossbeat.mixin.dashboards import (
 from lossbeat.exposition.metrics import METRICS
 from lossbeat.stack.local import MissingBinaryError, find_binary, stop_pid
 from lossbeat.diagnosis.thresholds import load_thresholds
-from conftest import require
+from conftest import free_ports, require
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "grafana/schema/lossbeat-dashboard.schema.json").read_text(encoding="utf-8"))
@@ -378,9 +377,7 @@ def test_panel_queries_lists_every_target(dashboards):
 # --- every query is PromQL a real Prometheus accepts -------------------------------------------------
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 def _get(url: str) -> dict:

@@ -2,7 +2,6 @@
 
 import importlib.util
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -12,23 +11,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import require_module
+from conftest import free_ports, require_module
 from torchrun_jobs import Job, SharedJobs
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
 def free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError("no two consecutive free ports")
+    return free_ports(2)
 
 
 def scrape(port):

@@ -17,7 +17,7 @@ import pickle
 import pytest
 
 from lossbeat.exposition.server import MetricsServer, RankContext
-from conftest import require_module
+from conftest import free_ports, require_module
 from test_distributed import scrape
 
 WORKER = str(Path(__file__).with_name("launch_worker.py"))
@@ -27,29 +27,6 @@ LAUNCHER_VARIABLES = (
     "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
     "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MASTER_ADDR", "MASTER_PORT",
 )
-
-
-def free_ports(count: int) -> int:
-    """A base port with ``count`` consecutive free ports on 127.0.0.1."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        held = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def clean_env(**variables: object) -> dict[str, str]:

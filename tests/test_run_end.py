@@ -250,10 +250,8 @@ if sys.argv[3] == "exit0":
 
 
 def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from conftest import free_ports
+    return free_ports(1)
 
 
 @pytest.mark.parametrize("ending", ["exit", "exit0", "crash", "exit1", "sigterm"])

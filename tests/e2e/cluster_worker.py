@@ -5,7 +5,10 @@ registering itself for Prometheus (LOSSBEAT_FILE_SD_DIR), with per-rank faults:
   --corrupt-rank R           rank R scales its gradients by 1.1 after the all-reduce (a bad replica)
   --odd-data-rank R          rank R trains on random targets (a broken data shard)
 
-Trains until ``<dir>/done`` appears (or --max-s pass).
+Trains until ``<dir>/done`` appears (or --max-s pass), a step every --step-s at most: the ranks
+wait out the rest of the step's slot before the backward, whose all-reduce is where fast ranks
+wait for a slow one anyway and which the rank work time leaves out, so a healthy job's ranks do
+no more steps than the rules need and the work times compared are those of the steps themselves.
 """
 
 import argparse
@@ -35,6 +38,7 @@ def main() -> None:
     parser.add_argument("--odd-data-rank", type=int, default=-1)
     parser.add_argument("--align-every", type=int, default=50)
     parser.add_argument("--max-s", type=float, default=240)
+    parser.add_argument("--step-s", type=float, default=0.1)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -48,6 +52,7 @@ def main() -> None:
                              work_time=True, grad_norm_align_every=args.align_every)
     folder = pathlib.Path(args.dir)
     deadline = time.monotonic() + args.max_s
+    slot_end = time.monotonic()
     step = 0
     while True:
         # Every rank leaves at the same step: a rank alone in the next all-reduce would hang.
@@ -61,6 +66,11 @@ def main() -> None:
         if rank == args.odd_data_rank:
             batch = (batch[0], torch.randint_like(batch[1], 32))  # labels from another distribution: noise
         loss = model(*batch)
+        # The rest of the step's slot (none when the job runs slower, a straggler's), between the
+        # forward and the backward's all-reduce: that all-reduce absorbs the ranks' different
+        # slot phases, and the rank work time counts neither.
+        slot_end = max(slot_end + args.step_s, time.monotonic())
+        time.sleep(max(0.0, slot_end - time.monotonic()))
         loss.backward()  # DDP all-reduces (averages) the gradients here
         if rank == args.corrupt_rank:
             with torch.no_grad():

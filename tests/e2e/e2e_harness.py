@@ -4,7 +4,6 @@ a demo training process and bounded waits. No mocks: these talk HTTP on loopback
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,8 @@ from typing import Callable, TypeVar
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import free_ports
+
 __all__ = [
     "free_port", "wait_until", "WebhookReceiver", "Delivery",
     "Prometheus", "DemoRun", "exporter_samples", "wait_for_page", "AlertmanagerProcess",
@@ -29,9 +30,8 @@ T = TypeVar("T")
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port for a server the test starts (conftest.free_ports: never one bind(0) hands out)."""
+    return free_ports(1)
 
 
 def wait_until(probe: Callable[[], T], timeout: float, what: str, interval: float = 0.25) -> T:

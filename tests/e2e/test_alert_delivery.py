@@ -29,7 +29,8 @@ def _assert_paged(page, run, alertname: str) -> None:
     ],
 )
 def test_fault_pages_on_call_with_job_and_rank(demo, receiver, fault, counter, alertname):
-    run = demo("--steps", "600", "--step-delay", STEP_DELAY, "--fault", fault, "--fault-step", FAULT_STEP)
+    run = demo("--steps", "600", "--step-delay", STEP_DELAY, "--batch-size", "8", "--fault", fault,
+               "--fault-step", FAULT_STEP)
     run.wait_serving()
     onset = run.first_time(counter, timeout=120)
     page = wait_for_page(receiver, alertname, run.job, timeout=60)

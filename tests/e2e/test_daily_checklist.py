@@ -33,7 +33,8 @@ def _fires(prometheus, alertname: str, job: str, timeout: float) -> dict:
 
 
 def test_a_leaking_run_fires_memory_growing_and_opens_a_ticket(demo, prometheus, receiver):
-    run = demo("--steps", "400", "--step-delay", "0.05", "--fault", "leak", "--fault-step", "100")
+    run = demo("--steps", "400", "--step-delay", "0.05", "--batch-size", "8", "--fault", "leak",
+               "--fault-step", "100")
     run.wait_serving()
     alert = _fires(prometheus, "TrainingMemoryGrowing", run.job, timeout=300)
     assert alert["labels"]["severity"] == "warning" and alert["labels"]["device"] == "cpu"

@@ -14,8 +14,8 @@ from .e2e_harness import exporter_samples, wait_until
 
 
 def test_every_panel_query_returns_data_from_real_runs(demo, prometheus, e2e_thresholds):
-    common = ("--steps", "120", "--step-delay", "0.05", "--eval-every", "10", "--fault-step", "40",
-              "--linger", "120")
+    common = ("--steps", "120", "--step-delay", "0.05", "--batch-size", "8", "--eval-every", "10",
+              "--fault-step", "40", "--linger", "120")
     exploding = demo(*common, "--fault", "explode,vanish", "--multi-task", "--grad-scaler")
     nan = demo(*common, "--fault", "nan")
     for run in (exploding, nan):

@@ -96,7 +96,7 @@ def start_rank(work: Path, job: str, rank: int, world: int, port: int, threshold
     with log:
         return subprocess.Popen(
             [sys.executable, "-m", "lossbeat", "demo", "--port", str(port), "--no-progress", "--steps", "100000",
-             "--step-delay", "0.2", "--run-name", job, "--thresholds", str(thresholds), *fault],
+             "--step-delay", "0.2", "--batch-size", "8", "--run-name", job, "--thresholds", str(thresholds), *fault],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
