@@ -301,19 +301,20 @@ class RankFarm:
 class Server:
     """One Prometheus of the set-up, from ``config`` (a dict), on a free loopback port."""
 
-    def __init__(self, workdir: Path, name: str, config: dict, flags: tuple[str, ...] = ()) -> None:
+    def __init__(self, workdir: Path, name: str, config: dict, flags: tuple[str, ...] = (),
+                 data: Path | None = None) -> None:
         from lossbeat.stack.local import find_binary
         import yaml
 
         self.name = name
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.data = data or workdir / f"{name}-data"
         (workdir / f"{name}.yml").write_text(yaml.safe_dump(config), encoding="utf-8")
         self.log = open(workdir / f"{name}.log", "wb")
         self.proc = subprocess.Popen(
             [find_binary("prometheus"), f"--config.file={workdir / (name + '.yml')}",
-             f"--storage.tsdb.path={workdir / (name + '-data')}", f"--web.listen-address=127.0.0.1:{self.port}",
-             *flags],
+             f"--storage.tsdb.path={self.data}", f"--web.listen-address=127.0.0.1:{self.port}", *flags],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while not _ok(f"{self.url}/-/ready"):
@@ -365,9 +366,32 @@ class Server:
         self.log.close()
 
 
-def _shipped(name: str) -> dict:
-    import yaml
-    return yaml.safe_load((SHARDING / name).read_text(encoding="utf-8"))
+@dataclass(frozen=True)
+class SetupFiles:
+    """The files a set-up starts from: the checkout's, or another commit's (to compare)."""
+
+    rules: Path = RULES
+    shard_rules: Path = STAGE_RULES["shard"]
+    global_rules: Path = STAGE_RULES["global"]
+    sharding: Path = SHARDING
+
+    @classmethod
+    def at_commit(cls, commit: str, into: Path) -> "SetupFiles":
+        """The rule files and deploy/sharding configs of ``commit``, written under ``into``."""
+        into.mkdir(parents=True, exist_ok=True)
+        (into / "sharding").mkdir(exist_ok=True)
+        wanted = {"rules.yml": "alerting/rules.yml", "rules-shard.yml": "alerting/rules-shard.yml",
+                  "rules-global.yml": "alerting/rules-global.yml", "sharding/shard-0.yml": "deploy/sharding/shard-0.yml",
+                  "sharding/global.yml": "deploy/sharding/global.yml"}
+        for name, path in wanted.items():
+            text = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:{path}"], capture_output=True,
+                                  text=True, check=True).stdout
+            (into / name).write_text(text, encoding="utf-8")
+        return cls(into / "rules.yml", into / "rules-shard.yml", into / "rules-global.yml", into / "sharding")
+
+    def shipped(self, name: str) -> dict:
+        import yaml
+        return yaml.safe_load((self.sharding / name).read_text(encoding="utf-8"))
 
 
 class Setup:
@@ -377,7 +401,8 @@ class Setup:
     The shipped files, changed only where a loopback run must: addresses, the file_sd path, the
     interval, and no Alertmanager (alerts are read from each server's API)."""
 
-    def __init__(self, workdir: Path, ports: list[int], shards: int, interval: float, rules: Path = RULES) -> None:
+    def __init__(self, workdir: Path, ports: list[int], shards: int, interval: float,
+                 files: SetupFiles = SetupFiles()) -> None:
         import yaml
 
         sd = workdir / "file_sd"
@@ -391,22 +416,22 @@ class Setup:
         self.global_server: Server | None = None
         try:
             if shards == 0:
-                config = {"global": timing, "rule_files": [str(rules)],
+                config = {"global": timing, "rule_files": [str(files.rules)],
                           "scrape_configs": [{"job_name": JOB, "sample_limit": 2000,
                                               "file_sd_configs": [{"files": [str(sd / "*.json")]}]}]}
                 self.shards.append(Server(workdir, "prometheus", config))
                 self.servers = list(self.shards)
                 return
-            central = _shipped("global.yml")
+            central = files.shipped("global.yml")
             central["global"].update(evaluation_interval=f"{interval:g}s")
-            central["rule_files"] = [str(STAGE_RULES["global"])]
+            central["rule_files"] = [str(files.global_rules)]
             central.pop("alerting", None)
             self.global_server = Server(workdir, "global", central, ("--web.enable-remote-write-receiver",))
             self.servers.append(self.global_server)
             for i in range(shards):
-                config = _shipped("shard-0.yml")
+                config = files.shipped("shard-0.yml")
                 config["global"].update(timing)
-                config["rule_files"] = [str(STAGE_RULES["shard"])]
+                config["rule_files"] = [str(files.shard_rules)]
                 config.pop("alerting", None)
                 job = config["scrape_configs"][0]
                 job["file_sd_configs"] = [{"files": [str(sd / "*.json")]}]
@@ -489,7 +514,7 @@ def measure(ranks: int, warmup_cycles: int, templates: dict[str, str], interval:
     farm = RankFarm(templates, ranks, farm_processes)
     _log(f"{ranks} ranks serving on ports {min(farm.ports)}..{max(farm.ports)} ({farm_processes} process(es))")
     with tempfile.TemporaryDirectory(prefix="lossbeat-scale-") as tmp:
-        setup = Setup(Path(tmp), farm.ports, shards, interval, rules)
+        setup = Setup(Path(tmp), farm.ports, shards, interval, SetupFiles(rules=rules))
         try:
             # Discovery hands targets to the scrapers after ~5 s; measure from when all answer.
             wait = max(120.0, 6 * interval)

@@ -1,0 +1,232 @@
+"""What each rule group costs its Prometheus per evaluation, measured so that load does not move it.
+
+    python benchmarks/rule_cost.py --ranks 1250 --shards 1 --label after
+    python benchmarks/rule_cost.py --ranks 1250 --shards 1 --label before --commit 32c9faf
+    python benchmarks/rule_cost.py --report                 # the before/after tables of docs/scale.md
+
+Wall times (``prometheus_rule_group_last_duration_seconds``) on a shared machine carry the wait
+for a core; this measures the work itself, in two phases:
+
+1. **Fill.** The synthetic ranks of ``benchmarks/scale.py`` (real expositions, re-rendered at
+   every scrape) are scraped and judged for ``--minutes`` by the set-up ``deploy/`` ships
+   (``--shards 0``: one Prometheus with ``rules.yml``; else ``deploy/sharding``: that many shards
+   and the global), from the checkout's files or ``--commit``'s. Sampled every interval: each
+   server's process CPU, head series and rule-group wall times.
+2. **Replay.** Every server is stopped and started again on its own data, scraping and evaluating
+   nothing. Each rule's expression is queried at the fill's last instant with ``stats=all``: the
+   samples it reads (``totalQueryableSamples``) and its peak. Then each expression is queried
+   again and again, wrapped in ``count()`` (the answer is one number, not a vector to encode),
+   and the process's CPU seconds (utime + stime) per query, less those of as many ``vector(1)``
+   queries (the HTTP and JSON around a query), are the rule's evaluation CPU. A group's cost is
+   the sum over its rules. Not counted: writing a recording rule's output and an alert's state.
+
+A shard of a 10,000-rank job on 8 shards holds 1,250 ranks: ``--ranks 1250 --shards 1`` is one
+such shard exactly, and a global holding an eighth of that job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.scale import (JOB, RankFarm, Server, Setup, SetupFiles, _log,  # noqa: E402
+                              real_expositions)
+
+RESULTS = HERE / "rule_cost_results.json"
+_GROUP = re.compile(r'rule_group="[^"]*;([^"]+)"')
+
+
+def _rule_files(setup: Setup, files: SetupFiles) -> dict[str, Path]:
+    if setup.global_server is None:
+        return {setup.shards[0].name: files.rules}
+    return {s.name: (files.global_rules if s is setup.global_server else files.shard_rules) for s in setup.servers}
+
+
+def _groups(path: Path) -> list[dict]:
+    import yaml
+    return yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
+
+
+def _get(server: Server, expr: str, at: float, stats: bool = False) -> dict:
+    params = {"query": expr, "time": f"{at:.3f}", **({"stats": "all"} if stats else {})}
+    with urllib.request.urlopen(f"{server.url}/api/v1/query?{urllib.parse.urlencode(params)}", timeout=120) as resp:
+        body = json.load(resp)
+    if body.get("status") != "success":
+        raise RuntimeError(f"{expr}: {body}")
+    return body["data"]
+
+
+def _cpu_per_query(server: Server, expr: str, at: float, budget_s: float = 0.3, most: int = 60) -> float:
+    """CPU seconds of ``server`` per query of ``expr``: repeated until ``budget_s`` of CPU (the
+    clock ticks are 10 ms) or ``most`` queries."""
+    done, start = 0, server.cpu_seconds()
+    while done < most and (done < 3 or server.cpu_seconds() - start < budget_s):
+        _get(server, expr, at)
+        done += 1
+    return (server.cpu_seconds() - start) / done
+
+
+def replay(server: Server, groups: list[dict], at: float) -> dict:
+    """Samples and CPU of every rule of ``groups`` evaluated at ``at`` on a quiet ``server``."""
+    overhead = _cpu_per_query(server, "vector(1)", at, budget_s=0.5, most=400)
+    out = {}
+    for group in groups:
+        rules = []
+        for rule in group["rules"]:
+            stats = _get(server, rule["expr"], at, stats=True)
+            cpu = max(0.0, _cpu_per_query(server, f"count(({rule['expr']}))", at) - overhead)
+            rules.append({"rule": rule.get("record") or rule["alert"], "series": len(stats["result"]),
+                          "samples": stats["stats"]["samples"]["totalQueryableSamples"],
+                          "peak_samples": stats["stats"]["samples"]["peakSamples"], "cpu_ms": 1e3 * cpu})
+        interval = group.get("interval")
+        out[group["name"]] = {
+            "interval": interval, "rules": rules,
+            "samples": sum(r["samples"] for r in rules),
+            "peak_samples": max((r["peak_samples"] for r in rules), default=0),
+            "cpu_ms": sum(r["cpu_ms"] for r in rules),
+        }
+    return out
+
+
+def measure(ranks: int, shards: int, minutes: float, interval: float, files: SetupFiles, templates: dict) -> dict:
+    farm = RankFarm(templates, ranks, max(1, math.ceil(ranks / 4000)))
+    with tempfile.TemporaryDirectory(prefix="lossbeat-rulecost-") as tmp:
+        workdir = Path(tmp)
+        setup = Setup(workdir, farm.ports, shards, interval, files)
+        try:
+            deadline = time.monotonic() + max(120.0, 6 * interval)
+            while setup.up() < ranks:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"only {setup.up():.0f} of {ranks} ranks up")
+                time.sleep(1.0)
+            _log(f"all {ranks} up on {len(setup.shards)} shard(s); filling for {minutes:g} min")
+            started = time.time()
+            cpu0 = {s.name: s.cpu_seconds() for s in setup.servers}
+            farm0 = farm.stats()
+            walls: dict[str, dict[str, list[float]]] = {s.name: {} for s in setup.servers}
+            offsets: dict[str, dict[str, float]] = {s.name: {} for s in setup.servers}
+            heads, load = {}, []
+            while time.time() - started < 60 * minutes:
+                time.sleep(interval)
+                load.append(os.getloadavg()[0])
+                for server in setup.servers:
+                    own = server.own_metrics()
+                    heads[server.name] = own.get("prometheus_tsdb_head_series")
+                    for key, value in own.items():
+                        if key.startswith("prometheus_rule_group_last_duration_seconds{"):
+                            walls[server.name].setdefault(_GROUP.search(key).group(1), []).append(value)
+                        elif key.startswith("prometheus_rule_group_last_evaluation_timestamp_seconds{"):
+                            offsets[server.name][_GROUP.search(key).group(1)] = value % interval
+            at = time.time() - 1.0
+            elapsed = time.time() - started
+            cpu = {s.name: (s.cpu_seconds() - cpu0[s.name]) / elapsed for s in setup.servers}
+            farm_cpu = (farm.stats()["cpu_s"] - farm0["cpu_s"]) / elapsed
+            missed = {s.name: sum(v for k, v in s.own_metrics().items()
+                                  if k.startswith("prometheus_rule_group_iterations_missed_total")) for s in setup.servers}
+            rule_files = _rule_files(setup, files)
+            datas = {s.name: s.data for s in setup.servers}
+        finally:
+            setup.stop()
+            farm.close()
+        _log("replaying every rule on quiet servers")
+        servers = {}
+        for name, data in datas.items():
+            quiet = Server(workdir, f"{name}-replay", {"global": {"evaluation_interval": "1h"}}, data=data)
+            try:
+                groups = replay(quiet, _groups(rule_files[name]), at)
+            finally:
+                quiet.stop()
+            for group, values in groups.items():
+                wall = walls[name].get(group) or [math.nan]
+                values.update(wall_mean_ms=1e3 * sum(wall) / len(wall), wall_max_ms=1e3 * max(wall),
+                              offset_s=offsets[name].get(group))
+            servers[name] = {"head_series": heads.get(name), "cpu_cores": cpu[name],
+                             "cpu_s_per_interval": cpu[name] * interval, "iterations_missed": missed[name],
+                             "rule_groups": groups}
+    return {"ranks": ranks, "shards": shards, "interval_s": interval, "filled_for_s": elapsed,
+            "farm_cpu_cores": farm_cpu, "load_average_1m": {"min": min(load), "max": max(load)},
+            "servers": servers}
+
+
+def report(runs: list[dict]) -> str:
+    """Per set-up and server: every group's samples and CPU, one column pair per label."""
+    out = []
+    for (ranks, shards, interval) in sorted({(r["ranks"], r["shards"], r["interval_s"]) for r in runs}):
+        same = [r for r in runs if (r["ranks"], r["shards"], r["interval_s"]) == (ranks, shards, interval)]
+        labels = [r["label"] for r in same]
+        out.append(f"{ranks:,} ranks, {'one Prometheus' if not shards else f'{shards} shard(s) + global'}, "
+                   f"{interval:g} s, filled {same[0]['filled_for_s'] / 60:.0f} min "
+                   f"({', '.join(r['label'] + ': ' + (r.get('commit') or 'checkout') for r in same)})")
+        for server in sorted({s for r in same for s in r["servers"]}, key=lambda s: (s != "global", s)):
+            heads = " / ".join(f"{(r['servers'].get(server) or {}).get('head_series') or 0:,.0f}" for r in same)
+            cpus = " / ".join(f"{(r['servers'].get(server) or {}).get('cpu_s_per_interval', 0):.2f}" for r in same)
+            out += ["", f"{server}: head series {heads}; CPU seconds per {interval:g} s interval {cpus} "
+                        f"({' / '.join(labels)})", "",
+                    "| group | " + " | ".join(f"samples ({label})" for label in labels) + " | "
+                    + " | ".join(f"CPU ms ({label})" for label in labels) + " | "
+                    + " | ".join(f"wall mean / max ms ({label})" for label in labels) + " |",
+                    "|---|" + "---:|" * (3 * len(labels))]
+            groups = []
+            for r in same:
+                for g in (r["servers"].get(server) or {}).get("rule_groups", {}):
+                    if g not in groups:
+                        groups.append(g)
+            for group in groups:
+                cells = [(r["servers"].get(server) or {}).get("rule_groups", {}).get(group) for r in same]
+                out.append(f"| {group} | "
+                           + " | ".join("-" if c is None else f"{c['samples']:,}" for c in cells) + " | "
+                           + " | ".join("-" if c is None else f"{c['cpu_ms']:.1f}" for c in cells) + " | "
+                           + " | ".join("-" if c is None else f"{c['wall_mean_ms']:.0f} / {c['wall_max_ms']:.0f}"
+                                        for c in cells) + " |")
+            totals = [sum(c["cpu_ms"] for c in (r["servers"].get(server) or {}).get("rule_groups", {}).values())
+                      for r in same]
+            samples = [sum(c["samples"] for c in (r["servers"].get(server) or {}).get("rule_groups", {}).values())
+                       for r in same]
+            out.append("| **all groups** | " + " | ".join(f"{s:,}" for s in samples) + " | "
+                       + " | ".join(f"{c:.1f}" for c in totals) + " | " + " | ".join("" for _ in same) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=1250)
+    parser.add_argument("--shards", type=int, default=1, help="0: one Prometheus with rules.yml (default 1)")
+    parser.add_argument("--minutes", type=float, default=7.0, help="fill time after every rank is up (default 7)")
+    parser.add_argument("--interval", type=float, default=15.0)
+    parser.add_argument("--label", default="checkout", help="the run's name in the tables (before, after, ...)")
+    parser.add_argument("--commit", help="take the rules and deploy/sharding configs of this commit")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--report", action="store_true")
+    args = parser.parse_args(argv)
+    stored = json.loads(args.results.read_text()) if args.results.exists() else {"runs": []}
+    if args.report:
+        print(report(stored["runs"]))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="lossbeat-rulecost-files-") as tmp:
+        files = SetupFiles.at_commit(args.commit, Path(tmp)) if args.commit else SetupFiles()
+        _log("rendering real expositions (TinyLM 10M, 12 steps)")
+        templates = real_expositions(world_size=args.ranks)
+        result = measure(args.ranks, args.shards, args.minutes, args.interval, files, templates)
+    result.update(label=args.label, commit=args.commit, date=time.strftime("%Y-%m-%d %H:%M"))
+    stored["runs"] = [r for r in stored["runs"] if (r["label"], r["ranks"], r["shards"], r["interval_s"])
+                      != (args.label, args.ranks, args.shards, args.interval)] + [result]
+    args.results.write_text(json.dumps(stored, indent=2) + "\n")
+    print(report(stored["runs"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
