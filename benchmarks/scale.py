@@ -437,6 +437,9 @@ class Setup:
                 job["file_sd_configs"] = [{"files": [str(sd / "*.json")]}]
                 hashmod, keep = job["relabel_configs"]
                 hashmod["modulus"], keep["regex"] = shards, str(i)
+                for relabel in config["remote_write"][0].get("write_relabel_configs", []):
+                    if relabel.get("target_label") == "shard":  # its partials carry its number
+                        relabel["replacement"] = str(i)
                 config["remote_write"][0]["url"] = f"{self.global_server.url}/api/v1/write"
                 config["remote_write"][0]["queue_config"]["batch_send_deadline"] = f"{max(1, min(5, int(interval / 3)))}s"
                 server = Server(workdir, f"shard-{i}", config)

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from lossbeat.mixin import rules
-from lossbeat.mixin.alert_rules import LOOKBACK_GROUP, LOOKBACK_INTERVAL, alert_rules, lookback_rules, recording_rules
+from lossbeat.mixin.alert_rules import (LOOKBACK_GROUP, LOOKBACK_INTERVAL, alert_rules, all_records, lookback_rules,
+                                        recording_rules)
 from lossbeat.exposition.metrics import METRICS
 from lossbeat.mixin.rule_tests import render_template, rule_test_documents
 from lossbeat.diagnosis.thresholds import load_thresholds
@@ -252,11 +253,15 @@ def test_a_threshold_change_changes_the_alert_expression(tmp_path):
         "==", "2"]
     assert sustained["for"] == "7m"
     assert "a jump to 7x its baseline" in sustained["annotations"]["description"]
-    assert events["expr"].strip() == "increase(training_grad_explosions_total[5m]) >= 4"
+    # The events trigger reads the counter's increase, recorded once first in its group.
+    increase = "job_run_id_instance_rank:training_grad_explosions:increase5m"
+    assert events["expr"].strip() == f"{increase} >= 4"
+    recorded = {r.get("record"): r["expr"] for g in groups for r in g["rules"]}
+    assert recorded[increase] == "increase(training_grad_explosions_total[5m])"
     assert "for" not in events  # the event count fires at once
     assert ">= 4" in isolated["expr"] and isolated["labels"]["severity"] == "warning"  # fewer: a ticket
     default_events = alerts_by_name(checked_in_rules(), "TrainingGradientExplosion")[1]
-    assert default_events["expr"].strip() == "increase(training_grad_explosions_total[5m]) >= 3"
+    assert default_events["expr"].strip() == f"{increase} >= 3"
     # The folder gets the rules (and their two stages), their unit tests (which pass) and the
     # PrometheusRule; nothing else.
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
@@ -358,7 +363,7 @@ def _names_in(expr: str) -> set[str]:
 
 def test_expressions_use_only_contract_metrics_and_recording_rules():
     exported = {spec.name + ("_info" if spec.kind == "info" else "") for spec in METRICS.values()}
-    records = {r.record for r in recording_rules() + lookback_rules()}
+    records = {r.record for r in all_records(load_thresholds())}
     for rule in all_rules(checked_in_rules()):
         for name in _names_in(rule["expr"]):
             assert name in exported or name in records or name == "up", (
@@ -368,8 +373,12 @@ def test_expressions_use_only_contract_metrics_and_recording_rules():
 
 def test_metric_name_scan_finds_the_series():
     """Guard for the test above: the scan must see series in every position they appear."""
+    records = {r.get("record"): r["expr"] for r in all_rules(checked_in_rules())}
     expr = alerts_by_name(checked_in_rules(), "TrainingGradientNonFinite")[0]["expr"]
-    assert {"training_nonfinite_grad_total", "training_nonfinite_grad_first_layer_info"} <= _names_in(expr)
+    first_layer = "job_run_id_instance_rank_layer:training_nonfinite_grad_first_layer:info5m"
+    assert {"job_run_id_instance_rank:training_nonfinite_grad:increase5m", first_layer} <= _names_in(expr)
+    assert {"training_nonfinite_grad_first_layer_info"} <= _names_in(records[first_layer])
+    assert {"training_nonfinite_grad_total"} <= _names_in(records["job_run_id_instance_rank:training_nonfinite_grad:total_if_new5m"])
     expr = alerts_by_name(checked_in_rules(), "TrainingOverfitting")[0]["expr"]
     assert {"training_eval_loss", "training_health_status"} <= _names_in(expr)
 
@@ -394,14 +403,17 @@ def test_the_long_lookbacks_are_state_the_lookback_group_carries():
 
 
 def test_recording_rules_follow_level_metric_operations():
-    for rule in recording_rules() + lookback_rules():
+    for rule in all_records(load_thresholds()):
         level, metric, operations = rule.record.split(":")
         assert metric in METRICS or metric + "_total" in METRICS, rule.record
         assert operations and re.fullmatch(r"[a-z0-9_]+", operations), rule.record
         # The level names the labels kept; the job-level rules keep the run identity beside the
         # job without spelling it (job:..., as before run_id existed: dashboards query them).
         assert level in ("_".join(rule.keeps), "_".join(k for k in rule.keeps if k != "run_id")), rule.record
-        assert f"by ({', '.join(rule.keeps)})" in rule.expr, rule.record
+        if rule.per_series:  # a per-rank alert reads it: every label of the rank's series is kept
+            assert rule.keeps == ("job", "run_id", "instance", "rank") and " by (" not in rule.expr, rule.record
+        else:
+            assert f"by ({', '.join(rule.keeps)})" in rule.expr, rule.record
 
 
 def test_every_per_rank_aggregation_and_join_keeps_the_run_identity():

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
-from lossbeat.mixin.alert_rules import AlertRule, alert_rules, recording_rules, rule_groups
+from lossbeat.mixin.alert_rules import AlertRule, alert_rules, event_records, recording_rules, rule_groups
 from lossbeat.mixin.rule_tests import rule_test_documents
 from lossbeat.mixin.stages import STAGES, stage_groups
 from lossbeat.diagnosis.thresholds import Thresholds
@@ -132,7 +132,7 @@ def render_alert_table(thresholds: Thresholds) -> str:
         lines.append(
             f"| `{name}` | {severity} | {condition} | {action} ([runbook]({runbooks}#{name.lower()})) |"
         )
-    names = ", ".join(f"`{r.record}`" for r in recording_rules())
+    names = ", ".join(f"`{r.record}`" for r in recording_rules() + event_records(thresholds))
     lines += ["", f"Recording rules shared by alerts and dashboards: {names}."]
     return "\n".join(lines) + "\n"
 
