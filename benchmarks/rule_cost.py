@@ -78,15 +78,24 @@ def _cpu_per_query(server: Server, expr: str, at: float, budget_s: float = 0.3, 
     return (server.cpu_seconds() - start) / done
 
 
-def replay(server: Server, groups: list[dict], at: float) -> dict:
-    """Samples and CPU of every rule of ``groups`` evaluated at ``at`` on a quiet ``server``."""
+def replay(server: Server, groups: list[dict], at: float, rounds: int = 3) -> dict:
+    """Samples and CPU of every rule of ``groups`` evaluated at ``at`` on a quiet ``server``: the
+    CPU is the median of ``rounds`` rounds over every rule (a garbage collection lands on
+    whichever query runs then)."""
     overhead = _cpu_per_query(server, "vector(1)", at, budget_s=0.5, most=400)
+    rules_of = [[r for r in group["rules"]] for group in groups]
+    cpus: dict[tuple[int, int], list[float]] = {}
+    for _ in range(rounds):
+        for g, rules in enumerate(rules_of):
+            for i, rule in enumerate(rules):
+                cpu = _cpu_per_query(server, f"count(({rule['expr']}))", at, budget_s=0.15)
+                cpus.setdefault((g, i), []).append(max(0.0, cpu - overhead))
     out = {}
-    for group in groups:
+    for g, group in enumerate(groups):
         rules = []
-        for rule in group["rules"]:
+        for i, rule in enumerate(rules_of[g]):
             stats = _get(server, rule["expr"], at, stats=True)
-            cpu = max(0.0, _cpu_per_query(server, f"count(({rule['expr']}))", at) - overhead)
+            cpu = sorted(cpus[(g, i)])[len(cpus[(g, i)]) // 2]
             rules.append({"rule": rule.get("record") or rule["alert"], "series": len(stats["result"]),
                           "samples": stats["stats"]["samples"]["totalQueryableSamples"],
                           "peak_samples": stats["stats"]["samples"]["peakSamples"], "cpu_ms": 1e3 * cpu})

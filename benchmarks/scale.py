@@ -431,7 +431,14 @@ class Setup:
             for i in range(shards):
                 config = files.shipped("shard-0.yml")
                 config["global"].update(timing)
-                config["rule_files"] = [str(files.shard_rules)]
+                # Each shard its own copy: Prometheus offsets a group's evaluations within the
+                # interval by a hash of its name and file path, so shards that load one path on
+                # one host all evaluate each group at the same instant (on a cluster, each has
+                # its own cores and it does not matter).
+                rules_copy = workdir / f"shard-{i}" / "rules-shard.yml"
+                rules_copy.parent.mkdir()
+                rules_copy.write_text(files.shard_rules.read_text(encoding="utf-8"), encoding="utf-8")
+                config["rule_files"] = [str(rules_copy)]
                 config.pop("alerting", None)
                 job = config["scrape_configs"][0]
                 job["file_sd_configs"] = [{"files": [str(sd / "*.json")]}]

@@ -307,8 +307,8 @@ def test_rendering_is_deterministic():
     thresholds = load_thresholds()
     assert rules.render_rules(thresholds) == rules.render_rules(load_thresholds())
     assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
-        "lossbeat.recording", "lossbeat.lookback", "lossbeat.nonfinite", "lossbeat.gradients", "lossbeat.loss",
-        "lossbeat.optimizer", "lossbeat.liveness", "lossbeat.resources",
+        "lossbeat.recording", "lossbeat.lookback", "lossbeat.summary", "lossbeat.nonfinite", "lossbeat.gradients",
+        "lossbeat.tickets", "lossbeat.loss", "lossbeat.optimizer", "lossbeat.liveness", "lossbeat.resources",
         "lossbeat.cross_rank", "lossbeat.guard",
     ]
 
@@ -466,3 +466,44 @@ def test_every_alert_rule_has_firing_and_silent_unit_tests():
             f"no test where {rule.name} {rule.labels} fires"
         )
         assert any(not c["exp_alerts"] for c in checks), f"no silent test for {rule.name}"
+
+
+def test_the_alerts_read_their_groups_event_records_fresh():
+    """A page reads the event counters' records of the same evaluation (its group's, earlier in
+    it), never a record another group wrote up to an interval ago: a NaN pages one evaluation
+    after the scrape that shows it."""
+    t = load_thresholds()
+    records = {r.record: r for r in all_records(t)}
+    groups = rules.build_rule_groups(t)
+    read_fresh = 0
+    for group in groups:
+        seen = set()
+        for rule in group["rules"]:
+            if "record" in rule:
+                seen.add(rule["record"])
+                continue
+            for name in _names_in(rule["expr"]) & set(records):
+                if records[name].per_series or name.endswith(":info5m"):
+                    assert name in seen, f"{rule['alert']} reads {name} before its group records it"
+                    read_fresh += 1
+    assert read_fresh >= 8
+    nan = alerts_by_name(groups, "TrainingLossNaN")[0]["expr"]
+    assert "increase(" not in nan and "job_run_id_instance_rank:training_nonfinite_loss:increase5m > 0" in nan
+
+
+def test_only_tickets_are_judged_at_the_slow_intervals(tmp_path):
+    """The groups with their own (longer) interval hold no page, and each ticket there waits at
+    least five of that interval before it fires."""
+    from lossbeat.mixin.alert_rules import TICKETS_GROUP, duration_seconds, group_intervals
+
+    t = load_thresholds()
+    intervals = group_intervals(t)
+    assert intervals[TICKETS_GROUP] == "1m"
+    tickets = [r for r in alert_rules(t) if r.group in intervals]
+    assert {r.name for r in tickets} >= {"TrainingMemoryGrowing", "TrainingThroughputDropped", "TrainingLossPlateau"}
+    for rule in tickets:
+        assert rule.severity == "warning", rule.name
+        wait = duration_seconds(rule.for_ or t.alerts.event_window)
+        assert wait >= 5 * duration_seconds(intervals[rule.group]), rule.name
+    short = load_thresholds(_write(tmp_path, {"memory": {"growing_for": "3s"}}))
+    assert group_intervals(short)[TICKETS_GROUP] == "1s"  # tests with windows of seconds: every second

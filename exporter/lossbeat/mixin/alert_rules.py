@@ -8,6 +8,7 @@ the dashboards and the runbooks.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -20,6 +21,10 @@ __all__ = [
     "RECORDING_GROUP",
     "LOOKBACK_GROUP",
     "LOOKBACK_INTERVAL",
+    "SUMMARY_GROUP",
+    "TICKETS_GROUP",
+    "TICKETS",
+    "group_intervals",
     "lookback_rules",
     "event_records",
     "all_records",
@@ -43,6 +48,16 @@ LOOKBACK_GROUP = "lossbeat.lookback"
 """Recording rules evaluated every ``LOOKBACK_INTERVAL``: what the long lookbacks of
 TrainingExporterDown (6h) and TrainingRankDown (1h) need, kept per rank at O(1) per evaluation."""
 LOOKBACK_INTERVAL = "1m"
+SUMMARY_GROUP = "lossbeat.summary"
+"""Job-level series for dashboards only, dear to compute (every rank's 16 health checks), every
+SUMMARY_INTERVAL."""
+SUMMARY_INTERVAL = "1m"
+TICKETS_GROUP = "lossbeat.tickets"
+TICKETS = ("TrainingGradientVanishing", "TrainingLossPlateau", "TrainingLossVolatile", "TrainingLossOutOfRange",
+           "TrainingOverfitting", "TrainingExporterErrors", "TrainingMemoryGrowing", "TrainingThroughputDropped")
+"""Warnings that hold for 10 minutes or more before they fire, or count a counter over its window
+(TrainingExporterErrors): judged every minute (:func:`group_intervals`) in their own group, not at
+every scrape; a ticket may wait a minute more. Together they read more than the pages do."""
 SEEN_WINDOW = "2m"
 """Raw samples a lookback rule or alert reads: a scrape and the lookback group's interval, so a
 rank seen between two evaluations of the group is never missed (8 samples at 15 s)."""
@@ -238,12 +253,13 @@ SHARD = "shard"
 so that the global Prometheus tells them apart; absent on one Prometheus."""
 
 
-def _partial(metric_operations: str, aggregation: str, expr: str, extra: tuple[str, ...] = ()) -> RecordingRule:
+def _partial(metric_operations: str, aggregation: str, expr: str, extra: tuple[str, ...] = (),
+             group: str = RECORDING_GROUP) -> RecordingRule:
     """One shard's ``aggregation`` of ``expr`` per job (and ``extra``), by ``shard`` too: a label its
     ranks' series lack, and its remote write adds."""
     keeps = JOB + extra + (SHARD,)
     return RecordingRule(f"{level(('job',) + extra + (SHARD,))}:{metric_operations}",
-                         f"{aggregation} by ({_by(keeps)}) ({expr})", keeps)
+                         f"{aggregation} by ({_by(keeps)}) ({expr})", keeps, group)
 
 
 LOSS_SUM, LOSS_COUNT = "job_shard:training_loss:sum", "job_shard:training_loss:count"
@@ -265,7 +281,7 @@ def _shard_partials() -> list[RecordingRule]:
         _partial("training_steps:sum_rate5m", "sum", steps_rate),
         _partial("training_steps:count_rate5m", "count", steps_rate),
         _partial("training_tokens:rate5m", "sum", "rate(training_tokens_total[5m])"),
-        _partial("training_health_status:max", "max", "training_health_status", ("check",)),
+        _partial("training_health_status:max", "max", "training_health_status", ("check",), SUMMARY_GROUP),
         _partial("training_run:count_present", "count", RANK_PRESENT, ("world_size",)),
     ]
 
@@ -286,7 +302,8 @@ def _job_summaries() -> list[RecordingRule]:
         RecordingRule("job:training_tokens:rate5m", f"sum by ({job}) (job_shard:training_tokens:rate5m)", JOB),
         # Worst status of each check across the job's ranks (0 good, 1 warning, 2 danger).
         RecordingRule("job_check:training_health_status:max",
-                      f"max by ({job}, check) (job_check_shard:training_health_status:max)", JOB + ("check",)),
+                      f"max by ({job}, check) (job_check_shard:training_health_status:max)", JOB + ("check",),
+                      SUMMARY_GROUP),
     ]
 
 
@@ -1029,13 +1046,14 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
             # The baseline ends `for` ago so a drop never lowers its own reference; only while
             # the run says it trains (Monitor.phase), and not when it stopped (TrainingStalled).
             # The baseline reads the recorded per-rank rate when it is the same window (one sample
-            # per rank and resolution step, where the raw rate reads every sample of each window).
+            # per rank and resolution step, where the raw rate reads every sample of each window),
+            # and so does "not stopped".
             expr=(
                 f"{rate}\n"
                 f"  < {ON_TARGET} {number(tp.drop_fraction)} * quantile_over_time(0.5, "
                 f"{past_rate}[{tp.baseline}:{resolution}] offset {tp.for_})\n"
                 f"and {ON_TARGET} (training_phase{{phase=\"train\"}} == 1)\n"
-                f"and {rate} > 0\n"
+                f"and {ON_TARGET} {past_rate} > 0\n"
             ),
             for_=tp.for_,
             summary="Training runs much slower than it did",
@@ -1273,7 +1291,7 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
     """Every alerting rule, in the order of the rule groups."""
     if not isinstance(thresholds, Thresholds):
         raise TypeError(f"thresholds: expected Thresholds, got {type(thresholds).__name__}")
-    return (
+    rules = (
         _nonfinite_alerts(thresholds)
         + _gradient_alerts(thresholds)
         + _loss_alerts(thresholds)
@@ -1283,16 +1301,28 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
         + _cluster_alerts(thresholds)
         + _guard_alerts(thresholds)
     )
+    return [dataclasses.replace(r, group=TICKETS_GROUP) if r.name in TICKETS else r for r in rules]
+
+
+def group_intervals(thresholds: Thresholds) -> dict[str, str]:
+    """The groups evaluated at their own interval, not the server's evaluation interval: the
+    lookback state and the dashboards' summaries every minute, the tickets every fifth of the
+    shortest wait among them (``for``, or the counter's window), at most a minute."""
+    waits = [duration_seconds(r.for_ or thresholds.alerts.event_window)
+             for r in alert_rules(thresholds) if r.group == TICKETS_GROUP]
+    tickets = max(1, min(60, int(min(waits)) // 5))
+    return {LOOKBACK_GROUP: LOOKBACK_INTERVAL, SUMMARY_GROUP: SUMMARY_INTERVAL, TICKETS_GROUP: _duration(tickets)}
 
 
 def rule_groups(thresholds: Thresholds) -> list[dict]:
     """Prometheus rule groups: recording rules first, then the alerts by group (a group's own
     records before its alerts)."""
     alerts = alert_rules(thresholds)
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[dict]] = {RECORDING_GROUP: [], LOOKBACK_GROUP: [], SUMMARY_GROUP: []}
     for record in all_records(thresholds):
         groups.setdefault(record.group, []).append({"record": record.record, "expr": record.expr})
     for alert in alerts:
         groups.setdefault(alert.group, []).append(alert.to_rule(thresholds.alerts.runbook_url))
-    return [{"name": name, **({"interval": LOOKBACK_INTERVAL} if name == LOOKBACK_GROUP else {}), "rules": rules}
-            for name, rules in groups.items()]
+    intervals = group_intervals(thresholds)
+    return [{"name": name, **({"interval": intervals[name]} if name in intervals else {}), "rules": rules}
+            for name, rules in groups.items() if rules]
