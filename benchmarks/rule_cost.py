@@ -68,6 +68,32 @@ def _get(server: Server, expr: str, at: float, stats: bool = False) -> dict:
     return body["data"]
 
 
+def _allocated(server: Server) -> float:
+    """Bytes the Go runtime of ``server`` allocated so far (deterministic for a given query)."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=60) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("go_memstats_alloc_bytes_total "):
+                return float(line.split()[1])
+    raise RuntimeError("no go_memstats_alloc_bytes_total")
+
+
+def _allocated_per_query(server: Server, expr: str, at: float, repeat: int = 3) -> float:
+    start = _allocated(server)
+    for _ in range(repeat):
+        _get(server, expr, at)
+    return (_allocated(server) - start) / repeat
+
+
+def _wait_idle(server: Server, most_s: float = 120.0) -> None:
+    """Until the freshly started ``server`` (WAL replay, its garbage) spends < 20 ms of CPU in 2 s."""
+    deadline = time.monotonic() + most_s
+    while time.monotonic() < deadline:
+        before = server.cpu_seconds()
+        time.sleep(2.0)
+        if server.cpu_seconds() - before < 0.02:
+            return
+
+
 def _cpu_per_query(server: Server, expr: str, at: float, budget_s: float = 0.3, most: int = 60) -> float:
     """CPU seconds of ``server`` per query of ``expr``: repeated until ``budget_s`` of CPU (the
     clock ticks are 10 ms) or ``most`` queries."""
@@ -82,13 +108,15 @@ def replay(server: Server, groups: list[dict], at: float, rounds: int = 3) -> di
     """Samples and CPU of every rule of ``groups`` evaluated at ``at`` on a quiet ``server``: the
     CPU is the median of ``rounds`` rounds over every rule (a garbage collection lands on
     whichever query runs then)."""
+    _wait_idle(server)
     overhead = _cpu_per_query(server, "vector(1)", at, budget_s=0.5, most=400)
+    allocated_overhead = _allocated_per_query(server, "vector(1)", at)
     rules_of = [[r for r in group["rules"]] for group in groups]
     cpus: dict[tuple[int, int], list[float]] = {}
     for _ in range(rounds):
         for g, rules in enumerate(rules_of):
             for i, rule in enumerate(rules):
-                cpu = _cpu_per_query(server, f"count(({rule['expr']}))", at, budget_s=0.15)
+                cpu = _cpu_per_query(server, f"count(({rule['expr']}))", at, budget_s=0.25)
                 cpus.setdefault((g, i), []).append(max(0.0, cpu - overhead))
     out = {}
     for g, group in enumerate(groups):
@@ -96,15 +124,18 @@ def replay(server: Server, groups: list[dict], at: float, rounds: int = 3) -> di
         for i, rule in enumerate(rules_of[g]):
             stats = _get(server, rule["expr"], at, stats=True)
             cpu = sorted(cpus[(g, i)])[len(cpus[(g, i)]) // 2]
+            allocated = _allocated_per_query(server, f"count(({rule['expr']}))", at) - allocated_overhead
             rules.append({"rule": rule.get("record") or rule["alert"], "series": len(stats["result"]),
                           "samples": stats["stats"]["samples"]["totalQueryableSamples"],
-                          "peak_samples": stats["stats"]["samples"]["peakSamples"], "cpu_ms": 1e3 * cpu})
+                          "peak_samples": stats["stats"]["samples"]["peakSamples"], "cpu_ms": 1e3 * cpu,
+                          "allocated_mib": max(0.0, allocated) / 2**20})
         interval = group.get("interval")
         out[group["name"]] = {
             "interval": interval, "rules": rules,
             "samples": sum(r["samples"] for r in rules),
             "peak_samples": max((r["peak_samples"] for r in rules), default=0),
             "cpu_ms": sum(r["cpu_ms"] for r in rules),
+            "allocated_mib": sum(r["allocated_mib"] for r in rules),
         }
     return out
 
@@ -169,42 +200,57 @@ def measure(ranks: int, shards: int, minutes: float, interval: float, files: Set
             "servers": servers}
 
 
+def per_interval(run: dict, server: str, key: str) -> float | None:
+    """``key`` (samples, allocated_mib, cpu_ms) of ``server``'s rules per evaluation interval: a
+    group with its own, longer interval counts the share of its evaluations that falls in one."""
+    from lossbeat.mixin.alert_rules import duration_seconds
+
+    total = 0.0
+    for group in (run["servers"].get(server) or {}).get("rule_groups", {}).values():
+        if key not in group:
+            return None
+        share = run["interval_s"] / duration_seconds(group["interval"]) if group.get("interval") else 1.0
+        total += share * group[key]
+    return total
+
+
+_COLUMNS = (("samples", "samples", "{:,.0f}"), ("allocated_mib", "MiB allocated", "{:.1f}"),
+            ("cpu_ms", "CPU ms", "{:.0f}"))
+
+
 def report(runs: list[dict]) -> str:
-    """Per set-up and server: every group's samples and CPU, one column pair per label."""
+    """Per set-up and server: every group's samples, allocations and CPU per evaluation, one
+    column per label, and the wall times the fill saw."""
     out = []
     for (ranks, shards, interval) in sorted({(r["ranks"], r["shards"], r["interval_s"]) for r in runs}):
-        same = [r for r in runs if (r["ranks"], r["shards"], r["interval_s"]) == (ranks, shards, interval)]
+        same = sorted((r for r in runs if (r["ranks"], r["shards"], r["interval_s"]) == (ranks, shards, interval)),
+                      key=lambda r: r["label"] != "before")
         labels = [r["label"] for r in same]
         out.append(f"{ranks:,} ranks, {'one Prometheus' if not shards else f'{shards} shard(s) + global'}, "
                    f"{interval:g} s, filled {same[0]['filled_for_s'] / 60:.0f} min "
                    f"({', '.join(r['label'] + ': ' + (r.get('commit') or 'checkout') for r in same)})")
         for server in sorted({s for r in same for s in r["servers"]}, key=lambda s: (s != "global", s)):
-            heads = " / ".join(f"{(r['servers'].get(server) or {}).get('head_series') or 0:,.0f}" for r in same)
-            cpus = " / ".join(f"{(r['servers'].get(server) or {}).get('cpu_s_per_interval', 0):.2f}" for r in same)
-            out += ["", f"{server}: head series {heads}; CPU seconds per {interval:g} s interval {cpus} "
-                        f"({' / '.join(labels)})", "",
-                    "| group | " + " | ".join(f"samples ({label})" for label in labels) + " | "
-                    + " | ".join(f"CPU ms ({label})" for label in labels) + " | "
-                    + " | ".join(f"wall mean / max ms ({label})" for label in labels) + " |",
-                    "|---|" + "---:|" * (3 * len(labels))]
-            groups = []
-            for r in same:
-                for g in (r["servers"].get(server) or {}).get("rule_groups", {}):
-                    if g not in groups:
-                        groups.append(g)
+            of = [r["servers"].get(server) or {} for r in same]
+            heads = " / ".join(f"{o.get('head_series') or 0:,.0f}" for o in of)
+            cpus = " / ".join(f"{o.get('cpu_s_per_interval', 0):.2f}" for o in of)
+            out += ["", f"{server}: head series {heads}; the process's CPU seconds per {interval:g} s interval "
+                        f"(scrapes, rules, remote write) {cpus} ({' / '.join(labels)})", "",
+                    "| group | " + " | ".join(f"{title} ({label})" for _, title, _ in _COLUMNS for label in labels)
+                    + " | " + " | ".join(f"wall mean / max ms ({label})" for label in labels) + " |",
+                    "|---|" + "---:|" * ((len(_COLUMNS) + 1) * len(labels))]
+            groups = list(dict.fromkeys(g for o in of for g in o.get("rule_groups", {})))
             for group in groups:
-                cells = [(r["servers"].get(server) or {}).get("rule_groups", {}).get(group) for r in same]
-                out.append(f"| {group} | "
-                           + " | ".join("-" if c is None else f"{c['samples']:,}" for c in cells) + " | "
-                           + " | ".join("-" if c is None else f"{c['cpu_ms']:.1f}" for c in cells) + " | "
-                           + " | ".join("-" if c is None else f"{c['wall_mean_ms']:.0f} / {c['wall_max_ms']:.0f}"
-                                        for c in cells) + " |")
-            totals = [sum(c["cpu_ms"] for c in (r["servers"].get(server) or {}).get("rule_groups", {}).values())
-                      for r in same]
-            samples = [sum(c["samples"] for c in (r["servers"].get(server) or {}).get("rule_groups", {}).values())
-                       for r in same]
-            out.append("| **all groups** | " + " | ".join(f"{s:,}" for s in samples) + " | "
-                       + " | ".join(f"{c:.1f}" for c in totals) + " | " + " | ".join("" for _ in same) + " |")
+                cells = [o.get("rule_groups", {}).get(group) for o in of]
+                values = [("-" if c is None or key not in c else fmt.format(c[key]))
+                          for key, _, fmt in _COLUMNS for c in cells]
+                walls = ["-" if c is None else f"{c['wall_mean_ms']:.0f} / {c['wall_max_ms']:.0f}" for c in cells]
+                interval_of = next((c.get("interval") for c in cells if c and c.get("interval")), None)
+                name = f"{group} (every {interval_of})" if interval_of else group
+                out.append(f"| {name} | " + " | ".join(values + walls) + " |")
+            paced = [("-" if (v := per_interval(r, server, key)) is None else fmt.format(v))
+                     for key, _, fmt in _COLUMNS for r in same]
+            out.append(f"| **all groups, per {interval:g} s** | " + " | ".join(paced) + " | "
+                       + " | ".join("" for _ in same) + " |")
         out.append("")
     return "\n".join(out)
 

@@ -1,7 +1,7 @@
 """What the Prometheus set-up deploy/ ships pays for N ranks with lossbeat's rules, measured.
 
     python benchmarks/scale.py --ranks 1000                 # one Prometheus, rules.yml: ~4 minutes
-    python benchmarks/scale.py --ranks 10000                # deploy/sharding (4 shards + global): ~12 min
+    python benchmarks/scale.py --ranks 10000 --interval 30  # deploy/sharding (8 shards + global): ~15 min
     python benchmarks/scale.py --ranks 1000 --shards 2      # the sharded set-up at a small size
     python benchmarks/scale.py --report                     # docs/scale.md tables from scale_results.json
 
@@ -717,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, action="append", help="synthetic ranks (repeatable)")
     parser.add_argument("--shards", type=int, default=None,
                         help="0: one Prometheus with rules.yml; N: deploy/sharding with N shards "
-                             "(default: 0 up to 2,000 ranks, else one shard per 2,500 ranks)")
+                             "(default: 0 up to 2,000 ranks, else one shard per 1,250 ranks)")
     parser.add_argument("--warmup-cycles", type=int, default=6, help="scrape intervals before the NaN (default 6)")
     parser.add_argument("--interval", type=float, default=SCRAPE_INTERVAL,
                         help="scrape and evaluation interval in seconds (default 15)")
@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     templates = real_expositions(world_size=max(args.ranks))
     versions = subprocess.run([_prometheus(), "--version"], capture_output=True, text=True).stdout.splitlines()
     for ranks in args.ranks:
-        shards = args.shards if args.shards is not None else (0 if ranks <= 2000 else math.ceil(ranks / 2500))
+        shards = args.shards if args.shards is not None else (0 if ranks <= 2000 else math.ceil(ranks / 1250))
         processes = args.farm_processes or max(1, math.ceil(ranks / 4000))
         # world_size in training_run_info is the size of this run's job.
         sized = {k: v.replace(f'world_size="{max(args.ranks)}"', f'world_size="{ranks}"') for k, v in templates.items()}

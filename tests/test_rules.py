@@ -376,7 +376,7 @@ def test_metric_name_scan_finds_the_series():
     records = {r.get("record"): r["expr"] for r in all_rules(checked_in_rules())}
     expr = alerts_by_name(checked_in_rules(), "TrainingGradientNonFinite")[0]["expr"]
     first_layer = "job_run_id_instance_rank_layer:training_nonfinite_grad_first_layer:info5m"
-    assert {"job_run_id_instance_rank:training_nonfinite_grad:increase5m", first_layer} <= _names_in(expr)
+    assert {"job_run_id_instance_rank:training_nonfinite_grad:nonzero_events5m", first_layer} <= _names_in(expr)
     assert {"training_nonfinite_grad_first_layer_info"} <= _names_in(records[first_layer])
     assert {"training_nonfinite_grad_total"} <= _names_in(records["job_run_id_instance_rank:training_nonfinite_grad:total_if_new5m"])
     expr = alerts_by_name(checked_in_rules(), "TrainingOverfitting")[0]["expr"]
@@ -488,7 +488,7 @@ def test_the_alerts_read_their_groups_event_records_fresh():
                     read_fresh += 1
     assert read_fresh >= 8
     nan = alerts_by_name(groups, "TrainingLossNaN")[0]["expr"]
-    assert "increase(" not in nan and "job_run_id_instance_rank:training_nonfinite_loss:increase5m > 0" in nan
+    assert "increase(" not in nan and "job_run_id_instance_rank:training_nonfinite_loss:nonzero_events5m" in nan
 
 
 def test_only_tickets_are_judged_at_the_slow_intervals(tmp_path):

@@ -49,8 +49,8 @@ LOOKBACK_GROUP = "lossbeat.lookback"
 TrainingExporterDown (6h) and TrainingRankDown (1h) need, kept per rank at O(1) per evaluation."""
 LOOKBACK_INTERVAL = "1m"
 SUMMARY_GROUP = "lossbeat.summary"
-"""Job-level series for dashboards only, dear to compute (every rank's 16 health checks), every
-SUMMARY_INTERVAL."""
+"""The recording rules only dashboards read (the job-level series, a few per-rank 5m means),
+every SUMMARY_INTERVAL: one of them reads every rank's 16 health checks."""
 SUMMARY_INTERVAL = "1m"
 TICKETS_GROUP = "lossbeat.tickets"
 TICKETS = ("TrainingGradientVanishing", "TrainingLossPlateau", "TrainingLossVolatile", "TrainingLossOutOfRange",
@@ -215,26 +215,31 @@ def _status(check: str, component: str | None = "") -> str:
 def recording_rules() -> list[RecordingRule]:
     """Shared aggregations for dashboards and alerts (fixed 5m windows: stable names).
 
+    What an alert reads is recorded at every evaluation (``RECORDING_GROUP``); what only
+    dashboards read, every minute (``SUMMARY_GROUP``: a 5m mean changes little in a minute).
     The job-level ones are computed in two steps, each once: every shard of a sharded set-up
     reduces its own ranks to one partial per job (``*_shard:*``, a sum, a count or a max:
     :func:`_shard_partials`), and the job's value combines the shards' partials
     (:func:`_job_summaries`). On one Prometheus the partials are the job's. The global
     Prometheus of a sharded set-up then reads a few series per job and shard, not the ranks'."""
 
-    def per_rank(metric_operations: str, expr: str, extra: tuple[str, ...] = ()) -> RecordingRule:
+    def per_rank(metric_operations: str, expr: str, extra: tuple[str, ...] = (),
+                 group: str = RECORDING_GROUP) -> RecordingRule:
         """A rule per rank of each run: ``{by}`` in ``expr`` becomes the labels it keeps."""
         keeps = TARGET + extra
-        return RecordingRule(f"{level(keeps)}:{metric_operations}", expr.format(by=", ".join(keeps)), keeps)
+        return RecordingRule(f"{level(keeps)}:{metric_operations}", expr.format(by=", ".join(keeps)), keeps, group)
 
     return [
         per_rank("training_loss:avg_over_time5m", "avg by ({by}) (avg_over_time(training_loss[5m]))"),
         per_rank("training_loss_component:avg_over_time5m",
-                 "avg by ({by}) (avg_over_time(training_loss_component[5m]))", ("component",)),
-        per_rank("training_grad_norm:avg_over_time5m", "avg by ({by}) (avg_over_time(training_grad_norm[5m]))"),
+                 "avg by ({by}) (avg_over_time(training_loss_component[5m]))", ("component",), SUMMARY_GROUP),
+        per_rank("training_grad_norm:avg_over_time5m", "avg by ({by}) (avg_over_time(training_grad_norm[5m]))",
+                 group=SUMMARY_GROUP),
         per_rank("training_steps:rate5m", "sum by ({by}) (rate(training_steps_total[5m]))"),
         per_rank("training_step_duration_seconds:avg_over_time5m",
-                 "avg by ({by}) (avg_over_time(training_step_duration_seconds[5m]))"),
-        per_rank("training_loss_spikes:increase5m", "sum by ({by}) (increase(training_loss_spikes_total[5m]))"),
+                 "avg by ({by}) (avg_over_time(training_step_duration_seconds[5m]))", group=SUMMARY_GROUP),
+        per_rank("training_loss_spikes:increase5m", "sum by ({by}) (increase(training_loss_spikes_total[5m]))",
+                 group=SUMMARY_GROUP),
         # Each rank's work time once (the median and TrainingStraggler read it).
         RecordingRule(WORK_AVG_5M, f"avg by ({_by(JOB_RANK)}) (avg_over_time(training_rank_work_seconds[5m]))",
                       JOB_RANK),
@@ -254,7 +259,7 @@ so that the global Prometheus tells them apart; absent on one Prometheus."""
 
 
 def _partial(metric_operations: str, aggregation: str, expr: str, extra: tuple[str, ...] = (),
-             group: str = RECORDING_GROUP) -> RecordingRule:
+             group: str = SUMMARY_GROUP) -> RecordingRule:
     """One shard's ``aggregation`` of ``expr`` per job (and ``extra``), by ``shard`` too: a label its
     ranks' series lack, and its remote write adds."""
     keeps = JOB + extra + (SHARD,)
@@ -281,15 +286,16 @@ def _shard_partials() -> list[RecordingRule]:
         _partial("training_steps:sum_rate5m", "sum", steps_rate),
         _partial("training_steps:count_rate5m", "count", steps_rate),
         _partial("training_tokens:rate5m", "sum", "rate(training_tokens_total[5m])"),
-        _partial("training_health_status:max", "max", "training_health_status", ("check",), SUMMARY_GROUP),
-        _partial("training_run:count_present", "count", RANK_PRESENT, ("world_size",)),
+        _partial("training_health_status:max", "max", "training_health_status", ("check",)),
+        # TrainingRankDown reads this one: at every evaluation.
+        _partial("training_run:count_present", "count", RANK_PRESENT, ("world_size",), RECORDING_GROUP),
     ]
 
 
 def _job_summaries() -> list[RecordingRule]:
-    """The job-level series of dashboards, from the shards' partials."""
+    """The job-level series of dashboards, from the shards' partials (every minute)."""
     job = _by(JOB)
-    return [
+    return [dataclasses.replace(r, group=SUMMARY_GROUP) for r in (
         RecordingRule("job:training_loss:avg", f"sum by ({job}) ({LOSS_SUM}) / sum by ({job}) ({LOSS_COUNT})", JOB),
         RecordingRule("job:training_eval_loss:avg", f"sum by ({job}) ({EVAL_SUM}) / sum by ({job}) ({EVAL_COUNT})",
                       JOB),
@@ -302,9 +308,8 @@ def _job_summaries() -> list[RecordingRule]:
         RecordingRule("job:training_tokens:rate5m", f"sum by ({job}) (job_shard:training_tokens:rate5m)", JOB),
         # Worst status of each check across the job's ranks (0 good, 1 warning, 2 danger).
         RecordingRule("job_check:training_health_status:max",
-                      f"max by ({job}, check) (job_check_shard:training_health_status:max)", JOB + ("check",),
-                      SUMMARY_GROUP),
-    ]
+                      f"max by ({job}, check) (job_check_shard:training_health_status:max)", JOB + ("check",)),
+    )]
 
 
 def _cross_rank_recording_rules() -> list[RecordingRule]:
@@ -453,10 +458,11 @@ def events_in(counter: str, window: str) -> str:
 
 @dataclass(frozen=True)
 class Events:
-    """An event counter read by several alerts of one group: its ``increase()`` and its young
-    series recorded once per evaluation, first in the group, where each alert computed them again
-    (TrainingGradientNonFinite's three rules read the counter sixteen times). The alerts read
-    the records of the same evaluation: no delay, and every label of the counter's series kept."""
+    """An event counter read by several alerts of one group: its ``increase()``, its young series
+    and the ranks with events (normally none) recorded once per evaluation, first in the group,
+    where each alert computed them again (TrainingGradientNonFinite's three rules read the
+    counter sixteen times). The alerts read the records of the same evaluation: no delay, and
+    every label of the counter's series kept."""
 
     counter: str
     window: str
@@ -475,9 +481,13 @@ class Events:
         """The counter's value where its series did not exist ``window`` ago (else no series)."""
         return f"{level(TARGET)}:{self.metric}:total_if_new{self.window}"
 
+    @property
+    def nonzero(self) -> str:
+        """:func:`new_events`: the series with events within ``window`` (only those)."""
+        return f"{level(TARGET)}:{self.metric}:nonzero_events{self.window}"
+
     def any(self) -> str:
-        """:func:`new_events` from the records."""
-        return f"({self.increase} > 0 or {self.young} > 0)"
+        return self.nonzero
 
     def count(self) -> str:
         """:func:`events_in` from the records."""
@@ -486,7 +496,9 @@ class Events:
     def records(self) -> list[RecordingRule]:
         c, w = self.counter, self.window
         return [RecordingRule(self.increase, f"increase({c}[{w}])", TARGET, self.group, per_series=True),
-                RecordingRule(self.young, f"{c} unless {c} offset {w}", TARGET, self.group, per_series=True)]
+                RecordingRule(self.young, f"{c} unless {c} offset {w}", TARGET, self.group, per_series=True),
+                RecordingRule(self.nonzero, f"{self.increase} > 0 or {self.young} > 0", TARGET, self.group,
+                              per_series=True)]
 
 
 def _events(t: Thresholds) -> dict[str, Events]:
@@ -878,12 +890,13 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingLearningRateSuspect",
             group="lossbeat.optimizer",
             severity="warning",
+            # Zero or NaN (abs(x) > 0 holds for neither), or judged suspect: every LR series but
+            # the nonzero ones of ranks whose check is fine (the LR read twice, not four times).
             expr=(
-                "training_learning_rate == 0\n"
-                "or\n"
-                "training_learning_rate != training_learning_rate\n"
-                "or\n"
-                f'(training_learning_rate and {ON_TARGET} training_health_status{{check="learning_rate"}} >= 1)\n'
+                "training_learning_rate\n"
+                "unless\n"
+                "  (abs(training_learning_rate) > 0\n"
+                f'    unless {ON_TARGET} training_health_status{{check="learning_rate"}} >= 1)\n'
             ),
             for_=a.learning_rate_for,
             summary="The learning rate is zero, NaN or does not suit the loss",
