@@ -140,7 +140,8 @@ def render_alert_table(thresholds: Thresholds) -> str:
                                                           if r.group == TICKETS_GROUP))
     dashboards = ", ".join(f"`{r.record}`" for r in recording_rules() if r.group == SUMMARY_GROUP)
     lines += ["", f"Judged every {intervals[TICKETS_GROUP]}, not at every evaluation (group `{TICKETS_GROUP}`: "
-                  f"warnings that hold 10 minutes or more before they fire, and the exporter's errors over their window): {tickets}. Recorded every {intervals[SUMMARY_GROUP]} "
+                  "warnings that hold 10 minutes or more before they fire, and the exporter's errors over "
+                  f"their window): {tickets}. Recorded every {intervals[SUMMARY_GROUP]} "
                   f"(group `{SUMMARY_GROUP}`: read by dashboards only): {dashboards}."]
     return "\n".join(lines) + "\n"
 
