@@ -307,8 +307,9 @@ def test_rendering_is_deterministic():
     thresholds = load_thresholds()
     assert rules.render_rules(thresholds) == rules.render_rules(load_thresholds())
     assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
-        "lossbeat.recording", "lossbeat.lookback", "lossbeat.summary", "lossbeat.nonfinite", "lossbeat.gradients",
-        "lossbeat.tickets", "lossbeat.loss", "lossbeat.optimizer", "lossbeat.liveness", "lossbeat.resources",
+        "lossbeat.recording", "lossbeat.lookback", "lossbeat.summary", "lossbeat.summary.checks", "lossbeat.nonfinite",
+        "lossbeat.gradients", "lossbeat.gradients.slow", "lossbeat.loss", "lossbeat.loss.slow", "lossbeat.optimizer",
+        "lossbeat.liveness", "lossbeat.liveness.slow", "lossbeat.resources", "lossbeat.resources.slow",
         "lossbeat.cross_rank", "lossbeat.guard",
     ]
 
@@ -494,16 +495,16 @@ def test_the_alerts_read_their_groups_event_records_fresh():
 def test_only_tickets_are_judged_at_the_slow_intervals(tmp_path):
     """The groups with their own (longer) interval hold no page, and each ticket there waits at
     least five of that interval before it fires."""
-    from lossbeat.mixin.alert_rules import TICKETS_GROUP, duration_seconds, group_intervals
+    from lossbeat.mixin.alert_rules import duration_seconds, group_intervals
 
     t = load_thresholds()
     intervals = group_intervals(t)
-    assert intervals[TICKETS_GROUP] == "1m"
+    assert intervals["lossbeat.resources.slow"] == intervals["lossbeat.loss.slow"] == "1m"
     tickets = [r for r in alert_rules(t) if r.group in intervals]
     assert {r.name for r in tickets} >= {"TrainingMemoryGrowing", "TrainingThroughputDropped", "TrainingLossPlateau"}
     for rule in tickets:
-        assert rule.severity == "warning", rule.name
+        assert rule.severity == "warning" and rule.group.endswith(".slow"), rule.name
         wait = duration_seconds(rule.for_ or t.alerts.event_window)
         assert wait >= 5 * duration_seconds(intervals[rule.group]), rule.name
     short = load_thresholds(_write(tmp_path, {"memory": {"growing_for": "3s"}}))
-    assert group_intervals(short)[TICKETS_GROUP] == "1s"  # tests with windows of seconds: every second
+    assert group_intervals(short)["lossbeat.resources.slow"] == "1s"  # tests with windows of seconds: every second

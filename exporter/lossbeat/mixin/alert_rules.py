@@ -22,7 +22,8 @@ __all__ = [
     "LOOKBACK_GROUP",
     "LOOKBACK_INTERVAL",
     "SUMMARY_GROUP",
-    "TICKETS_GROUP",
+    "CHECKS_SUMMARY_GROUP",
+    "SLOW",
     "TICKETS",
     "group_intervals",
     "lookback_rules",
@@ -50,14 +51,19 @@ TrainingExporterDown (6h) and TrainingRankDown (1h) need, kept per rank at O(1) 
 LOOKBACK_INTERVAL = "1m"
 SUMMARY_GROUP = "lossbeat.summary"
 """The recording rules only dashboards read (the job-level series, a few per-rank 5m means),
-every SUMMARY_INTERVAL: one of them reads every rank's 16 health checks."""
+every SUMMARY_INTERVAL."""
+CHECKS_SUMMARY_GROUP = "lossbeat.summary.checks"
+"""The job's worst status of each check, every SUMMARY_INTERVAL: alone in its group, as it reads
+every rank's 16 health checks."""
 SUMMARY_INTERVAL = "1m"
-TICKETS_GROUP = "lossbeat.tickets"
+SLOW = ".slow"
+"""The suffix of a family's group of TICKETS (``lossbeat.loss.slow``, ...)."""
 TICKETS = ("TrainingGradientVanishing", "TrainingLossPlateau", "TrainingLossVolatile", "TrainingLossOutOfRange",
            "TrainingOverfitting", "TrainingExporterErrors", "TrainingMemoryGrowing", "TrainingThroughputDropped")
 """Warnings that hold for 10 minutes or more before they fire, or count a counter over its window
-(TrainingExporterErrors): judged every minute (:func:`group_intervals`) in their own group, not at
-every scrape; a ticket may wait a minute more. Together they read more than the pages do."""
+(TrainingExporterErrors): judged every minute (:func:`group_intervals`) in their family's ``.slow``
+group, not at every scrape; a ticket may wait a minute more. Together they read more than the
+pages do."""
 SEEN_WINDOW = "2m"
 """Raw samples a lookback rule or alert reads: a scrape and the lookback group's interval, so a
 rank seen between two evaluations of the group is never missed (8 samples at 15 s)."""
@@ -286,7 +292,7 @@ def _shard_partials() -> list[RecordingRule]:
         _partial("training_steps:sum_rate5m", "sum", steps_rate),
         _partial("training_steps:count_rate5m", "count", steps_rate),
         _partial("training_tokens:rate5m", "sum", "rate(training_tokens_total[5m])"),
-        _partial("training_health_status:max", "max", "training_health_status", ("check",)),
+        _partial("training_health_status:max", "max", "training_health_status", ("check",), CHECKS_SUMMARY_GROUP),
         # TrainingRankDown reads this one: at every evaluation.
         _partial("training_run:count_present", "count", RANK_PRESENT, ("world_size",), RECORDING_GROUP),
     ]
@@ -307,9 +313,9 @@ def _job_summaries() -> list[RecordingRule]:
                       f"sum by ({job}) ({STEPS_RATE_SUM}) / sum by ({job}) ({STEPS_RATE_COUNT})", JOB),
         RecordingRule("job:training_tokens:rate5m", f"sum by ({job}) (job_shard:training_tokens:rate5m)", JOB),
         # Worst status of each check across the job's ranks (0 good, 1 warning, 2 danger).
-        RecordingRule("job_check:training_health_status:max",
-                      f"max by ({job}, check) (job_check_shard:training_health_status:max)", JOB + ("check",)),
-    )]
+    )] + [RecordingRule("job_check:training_health_status:max",
+                        f"max by ({job}, check) (job_check_shard:training_health_status:max)", JOB + ("check",),
+                        CHECKS_SUMMARY_GROUP)]
 
 
 def _cross_rank_recording_rules() -> list[RecordingRule]:
@@ -1314,24 +1320,26 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
         + _cluster_alerts(thresholds)
         + _guard_alerts(thresholds)
     )
-    return [dataclasses.replace(r, group=TICKETS_GROUP) if r.name in TICKETS else r for r in rules]
+    return [dataclasses.replace(r, group=r.group + SLOW) if r.name in TICKETS else r for r in rules]
 
 
 def group_intervals(thresholds: Thresholds) -> dict[str, str]:
     """The groups evaluated at their own interval, not the server's evaluation interval: the
     lookback state and the dashboards' summaries every minute, the tickets every fifth of the
     shortest wait among them (``for``, or the counter's window), at most a minute."""
-    waits = [duration_seconds(r.for_ or thresholds.alerts.event_window)
-             for r in alert_rules(thresholds) if r.group == TICKETS_GROUP]
-    tickets = max(1, min(60, int(min(waits)) // 5))
-    return {LOOKBACK_GROUP: LOOKBACK_INTERVAL, SUMMARY_GROUP: SUMMARY_INTERVAL, TICKETS_GROUP: _duration(tickets)}
+    tickets = [r for r in alert_rules(thresholds) if r.group.endswith(SLOW)]
+    waits = [duration_seconds(r.for_ or thresholds.alerts.event_window) for r in tickets]
+    slow = _duration(max(1, min(60, int(min(waits)) // 5)))
+    return {LOOKBACK_GROUP: LOOKBACK_INTERVAL, SUMMARY_GROUP: SUMMARY_INTERVAL, CHECKS_SUMMARY_GROUP: SUMMARY_INTERVAL,
+            **{r.group: slow for r in tickets}}
 
 
 def rule_groups(thresholds: Thresholds) -> list[dict]:
     """Prometheus rule groups: recording rules first, then the alerts by group (a group's own
     records before its alerts)."""
     alerts = alert_rules(thresholds)
-    groups: dict[str, list[dict]] = {RECORDING_GROUP: [], LOOKBACK_GROUP: [], SUMMARY_GROUP: []}
+    groups: dict[str, list[dict]] = {RECORDING_GROUP: [], LOOKBACK_GROUP: [], SUMMARY_GROUP: [],
+                                     CHECKS_SUMMARY_GROUP: []}
     for record in all_records(thresholds):
         groups.setdefault(record.group, []).append({"record": record.record, "expr": record.expr})
     for alert in alerts:
