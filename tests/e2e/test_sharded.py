@@ -126,9 +126,13 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
             return up == len(layout) and len(means) == len(layout) and means
         wait_until(all_up, 120, "every rank scraped by its shard and its mean loss remote-written to the global")
         assert not central.api.query('training_loss{job=~"sharded-.*"}')  # the raw series stay on the shards
-        partials = central.api.query('job_shard:training_loss:count{job=~"sharded-.*"}')
-        assert sorted((p["metric"]["job"], p["metric"]["shard"], float(p["value"][1])) for p in partials) == [
-            (f"sharded-nan-s{job}", str(shard), 1.0) for job in range(SHARDS) for shard in range(SHARDS)]
+        # Each shard's count of its ranks present, per job, labelled with the shard's number.
+        expected = [(f"sharded-nan-s{job}", str(shard), 1.0) for job in range(SHARDS) for shard in range(SHARDS)]
+
+        def partials():
+            got = central.api.query('job_world_size_shard:training_run:count_present{job=~"sharded-.*"}')
+            return sorted((p["metric"]["job"], p["metric"]["shard"], float(p["value"][1])) for p in got) == expected
+        wait_until(partials, 60, "each shard's count of ranks present, per job, on the global")
         for shard, process in enumerate(sharded["shards"]):
             scraped = {t["labels"]["instance"] for t in process.api._get("/api/v1/targets")["activeTargets"]}
             expected = {f"127.0.0.1:{port}" for port, s in layout.values() if s == shard}
