@@ -696,12 +696,14 @@ def report(results: list[dict]) -> str:
         setup = f"{r['shards']} shards + global" if r["shards"] else "one Prometheus"
         if r.get("rules"):
             setup += " (rules before issue 21)"
+        if r.get("label"):
+            setup += f" ({r['label']})"
         rows.append(f"| {r['ranks']:,} | {setup} | "
                     f"{r['interval_s']:g} | {r['up']:.0f} | {1e3 * slow:.0f} ({server} {group}) | "
                     f"{r['rule_iterations_missed']:.0f} | {series} | {r['rss_mib_per_1000_ranks']:.0f} | "
                     f"{r['prometheus_cpu_cores_total']:.2f} | {nan} | {kill} | "
                     f"{load['min']:.1f}-{load['max']:.1f} |")
-    largest = max(results, key=lambda r: r["ranks"])
+    largest = max(results, key=lambda r: (r["ranks"], r.get("date", "")))  # the latest of the largest
     lines = rows + ["", f"Every rule group of every server, {largest['ranks']:,} ranks (max / mean over the run, ms):", "",
                     "| server | head series | RSS (MiB) | CPU (cores) | rule groups |", "|---|---|---|---|---|"]
     for name, server in largest["servers"].items():
@@ -729,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the rules of the one-Prometheus set-up (default alerting/rules.yml; another "
                              "commit's, to compare)")
     parser.add_argument("--results", default=str(RESULTS), help="JSON file the results are merged into")
+    parser.add_argument("--label", help="a name for this run in the tables (a run replaces the stored one of the "
+                                        "same ranks, shards, interval and label)")
     parser.add_argument("--report", action="store_true", help="print the markdown tables of the stored results")
     args = parser.parse_args(argv)
     path = Path(args.results)
@@ -753,10 +757,22 @@ def main(argv: list[str] | None = None) -> int:
             result["rules"] = str(args.rules)
         result["prometheus_version"] = versions[0] if versions else "unknown"
         result["date"] = time.strftime("%Y-%m-%d %H:%M")
-        stored["runs"] = [r for r in stored["runs"] if (r["ranks"], r.get("shards")) != (ranks, shards)] + [result]
+        result["commit"] = _commit()
+        if args.label:
+            result["label"] = args.label
+        key = lambda r: (r["ranks"], r.get("shards"), r["interval_s"], r.get("label"))  # noqa: E731
+        stored["runs"] = [r for r in stored["runs"] if key(r) != key(result)] + [result]
         path.write_text(json.dumps(stored, indent=2) + "\n")
     print(report(stored["runs"]), end="")
     return 0
+
+
+def _commit() -> str:
+    """The checkout's commit (``-dirty`` with uncommitted changes): which rules a run measured."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
 
 
 def _prometheus() -> str:
