@@ -75,6 +75,7 @@ class Judge:
 
     def judge(self, step: int | None = None) -> tuple[list[Finding], list[StatusChange]]:
         """Diagnose now; returns the held findings and the status changes this diagnosis made."""
+        self.history.flush()  # the records held back for a batch, into the windows the checks read
         h = self.thresholds.hysteresis
         self._records = 0
         self._judged_at = step

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Iterator
+from typing import Iterator, Sequence
 
 __all__ = ["Ring", "LossWindow", "StepSummary", "SortedValues", "NoiseWindow", "fsum", "median", "robust_noise"]
 
@@ -42,6 +42,23 @@ class Ring:
         self._next = (self._next + 1) % self._capacity
         if self._count < self._capacity:
             self._count += 1
+
+    def extend(self, values: Sequence[float]) -> None:
+        """``push`` each of ``values``, in order: at most two slice writes."""
+        k, capacity, data = len(values), self._capacity, self._data
+        if k >= capacity:  # only the last `capacity` stay
+            data[:] = values[k - capacity:]
+            self._next, self._count = 0, capacity
+            return
+        start = self._next
+        end = start + k
+        if end <= capacity:
+            data[start:end] = values
+        else:
+            data[start:] = values[: capacity - start]
+            data[: end - capacity] = values[capacity - start:]
+        self._next = end % capacity
+        self._count = min(self._count + k, capacity)
 
     def back(self, k: int) -> float:
         """The value ``k`` pushes ago (0 = the newest)."""
@@ -267,6 +284,40 @@ class NoiseWindow:
             a, b = data[(newest - 2) % capacity], data[(newest - 1) % capacity]
             bisect.insort(seconds, abs(value - 2.0 * b + a))
 
+    def extend(self, ring: Ring, new: Sequence[float]) -> None:
+        """Push ``new`` to ``ring`` and update the window as ``update`` after each push would, to the
+        same sorted lists: what leaves (read before the ring drops it) is removed first, then what
+        comes is inserted in order (a multiset: equal values are interchangeable, and zeros keep
+        their order of arrival, sign by sign, either way)."""
+        k, size = len(new), self.size
+        if k == 1 or size < 3 or k > size - 3 or ring._capacity <= size:  # one at a time
+            for value in new:
+                ring.push(value)
+                self.update(ring)
+            return
+        count = ring._count
+        held = min(size, count)
+        old = ring.last(held)  # the window before (the last `size` values)
+        leaving = max(0, held + k - size)  # its oldest values, which the new ones push out
+        values, seconds = self.values.values, self.seconds.values
+        for i in range(leaving):
+            a = old[i]
+            if a == 0.0:
+                self.values.remove_oldest(a)
+                self.zeros -= 1
+            else:
+                del values[bisect.bisect_left(values, a)]
+            second = abs(old[i + 2] - 2.0 * old[i + 1] + a)  # its second difference leaves with it
+            del seconds[bisect.bisect_left(seconds, second)]
+        for value in new:
+            bisect.insort(values, value)
+            if value == 0.0:
+                self.zeros += 1
+        tail = old[-2:] + list(new)  # each new value's second difference, once two came before it
+        for a, b, c in zip(tail, tail[1:], tail[2:]):
+            bisect.insort(seconds, abs(c - 2.0 * b + a))
+        ring.extend(new)
+
     def rebuild(self, ring: Ring) -> None:
         self.clear()
         values = ring.last(self.size)
@@ -322,22 +373,31 @@ class StepSummary:
         """best()'s loop state over the blocks that no longer change, by (window blocks, min_count)."""
 
     def push(self, step: int, value: float) -> None:
+        self.extend((step,), (value,))
+
+    def extend(self, steps: Sequence[int], values: Sequence[float]) -> None:
+        """``push`` each (step, value), in order: the same blocks, the same sums."""
         if self.first_step is None:
-            self.first_step = step
-        self.last_step = step
-        start = self.first_step + (step - self.first_step) // self.width * self.width
-        blocks = self.blocks
-        if blocks and blocks[-1][0] == start:
-            last = blocks[-1]
-            last[1] += 1
-            last[2] += value
-            return
-        if blocks and start < blocks[-1][0]:
-            self._ordered = False
-        blocks.append([float(start), 1.0, value])
-        self._added += 1
-        while len(self.blocks) > self.capacity:
-            self._merge()
+            self.first_step = steps[0]
+        first, width, blocks = self.first_step, self.width, self.blocks
+        last = blocks[-1] if blocks else None
+        for step, value in zip(steps, values):
+            start = first + (step - first) // width * width
+            if last is not None and last[0] == start:
+                last[1] += 1
+                last[2] += value
+                continue
+            if last is not None and start < last[0]:
+                self._ordered = False
+            last = [float(start), 1.0, value]
+            blocks.append(last)
+            self._added += 1
+            if len(blocks) > self.capacity:
+                while len(self.blocks) > self.capacity:
+                    self._merge()
+                width, blocks = self.width, self.blocks
+                last = blocks[-1]
+        self.last_step = steps[-1]
 
     def _merge(self) -> None:
         self.width *= 2

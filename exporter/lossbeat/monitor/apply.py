@@ -84,8 +84,10 @@ class StepApplier:
             # Kept from the optimizer: counted as a skip, not as a fault the model took in.
             events = self.history.add_step(record.step, None, None, lr_max, components)
             layer_nonfinite = False
-        else:
-            events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
+        else:  # the usual record's windows are written in a batch (History.defer), its events now
+            events = None if components else self.history.defer(record.step, loss, grad_norm, lr_max)
+            if events is None:
+                events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
         self.cross_rank.record(record.step, grad_norm)
         if "fields" in v and self.profile is not None:
             self.profile.seen(v["fields"])
@@ -172,6 +174,7 @@ def derive_gauges(state: MonitorState, history: History) -> None:
     """The gauges derived from the loss window, computed when a scrape reads them (the caller
     holds the transfer's lock, so the window is not written meanwhile): O(window) per scrape
     instead of work on every step."""
+    history.flush()  # the steps held back for a batch
     cv, trend = history.loss.cv(), history.loss.trend_ratio()
     state.loss_cv = None if math.isnan(cv) else cv
     state.loss_trend_ratio = None if math.isnan(trend) else trend
