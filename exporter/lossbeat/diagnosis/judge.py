@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lossbeat.diagnosis.thresholds import Thresholds
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, Finding, Status
 from lossbeat.diagnosis.history import History
 from lossbeat.diagnosis.run import diagnose
 
@@ -86,17 +86,17 @@ class Judge:
             held = self._held.get(key)
             if held is None:
                 # Good until confirmed; a first word of a worse status says it is only that.
-                first = raw.message if raw.status is Status.GOOD or not raw.known else (
+                first = raw.message if raw.status is GOOD or not raw.known else (
                     f"{raw.message} (said once, not yet confirmed: a {raw.status.name.lower()} after "
-                    f"{h.danger_enter if raw.status is Status.DANGER else h.warning_enter} diagnoses in a row)")
-                held = self._held[key] = _Held(Finding(raw.check, Status.GOOD, first, component=raw.component,
+                    f"{h.danger_enter if raw.status is DANGER else h.warning_enter} diagnoses in a row)")
+                held = self._held[key] = _Held(Finding(raw.check, GOOD, first, component=raw.component,
                                                        known=raw.known))
             before = held.finding.status
             if not raw.known or raw.status == before:
                 held.finding, held.up, held.down = raw, 0, 0
             elif raw.status > before:
                 held.up, held.down = held.up + 1, 0
-                if held.up >= (h.danger_enter if raw.status is Status.DANGER else h.warning_enter):
+                if held.up >= (h.danger_enter if raw.status is DANGER else h.warning_enter):
                     held.finding, held.up = raw, 0
             else:
                 held.down, held.up = held.down + 1, 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 
 __all__ = ["Pattern", "PATTERNS", "classify", "PatternTracker"]
 
@@ -42,19 +42,19 @@ def classify(findings: Iterable[Finding]) -> Pattern | None:
         if not f.component:  # the total loss; components are judged on their own
             by_check[f.check] = f
         # ... except overfitting, judged per evaluation set: any set that overfits counts.
-        overfitting = overfitting or (f.check == "overfitting" and f.known and f.status >= Status.WARNING)
+        overfitting = overfitting or (f.check == "overfitting" and f.known and f.status >= WARNING)
     status = lambda check: by_check[check].status if check in by_check and by_check[check].known else None  # noqa: E731
     trend = status("loss_trend")
-    if status("nonfinite") == Status.DANGER or status("grad_norm") == Status.DANGER or trend == Status.DANGER:
+    if status("nonfinite") == DANGER or status("grad_norm") == DANGER or trend == DANGER:
         return _BY_NAME["diverging"]
     if overfitting:
         return _BY_NAME["overfitting"]
     lr = by_check.get("learning_rate")
-    lr_too_large = lr is not None and lr.status >= Status.WARNING and "too large" in lr.fix
-    if (status("loss_volatility") or 0) >= Status.WARNING or lr_too_large:
+    lr_too_large = lr is not None and lr.status >= WARNING and "too large" in lr.fix
+    if (status("loss_volatility") or 0) >= WARNING or lr_too_large:
         return _BY_NAME["oscillating"]
-    lr_too_small = lr is not None and lr.status >= Status.WARNING and "too small" in lr.fix
-    if trend == Status.WARNING or lr_too_small:
+    lr_too_small = lr is not None and lr.status >= WARNING and "too small" in lr.fix
+    if trend == WARNING or lr_too_small:
         return _BY_NAME["no_progress"]
     if trend is None:
         return None
@@ -75,7 +75,7 @@ class PatternTracker:
     def update(self, findings: Iterable[Finding], step: int | None) -> Pattern | None:
         findings = list(findings)
         self._fell = self._fell or any(
-            f.check == "loss_trend" and not f.component and f.known and f.status is Status.GOOD
+            f.check == "loss_trend" and not f.component and f.known and f.status is GOOD
             and f.message.startswith("loss falling") for f in findings
         )
         pattern = classify(findings)

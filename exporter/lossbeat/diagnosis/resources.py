@@ -12,7 +12,7 @@ from typing import Sequence
 
 from lossbeat.diagnosis.thresholds import MemoryThresholds, ThroughputThresholds
 from lossbeat.diagnosis.window import Ring, median  # the same float as statistics.median, a tenth of its cost
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 
 __all__ = ["check_memory", "ThroughputTracker"]
 
@@ -34,13 +34,13 @@ def check_memory(
     top = max(current, peak or 0.0)
     if top > t.near_limit * limit:
         return Finding(
-            check, Status.DANGER,
+            check, DANGER,
             f"peak memory {_gib(top)} is {top / limit:.0%} of the {_gib(limit)} limit: an out-of-memory error is near",
             "lower the micro-batch size and raise gradient accumulation, enable activation checkpointing, "
             "or free cached tensors (torch.cuda.empty_cache() only hides fragmentation)",
         )
     if len(allocated) < max(6, t.samples // 2):
-        return Finding(check, Status.GOOD, f"memory {_gib(current)} ({current / limit:.0%} of the limit)", known=True)
+        return Finding(check, GOOD, f"memory {_gib(current)} ({current / limit:.0%} of the limit)", known=True)
     # Medians of the window's first and last thirds: robust to one eval's or one step's bump.
     third = len(allocated) // 3
     first = median(allocated[:third])
@@ -49,13 +49,13 @@ def check_memory(
     growth = last - first
     if growth > t.growth_fraction * limit and first < middle < last:
         return Finding(
-            check, Status.WARNING,
+            check, WARNING,
             f"memory keeps growing: {_gib(first)} -> {_gib(last)} over the last {len(allocated)} samples "
             f"(+{growth / limit:.1%} of the limit): a leak",
             "look for tensors kept across steps (losses appended without .item() or .detach(), "
             "growing caches, a graph retained by retain_graph=True)",
         )
-    return Finding(check, Status.GOOD, f"memory stable at {_gib(current)} ({current / limit:.0%} of the limit)")
+    return Finding(check, GOOD, f"memory stable at {_gib(current)} ({current / limit:.0%} of the limit)")
 
 
 class ThroughputTracker:
@@ -110,9 +110,9 @@ class ThroughputTracker:
         ratio = level / recent  # steps/s now over the run's own steps/s
         if ratio < self.t.drop_fraction:
             return Finding(
-                check, Status.WARNING,
+                check, WARNING,
                 f"throughput fell to {ratio:.0%} of the run's own level ({1 / recent:.3g} steps/s, was {1 / level:.3g})",
                 "look for a slow node (thermal throttling, a failing GPU), a data-loader stall (workers, storage), "
                 "or checkpoint I/O inside the step; mark evaluations and checkpoints with monitor.phase()",
             )
-        return Finding(check, Status.GOOD, f"{1 / recent:.3g} steps/s ({ratio:.0%} of the run's own level)")
+        return Finding(check, GOOD, f"{1 / recent:.3g} steps/s ({ratio:.0%} of the run's own level)")

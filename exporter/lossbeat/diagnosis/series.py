@@ -6,7 +6,6 @@ does with the records it held back), with the same state after either, float for
 
 from __future__ import annotations
 
-import bisect
 import math
 from typing import Sequence
 

@@ -17,7 +17,8 @@ __all__ = ["Ring", "LossWindow", "StepSummary", "SortedValues", "NoiseWindow", "
 
 def fsum(values) -> float:
     """``math.fsum``, except that a sum beyond the float range is +-inf (data), not an OverflowError."""
-    values = list(values)
+    if type(values) is not list and type(values) is not tuple:  # read twice below: a generator once
+        values = list(values)
     try:
         return math.fsum(values)
     except OverflowError:  # finite values near 1.8e308: the exact sum does not fit a float

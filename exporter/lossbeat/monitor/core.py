@@ -166,7 +166,8 @@ class Monitor:
         # validate
         if self.closed:
             raise RuntimeError("observe: this monitor is closed")
-        step = inputs.check_step(step)
+        if type(step) is not int:
+            step = inputs.check_step(step)
         inputs.refuse_graph_capture("observe")
         values, anomalies = inputs.step_values(
             loss=loss, optimizer=optimizer, learning_rate=learning_rate, grad_norm=grad_norm, tokens=tokens,
