@@ -75,15 +75,26 @@ class ThroughputTracker:
         self._slow = Ring(t.baseline_blocks)
         self._recent: float | None = None
         self._seen = 0
+        self._finding: Finding | None = None  # finding(), until the next block closes (nothing else moves it)
 
     def add(self, seconds: float) -> None:
         """One training step's wall time (steps that spanned an evaluation excluded)."""
-        self._seen += 1
-        if self._seen <= self.t.warmup_steps or not (math.isfinite(seconds) and seconds > 0):
-            return
-        self._block.append(seconds)
-        if len(self._block) < self.t.steps:
-            return
+        self.extend((seconds,))
+
+    def extend(self, times: Sequence[float]) -> None:
+        """Training steps' wall times, in order, as ``add`` does each."""
+        warmup, steps, seen = self.t.warmup_steps, self.t.steps, self._seen
+        for seconds in times:
+            seen += 1
+            if seen <= warmup or not (seconds > 0 and seconds < math.inf):  # NaN, 0, negative, inf: skipped
+                continue
+            self._block.append(seconds)
+            if len(self._block) >= steps:
+                self._close_block()
+        self._seen = seen
+
+    def _close_block(self) -> None:
+        self._finding = None
         block, self._block = median(self._block), []
         self._recent = block
         level = self.level()
@@ -103,6 +114,11 @@ class ThroughputTracker:
         return median(self._level) if len(self._level) >= 2 else None
 
     def finding(self) -> Finding:
+        if self._finding is None:
+            self._finding = self._judge()
+        return self._finding
+
+    def _judge(self) -> Finding:
         check = "throughput"
         level, recent = self.level(), self._recent
         if level is None or recent is None:
