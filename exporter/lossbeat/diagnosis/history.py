@@ -126,6 +126,7 @@ class History:
         self._held: list[tuple[int, float, float | None, float | None]] = []
         """The records :meth:`defer` took, not yet in the windows (at most ``windows.diagnose_every``)."""
         self._held_grads = 0
+        self._every, self._early = w.diagnose_every, t.loss.spike_min_steps  # the windows' refresh cadence
 
     # Older names, kept for callers that read them.
     @property
@@ -149,6 +150,7 @@ class History:
         """Judge with ``thresholds`` (another profile) from now on; every window is kept."""
         self.flush()  # the records before were taken under the thresholds before
         self.thresholds = thresholds
+        self._every, self._early = thresholds.windows.diagnose_every, thresholds.loss.spike_min_steps
         for part in (self.loss, self.grad, self.lr, *self.components.values(), *self.evals.values()):
             if hasattr(part, "retarget"):
                 part.retarget(thresholds)  # and what it derived from them (the event limits)
@@ -262,9 +264,9 @@ class History:
         held.append((step, loss, grad_norm, learning_rate))
         self.last_step = step
         # Written now if this record is one whose push refreshes a window (as add_step's would).
-        every = self.thresholds.windows.diagnose_every
+        every = self._every
         pushes = self.loss._pushes + len(held)
-        due = pushes % every == 0 or pushes <= self.thresholds.loss.spike_min_steps
+        due = pushes % every == 0 or pushes <= self._early
         if grad_norm is not None:
             self._held_grads += 1
             due = due or not grad._established or (grad._pushes + self._held_grads) % every == 0
@@ -278,12 +280,13 @@ class History:
         held = self._held
         if not held:
             return
+        with_grads = self._held_grads
         self._held, self._held_grads = [], 0
         n = len(held)
         self.steps_seen += n
         steps, losses, grads, lrs = zip(*held)
         self.loss.extend(steps, losses)
-        if None in grads:
+        if with_grads != n:  # some records without a grad norm
             steps_grads = [(s, g) for s, g in zip(steps, grads) if g is not None]
             grad_steps, grads = (tuple(x) for x in zip(*steps_grads)) if steps_grads else ((), ())
         else:

@@ -290,8 +290,8 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         if did is False and loss.span >= t.loss.range_after_steps // 5:
             return _never(loss, loss.ring.back(0))
         return prior or Finding.unknown(CHECK)
-    recent = loss.ring.last(t.windows.noise_records)
-    tail = recent[-max(t.windows.trend_min_records, len(recent) // 4):]
+    # The last quarter of the noise window's records (at least trend_min_records): read as such.
+    tail = loss.ring.last(max(t.windows.trend_min_records, min(len(loss.ring), t.windows.noise_records) // 4))
     mean = fsum(tail) / len(tail)
     noise = loss.noise
     se = noise / math.sqrt(len(tail)) if math.isfinite(noise) else math.nan

@@ -44,10 +44,10 @@ def check_memory(
     # Medians of the window's first and last thirds: robust to one eval's or one step's bump.
     third = len(allocated) // 3
     first = median(allocated[:third])
-    middle = median(allocated[third:-third])
     last = median(allocated[-third:])
     growth = last - first
-    if growth > t.growth_fraction * limit and first < middle < last:
+    # The middle third only where the growth is large enough to ask whether it is steady.
+    if growth > t.growth_fraction * limit and first < median(allocated[third:-third]) < last:
         return Finding(
             check, WARNING,
             f"memory keeps growing: {_gib(first)} -> {_gib(last)} over the last {len(allocated)} samples "

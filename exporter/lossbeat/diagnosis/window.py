@@ -352,7 +352,7 @@ class StepSummary:
     """
 
     __slots__ = ("capacity", "width", "blocks", "first_step", "last_step", "_starts", "_added", "_starts_at",
-                 "_ordered", "_merges", "_best_states")
+                 "_ordered", "_merges", "_best_states", "_window_sums")
 
     def __init__(self, capacity: int = 128) -> None:
         if not isinstance(capacity, int) or capacity < 4 or capacity % 2:
@@ -372,6 +372,8 @@ class StepSummary:
         self._merges = 0
         self._best_states: dict[tuple[int, int], tuple[int, int, float, float, int, float]] = {}
         """best()'s loop state over the blocks that no longer change, by (window blocks, min_count)."""
+        self._window_sums: dict[tuple[int, int], tuple[float, float]] = {}
+        """window()'s (count, sum) over blocks[i:j] that no longer change, by (i, j)."""
 
     def push(self, step: int, value: float) -> None:
         self.extend((step,), (value,))
@@ -404,6 +406,7 @@ class StepSummary:
         self.width *= 2
         self._merges += 1
         self._best_states.clear()
+        self._window_sums.clear()
         merged: list[list[float]] = []
         for first, count, total in self.blocks:
             start = self.first_step + (int(first) - self.first_step) // self.width * self.width
@@ -437,10 +440,29 @@ class StepSummary:
                     total += s
             return int(count), (total / count if count else math.nan)
         starts = self._block_starts()
-        # The same additions, in the same order, as over every block: only the ones inside.
-        for _, n, s in self.blocks[bisect.bisect_right(starts, start):bisect.bisect_right(starts, end)]:
-            count += n
-            total += s
+        i, j = bisect.bisect_right(starts, start), bisect.bisect_right(starts, end)
+        if i >= j:
+            return 0, math.nan
+        # The same additions, in the same order, as over every block: only the ones inside. All but
+        # the last block no longer change (until a merge): their part of the loop is kept, by (i, j),
+        # and the last one, still filling, is added to it as the loop would add it.
+        blocks = self.blocks
+        filling = j == len(blocks)
+        closed = j - 1 if filling else j
+        kept = self._window_sums.get((i, closed))
+        if kept is None:
+            for _, n, s in blocks[i:closed]:
+                count += n
+                total += s
+            if len(self._window_sums) >= 16:
+                self._window_sums.clear()
+            self._window_sums[(i, closed)] = (count, total)
+        else:
+            count, total = kept
+        if filling:
+            last = blocks[-1]
+            count += last[1]
+            total += last[2]
         return int(count), (total / count if count else math.nan)
 
     def best(self, width: float, min_count: int, end: float) -> tuple[int, float]:

@@ -51,7 +51,8 @@ def _windowed(device: str, reader: str, device_peak: float) -> float:
     with _lock:
         for other in READERS:
             key = (device, other)
-            _pending[key] = max(_pending.get(key, 0.0), device_peak)
+            pending = _pending.get(key, 0.0)
+            _pending[key] = device_peak if device_peak > pending else pending  # max(), without its call
         return _pending.pop((device, reader), device_peak)
 
 

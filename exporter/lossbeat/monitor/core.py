@@ -188,7 +188,8 @@ class Monitor:
             layer_names = (_measure(meter, self.state, self._log, model, values, step)
                            if model is not None or meter.holds_norms else [])
             meter.submitted += 1
-            self._guard.decide(values)  # guard="skip"/"stop": the step's verdict, on the device
+            if self._guard.decides:  # guard="skip"/"stop": the step's verdict, on the device
+                self._guard.decide(values)
             # submit (the step's one host transfer), then drain → apply → judge what has arrived
             transfer.submit(step, time.time(), duration, epoch, values, layer_names, now_perf)
             self.state.cuda_device = transfer.cuda_device
