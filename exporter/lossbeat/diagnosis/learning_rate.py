@@ -21,14 +21,14 @@ def check_learning_rate(schedule, trend: Trend, cv: float, t: LearningRateThresh
     ``too_large``: the LR is the first suspect).
     """
     check = "learning_rate"
-    recent = list(schedule.recent)
+    recent = schedule.recent.last(len(schedule.recent))
     if not recent:
         return Finding.unknown(check)
     lr = recent[-1]
     if not math.isfinite(lr):
         return Finding(check, DANGER, f"learning rate is {lr}", "check the scheduler and the optimizer state")
     ended = schedule.ended
-    if len(recent) >= 5 and all(v == 0 for v in recent[-5:]):
+    if len(recent) >= 5 and recent[-5:].count(0) == 5:  # each of the last 5 == 0
         if ended:
             return Finding(check, GOOD, "learning rate reached 0 at the end of its decayed schedule")
         return Finding(

@@ -310,13 +310,14 @@ class NoiseWindow:
                 del values[bisect.bisect_left(values, a)]
             second = abs(old[i + 2] - 2.0 * old[i + 1] + a)  # its second difference leaves with it
             del seconds[bisect.bisect_left(seconds, second)]
-        for value in new:
-            bisect.insort(values, value)
-            if value == 0.0:
-                self.zeros += 1
+        # In by one stable sort each: equal values stay in their order of arrival, after the ones
+        # already there (where insort puts each), and the sort compares floats directly.
+        values += new
+        values.sort()
+        self.zeros += new.count(0.0)
         tail = old[-2:] + list(new)  # each new value's second difference, once two came before it
-        for a, b, c in zip(tail, tail[1:], tail[2:]):
-            bisect.insort(seconds, abs(c - 2.0 * b + a))
+        seconds += [abs(c - 2.0 * b + a) for a, b, c in zip(tail, tail[1:], tail[2:])]
+        seconds.sort()
         ring.extend(new)
 
     def rebuild(self, ring: Ring) -> None:
