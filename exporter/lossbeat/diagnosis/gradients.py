@@ -49,8 +49,9 @@ def check_grad_norm(baseline, t: GradientThresholds) -> Finding:
         )
     # A climb is the run's median level climbing: the median of the last records (as many as the
     # baseline needs), not a few spikes that clipping absorbs.
-    wide = _median(baseline.ring.last(_CLIMB_RECORDS))
-    if math.isfinite(level) and level > 0 and recent > t.climb_ratio * level and wide > t.climb_ratio * level:
+    climbing = math.isfinite(level) and level > 0 and recent > t.climb_ratio * level
+    wide = _median(baseline.ring.last(_CLIMB_RECORDS)) if climbing else math.nan  # read only when it decides
+    if climbing and wide > t.climb_ratio * level:
         return Finding(
             check, DANGER,
             f"gradient norm {recent:.3g} keeps climbing: the median of the last {_CLIMB_RECORDS} records {wide:.3g} "

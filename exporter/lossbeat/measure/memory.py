@@ -78,7 +78,8 @@ def read_memory(cuda_device: int | None, reader: str = "scrape") -> MemoryReadin
         peak = _windowed(device, reader, max(device_peak, allocated))
         return MemoryReading(device, allocated, peak + outside, total)
     allocated, peak = _cpu_memory()
-    return MemoryReading("cpu", allocated, max(allocated, _windowed("cpu", reader, peak)), _cpu_limit())
+    peak = _windowed("cpu", reader, peak)
+    return MemoryReading("cpu", allocated, peak if peak > allocated else allocated, _cpu_limit())  # max()
 
 
 @functools.lru_cache(maxsize=16)
@@ -104,7 +105,7 @@ def _cpu_memory() -> tuple[float, float]:
         peak = float(maxrss if sys.platform == "darwin" else maxrss * 1024)
     if math.isnan(current):
         current = peak
-    return current, max(current, peak)
+    return current, (peak if peak > current else current)  # max(), without its call
 
 
 class _ProcFiles:

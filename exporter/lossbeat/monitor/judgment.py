@@ -51,8 +51,8 @@ class Judgment:
                 was = held.get((f.check, f.component))
                 if was is not None and was != f.status:
                     changes.append(StatusChange(Status(was), f, step))
+            pattern = self.vitals.pattern(findings, step)  # named from the Judge's findings (none of the vitals')
             findings = findings + vitals
-            pattern = self.vitals.pattern(findings, step)
             s.pattern = (pattern.name if pattern else None, self.vitals.pattern_since)
         except Exception:
             s.count_error("diagnose")
