@@ -472,7 +472,6 @@ class StepSummary:
         if self._ordered:
             starts = self._block_starts()
             cut = bisect.bisect_right(starts, end)
-            blocks = self.blocks[:cut]
             if cut > 1 and starts[cut - 1] - starts[0] == (cut - 1) * self.width and width > 0:
                 # A block leaves the window once it starts `width` or more before the newest: for
                 # contiguous blocks, after ceil(width / block width) of them, unless `width` is a
@@ -480,6 +479,7 @@ class StepSummary:
                 multiple = round(width / self.width) * self.width
                 if width == multiple or abs(width - multiple) > 1e-9 * max(1.0, width, abs(starts[cut - 1])):
                     return self._best_contiguous(math.ceil(width / self.width), min_count, cut)
+            blocks = self.blocks[:cut]
         else:
             blocks = [b for b in self.blocks if b[0] <= end]
             starts = [b[0] for b in blocks]
