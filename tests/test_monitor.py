@@ -402,7 +402,8 @@ def test_without_an_enabled_scaler_an_overflow_is_a_non_finite_gradient(monitor)
 
 
 def test_an_internal_error_is_counted_and_training_goes_on(monitor, monkeypatch):
-    monkeypatch.setattr(monitor.history, "add_step", lambda *a, **k: 1 / 0)
+    for way_in in ("add_step", "defer"):  # the history's two ways in: any record, the usual one (batched)
+        monkeypatch.setattr(monitor.history, way_in, lambda *a, **k: 1 / 0)
     monitor.observe(0, loss=1.0)  # must not raise
     monkeypatch.undo()
     monitor.observe(1, loss=1.0)

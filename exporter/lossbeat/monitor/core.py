@@ -23,7 +23,7 @@ import torch
 from prometheus_client.registry import CollectorRegistry
 
 from lossbeat._version import __version__
-from lossbeat.diagnosis import Finding, Judge
+from lossbeat.diagnosis import Finding, History, Judge
 from lossbeat.diagnosis.vitals import Vitals
 from lossbeat.exposition.collector import MonitorCollector
 from lossbeat.exposition.cross_rank import CrossRankCollector
@@ -69,7 +69,7 @@ class Monitor:
         }, identity.run_identity(config.run_id, ctx.world_size))
         self._log = RateLimitedLog()
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
-        self.history = self._judge.history
+        self._history = history = self._judge.history
         self._profile = ProfileChoice(config.profile, self._judge, self.state)
         vitals = Vitals(self.thresholds, config.lr_schedule)
         self._judgment = Judgment(self.state, self._judge, vitals, config.log_status_changes, self._log)
@@ -79,12 +79,12 @@ class Monitor:
         self._meter = GradientMeter(
             layer_depth=config.layer_depth, max_layers=config.max_layers, layer_every=config.layer_every,
             reduce_shards=config.reduce_shards, pipeline_group=config.pipeline_group,
-            exports_layers=config.exports_layers(ctx.rank), on_error=self._gradient_error)
-        self._vitals = vitals
+            exports_layers=config.exports_layers(ctx.rank),
+            on_error=lambda where, error: _gradient_error(self.state, self._log, where, error))
         self._guard = make_guard(config.guard, config.guard_spikes, config.guard_schedule, self.thresholds,
-                                 self.history, self.state, config.defer_device_reads and torch.cuda.is_available())
+                                 history, self.state, config.defer_device_reads and torch.cuda.is_available())
         self._transfer = DeviceTransfer(
-            StepApplier(self.state, self.history, self._cross_rank, vitals, self._judgment, self._log, self._guard,
+            StepApplier(self.state, history, self._cross_rank, vitals, self._judgment, self._log, self._guard,
                         self._profile),
             config.defer_device_reads)
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -125,6 +125,13 @@ class Monitor:
         return self._transfer.blocking_waits
 
     @property
+    def history(self) -> History:
+        """The run's windows, with every step applied so far in them (the usual ones are batched)."""
+        with self._transfer.lock:
+            self._history.flush()
+        return self._history
+
+    @property
     def findings(self) -> tuple[Finding, ...]:
         """The findings of the last diagnosis."""
         return self._judgment.findings
@@ -159,7 +166,8 @@ class Monitor:
         # validate
         if self.closed:
             raise RuntimeError("observe: this monitor is closed")
-        step = inputs.check_step(step)
+        if type(step) is not int:
+            step = inputs.check_step(step)
         inputs.refuse_graph_capture("observe")
         values, anomalies = inputs.step_values(
             loss=loss, optimizer=optimizer, learning_rate=learning_rate, grad_norm=grad_norm, tokens=tokens,
@@ -180,7 +188,8 @@ class Monitor:
             layer_names = (_measure(meter, self.state, self._log, model, values, step)
                            if model is not None or meter.holds_norms else [])
             meter.submitted += 1
-            self._guard.decide(values)  # guard="skip"/"stop": the step's verdict, on the device
+            if self._guard.decides:  # guard="skip"/"stop": the step's verdict, on the device
+                self._guard.decide(values)
             # submit (the step's one host transfer), then drain → apply → judge what has arrived
             transfer.submit(step, time.time(), duration, epoch, values, layer_names, now_perf)
             self.state.cuda_device = transfer.cuda_device
@@ -219,7 +228,7 @@ class Monitor:
             self._transfer.drain(block=True)  # the steps before this evaluation first (host sync: not the hot path)
             with self._transfer.lock:
                 self._profile.evaluation(step, signals, new_fields)
-            self.history.add_eval(value, step=step)
+            self._history.add_eval(value, step=step)
             self._judgment.diagnose(step)  # judged after each evaluation, as `lossbeat analyze` does
         except Exception:
             self.state.count_error("observe")
@@ -340,13 +349,14 @@ class Monitor:
         except Exception:  # the interpreter is going away: never fail its exit
             logging.getLogger("lossbeat").debug("lossbeat: close at exit failed", exc_info=True)
 
-    def _gradient_error(self, where: str, error: Exception) -> None:
-        self.state.count_error("gradients")
-        if isinstance(error, (ShardedMeasurementError, ShardHandshakeError)):  # usage or store: say it, no traceback
-            self._log(type(error).__name__, logging.ERROR, "lossbeat: %s(): %s", where, error)
-        else:
-            self._log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
-                      "norms are skipped, the step and training go on", where, exc_info=True)
+
+def _gradient_error(state: MonitorState, log: RateLimitedLog, where: str, error: Exception) -> None:
+    state.count_error("gradients")
+    if isinstance(error, (ShardedMeasurementError, ShardHandshakeError)):  # usage or store: say it, no traceback
+        log(type(error).__name__, logging.ERROR, "lossbeat: %s(): %s", where, error)
+    else:
+        log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
+            "norms are skipped, the step and training go on", where, exc_info=True)
 
 
 def _measure(meter: GradientMeter, state: MonitorState, log: RateLimitedLog, model: torch.nn.Module | None,

@@ -57,6 +57,8 @@ class Guard:
     """The decision per step (``decide``, from ``observe``), its application (``step``), and the
     host-side count of what it did (``record``, from the step's applier)."""
 
+    decides = True
+
     def __init__(self, mode: str, spikes: bool, hold_schedule: bool, thresholds: Thresholds, history: History,
                  state: MonitorState, defer: bool) -> None:
         self.mode, self.spikes, self.hold_schedule = mode, spikes, hold_schedule
@@ -272,6 +274,7 @@ class NoGuard:
     """``guard="off"``: ``step`` is ``optimizer.step()`` exactly (with a scaler: its step and update)."""
 
     host_reads = 0
+    decides = False  # observe() skips decide()
 
     def decide(self, values: dict[Any, Any]) -> None:
         pass

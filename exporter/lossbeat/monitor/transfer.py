@@ -34,7 +34,7 @@ class PendingStep:
 
     def __init__(self, step: int, wall_time: float, duration: float | None, epoch: float | None,
                  host: dict[Any, Any], layout: list[tuple[Any, int]], packed: torch.Tensor | None = None,
-                 event: Any = None, layer_names: list[str] | None = None, has_lrs: bool = False,
+                 event: Any = None, layer_names: list[str] | None = None, has_lrs: int = 0,
                  has_components: bool = False, has_signals: bool = False) -> None:
         self.step, self.wall_time, self.duration, self.epoch = step, wall_time, duration, epoch
         self.host = host
@@ -47,6 +47,7 @@ class PendingStep:
         """CUDA event recorded after the copy; None when the values are already on the host."""
         self.layer_names = layer_names if layer_names is not None else []
         self.has_lrs, self.has_components, self.has_signals = has_lrs, has_components, has_signals
+        """``has_lrs``: how many learning rates the step has (one per param group, and an explicit one)."""
 
 
 def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -69,6 +70,7 @@ def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
 
 
 _VECTORS = ("layers", "guard")  # vectors; every other key is one value
+_FLOATS = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 
 
 def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:
@@ -81,17 +83,18 @@ def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, A
         offset += length
 
 
-def _read_cpu(parts: list[tuple[Any, torch.Tensor]], into: dict[Any, Any]) -> None:
-    """CPU tensors' values in one read (nothing to wait for). The common case, 0-d floats of one
-    dtype (a loss and a norm), is one ``stack``: a fifth of the float64 pack, and the same values
-    (a float32's value is a float64 exactly); anything else is packed as a device's values are."""
-    tensors = [value for _, value in parts]
-    dtype = tensors[0].dtype
-    if dtype.is_floating_point and all(t.dim() == 0 and t.dtype == dtype for t in tensors):
-        read = tensors[0].tolist() if len(tensors) == 1 else torch.stack(tensors).tolist()
-        for (key, _), x in zip(parts, read if len(tensors) > 1 else (read,)):
+def _read_cpu(parts: list[tuple[Any, torch.Tensor]], into: dict[Any, Any], zero_d: bool = False) -> None:
+    """CPU tensors' values (host memory: nothing to wait for, no device transfer). ``zero_d``: every
+    one is a 0-d float tensor (a loss and a norm, the usual), read one by one with ``tolist()`` (a
+    scalar for a 0-d tensor, read from memory without dispatching ``aten::item``), a quarter of the
+    cost of one ``stack`` and its read, and the same values (a float32's value is a float64 exactly);
+    anything else is packed into one tensor as a device's values are."""
+    if zero_d:
+        for key, value in parts:
+            x = value.tolist()  # a CPU tensor's value: memory already on the host, no sync
             into[key] = [x] if key in _VECTORS else x
         return
+    tensors = [value for _, value in parts]
     flats = [t.reshape(-1) if t.dtype == torch.float64 else t.reshape(-1).double() for t in tensors]
     packed = torch.cat(flats) if len(flats) > 1 else flats[0]
     unpack(_as_float_list(packed), [(key, flat.numel()) for (key, _), flat in zip(parts, flats)], into)
@@ -149,23 +152,29 @@ class DeviceTransfer:
         cpu_parts: list[tuple[Any, torch.Tensor]] = []
         layout: list[tuple[Any, int]] = []
         device = None
-        has_lrs = has_components = has_signals = False
+        has_lrs, has_components, has_signals = 0, False, False
+        zero_d = True  # every CPU tensor so far a 0-d float one
         for key, value in values.items():
-            if value is None:
-                continue
             if type(key) is tuple:  # ("lr" | "signal" | "component", name): what the applier looks for
                 kind = key[0]
                 if kind == "lr":
-                    has_lrs = True
+                    has_lrs += 1
                 elif kind == "signal":
                     has_signals = True
                 else:
                     has_components = True
-            if type(value) is float or not isinstance(value, torch.Tensor):
+            if type(value) is float:
+                host[key] = value
+                continue
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor):
                 host[key] = value
                 continue
             if value.is_cpu:
                 cpu_parts.append((key, value))
+                if zero_d and (value.dtype not in _FLOATS or value.dim()):
+                    zero_d = False
                 continue
             flat = value.reshape(-1)
             if flat.dtype != torch.float64:
@@ -181,7 +190,7 @@ class DeviceTransfer:
 
         if cpu_parts:  # CPU tensors: reading them waits for nothing
             self.host_transfers += 1
-            _read_cpu(cpu_parts, host)
+            _read_cpu(cpu_parts, host, zero_d)
 
         record = PendingStep(step, wall, duration, epoch, host, layout, None, None, layer_names,
                              has_lrs, has_components, has_signals)
