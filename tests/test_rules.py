@@ -16,6 +16,7 @@ from lossbeat.mixin import rules
 from lossbeat.mixin.alert_rules import (LOOKBACK_GROUP, LOOKBACK_INTERVAL, alert_rules, all_records, lookback_rules,
                                         recording_rules)
 from lossbeat.exposition.metrics import METRICS
+from lossbeat.mixin.stages import series_names
 from lossbeat.mixin.rule_tests import render_template, rule_test_documents
 from lossbeat.diagnosis.thresholds import load_thresholds
 from conftest import require_binary
@@ -355,15 +356,7 @@ def test_runbooks_cover_only_real_alerts_and_the_dashboards():
         assert "lossbeat / Overview" in section or "lossbeat / Layers" in section, name
 
 
-def _names_in(expr: str) -> set[str]:
-    """Series names in a PromQL expression: identifiers that are not functions,
-    keywords, label lists, strings, numbers or range durations."""
-    text = re.sub(r'"[^"]*"', '""', expr)
-    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
-    text = re.sub(r"\[[^\]]*\]", " ", text)
-    text = re.sub(r"\{[^}]*\}", " ", text)
-    names = set(re.findall(r"(?<![\w.])([a-zA-Z_:][\w:]*)\b(?!\s*\()", text))
-    return names - {"and", "or", "unless", "bool", "offset", "NaN", "Inf", "group_left", "group_right"}
+_names_in = series_names  # the generator's own reading of an expression: one parser for both
 
 
 def test_expressions_use_only_contract_metrics_and_recording_rules():
