@@ -144,10 +144,11 @@ def test_unit_tests_fail_against_rules_with_other_thresholds(tmp_path):
 def test_generated_unit_tests_follow_a_threshold_change(tmp_path, custom_thresholds_file):
     thresholds = load_thresholds(custom_thresholds_file)
     write_layout(tmp_path, thresholds)
-    # The files these thresholds changed; the others, and the rules they evaluate, are the
-    # checked-in ones that test_promtool_unit_tests_pass runs (14 files, 14 s of promtool's CPU).
+    # The files these thresholds changed (all of them when the recording rules differ: these
+    # thresholds' durations move the minute-cadence groups); the others, and the rules they
+    # evaluate, are the checked-in ones that test_promtool_unit_tests_pass runs.
     files = changed_rule_tests(tmp_path)
-    assert len(files) == 15 and "tests/healthyshapes.yml" in files and "tests/trainingstalled.yml" in files
+    assert {"tests/healthyshapes.yml", "tests/trainingstalled.yml"} <= set(files), files
     result = promtool("test", "rules", *files, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("SUCCESS") == len(files), result.stdout
