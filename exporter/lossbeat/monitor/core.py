@@ -6,7 +6,8 @@ every device value in one packed, non-blocking host copy (:mod:`~lossbeat.monito
 drain the steps whose values have arrived → apply their plain floats to the counters, the state
 and the windows (:mod:`~lossbeat.monitor.apply`) → judge every N steps
 (:mod:`~lossbeat.monitor.judgment`). A scrape renders the resulting state on the server's
-thread (:mod:`lossbeat.exposition.collector`).
+thread (:mod:`lossbeat.exposition.collector`). torch is read as the process has loaded it
+(:mod:`~lossbeat.monitor.loaded`): a monitor fed floats never imports it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import logging
 import math
 import numbers
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
 from prometheus_client.registry import CollectorRegistry
 
 from lossbeat._version import __version__
@@ -34,7 +34,7 @@ from lossbeat.exposition.state import MonitorState
 from lossbeat.exposition.status import StatusSource
 from lossbeat.measure.cross_rank import CrossRankSignals
 from lossbeat.measure.meter import GradientMeter, ShardedMeasurementError, ShardHandshakeError
-from lossbeat.monitor import identity, inputs, lifecycle
+from lossbeat.monitor import identity, inputs, lifecycle, loaded
 from lossbeat.monitor.apply import StepApplier
 from lossbeat.monitor.config import DEFAULT_PORT, MonitorConfig
 from lossbeat.monitor.guard import make_guard
@@ -44,6 +44,9 @@ from lossbeat.monitor.profile import ProfileChoice
 from lossbeat.monitor.ratelog import RateLimitedLog
 from lossbeat.monitor.report import Report
 from lossbeat.monitor.transfer import DeviceTransfer
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Monitor", "MonitorConfig", "NullMonitor", "PhaseScope", "Report", "DEFAULT_PORT"]
 
@@ -65,7 +68,7 @@ class Monitor:
         self.state = MonitorState(str(ctx.rank), {
             "run": config.run_name, "profile": self.thresholds.profile.name, "world_size": str(ctx.world_size),
             "local_rank": str(ctx.local_rank), "feed": config.feed, "version": __version__,
-            "torch_version": torch.__version__.split("+")[0],
+            "torch_version": loaded.torch_version(),  # binds torch's names if torch is loaded
         }, identity.run_identity(config.run_id, ctx.world_size))
         self._log = RateLimitedLog()
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
@@ -82,7 +85,7 @@ class Monitor:
             exports_layers=config.exports_layers(ctx.rank),
             on_error=lambda where, error: _gradient_error(self.state, self._log, where, error))
         self._guard = make_guard(config.guard, config.guard_spikes, config.guard_schedule, self.thresholds,
-                                 history, self.state, config.defer_device_reads and torch.cuda.is_available())
+                                 history, self.state, config.defer_device_reads)
         self._transfer = DeviceTransfer(
             StepApplier(self.state, history, self._cross_rank, vitals, self._judgment, self._log, self._guard,
                         self._profile),
@@ -221,7 +224,7 @@ class Monitor:
         signals, new_fields = inputs.signals(metrics, self._profile.names_seen)
         self.state.last_activity_time = time.time()
         try:
-            if isinstance(value, torch.Tensor):
+            if type(value) is not float:  # a tensor
                 value = float(value.item())  # host sync: evaluation is not the per-step hot path
             self.state.eval_loss = value if math.isfinite(value) else math.nan
             self.state.evals_total += 1
@@ -268,8 +271,7 @@ class Monitor:
         Returns the total norm before clipping (a 0-d tensor, no host sync).
         The per-layer norms it computed are reused by the next ``observe(model=model)``.
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        inputs.check_model(model)
         if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
             raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
         inputs.refuse_graph_capture("clip_grad_norm_")
@@ -287,8 +289,7 @@ class Monitor:
         divided by it on the device. ``step``: ``observe(step)`` reports them, even after
         later steps' (metrics passed on in bursts), and never reads that model's gradients again.
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        inputs.check_model(model)
         inputs.refuse_graph_capture("measure_gradients")
         return self._meter.measure_ahead(model, inputs.loss_scale(grad_scaler),
                                          None if step is None else inputs.check_step(step))

@@ -3,7 +3,7 @@ blocking, and apply the step once its values have arrived, in order, from the tr
 while the loop is away, from a scrape.
 
 On CUDA the copy is read a step late (a pinned buffer and an event); on CPU there is nothing to
-wait for and the values are read at once.
+wait for and the values are read at once. A step of floats touches no torch (none need be loaded).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any, Callable
 
-import torch
+from lossbeat.monitor import loaded
 
 __all__ = ["PendingStep", "DeviceTransfer", "start_host_copy", "unpack"]
 
@@ -33,7 +33,7 @@ class PendingStep:
                  "has_lrs", "has_components", "has_signals")
 
     def __init__(self, step: int, wall_time: float, duration: float | None, epoch: float | None,
-                 host: dict[Any, Any], layout: list[tuple[Any, int]], packed: torch.Tensor | None = None,
+                 host: dict[Any, Any], layout: list[tuple[Any, int]], packed: Any = None,
                  event: Any = None, layer_names: list[str] | None = None, has_lrs: int = 0,
                  has_components: bool = False, has_signals: bool = False) -> None:
         self.step, self.wall_time, self.duration, self.epoch = step, wall_time, duration, epoch
@@ -50,7 +50,7 @@ class PendingStep:
         """``has_lrs``: how many learning rates the step has (one per param group, and an explicit one)."""
 
 
-def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
+def start_host_copy(packed: Any) -> tuple[Any, Any]:
     """A pinned host buffer that a non-blocking copy of the CUDA tensor ``packed`` fills,
     and the CUDA event that completes after it.
 
@@ -60,6 +60,7 @@ def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
     complete before the copy and the buffer be read early. Everything happens with
     ``packed``'s device current, so no CUDA context is created on GPU 0 for it.
     """
+    torch = loaded.torch  # a CUDA tensor: torch is loaded
     device = packed.device
     with torch.cuda.device(device):
         buffer = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -70,7 +71,6 @@ def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
 
 
 _VECTORS = ("layers", "guard")  # vectors; every other key is one value
-_FLOATS = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 
 
 def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:
@@ -83,12 +83,13 @@ def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, A
         offset += length
 
 
-def _read_cpu(parts: list[tuple[Any, torch.Tensor]], into: dict[Any, Any], zero_d: bool = False) -> None:
+def _read_cpu(parts: list[tuple[Any, Any]], into: dict[Any, Any], zero_d: bool = False) -> None:
     """CPU tensors' values, in the step's one host read (host memory: nothing to wait for).
     ``zero_d``: every one is a 0-d float tensor (a loss and a norm, the usual): one ``tolist()``
     of the one tensor, or of their ``stack`` (the float dtypes promote to one that holds each
     value exactly; a float32's value is a float64 exactly); anything else is packed into one
     float64 tensor as a device's values are."""
+    torch = loaded.torch  # CPU tensors: torch is loaded
     if zero_d:
         if len(parts) == 1:
             key, value = parts[0]
@@ -107,7 +108,7 @@ def _read_cpu(parts: list[tuple[Any, torch.Tensor]], into: dict[Any, Any], zero_
     unpack(_as_float_list(packed), [(key, flat.numel()) for (key, _), flat in zip(parts, flats)], into)  # one host read
 
 
-def _as_float_list(t: torch.Tensor) -> list[float]:
+def _as_float_list(t: Any) -> list[float]:
     return t.tolist()
 
 
@@ -155,8 +156,8 @@ class DeviceTransfer:
         ``now``: ``time.perf_counter()`` at the call, when the caller has read it already."""
         now = time.perf_counter() if now is None else now
         host: dict[Any, Any] = {}
-        device_parts: list[torch.Tensor] = []
-        cpu_parts: list[tuple[Any, torch.Tensor]] = []
+        device_parts: list[Any] = []
+        cpu_parts: list[tuple[Any, Any]] = []
         layout: list[tuple[Any, int]] = []
         device = None
         has_lrs, has_components, has_signals = 0, False, False
@@ -175,16 +176,18 @@ class DeviceTransfer:
                 continue
             if value is None:
                 continue
-            if not isinstance(value, torch.Tensor):
+            # Not a float: a tensor (inputs bound torch's names on seeing one; else bound here) or a host value.
+            if not isinstance(value, loaded.Tensor) and (
+                    loaded.torch is not None or loaded.refresh() is None or not isinstance(value, loaded.Tensor)):
                 host[key] = value
                 continue
             if value.is_cpu:
                 cpu_parts.append((key, value))
-                if zero_d and (value.dtype not in _FLOATS or value.dim()):
+                if zero_d and (value.dtype not in loaded.FLOAT_DTYPES or value.dim()):
                     zero_d = False
                 continue
             flat = value.reshape(-1)
-            if flat.dtype != torch.float64:
+            if flat.dtype != loaded.torch.float64:
                 # float64: token counts stay exact past 2**24 and bf16/fp16 values lose nothing.
                 flat = flat.double()
             if device is None:
@@ -211,7 +214,7 @@ class DeviceTransfer:
                 self._drain_locked(block=False, may_wait=True)
             return
         if device_parts:
-            packed = torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
+            packed = loaded.torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
             if device.type == "cuda" and self.defer:
                 # The step's one device->host transfer, asynchronous: read at a later observe()
                 # (or scrape) once its event is done.
