@@ -419,7 +419,7 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.nonfinite",
             severity="critical",
             expr=(
-                f"{_events(t)['nonfinite_loss'].any()}\n"
+                f"{_events(t)['nonfinite_loss'].nonzero}\n"
                 "or\n"
                 "training_loss != training_loss\n"
                 # A NaN step the optimizer guard kept from the optimizer is a skip (a ticket,
@@ -455,13 +455,6 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
     ]
 
 
-def events_in(counter: str, window: str) -> str:
-    """The events a counter counted within ``window``, as a vector (0 included). A series that did
-    not exist ``window`` ago counts at its face value (its events before the first scrape too,
-    which ``increase()`` misses), a longer one by ``increase()``."""
-    return f"(({counter} unless {counter} offset {window}) or increase({counter}[{window}]))"
-
-
 @dataclass(frozen=True)
 class Events:
     """An event counter read by several alerts of one group: its ``increase()``, its young series
@@ -492,11 +485,10 @@ class Events:
         """:func:`new_events`: the series with events within ``window`` (only those)."""
         return f"{level(TARGET)}:{self.metric}:nonzero_events{self.window}"
 
-    def any(self) -> str:
-        return self.nonzero
-
     def count(self) -> str:
-        """:func:`events_in` from the records."""
+        """The events counted within ``window``, as a vector (0 included): a series that did not
+        exist ``window`` ago at its face value (its events before the first scrape too, which
+        ``increase()`` misses), a longer one by ``increase()``."""
         return f"({self.young} or {self.increase})"
 
     def records(self) -> list[RecordingRule]:
@@ -526,9 +518,9 @@ def event_records(t: Thresholds) -> list[RecordingRule]:
     grad, jt = events["nonfinite_grad"], _by(TARGET)
     first_layer = RecordingRule(
         _first_layer_record(t),
-        f"max by ({jt}, layer) (\n  training_nonfinite_grad_first_layer_info and on({jt}) {grad.any()}\n"
+        f"max by ({jt}, layer) (\n  training_nonfinite_grad_first_layer_info and on({jt}) {grad.nonzero}\n"
         f"  or on({jt})\n"
-        f'  label_replace(group by ({jt}) ({grad.any()}), "layer", "unknown", "__name__", ".*")\n)',
+        f'  label_replace(group by ({jt}) ({grad.nonzero}), "layer", "unknown", "__name__", ".*")\n)',
         TARGET + ("layer",), NONFINITE_GROUP)
     return [*events["nonfinite_loss"].records(), *grad.records(), first_layer, *events["grad_explosions"].records()]
 
@@ -557,7 +549,7 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
     ticket (what an fp16 overflow skip looks like), as the exporter's ``nonfinite`` finding says."""
     a, window, n = t.alerts, t.alerts.event_window, t.alerts.nonfinite_events
     events = _events(t)["nonfinite_grad"]
-    new, count = events.any(), events.count()
+    new, count = events.nonzero, events.count()
     judged = f"{_status('nonfinite')} == 2"
     rule = dict(name="TrainingGradientNonFinite", group="lossbeat.nonfinite",
                 action="inspect the named layer; lower the LR, clip gradients, use bf16 or loss scaling",
@@ -659,7 +651,7 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.gradients",
             severity="warning",
             # One departure the run absorbed (fewer than explosion_events, not judged sustained): a ticket.
-            expr=(f"{explosions.any()}\n"
+            expr=(f"{explosions.nonzero}\n"
                   f"  unless {ON_TARGET} ({explosions.increase} >= {a.explosion_events}"
                   f" or {_status('grad_norm')} == 2)\n"),
             labels={"trigger": "isolated"},
