@@ -192,6 +192,10 @@ and the run identity, so that two concurrent runs of one job name are never one 
 
 # Cross-rank: how long a rank that stopped reporting is still named (older: rank="unknown").
 RANK_SEEN_LOOKBACK = "1h"
+RANK_DISCOVERY_GRACE = SEEN_WINDOW
+"""How long a run reports before its never-seen ranks count as missing (rank="unknown"): its ranks'
+first scrapes are spread over a scrape interval and their discovery, so a rule evaluated between
+them would otherwise count a healthy run short at its start."""
 # 0.6745 = the standard normal's 75th percentile: scales the MAD to a standard deviation.
 MAD_TO_SIGMA = 0.6745
 
@@ -1091,7 +1095,7 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
     # world size are recording rules (RANK_PRESENT, RANKS_SHORT: PromQL cannot read a label as
     # a number, count_values writes the count into one to compare); the missing ranks are the
     # ones seen in the last RANK_SEEN_LOOKBACK (recorded by the lookback group) not present.
-    short, gone = RANKS_SHORT, RANK_GONE
+    short, gone, grace = RANKS_SHORT, RANK_GONE, RANK_DISCOVERY_GRACE
     z, rel, ranks = number(c.loss_spread_z), number(c.loss_spread_min_relative), c.min_ranks
     mean, median = LOSS_AVG_5M, "job:training_loss:median_avg_over_time5m"
     robust_z = f"{level(JOB_RANK)}:training_loss:robust_z5m"
@@ -1103,11 +1107,13 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingRankDown",
             group="lossbeat.cross_rank",
             severity="critical",
-            # The missing ranks that reported in the last hour, by name; else rank="unknown".
+            # The missing ranks that reported in the last hour, by name; else rank="unknown", once
+            # the run has reported for the discovery grace (its shards' counts of that long ago).
             expr=(
                 f"topk by ({job}) (1, {short})\n* on({job}) group_right(world_size)\n{gone}\n"
                 f"or on({job})\n"
                 f'label_replace({short}, "rank", "unknown", "__name__", ".*")\n'
+                f"  and on({job}) {PRESENT_COUNT} offset {grace}\n"
             ),
             for_=a.rank_down_for,
             summary="Fewer ranks report metrics than the job's world size",
@@ -1119,7 +1125,8 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             ),
             condition=(
                 f"distinct ranks reporting `training_run_info` (or gone after their completion marker) < its "
-                f"`world_size` for {a.rank_down_for}, per run; names ranks seen in the last {RANK_SEEN_LOOKBACK}"
+                f"`world_size` for {a.rank_down_for}, per run; names ranks seen in the last {RANK_SEEN_LOOKBACK}; "
+                f"ranks never seen count once the run has reported for {RANK_DISCOVERY_GRACE}"
             ),
             action="find the missing rank's node and process (OOM, crash, hang); restart from the last checkpoint",
             keeps=JOB_RANK + ("world_size",),
