@@ -113,10 +113,6 @@ def test_inhibition_rule_content():
 
 # --- a real Alertmanager applies the inhibition -----------------------------------------
 
-def _free_port() -> int:
-    return free_ports(1)
-
-
 def _api(port: int, path: str, body: object | None = None):
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/api/v2/{path}", data=data,
@@ -129,7 +125,7 @@ def _api(port: int, path: str, body: object | None = None):
 @pytest.fixture
 def alertmanager(tmp_path):
     binary = require_binary("alertmanager", "prometheus-alertmanager")
-    port = _free_port()
+    port = free_ports()
     process = subprocess.Popen(
         [binary, f"--config.file={CONFIG}", f"--storage.path={tmp_path}", f"--web.listen-address=127.0.0.1:{port}",
          "--cluster.listen-address="],

@@ -376,10 +376,6 @@ def test_panel_queries_lists_every_target(dashboards):
 
 # --- every query is PromQL a real Prometheus accepts -------------------------------------------------
 
-def _free_port() -> int:
-    return free_ports(1)
-
-
 def _get(url: str) -> dict:
     try:
         with urllib.request.urlopen(url, timeout=10) as resp:
@@ -396,7 +392,7 @@ def prometheus(tmp_path_factory) -> str:
         require(False, str(exc))
     workdir = tmp_path_factory.mktemp("prometheus")
     (workdir / "prometheus.yml").write_text("global:\n  scrape_interval: 15s\n", encoding="utf-8")
-    port = _free_port()
+    port = free_ports()
     log = open(workdir / "prometheus.log", "wb")
     proc = subprocess.Popen([binary, f"--config.file={workdir / 'prometheus.yml'}",
                              f"--storage.tsdb.path={workdir / 'data'}",

@@ -192,6 +192,10 @@ and the run identity, so that two concurrent runs of one job name are never one 
 
 # Cross-rank: how long a rank that stopped reporting is still named (older: rank="unknown").
 RANK_SEEN_LOOKBACK = "1h"
+RANK_DISCOVERY_GRACE = SEEN_WINDOW
+"""How long a run reports before its never-seen ranks count as missing (rank="unknown"): its ranks'
+first scrapes are spread over a scrape interval and their discovery, so a rule evaluated between
+them would otherwise count a healthy run short at its start."""
 # 0.6745 = the standard normal's 75th percentile: scales the MAD to a standard deviation.
 MAD_TO_SIGMA = 0.6745
 
@@ -419,7 +423,7 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.nonfinite",
             severity="critical",
             expr=(
-                f"{_events(t)['nonfinite_loss'].any()}\n"
+                f"{_events(t)['nonfinite_loss'].nonzero}\n"
                 "or\n"
                 "training_loss != training_loss\n"
                 # A NaN step the optimizer guard kept from the optimizer is a skip (a ticket,
@@ -455,13 +459,6 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
     ]
 
 
-def events_in(counter: str, window: str) -> str:
-    """The events a counter counted within ``window``, as a vector (0 included). A series that did
-    not exist ``window`` ago counts at its face value (its events before the first scrape too,
-    which ``increase()`` misses), a longer one by ``increase()``."""
-    return f"(({counter} unless {counter} offset {window}) or increase({counter}[{window}]))"
-
-
 @dataclass(frozen=True)
 class Events:
     """An event counter read by several alerts of one group: its ``increase()``, its young series
@@ -492,11 +489,10 @@ class Events:
         """:func:`new_events`: the series with events within ``window`` (only those)."""
         return f"{level(TARGET)}:{self.metric}:nonzero_events{self.window}"
 
-    def any(self) -> str:
-        return self.nonzero
-
     def count(self) -> str:
-        """:func:`events_in` from the records."""
+        """The events counted within ``window``, as a vector (0 included): a series that did not
+        exist ``window`` ago at its face value (its events before the first scrape too, which
+        ``increase()`` misses), a longer one by ``increase()``."""
         return f"({self.young} or {self.increase})"
 
     def records(self) -> list[RecordingRule]:
@@ -526,9 +522,9 @@ def event_records(t: Thresholds) -> list[RecordingRule]:
     grad, jt = events["nonfinite_grad"], _by(TARGET)
     first_layer = RecordingRule(
         _first_layer_record(t),
-        f"max by ({jt}, layer) (\n  training_nonfinite_grad_first_layer_info and on({jt}) {grad.any()}\n"
+        f"max by ({jt}, layer) (\n  training_nonfinite_grad_first_layer_info and on({jt}) {grad.nonzero}\n"
         f"  or on({jt})\n"
-        f'  label_replace(group by ({jt}) ({grad.any()}), "layer", "unknown", "__name__", ".*")\n)',
+        f'  label_replace(group by ({jt}) ({grad.nonzero}), "layer", "unknown", "__name__", ".*")\n)',
         TARGET + ("layer",), NONFINITE_GROUP)
     return [*events["nonfinite_loss"].records(), *grad.records(), first_layer, *events["grad_explosions"].records()]
 
@@ -557,7 +553,7 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
     ticket (what an fp16 overflow skip looks like), as the exporter's ``nonfinite`` finding says."""
     a, window, n = t.alerts, t.alerts.event_window, t.alerts.nonfinite_events
     events = _events(t)["nonfinite_grad"]
-    new, count = events.any(), events.count()
+    new, count = events.nonzero, events.count()
     judged = f"{_status('nonfinite')} == 2"
     rule = dict(name="TrainingGradientNonFinite", group="lossbeat.nonfinite",
                 action="inspect the named layer; lower the LR, clip gradients, use bf16 or loss scaling",
@@ -659,7 +655,7 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.gradients",
             severity="warning",
             # One departure the run absorbed (fewer than explosion_events, not judged sustained): a ticket.
-            expr=(f"{explosions.any()}\n"
+            expr=(f"{explosions.nonzero}\n"
                   f"  unless {ON_TARGET} ({explosions.increase} >= {a.explosion_events}"
                   f" or {_status('grad_norm')} == 2)\n"),
             labels={"trigger": "isolated"},
@@ -1099,7 +1095,7 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
     # world size are recording rules (RANK_PRESENT, RANKS_SHORT: PromQL cannot read a label as
     # a number, count_values writes the count into one to compare); the missing ranks are the
     # ones seen in the last RANK_SEEN_LOOKBACK (recorded by the lookback group) not present.
-    short, gone = RANKS_SHORT, RANK_GONE
+    short, gone, grace = RANKS_SHORT, RANK_GONE, RANK_DISCOVERY_GRACE
     z, rel, ranks = number(c.loss_spread_z), number(c.loss_spread_min_relative), c.min_ranks
     mean, median = LOSS_AVG_5M, "job:training_loss:median_avg_over_time5m"
     robust_z = f"{level(JOB_RANK)}:training_loss:robust_z5m"
@@ -1111,11 +1107,13 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingRankDown",
             group="lossbeat.cross_rank",
             severity="critical",
-            # The missing ranks that reported in the last hour, by name; else rank="unknown".
+            # The missing ranks that reported in the last hour, by name; else rank="unknown", once
+            # the run has reported for the discovery grace (its shards' counts of that long ago).
             expr=(
                 f"topk by ({job}) (1, {short})\n* on({job}) group_right(world_size)\n{gone}\n"
                 f"or on({job})\n"
                 f'label_replace({short}, "rank", "unknown", "__name__", ".*")\n'
+                f"  and on({job}) {PRESENT_COUNT} offset {grace}\n"
             ),
             for_=a.rank_down_for,
             summary="Fewer ranks report metrics than the job's world size",
@@ -1127,7 +1125,8 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             ),
             condition=(
                 f"distinct ranks reporting `training_run_info` (or gone after their completion marker) < its "
-                f"`world_size` for {a.rank_down_for}, per run; names ranks seen in the last {RANK_SEEN_LOOKBACK}"
+                f"`world_size` for {a.rank_down_for}, per run; names ranks seen in the last {RANK_SEEN_LOOKBACK}; "
+                f"ranks never seen count once the run has reported for {RANK_DISCOVERY_GRACE}"
             ),
             action="find the missing rank's node and process (OOM, crash, hang); restart from the last checkpoint",
             keeps=JOB_RANK + ("world_size",),
