@@ -1,7 +1,7 @@
 """What the Prometheus set-up deploy/ ships pays for N ranks with lossbeat's rules, measured.
 
     python benchmarks/scale.py --ranks 1000                 # one Prometheus, rules.yml: ~4 minutes
-    python benchmarks/scale.py --ranks 10000                # deploy/sharding (4 shards + global): ~12 min
+    python benchmarks/scale.py --ranks 10000 --interval 30  # deploy/sharding (8 shards + global): ~15 min
     python benchmarks/scale.py --ranks 1000 --shards 2      # the sharded set-up at a small size
     python benchmarks/scale.py --report                     # docs/scale.md tables from scale_results.json
 
@@ -301,19 +301,20 @@ class RankFarm:
 class Server:
     """One Prometheus of the set-up, from ``config`` (a dict), on a free loopback port."""
 
-    def __init__(self, workdir: Path, name: str, config: dict, flags: tuple[str, ...] = ()) -> None:
+    def __init__(self, workdir: Path, name: str, config: dict, flags: tuple[str, ...] = (),
+                 data: Path | None = None) -> None:
         from lossbeat.stack.local import find_binary
         import yaml
 
         self.name = name
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.data = data or workdir / f"{name}-data"
         (workdir / f"{name}.yml").write_text(yaml.safe_dump(config), encoding="utf-8")
         self.log = open(workdir / f"{name}.log", "wb")
         self.proc = subprocess.Popen(
             [find_binary("prometheus"), f"--config.file={workdir / (name + '.yml')}",
-             f"--storage.tsdb.path={workdir / (name + '-data')}", f"--web.listen-address=127.0.0.1:{self.port}",
-             *flags],
+             f"--storage.tsdb.path={self.data}", f"--web.listen-address=127.0.0.1:{self.port}", *flags],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while not _ok(f"{self.url}/-/ready"):
@@ -365,9 +366,32 @@ class Server:
         self.log.close()
 
 
-def _shipped(name: str) -> dict:
-    import yaml
-    return yaml.safe_load((SHARDING / name).read_text(encoding="utf-8"))
+@dataclass(frozen=True)
+class SetupFiles:
+    """The files a set-up starts from: the checkout's, or another commit's (to compare)."""
+
+    rules: Path = RULES
+    shard_rules: Path = STAGE_RULES["shard"]
+    global_rules: Path = STAGE_RULES["global"]
+    sharding: Path = SHARDING
+
+    @classmethod
+    def at_commit(cls, commit: str, into: Path) -> "SetupFiles":
+        """The rule files and deploy/sharding configs of ``commit``, written under ``into``."""
+        into.mkdir(parents=True, exist_ok=True)
+        (into / "sharding").mkdir(exist_ok=True)
+        wanted = {"rules.yml": "alerting/rules.yml", "rules-shard.yml": "alerting/rules-shard.yml",
+                  "rules-global.yml": "alerting/rules-global.yml", "sharding/shard-0.yml": "deploy/sharding/shard-0.yml",
+                  "sharding/global.yml": "deploy/sharding/global.yml"}
+        for name, path in wanted.items():
+            text = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:{path}"], capture_output=True,
+                                  text=True, check=True).stdout
+            (into / name).write_text(text, encoding="utf-8")
+        return cls(into / "rules.yml", into / "rules-shard.yml", into / "rules-global.yml", into / "sharding")
+
+    def shipped(self, name: str) -> dict:
+        import yaml
+        return yaml.safe_load((self.sharding / name).read_text(encoding="utf-8"))
 
 
 class Setup:
@@ -377,7 +401,8 @@ class Setup:
     The shipped files, changed only where a loopback run must: addresses, the file_sd path, the
     interval, and no Alertmanager (alerts are read from each server's API)."""
 
-    def __init__(self, workdir: Path, ports: list[int], shards: int, interval: float, rules: Path = RULES) -> None:
+    def __init__(self, workdir: Path, ports: list[int], shards: int, interval: float,
+                 files: SetupFiles = SetupFiles()) -> None:
         import yaml
 
         sd = workdir / "file_sd"
@@ -391,27 +416,37 @@ class Setup:
         self.global_server: Server | None = None
         try:
             if shards == 0:
-                config = {"global": timing, "rule_files": [str(rules)],
+                config = {"global": timing, "rule_files": [str(files.rules)],
                           "scrape_configs": [{"job_name": JOB, "sample_limit": 2000,
                                               "file_sd_configs": [{"files": [str(sd / "*.json")]}]}]}
                 self.shards.append(Server(workdir, "prometheus", config))
                 self.servers = list(self.shards)
                 return
-            central = _shipped("global.yml")
+            central = files.shipped("global.yml")
             central["global"].update(evaluation_interval=f"{interval:g}s")
-            central["rule_files"] = [str(STAGE_RULES["global"])]
+            central["rule_files"] = [str(files.global_rules)]
             central.pop("alerting", None)
             self.global_server = Server(workdir, "global", central, ("--web.enable-remote-write-receiver",))
             self.servers.append(self.global_server)
             for i in range(shards):
-                config = _shipped("shard-0.yml")
+                config = files.shipped("shard-0.yml")
                 config["global"].update(timing)
-                config["rule_files"] = [str(STAGE_RULES["shard"])]
+                # Each shard its own copy: Prometheus offsets a group's evaluations within the
+                # interval by a hash of its name and file path, so shards that load one path on
+                # one host all evaluate each group at the same instant (on a cluster, each has
+                # its own cores and it does not matter).
+                rules_copy = workdir / f"shard-{i}" / "rules-shard.yml"
+                rules_copy.parent.mkdir()
+                rules_copy.write_text(files.shard_rules.read_text(encoding="utf-8"), encoding="utf-8")
+                config["rule_files"] = [str(rules_copy)]
                 config.pop("alerting", None)
                 job = config["scrape_configs"][0]
                 job["file_sd_configs"] = [{"files": [str(sd / "*.json")]}]
                 hashmod, keep = job["relabel_configs"]
                 hashmod["modulus"], keep["regex"] = shards, str(i)
+                for relabel in config["remote_write"][0].get("write_relabel_configs", []):
+                    if relabel.get("target_label") == "shard":  # its partials carry its number
+                        relabel["replacement"] = str(i)
                 config["remote_write"][0]["url"] = f"{self.global_server.url}/api/v1/write"
                 config["remote_write"][0]["queue_config"]["batch_send_deadline"] = f"{max(1, min(5, int(interval / 3)))}s"
                 server = Server(workdir, f"shard-{i}", config)
@@ -489,7 +524,7 @@ def measure(ranks: int, warmup_cycles: int, templates: dict[str, str], interval:
     farm = RankFarm(templates, ranks, farm_processes)
     _log(f"{ranks} ranks serving on ports {min(farm.ports)}..{max(farm.ports)} ({farm_processes} process(es))")
     with tempfile.TemporaryDirectory(prefix="lossbeat-scale-") as tmp:
-        setup = Setup(Path(tmp), farm.ports, shards, interval, rules)
+        setup = Setup(Path(tmp), farm.ports, shards, interval, SetupFiles(rules=rules))
         try:
             # Discovery hands targets to the scrapers after ~5 s; measure from when all answer.
             wait = max(120.0, 6 * interval)
@@ -661,12 +696,14 @@ def report(results: list[dict]) -> str:
         setup = f"{r['shards']} shards + global" if r["shards"] else "one Prometheus"
         if r.get("rules"):
             setup += " (rules before issue 21)"
+        if r.get("label"):
+            setup += f" ({r['label']})"
         rows.append(f"| {r['ranks']:,} | {setup} | "
                     f"{r['interval_s']:g} | {r['up']:.0f} | {1e3 * slow:.0f} ({server} {group}) | "
                     f"{r['rule_iterations_missed']:.0f} | {series} | {r['rss_mib_per_1000_ranks']:.0f} | "
                     f"{r['prometheus_cpu_cores_total']:.2f} | {nan} | {kill} | "
                     f"{load['min']:.1f}-{load['max']:.1f} |")
-    largest = max(results, key=lambda r: r["ranks"])
+    largest = max(results, key=lambda r: (r["ranks"], r.get("date", "")))  # the latest of the largest
     lines = rows + ["", f"Every rule group of every server, {largest['ranks']:,} ranks (max / mean over the run, ms):", "",
                     "| server | head series | RSS (MiB) | CPU (cores) | rule groups |", "|---|---|---|---|---|"]
     for name, server in largest["servers"].items():
@@ -682,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, action="append", help="synthetic ranks (repeatable)")
     parser.add_argument("--shards", type=int, default=None,
                         help="0: one Prometheus with rules.yml; N: deploy/sharding with N shards "
-                             "(default: 0 up to 2,000 ranks, else one shard per 2,500 ranks)")
+                             "(default: 0 up to 2,000 ranks, else one shard per 1,250 ranks)")
     parser.add_argument("--warmup-cycles", type=int, default=6, help="scrape intervals before the NaN (default 6)")
     parser.add_argument("--interval", type=float, default=SCRAPE_INTERVAL,
                         help="scrape and evaluation interval in seconds (default 15)")
@@ -694,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the rules of the one-Prometheus set-up (default alerting/rules.yml; another "
                              "commit's, to compare)")
     parser.add_argument("--results", default=str(RESULTS), help="JSON file the results are merged into")
+    parser.add_argument("--label", help="a name for this run in the tables (a run replaces the stored one of the "
+                                        "same ranks, shards, interval and label)")
     parser.add_argument("--report", action="store_true", help="print the markdown tables of the stored results")
     args = parser.parse_args(argv)
     path = Path(args.results)
@@ -708,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     templates = real_expositions(world_size=max(args.ranks))
     versions = subprocess.run([_prometheus(), "--version"], capture_output=True, text=True).stdout.splitlines()
     for ranks in args.ranks:
-        shards = args.shards if args.shards is not None else (0 if ranks <= 2000 else math.ceil(ranks / 2500))
+        shards = args.shards if args.shards is not None else (0 if ranks <= 2000 else math.ceil(ranks / 1250))
         processes = args.farm_processes or max(1, math.ceil(ranks / 4000))
         # world_size in training_run_info is the size of this run's job.
         sized = {k: v.replace(f'world_size="{max(args.ranks)}"', f'world_size="{ranks}"') for k, v in templates.items()}
@@ -718,10 +757,22 @@ def main(argv: list[str] | None = None) -> int:
             result["rules"] = str(args.rules)
         result["prometheus_version"] = versions[0] if versions else "unknown"
         result["date"] = time.strftime("%Y-%m-%d %H:%M")
-        stored["runs"] = [r for r in stored["runs"] if (r["ranks"], r.get("shards")) != (ranks, shards)] + [result]
+        result["commit"] = _commit()
+        if args.label:
+            result["label"] = args.label
+        key = lambda r: (r["ranks"], r.get("shards"), r["interval_s"], r.get("label"))  # noqa: E731
+        stored["runs"] = [r for r in stored["runs"] if key(r) != key(result)] + [result]
         path.write_text(json.dumps(stored, indent=2) + "\n")
     print(report(stored["runs"]), end="")
     return 0
+
+
+def _commit() -> str:
+    """The checkout's commit (``-dirty`` with uncommitted changes): which rules a run measured."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
 
 
 def _prometheus() -> str:

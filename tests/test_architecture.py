@@ -8,6 +8,8 @@ second check imports the torch-free rooms in a fresh interpreter and looks at ``
 from __future__ import annotations
 
 import ast
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +170,50 @@ def test_public_api_is_pinned():
         assert getattr(lossbeat, name) is not None
     with pytest.raises(AttributeError, match="no_such_name"):
         lossbeat.no_such_name  # noqa: B018
+
+
+# A monitor fed floats never imports torch (lossbeat watch starts seconds sooner); the same monitor
+# handles a 0-d tensor once the process has imported torch after building it.
+_FLOATS_THEN_TENSORS = """
+import json, sys
+from lossbeat import NullMonitor, start_exporter
+monitor = start_exporter(0, addr="127.0.0.1", linger_seconds=0, log_status_changes=False)
+for step in range(30):
+    monitor.observe(step, loss=2.0 - step / 100, grad_norm=0.5, learning_rate=1e-3, tokens=512,
+                    epoch=step / 30, metrics={"accuracy": 0.5})
+monitor.observe(30, loss=None, grad_norm=0.5, learning_rate=1e-3)  # a stage without a loss
+monitor.observe_eval(30, 1.5)
+monitor.report()
+with NullMonitor() as null:
+    null.observe(0, loss=1.0)
+floats = {"torch": "torch" in sys.modules, "steps": monitor.state.steps_total, "loss": monitor.state.loss,
+          "reads": monitor.host_transfers}
+import torch
+monitor.observe(31, loss=torch.tensor(0.25), grad_norm=torch.tensor(2.0, dtype=torch.bfloat16),
+                learning_rate=torch.tensor(1e-3, dtype=torch.float64), losses={"a": torch.tensor([1.0, 3.0])})
+monitor.flush()
+tensors = {"steps": monitor.state.steps_total, "loss": monitor.state.loss, "grad_norm": monitor.state.grad_norm,
+           "reads": monitor.host_transfers, "errors": monitor.state.errors}
+monitor.close()
+print(json.dumps({"floats": floats, "tensors": tensors}))
+"""
+
+
+@pytest.fixture(scope="module")
+def floats_then_tensors() -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _FLOATS_THEN_TENSORS], capture_output=True, text=True, check=True,
+                         env=env, timeout=300).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_monitor_fed_floats_never_imports_torch(floats_then_tensors):
+    floats = floats_then_tensors["floats"]
+    assert floats == {"torch": False, "steps": 31, "loss": 1.71, "reads": 0}
+
+
+def test_a_tensor_after_torch_is_imported_is_read_in_the_one_host_read(floats_then_tensors):
+    tensors = floats_then_tensors["tensors"]
+    assert tensors["steps"] == 32 and tensors["loss"] == 0.25 and tensors["grad_norm"] == 2.0
+    assert tensors["reads"] == 1  # loss, grad norm, LR and the component's mean: one read
+    assert tensors["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0, "input": 1}  # [1, 3]

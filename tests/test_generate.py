@@ -53,7 +53,7 @@ def test_generate_writes_the_full_set_for_custom_thresholds(tmp_path, thresholds
             "kubernetes/grafana-dashboards-configmap.yaml", "tests/traininglossnan.yml"} <= written
     assert written == set(bundle_files(load_thresholds(thresholds_file)))
     rules_text = (out / "rules.yml").read_text()
-    assert "above 25 and" in rules_text and "> 180" in rules_text  # the explosion ceiling, the stall limit
+    assert "above 25 and" in rules_text and "* 0 + 180" in rules_text  # the explosion ceiling, the stall limit
     assert '"value": 25.0' in (out / "grafana" / "lossbeat-overview.json").read_text()
     assert (out / "runbooks.md").read_text() == RUNBOOKS.read_text()
     assert (out / "alertmanager.yml").read_text() == (REPO / "alerting" / "alertmanager.yml").read_text()

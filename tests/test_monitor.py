@@ -402,7 +402,8 @@ def test_without_an_enabled_scaler_an_overflow_is_a_non_finite_gradient(monitor)
 
 
 def test_an_internal_error_is_counted_and_training_goes_on(monitor, monkeypatch):
-    monkeypatch.setattr(monitor.history, "add_step", lambda *a, **k: 1 / 0)
+    for way_in in ("add_step", "defer"):  # the history's two ways in: any record, the usual one (batched)
+        monkeypatch.setattr(monitor.history, way_in, lambda *a, **k: 1 / 0)
     monitor.observe(0, loss=1.0)  # must not raise
     monkeypatch.undo()
     monitor.observe(1, loss=1.0)
@@ -500,7 +501,7 @@ def test_a_failed_measurement_is_counted_not_raised(monitor, monkeypatch):
     """measure_gradients may run inside an autograd callback: raising there would break backward."""
     trainer = Trainer()
     loss, _ = trainer.backward()
-    monkeypatch.setattr("lossbeat.measure.meter.compute_grad_norms", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("lossbeat.measure.gradients.compute_grad_norms", lambda *a, **k: 1 / 0)
     assert monitor.measure_gradients(trainer.model) is None
     monkeypatch.undo()
     monitor.observe(0, loss=loss, model=trainer.model)
@@ -513,7 +514,7 @@ def test_a_failing_gradient_measurement_still_records_the_step(monitor, monkeypa
     """The step's loss, LR, counters and timestamp (what TrainingStalled needs) survive."""
     trainer = Trainer()
     loss, tokens = trainer.backward()
-    monkeypatch.setattr("lossbeat.measure.meter.compute_grad_norms", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("lossbeat.measure.gradients.compute_grad_norms", lambda *a, **k: 1 / 0)
     monitor.observe(7, loss=loss, optimizer=trainer.optimizer, model=trainer.model, tokens=tokens)
     parsed = samples(scrape(monitor.port))
     assert value(parsed, "training_steps_total") == 1 and value(parsed, "training_step") == 7
@@ -554,7 +555,7 @@ def test_clip_grad_norm_clips_like_torch_when_the_measurement_fails(monitor, mon
     trainer, reference = Trainer(), Trainer()
     loss, _ = trainer.backward()
     reference.backward()
-    monkeypatch.setattr("lossbeat.measure.meter.clip_with_norms", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("lossbeat.measure.gradients.clip_with_norms", lambda *a, **k: 1 / 0)
     returned = monitor.clip_grad_norm_(trainer.model, 0.01)
     expected = torch.nn.utils.clip_grad_norm_(reference.model.parameters(), 0.01)
     assert returned.item() == pytest.approx(expected.item(), rel=1e-6)
@@ -803,7 +804,7 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
 
 def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatch):
     """On CUDA a step's values arrive a step late: the per-layer cadence must not follow them."""
-    import lossbeat.measure.meter as monitor_module
+    import lossbeat.measure.gradients as monitor_module  # the meter imports it when it measures
     from lossbeat.monitor.transfer import PendingStep as _Pending
 
     m = Monitor(MonitorConfig(port=0, layer_every=3), serve=False)

@@ -13,8 +13,10 @@ import pytest
 import yaml
 
 from lossbeat.mixin import rules
-from lossbeat.mixin.alert_rules import LOOKBACK_GROUP, LOOKBACK_INTERVAL, alert_rules, lookback_rules, recording_rules
+from lossbeat.mixin.alert_rules import (LOOKBACK_GROUP, LOOKBACK_INTERVAL, alert_rules, all_records, lookback_rules,
+                                        recording_rules)
 from lossbeat.exposition.metrics import METRICS
+from lossbeat.mixin.stages import series_names
 from lossbeat.mixin.rule_tests import render_template, rule_test_documents
 from lossbeat.diagnosis.thresholds import load_thresholds
 from conftest import require_binary
@@ -142,10 +144,11 @@ def test_unit_tests_fail_against_rules_with_other_thresholds(tmp_path):
 def test_generated_unit_tests_follow_a_threshold_change(tmp_path, custom_thresholds_file):
     thresholds = load_thresholds(custom_thresholds_file)
     write_layout(tmp_path, thresholds)
-    # The files these thresholds changed; the others, and the rules they evaluate, are the
-    # checked-in ones that test_promtool_unit_tests_pass runs (14 files, 14 s of promtool's CPU).
+    # The files these thresholds changed (all of them when the recording rules differ: these
+    # thresholds' durations move the minute-cadence groups); the others, and the rules they
+    # evaluate, are the checked-in ones that test_promtool_unit_tests_pass runs.
     files = changed_rule_tests(tmp_path)
-    assert len(files) == 15 and "tests/healthyshapes.yml" in files and "tests/trainingstalled.yml" in files
+    assert {"tests/healthyshapes.yml", "tests/trainingstalled.yml"} <= set(files), files
     result = promtool("test", "rules", *files, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("SUCCESS") == len(files), result.stdout
@@ -256,11 +259,15 @@ def test_a_threshold_change_changes_the_alert_expression(tmp_path):
         "==", "2"]
     assert sustained["for"] == "7m"
     assert "a jump to 7x its baseline" in sustained["annotations"]["description"]
-    assert events["expr"].strip() == "increase(training_grad_explosions_total[5m]) >= 4"
+    # The events trigger reads the counter's increase, recorded once first in its group.
+    increase = "job_run_id_instance_rank:training_grad_explosions:increase5m"
+    assert events["expr"].strip() == f"{increase} >= 4"
+    recorded = {r.get("record"): r["expr"] for g in groups for r in g["rules"]}
+    assert recorded[increase] == "increase(training_grad_explosions_total[5m])"
     assert "for" not in events  # the event count fires at once
     assert ">= 4" in isolated["expr"] and isolated["labels"]["severity"] == "warning"  # fewer: a ticket
     default_events = alerts_by_name(checked_in_rules(), "TrainingGradientExplosion")[1]
-    assert default_events["expr"].strip() == "increase(training_grad_explosions_total[5m]) >= 3"
+    assert default_events["expr"].strip() == f"{increase} >= 3"
     # The folder gets the rules (and their two stages), their unit tests (which pass) and the
     # PrometheusRule; nothing else.
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
@@ -306,8 +313,9 @@ def test_rendering_is_deterministic():
     thresholds = load_thresholds()
     assert rules.render_rules(thresholds) == rules.render_rules(load_thresholds())
     assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
-        "lossbeat.recording", "lossbeat.lookback", "lossbeat.nonfinite", "lossbeat.gradients", "lossbeat.loss",
-        "lossbeat.optimizer", "lossbeat.liveness", "lossbeat.resources",
+        "lossbeat.recording", "lossbeat.lookback", "lossbeat.summary", "lossbeat.summary.checks", "lossbeat.nonfinite",
+        "lossbeat.gradients", "lossbeat.gradients.slow", "lossbeat.loss", "lossbeat.loss.slow", "lossbeat.optimizer",
+        "lossbeat.liveness", "lossbeat.liveness.slow", "lossbeat.resources", "lossbeat.resources.slow",
         "lossbeat.cross_rank", "lossbeat.guard",
     ]
 
@@ -349,20 +357,12 @@ def test_runbooks_cover_only_real_alerts_and_the_dashboards():
         assert "lossbeat / Overview" in section or "lossbeat / Layers" in section, name
 
 
-def _names_in(expr: str) -> set[str]:
-    """Series names in a PromQL expression: identifiers that are not functions,
-    keywords, label lists, strings, numbers or range durations."""
-    text = re.sub(r'"[^"]*"', '""', expr)
-    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
-    text = re.sub(r"\[[^\]]*\]", " ", text)
-    text = re.sub(r"\{[^}]*\}", " ", text)
-    names = set(re.findall(r"(?<![\w.])([a-zA-Z_:][\w:]*)\b(?!\s*\()", text))
-    return names - {"and", "or", "unless", "bool", "offset", "NaN", "Inf", "group_left", "group_right"}
+_names_in = series_names  # the generator's own reading of an expression: one parser for both
 
 
 def test_expressions_use_only_contract_metrics_and_recording_rules():
     exported = {spec.name + ("_info" if spec.kind == "info" else "") for spec in METRICS.values()}
-    records = {r.record for r in recording_rules() + lookback_rules()}
+    records = {r.record for r in all_records(load_thresholds())}
     for rule in all_rules(checked_in_rules()):
         for name in _names_in(rule["expr"]):
             assert name in exported or name in records or name == "up", (
@@ -372,8 +372,12 @@ def test_expressions_use_only_contract_metrics_and_recording_rules():
 
 def test_metric_name_scan_finds_the_series():
     """Guard for the test above: the scan must see series in every position they appear."""
+    records = {r.get("record"): r["expr"] for r in all_rules(checked_in_rules())}
     expr = alerts_by_name(checked_in_rules(), "TrainingGradientNonFinite")[0]["expr"]
-    assert {"training_nonfinite_grad_total", "training_nonfinite_grad_first_layer_info"} <= _names_in(expr)
+    first_layer = "job_run_id_instance_rank_layer:training_nonfinite_grad_first_layer:info5m"
+    assert {"job_run_id_instance_rank:training_nonfinite_grad:nonzero_events5m", first_layer} <= _names_in(expr)
+    assert {"training_nonfinite_grad_first_layer_info"} <= _names_in(records[first_layer])
+    assert {"training_nonfinite_grad_total"} <= _names_in(records["job_run_id_instance_rank:training_nonfinite_grad:total_if_new5m"])
     expr = alerts_by_name(checked_in_rules(), "TrainingOverfitting")[0]["expr"]
     assert {"training_eval_loss", "training_health_status"} <= _names_in(expr)
 
@@ -398,14 +402,17 @@ def test_the_long_lookbacks_are_state_the_lookback_group_carries():
 
 
 def test_recording_rules_follow_level_metric_operations():
-    for rule in recording_rules() + lookback_rules():
+    for rule in all_records(load_thresholds()):
         level, metric, operations = rule.record.split(":")
         assert metric in METRICS or metric + "_total" in METRICS, rule.record
         assert operations and re.fullmatch(r"[a-z0-9_]+", operations), rule.record
         # The level names the labels kept; the job-level rules keep the run identity beside the
         # job without spelling it (job:..., as before run_id existed: dashboards query them).
         assert level in ("_".join(rule.keeps), "_".join(k for k in rule.keeps if k != "run_id")), rule.record
-        assert f"by ({', '.join(rule.keeps)})" in rule.expr, rule.record
+        if rule.per_series:  # a per-rank alert reads it: every label of the rank's series is kept
+            assert rule.keeps == ("job", "run_id", "instance", "rank") and " by (" not in rule.expr, rule.record
+        else:
+            assert f"by ({', '.join(rule.keeps)})" in rule.expr, rule.record
 
 
 def test_every_per_rank_aggregation_and_join_keeps_the_run_identity():
@@ -458,3 +465,44 @@ def test_every_alert_rule_has_firing_and_silent_unit_tests():
             f"no test where {rule.name} {rule.labels} fires"
         )
         assert any(not c["exp_alerts"] for c in checks), f"no silent test for {rule.name}"
+
+
+def test_the_alerts_read_their_groups_event_records_fresh():
+    """A page reads the event counters' records of the same evaluation (its group's, earlier in
+    it), never a record another group wrote up to an interval ago: a NaN pages one evaluation
+    after the scrape that shows it."""
+    t = load_thresholds()
+    records = {r.record: r for r in all_records(t)}
+    groups = rules.build_rule_groups(t)
+    read_fresh = 0
+    for group in groups:
+        seen = set()
+        for rule in group["rules"]:
+            if "record" in rule:
+                seen.add(rule["record"])
+                continue
+            for name in _names_in(rule["expr"]) & set(records):
+                if records[name].per_series or name.endswith(":info5m"):
+                    assert name in seen, f"{rule['alert']} reads {name} before its group records it"
+                    read_fresh += 1
+    assert read_fresh >= 8
+    nan = alerts_by_name(groups, "TrainingLossNaN")[0]["expr"]
+    assert "increase(" not in nan and "job_run_id_instance_rank:training_nonfinite_loss:nonzero_events5m" in nan
+
+
+def test_only_tickets_are_judged_at_the_slow_intervals(tmp_path):
+    """The groups with their own (longer) interval hold no page, and each ticket there waits at
+    least five of that interval before it fires."""
+    from lossbeat.mixin.alert_rules import duration_seconds, group_intervals
+
+    t = load_thresholds()
+    intervals = group_intervals(t)
+    assert intervals["lossbeat.resources.slow"] == intervals["lossbeat.loss.slow"] == "1m"
+    tickets = [r for r in alert_rules(t) if r.group in intervals]
+    assert {r.name for r in tickets} >= {"TrainingMemoryGrowing", "TrainingThroughputDropped", "TrainingLossPlateau"}
+    for rule in tickets:
+        assert rule.severity == "warning" and rule.group.endswith(".slow"), rule.name
+        wait = duration_seconds(rule.for_ or t.alerts.event_window)
+        assert wait >= 5 * duration_seconds(intervals[rule.group]), rule.name
+    short = load_thresholds(_write(tmp_path, {"memory": {"growing_for": "3s"}}))
+    assert group_intervals(short)["lossbeat.resources.slow"] == "1s"  # tests with windows of seconds: every second

@@ -53,7 +53,10 @@ def test_the_sharded_set_up_scrapes_every_rank_once_and_the_nan_fires_on_its_sha
     assert sum(servers[s]["head_series"] for s in ("shard-0", "shard-1")) >= 6 * series_count(templates["scalars"])
     assert 0 < servers["global"]["head_series"] < sum(servers[s]["head_series"] for s in ("shard-0", "shard-1"))
     assert "lossbeat.recording" in servers["shard-0"]["rule_group_duration_s"]
-    assert set(servers["global"]["rule_group_duration_s"]) == {"lossbeat.recording.global", "lossbeat.cross_rank"}
+    assert set(servers["global"]["rule_group_duration_s"]) == {
+        "lossbeat.recording.global", "lossbeat.summary.global", "lossbeat.summary.checks.global", "lossbeat.cross_rank"}
+    # The global holds the shards' partials and a few series a rank, not the ranks' raw series.
+    assert servers["global"]["head_series"] < 0.5 * sum(servers[s]["head_series"] for s in ("shard-0", "shard-1"))
     assert result["nan_to_firing_s"] is not None and result["nan_to_firing_s"] < 10
     assert result["nan_rank_shard"] in ("shard-0", "shard-1")
     assert result["other_alerts"] == [] and result["rule_iterations_missed"] == 0

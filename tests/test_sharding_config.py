@@ -5,7 +5,7 @@ import subprocess
 import yaml
 
 from conftest import require_binary
-from lossbeat.mixin.stages import stage_groups
+from lossbeat.mixin.stages import forwarded_names, stage_groups
 from lossbeat.diagnosis.thresholds import load_thresholds
 
 from e2e.test_sharded import SHARDING, SHARDS, hashmod_shard
@@ -34,21 +34,26 @@ def test_shards_partition_the_targets_with_hashmod():
     assert {hashmod_shard(f"127.0.0.1:{port}") for port in range(8470, 8478)} == set(range(SHARDS))
 
 
-def test_the_shards_forward_every_series_the_global_rules_read():
+def test_the_shards_forward_what_the_global_rules_read_and_no_more():
+    """The global reads the shards' partials (labelled with the shard's number) and a few series
+    per rank; the raw per-rank series the shards judge stay on the shards."""
     import re
 
-    from test_rules import _names_in
-
-    t = load_thresholds()
-    global_groups = stage_groups(t, "global")
-    recorded_there = {r["record"] for g in global_groups for r in g["rules"] if "record" in r}
-    needed = {n for g in global_groups for r in g["rules"] for n in _names_in(r["expr"])} - recorded_there
+    needed = forwarded_names(load_thresholds())
+    assert all(":" in n or n.startswith("training_grad_norm_aligned") for n in needed), sorted(needed)
+    per_rank = {n for n in needed if "_shard:" not in n}
+    assert len(per_rank) <= 5, sorted(per_rank)
     for shard in range(SHARDS):
-        [keep] = _load(f"shard-{shard}.yml")["remote_write"][0]["write_relabel_configs"]
+        label, keep = _load(f"shard-{shard}.yml")["remote_write"][0]["write_relabel_configs"]
+        assert label["target_label"] == "shard" and label["replacement"] == str(shard)
         assert keep["action"] == "keep" and keep["source_labels"] == ["__name__"]
         pattern = re.compile(f"^(?:{keep['regex']})$")  # Prometheus anchors relabel regexes
         assert all(pattern.match(name) for name in needed), sorted(n for n in needed if not pattern.match(n))
-        assert pattern.match("up") and not pattern.match("training_memory_allocated_bytes")
+        partials = re.compile(f"^(?:{label['regex']})$")
+        assert {n for n in needed if partials.match(n)} == needed - per_rank
+        for raw in ("up", "training_loss", "training_health_status", "training_steps_total",
+                    "job_run_id_instance_rank_world_size:training_run:present"):
+            assert not pattern.match(raw), raw
 
 
 def test_promtool_accepts_the_sharding_configs(tmp_path):

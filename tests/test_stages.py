@@ -9,6 +9,7 @@ from conftest import require_binary
 from lossbeat.diagnosis.thresholds import load_thresholds
 from lossbeat.mixin import rules
 from lossbeat.mixin.alert_rules import lookback_rules, recording_rules, rule_groups
+from lossbeat.mixin.rule_tests import rule_test_documents
 from lossbeat.mixin.stages import STAGES, stage_groups, stage_of_record
 from test_rules import _names_in
 
@@ -52,3 +53,27 @@ def test_the_checked_in_stage_files_are_current_and_promtool_accepts_them(tmp_pa
         done = subprocess.run([promtool, "check", "rules", str(rules.REPO_ROOT / path)], capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_two_stages_together_judge_the_cross_rank_alerts_as_rules_yml_does(tmp_path):
+    """The cross-rank alerts' promtool tests, run on the two stage files in one promtool: the
+    global's rules read the shard's partials and per-rank records (in a sharded set-up, one
+    remote write later), and every scenario fires and stays silent where rules.yml does."""
+    promtool = require_binary("promtool")
+    t = load_thresholds()
+    files = []
+    for stage in STAGES:
+        path = tmp_path / f"rules-{stage}.yml"
+        path.write_text(rules.render_stage_rules(t, stage), encoding="utf-8")
+        files.append(str(path))
+    order = [g["name"] for stage in STAGES for g in stage_groups(t, stage)]
+    documents = rule_test_documents(t)
+    names = ("trainingrankdown.yml", "traininglossrankspread.yml", "trainingstraggler.yml",
+             "trainingrankgradientmismatch.yml", "traininglossnan.yml", "traininggradientnonfinite.yml")
+    for name in names:
+        document = {**documents[name], "rule_files": files, "group_eval_order": order}
+        (tmp_path / name).write_text(yaml.safe_dump(document), encoding="utf-8")
+    done = subprocess.run([promtool, "test", "rules", *names], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("SUCCESS") == len(names)

@@ -105,3 +105,31 @@ def test_step_summary_windows_are_in_steps_whatever_the_log_interval():
     assert dense.span == 0 and len(dense) == 0
     with pytest.raises(ValueError, match="capacity"):
         StepSummary(5)
+
+
+def test_step_summary_windows_are_the_loop_over_their_blocks_bit_for_bit():
+    """window() keeps the sums over blocks that no longer change: the same floats as the plain loop,
+    as the last block fills, new blocks come and blocks merge."""
+    from lossbeat.diagnosis.window import StepSummary
+
+    def loop(summary, start, end):
+        count = total = 0.0
+        for first, n, s in summary.blocks:
+            if start < first <= end:
+                count += n
+                total += s
+        return int(count), (total / count if count else math.nan)
+
+    rng = random.Random(3)
+    summary = StepSummary(16)
+    step = 0
+    for i in range(3000):
+        step += rng.choice((1, 1, 1, 3))
+        summary.push(step, rng.uniform(0.1, 10.0) * 1e-3 ** rng.random())
+        if i % 7 == 0:
+            for _ in range(3):
+                width = rng.uniform(1.0, 0.6 * max(1, summary.span))
+                end = summary.last_step - rng.choice((0.0, width / 2.0, width))
+                got, expected = summary.window(end - width, end), loop(summary, end - width, end)
+                assert got[0] == expected[0] and (got[1] == expected[1] or got[1] != got[1] and expected[1] != expected[1])
+    assert summary.width > 1  # the blocks merged along the way

@@ -118,11 +118,21 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
         write_target_groups(sd / "training.json", [
             {"targets": [f"127.0.0.1:{port}"], "labels": {"job": job}} for (job, _), (port, _) in layout.items()])
 
-        # Each shard scrapes exactly its half: `up` reaches the global once per target, from one shard.
+        # Each shard scrapes exactly its half, and forwards each rank's 5m mean loss (what the
+        # global compares across ranks) and its partials, not the raw series.
         def all_up():
-            series = central.api.query('up{job=~"sharded-.*"} == 1')
-            return len(series) == len(layout) and series
-        wait_until(all_up, 120, "every rank scraped by its shard and remote-written to the global")
+            up = sum(len(p.api.query('up{job=~"sharded-.*"} == 1')) for p in sharded["shards"])
+            means = central.api.query('job_run_id_instance_rank:training_loss:avg_over_time5m{job=~"sharded-.*"}')
+            return up == len(layout) and len(means) == len(layout) and means
+        wait_until(all_up, 120, "every rank scraped by its shard and its mean loss remote-written to the global")
+        assert not central.api.query('training_loss{job=~"sharded-.*"}')  # the raw series stay on the shards
+        # Each shard's count of its ranks present, per job, labelled with the shard's number.
+        expected = [(f"sharded-nan-s{job}", str(shard), 1.0) for job in range(SHARDS) for shard in range(SHARDS)]
+
+        def partials():
+            got = central.api.query('job_world_size_shard:training_run:count_present{job=~"sharded-.*"}')
+            return sorted((p["metric"]["job"], p["metric"]["shard"], float(p["value"][1])) for p in got) == expected
+        wait_until(partials, 60, "each shard's count of ranks present, per job, on the global")
         for shard, process in enumerate(sharded["shards"]):
             scraped = {t["labels"]["instance"] for t in process.api._get("/api/v1/targets")["activeTargets"]}
             expected = {f"127.0.0.1:{port}" for port, s in layout.values() if s == shard}

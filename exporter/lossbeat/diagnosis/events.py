@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 from lossbeat.diagnosis.window import Ring, median
 
 __all__ = ["Event", "EventThresholds", "EventTrack", "check_events", "EVENT_CHECKS"]
@@ -102,7 +102,7 @@ def check_events(history, check: str) -> Finding:
         # A rank that never had the series (a pipeline stage before the last has no loss) has
         # nothing to judge: unknown, as the other loss checks say, not "no spikes".
         seen = history.loss.records if check == "loss_spikes" else history.grad_records
-        return Finding(check, Status.GOOD, f"no {what}s") if seen else Finding.unknown(check, f"no {what} series")
+        return Finding(check, GOOD, f"no {what}s") if seen else Finding.unknown(check, f"no {what} series")
     now = history.steps_seen
     window = t.windows.cv_steps
     # An event holds the finding until the run showed where it left the loss (the windows
@@ -112,7 +112,7 @@ def check_events(history, check: str) -> Finding:
     held = window * _AFTER_WINDOWS + max(window, now // _HELD_FRACTION)
     recent = track.within(now, held)
     if not recent:
-        return Finding(check, Status.GOOD, f"{track.total} {what}(s) earlier ({_steps(track.first_steps, track.total)}), "
+        return Finding(check, GOOD, f"{track.total} {what}(s) earlier ({_steps(track.first_steps, track.total)}), "
                                            f"none in the last {held} records: the run went on")
     for e in recent:
         _measure_after(history, e)
@@ -124,13 +124,13 @@ def check_events(history, check: str) -> Finding:
         # height, loss.spike_min_rise, above it is not back).
         worse = _worse(history, first, last.after, t.loss.spike_min_rise)
         if worse:
-            return Finding(check, Status.DANGER,
+            return Finding(check, DANGER,
                            f"{count} {what}s within {window} records (steps {first.step} to {last.step}; "
                            f"{track.total} so far): repeated, and the loss did not recover: {worse}", fix)
     for e in recent:
         worse = _worse(history, e, e.after, t.events.worse_after)
         if worse:
-            return Finding(check, Status.DANGER, f"{what} at step {e.step} followed by a worse loss: {worse}", fix)
+            return Finding(check, DANGER, f"{what} at step {e.step} followed by a worse loss: {worse}", fix)
     steps = [e.step for e in recent]
     first, last = recent[0], recent[-1]
     back = (f"; the loss is back at its level ({first.before:.4g} before, {last.after[-1]:.4g} after)"
@@ -141,10 +141,10 @@ def check_events(history, check: str) -> Finding:
         # The run absorbed events of this kind before (they left the window): more now that the
         # loss recovers from (isolated or in a burst; one it did not recover from is a danger
         # above) are its own pattern (a long run's sparse spikes), a note, not a warning again.
-        return Finding(check, Status.GOOD,
+        return Finding(check, GOOD,
                        f"{len(recent)} {kind} {what}(s) in the last {held} records ({_steps(steps, len(steps))}; "
                        f"{track.total} so far, the {earlier} before absorbed): this run's own pattern{back}")
-    return Finding(check, Status.WARNING,
+    return Finding(check, WARNING,
                    f"{len(recent)} {kind} {what}(s) in the last {held} records ({_steps(steps, len(steps))}; "
                    f"{track.total} so far); the run goes on{back}", fix)
 

@@ -6,7 +6,7 @@ import math
 from typing import Mapping
 
 from lossbeat.diagnosis.thresholds import GradientThresholds
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 from lossbeat.diagnosis.window import median as _median
 
 __all__ = ["check_grad_norm", "check_layer_grad_norms"]
@@ -28,37 +28,38 @@ def check_grad_norm(baseline, t: GradientThresholds) -> Finding:
         return Finding.unknown(check)
     if recent < t.vanishing:
         return Finding(
-            check, Status.WARNING,
+            check, WARNING,
             f"gradient norm {recent:.3g} is below {t.vanishing:g}: vanishing gradients",
             "look for saturated activations, add residual connections or normalisation, raise the learning rate",
         )
     if not baseline.established:
-        return Finding(check, Status.GOOD, f"gradient norm {recent:.3g} (baseline not established yet: first steps)")
+        return Finding(check, GOOD, f"gradient norm {recent:.3g} (baseline not established yet: first steps)")
     median, level = baseline.median, baseline.level
     if median > 0 and recent > t.jump_ratio * median:
         return Finding(
-            check, Status.DANGER,
+            check, DANGER,
             f"gradient norm {recent:.3g} jumped to {recent / median:.1f}x the run's baseline {median:.3g}: exploding gradients",
             _FIX,
         )
     if not median > 0 and recent > t.explosion:  # a baseline of zero gradients: no ratio, the ceiling
         return Finding(
-            check, Status.DANGER,
+            check, DANGER,
             f"gradient norm {recent:.3g} jumped from a baseline of {median:.3g}, above {t.explosion:g}: exploding gradients",
             _FIX,
         )
     # A climb is the run's median level climbing: the median of the last records (as many as the
     # baseline needs), not a few spikes that clipping absorbs.
-    wide = _median(baseline.ring.last(_CLIMB_RECORDS))
-    if math.isfinite(level) and level > 0 and recent > t.climb_ratio * level and wide > t.climb_ratio * level:
+    climbing = math.isfinite(level) and level > 0 and recent > t.climb_ratio * level
+    wide = _median(baseline.ring.last(_CLIMB_RECORDS)) if climbing else math.nan  # read only when it decides
+    if climbing and wide > t.climb_ratio * level:
         return Finding(
-            check, Status.DANGER,
+            check, DANGER,
             f"gradient norm {recent:.3g} keeps climbing: the median of the last {_CLIMB_RECORDS} records {wide:.3g} "
             f"is {wide / level:.1f}x the run's level {level:.3g}",
             _FIX,
         )
     above = f", above the absolute ceiling {t.explosion:g} but at the run's own level" if recent > t.explosion else ""
-    return Finding(check, Status.GOOD, f"gradient norm {recent:.3g} (baseline {median:.3g}{above})")
+    return Finding(check, GOOD, f"gradient norm {recent:.3g} (baseline {median:.3g}{above})")
 
 
 def check_layer_grad_norms(layer_norms: Mapping[str, float], t: GradientThresholds, shown: int = 3) -> Finding:
@@ -81,5 +82,5 @@ def check_layer_grad_norms(layer_norms: Mapping[str, float], t: GradientThreshol
         messages.append(f"{len(vanishing)} layer(s) below {t.layer_vanishing:g}: {names}")
         fixes.append("check that the vanishing layers are meant to train; add residual connections or normalisation")
     if messages:
-        return Finding(check, Status.WARNING, "; ".join(messages), "; ".join(fixes))
-    return Finding(check, Status.GOOD, f"all {len(layer_norms)} layers within bounds")
+        return Finding(check, WARNING, "; ".join(messages), "; ".join(fixes))
+    return Finding(check, GOOD, f"all {len(layer_norms)} layers within bounds")

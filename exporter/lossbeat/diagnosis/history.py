@@ -1,4 +1,5 @@
-"""Bounded training history: what the checks read, fed one record at a time.
+"""Bounded training history: what the checks read, fed one record at a time (or the usual
+records in batches of at most ``windows.diagnose_every``, :meth:`History.defer`).
 
 Torch-free, so the live monitor and offline analysis of log files share it.
 Memory is fixed by the thresholds' window sizes, whatever the run length.
@@ -13,18 +14,16 @@ from typing import Mapping
 
 from lossbeat.diagnosis.events import EVENT_CHECKS, EventTrack
 from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
+from lossbeat.diagnosis.series import GradBaseline, LearningRateSchedule, LossSeries
 from lossbeat.diagnosis.thresholds import Thresholds
-from lossbeat.diagnosis.window import LossWindow, NoiseWindow, Ring, StepSummary, median, robust_noise
+from lossbeat.diagnosis.window import Ring, median, robust_noise
 
-__all__ = ["History", "StepEvents", "LossSeries", "GradBaseline", "LearningRateSchedule", "EvalTrack"]
+__all__ = ["History", "StepEvents", "NO_EVENTS", "LossSeries", "GradBaseline", "LearningRateSchedule", "EvalTrack"]
 
 _MAX_COMPONENTS = 32  # bounded label cardinality for multi-task losses
 _MAX_EVAL_GROUPS = 32
-_INITIAL_RECORDS = 1  # the initial loss is the first finite record (the article's 'first loss')
-_RECENT_GRADS = 5  # the "recent" grad-norm level is the median of this many records
 _CANONICAL = frozenset(SIGNALS)
-_EARLY_NOISE_RECORDS = 8
-_ZERO_INFLATED = 0.1  # more than this fraction of exact zeros: noise from the non-zero records
+_isfinite = math.isfinite
 
 
 class StepEvents:
@@ -39,316 +38,8 @@ class StepEvents:
         self.explosion = False
 
 
-class LossSeries:
-    """One loss (the total or a component): recent records, the whole run by steps, the start."""
-
-    def __init__(self, t: Thresholds, history: int = 0) -> None:
-        w = t.windows
-        self.t = t
-        self.window = LossWindow(w.cv_steps, w.trend_steps, history=history)
-        self.summary = StepSummary(w.summary_blocks)
-        self._initial: list[float] = []
-        self.first_step: int | None = None
-        self.nonfinite_run = 0
-        """Non-finite values in a row at the end (0: the latest loss is finite)."""
-        self.loss_at_warmup_check = math.nan
-        self._level = math.nan  # median of the noise window, refreshed every few records
-        self._local = math.nan  # median of the last spike_min_steps records
-        self._noise = math.nan
-        self._pushes = 0
-        self._latest = math.nan  # the newest finite record (the ring's back)
-        self._spike_limit = math.inf  # spike_limit(), recomputed when its inputs change (a refresh)
-        self._noise_window = NoiseWindow(w.noise_records)
-        self.same_run = 0
-        """Finite records in a row exactly equal to the latest one (1: it differs from the one before)."""
-        self.records = 0
-        """Finite records seen."""
-        self.first_noise = math.nan
-        """The robust noise at the first refresh with ``_EARLY_NOISE_RECORDS`` records: the run's own early noise."""
-        self.fell_once = False
-        """Set by :func:`lossbeat.diagnosis.learning.learned` once the loss fell significantly below its start."""
-
-    @property
-    def ring(self) -> Ring:
-        return self.window.ring
-
-    def __len__(self) -> int:
-        return len(self.window)
-
-    @property
-    def initial(self) -> float:
-        """The mean of the first finite records: where the run started."""
-        return math.fsum(self._initial) / len(self._initial) if self._initial else math.nan
-
-    def push(self, step: int, value: float) -> bool:
-        """Record one value; returns whether it is a spike (finite values only).
-
-        O(1) but every ``windows.diagnose_every`` records (and each of the first
-        ``loss.spike_min_steps``), when the noise window's level and noise are refreshed."""
-        if not math.isfinite(value):
-            self.nonfinite_run += 1
-            return False
-        self.nonfinite_run = 0
-        spike = value > self._spike_limit
-        if self.first_step is None:
-            self.first_step = step
-        self.same_run = self.same_run + 1 if self.records and value == self._latest else 1
-        self._latest = value
-        self.records += 1
-        if len(self._initial) < _INITIAL_RECORDS:
-            self._initial.append(value)
-        if self.loss_at_warmup_check != self.loss_at_warmup_check \
-                and step - self.first_step >= self.t.learning_rate.warmup_check_step:  # NaN: not reached yet
-            self.loss_at_warmup_check = value
-        ring = self.window.ring
-        ring.push(value)
-        if self._noise_window.size < ring._capacity:
-            self._noise_window.update(ring)
-        self.summary.push(step, value)
-        self._pushes += 1
-        if self._pushes % self.t.windows.diagnose_every == 0 or self._pushes <= self.t.loss.spike_min_steps:
-            self.refresh()
-        return spike
-
-    def spike_limit(self) -> float:
-        """The loss above which the next record is a spike (inf until enough records): the local
-        level + max(``spike_sigma`` x the robust noise, ``spike_min_rise`` x the level)."""
-        return self._spike_limit
-
-    def _limit(self) -> float:
-        t = self.t
-        if (not t.profile.trend  # an RL policy loss is ~0 by construction: its excursions mean nothing
-                or len(self.window) < t.loss.spike_min_steps or not math.isfinite(self._noise) or not self._noise > 0):
-            return math.inf
-        return self._local + max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._local))
-
-    def refresh(self) -> None:
-        """Recompute the robust level and noise of the noise window (every few records): read
-        from the window kept sorted as records come (O(1)), or sorted again (O(window)) for a
-        zero-inflated loss."""
-        size = self.t.windows.noise_records
-        window = self._noise_window
-        n = min(size, len(self.ring))
-        # A loss that is often exactly 0 (GRPO/PPO groups without advantage, a satisfied hinge) has
-        # a median second difference of 0: against that every non-zero record would be a spike.
-        # Its noise and local level are those of its non-zero records.
-        if window.size == size and window.size < self.ring.capacity and not (
-                window.zeros > _ZERO_INFLATED * n and n - window.zeros >= 4):
-            self._level = window.values.median()
-            self._noise = window.noise()
-            local = self.ring.last(self.t.loss.spike_min_steps) if n >= self.t.loss.spike_min_steps \
-                else self.ring.last(n)
-        else:
-            values = self.ring.last(size)
-            self._level = median(values)
-            nonzero = [v for v in values if v != 0.0]
-            if len(values) - len(nonzero) > _ZERO_INFLATED * len(values) and len(nonzero) >= 4:
-                values = nonzero
-            self._noise = robust_noise(values)
-            n = len(values)
-            local = values[-self.t.loss.spike_min_steps:]
-        if math.isnan(self.first_noise) and n >= _EARLY_NOISE_RECORDS:
-            self.first_noise = self._noise
-        # Spikes are judged against the local level (a falling loss leaves the window's median behind).
-        self._local = median(local)
-        self._spike_limit = self._limit()
-
-    def retarget(self, thresholds: Thresholds) -> None:
-        self.t = thresholds
-        if self._noise_window.size != thresholds.windows.noise_records:
-            self._noise_window = NoiseWindow(thresholds.windows.noise_records)
-            self._noise_window.rebuild(self.ring)
-        self._spike_limit = self._limit()
-
-    @property
-    def level(self) -> float:
-        return self._level
-
-    @property
-    def local(self) -> float:
-        """The median of the last ``spike_min_steps`` records (a level one spike does not move)."""
-        return self._local
-
-    @property
-    def noise(self) -> float:
-        """Robust standard deviation of one record's step-to-step noise."""
-        return self._noise
-
-    @property
-    def span(self) -> int:
-        return self.summary.span
-
-    def cv(self) -> float:
-        """Plain std / mean of the noise window (the raw ``training_loss_cv`` gauge)."""
-        return self.window.cv()
-
-    def trend_ratio(self) -> float:
-        """The raw 2 x ``trend_steps``-record trend ratio (the ``training_loss_trend_ratio`` gauge)."""
-        return self.window.trend_ratio()
-
-    def clear(self) -> None:
-        self.window.clear()
-        self.summary.clear()
-        self._initial = []
-        self.first_step = None
-        self.nonfinite_run = 0
-        self.loss_at_warmup_check = math.nan
-        self._level = self._noise = self._local = math.nan
-        self._pushes = 0
-        self._latest = math.nan
-        self._spike_limit = math.inf
-        self._noise_window.clear()
-        self.same_run = self.records = 0
-        self.fell_once = False
-        self.first_noise = math.nan
-
-
-class GradBaseline:
-    """The grad norm against the run's own level.
-
-    ``median``: the rolling median of the baseline window (the records before the
-    recent ones), for jumps; ``level``: a slow robust level that follows drifts but
-    may rise by at most 2x per ``climb_half_life_steps``, for sustained climbs.
-    """
-
-    def __init__(self, t: Thresholds) -> None:
-        self.t = t
-        self.ring = Ring(t.windows.baseline_records + _RECENT_GRADS)
-        self.median = math.nan
-        self.level = math.nan
-        self.recent = math.nan
-        self.last_step: int | None = None
-        self._pushes = 0
-        self._limit = math.inf  # event_limit(), recomputed when the median or the records change
-        self._one_step = (math.nan, math.nan)  # _follow's two factors for a step of 1 (the usual)
-        self._one_step_for: float | None = None
-        self._established = False  # `established` at the last push (once True, True until the median is taken again)
-
-    @property
-    def established(self) -> bool:
-        return len(self.ring) - _RECENT_GRADS >= self.t.windows.baseline_min_records and math.isfinite(self.median)
-
-    def event_limit(self) -> float:
-        """The norm above which a step departs from the baseline (inf until it is established):
-        a jump (``jump_ratio`` x the median), or above the absolute ceiling and ``ceiling_ratio``
-        x the median. The optimizer guard compares the step's norm with it on the device."""
-        return self._limit
-
-    def _event_limit(self) -> float:
-        if not self.established:
-            return math.inf
-        g_t = self.t.gradients
-        return min(g_t.jump_ratio * self.median, max(g_t.explosion, g_t.ceiling_ratio * self.median))
-
-    def is_event(self, g: float) -> bool:
-        """A departure from the baseline: a jump, or above the absolute ceiling and well above the level."""
-        return g > self._limit
-
-    def push(self, step: int, g: float) -> bool:
-        """Record one finite, non-zero norm; returns whether it departs from the baseline.
-        O(1) but every ``windows.diagnose_every`` records (and until established), when the
-        baseline's median is taken again."""
-        event = g > self._limit
-        ring = self.ring
-        ring.push(g)
-        self._pushes += 1
-        n = ring._count
-        recent = ring.last(_RECENT_GRADS)
-        if len(recent) == _RECENT_GRADS:  # the median of 5, as median() takes it
-            recent.sort()
-            self.recent = recent[_RECENT_GRADS // 2]
-        else:
-            self.recent = median(recent)
-        # Once established, it stays so until the median is taken again (the ring only grows, the
-        # median moves only below): the flag is read, not recomputed, on the pushes in between.
-        established = self._established or self.established
-        if self._pushes % self.t.windows.diagnose_every == 0 or not established:
-            if n > _RECENT_GRADS:
-                self.median = median(ring.last(n)[: n - _RECENT_GRADS])
-                established = self.established
-            self._limit = self._event_limit()
-        elif self._limit == math.inf:  # established by this record's count, with the median taken before
-            self._limit = self._event_limit()
-        self._established = established
-        if established:
-            self._follow(step)
-        self.last_step = step
-        return event
-
-    def _follow(self, step: int) -> None:
-        if math.isnan(self.level):
-            self.level = self.median
-            return
-        half_life = self.t.gradients.climb_half_life_steps
-        dt = max(1, step - (self.last_step if self.last_step is not None else step))
-        if dt == 1:  # the same two powers every step: computed once per half-life setting
-            rise, pull = self._one_step
-            if rise != rise or self._one_step_for != half_life:  # NaN: not computed yet
-                rise, pull = self._one_step = (2.0 ** (1 / half_life), 1.0 - 0.5 ** (1 / (half_life / 10.0)))
-                self._one_step_for = half_life
-        else:
-            rise, pull = 2.0 ** (dt / half_life), 1.0 - 0.5 ** (dt / (half_life / 10.0))
-        # Falls are followed fast (a run settles), rises at most 2x per half-life.
-        target = min(self.recent, self.level * rise)
-        self.level += pull * (target - self.level)
-
-    def retarget(self, thresholds: Thresholds) -> None:
-        self.t = thresholds
-        self._established = False  # baseline_min_records may differ: computed again at the next push
-        self._limit = self._event_limit()
-
-    def clear(self) -> None:
-        self.ring.clear()
-        self.median = self.level = self.recent = math.nan
-        self.last_step = None
-        self._pushes = 0
-        self._limit = math.inf
-        self._established = False
-
-
-class LearningRateSchedule:
-    """The LR's peak and whether it has decayed gradually to its end (not dropped at once)."""
-
-    def __init__(self, t: Thresholds) -> None:
-        self.t = t
-        self.recent = Ring(5)
-        self.peak = 0.0
-        self.first_step: int | None = None
-        self.below_half_at: int | None = None
-        self.decayed_at: int | None = None
-
-    def push(self, step: int, lr: float) -> None:
-        self.recent.push(lr)
-        if not math.isfinite(lr):
-            return
-        if self.first_step is None:
-            self.first_step = step
-        if lr > self.peak:
-            self.peak = lr
-        if lr >= 0.5 * self.peak:  # (re)starts: a warm restart begins a new decay
-            self.below_half_at = self.decayed_at = None
-            return
-        if self.below_half_at is None:
-            self.below_half_at = step
-        if self.decayed_at is None and lr <= self.t.learning_rate.decayed_fraction * self.peak:
-            self.decayed_at = step
-
-    @property
-    def ended(self) -> bool:
-        """The LR sits at the end of a gradual decay (cosine, linear, ... to a small fraction of its peak)."""
-        if self.decayed_at is None or self.below_half_at is None or self.first_step is None:
-            return False
-        took = self.decayed_at - self.below_half_at
-        before = max(1, self.below_half_at - self.first_step)
-        return took >= self.t.learning_rate.gradual_min_fraction * before
-
-    @property
-    def fraction_of_peak(self) -> float:
-        lr = self.recent.back(0) if len(self.recent) else math.nan
-        return lr / self.peak if self.peak > 0 else math.nan
-
-    def clear(self) -> None:
-        self.__init__(self.t)
+NO_EVENTS = StepEvents()
+"""What :meth:`History.defer` returns for every record it takes: nothing counted (shared: never written)."""
 
 
 class EvalTrack:
@@ -432,6 +123,10 @@ class History:
         """The loss spikes and explosions counted, with their steps (:mod:`lossbeat.diagnosis.events`)."""
         self.resets = 0
         """Times the windows were reset (the step went backwards)."""
+        self._held: list[tuple[int, float, float | None, float | None]] = []
+        """The records :meth:`defer` took, not yet in the windows (at most ``windows.diagnose_every``)."""
+        self._held_grads = 0
+        self._every, self._early = w.diagnose_every, t.loss.spike_min_steps  # the windows' refresh cadence
 
     # Older names, kept for callers that read them.
     @property
@@ -453,7 +148,9 @@ class History:
 
     def retarget(self, thresholds: Thresholds) -> None:
         """Judge with ``thresholds`` (another profile) from now on; every window is kept."""
+        self.flush()  # the records before were taken under the thresholds before
         self.thresholds = thresholds
+        self._every, self._early = thresholds.windows.diagnose_every, thresholds.loss.spike_min_steps
         for part in (self.loss, self.grad, self.lr, *self.components.values(), *self.evals.values()):
             if hasattr(part, "retarget"):
                 part.retarget(thresholds)  # and what it derived from them (the event limits)
@@ -462,6 +159,7 @@ class History:
 
     def reset_windows(self) -> None:
         """The step went backwards (a restart, or another run appended): old windows no longer apply."""
+        self.flush()
         self.resets += 1
         self.loss.clear()
         for series in self.components.values():
@@ -496,6 +194,8 @@ class History:
 
         ``loss`` None: the step had no loss (a pipeline stage before the last): the loss
         series get no record, the other values count as usual."""
+        if self._held:
+            self.flush()
         events = StepEvents()
         self.steps_seen += 1
         if self.last_step is not None and step < self.last_step:
@@ -542,6 +242,68 @@ class History:
                     series = self.components[name] = LossSeries(self.thresholds, self.thresholds.windows.noise_records)
                 series.push(step, value)
         return events
+
+    def defer(self, step: int, loss: float | None, grad_norm: float | None = None,
+              learning_rate: float | None = None) -> StepEvents | None:
+        """``add_step`` for the usual record, its windows written in a batch: a finite loss that is
+        no spike, a grad norm that is None or finite, non-zero and no explosion, no components, a
+        step that does not go back. Such a record counts no event, judged now against the limits
+        ``add_step`` would use: they move only when the windows are refreshed (every
+        ``windows.diagnose_every`` records), and the batch is written into the windows at each
+        refresh. Until then the windows lack it: whatever reads them calls :meth:`flush` first (the
+        Judge, ``add_step``, a scrape's gauges). Returns :data:`NO_EVENTS`, or None for any other
+        record, holding nothing back for it (``add_step`` it)."""
+        last = self.last_step
+        if (loss is None or (last is not None and step < last) or not _isfinite(loss)
+                or loss > self.loss._spike_limit):
+            return None
+        grad = self.grad
+        if grad_norm is not None and not (_isfinite(grad_norm) and grad_norm != 0.0 and grad_norm <= grad._limit):
+            return None
+        held = self._held
+        held.append((step, loss, grad_norm, learning_rate))
+        self.last_step = step
+        # Written now if this record is one whose push refreshes a window (as add_step's would).
+        every = self._every
+        pushes = self.loss._pushes + len(held)
+        due = pushes % every == 0 or pushes <= self._early
+        if grad_norm is not None:
+            self._held_grads += 1
+            due = due or not grad._established or (grad._pushes + self._held_grads) % every == 0
+        if due:
+            self.flush()
+        return NO_EVENTS
+
+    def flush(self) -> None:
+        """Write the records :meth:`defer` held back into the windows, as ``add_step`` would have
+        one by one (the same state, float for float)."""
+        held = self._held
+        if not held:
+            return
+        with_grads = self._held_grads
+        self._held, self._held_grads = [], 0
+        n = len(held)
+        self.steps_seen += n
+        steps, losses, grads, lrs = zip(*held)
+        self.loss.extend(steps, losses)
+        if with_grads != n:  # some records without a grad norm
+            steps_grads = [(s, g) for s, g in zip(steps, grads) if g is not None]
+            grad_steps, grads = (tuple(x) for x in zip(*steps_grads)) if steps_grads else ((), ())
+        else:
+            grad_steps = steps
+        if grads:
+            self.grad_records += len(grads)
+            self.grad_zero_run = self.grad_nonfinite_run = 0
+            self.grad_norms.extend(grads)
+            self.grad.extend(grad_steps, grads)
+        if None in lrs:
+            steps_lrs = [(s, x) for s, x in zip(steps, lrs) if x is not None]
+            lr_steps, lrs = (tuple(x) for x in zip(*steps_lrs)) if steps_lrs else ((), ())
+        else:
+            lr_steps = steps
+        if lrs:
+            self.lr.extend(lr_steps, lrs)
+        self.nonfinite_recent.extend((0.0,) * n)
 
     def add_signal(self, name: str, value: float, step: int | None = None) -> None:
         """Record a named signal (``reward_std``, ``rewards/accuracies``, ...); names outside

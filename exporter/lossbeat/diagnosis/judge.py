@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lossbeat.diagnosis.thresholds import Thresholds
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, Finding, Status
 from lossbeat.diagnosis.history import History
 from lossbeat.diagnosis.run import diagnose
 
@@ -49,6 +49,7 @@ class Judge:
         self.thresholds = thresholds
         self.history = History(thresholds)
         self._held: dict[tuple[str, str], _Held] = {}
+        self._held_now: dict[tuple[str, str], Status] = {}  # each held finding's status, for the value hysteresis
         self.findings: list[Finding] = []
         self._records = 0
         self._judged_at: int | None = None
@@ -75,34 +76,45 @@ class Judge:
 
     def judge(self, step: int | None = None) -> tuple[list[Finding], list[StatusChange]]:
         """Diagnose now; returns the held findings and the status changes this diagnosis made."""
+        self.history.flush()  # the records held back for a batch, into the windows the checks read
         h = self.thresholds.hysteresis
+        warning_enter, danger_enter, leave = h.warning_enter, h.danger_enter, h.leave
         self._records = 0
         self._judged_at = step
         findings, changes = [], []
-        held_now = {key: held.finding.status for key, held in self._held.items()}
-        for raw in diagnose(self.history, held_now):
+        held_map, held_now = self._held, self._held_now
+        for raw in diagnose(self.history, held_now):  # a list: held_now is read before it changes below
             key = (raw.check, raw.component)
-            held = self._held.get(key)
+            held = held_map.get(key)
             if held is None:
                 # Good until confirmed; a first word of a worse status says it is only that.
-                first = raw.message if raw.status is Status.GOOD or not raw.known else (
+                first = raw.message if raw.status is GOOD or not raw.known else (
                     f"{raw.message} (said once, not yet confirmed: a {raw.status.name.lower()} after "
-                    f"{h.danger_enter if raw.status is Status.DANGER else h.warning_enter} diagnoses in a row)")
-                held = self._held[key] = _Held(Finding(raw.check, Status.GOOD, first, component=raw.component,
-                                                       known=raw.known))
-            before = held.finding.status
-            if not raw.known or raw.status == before:
-                held.finding, held.up, held.down = raw, 0, 0
-            elif raw.status > before:
-                held.up, held.down = held.up + 1, 0
-                if held.up >= (h.danger_enter if raw.status is Status.DANGER else h.warning_enter):
-                    held.finding, held.up = raw, 0
+                    f"{danger_enter if raw.status is DANGER else warning_enter} diagnoses in a row)")
+                held = held_map[key] = _Held(Finding(raw.check, GOOD, first, component=raw.component,
+                                                     known=raw.known))
+                held_now[key] = GOOD
+            finding = held.finding
+            before = finding.status
+            status = raw.status
+            if status == before or not raw.known:
+                held.finding = finding = raw
+                held.up = held.down = 0
+            elif status > before:
+                held.down = 0
+                held.up += 1
+                if held.up >= (danger_enter if status is DANGER else warning_enter):
+                    held.finding = finding = raw
+                    held.up = 0
             else:
-                held.down, held.up = held.down + 1, 0
-                if held.down >= h.leave:
-                    held.finding, held.down = raw, 0
-            if held.finding.status != before:
-                changes.append(StatusChange(before, held.finding, step))
-            findings.append(held.finding)
+                held.up = 0
+                held.down += 1
+                if held.down >= leave:
+                    held.finding = finding = raw
+                    held.down = 0
+            if finding.status != before:
+                changes.append(StatusChange(before, finding, step))
+                held_now[key] = finding.status
+            findings.append(finding)
         self.findings = findings
         return findings, changes

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 from lossbeat.diagnosis.prior import check_class_prior
 from lossbeat.diagnosis.thresholds import Profile, Thresholds
 from lossbeat.diagnosis.window import fsum, median, robust_noise
@@ -109,26 +109,26 @@ def _nothing_trained(history, profile: Profile) -> Finding | None:
     if profile.name == "preference" and value == 0.0:
         margins = history.signals.get("margins")
         grown = f"; reward margins {margins.first:.3g} -> {margins.latest:.3g}" if margins and margins.count > 1 else ""
-        return Finding(CHECK, Status.DANGER,
+        return Finding(CHECK, DANGER,
                        f"preference loss saturated at exactly 0 on {every}{grown}: the policy drives the rejected "
                        "answers' likelihood away instead of learning the preference (over-optimisation)",
                        "lower the learning rate or raise beta, check the chosen/rejected pairs (trivially separable?), "
                        "and watch logps/chosen: it should not fall")
     if zero_grad or (value == 0.0 and not bad_grad):
         what = f"gradient norm 0 on {every}" if zero_grad else "no gradient norm logged"
-        return Finding(CHECK, Status.DANGER,
+        return Finding(CHECK, DANGER,
                        f"nothing is trained: the loss is exactly {value:.6g} on {every} ({what}): the loss is "
                        "detached from the model, or every label is masked", _FIX_NOTHING)
     k = chance_level(value, 0.0)
     at = f" = ln {k}, a uniform prediction over {k} classes" if k else (
         f" = ln {math.exp(value):,.0f}, a uniform prediction over the vocabulary" if 5.0 < value < 15.0 else "")
     if bad_grad:
-        return Finding(CHECK, Status.DANGER,
+        return Finding(CHECK, DANGER,
                        f"the loss is exactly {value:.6g}{at} on {every} and the gradient norm is not finite on "
                        f"{every}: the model never moves off its initial output (every update skipped or poisoned)",
                        "find the first non-finite gradient (torch.autograd.set_detect_anomaly(True)), check the "
                        "initialisation and the precision (fp16 overflow), and lower the learning rate")
-    return Finding(CHECK, Status.DANGER,
+    return Finding(CHECK, DANGER,
                    f"nothing is trained: the loss is exactly {value:.6g}{at} on {every}: the parameters do not change",
                    _FIX_NOTHING)
 
@@ -168,14 +168,14 @@ def _rl(history, t: Thresholds) -> Finding | None:
         n = len((std if std_gone else zero).recent)
         which = (f"reward_std 0 on each of the last {n} records" if std_gone else
                  f"frac_reward_zero_std 1 on each of the last {n} records")
-        return Finding(CHECK, Status.DANGER,
+        return Finding(CHECK, DANGER,
                        f"the learning signal collapsed: {which}: every completion of a group "
                        "gets the same reward, so there is no advantage and no gradient",
                        "raise the sampling temperature or the group size, check the reward function (constant? "
                        "saturated?) and make the prompts neither all solved nor all failed")
     grads = _grad_collapsed(history, rl)
     if grads is not None:
-        return Finding(CHECK, Status.DANGER,
+        return Finding(CHECK, DANGER,
                        f"the learning signal collapsed: {grads}: no advantage reaches the policy (every completion "
                        "of a group gets the same reward, or the loss is detached from it)",
                        "log reward_std to confirm; raise the sampling temperature or the group size, check the reward "
@@ -191,18 +191,18 @@ def _rl(history, t: Thresholds) -> Finding | None:
             dead = ""
             if zero is not None and zero.mean() >= 0.5:
                 dead = f"; in {zero.mean() * 100:.0f}% of the groups every completion got the same reward (no gradient)"
-            return Finding(CHECK, Status.WARNING,
+            return Finding(CHECK, WARNING,
                            f"the reward is not improving: {m0:.4g} over the first fifth of the run, {m1:.4g} over the "
                            f"last fifth ({(m1 - m0):+.3g}, within its noise){dead}: the policy is not learning",
                            "raise the learning rate (GRPO/PPO often need 1e-6 to 1e-5 with a real warmup), check the "
                            "reward function and the group size, and look at the completions")
     if zero is not None and zero.count >= 5 and zero.mean() >= 0.5:
-        return Finding(CHECK, Status.WARNING,
+        return Finding(CHECK, WARNING,
                        f"in {zero.mean() * 100:.0f}% of the prompt groups every completion got the same reward: "
                        "those groups give no gradient", "raise the group size or the temperature; filter prompts "
                                                         "that are always or never solved")
     if reward is not None and reward.count >= 2:
-        return Finding(CHECK, Status.GOOD, f"reward {reward.latest:.4g} (first {reward.first:.4g})")
+        return Finding(CHECK, GOOD, f"reward {reward.latest:.4g} (first {reward.first:.4g})")
     return None
 
 
@@ -234,7 +234,7 @@ def _kl_runs_away(kl, rl) -> Finding | None:
     n0, m0, n1, m1 = kl.last_fifths()
     if not (n0 and n1 and m1 > rl.kl_floor and m0 > 0 and m1 > rl.kl_growth * m0):
         return None
-    return Finding(CHECK, Status.WARNING,
+    return Finding(CHECK, WARNING,
                    f"the KL to the reference runs away: {m0:.3g} -> {m1:.3g} over the last two fifths of the run "
                    f"(x{m1 / m0:.1f}): the policy leaves the reference model (reward hacking, or a learning rate "
                    "too high)",
@@ -249,7 +249,7 @@ def _preference(history, mean: float, se: float, falling: bool) -> Finding | Non
         chance_acc = acc is None or abs(acc.recent_median(10) - 0.5) <= 0.1
         if chance_acc:
             accuracy = f", preference accuracy {acc.recent_median(10):.2f}" if acc is not None else ""
-            return Finding(CHECK, Status.WARNING,
+            return Finding(CHECK, WARNING,
                            f"not learning preferences: the loss {mean:.4g} sits at ln 2{accuracy} (chance): the policy "
                            "does not separate chosen from rejected answers",
                            "raise the learning rate or beta, check that chosen and rejected are not swapped or "
@@ -258,7 +258,7 @@ def _preference(history, mean: float, se: float, falling: bool) -> Finding | Non
 
 
 def _never(loss, now: float) -> Finding:
-    return Finding(CHECK, Status.WARNING,
+    return Finding(CHECK, WARNING,
                    f"never learned: the loss started at {loss.initial:.4g} and never fell significantly below it "
                    f"over {loss.span} steps (now {now:.4g})",
                    "check the learning rate (too large: the loss rises or jumps around its start; too small: it "
@@ -290,8 +290,8 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         if did is False and loss.span >= t.loss.range_after_steps // 5:
             return _never(loss, loss.ring.back(0))
         return prior or Finding.unknown(CHECK)
-    recent = loss.ring.last(t.windows.noise_records)
-    tail = recent[-max(t.windows.trend_min_records, len(recent) // 4):]
+    # The last quarter of the noise window's records (at least trend_min_records): read as such.
+    tail = loss.ring.last(max(t.windows.trend_min_records, min(len(loss.ring), t.windows.noise_records) // 4))
     mean = fsum(tail) / len(tail)
     noise = loss.noise
     se = noise / math.sqrt(len(tail)) if math.isfinite(noise) else math.nan
@@ -305,14 +305,14 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         # 8-class model at ln 3): a model at chance never left it.
         k = chance_level(mean, se)
         if k is not None and not falling:
-            return Finding(CHECK, Status.WARNING,
+            return Finding(CHECK, WARNING,
                            f"at chance: the train loss {mean:.4g} equals ln {k} within its noise: the model predicts "
                            f"uniformly over {k} classes", _FIX_CHANCE)
     if profile.name in ("classification", "seq2seq", "preference", "causal-lm"):
         at = _eval_chance(history) if profile.name != "causal-lm" else None
         if at is not None:
             k, value = at
-            return Finding(CHECK, Status.WARNING,
+            return Finding(CHECK, WARNING,
                            f"at chance: the eval loss {value:.4g} equals ln {k} within its noise: the model predicts "
                            f"uniformly over {k} classes", _FIX_CHANCE)
     if prior is not None:
@@ -321,4 +321,4 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         return _never(loss, mean)
     if did is None:
         return Finding.unknown(CHECK)
-    return Finding(CHECK, Status.GOOD, f"the loss fell from {loss.initial:.4g} to {mean:.4g}")
+    return Finding(CHECK, GOOD, f"the loss fell from {loss.initial:.4g} to {mean:.4g}")

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from lossbeat.diagnosis.thresholds import LossThresholds, OverfittingThresholds, Profile, Thresholds
 from lossbeat.diagnosis.window import fsum
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding, Status
 
 __all__ = [
     "Trend",
@@ -179,7 +179,7 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
     if profile.loss_init_high is not None and initial > profile.loss_init_high and not mean < 0.5 * initial \
             and learned is not True:
         return Finding(
-            check, Status.WARNING,
+            check, WARNING,
             f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, more than a uniform prediction over "
             f"any plausible vocabulary or class count (now {mean:.4g})",
             "check the initialisation, the labels (ignored index, shifted targets) and the loss reduction "
@@ -195,24 +195,24 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
     learning = series.span < t.loss.range_after_steps and not (trend.known and not descending)
     if learning:
         start = _start(series, profile)
-        return Finding(check, Status.GOOD, f"mean loss {mean:.4g} while still learning" + (f"; {start}" if start else ""),
+        return Finding(check, GOOD, f"mean loss {mean:.4g} while still learning" + (f"; {start}" if start else ""),
                        component=component)
     k = uniform_classes(mean) if profile.name in _CHANCE_PROFILES else None
     if k is not None and trend.known and not trend.falling:
         what = "the policy does not separate chosen from rejected" if profile.name == "preference" and k == 2 \
             else f"the model predicts uniformly over {k} classes (chance level)"
         return Finding(
-            check, Status.WARNING, f"loss {mean:.4g} equals ln {k}: {what}",
+            check, WARNING, f"loss {mean:.4g} equals ln {k}: {what}",
             "the model is not learning: check that labels match inputs (shuffled together), the learning rate, "
             "and that the classifier head is trained",
             component,
         )
     if profile.loss_warn_high is not None and mean > profile.loss_warn_high and descending:
-        return Finding(check, Status.GOOD, f"mean loss {mean:.4g}, above {profile.loss_warn_high:g} but still falling "
+        return Finding(check, GOOD, f"mean loss {mean:.4g}, above {profile.loss_warn_high:g} but still falling "
                        f"({trend.ratio * 100:.1f}% over the last {trend.window_steps:.0f} steps)", component=component)
     if profile.loss_warn_high is not None and mean > profile.loss_warn_high:
         return Finding(
-            check, Status.WARNING,
+            check, WARNING,
             f"mean loss {mean:.4g} is above {profile.loss_warn_high:g} for a {profile.name} task "
             f"after {series.span} steps",
             "check the learning rate, the labels and the loss reduction; a loss this high often means the model is not learning",
@@ -220,19 +220,19 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
         )
     if profile.loss_warn_low is not None and mean < profile.loss_warn_low:
         return Finding(
-            check, Status.WARNING,
+            check, WARNING,
             f"mean loss {mean:.4g} is below {profile.loss_warn_low:g}: suspiciously low for a {profile.name} task",
             "look for label leakage or memorisation: compare with the eval loss and check the data split",
             component,
         )
     if profile.loss_good is not None and profile.loss_good[0] <= mean <= profile.loss_good[1]:
-        return Finding(check, Status.GOOD, f"mean loss {mean:.4g} is in the usual range", component=component)
-    return Finding(check, Status.GOOD, f"mean loss {mean:.4g}", component=component)
+        return Finding(check, GOOD, f"mean loss {mean:.4g} is in the usual range", component=component)
+    return Finding(check, GOOD, f"mean loss {mean:.4g}", component=component)
 
 
 def check_loss_trend(
     trend: Trend, series, t: Thresholds, profile: Profile, schedule_ended: bool = False, lr_fraction: float = math.nan,
-    component: str = "", held: Status = Status.GOOD, learned: bool | None = None,
+    component: str = "", held: Status = GOOD, learned: bool | None = None,
 ) -> Finding:
     """Layer 2: is the loss still falling, flat, or rising, over windows in steps?
 
@@ -255,7 +255,7 @@ def check_loss_trend(
                 if math.isfinite(trend.best) and trend.best and trend.recent > trend.best else "")
         against = (trend.recent - trend.previous) / abs(trend.previous) * 100 if trend.previous else math.inf
         return Finding(
-            check, Status.DANGER,
+            check, DANGER,
             f"loss is rising: {trend.recent:.4g} over the last {span}, {_moved(against)} against the window before "
             f"({trend.previous:.4g}){best}",
             "lower the learning rate, enable gradient clipping, and check the data of the recent steps",
@@ -264,30 +264,30 @@ def check_loss_trend(
     if trend.watching:
         against = (trend.recent - trend.previous) / abs(trend.previous) * 100 if trend.previous else math.inf
         return Finding(
-            check, Status.WARNING,
+            check, WARNING,
             f"loss {_moved(against)} over the last {span} against the window before ({trend.recent:.4g} against "
             f"{trend.previous:.4g}): beyond its noise, not yet lasting half a window: watching",
             "if it keeps rising: lower the learning rate, enable gradient clipping, and check the data of the recent "
             "steps", component)
     release = t.hysteresis.release
-    if held is Status.WARNING:  # a plateau is left for a fall beyond its threshold / release ...
+    if held is WARNING:  # a plateau is left for a fall beyond its threshold / release ...
         falling = trend.falling and trend.ratio >= t.loss.plateau_max_fall / release \
             and trend.z >= t.loss.fall_min_z / release and _fall_lasts(trend, series, t, profile)
     else:
         falling = trend.falling
     if falling:
-        return Finding(check, Status.GOOD, f"loss falling ({pct:.1f}% over the last {span})", component=component)
+        return Finding(check, GOOD, f"loss falling ({pct:.1f}% over the last {span})", component=component)
     if schedule_ended and learned is not False:
         return Finding(
-            check, Status.GOOD,
+            check, GOOD,
             f"loss flat ({_moved(-pct)} over the last {span}) at the end of a decayed LR schedule "
             f"(LR at {lr_fraction * 100:.2g}% of its peak): expected",
             component=component,
         )
     # ... and entered only below its threshold x release: a descent at the threshold does not flap.
-    if held is not Status.WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release \
+    if held is not WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release \
             and trend.z >= t.loss.fall_min_z * release:
-        return Finding(check, Status.GOOD, f"loss falling slowly ({pct:.1f}% over the last {span}), at the plateau "
+        return Finding(check, GOOD, f"loss falling slowly ({pct:.1f}% over the last {span}), at the plateau "
                                            "threshold", component=component)
     # A plateau is a fall too small to matter. A fall as large as one that matters, but within the
     # noise of two windows of few records (a sparse or noisy log early in the run), is no evidence
@@ -295,17 +295,17 @@ def check_loss_trend(
     # power to tell, so no plateau is entered on it; one already held stays until a significant fall.
     # Entering on it made noisy descents flap, plateau and back, as the fall's z crossed 3 by chance
     # (issue 18: a YOLO loss falling 5-8 % per window, z 1.7-3, over 40 epochs).
-    if held is not Status.WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release:
-        return Finding(check, Status.GOOD, f"loss {_moved(-pct)} over the last {span}, within the noise of the "
+    if held is not WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release:
+        return Finding(check, GOOD, f"loss {_moved(-pct)} over the last {span}, within the noise of the "
                                            "windows: too few records to call it falling or a plateau",
                        component=component)
     floor = profile.volatility_floor
-    near_zero = 0.1 * (floor or 0.0) * (release if held is Status.WARNING else 1.0 / release)
+    near_zero = 0.1 * (floor or 0.0) * (release if held is WARNING else 1.0 / release)
     if floor is not None and abs(trend.recent) < near_zero:
-        return Finding(check, Status.GOOD, f"loss flat near zero ({trend.recent:.3g}): nothing left to fall",
+        return Finding(check, GOOD, f"loss flat near zero ({trend.recent:.3g}): nothing left to fall",
                        component=component)
     return Finding(
-        check, Status.WARNING,
+        check, WARNING,
         f"loss has plateaued: {_moved(-pct)} over the last {span} "
         + (f"(no fall of {t.loss.plateau_max_fall * 100:g}% of the level)" if trend.ratio < t.loss.plateau_max_fall
            else "(not a significant fall)")
@@ -353,7 +353,7 @@ def robust_cv(series, profile: Profile) -> float:
 
 def check_loss_volatility(
     cv: float, t: LossThresholds, component: str = "", nonfinite: bool = False,
-    held: Status = Status.GOOD, release: float = 1.0,
+    held: Status = GOOD, release: float = 1.0,
 ) -> Finding:
     """Layer 3: how much does the loss jump around its trend? ``cv``: :func:`robust_cv`.
 
@@ -365,19 +365,19 @@ def check_loss_volatility(
         return Finding.unknown(check, NONFINITE, component)
     if not math.isfinite(cv):
         return Finding.unknown(check, component=component)
-    warning = t.cv_warning * (release if held >= Status.WARNING else 1.0)
-    danger = t.cv_danger * (release if held >= Status.DANGER else 1.0)
+    warning = t.cv_warning * (release if held >= WARNING else 1.0)
+    danger = t.cv_danger * (release if held >= DANGER else 1.0)
     if cv < warning:
-        return Finding(check, Status.GOOD, f"loss volatility normal (noise/level {cv:.3f})", component=component)
+        return Finding(check, GOOD, f"loss volatility normal (noise/level {cv:.3f})", component=component)
     if cv < danger:
         return Finding(
-            check, Status.WARNING,
+            check, WARNING,
             f"loss is volatile (step-to-step noise {cv:.3f} of its level)",
             "use a larger batch (or gradient accumulation) or a lower learning rate",
             component,
         )
     return Finding(
-        check, Status.DANGER,
+        check, DANGER,
         f"loss is very volatile (step-to-step noise {cv:.3f} of its level)",
         "lower the learning rate, clip gradients, and look for bad batches",
         component,
@@ -392,7 +392,7 @@ def is_spike(value: float, level: float, noise: float, t: LossThresholds) -> boo
 
 def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "",
                       learned: bool | None = None, metric: tuple | None = None,
-                      held: Status = Status.GOOD) -> Finding:
+                      held: Status = GOOD) -> Finding:
     """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
 
     ``learned`` False (the training loss never fell below its start): an eval loss rising there is
@@ -405,18 +405,18 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
     rise = track.rise
     # Entered on evaluations above the best beyond their noise; held while they stay above it by
     # eval_rise x release (``held``: the status the check holds now).
-    above = max(track.above, getattr(track, "still_above", 0)) if held >= Status.WARNING else track.above
+    above = max(track.above, getattr(track, "still_above", 0)) if held >= WARNING else track.above
     if learned is not True and above:
         why = ("the training loss never fell below its start: not overfitting, a run that never learned"
                if learned is False else "the training loss has not been seen falling yet")
-        return Finding(check, Status.GOOD,
+        return Finding(check, GOOD,
                        f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
                        component=component)
     if above >= t.evals and not trend.rising:
         confident = _still_improving(metric, track)
         if confident:
             return Finding(
-                check, Status.WARNING,
+                check, WARNING,
                 f"over-confident: eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} "
                 f"(step {track.best_step}) for {above} evaluations while the {confident}: the model grows "
                 "more confident in the answers it gets wrong, so the loss rises while the metric improves",
@@ -424,17 +424,17 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
                 "(label smoothing, temperature scaling) if probabilities matter; regularise once the metric stops "
                 "improving", component)
         return Finding(
-            check, Status.WARNING,
+            check, WARNING,
             f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} (step {track.best_step}) "
             f"for {above} evaluations while the training loss does not rise",
             "add weight decay or dropout, get more data, or stop early at the best checkpoint",
             component,
         )
     if above:
-        return Finding(check, Status.GOOD,
+        return Finding(check, GOOD,
                        f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}: "
                        "one evaluation, watching", component=component)
-    return Finding(check, Status.GOOD, f"eval loss {track.latest:.4g} (best {track.best:.4g})", component=component)
+    return Finding(check, GOOD, f"eval loss {track.latest:.4g} (best {track.best:.4g})", component=component)
 
 
 _METRIC_NAMES = {"eval_accuracy": "eval accuracy", "eval_f1": "eval F1", "eval_wer": "eval WER", "eval_cer": "eval CER"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding, Status
 
 __all__ = ["Pattern", "PATTERNS", "classify", "PatternTracker"]
 
@@ -36,25 +36,44 @@ _BY_NAME = {p.name: p for p in PATTERNS}
 
 def classify(findings: Iterable[Finding]) -> Pattern | None:
     """The pattern the findings show, worst first; None before the checks can judge."""
+    by_check, overfitting, _ = _read(findings)
+    return _classify(by_check, overfitting)
+
+
+def _read(findings: Iterable[Finding]) -> tuple[dict[str, Finding], bool, bool]:
+    """One pass over the findings: the total loss's by check (components are judged on their own),
+    whether any evaluation set overfits, and whether the total loss is seen falling."""
     by_check: dict[str, Finding] = {}
     overfitting = False
     for f in findings:
-        if not f.component:  # the total loss; components are judged on their own
-            by_check[f.check] = f
+        check = f.check
+        if not f.component:
+            by_check[check] = f
         # ... except overfitting, judged per evaluation set: any set that overfits counts.
-        overfitting = overfitting or (f.check == "overfitting" and f.known and f.status >= Status.WARNING)
-    status = lambda check: by_check[check].status if check in by_check and by_check[check].known else None  # noqa: E731
+        if check == "overfitting" and f.known and f.status >= WARNING:
+            overfitting = True
+    trend = by_check.get("loss_trend")
+    falling = (trend is not None and trend.known and trend.status is GOOD
+               and trend.message.startswith("loss falling"))
+    return by_check, overfitting, falling
+
+
+def _classify(by_check: dict[str, Finding], overfitting: bool) -> Pattern | None:
+    def status(check: str) -> Status | None:
+        f = by_check.get(check)
+        return f.status if f is not None and f.known else None
+
     trend = status("loss_trend")
-    if status("nonfinite") == Status.DANGER or status("grad_norm") == Status.DANGER or trend == Status.DANGER:
+    if status("nonfinite") == DANGER or status("grad_norm") == DANGER or trend == DANGER:
         return _BY_NAME["diverging"]
     if overfitting:
         return _BY_NAME["overfitting"]
     lr = by_check.get("learning_rate")
-    lr_too_large = lr is not None and lr.status >= Status.WARNING and "too large" in lr.fix
-    if (status("loss_volatility") or 0) >= Status.WARNING or lr_too_large:
+    lr_too_large = lr is not None and lr.status >= WARNING and "too large" in lr.fix
+    if (status("loss_volatility") or 0) >= WARNING or lr_too_large:
         return _BY_NAME["oscillating"]
-    lr_too_small = lr is not None and lr.status >= Status.WARNING and "too small" in lr.fix
-    if trend == Status.WARNING or lr_too_small:
+    lr_too_small = lr is not None and lr.status >= WARNING and "too small" in lr.fix
+    if trend == WARNING or lr_too_small:
         return _BY_NAME["no_progress"]
     if trend is None:
         return None
@@ -73,12 +92,9 @@ class PatternTracker:
         self._fell = False
 
     def update(self, findings: Iterable[Finding], step: int | None) -> Pattern | None:
-        findings = list(findings)
-        self._fell = self._fell or any(
-            f.check == "loss_trend" and not f.component and f.known and f.status is Status.GOOD
-            and f.message.startswith("loss falling") for f in findings
-        )
-        pattern = classify(findings)
+        by_check, overfitting, falling = _read(findings)
+        self._fell = self._fell or falling
+        pattern = _classify(by_check, overfitting)
         if pattern is not None and pattern.name == "converging" and not self._fell:
             pattern = _BY_NAME["no_progress"]
         if pattern != self.pattern:

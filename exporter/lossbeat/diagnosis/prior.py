@@ -26,7 +26,7 @@ import functools
 import math
 from fractions import Fraction
 
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import WARNING, Finding
 from lossbeat.diagnosis.profiles import ClassPriorThresholds
 
 __all__ = ["check_class_prior", "eval_set_size", "prior_entropy"]
@@ -133,7 +133,7 @@ def check_class_prior(history, c: ClassPriorThresholds, ln2_start: bool) -> Find
         how = f"train loss {train:.4g} at H(a) too"
     loss = f", eval loss {eval_loss:.4g} against the prior's entropy H({a:.3f}) = {h:.4g}" \
         if math.isfinite(eval_loss) else ""
-    return Finding(CHECK, Status.WARNING,
+    return Finding(CHECK, WARNING,
                    f"at the class prior: eval accuracy {accs[-1]:.3f} over {acc.count} evaluations stays at the "
                    f"majority share {a:.3f} (within {band:.3f}, {c.z:g} standard errors of {n} examples){loss} "
                    f"({how}): the model predicts the class prior: it learned the class balance, not the task",

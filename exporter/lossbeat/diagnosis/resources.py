@@ -12,7 +12,7 @@ from typing import Sequence
 
 from lossbeat.diagnosis.thresholds import MemoryThresholds, ThroughputThresholds
 from lossbeat.diagnosis.window import Ring, median  # the same float as statistics.median, a tenth of its cost
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 
 __all__ = ["check_memory", "ThroughputTracker"]
 
@@ -34,28 +34,28 @@ def check_memory(
     top = max(current, peak or 0.0)
     if top > t.near_limit * limit:
         return Finding(
-            check, Status.DANGER,
+            check, DANGER,
             f"peak memory {_gib(top)} is {top / limit:.0%} of the {_gib(limit)} limit: an out-of-memory error is near",
             "lower the micro-batch size and raise gradient accumulation, enable activation checkpointing, "
             "or free cached tensors (torch.cuda.empty_cache() only hides fragmentation)",
         )
     if len(allocated) < max(6, t.samples // 2):
-        return Finding(check, Status.GOOD, f"memory {_gib(current)} ({current / limit:.0%} of the limit)", known=True)
+        return Finding(check, GOOD, f"memory {_gib(current)} ({current / limit:.0%} of the limit)", known=True)
     # Medians of the window's first and last thirds: robust to one eval's or one step's bump.
     third = len(allocated) // 3
     first = median(allocated[:third])
-    middle = median(allocated[third:-third])
     last = median(allocated[-third:])
     growth = last - first
-    if growth > t.growth_fraction * limit and first < middle < last:
+    # The middle third only where the growth is large enough to ask whether it is steady.
+    if growth > t.growth_fraction * limit and first < median(allocated[third:-third]) < last:
         return Finding(
-            check, Status.WARNING,
+            check, WARNING,
             f"memory keeps growing: {_gib(first)} -> {_gib(last)} over the last {len(allocated)} samples "
             f"(+{growth / limit:.1%} of the limit): a leak",
             "look for tensors kept across steps (losses appended without .item() or .detach(), "
             "growing caches, a graph retained by retain_graph=True)",
         )
-    return Finding(check, Status.GOOD, f"memory stable at {_gib(current)} ({current / limit:.0%} of the limit)")
+    return Finding(check, GOOD, f"memory stable at {_gib(current)} ({current / limit:.0%} of the limit)")
 
 
 class ThroughputTracker:
@@ -75,15 +75,26 @@ class ThroughputTracker:
         self._slow = Ring(t.baseline_blocks)
         self._recent: float | None = None
         self._seen = 0
+        self._finding: Finding | None = None  # finding(), until the next block closes (nothing else moves it)
 
     def add(self, seconds: float) -> None:
         """One training step's wall time (steps that spanned an evaluation excluded)."""
-        self._seen += 1
-        if self._seen <= self.t.warmup_steps or not (math.isfinite(seconds) and seconds > 0):
-            return
-        self._block.append(seconds)
-        if len(self._block) < self.t.steps:
-            return
+        self.extend((seconds,))
+
+    def extend(self, times: Sequence[float]) -> None:
+        """Training steps' wall times, in order, as ``add`` does each."""
+        warmup, steps, seen = self.t.warmup_steps, self.t.steps, self._seen
+        for seconds in times:
+            seen += 1
+            if seen <= warmup or not (seconds > 0 and seconds < math.inf):  # NaN, 0, negative, inf: skipped
+                continue
+            self._block.append(seconds)
+            if len(self._block) >= steps:
+                self._close_block()
+        self._seen = seen
+
+    def _close_block(self) -> None:
+        self._finding = None
         block, self._block = median(self._block), []
         self._recent = block
         level = self.level()
@@ -103,6 +114,11 @@ class ThroughputTracker:
         return median(self._level) if len(self._level) >= 2 else None
 
     def finding(self) -> Finding:
+        if self._finding is None:
+            self._finding = self._judge()
+        return self._finding
+
+    def _judge(self) -> Finding:
         check = "throughput"
         level, recent = self.level(), self._recent
         if level is None or recent is None:
@@ -110,9 +126,9 @@ class ThroughputTracker:
         ratio = level / recent  # steps/s now over the run's own steps/s
         if ratio < self.t.drop_fraction:
             return Finding(
-                check, Status.WARNING,
+                check, WARNING,
                 f"throughput fell to {ratio:.0%} of the run's own level ({1 / recent:.3g} steps/s, was {1 / level:.3g})",
                 "look for a slow node (thermal throttling, a failing GPU), a data-loader stall (workers, storage), "
                 "or checkpoint I/O inside the step; mark evaluations and checkpoints with monitor.phase()",
             )
-        return Finding(check, Status.GOOD, f"{1 / recent:.3g} steps/s ({ratio:.0%} of the run's own level)")
+        return Finding(check, GOOD, f"{1 / recent:.3g} steps/s ({ratio:.0%} of the run's own level)")

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from lossbeat.diagnosis.thresholds import ScheduleThresholds
-from lossbeat.diagnosis.findings import Finding, Status
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 
 __all__ = ["LRSchedule", "ScheduleTracker"]
 
@@ -94,13 +94,13 @@ class ScheduleTracker:
     def _warn(self, message: str, fix: str) -> Finding:
         self._departures += 1
         if self._departures < self.t.consecutive:
-            return self._finding if self._finding.status else Finding("lr_schedule", Status.GOOD, "LR follows the schedule")
-        return Finding("lr_schedule", Status.WARNING, message, fix)
+            return self._finding if self._finding.status else Finding("lr_schedule", GOOD, "LR follows the schedule")
+        return Finding("lr_schedule", WARNING, message, fix)
 
     def _check_lr(self, step: int, lr: float) -> Finding:
         expected = self.schedule.lr_at(step)
         if not math.isfinite(lr):
-            return Finding("lr_schedule", Status.DANGER, f"LR is {lr} at step {step}", "check the scheduler")
+            return Finding("lr_schedule", DANGER, f"LR is {lr} at step {step}", "check the scheduler")
         scale = max(expected, 1e-12)
         if abs(lr - expected) > self.t.tolerance * scale:
             return self._warn(
@@ -109,7 +109,7 @@ class ScheduleTracker:
                 "that a resumed run restored its state, and that the declared schedule is the run's",
             )
         self._departures = 0
-        return Finding("lr_schedule", Status.GOOD, f"LR {lr:.3g} follows the schedule ({expected:.3g} at step {step})")
+        return Finding("lr_schedule", GOOD, f"LR {lr:.3g} follows the schedule ({expected:.3g} at step {step})")
 
     def _check_counter(self, step: int, counter: int) -> Finding:
         last, self._last = self._last, (step, counter)
@@ -139,4 +139,4 @@ class ScheduleTracker:
                 "restore the scheduler's state with the optimizer's when resuming",
             )
         self._departures = 0
-        return Finding("lr_schedule", Status.GOOD, f"the LR scheduler steps with the optimizer (at {counter})")
+        return Finding("lr_schedule", GOOD, f"the LR scheduler steps with the optimizer (at {counter})")

@@ -19,6 +19,8 @@ from lossbeat.diagnosis.window import Ring
 
 __all__ = ["Vitals", "as_schedule", "LIVE_ONLY_CHECKS"]
 
+_HELD_TIMES = 256  # step times held for the next diagnosis at most (it comes every windows.diagnose_every)
+
 LIVE_ONLY_CHECKS = frozenset({"layer_grad_norm", "memory", "throughput", "lr_schedule"})
 """Checks only a live process can make (per-layer norms, memory, step times, the scheduler's
 counter): logs do not carry them, so ``lossbeat analyze`` leaves them unjudged."""
@@ -59,12 +61,21 @@ class Vitals:
         self._peak = 0.0
         self._limit: float | None = None
         self._throughput = ThroughputTracker(thresholds.throughput)
+        self._step_times: list[float] = []  # judged at the next findings(), in order
         self._patterns = PatternTracker()
 
     def add_step_time(self, seconds: float | None, training: bool) -> None:
-        """One step's wall time; None (unknown) or outside the train phase is skipped."""
+        """One step's wall time; None (unknown) or outside the train phase is skipped. Kept in a
+        list until the next diagnosis reads the throughput (a list append a step)."""
         if seconds is not None and training:
-            self._throughput.add(seconds)
+            times = self._step_times
+            times.append(seconds)
+            if len(times) >= _HELD_TIMES:  # bounded even when no diagnosis comes
+                self._add_times()
+
+    def _add_times(self) -> None:
+        times, self._step_times = self._step_times, []
+        self._throughput.extend(times)
 
     def findings(self, step: int | None, lr: float | None, memory: Any) -> list[Finding]:
         """The vitals' findings; ``memory`` is a reading with ``allocated``, ``peak`` and ``limit``
@@ -78,8 +89,10 @@ class Vitals:
             if self._memory_seen > self.t.memory.warmup_samples:
                 self._memory.push(reading.allocated)
         counter = self._scheduler.last_epoch if self._scheduler is not None else None
+        if self._step_times:
+            self._add_times()
         return [
-            check_memory(list(self._memory), self._peak, self._limit, self.t.memory),
+            check_memory(self._memory.last(len(self._memory)), self._peak, self._limit, self.t.memory),
             self._throughput.finding(),
             self._schedule.update(step, lr, counter),
         ]

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Iterator
+from typing import Iterator, Sequence
 
 __all__ = ["Ring", "LossWindow", "StepSummary", "SortedValues", "NoiseWindow", "fsum", "median", "robust_noise"]
 
 
 def fsum(values) -> float:
     """``math.fsum``, except that a sum beyond the float range is +-inf (data), not an OverflowError."""
-    values = list(values)
+    if type(values) is not list and type(values) is not tuple:  # read twice below: a generator once
+        values = list(values)
     try:
         return math.fsum(values)
     except OverflowError:  # finite values near 1.8e308: the exact sum does not fit a float
@@ -42,6 +43,23 @@ class Ring:
         self._next = (self._next + 1) % self._capacity
         if self._count < self._capacity:
             self._count += 1
+
+    def extend(self, values: Sequence[float]) -> None:
+        """``push`` each of ``values``, in order: at most two slice writes."""
+        k, capacity, data = len(values), self._capacity, self._data
+        if k >= capacity:  # only the last `capacity` stay
+            data[:] = values[k - capacity:]
+            self._next, self._count = 0, capacity
+            return
+        start = self._next
+        end = start + k
+        if end <= capacity:
+            data[start:end] = values
+        else:
+            data[start:] = values[: capacity - start]
+            data[: end - capacity] = values[capacity - start:]
+        self._next = end % capacity
+        self._count = min(self._count + k, capacity)
 
     def back(self, k: int) -> float:
         """The value ``k`` pushes ago (0 = the newest)."""
@@ -267,6 +285,41 @@ class NoiseWindow:
             a, b = data[(newest - 2) % capacity], data[(newest - 1) % capacity]
             bisect.insort(seconds, abs(value - 2.0 * b + a))
 
+    def extend(self, ring: Ring, new: Sequence[float]) -> None:
+        """Push ``new`` to ``ring`` and update the window as ``update`` after each push would, to the
+        same sorted lists: what leaves (read before the ring drops it) is removed first, then what
+        comes is inserted in order (a multiset: equal values are interchangeable, and zeros keep
+        their order of arrival, sign by sign, either way)."""
+        k, size = len(new), self.size
+        if k == 1 or size < 3 or k > size - 3 or ring._capacity <= size:  # one at a time
+            for value in new:
+                ring.push(value)
+                self.update(ring)
+            return
+        count = ring._count
+        held = min(size, count)
+        old = ring.last(held)  # the window before (the last `size` values)
+        leaving = max(0, held + k - size)  # its oldest values, which the new ones push out
+        values, seconds = self.values.values, self.seconds.values
+        for i in range(leaving):
+            a = old[i]
+            if a == 0.0:
+                self.values.remove_oldest(a)
+                self.zeros -= 1
+            else:
+                del values[bisect.bisect_left(values, a)]
+            second = abs(old[i + 2] - 2.0 * old[i + 1] + a)  # its second difference leaves with it
+            del seconds[bisect.bisect_left(seconds, second)]
+        # In by one stable sort each: equal values stay in their order of arrival, after the ones
+        # already there (where insort puts each), and the sort compares floats directly.
+        values += new
+        values.sort()
+        self.zeros += new.count(0.0)
+        tail = old[-2:] + list(new)  # each new value's second difference, once two came before it
+        seconds += [abs(c - 2.0 * b + a) for a, b, c in zip(tail, tail[1:], tail[2:])]
+        seconds.sort()
+        ring.extend(new)
+
     def rebuild(self, ring: Ring) -> None:
         self.clear()
         values = ring.last(self.size)
@@ -300,7 +353,7 @@ class StepSummary:
     """
 
     __slots__ = ("capacity", "width", "blocks", "first_step", "last_step", "_starts", "_added", "_starts_at",
-                 "_ordered", "_merges", "_best_states")
+                 "_ordered", "_merges", "_best_states", "_window_sums")
 
     def __init__(self, capacity: int = 128) -> None:
         if not isinstance(capacity, int) or capacity < 4 or capacity % 2:
@@ -320,29 +373,41 @@ class StepSummary:
         self._merges = 0
         self._best_states: dict[tuple[int, int], tuple[int, int, float, float, int, float]] = {}
         """best()'s loop state over the blocks that no longer change, by (window blocks, min_count)."""
+        self._window_sums: dict[tuple[int, int], tuple[float, float]] = {}
+        """window()'s (count, sum) over blocks[i:j] that no longer change, by (i, j)."""
 
     def push(self, step: int, value: float) -> None:
+        self.extend((step,), (value,))
+
+    def extend(self, steps: Sequence[int], values: Sequence[float]) -> None:
+        """``push`` each (step, value), in order: the same blocks, the same sums."""
         if self.first_step is None:
-            self.first_step = step
-        self.last_step = step
-        start = self.first_step + (step - self.first_step) // self.width * self.width
-        blocks = self.blocks
-        if blocks and blocks[-1][0] == start:
-            last = blocks[-1]
-            last[1] += 1
-            last[2] += value
-            return
-        if blocks and start < blocks[-1][0]:
-            self._ordered = False
-        blocks.append([float(start), 1.0, value])
-        self._added += 1
-        while len(self.blocks) > self.capacity:
-            self._merge()
+            self.first_step = steps[0]
+        first, width, blocks = self.first_step, self.width, self.blocks
+        last = blocks[-1] if blocks else None
+        for step, value in zip(steps, values):
+            start = first + (step - first) // width * width
+            if last is not None and last[0] == start:
+                last[1] += 1
+                last[2] += value
+                continue
+            if last is not None and start < last[0]:
+                self._ordered = False
+            last = [float(start), 1.0, value]
+            blocks.append(last)
+            self._added += 1
+            if len(blocks) > self.capacity:
+                while len(self.blocks) > self.capacity:
+                    self._merge()
+                width, blocks = self.width, self.blocks
+                last = blocks[-1]
+        self.last_step = steps[-1]
 
     def _merge(self) -> None:
         self.width *= 2
         self._merges += 1
         self._best_states.clear()
+        self._window_sums.clear()
         merged: list[list[float]] = []
         for first, count, total in self.blocks:
             start = self.first_step + (int(first) - self.first_step) // self.width * self.width
@@ -376,10 +441,29 @@ class StepSummary:
                     total += s
             return int(count), (total / count if count else math.nan)
         starts = self._block_starts()
-        # The same additions, in the same order, as over every block: only the ones inside.
-        for _, n, s in self.blocks[bisect.bisect_right(starts, start):bisect.bisect_right(starts, end)]:
-            count += n
-            total += s
+        i, j = bisect.bisect_right(starts, start), bisect.bisect_right(starts, end)
+        if i >= j:
+            return 0, math.nan
+        # The same additions, in the same order, as over every block: only the ones inside. All but
+        # the last block no longer change (until a merge): their part of the loop is kept, by (i, j),
+        # and the last one, still filling, is added to it as the loop would add it.
+        blocks = self.blocks
+        filling = j == len(blocks)
+        closed = j - 1 if filling else j
+        kept = self._window_sums.get((i, closed))
+        if kept is None:
+            for _, n, s in blocks[i:closed]:
+                count += n
+                total += s
+            if len(self._window_sums) >= 16:
+                self._window_sums.clear()
+            self._window_sums[(i, closed)] = (count, total)
+        else:
+            count, total = kept
+        if filling:
+            last = blocks[-1]
+            count += last[1]
+            total += last[2]
         return int(count), (total / count if count else math.nan)
 
     def best(self, width: float, min_count: int, end: float) -> tuple[int, float]:
@@ -388,7 +472,6 @@ class StepSummary:
         if self._ordered:
             starts = self._block_starts()
             cut = bisect.bisect_right(starts, end)
-            blocks = self.blocks[:cut]
             if cut > 1 and starts[cut - 1] - starts[0] == (cut - 1) * self.width and width > 0:
                 # A block leaves the window once it starts `width` or more before the newest: for
                 # contiguous blocks, after ceil(width / block width) of them, unless `width` is a
@@ -396,6 +479,7 @@ class StepSummary:
                 multiple = round(width / self.width) * self.width
                 if width == multiple or abs(width - multiple) > 1e-9 * max(1.0, width, abs(starts[cut - 1])):
                     return self._best_contiguous(math.ceil(width / self.width), min_count, cut)
+            blocks = self.blocks[:cut]
         else:
             blocks = [b for b in self.blocks if b[0] <= end]
             starts = [b[0] for b in blocks]

@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import socket
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,12 +78,14 @@ class RankContext:
         writes its host name to the group's store and counts the lower ranks on its host
         (waiting up to 30 s, once, for them to start their monitors; no collective).
         """
-        try:
-            import torch.distributed as dist
+        initialised = False
+        if "torch" in sys.modules:  # a process that never imported torch has no process group
+            try:
+                import torch.distributed as dist
 
-            initialised = dist.is_available() and dist.is_initialized()
-        except ImportError:  # pragma: no cover - torch without distributed support
-            initialised = False
+                initialised = dist.is_available() and dist.is_initialized()
+            except ImportError:  # pragma: no cover - torch without distributed support
+                pass
         env = cls.from_env()
         if not initialised:
             return env

@@ -40,9 +40,12 @@ rank-0-only logging after ``observe()`` off the work path, or read logged values
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-import torch
 from lossbeat.diagnosis.window import Ring
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CrossRankSignals", "AUTO_ALIGN_EVERY"]
 
@@ -113,6 +116,8 @@ class CrossRankSignals:
     # --- forward hooks (the training thread, inside the model's forward) ----------------------
 
     def _hook(self, model: torch.nn.Module) -> None:
+        import torch  # a model: torch is loaded
+
         self.close()
         inner = getattr(model, "module", None)
         inner = inner if isinstance(inner, torch.nn.Module) else model  # DDP/FSDP1 wrap `.module`

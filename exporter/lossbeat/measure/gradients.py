@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from lossbeat.measure import handshake
+from lossbeat.measure.errors import ShardedMeasurementError, ShardHandshakeError
 
 __all__ = [
     "LayerGrouping", "GradientNorms", "ShardedMeasurementError", "ShardHandshakeError", "compute_grad_norms",
@@ -70,15 +71,6 @@ _WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"
 # Measured by the fused kernel in float32 (bf16/fp16 norms lose precision; fp32 is exact).
 _FLOAT32_NORM = frozenset({torch.float32, torch.float16, torch.bfloat16})
 _handshakes = itertools.count()  # the same sequence on every rank: keys the store handshakes
-
-
-class ShardedMeasurementError(RuntimeError):
-    """Not every rank of a sharded model measures its gradients: the collective would hang."""
-
-
-class ShardHandshakeError(RuntimeError):
-    """The shard handshake's store failed, or every rank came but late: the exporter's trouble,
-    not a usage error (``clip_grad_norm_`` clips as torch does instead of raising)."""
 
 
 def _placement_groups(param: torch.Tensor, placements: Any) -> tuple[tuple[Any, ...], tuple[tuple[Any, str], ...]]:

@@ -51,7 +51,8 @@ def _windowed(device: str, reader: str, device_peak: float) -> float:
     with _lock:
         for other in READERS:
             key = (device, other)
-            _pending[key] = max(_pending.get(key, 0.0), device_peak)
+            pending = _pending.get(key, 0.0)
+            _pending[key] = device_peak if device_peak > pending else pending  # max(), without its call
         return _pending.pop((device, reader), device_peak)
 
 
@@ -77,7 +78,8 @@ def read_memory(cuda_device: int | None, reader: str = "scrape") -> MemoryReadin
         peak = _windowed(device, reader, max(device_peak, allocated))
         return MemoryReading(device, allocated, peak + outside, total)
     allocated, peak = _cpu_memory()
-    return MemoryReading("cpu", allocated, max(allocated, _windowed("cpu", reader, peak)), _cpu_limit())
+    peak = _windowed("cpu", reader, peak)
+    return MemoryReading("cpu", allocated, peak if peak > allocated else allocated, _cpu_limit())  # max()
 
 
 @functools.lru_cache(maxsize=16)
@@ -103,7 +105,7 @@ def _cpu_memory() -> tuple[float, float]:
         peak = float(maxrss if sys.platform == "darwin" else maxrss * 1024)
     if math.isnan(current):
         current = peak
-    return current, max(current, peak)
+    return current, (peak if peak > current else current)  # max(), without its call
 
 
 class _ProcFiles:

@@ -1,20 +1,21 @@
 """The monitor's gradient measurement for one step: the layer grouping (kept, and checked now and
 then against the model), the per-layer cadence, and norms measured ahead by ``clip_grad_norm_``
 or ``measure_gradients`` and reused by the next ``observe``. All device tensors, no host read.
+torch and the measurement itself load with the first model (a monitor fed floats never needs them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+from lossbeat.measure.errors import ShardedMeasurementError, ShardHandshakeError
 
-from lossbeat.measure.gradients import (
-    GradientNorms, LayerGrouping, ShardedMeasurementError, ShardHandshakeError, clip_with_norms, compute_grad_norms,
-    deepspeed_zero_stage,
-)
+if TYPE_CHECKING:
+    import torch
+
+    from lossbeat.measure.gradients import GradientNorms, LayerGrouping
 
 __all__ = ["GradientMeter", "ShardedMeasurementError", "ShardHandshakeError"]
 
@@ -79,6 +80,8 @@ class GradientMeter:
             if grouping.matches(model):
                 return grouping
         self._grouping_checked = self.submitted
+        from lossbeat.measure.gradients import LayerGrouping, deepspeed_zero_stage  # a model: torch is loaded
+
         grouping = self.grouping = LayerGrouping(
             model, self.layer_depth, self.max_layers, self.reduce_shards, self.pipeline_group,
         )
@@ -93,6 +96,10 @@ class GradientMeter:
 
     def clip(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip like ``torch.nn.utils.clip_grad_norm_``, keeping the norms for the next step."""
+        import torch  # a model: torch is loaded
+
+        from lossbeat.measure.gradients import clip_with_norms
+
         self._measured = None
         try:
             per_layer = self.layers_due() and self.exports_layers
@@ -114,6 +121,8 @@ class GradientMeter:
         """Measure now (norms divided by a loss ``scale`` on the device); the next step reuses them,
         or, with ``step``, ``observe(step)`` does, with or without the model (per-layer norms every
         ``layer_every`` steps measured so: observe may come several steps later)."""
+        from lossbeat.measure.gradients import compute_grad_norms  # a model: torch is loaded
+
         try:
             due = self.layers_due() if step is None else self.measured_ahead % self.layer_every == 0
             if step is not None:
@@ -167,6 +176,8 @@ class GradientMeter:
                 # due steps, whether it exports the layers or not.
                 if not (per_layer or need_global or (due and grouping.collective)):
                     return []
+                from lossbeat.measure.gradients import compute_grad_norms  # imported with the grouping
+
                 norms = compute_grad_norms(grouping, per_layer)
         except Exception as e:
             self.on_error("observe", e)

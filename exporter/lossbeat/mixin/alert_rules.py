@@ -8,6 +8,7 @@ the dashboards and the runbooks.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -20,7 +21,14 @@ __all__ = [
     "RECORDING_GROUP",
     "LOOKBACK_GROUP",
     "LOOKBACK_INTERVAL",
+    "SUMMARY_GROUP",
+    "CHECKS_SUMMARY_GROUP",
+    "SLOW",
+    "TICKETS",
+    "group_intervals",
     "lookback_rules",
+    "event_records",
+    "all_records",
     "alert_rules",
     "recording_rules",
     "rule_groups",
@@ -35,10 +43,27 @@ __all__ = [
 ]
 
 RECORDING_GROUP = "lossbeat.recording"
+NONFINITE_GROUP = "lossbeat.nonfinite"
+GRADIENTS_GROUP = "lossbeat.gradients"
 LOOKBACK_GROUP = "lossbeat.lookback"
 """Recording rules evaluated every ``LOOKBACK_INTERVAL``: what the long lookbacks of
 TrainingExporterDown (6h) and TrainingRankDown (1h) need, kept per rank at O(1) per evaluation."""
 LOOKBACK_INTERVAL = "1m"
+SUMMARY_GROUP = "lossbeat.summary"
+"""The recording rules only dashboards read (the job-level series, a few per-rank 5m means),
+every SUMMARY_INTERVAL."""
+CHECKS_SUMMARY_GROUP = "lossbeat.summary.checks"
+"""The job's worst status of each check, every SUMMARY_INTERVAL: alone in its group, as it reads
+every rank's 16 health checks."""
+SUMMARY_INTERVAL = "1m"
+SLOW = ".slow"
+"""The suffix of a family's group of TICKETS (``lossbeat.loss.slow``, ...)."""
+TICKETS = ("TrainingGradientVanishing", "TrainingLossPlateau", "TrainingLossVolatile", "TrainingLossOutOfRange",
+           "TrainingOverfitting", "TrainingExporterErrors", "TrainingMemoryGrowing", "TrainingThroughputDropped")
+"""Warnings that hold for 10 minutes or more before they fire, or count a counter over its window
+(TrainingExporterErrors): judged every minute (:func:`group_intervals`) in their family's ``.slow``
+group, not at every scrape; a ticket may wait a minute more. Together they read more than the
+pages do."""
 SEEN_WINDOW = "2m"
 """Raw samples a lookback rule or alert reads: a scrape and the lookback group's interval, so a
 rank seen between two evaluations of the group is never missed (8 samples at 15 s)."""
@@ -62,6 +87,12 @@ class RecordingRule:
     expr: str
     keeps: tuple[str, ...]
     """Labels of the result series."""
+    group: str = RECORDING_GROUP
+    """Its rule group: a record that alerts read fresh sits in their group, before them (the
+    rules of a group run in order, and each one sees what the ones before it wrote)."""
+    per_series: bool = False
+    """Keeps every label of the series it reads, aggregating nothing: a per-rank alert reads it,
+    and a target's own labels (a pod, a namespace from service discovery) must reach Alertmanager."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +192,10 @@ and the run identity, so that two concurrent runs of one job name are never one 
 
 # Cross-rank: how long a rank that stopped reporting is still named (older: rank="unknown").
 RANK_SEEN_LOOKBACK = "1h"
+RANK_DISCOVERY_GRACE = SEEN_WINDOW
+"""How long a run reports before its never-seen ranks count as missing (rank="unknown"): its ranks'
+first scrapes are spread over a scrape interval and their discovery, so a rule evaluated between
+them would otherwise count a healthy run short at its start."""
 # 0.6745 = the standard normal's 75th percentile: scales the MAD to a standard deviation.
 MAD_TO_SIGMA = 0.6745
 
@@ -188,42 +223,103 @@ def _status(check: str, component: str | None = "") -> str:
 
 
 def recording_rules() -> list[RecordingRule]:
-    """Shared aggregations for dashboards and alerts (fixed 5m windows: stable names)."""
+    """Shared aggregations for dashboards and alerts (fixed 5m windows: stable names).
 
-    def per_rank(metric_operations: str, expr: str, extra: tuple[str, ...] = ()) -> RecordingRule:
+    What an alert reads is recorded at every evaluation (``RECORDING_GROUP``); what only
+    dashboards read, every minute (``SUMMARY_GROUP``: a 5m mean changes little in a minute).
+    The job-level ones are computed in two steps, each once: every shard of a sharded set-up
+    reduces its own ranks to one partial per job (``*_shard:*``, a sum, a count or a max:
+    :func:`_shard_partials`), and the job's value combines the shards' partials
+    (:func:`_job_summaries`). On one Prometheus the partials are the job's. The global
+    Prometheus of a sharded set-up then reads a few series per job and shard, not the ranks'."""
+
+    def per_rank(metric_operations: str, expr: str, extra: tuple[str, ...] = (),
+                 group: str = RECORDING_GROUP) -> RecordingRule:
         """A rule per rank of each run: ``{by}`` in ``expr`` becomes the labels it keeps."""
         keeps = TARGET + extra
-        return RecordingRule(f"{level(keeps)}:{metric_operations}", expr.format(by=", ".join(keeps)), keeps)
+        return RecordingRule(f"{level(keeps)}:{metric_operations}", expr.format(by=", ".join(keeps)), keeps, group)
 
     return [
         per_rank("training_loss:avg_over_time5m", "avg by ({by}) (avg_over_time(training_loss[5m]))"),
         per_rank("training_loss_component:avg_over_time5m",
-                 "avg by ({by}) (avg_over_time(training_loss_component[5m]))", ("component",)),
-        RecordingRule("job:training_loss:avg", "avg by (job, run_id) (training_loss)", JOB),
-        RecordingRule("job:training_eval_loss:avg", "avg by (job, run_id) (training_eval_loss)", JOB),
-        per_rank("training_grad_norm:avg_over_time5m", "avg by ({by}) (avg_over_time(training_grad_norm[5m]))"),
-        RecordingRule("job:training_grad_norm:max", "max by (job, run_id) (training_grad_norm)", JOB),
+                 "avg by ({by}) (avg_over_time(training_loss_component[5m]))", ("component",), SUMMARY_GROUP),
+        per_rank("training_grad_norm:avg_over_time5m", "avg by ({by}) (avg_over_time(training_grad_norm[5m]))",
+                 group=SUMMARY_GROUP),
+        per_rank("training_steps:rate5m", "sum by ({by}) (rate(training_steps_total[5m]))"),
+        per_rank("training_step_duration_seconds:avg_over_time5m",
+                 "avg by ({by}) (avg_over_time(training_step_duration_seconds[5m]))", group=SUMMARY_GROUP),
+        per_rank("training_loss_spikes:increase5m", "sum by ({by}) (increase(training_loss_spikes_total[5m]))",
+                 group=SUMMARY_GROUP),
+        # Each rank's work time once (the median and TrainingStraggler read it).
+        RecordingRule(WORK_AVG_5M, f"avg by ({_by(JOB_RANK)}) (avg_over_time(training_rank_work_seconds[5m]))",
+                      JOB_RANK),
+        # The ranks present (reporting now, or gone after their completion marker), and the ranks
+        # gone (seen in the last RANK_SEEN_LOOKBACK, not present): once per evaluation for every
+        # rank, on the rank's own shard, where TrainingRankDown read them five times, each over
+        # an hour of samples.
+        RecordingRule(RANK_PRESENT, _present(), JOB_RANK + ("world_size",)),
+        RecordingRule(RANK_GONE, f"group by ({_by(JOB_RANK)}) ({_seen_lately()})\n"
+                                 f"unless on({_by(JOB_RANK)}) {RANK_PRESENT}", JOB_RANK),
+    ] + _shard_partials() + _job_summaries() + _cross_rank_recording_rules()
+
+
+SHARD = "shard"
+"""The label a shard's remote write adds to its partials (deploy/sharding: ``write_relabel_configs``),
+so that the global Prometheus tells them apart; absent on one Prometheus."""
+
+
+def _partial(metric_operations: str, aggregation: str, expr: str, extra: tuple[str, ...] = (),
+             group: str = SUMMARY_GROUP) -> RecordingRule:
+    """One shard's ``aggregation`` of ``expr`` per job (and ``extra``), by ``shard`` too: a label its
+    ranks' series lack, and its remote write adds."""
+    keeps = JOB + extra + (SHARD,)
+    return RecordingRule(f"{level(('job',) + extra + (SHARD,))}:{metric_operations}",
+                         f"{aggregation} by ({_by(keeps)}) ({expr})", keeps, group)
+
+
+LOSS_SUM, LOSS_COUNT = "job_shard:training_loss:sum", "job_shard:training_loss:count"
+EVAL_SUM, EVAL_COUNT = "job_shard:training_eval_loss:sum", "job_shard:training_eval_loss:count"
+STEPS_RATE_SUM, STEPS_RATE_COUNT = "job_shard:training_steps:sum_rate5m", "job_shard:training_steps:count_rate5m"
+PRESENT_COUNT = "job_world_size_shard:training_run:count_present"
+
+
+def _shard_partials() -> list[RecordingRule]:
+    """What the job-level rules need from a shard's ranks, reduced there: a few series per job."""
+    steps_rate = f"{level(TARGET)}:training_steps:rate5m"
+    return [
+        _partial("training_loss:sum", "sum", "training_loss"),
+        _partial("training_loss:count", "count", "training_loss"),
+        _partial("training_eval_loss:sum", "sum", "training_eval_loss"),
+        _partial("training_eval_loss:count", "count", "training_eval_loss"),
+        _partial("training_grad_norm:max", "max", "training_grad_norm"),
+        _partial("training_layer_grad_norm:max", "max", "training_layer_grad_norm", ("layer",)),
+        _partial("training_steps:sum_rate5m", "sum", steps_rate),
+        _partial("training_steps:count_rate5m", "count", steps_rate),
+        _partial("training_tokens:rate5m", "sum", "rate(training_tokens_total[5m])"),
+        _partial("training_health_status:max", "max", "training_health_status", ("check",), CHECKS_SUMMARY_GROUP),
+        # TrainingRankDown reads this one: at every evaluation.
+        _partial("training_run:count_present", "count", RANK_PRESENT, ("world_size",), RECORDING_GROUP),
+    ]
+
+
+def _job_summaries() -> list[RecordingRule]:
+    """The job-level series of dashboards, from the shards' partials (every minute)."""
+    job = _by(JOB)
+    return [dataclasses.replace(r, group=SUMMARY_GROUP) for r in (
+        RecordingRule("job:training_loss:avg", f"sum by ({job}) ({LOSS_SUM}) / sum by ({job}) ({LOSS_COUNT})", JOB),
+        RecordingRule("job:training_eval_loss:avg", f"sum by ({job}) ({EVAL_SUM}) / sum by ({job}) ({EVAL_COUNT})",
+                      JOB),
+        RecordingRule("job:training_grad_norm:max", f"max by ({job}) (job_shard:training_grad_norm:max)", JOB),
         RecordingRule("job_layer:training_layer_grad_norm:max",
-                      "max by (job, run_id, layer) (training_layer_grad_norm)", JOB + ("layer",)),
+                      f"max by ({job}, layer) (job_layer_shard:training_layer_grad_norm:max)", JOB + ("layer",)),
         # Every rank takes the same steps: the job's step rate is their mean; tokens add up.
         RecordingRule("job:training_steps:rate5m",
-                      "avg by (job, run_id) (rate(training_steps_total[5m]))", JOB),
-        per_rank("training_steps:rate5m", "sum by ({by}) (rate(training_steps_total[5m]))"),
-        RecordingRule("job:training_tokens:rate5m",
-                      "sum by (job, run_id) (rate(training_tokens_total[5m]))", JOB),
-        per_rank("training_step_duration_seconds:avg_over_time5m",
-                 "avg by ({by}) (avg_over_time(training_step_duration_seconds[5m]))"),
-        per_rank("training_nonfinite_loss:increase5m",
-                 "sum by ({by}) (increase(training_nonfinite_loss_total[5m]))"),
-        per_rank("training_nonfinite_grad:increase5m",
-                 "sum by ({by}) (increase(training_nonfinite_grad_total[5m]))"),
-        per_rank("training_loss_spikes:increase5m", "sum by ({by}) (increase(training_loss_spikes_total[5m]))"),
-        per_rank("training_grad_explosions:increase5m",
-                 "sum by ({by}) (increase(training_grad_explosions_total[5m]))"),
+                      f"sum by ({job}) ({STEPS_RATE_SUM}) / sum by ({job}) ({STEPS_RATE_COUNT})", JOB),
+        RecordingRule("job:training_tokens:rate5m", f"sum by ({job}) (job_shard:training_tokens:rate5m)", JOB),
         # Worst status of each check across the job's ranks (0 good, 1 warning, 2 danger).
-        RecordingRule("job_check:training_health_status:max",
-                      "max by (job, run_id, check) (training_health_status)", JOB + ("check",)),
-    ] + _cross_rank_recording_rules()
+    )] + [RecordingRule("job_check:training_health_status:max",
+                        f"max by ({job}, check) (job_check_shard:training_health_status:max)", JOB + ("check",),
+                        CHECKS_SUMMARY_GROUP)]
 
 
 def _cross_rank_recording_rules() -> list[RecordingRule]:
@@ -245,17 +341,13 @@ def _cross_rank_recording_rules() -> list[RecordingRule]:
                       f"max by ({job}) (training_grad_norm_aligned_step)))", JOB_RANK),
         RecordingRule("job:training_grad_norm_aligned:median_latest_step",
                       f"quantile by ({job}) (0.5, {level(JOB_RANK)}:training_grad_norm_aligned:latest_step)", JOB),
-        # Each rank's work time once (the median and TrainingStraggler read it).
-        RecordingRule(WORK_AVG_5M, f"avg by ({job_rank}) (avg_over_time(training_rank_work_seconds[5m]))", JOB_RANK),
         RecordingRule("job:training_rank_work_seconds:median_avg_over_time5m",
                       f"quantile by ({job}) (0.5, {WORK_AVG_5M})", JOB),
-        # The ranks present (reporting now, or gone after their completion marker), and per run
-        # the count that differs from the world size the ranks report: once per evaluation for
-        # every rank, where TrainingRankDown read them five times, each over an hour of samples.
-        RecordingRule(RANK_PRESENT, _present(), JOB_RANK + ("world_size",)),
+        # Per run, the count of ranks present (the shards' counts added up) where it is not the
+        # world size the ranks report (count_values writes the count into a label to compare).
         RecordingRule(RANKS_SHORT,
-                      f"count by ({job}, world_size) ({RANK_PRESENT})\nunless on({job}, world_size)\n"
-                      f'count_values by ({job}) ("world_size", count by ({job}) ({RANK_PRESENT}))',
+                      f"sum by ({job}, world_size) ({PRESENT_COUNT})\nunless on({job}, world_size)\n"
+                      f'count_values by ({job}) ("world_size", sum by ({job}) ({PRESENT_COUNT}))',
                       JOB + ("world_size",)),
     ]
 
@@ -263,6 +355,8 @@ def _cross_rank_recording_rules() -> list[RecordingRule]:
 WORK_AVG_5M = f"{level(JOB_RANK)}:training_rank_work_seconds:avg_over_time5m"
 RANK_PRESENT = f"{level(JOB_RANK + ('world_size',))}:training_run:present"
 """1 for each rank of a run reporting now, or gone after its completion marker."""
+RANK_GONE = f"{level(JOB_RANK)}:training_run:gone"
+"""1 for each rank that reported ``training_run_info`` in the last RANK_SEEN_LOOKBACK and is not present."""
 RANKS_SHORT = "job_world_size:training_run:ranks_short"
 """Per run whose count of present ranks is not the world size they report: that count."""
 STEPS_LAST = f"{level(TARGET)}:training_steps_total:last"
@@ -287,15 +381,17 @@ def lookback_rules() -> list[RecordingRule]:
     keep_for, info_for = duration_seconds(EXPORTER_SEEN_LOOKBACK), duration_seconds(RANK_SEEN_LOOKBACK)
     seen_now = f"max by ({t}) (last_over_time(training_steps_total[{SEEN_WINDOW}]))"
     return [
-        RecordingRule(SEEN_AT, f"{seen_now} * 0 + time()\nor\n{SEEN_AT} > time() - {number(keep_for)}", TARGET),
-        RecordingRule(STEPS_LAST, f"{seen_now}\nor\n({STEPS_LAST} and on({t}) {SEEN_AT})", TARGET),
+        RecordingRule(SEEN_AT, f"{seen_now} * 0 + time()\nor\n{SEEN_AT} > time() - {number(keep_for)}", TARGET,
+                      LOOKBACK_GROUP),
+        RecordingRule(STEPS_LAST, f"{seen_now}\nor\n({STEPS_LAST} and on({t}) {SEEN_AT})", TARGET, LOOKBACK_GROUP),
         RecordingRule(INFO_SEEN_AT,
                       f"group by ({jr}, world_size) (last_over_time(training_run_info[{SEEN_WINDOW}])) * 0 + time()\n"
-                      f"or\n{INFO_SEEN_AT} > time() - {number(info_for)}", JOB_RANK + ("world_size",)),
+                      f"or\n{INFO_SEEN_AT} > time() - {number(info_for)}", JOB_RANK + ("world_size",), LOOKBACK_GROUP),
         # Kept while either lookback remembers the rank.
         RecordingRule(COMPLETED_LAST,
                       f"max by ({t}) (max_over_time(training_run_completed[{SEEN_WINDOW}]))\n"
-                      f"or\n({COMPLETED_LAST} and on({t}) ({SEEN_AT} or on({t}) {INFO_SEEN_AT}))", TARGET),
+                      f"or\n({COMPLETED_LAST} and on({t}) ({SEEN_AT} or on({t}) {INFO_SEEN_AT}))", TARGET,
+                      LOOKBACK_GROUP),
     ]
 
 
@@ -327,7 +423,7 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.nonfinite",
             severity="critical",
             expr=(
-                f"{new_events('training_nonfinite_loss_total', a.event_window)}\n"
+                f"{_events(t)['nonfinite_loss'].nonzero}\n"
                 "or\n"
                 "training_loss != training_loss\n"
                 # A NaN step the optimizer guard kept from the optimizer is a skip (a ticket,
@@ -363,25 +459,85 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
     ]
 
 
-def events_in(counter: str, window: str) -> str:
-    """The events a counter counted within ``window``, as a vector (0 included). A series that did
-    not exist ``window`` ago counts at its face value (its events before the first scrape too,
-    which ``increase()`` misses), a longer one by ``increase()``."""
-    return f"(({counter} unless {counter} offset {window}) or increase({counter}[{window}]))"
+@dataclass(frozen=True)
+class Events:
+    """An event counter read by several alerts of one group: its ``increase()``, its young series
+    and the ranks with events (normally none) recorded once per evaluation, first in the group,
+    where each alert computed them again (TrainingGradientNonFinite's three rules read the
+    counter sixteen times). The alerts read the records of the same evaluation: no delay, and
+    every label of the counter's series kept."""
+
+    counter: str
+    window: str
+    group: str
+
+    @property
+    def metric(self) -> str:
+        return self.counter.removesuffix("_total")
+
+    @property
+    def increase(self) -> str:
+        return f"{level(TARGET)}:{self.metric}:increase{self.window}"
+
+    @property
+    def young(self) -> str:
+        """The counter's value where its series did not exist ``window`` ago (else no series)."""
+        return f"{level(TARGET)}:{self.metric}:total_if_new{self.window}"
+
+    @property
+    def nonzero(self) -> str:
+        """:func:`new_events`: the series with events within ``window`` (only those)."""
+        return f"{level(TARGET)}:{self.metric}:nonzero_events{self.window}"
+
+    def count(self) -> str:
+        """The events counted within ``window``, as a vector (0 included): a series that did not
+        exist ``window`` ago at its face value (its events before the first scrape too, which
+        ``increase()`` misses), a longer one by ``increase()``."""
+        return f"({self.young} or {self.increase})"
+
+    def records(self) -> list[RecordingRule]:
+        c, w = self.counter, self.window
+        return [RecordingRule(self.increase, f"increase({c}[{w}])", TARGET, self.group, per_series=True),
+                RecordingRule(self.young, f"{c} unless {c} offset {w}", TARGET, self.group, per_series=True),
+                RecordingRule(self.nonzero, f"{self.increase} > 0 or {self.young} > 0", TARGET, self.group,
+                              per_series=True)]
 
 
-def _with_first_layer(expr: str) -> str:
-    """``expr`` (one series per rank) labelled with the first layer whose gradient was non-finite,
-    ``layer="unknown"`` where the exporter named none."""
-    return (f"{expr}\n"
-            f"  * {ON_TARGET} group_left(layer)\n"
-            "    training_nonfinite_grad_first_layer_info\n"
-            "or\n"
-            "label_replace(\n"
-            f"  {expr}\n"
-            f"    unless {ON_TARGET} training_nonfinite_grad_first_layer_info,\n"
-            '  "layer", "unknown", "__name__", ".*"\n'
-            ")\n")
+def _events(t: Thresholds) -> dict[str, Events]:
+    w = t.alerts.event_window
+    return {"nonfinite_loss": Events("training_nonfinite_loss_total", w, NONFINITE_GROUP),
+            "nonfinite_grad": Events("training_nonfinite_grad_total", w, NONFINITE_GROUP),
+            "grad_explosions": Events("training_grad_explosions_total", w, GRADIENTS_GROUP)}
+
+
+def _first_layer_record(t: Thresholds) -> str:
+    return f"{level(TARGET + ('layer',))}:training_nonfinite_grad_first_layer:info{t.alerts.event_window}"
+
+
+def event_records(t: Thresholds) -> list[RecordingRule]:
+    """The event counters' records, and the first bad layer of each rank with non-finite gradients
+    within the window (``layer="unknown"`` where the exporter named none): what the alerts of the
+    nonfinite and gradients groups share."""
+    events = _events(t)
+    grad, jt = events["nonfinite_grad"], _by(TARGET)
+    first_layer = RecordingRule(
+        _first_layer_record(t),
+        f"max by ({jt}, layer) (\n  training_nonfinite_grad_first_layer_info and on({jt}) {grad.nonzero}\n"
+        f"  or on({jt})\n"
+        f'  label_replace(group by ({jt}) ({grad.nonzero}), "layer", "unknown", "__name__", ".*")\n)',
+        TARGET + ("layer",), NONFINITE_GROUP)
+    return [*events["nonfinite_loss"].records(), *grad.records(), first_layer, *events["grad_explosions"].records()]
+
+
+def all_records(t: Thresholds) -> list[RecordingRule]:
+    """Every recording rule of every group."""
+    return recording_rules() + lookback_rules() + event_records(t)
+
+
+def _with_first_layer(t: Thresholds, expr: str) -> str:
+    """``expr`` (one series per rank with non-finite gradients in the window) labelled with the
+    first layer whose gradient was non-finite, ``layer="unknown"`` where the exporter named none."""
+    return f"{expr}\n  * {ON_TARGET} group_left(layer)\n    {_first_layer_record(t)}\n"
 
 
 _FIRST_LAYER = (
@@ -396,8 +552,8 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
     """Non-finite gradient norms: repeated or judged ongoing page, one the run went on from is a
     ticket (what an fp16 overflow skip looks like), as the exporter's ``nonfinite`` finding says."""
     a, window, n = t.alerts, t.alerts.event_window, t.alerts.nonfinite_events
-    counter = "training_nonfinite_grad_total"
-    new, count = new_events(counter, window), events_in(counter, window)
+    events = _events(t)["nonfinite_grad"]
+    new, count = events.nonzero, events.count()
     judged = f"{_status('nonfinite')} == 2"
     rule = dict(name="TrainingGradientNonFinite", group="lossbeat.nonfinite",
                 action="inspect the named layer; lower the LR, clip gradients, use bf16 or loss scaling",
@@ -407,7 +563,7 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
             **rule,
             severity="critical",
             # The exporter's judgment: non-finite gradients twice in a row, or a non-finite loss.
-            expr=_with_first_layer(f"({new}\n  and {ON_TARGET} {judged})"),
+            expr=_with_first_layer(t, f"({new}\n  and {ON_TARGET} {judged})"),
             labels={"trigger": "sustained"},
             summary="Gradients keep coming out NaN or infinite",
             description=(
@@ -420,7 +576,7 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
         AlertRule(
             **rule,
             severity="critical",
-            expr=_with_first_layer(f"({count} >= {n})"),
+            expr=_with_first_layer(t, f"({count} >= {n})"),
             labels={"trigger": "events"},
             summary="Repeated NaN or infinite gradients",
             description=(
@@ -433,7 +589,7 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
             **rule,
             severity="warning",
             # One non-finite step the run went on from (fp16 overflow skipping, one bad batch): a ticket.
-            expr=_with_first_layer(f"({new}\n  unless {ON_TARGET} ({count} >= {n} or {judged}))"),
+            expr=_with_first_layer(t, f"({new}\n  unless {ON_TARGET} ({count} >= {n} or {judged}))"),
             labels={"trigger": "isolated"},
             summary="An isolated NaN or infinite gradient",
             description=(
@@ -450,6 +606,7 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
 def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
     a, g = t.alerts, t.gradients
     explosion = number(g.explosion)
+    explosions = _events(t)["grad_explosions"]
     return [
         AlertRule(
             name="TrainingGradientExplosion",
@@ -478,7 +635,7 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingGradientExplosion",
             group="lossbeat.gradients",
             severity="critical",
-            expr=f"increase(training_grad_explosions_total[{a.event_window}]) >= {a.explosion_events}\n",
+            expr=f"{explosions.increase} >= {a.explosion_events}\n",
             labels={"trigger": "events"},
             summary="Repeated gradient explosions",
             description=(
@@ -498,8 +655,8 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.gradients",
             severity="warning",
             # One departure the run absorbed (fewer than explosion_events, not judged sustained): a ticket.
-            expr=(f"{new_events('training_grad_explosions_total', a.event_window)}\n"
-                  f"  unless {ON_TARGET} (increase(training_grad_explosions_total[{a.event_window}]) >= {a.explosion_events}"
+            expr=(f"{explosions.nonzero}\n"
+                  f"  unless {ON_TARGET} ({explosions.increase} >= {a.explosion_events}"
                   f" or {_status('grad_norm')} == 2)\n"),
             labels={"trigger": "isolated"},
             summary="An isolated gradient-norm explosion",
@@ -735,12 +892,13 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingLearningRateSuspect",
             group="lossbeat.optimizer",
             severity="warning",
+            # Zero or NaN (abs(x) > 0 holds for neither), or judged suspect: every LR series but
+            # the nonzero ones of ranks whose check is fine (the LR read twice, not four times).
             expr=(
-                "training_learning_rate == 0\n"
-                "or\n"
-                "training_learning_rate != training_learning_rate\n"
-                "or\n"
-                f'(training_learning_rate and {ON_TARGET} training_health_status{{check="learning_rate"}} >= 1)\n'
+                "training_learning_rate\n"
+                "unless\n"
+                "  (abs(training_learning_rate) > 0\n"
+                f'    unless {ON_TARGET} training_health_status{{check="learning_rate"}} >= 1)\n'
             ),
             for_=a.learning_rate_for,
             summary="The learning rate is zero, NaN or does not suit the loss",
@@ -815,19 +973,15 @@ def _stalled_alert(t: Thresholds) -> AlertRule:
     # Prometheus'); exporters without it (older versions) fall back to Prometheus' clock.
     age = (f"(training_heartbeat_age_seconds + 0 or {ON_TARGET} "
            "(time() - training_last_heartbeat_timestamp_seconds))")
+    # Each rank's limit in the phase it is in, with that phase's label: the age is read once.
+    limit = (f'(training_phase{{phase="train"}} == 1) * 0 + {train}\n'
+             f"  or {ON_TARGET}\n"
+             f'  (training_phase{{phase!="train"}} == 1) * 0 + {other}')
     return AlertRule(
         name="TrainingStalled",
         group="lossbeat.liveness",
         severity="critical",
-        expr=(
-            f"{age}\n"
-            f'  * {ON_TARGET} group_left(phase) (training_phase{{phase="train"}} == 1)\n'
-            f"> {train}\n"
-            "or\n"
-            f"{age}\n"
-            f'  * {ON_TARGET} group_left(phase) (training_phase{{phase!="train"}} == 1)\n'
-            f"> {other}\n"
-        ),
+        expr=f"{age}\n> {ON_TARGET} group_left(phase) (\n  {limit}\n)\n",
         summary="Training has stopped making progress",
         description=(
             f"{WHO_CAP} showed no progress for {{{{ $value | printf \"%.0f\" }}}}s in phase "
@@ -907,13 +1061,14 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
             # The baseline ends `for` ago so a drop never lowers its own reference; only while
             # the run says it trains (Monitor.phase), and not when it stopped (TrainingStalled).
             # The baseline reads the recorded per-rank rate when it is the same window (one sample
-            # per rank and resolution step, where the raw rate reads every sample of each window).
+            # per rank and resolution step, where the raw rate reads every sample of each window),
+            # and so does "not stopped".
             expr=(
                 f"{rate}\n"
                 f"  < {ON_TARGET} {number(tp.drop_fraction)} * quantile_over_time(0.5, "
                 f"{past_rate}[{tp.baseline}:{resolution}] offset {tp.for_})\n"
                 f"and {ON_TARGET} (training_phase{{phase=\"train\"}} == 1)\n"
-                f"and {rate} > 0\n"
+                f"and {ON_TARGET} {past_rate} > 0\n"
             ),
             for_=tp.for_,
             summary="Training runs much slower than it did",
@@ -940,9 +1095,7 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
     # world size are recording rules (RANK_PRESENT, RANKS_SHORT: PromQL cannot read a label as
     # a number, count_values writes the count into one to compare); the missing ranks are the
     # ones seen in the last RANK_SEEN_LOOKBACK (recorded by the lookback group) not present.
-    short = RANKS_SHORT
-    gone = (f"(\n  group by ({job_rank}) ({_seen_lately()})\n"
-            f"  unless on({job_rank}) {RANK_PRESENT}\n)")
+    short, gone, grace = RANKS_SHORT, RANK_GONE, RANK_DISCOVERY_GRACE
     z, rel, ranks = number(c.loss_spread_z), number(c.loss_spread_min_relative), c.min_ranks
     mean, median = LOSS_AVG_5M, "job:training_loss:median_avg_over_time5m"
     robust_z = f"{level(JOB_RANK)}:training_loss:robust_z5m"
@@ -954,11 +1107,13 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingRankDown",
             group="lossbeat.cross_rank",
             severity="critical",
-            # The missing ranks that reported in the last hour, by name; else rank="unknown".
+            # The missing ranks that reported in the last hour, by name; else rank="unknown", once
+            # the run has reported for the discovery grace (its shards' counts of that long ago).
             expr=(
                 f"topk by ({job}) (1, {short})\n* on({job}) group_right(world_size)\n{gone}\n"
                 f"or on({job})\n"
                 f'label_replace({short}, "rank", "unknown", "__name__", ".*")\n'
+                f"  and on({job}) {PRESENT_COUNT} offset {grace}\n"
             ),
             for_=a.rank_down_for,
             summary="Fewer ranks report metrics than the job's world size",
@@ -970,7 +1125,8 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             ),
             condition=(
                 f"distinct ranks reporting `training_run_info` (or gone after their completion marker) < its "
-                f"`world_size` for {a.rank_down_for}, per run; names ranks seen in the last {RANK_SEEN_LOOKBACK}"
+                f"`world_size` for {a.rank_down_for}, per run; names ranks seen in the last {RANK_SEEN_LOOKBACK}; "
+                f"ranks never seen count once the run has reported for {RANK_DISCOVERY_GRACE}"
             ),
             action="find the missing rank's node and process (OOM, crash, hang); restart from the last checkpoint",
             keeps=JOB_RANK + ("world_size",),
@@ -1153,7 +1309,7 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
     """Every alerting rule, in the order of the rule groups."""
     if not isinstance(thresholds, Thresholds):
         raise TypeError(f"thresholds: expected Thresholds, got {type(thresholds).__name__}")
-    return (
+    rules = (
         _nonfinite_alerts(thresholds)
         + _gradient_alerts(thresholds)
         + _loss_alerts(thresholds)
@@ -1163,15 +1319,30 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
         + _cluster_alerts(thresholds)
         + _guard_alerts(thresholds)
     )
+    return [dataclasses.replace(r, group=r.group + SLOW) if r.name in TICKETS else r for r in rules]
+
+
+def group_intervals(thresholds: Thresholds) -> dict[str, str]:
+    """The groups evaluated at their own interval, not the server's evaluation interval: the
+    lookback state and the dashboards' summaries every minute, the tickets every fifth of the
+    shortest wait among them (``for``, or the counter's window), at most a minute."""
+    tickets = [r for r in alert_rules(thresholds) if r.group.endswith(SLOW)]
+    waits = [duration_seconds(r.for_ or thresholds.alerts.event_window) for r in tickets]
+    slow = _duration(max(1, min(60, int(min(waits)) // 5)))
+    return {LOOKBACK_GROUP: LOOKBACK_INTERVAL, SUMMARY_GROUP: SUMMARY_INTERVAL, CHECKS_SUMMARY_GROUP: SUMMARY_INTERVAL,
+            **{r.group: slow for r in tickets}}
 
 
 def rule_groups(thresholds: Thresholds) -> list[dict]:
-    """Prometheus rule groups: recording rules first, then the alerts by group."""
-    groups: dict[str, list[dict]] = {
-        RECORDING_GROUP: [{"record": r.record, "expr": r.expr} for r in recording_rules()],
-        LOOKBACK_GROUP: [{"record": r.record, "expr": r.expr} for r in lookback_rules()],
-    }
-    for alert in alert_rules(thresholds):
+    """Prometheus rule groups: recording rules first, then the alerts by group (a group's own
+    records before its alerts)."""
+    alerts = alert_rules(thresholds)
+    groups: dict[str, list[dict]] = {RECORDING_GROUP: [], LOOKBACK_GROUP: [], SUMMARY_GROUP: [],
+                                     CHECKS_SUMMARY_GROUP: []}
+    for record in all_records(thresholds):
+        groups.setdefault(record.group, []).append({"record": record.record, "expr": record.expr})
+    for alert in alerts:
         groups.setdefault(alert.group, []).append(alert.to_rule(thresholds.alerts.runbook_url))
-    return [{"name": name, **({"interval": LOOKBACK_INTERVAL} if name == LOOKBACK_GROUP else {}), "rules": rules}
-            for name, rules in groups.items()]
+    intervals = group_intervals(thresholds)
+    return [{"name": name, **({"interval": intervals[name]} if name in intervals else {}), "rules": rules}
+            for name, rules in groups.items() if rules]

@@ -12,7 +12,7 @@ from lossbeat.mixin.alert_rules import (EXPORTER_SEEN_LOOKBACK, JOB_RANK, MAD_TO
                                        duration_seconds)
 from lossbeat.mixin.event_scenarios import gradient_nonfinite
 from lossbeat.mixin.guard_scenarios import guard_scenarios
-from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_finishing
+from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_discovered, ranks_finishing
 from lossbeat.mixin.rule_series import (
     INSTANCE,
     JOB,
@@ -474,9 +474,6 @@ def _cluster(b: _Builder) -> dict[str, list[Scenario]]:
                  [info("0", 4), info("1", 4), info("2", 4), info("3", 4, gone)],
                  [(fires, down.name, [Expect(down, job_labels("3", world_size="4"), 3)]),
                   (fires - 2 * b.i, down.name, [])]),
-        Scenario("a rank that never reported fires as unknown", [info("0", 4), info("1", 4), info("2", 4)],
-                 # Counted per job: no instance to name.
-                 [(fires, down.name, [Expect(down, {"job": JOB, "rank": "unknown", "world_size": "4"}, 3)])]),
         Scenario("all ranks reporting is silent", [info(str(r), 4) for r in range(4)], [(fires, down.name, [])]),
         Scenario("a job whose ranks all ended is silent", [info(str(r), 4, gone) for r in range(4)],
                  [(fires, down.name, [])]),
@@ -596,5 +593,6 @@ JUDGED = {
 
 
 SCENARIO_FAMILIES = (_nonfinite, gradient_nonfinite, _gradients, _trend, _rl, _out_of_range, _concurrent_runs, _overfitting, _progress,
-                     _resources, _cluster, concurrent_cross_rank, ranks_finishing, guard_scenarios)
+                     _resources, _cluster, ranks_discovered, concurrent_cross_rank, ranks_finishing,
+                     guard_scenarios)
 """Every family of scenarios, in the order the test documents list them."""

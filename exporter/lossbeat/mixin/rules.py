@@ -17,7 +17,8 @@ from pathlib import Path
 import yaml
 
 from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
-from lossbeat.mixin.alert_rules import AlertRule, alert_rules, recording_rules, rule_groups
+from lossbeat.mixin.alert_rules import (SLOW, SUMMARY_GROUP, AlertRule, alert_rules, event_records,
+                                        group_intervals, recording_rules, rule_groups)
 from lossbeat.mixin.rule_tests import rule_test_documents
 from lossbeat.mixin.stages import STAGES, stage_groups
 from lossbeat.diagnosis.thresholds import Thresholds
@@ -132,8 +133,16 @@ def render_alert_table(thresholds: Thresholds) -> str:
         lines.append(
             f"| `{name}` | {severity} | {condition} | {action} ([runbook]({runbooks}#{name.lower()})) |"
         )
-    names = ", ".join(f"`{r.record}`" for r in recording_rules())
+    names = ", ".join(f"`{r.record}`" for r in recording_rules() + event_records(thresholds))
     lines += ["", f"Recording rules shared by alerts and dashboards: {names}."]
+    intervals = group_intervals(thresholds)
+    slow = [r for r in alert_rules(thresholds) if r.group.endswith(SLOW)]
+    tickets = ", ".join(f"`{n}`" for n in dict.fromkeys(r.name for r in slow))
+    dashboards = ", ".join(f"`{r.record}`" for r in recording_rules() if r.group in intervals)
+    lines += ["", f"Judged every {intervals[slow[0].group]}, not at every evaluation (groups `lossbeat.*{SLOW}`: "
+                  "warnings that hold 10 minutes or more before they fire, and the exporter's errors over "
+                  f"their window): {tickets}. Recorded every {intervals[SUMMARY_GROUP]} "
+                  f"(groups `{SUMMARY_GROUP}*`: read by dashboards only): {dashboards}."]
     return "\n".join(lines) + "\n"
 
 

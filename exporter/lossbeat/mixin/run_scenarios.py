@@ -1,12 +1,14 @@
-"""Rule-test scenarios of the run's identity and end (issue 19): concurrent runs under one job
-label are never compared with each other, and ranks that finished are not down."""
+"""Rule-test scenarios of the run's identity, start and end: concurrent runs under one job label
+are never compared with each other, ranks not scraped yet at the run's start and ranks that
+finished are not down."""
 
 from __future__ import annotations
 
-from lossbeat.mixin.alert_rules import JOB_RANK, duration_seconds
-from lossbeat.mixin.rule_series import INSTANCE, OTHER_INSTANCE, Expect, Scenario, Series, _Builder, _target, run
+from lossbeat.mixin.alert_rules import JOB_RANK, RANK_DISCOVERY_GRACE, duration_seconds
+from lossbeat.mixin.rule_series import (JOB, INSTANCE, OTHER_INSTANCE, Expect, Scenario, Series, _Builder, _target,
+                                        run)
 
-__all__ = ["concurrent_cross_rank", "ranks_finishing"]
+__all__ = ["concurrent_cross_rank", "ranks_discovered", "ranks_finishing"]
 
 
 def concurrent_cross_rank(b: _Builder) -> dict[str, list[Scenario]]:
@@ -63,3 +65,32 @@ def ranks_finishing(b: _Builder) -> dict[str, list[Scenario]]:
                  [(fires, down.name, [Expect(down, {**job_rank("3"), "world_size": "4"}, 3)])]),
     ]}
 
+
+
+def ranks_discovered(b: _Builder) -> dict[str, list[Scenario]]:
+    """A run's ranks are first scraped one after another (their scrape offsets, their discovery):
+    the ones not seen yet are not down while the run is younger than RANK_DISCOVERY_GRACE (a
+    healthy 4-rank job once went pending at the evaluation between its first and last rank's
+    first scrape); a rank never seen still fires, as unknown, after the grace and the ``for``."""
+    a = b.t.alerts
+    down = b.rule("TrainingRankDown")
+    fires = b.after_for(a.rank_down_for, start=duration_seconds(RANK_DISCOVERY_GRACE))
+    samples = int(fires // b.i) + 2
+    # The last rank's first scrape a `for` and an interval after the others': without the grace
+    # the run counts short from its first evaluation and fires at the `for`.
+    late = int(duration_seconds(a.rank_down_for) // b.i) + 1
+
+    def info(r: str, first: int = 0) -> Series:
+        labels = {**_target(r), "run": "test", "profile": b.t.profile.name, "world_size": "4"}
+        return Series("training_run_info", labels, ([f"_x{first}"] if first else []) + [run(1, samples - first)])
+
+    unknown = Expect(down, {"job": JOB, "rank": "unknown", "world_size": "4"}, 3)
+    return {down.name: [
+        Scenario("a healthy run whose last rank is first scraped late is silent",
+                 [info("0"), info("1"), info("2"), info("3", first=late)],
+                 [((late - 1) * b.i, down.name, []), (late * b.i, down.name, []), (fires, down.name, [])]),
+        # Counted per run: no instance to name.
+        Scenario("a rank that never reported fires as unknown, after the discovery grace",
+                 [info("0"), info("1"), info("2")],
+                 [(fires - 2 * b.i, down.name, []), (fires, down.name, [unknown])]),
+    ]}

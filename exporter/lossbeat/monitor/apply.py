@@ -16,6 +16,8 @@ from lossbeat.monitor.transfer import PendingStep
 
 __all__ = ["StepApplier", "derive_gauges", "ALL_LAYERS", "FROM_ANOTHER_RANK"]
 
+_FIRST_LR = ("lr", "0")  # the key of the first param group's (or the one given) learning rate
+
 ALL_LAYERS = "all layers"
 """The non-finite layer reported when a non-finite loss made every layer's gradient non-finite
 (on a pipeline stage without a loss: when every layer of the stage is non-finite)."""
@@ -35,6 +37,7 @@ class StepApplier:
         self.profile = profile  # a ProfileChoice: the names observe(metrics=...) was given choose it
         self.guard = guard
         self.judgment, self.log = judgment, log
+        self.due = judgment.judge.due  # whether a record is judged (one call a step, not two)
         self._nonfinite_run = False  # the last applied step had a non-finite gradient
 
     def at_read(self) -> None:
@@ -45,12 +48,18 @@ class StepApplier:
         s, v = self.state, record.host
         loss = v.get("loss")  # None: a rank without a loss this step (a pipeline stage before the last)
         grad_norm = v.get("grad_norm")
-        lrs = {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "lr"} if record.has_lrs else None
+        lr_max = v.get(_FIRST_LR) if record.has_lrs == 1 else None  # one LR (the usual): no scan of the values
+        if lr_max is not None:
+            lrs = {"0": lr_max}
+        else:
+            lrs = {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "lr"} if record.has_lrs else None
         components = (
             {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "component"} if record.has_components else None
         )
         layers = v.get("layers")
-        if not lrs:
+        if lr_max is not None:
+            pass
+        elif not lrs:
             lr_max = None
         elif len(lrs) == 1:
             (lr_max,) = lrs.values()
@@ -84,9 +93,12 @@ class StepApplier:
             # Kept from the optimizer: counted as a skip, not as a fault the model took in.
             events = self.history.add_step(record.step, None, None, lr_max, components)
             layer_nonfinite = False
-        else:
-            events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
-        self.cross_rank.record(record.step, grad_norm)
+        else:  # the usual record's windows are written in a batch (History.defer), its events now
+            events = None if components else self.history.defer(record.step, loss, grad_norm, lr_max)
+            if events is None:
+                events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
+        if self.cross_rank.align_every:  # else record() has nothing to do
+            self.cross_rank.record(record.step, grad_norm)
         if "fields" in v and self.profile is not None:
             self.profile.seen(v["fields"])
         if record.has_signals:
@@ -163,8 +175,9 @@ class StepApplier:
                     "explosion", logging.WARNING, "lossbeat: gradient norm %.4g at step %d; largest layer: %s",
                     grad_norm, record.step, top[0] if top else "-",
                 )
-        self.vitals.add_step_time(record.duration, s.phase[0] == "train")
-        if self.judgment.due(record.step):  # every diagnose_every steps, as `lossbeat analyze` judges
+        if record.duration is not None and s.phase[0] == "train":
+            self.vitals.add_step_time(record.duration, True)
+        if self.due(record.step):  # every diagnose_every steps, as `lossbeat analyze` judges
             self.judgment.diagnose(record.step)
 
 
@@ -172,6 +185,7 @@ def derive_gauges(state: MonitorState, history: History) -> None:
     """The gauges derived from the loss window, computed when a scrape reads them (the caller
     holds the transfer's lock, so the window is not written meanwhile): O(window) per scrape
     instead of work on every step."""
+    history.flush()  # the steps held back for a batch
     cv, trend = history.loss.cv(), history.loss.trend_ratio()
     state.loss_cv = None if math.isnan(cv) else cv
     state.loss_trend_ratio = None if math.isnan(trend) else trend

@@ -7,12 +7,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from lossbeat.diagnosis.thresholds import Thresholds, load_thresholds
 from lossbeat.diagnosis.vitals import as_schedule
 from lossbeat.exposition.webconfig import ENV_VAR as WEB_CONFIG_ENV
 from lossbeat.exposition.webconfig import WebConfig, load_web_config
+from lossbeat.monitor import loaded
 
 __all__ = ["MonitorConfig", "DEFAULT_PORT"]
 
@@ -203,7 +202,7 @@ class MonitorConfig:
             return True
         if self.layer_ranks == "first":
             if self.pipeline_group is not None:  # one rank per stage: the stages of rank 0's replica
-                return 0 in dist.get_process_group_ranks(self.pipeline_group)
+                return 0 in loaded.distributed().get_process_group_ranks(self.pipeline_group)
             return rank == 0
         return rank in self.layer_ranks
 
@@ -230,7 +229,8 @@ def _process_group(name: str, value: Any) -> Any:
     """``value`` as a process group: a ProcessGroup, a 1-D DeviceMesh's group, or None; else TypeError."""
     if value is None:
         return None
-    if dist.is_available():
+    dist = loaded.distributed()  # None without torch: then no process group was made
+    if dist is not None:
         if isinstance(value, dist.ProcessGroup):
             return value
         from torch.distributed.device_mesh import DeviceMesh

@@ -6,7 +6,8 @@ every device value in one packed, non-blocking host copy (:mod:`~lossbeat.monito
 drain the steps whose values have arrived → apply their plain floats to the counters, the state
 and the windows (:mod:`~lossbeat.monitor.apply`) → judge every N steps
 (:mod:`~lossbeat.monitor.judgment`). A scrape renders the resulting state on the server's
-thread (:mod:`lossbeat.exposition.collector`).
+thread (:mod:`lossbeat.exposition.collector`). torch is read as the process has loaded it
+(:mod:`~lossbeat.monitor.loaded`): a monitor fed floats never imports it.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ import logging
 import math
 import numbers
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
 from prometheus_client.registry import CollectorRegistry
 
 from lossbeat._version import __version__
-from lossbeat.diagnosis import Finding, Judge
+from lossbeat.diagnosis import Finding, History, Judge
 from lossbeat.diagnosis.vitals import Vitals
 from lossbeat.exposition.collector import MonitorCollector
 from lossbeat.exposition.cross_rank import CrossRankCollector
@@ -34,7 +34,7 @@ from lossbeat.exposition.state import MonitorState
 from lossbeat.exposition.status import StatusSource
 from lossbeat.measure.cross_rank import CrossRankSignals
 from lossbeat.measure.meter import GradientMeter, ShardedMeasurementError, ShardHandshakeError
-from lossbeat.monitor import identity, inputs, lifecycle
+from lossbeat.monitor import identity, inputs, lifecycle, loaded
 from lossbeat.monitor.apply import StepApplier
 from lossbeat.monitor.config import DEFAULT_PORT, MonitorConfig
 from lossbeat.monitor.guard import make_guard
@@ -44,6 +44,9 @@ from lossbeat.monitor.profile import ProfileChoice
 from lossbeat.monitor.ratelog import RateLimitedLog
 from lossbeat.monitor.report import Report
 from lossbeat.monitor.transfer import DeviceTransfer
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Monitor", "MonitorConfig", "NullMonitor", "PhaseScope", "Report", "DEFAULT_PORT"]
 
@@ -65,11 +68,11 @@ class Monitor:
         self.state = MonitorState(str(ctx.rank), {
             "run": config.run_name, "profile": self.thresholds.profile.name, "world_size": str(ctx.world_size),
             "local_rank": str(ctx.local_rank), "feed": config.feed, "version": __version__,
-            "torch_version": torch.__version__.split("+")[0],
+            "torch_version": loaded.torch_version(),  # binds torch's names if torch is loaded
         }, identity.run_identity(config.run_id, ctx.world_size))
         self._log = RateLimitedLog()
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
-        self.history = self._judge.history
+        self._history = history = self._judge.history
         self._profile = ProfileChoice(config.profile, self._judge, self.state)
         vitals = Vitals(self.thresholds, config.lr_schedule)
         self._judgment = Judgment(self.state, self._judge, vitals, config.log_status_changes, self._log)
@@ -79,12 +82,12 @@ class Monitor:
         self._meter = GradientMeter(
             layer_depth=config.layer_depth, max_layers=config.max_layers, layer_every=config.layer_every,
             reduce_shards=config.reduce_shards, pipeline_group=config.pipeline_group,
-            exports_layers=config.exports_layers(ctx.rank), on_error=self._gradient_error)
-        self._vitals = vitals
+            exports_layers=config.exports_layers(ctx.rank),
+            on_error=lambda where, error: _gradient_error(self.state, self._log, where, error))
         self._guard = make_guard(config.guard, config.guard_spikes, config.guard_schedule, self.thresholds,
-                                 self.history, self.state, config.defer_device_reads and torch.cuda.is_available())
+                                 history, self.state, config.defer_device_reads)
         self._transfer = DeviceTransfer(
-            StepApplier(self.state, self.history, self._cross_rank, vitals, self._judgment, self._log, self._guard,
+            StepApplier(self.state, history, self._cross_rank, vitals, self._judgment, self._log, self._guard,
                         self._profile),
             config.defer_device_reads)
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -125,6 +128,13 @@ class Monitor:
         return self._transfer.blocking_waits
 
     @property
+    def history(self) -> History:
+        """The run's windows, with every step applied so far in them (the usual ones are batched)."""
+        with self._transfer.lock:
+            self._history.flush()
+        return self._history
+
+    @property
     def findings(self) -> tuple[Finding, ...]:
         """The findings of the last diagnosis."""
         return self._judgment.findings
@@ -159,7 +169,8 @@ class Monitor:
         # validate
         if self.closed:
             raise RuntimeError("observe: this monitor is closed")
-        step = inputs.check_step(step)
+        if type(step) is not int:
+            step = inputs.check_step(step)
         inputs.refuse_graph_capture("observe")
         values, anomalies = inputs.step_values(
             loss=loss, optimizer=optimizer, learning_rate=learning_rate, grad_norm=grad_norm, tokens=tokens,
@@ -180,7 +191,8 @@ class Monitor:
             layer_names = (_measure(meter, self.state, self._log, model, values, step)
                            if model is not None or meter.holds_norms else [])
             meter.submitted += 1
-            self._guard.decide(values)  # guard="skip"/"stop": the step's verdict, on the device
+            if self._guard.decides:  # guard="skip"/"stop": the step's verdict, on the device
+                self._guard.decide(values)
             # submit (the step's one host transfer), then drain → apply → judge what has arrived
             transfer.submit(step, time.time(), duration, epoch, values, layer_names, now_perf)
             self.state.cuda_device = transfer.cuda_device
@@ -212,14 +224,14 @@ class Monitor:
         signals, new_fields = inputs.signals(metrics, self._profile.names_seen)
         self.state.last_activity_time = time.time()
         try:
-            if isinstance(value, torch.Tensor):
+            if type(value) is not float:  # a tensor
                 value = float(value.item())  # host sync: evaluation is not the per-step hot path
             self.state.eval_loss = value if math.isfinite(value) else math.nan
             self.state.evals_total += 1
             self._transfer.drain(block=True)  # the steps before this evaluation first (host sync: not the hot path)
             with self._transfer.lock:
                 self._profile.evaluation(step, signals, new_fields)
-            self.history.add_eval(value, step=step)
+            self._history.add_eval(value, step=step)
             self._judgment.diagnose(step)  # judged after each evaluation, as `lossbeat analyze` does
         except Exception:
             self.state.count_error("observe")
@@ -259,8 +271,7 @@ class Monitor:
         Returns the total norm before clipping (a 0-d tensor, no host sync).
         The per-layer norms it computed are reused by the next ``observe(model=model)``.
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        inputs.check_model(model)
         if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
             raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
         inputs.refuse_graph_capture("clip_grad_norm_")
@@ -278,8 +289,7 @@ class Monitor:
         divided by it on the device. ``step``: ``observe(step)`` reports them, even after
         later steps' (metrics passed on in bursts), and never reads that model's gradients again.
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        inputs.check_model(model)
         inputs.refuse_graph_capture("measure_gradients")
         return self._meter.measure_ahead(model, inputs.loss_scale(grad_scaler),
                                          None if step is None else inputs.check_step(step))
@@ -340,13 +350,14 @@ class Monitor:
         except Exception:  # the interpreter is going away: never fail its exit
             logging.getLogger("lossbeat").debug("lossbeat: close at exit failed", exc_info=True)
 
-    def _gradient_error(self, where: str, error: Exception) -> None:
-        self.state.count_error("gradients")
-        if isinstance(error, (ShardedMeasurementError, ShardHandshakeError)):  # usage or store: say it, no traceback
-            self._log(type(error).__name__, logging.ERROR, "lossbeat: %s(): %s", where, error)
-        else:
-            self._log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
-                      "norms are skipped, the step and training go on", where, exc_info=True)
+
+def _gradient_error(state: MonitorState, log: RateLimitedLog, where: str, error: Exception) -> None:
+    state.count_error("gradients")
+    if isinstance(error, (ShardedMeasurementError, ShardHandshakeError)):  # usage or store: say it, no traceback
+        log(type(error).__name__, logging.ERROR, "lossbeat: %s(): %s", where, error)
+    else:
+        log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
+            "norms are skipped, the step and training go on", where, exc_info=True)
 
 
 def _measure(meter: GradientMeter, state: MonitorState, log: RateLimitedLog, model: torch.nn.Module | None,

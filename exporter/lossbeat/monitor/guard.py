@@ -20,21 +20,25 @@ A stop (``guard="stop"`` on a bad step, or more than ``guard.max_consecutive`` s
 raises :class:`TrainingHalted` from ``Monitor.step`` on every rank at the same step: at once
 when the flags are on the host, else ``MAX_PENDING`` steps after the bad one, when every rank
 has its flags on the host without waiting for the device.
+
+Floats without a process group decide in Python: torch is used only where a tensor, a process
+group or a GradScaler is, so torch is loaded (:mod:`~lossbeat.monitor.loaded`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from lossbeat.diagnosis import History
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.exposition.metrics import SKIP_REASONS
 from lossbeat.exposition.state import MonitorState
+from lossbeat.monitor import loaded
 from lossbeat.monitor.transfer import MAX_PENDING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Guard", "NoGuard", "TrainingHalted", "GUARD_MODES", "REASONS", "make_guard"]
 
@@ -57,12 +61,15 @@ class Guard:
     """The decision per step (``decide``, from ``observe``), its application (``step``), and the
     host-side count of what it did (``record``, from the step's applier)."""
 
+    decides = True
+
     def __init__(self, mode: str, spikes: bool, hold_schedule: bool, thresholds: Thresholds, history: History,
                  state: MonitorState, defer: bool) -> None:
         self.mode, self.spikes, self.hold_schedule = mode, spikes, hold_schedule
         self.max_consecutive = thresholds.guard.max_consecutive
         self.history, self.state = history, state
-        self.lag = MAX_PENDING if defer else 0
+        self.defer = defer
+        """Device values read a step late (``defer_device_reads``): on CUDA, a halt waits MAX_PENDING steps."""
         self.decisions = 0
         self.host_reads = 0
         """Host reads of a device decision (an optimizer the device cannot skip for): 0 on CPU."""
@@ -80,8 +87,9 @@ class Guard:
         scaled = values.get("grad_scale") is not None  # overflowing grads are the scaler's to skip
         explosion_limit = self.history.grad.event_limit()
         spike_limit = self.history.loss.spike_limit() if self.spikes else math.inf
-        tensors = [x for x in (loss, grad) if isinstance(x, torch.Tensor)]
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        tensors = [x for x in (loss, grad) if isinstance(x, loaded.Tensor)]
+        dist = loaded.distributed()  # None without torch: no process group
+        distributed = dist is not None and dist.is_initialized() and dist.get_world_size() > 1
         if tensors or distributed:
             device = tensors[0].device if tensors else _collective_device()
             flags = _device_flags(loss, grad, scaled, explosion_limit, spike_limit, device)
@@ -114,8 +122,14 @@ class Guard:
         self.state.guard_consecutive_skips = self._consecutive
         if self._halt is None and (self.mode == "stop" or self._consecutive > self.max_consecutive):
             values = {k: v for k, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
-            self._halt = (index + self.lag, TrainingHalted(step, bad, values, self._consecutive))
+            self._halt = (index + self.lag(), TrainingHalted(step, bad, values, self._consecutive))
         return True
+
+    def lag(self) -> int:
+        """Decisions between a bad step and its halt: every rank has its flags on the host by then
+        (on CUDA with deferred reads, ``MAX_PENDING``; else none)."""
+        torch = loaded.refresh()
+        return MAX_PENDING if self.defer and torch is not None and torch.cuda.is_available() else 0
 
     # --- Monitor.step(): apply the decision ---------------------------------------------------
 
@@ -132,6 +146,8 @@ class Guard:
                 if applied:
                     _plain_step(optimizer, grad_scaler)
                 elif grad_scaler is not None:
+                    import torch  # a GradScaler: torch is loaded
+
                     _skip_with_scaler(optimizer, grad_scaler, torch.ones((), dtype=torch.bool))
             else:
                 applied = self._device_step(optimizer, grad_scaler, flags.amax() > 0)
@@ -145,6 +161,8 @@ class Guard:
 
     def _device_step(self, optimizer: Any, grad_scaler: Any, bad: torch.Tensor) -> bool | None:
         """Skip on the device where the optimizer allows it; returns None when it did (unknown here)."""
+        import torch  # flags on the device: torch is loaded
+
         if grad_scaler is not None and grad_scaler.is_enabled():
             _skip_with_scaler(optimizer, grad_scaler, bad)
             return None
@@ -174,20 +192,27 @@ class Guard:
             raise halt[1]
 
 
-def _collective_device() -> torch.device:
+def _collective_device() -> Any:
+    import torch
+    import torch.distributed as dist
+
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _as_tensor(x: Any, device: torch.device) -> torch.Tensor:
+def _as_tensor(x: Any, device: Any) -> Any:
+    import torch
+
     if isinstance(x, torch.Tensor):
         return x.detach().to(device=device, dtype=torch.float32, non_blocking=True)
     return torch.tensor(float(x), device=device)
 
 
 def _device_flags(loss: Any, grad: Any, scaled: bool, explosion_limit: float, spike_limit: float,
-                  device: torch.device) -> torch.Tensor:
+                  device: Any) -> Any:
+    import torch
+
     false = torch.zeros((), dtype=torch.bool, device=device)
     nonfinite = explosion = spike = false
     if loss is not None:
@@ -220,10 +245,12 @@ def _plain_step(optimizer: Any, grad_scaler: Any) -> None:
         optimizer.step()
 
 
-def _skip_with_scaler(optimizer: Any, scaler: Any, bad: torch.Tensor) -> None:
+def _skip_with_scaler(optimizer: Any, scaler: Any, bad: Any) -> None:
     """Skip through the scaler's own overflow path, then put its scale back where the scaler
     itself found no overflow: a guard skip leaves the scaler as if the step never happened.
     Reads GradScaler's private ``_per_optimizer_states``, ``_scale`` and ``_growth_tracker``."""
+    import torch
+
     state = scaler._per_optimizer_states[id(optimizer)]
     if not state["found_inf_per_device"]:
         scaler.unscale_(optimizer)  # what scaler.step would do first; records found_inf per device
@@ -239,7 +266,9 @@ def _skip_with_scaler(optimizer: Any, scaler: Any, bad: torch.Tensor) -> None:
     scaler._growth_tracker.copy_(torch.where(ours, growth, scaler._growth_tracker))
 
 
-def _strategy(optimizer: Any, device: torch.device) -> str:
+def _strategy(optimizer: Any, device: Any) -> str:
+    import torch
+
     defaults = getattr(optimizer, "defaults", {})
     if defaults.get("fused"):
         return "found_inf"
@@ -252,9 +281,11 @@ def _strategy(optimizer: Any, device: torch.device) -> str:
     return "read"
 
 
-def _masked_step(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+def _masked_step(optimizer: Any, bad: Any) -> None:
     """Step, then restore every parameter and state tensor where ``bad`` (no host read). State
     created by this step (a first step) is zeroed where bad: Adam's and SGD's fresh state."""
+    import torch
+
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     before = [(p, {k: v for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)}) for p in params]
     saved = [(p.detach().clone(), {k: v.clone() for k, v in st.items()}) for p, st in before]
@@ -272,6 +303,7 @@ class NoGuard:
     """``guard="off"``: ``step`` is ``optimizer.step()`` exactly (with a scaler: its step and update)."""
 
     host_reads = 0
+    decides = False  # observe() skips decide()
 
     def decide(self, values: dict[Any, Any]) -> None:
         pass

@@ -25,6 +25,8 @@ import logging
 import os
 import uuid
 
+from lossbeat.monitor import loaded
+
 __all__ = ["ENV_RUN_ID", "run_identity"]
 
 log = logging.getLogger("lossbeat")
@@ -56,9 +58,8 @@ def run_identity(configured: str = "", world_size: int = 1) -> str:
 def _from_store() -> str:
     """The id the first rank to get here wrote into the default process group's store."""
     try:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
+        dist = loaded.distributed()  # None without torch: no process group, no store
+        if dist is None or not dist.is_initialized():
             return ""
         store = dist.distributed_c10d._get_default_store()
         return store.compare_set(_STORE_KEY, "", uuid.uuid4().hex[:12]).decode()

@@ -1,5 +1,6 @@
 """Validate what ``observe`` is given: programming errors (a wrong type) raise at once, naming the
-argument; values stay as they are (floats, or 0-d tensors left on their device: reading them would sync)."""
+argument; values stay as they are (floats, or 0-d tensors left on their device: reading them would sync).
+torch is read as the process has loaded it (:mod:`~lossbeat.monitor.loaded`): floats never import it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import math
 import numbers
 from typing import Any, Mapping
 
-import torch
-
 from lossbeat.diagnosis.profiles import signal_kind
+from lossbeat.monitor import loaded
 
 __all__ = ["step_values", "scalar", "per_step", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components", "signals",
            "check_step", "check_model", "check_epoch"]
@@ -55,13 +55,11 @@ def step_values(*, loss: Any, optimizer: Any, learning_rate: Any, grad_norm: Any
     return values, anomalies
 
 
-_FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
-
-
 def _plain_0d(value: Any) -> bool:
     """A 0-d float tensor holding a value that needs nothing done to it (what a loss or a clip's norm
-    is, detached): what :func:`scalar` would return as it is, found with a few metadata reads."""
-    return (type(value) is torch.Tensor and value.dtype in _FLOAT_DTYPES and value.dim() == 0
+    is, detached): what :func:`scalar` would return as it is, found with a few metadata reads.
+    False for any tensor until torch's names are bound (:func:`scalar` binds them, and does the same)."""
+    return (type(value) is loaded.Tensor and value.dtype in loaded.FLOAT_DTYPES and value.dim() == 0
             and not value.requires_grad and not value.is_meta)
 
 
@@ -74,7 +72,9 @@ def check_step(step: Any) -> int:
 
 
 def check_model(model: Any) -> None:
-    if model is not None and not isinstance(model, torch.nn.Module):
+    """A model is a ``torch.nn.Module`` (so torch is loaded); anything else, None too, raises."""
+    torch = loaded.refresh()
+    if torch is None or not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
 
 
@@ -143,7 +143,7 @@ def signals(metrics: Mapping[str, Any] | None, seen: set[str], anomalies: list[s
             value = per_step(f"metrics[{name!r}]", value, anomalies)
             if value is not None:
                 out[("signal", kind)] = value
-        elif value is not None and not isinstance(value, torch.Tensor):
+        elif value is not None and not isinstance(value, loaded.Tensor):
             scalar(f"metrics[{name!r}]", value)  # a wrong type raises, as for the signals
         if name not in seen and len(seen) < MAX_FIELDS:
             seen.add(name)
@@ -151,12 +151,15 @@ def signals(metrics: Mapping[str, Any] | None, seen: set[str], anomalies: list[s
     return out, tuple(new)
 
 
-def per_step(name: str, value: Any, anomalies: list[str] | None) -> float | torch.Tensor | None:
+def per_step(name: str, value: Any, anomalies: list[str] | None) -> Any:
     """:func:`scalar` (optional) for per-step data, which must not stop a run mid-way: a real
     tensor of several values (``nn.DataParallel``'s per-device losses) is reduced to its mean on
     its device (one kernel, no host sync), an empty one is dropped (None); either is appended to
     ``anomalies``, which the caller counts. A wrong *type* still raises TypeError."""
-    if (isinstance(value, torch.Tensor) and value.numel() != 1 and not value.is_meta
+    if type(value) is float or value is None:
+        return value
+    torch = loaded.refresh()  # not a float: maybe a tensor (then torch is loaded)
+    if (torch is not None and isinstance(value, torch.Tensor) and value.numel() != 1 and not value.is_meta
             and not value.is_complex() and value.dtype != torch.bool):
         if anomalies is not None:
             anomalies.append(name)
@@ -166,8 +169,8 @@ def per_step(name: str, value: Any, anomalies: list[str] | None) -> float | torc
     return scalar(name, value, optional=True)
 
 
-def scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.Tensor | None:
-    """A float, or a detached 0-d tensor left on its device (reading it would sync)."""
+def scalar(name: str, value: Any, *, optional: bool = False) -> Any:
+    """A float, or a detached 0-d tensor left on its device (reading it would sync), or None."""
     kind = type(value)
     if kind is float:  # the common case, without ABC checks
         return value
@@ -177,7 +180,8 @@ def scalar(name: str, value: Any, *, optional: bool = False) -> float | torch.Te
         if optional:
             return None
         raise TypeError(f"{name}: required, got None")
-    if isinstance(value, torch.Tensor):
+    torch = loaded.refresh()  # a tensor means torch is loaded: its names are bound from here on
+    if torch is not None and isinstance(value, torch.Tensor):
         if value.numel() != 1:  # metadata only: no sync
             raise TypeError(f"{name}: expected a single value, got a tensor of shape {tuple(value.shape)}")
         if value.is_complex() or value.dtype == torch.bool:
@@ -212,7 +216,7 @@ def _int_to_float(value: int) -> float:
         return math.inf if value > 0 else -math.inf
 
 
-def loss_scale(grad_scaler: Any) -> torch.Tensor | None:
+def loss_scale(grad_scaler: Any) -> Any:
     """The scale of an enabled GradScaler as a 0-d device tensor (no sync), else None."""
     if grad_scaler is None:
         return None
@@ -223,15 +227,18 @@ def loss_scale(grad_scaler: Any) -> torch.Tensor | None:
         return None
     # get_scale() would read it with .item(): the tensor behind it is read with the step's values.
     scale = getattr(grad_scaler, "_scale", None)
-    return scale.detach().reshape(()) if isinstance(scale, torch.Tensor) and scale.numel() == 1 else None
+    loaded.refresh()  # a GradScaler: torch is loaded
+    return scale.detach().reshape(()) if isinstance(scale, loaded.Tensor) and scale.numel() == 1 else None
 
 
 def refuse_graph_capture(where: str) -> None:
     """Raise if called while the current CUDA stream is capturing a graph: the event query
     and the pinned allocation would break the capture, and a captured observe() would
     replay stale values. Checked only once CUDA is initialised (no cost on CPU); the query
-    creates no CUDA context on the current device when it has none."""
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    creates no CUDA context on the current device when it has none. Without torch loaded there
+    is no CUDA (the same module attribute test as any step's ``torch.cuda``)."""
+    torch = loaded.torch or loaded.refresh()  # bound: one attribute read; unbound: a dict lookup
+    if torch is not None and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"{where}: called during CUDA graph capture; call it outside the captured region "
             "(after graph.replay(), with the step's output tensors)"

@@ -44,14 +44,15 @@ class Judgment:
             # (blocks, thirds, departures in a row) next to the Judge's.
             lrs = s.learning_rates
             memory = read_memory(s.cuda_device, "diagnosis") if s.measures_memory else None
-            vitals = self.vitals.findings(step, max(lrs.values()) if lrs else None, memory)
+            lr = (lrs["0"] if len(lrs) == 1 and "0" in lrs else max(lrs.values())) if lrs else None
+            vitals = self.vitals.findings(step, lr, memory)
             held = s.health
-            changes = list(changes) + [
-                StatusChange(Status(held[key]), f, step) for f in vitals
-                if (key := (f.check, f.component)) in held and held[key] != int(f.status)
-            ]
-            findings = list(findings) + vitals
-            pattern = self.vitals.pattern(findings, step)
+            for f in vitals:
+                was = held.get((f.check, f.component))
+                if was is not None and was != f.status:
+                    changes.append(StatusChange(Status(was), f, step))
+            pattern = self.vitals.pattern(findings, step)  # named from the Judge's findings (none of the vitals')
+            findings = findings + vitals
             s.pattern = (pattern.name if pattern else None, self.vitals.pattern_since)
         except Exception:
             s.count_error("diagnose")

@@ -3,13 +3,14 @@ scope :meth:`Monitor.phase` returns."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lossbeat.diagnosis import Finding
 from lossbeat.exposition.metrics import PHASES
 from lossbeat.monitor.report import Report
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["NullMonitor", "PhaseScope"]
 
@@ -62,6 +63,8 @@ class NullMonitor:
             scheduler.step()
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        import torch  # a model: torch is loaded (a NullMonitor never imports it before)
+
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None,

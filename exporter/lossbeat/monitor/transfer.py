@@ -3,7 +3,7 @@ blocking, and apply the step once its values have arrived, in order, from the tr
 while the loop is away, from a scrape.
 
 On CUDA the copy is read a step late (a pinned buffer and an event); on CPU there is nothing to
-wait for and the values are read at once.
+wait for and the values are read at once. A step of floats touches no torch (none need be loaded).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any, Callable
 
-import torch
+from lossbeat.monitor import loaded
 
 __all__ = ["PendingStep", "DeviceTransfer", "start_host_copy", "unpack"]
 
@@ -33,8 +33,8 @@ class PendingStep:
                  "has_lrs", "has_components", "has_signals")
 
     def __init__(self, step: int, wall_time: float, duration: float | None, epoch: float | None,
-                 host: dict[Any, Any], layout: list[tuple[Any, int]], packed: torch.Tensor | None = None,
-                 event: Any = None, layer_names: list[str] | None = None, has_lrs: bool = False,
+                 host: dict[Any, Any], layout: list[tuple[Any, int]], packed: Any = None,
+                 event: Any = None, layer_names: list[str] | None = None, has_lrs: int = 0,
                  has_components: bool = False, has_signals: bool = False) -> None:
         self.step, self.wall_time, self.duration, self.epoch = step, wall_time, duration, epoch
         self.host = host
@@ -47,9 +47,10 @@ class PendingStep:
         """CUDA event recorded after the copy; None when the values are already on the host."""
         self.layer_names = layer_names if layer_names is not None else []
         self.has_lrs, self.has_components, self.has_signals = has_lrs, has_components, has_signals
+        """``has_lrs``: how many learning rates the step has (one per param group, and an explicit one)."""
 
 
-def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
+def start_host_copy(packed: Any) -> tuple[Any, Any]:
     """A pinned host buffer that a non-blocking copy of the CUDA tensor ``packed`` fills,
     and the CUDA event that completes after it.
 
@@ -59,6 +60,7 @@ def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
     complete before the copy and the buffer be read early. Everything happens with
     ``packed``'s device current, so no CUDA context is created on GPU 0 for it.
     """
+    torch = loaded.torch  # a CUDA tensor: torch is loaded
     device = packed.device
     with torch.cuda.device(device):
         buffer = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -81,23 +83,32 @@ def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, A
         offset += length
 
 
-def _read_cpu(parts: list[tuple[Any, torch.Tensor]], into: dict[Any, Any]) -> None:
-    """CPU tensors' values in one read (nothing to wait for). The common case, 0-d floats of one
-    dtype (a loss and a norm), is one ``stack``: a fifth of the float64 pack, and the same values
-    (a float32's value is a float64 exactly); anything else is packed as a device's values are."""
-    tensors = [value for _, value in parts]
-    dtype = tensors[0].dtype
-    if dtype.is_floating_point and all(t.dim() == 0 and t.dtype == dtype for t in tensors):
-        read = tensors[0].tolist() if len(tensors) == 1 else torch.stack(tensors).tolist()
-        for (key, _), x in zip(parts, read if len(tensors) > 1 else (read,)):
+def _read_cpu(parts: list[tuple[Any, Any]], into: dict[Any, Any], zero_d: bool = False) -> None:
+    """CPU tensors' values, in the step's one host read (host memory: nothing to wait for).
+    ``zero_d``: every one is a 0-d float tensor (a loss and a norm, the usual): one ``tolist()``
+    of the one tensor, or of their ``stack`` (the float dtypes promote to one that holds each
+    value exactly; a float32's value is a float64 exactly); anything else is packed into one
+    float64 tensor as a device's values are."""
+    torch = loaded.torch  # CPU tensors: torch is loaded
+    if zero_d:
+        if len(parts) == 1:
+            key, value = parts[0]
+            x = value.tolist()  # the step's one host read: a 0-d CPU tensor's value, no sync
+            into[key] = [x] if key in _VECTORS else x
+            return
+        # The step's one host read: one stack, one tolist() (not one read per tensor, which the
+        # benchmarks count as a transfer each, and which would be a sync each on a device).
+        read = torch.stack([value for _, value in parts]).tolist()
+        for (key, _), x in zip(parts, read):
             into[key] = [x] if key in _VECTORS else x
         return
+    tensors = [value for _, value in parts]
     flats = [t.reshape(-1) if t.dtype == torch.float64 else t.reshape(-1).double() for t in tensors]
     packed = torch.cat(flats) if len(flats) > 1 else flats[0]
-    unpack(_as_float_list(packed), [(key, flat.numel()) for (key, _), flat in zip(parts, flats)], into)
+    unpack(_as_float_list(packed), [(key, flat.numel()) for (key, _), flat in zip(parts, flats)], into)  # one host read
 
 
-def _as_float_list(t: torch.Tensor) -> list[float]:
+def _as_float_list(t: Any) -> list[float]:
     return t.tolist()
 
 
@@ -145,30 +156,38 @@ class DeviceTransfer:
         ``now``: ``time.perf_counter()`` at the call, when the caller has read it already."""
         now = time.perf_counter() if now is None else now
         host: dict[Any, Any] = {}
-        device_parts: list[torch.Tensor] = []
-        cpu_parts: list[tuple[Any, torch.Tensor]] = []
+        device_parts: list[Any] = []
+        cpu_parts: list[tuple[Any, Any]] = []
         layout: list[tuple[Any, int]] = []
         device = None
-        has_lrs = has_components = has_signals = False
+        has_lrs, has_components, has_signals = 0, False, False
+        zero_d = True  # every CPU tensor so far a 0-d float one
         for key, value in values.items():
-            if value is None:
-                continue
             if type(key) is tuple:  # ("lr" | "signal" | "component", name): what the applier looks for
                 kind = key[0]
                 if kind == "lr":
-                    has_lrs = True
+                    has_lrs += 1
                 elif kind == "signal":
                     has_signals = True
                 else:
                     has_components = True
-            if type(value) is float or not isinstance(value, torch.Tensor):
+            if type(value) is float:
+                host[key] = value
+                continue
+            if value is None:
+                continue
+            # Not a float: a tensor (inputs bound torch's names on seeing one; else bound here) or a host value.
+            if not isinstance(value, loaded.Tensor) and (
+                    loaded.torch is not None or loaded.refresh() is None or not isinstance(value, loaded.Tensor)):
                 host[key] = value
                 continue
             if value.is_cpu:
                 cpu_parts.append((key, value))
+                if zero_d and (value.dtype not in loaded.FLOAT_DTYPES or value.dim()):
+                    zero_d = False
                 continue
             flat = value.reshape(-1)
-            if flat.dtype != torch.float64:
+            if flat.dtype != loaded.torch.float64:
                 # float64: token counts stay exact past 2**24 and bf16/fp16 values lose nothing.
                 flat = flat.double()
             if device is None:
@@ -181,7 +200,7 @@ class DeviceTransfer:
 
         if cpu_parts:  # CPU tensors: reading them waits for nothing
             self.host_transfers += 1
-            _read_cpu(cpu_parts, host)
+            _read_cpu(cpu_parts, host, zero_d)
 
         record = PendingStep(step, wall, duration, epoch, host, layout, None, None, layer_names,
                              has_lrs, has_components, has_signals)
@@ -195,7 +214,7 @@ class DeviceTransfer:
                 self._drain_locked(block=False, may_wait=True)
             return
         if device_parts:
-            packed = torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
+            packed = loaded.torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
             if device.type == "cuda" and self.defer:
                 # The step's one device->host transfer, asynchronous: read at a later observe()
                 # (or scrape) once its event is done.
