@@ -50,10 +50,10 @@ PLANS = {
         "scrape": ("1M", 2, 2.5), "render_repeats": 20, "observe_calls": 5_000,
         "memory": (100_000, 20_000), "cuda": [("10M", 3), ("1.3B", 2)],
     },
-    # Seconds: proves every path of the harness (tests/test_readme_clean.py); measures nothing.
+    # Seconds: proves every path of the harness (tests/test_readme_clean.py) on the tiny model; measures nothing.
     "smoke": {
-        "overhead": [("1M", 2)], "counted": ["1M"], "count_steps": 2,
-        "scrape": ("1M", 1, 0.5), "render_repeats": 2, "observe_calls": 200,
+        "overhead": [("tiny", 2)], "counted": ["tiny"], "count_steps": 2,
+        "scrape": ("tiny", 1, 0.5), "render_repeats": 2, "observe_calls": 200,
         "memory": (2_000, 1_000), "cuda": [("10M", 1)], "third_party": False,
     },
     "full": {

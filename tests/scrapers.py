@@ -2,13 +2,17 @@
 Python work does not share the trainer's interpreter lock). Prints one JSON summary:
 scrapes, failures, parse errors, counters seen going backwards, latency percentiles.
 
-    python tests/scrapers.py PORT N SECONDS [INTERVAL]
+    python tests/scrapers.py PORT N SECONDS [INTERVAL] [--each COUNT] [--final]
 
 INTERVAL: seconds between one scraper's scrapes (default 0: back to back, a stress test).
+--each COUNT: each scraper stops after COUNT scrapes (or SECONDS, whichever comes first).
+--final: when the scrapers have stopped, print "stopped", wait for stdin to close (the trainer
+has stopped stepping), then scrape once more: that scrape must see every step trained.
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import sys
@@ -18,11 +22,13 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def scraper(port: int, until: float, interval: float, out: dict, lock: threading.Lock) -> None:
+def scraper(port: int, until: float, interval: float, out: dict, lock: threading.Lock, each: int = 0) -> None:
     last: dict[tuple, float] = {}
     latencies, failures, parse_errors, backwards = [], [], 0, []
     next_at = time.monotonic()
-    while time.monotonic() < until:
+    attempts = 0
+    while time.monotonic() < until and not (each and attempts >= each):
+        attempts += 1
         if interval:
             time.sleep(max(0.0, next_at - time.monotonic()))
             next_at += interval
@@ -65,17 +71,28 @@ def scraper(port: int, until: float, interval: float, out: dict, lock: threading
 
 
 def main() -> None:
-    port, n, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    interval = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port", type=int)
+    parser.add_argument("n", type=int)
+    parser.add_argument("seconds", type=float)
+    parser.add_argument("interval", type=float, nargs="?", default=0.0)
+    parser.add_argument("--each", type=int, default=0)
+    parser.add_argument("--final", action="store_true")
+    args = parser.parse_args()
     out = {"scrapes": 0, "failures": [], "failure_count": 0, "parse_errors": 0, "backwards": [],
            "latencies": [], "last_counters": []}
     lock = threading.Lock()
-    until = time.monotonic() + seconds
-    threads = [threading.Thread(target=scraper, args=(port, until, interval, out, lock)) for _ in range(n)]
+    until = time.monotonic() + args.seconds
+    threads = [threading.Thread(target=scraper, args=(args.port, until, args.interval, out, lock, args.each))
+               for _ in range(args.n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if args.final:
+        print("stopped", flush=True)
+        sys.stdin.read()  # returns when the trainer closes our stdin: it steps no more
+        scraper(args.port, float("inf"), 0.0, out, lock, each=1)
     lat = sorted(out.pop("latencies")) or [0.0]
     out["latency_p50_ms"] = 1000 * lat[len(lat) // 2]
     out["latency_p99_ms"] = 1000 * lat[int(len(lat) * 0.99)]

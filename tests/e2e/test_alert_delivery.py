@@ -47,7 +47,7 @@ def test_fault_pages_on_call_with_job_and_rank(demo, receiver, fault, counter, a
 
 def test_healthy_run_pages_nobody(demo, receiver, prometheus):
     # --linger: a critical alert raised near the end still has time to be delivered.
-    run = demo("--steps", "150", "--step-delay", "0.05", "--eval-every", "30", "--linger", "6")
+    run = demo("--steps", "150", "--step-delay", "0.05", "--batch-size", "8", "--eval-every", "30", "--linger", "6")
     run.wait_serving()
     wait_until(lambda: prometheus.query(f'training_steps_total{{job="{run.job}"}}'), 30,
                "Prometheus to scrape the healthy run")

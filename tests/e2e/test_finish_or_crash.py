@@ -18,7 +18,7 @@ def _scraped(prometheus, run) -> None:
 
 
 def test_a_finished_run_with_its_target_kept_pages_nobody(demo, receiver, prometheus):
-    run = demo("--steps", "80", "--step-delay", "0.05")
+    run = demo("--steps", "80", "--step-delay", "0.05", "--batch-size", "8")
     run.wait_serving()
     _scraped(prometheus, run)
     assert run.wait_exit(timeout=180) == 0, run.log_tail()
@@ -37,7 +37,7 @@ def test_a_finished_run_with_its_target_kept_pages_nobody(demo, receiver, promet
 
 
 def test_a_killed_run_whose_target_was_removed_pages(demo, receiver, prometheus, stack):
-    run = demo("--steps", "5000", "--step-delay", "0.05")
+    run = demo("--steps", "5000", "--step-delay", "0.05", "--batch-size", "8")
     run.wait_serving()
     _scraped(prometheus, run)
     killed_at = time.time()

@@ -81,7 +81,7 @@ def test_a_forward_nan_pages_once(demo, receiver, prometheus, stack):
     """The NaN loss makes every gradient NaN: TrainingGradientNonFinite fires in Prometheus
     and the control pages it, but the shipped config pages only TrainingLossNaN."""
     echo = "TrainingGradientNonFinite"
-    run = demo("--steps", "600", "--step-delay", "0.1", "--fault", "nan", "--fault-step", "40")
+    run = demo("--steps", "600", "--step-delay", "0.1", "--batch-size", "8", "--fault", "nan", "--fault-step", "40")
     run.wait_serving()
     wait_for_page(receiver, "TrainingLossNaN", run.job, timeout=90)
     wait_until(lambda: prometheus.firing(echo, job=run.job), 60, f"{echo} to fire in Prometheus")
