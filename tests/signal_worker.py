@@ -19,6 +19,10 @@ from lossbeat import Monitor, MonitorConfig
 
 
 def main() -> None:
+    # What Ctrl-C in a terminal does. A shell that starts the suite in the background
+    # (`nohup make test &`) leaves SIGINT ignored in every child, and Python then installs no
+    # KeyboardInterrupt handler: the worker would train on through the signal this test sends.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.argv[1] == "exit-handler":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the pattern docs/reliability.md shows
     torch.manual_seed(0)
