@@ -146,11 +146,7 @@ def measure(ranks: int, shards: int, minutes: float, interval: float, files: Set
         workdir = Path(tmp)
         setup = Setup(workdir, farm.ports, shards, interval, files)
         try:
-            deadline = time.monotonic() + max(120.0, 6 * interval)
-            while setup.up() < ranks:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"only {setup.up():.0f} of {ranks} ranks up")
-                time.sleep(1.0)
+            setup.wait_up(ranks)
             _log(f"all {ranks} up on {len(setup.shards)} shard(s); filling for {minutes:g} min")
             started = time.time()
             cpu0 = {s.name: s.cpu_seconds() for s in setup.servers}

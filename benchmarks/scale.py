@@ -405,6 +405,7 @@ class Setup:
                  files: SetupFiles = SetupFiles()) -> None:
         import yaml
 
+        self.interval = interval
         sd = workdir / "file_sd"
         sd.mkdir()
         (sd / "ranks.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{p}" for p in ports],
@@ -464,6 +465,16 @@ class Setup:
 
     def up(self) -> float:
         return sum(s.scalar(f'count(up{{job="{JOB}"}} == 1)') or 0 for s in self.shards)
+
+    def wait_up(self, ranks: int) -> None:
+        """Until every rank answers its shard (discovery hands targets to the scrapers after
+        ~5 s); raises after six intervals, two minutes at least."""
+        wait = max(120.0, 6 * self.interval)
+        deadline = time.monotonic() + wait
+        while self.up() < ranks:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {self.up():.0f} of {ranks} ranks up within {wait:.0f}s")
+            time.sleep(1.0)
 
     def shard_of(self, port: int) -> Server:
         for server in self.shards:
@@ -526,13 +537,7 @@ def measure(ranks: int, warmup_cycles: int, templates: dict[str, str], interval:
     with tempfile.TemporaryDirectory(prefix="lossbeat-scale-") as tmp:
         setup = Setup(Path(tmp), farm.ports, shards, interval, SetupFiles(rules=rules))
         try:
-            # Discovery hands targets to the scrapers after ~5 s; measure from when all answer.
-            wait = max(120.0, 6 * interval)
-            deadline = time.monotonic() + wait
-            while setup.up() < ranks:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"only {setup.up():.0f} of {ranks} ranks up within {wait:.0f}s")
-                time.sleep(1.0)
+            setup.wait_up(ranks)  # measured from when all answer
             _log(f"all {ranks} up on {len(setup.shards)} shard(s)")
             started = time.time()
             cpu0 = {s.name: s.cpu_seconds() for s in setup.servers}
