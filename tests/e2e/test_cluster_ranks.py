@@ -88,8 +88,12 @@ def test_straggler_spread_mismatch_and_a_hung_rank_are_named(stack, prometheus, 
         spread = wait_until(lambda: prometheus.firing("TrainingLossRankSpread", job=job), 180,
                             "TrainingLossRankSpread for the rank with other data")
         assert [a["labels"]["rank"] for a in spread] == ["0"] and float(spread[0]["value"]) > 3.5
-        for name in CROSS_RANK:  # the healthy rank fires no cross-rank alert
-            assert not [a for a in prometheus.alerts(alertname=name, job=job) if a["labels"].get("rank") == "1"]
+        # The healthy rank fires no cross-rank alert. Firing, not pending: while the ranks' scrapes
+        # straddle a new aligned step, the job's latest step holds only the ranks scraped since
+        # (the corrupted one and the healthy one, say), and their median flags both for one
+        # evaluation; the `for` is what keeps that from a page (docs/tests.md, "Under load").
+        for name in CROSS_RANK:
+            assert not [a for a in prometheus.firing(name, job=job) if a["labels"].get("rank") == "1"]
 
         # Rank 1 hangs hard (SIGSTOP: no steps, no scrapes); the others wait for it in the
         # all-reduce and keep serving: TrainingRankDown names it.
