@@ -1015,3 +1015,55 @@ def test_norms_measured_ahead_are_dropped_by_an_observe_without_the_model():
         assert m.state.grad_norm == pytest.approx(expected)
     finally:
         m.close()
+
+
+class _Real:
+    """A real number that is not a float: observe() takes it through its general path."""
+
+    def __init__(self, x: float) -> None:
+        self.x = x
+
+    def __float__(self) -> float:
+        return self.x
+
+
+def test_the_float_shortcut_builds_what_the_general_path_builds():
+    """Host floats alone skip the scans of the general path: the same state, events on the same
+    steps, the same windows and findings, through NaN, spikes, explosions, zero gradients and
+    steps without a grad norm or an LR."""
+    import numbers
+
+    numbers.Real.register(_Real)
+
+    def loss_at(i: int) -> float:
+        if i in (150, 151):
+            return math.nan
+        return 30.0 if i == 240 else 2.0 / (1 + i / 100) + 0.01 * (i % 7)
+
+    def grad_at(i: int) -> float | None:
+        return None if i % 13 == 0 else 0.0 if i == 90 else 500.0 if i == 300 else 0.5 + 0.01 * (i % 5)
+
+    fed = []
+    for wrap in (float, _Real):
+        m = Monitor(MonitorConfig(port=0, log_status_changes=False), serve=False)
+        for i in range(400):
+            g = grad_at(i)
+            lr = None if i % 17 == 0 else 1e-3
+            m.observe(i, loss=wrap(loss_at(i)), grad_norm=None if g is None else wrap(g),
+                      learning_rate=None if lr is None else wrap(lr))
+        m.flush()
+        s, h = m.state, m.history
+        fed.append({
+            "counts": (s.steps_total, s.nonfinite_loss_total, s.nonfinite_grad_total, s.loss_spikes_total,
+                       s.grad_explosions_total),
+            "event_steps": dict(s.event_steps), "lrs": dict(s.learning_rates), "loss": s.loss,
+            "grad_norm": s.grad_norm, "recent": [tuple(str(x) for x in r) for r in s.recent.snapshot()],
+            "windows": (h.steps_seen, h.grad_records, list(h.grad_norms.last(50)), h.loss.noise, h.grad.median),
+            "findings": [(f.check, f.status, f.message) for f in m.report().findings
+                         if f.check != "throughput"],  # steps/s: the machine's, not the record's
+            "errors": dict(s.errors),
+        })
+        m.close()
+    floats, general = fed
+    assert floats["counts"][1:] == (2, 0, 2, 1) and not any(floats["errors"].values())  # NaN twice, 2 spikes, 1 explosion
+    assert floats == general

@@ -97,7 +97,7 @@ class PatternTracker:
         pattern = _classify(by_check, overfitting)
         if pattern is not None and pattern.name == "converging" and not self._fell:
             pattern = _BY_NAME["no_progress"]
-        if pattern != self.pattern:
+        if pattern is not self.pattern:  # one of PATTERNS each: identity, not the dataclass's field-wise ==
             self.pattern, self.since_step = pattern, step
         return pattern
 

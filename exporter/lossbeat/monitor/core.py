@@ -43,6 +43,7 @@ from lossbeat.monitor.null import NullMonitor, PhaseScope
 from lossbeat.monitor.profile import ProfileChoice
 from lossbeat.monitor.ratelog import RateLimitedLog
 from lossbeat.monitor.report import Report
+from lossbeat.monitor.steps import StepPath
 from lossbeat.monitor.transfer import DeviceTransfer
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class Monitor:
         self.registry.register(self._collector)
         self._cross_rank_collector = CrossRankCollector(self._cross_rank, self.state.run_id)
         self.registry.register(self._cross_rank_collector)
-        self._last_perf: float | None = None
+        self._steps = StepPath(self.state, self._log, self._meter, self._guard, self._transfer, self._cross_rank)
         self.closed = False
         self._server: MetricsServer | None = None
         self._registration: Registration | None = None
@@ -171,6 +172,12 @@ class Monitor:
             raise RuntimeError("observe: this monitor is closed")
         if type(step) is not int:
             step = inputs.check_step(step)
+        if (type(loss) is float and (grad_norm is None or type(grad_norm) is float)
+                and (learning_rate is None or type(learning_rate) is float) and optimizer is None
+                and model is None and tokens is None and losses is None and epoch is None
+                and grad_scaler is None and metrics is None):
+            self._steps.floats(step, loss, grad_norm, learning_rate)
+            return
         inputs.refuse_graph_capture("observe")
         values, anomalies = inputs.step_values(
             loss=loss, optimizer=optimizer, learning_rate=learning_rate, grad_norm=grad_norm, tokens=tokens,
@@ -180,27 +187,7 @@ class Monitor:
         if anomalies:
             _count_anomalies(self.state, self._log, anomalies)
 
-        now_perf = time.perf_counter()
-        duration = None if self._last_perf is None else now_perf - self._last_perf
-        self._last_perf = now_perf
-        transfer = self._transfer
-        try:
-            if transfer.pending:  # drain: the steps whose values arrived since (never any on CPU)
-                transfer.drain(block=False)
-            meter = self._meter
-            layer_names = (_measure(meter, self.state, self._log, model, values, step)
-                           if model is not None or meter.holds_norms else [])
-            meter.submitted += 1
-            if self._guard.decides:  # guard="skip"/"stop": the step's verdict, on the device
-                self._guard.decide(values)
-            # submit (the step's one host transfer), then drain → apply → judge what has arrived
-            transfer.submit(step, time.time(), duration, epoch, values, layer_names, now_perf)
-            self.state.cuda_device = transfer.cuda_device
-            if model is not None or self._cross_rank.work_time:  # else step_end has nothing to do
-                self._cross_rank.step_end(model)
-        except Exception:  # the training loop must go on: count, log, continue
-            self.state.count_error("observe")
-            self._log("error", logging.ERROR, "lossbeat: error in observe(); training continues", exc_info=True)
+        self._steps.submit(step, epoch, values, model)
 
     def step(self, optimizer: Any, *, grad_scaler: Any = None, scheduler: Any = None) -> None:
         """Apply the observed step: ``optimizer.step()``, unless the guard keeps it from the optimizer.
@@ -262,7 +249,7 @@ class Monitor:
         if name != current:
             totals = {**totals, current: totals.get(current, 0.0) + now - since}
             self.state.phase = (name, now, totals)  # one swap: a scrape sees all or nothing
-            self._last_perf = None  # the step that spans a phase change is no step time
+            self._steps.last_perf = None  # the step that spans a phase change is no step time
         self.state.last_activity_time = time.time()
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -358,18 +345,6 @@ def _gradient_error(state: MonitorState, log: RateLimitedLog, where: str, error:
     else:
         log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
             "norms are skipped, the step and training go on", where, exc_info=True)
-
-
-def _measure(meter: GradientMeter, state: MonitorState, log: RateLimitedLog, model: torch.nn.Module | None,
-             values: dict[Any, Any], step: int) -> list[str]:
-    """The step's gradient norms as device tensors in ``values`` (no host read); the layer names."""
-    try:
-        return meter.measure_step(model, values["grad_norm"] is None, values, step)
-    except Exception:  # gradients we cannot measure: the step's loss and LR still count
-        values.pop("layers", None)
-        state.count_error("observe")
-        log("error", logging.ERROR, "lossbeat: cannot measure the gradients; training continues", exc_info=True)
-        return []
 
 
 def _count_anomalies(state: MonitorState, log: RateLimitedLog, anomalies: list[str]) -> None:

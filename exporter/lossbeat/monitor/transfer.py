@@ -70,6 +70,7 @@ def start_host_copy(packed: Any) -> tuple[Any, Any]:
     return buffer, event
 
 
+_NO_PARTS: Any = ()  # a record's layout and layer names when it has neither (shared, never written)
 _VECTORS = ("layers", "guard")  # vectors; every other key is one value
 
 
@@ -225,6 +226,20 @@ class DeviceTransfer:
         with self.lock:
             self.pending.append(record)
             self.last_submit = now
+            self._drain_locked(block=False, may_wait=True)
+
+    def submit_host(self, step: int, wall: float, duration: float | None, host: dict[Any, Any], has_lrs: int,
+                    now: float) -> None:
+        """:meth:`submit` of a step whose values are all host floats already (``host``: ``"loss"``,
+        ``"grad_norm"``, ``("lr", "0")``), without the scan of its values: applied now, or queued
+        behind the steps in flight."""
+        record = PendingStep(step, wall, duration, None, host, _NO_PARTS, None, None, _NO_PARTS, has_lrs)
+        with self.lock:
+            self.last_submit = now
+            if not self.pending:
+                self.apply(record)
+                return
+            self.pending.append(record)
             self._drain_locked(block=False, may_wait=True)
 
     def drain(self, block: bool, may_wait: bool = True) -> None:

@@ -65,12 +65,12 @@ class MonitorFeed:
         m = self.monitor
         now = time.perf_counter()
         if self.replaying or self._last_read is None:
-            m._last_perf = None  # a replayed record took no training time: no step duration
+            m._steps.last_perf = None  # a replayed record took no training time: no step duration
         elif step > self._last_read[1]:
             # The Monitor's step time is the time since its last observe: here, the time per step
             # over the logging interval (a record every N steps is N steps apart).
             last_time, last_step = self._last_read
-            m._last_perf = now - (now - last_time) / (step - last_step)
+            m._steps.last_perf = now - (now - last_time) / (step - last_step)
         self._last_read = None if self.replaying else (now, step)
         m.observe(step, loss=loss, grad_norm=grad_norm, learning_rate=learning_rate, epoch=epoch)
         self.records += 1
