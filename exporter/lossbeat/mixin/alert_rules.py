@@ -341,6 +341,18 @@ def _cross_rank_recording_rules() -> list[RecordingRule]:
                       f"max by ({job}) (training_grad_norm_aligned_step)))", JOB_RANK),
         RecordingRule("job:training_grad_norm_aligned:median_latest_step",
                       f"quantile by ({job}) (0.5, {level(JOB_RANK)}:training_grad_norm_aligned:latest_step)", JOB),
+        # Each rank's departure from that median, only once every rank exporting aligned norms is
+        # at that step: while the scrapes of a new aligned step come in, the ranks already there
+        # would be compared among themselves (the median of a subset). TrainingRankGradientMismatch
+        # reads the last complete comparison, so the moments in between neither fire nor reset it.
+        RecordingRule(ALIGNED_DEPARTURE,
+                      f"max by ({job_rank}) (\n"
+                      f"  abs({level(JOB_RANK)}:training_grad_norm_aligned:latest_step\n"
+                      f"    - on({job}) group_left job:training_grad_norm_aligned:median_latest_step)\n"
+                      f"  / on({job}) group_left abs(job:training_grad_norm_aligned:median_latest_step)\n"
+                      f")\nand on({job})\n"
+                      f"  count by ({job}) ({level(JOB_RANK)}:training_grad_norm_aligned:latest_step)\n"
+                      f"  == count by ({job}) (training_grad_norm_aligned_step)", JOB_RANK),
         RecordingRule("job:training_rank_work_seconds:median_avg_over_time5m",
                       f"quantile by ({job}) (0.5, {WORK_AVG_5M})", JOB),
         # Per run, the count of ranks present (the shards' counts added up) where it is not the
@@ -353,6 +365,11 @@ def _cross_rank_recording_rules() -> list[RecordingRule]:
 
 
 WORK_AVG_5M = f"{level(JOB_RANK)}:training_rank_work_seconds:avg_over_time5m"
+ALIGNED_DEPARTURE = f"{level(JOB_RANK)}:training_grad_norm_aligned:relative_departure_complete_step"
+"""|a rank's aligned grad norm - the job's median| / |median|, at the latest aligned step every rank reached."""
+ALIGNED_LOOKBACK = "5m"
+"""How long TrainingRankGradientMismatch holds the last complete comparison (Prometheus's staleness
+window: a job that stops exporting aligned norms lets it go as its series go)."""
 RANK_PRESENT = f"{level(JOB_RANK + ('world_size',))}:training_run:present"
 """1 for each rank of a run reporting now, or gone after its completion marker."""
 RANK_GONE = f"{level(JOB_RANK)}:training_run:gone"
@@ -1100,8 +1117,6 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
     mean, median = LOSS_AVG_5M, "job:training_loss:median_avg_over_time5m"
     robust_z = f"{level(JOB_RANK)}:training_loss:robust_z5m"
     work_median = "job:training_rank_work_seconds:median_avg_over_time5m"
-    aligned = f"{level(JOB_RANK)}:training_grad_norm_aligned:latest_step"
-    aligned_median = "job:training_grad_norm_aligned:median_latest_step"
     return [
         AlertRule(
             name="TrainingRankDown",
@@ -1194,23 +1209,23 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.cross_rank",
             severity="critical",
             expr=(
-                f"abs({aligned} - on({job}) group_left {aligned_median})\n"
-                f"  / on({job}) group_left abs({aligned_median})\n"
-                f"> {number(c.grad_norm_rtol)}\n"
+                f"last_over_time({ALIGNED_DEPARTURE}[{ALIGNED_LOOKBACK}]) > {number(c.grad_norm_rtol)}\n"
                 f"and on({job})\n"
-                f"  count by ({job}) ({aligned}) >= 2\n"
+                f"  count by ({job}) (last_over_time({ALIGNED_DEPARTURE}[{ALIGNED_LOOKBACK}])) >= 2\n"
             ),
             for_=a.grad_mismatch_for,
             summary="Data-parallel replicas disagree on the gradient norm",
             description=(
-                f"At the job's latest aligned step the global gradient norm of {WHO} differs from the median of "
+                f"At the job's latest aligned step that every rank reached, the global gradient norm of {WHO} "
+                "differs from the median of "
                 f"the job's ranks by {VALUE} of it; after the all-reduce every replica must "
                 f"hold the same gradients (tolerance {number(c.grad_norm_rtol)}): silent data corruption or "
                 "desynchronised replicas."
             ),
             condition=(
-                f"a rank's global grad norm at the job's latest step multiple of `grad_norm_align_every` differs "
-                f"from the ranks' median by > {number(100 * c.grad_norm_rtol)}%; for {a.grad_mismatch_for}"
+                f"a rank's global grad norm at the job's latest step multiple of `grad_norm_align_every` that "
+                f"every rank reached differs from the ranks' median by > {number(100 * c.grad_norm_rtol)}%; "
+                f"for {a.grad_mismatch_for}"
             ),
             action="stop the job; run GPU diagnostics on that rank's node; restart from a checkpoint without it",
             keeps=JOB_RANK,

@@ -569,6 +569,18 @@ def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
 
     corrupt = [1.5, 1.5, 1.5, 1.5 * (1 + 10 * c.grad_norm_rtol)]
     median = _quantile(corrupt, 0.5)
+    later = at + 4 * b.i  # past the for duration, with the last half of it half scraped
+
+    def moving() -> list[Series]:
+        """Every rank at step 200 (rank 3 off), then ranks 0 and 1 at step 300 (agreeing) while 2 and 3
+        are not scraped there yet, for the rest of the test."""
+        total, complete = int(later // b.i) + 2, int(later // b.i) // 2
+        out = []
+        for r, x in enumerate(corrupt):
+            out.append(b.hold("training_grad_norm_aligned", _target(str(r)), x, total))
+            steps = [run(200, complete), run(300, total - complete)] if r < 2 else [run(200, total)]
+            out.append(Series("training_grad_norm_aligned_step", _target(str(r)), steps))
+        return out
     return {rule.name: [
         Scenario("a replica whose norm differs fires, named", ranks(corrupt),
                  [(at, rule.name, [Expect(rule, job_rank("3"), abs(corrupt[3] - median) / abs(median))]),
@@ -578,6 +590,12 @@ def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
         Scenario("a rank still at an older aligned step is not compared",
                  ranks([1.5, 1.5, 1.5, 3.0], steps=[200, 200, 200, 100]), [(at, rule.name, [])]),
         Scenario("a single rank is silent", ranks([1.5]), [(at, rule.name, [])]),
+        # While the scrapes of a new aligned step come in, the ranks already there are not compared
+        # among themselves: two of four at step 200, one of them off, is no median of the job.
+        Scenario("an aligned step only some ranks have reached is not judged",
+                 ranks([1.5, corrupt[3], 1.5, 1.5], steps=[200, 200, 100, 100]), [(at, rule.name, [])]),
+        Scenario("a mismatch still fires while a newer aligned step is half scraped",
+                 moving(), [(later, rule.name, [Expect(rule, job_rank("3"), abs(corrupt[3] - median) / abs(median))])]),
     ]}
 
 
