@@ -46,8 +46,10 @@ class PendingStep:
         self.event = event
         """CUDA event recorded after the copy; None when the values are already on the host."""
         self.layer_names = layer_names if layer_names is not None else []
-        self.has_lrs, self.has_components, self.has_signals = has_lrs, has_components, has_signals
-        """``has_lrs``: how many learning rates the step has (one per param group, and an explicit one)."""
+        self.has_lrs = has_lrs
+        """How many learning rates the step has (one per param group, and an explicit one)."""
+        self.has_components, self.has_signals = has_components, has_signals
+        """Whether the step has loss components, and named signals (``observe(metrics=...)``)."""
 
 
 def start_host_copy(packed: Any) -> tuple[Any, Any]:
