@@ -1,7 +1,7 @@
 """What the Prometheus set-up deploy/ ships pays for N ranks with lossbeat's rules, measured.
 
     python benchmarks/scale.py --ranks 1000                 # one Prometheus, rules.yml: ~4 minutes
-    python benchmarks/scale.py --ranks 10000 --interval 30  # deploy/sharding (8 shards + global): ~15 min
+    python benchmarks/scale.py --ranks 10000 --interval 15  # deploy/sharding (8 shards + global): ~6 min
     python benchmarks/scale.py --ranks 1000 --shards 2      # the sharded set-up at a small size
     python benchmarks/scale.py --report                     # docs/scale.md tables from scale_results.json
 
