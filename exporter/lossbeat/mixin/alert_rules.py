@@ -328,6 +328,8 @@ def _cross_rank_recording_rules() -> list[RecordingRule]:
     mean = LOSS_AVG_5M
     median = "job:training_loss:median_avg_over_time5m"
     mad = "job:training_loss:mad_avg_over_time5m"
+    aligned = f"{level(JOB_RANK)}:training_grad_norm_aligned:latest_step"
+    aligned_median = "job:training_grad_norm_aligned:median_latest_step"
     return [
         RecordingRule(median, f"quantile by ({job}) (0.5, {mean})", JOB),
         RecordingRule(mad, f"quantile by ({job}) (0.5, abs({mean} - on({job}) group_left {median}))", JOB),
@@ -335,23 +337,22 @@ def _cross_rank_recording_rules() -> list[RecordingRule]:
                       f"sum by ({job_rank}) ({MAD_TO_SIGMA} * ({mean} - on({job}) group_left {median})"
                       f" / on({job}) group_left {mad})", JOB_RANK),
         # Each rank's aligned grad norm, kept only at the job's latest aligned step.
-        RecordingRule(f"{level(JOB_RANK)}:training_grad_norm_aligned:latest_step",
+        RecordingRule(aligned,
                       f"max by ({job_rank}) (training_grad_norm_aligned and on({_by(TARGET)}) "
                       f"(training_grad_norm_aligned_step == on({job}) group_left "
                       f"max by ({job}) (training_grad_norm_aligned_step)))", JOB_RANK),
-        RecordingRule("job:training_grad_norm_aligned:median_latest_step",
-                      f"quantile by ({job}) (0.5, {level(JOB_RANK)}:training_grad_norm_aligned:latest_step)", JOB),
+        RecordingRule(aligned_median, f"quantile by ({job}) (0.5, {aligned})", JOB),
         # Each rank's departure from that median, only once every rank exporting aligned norms is
         # at that step: while the scrapes of a new aligned step come in, the ranks already there
         # would be compared among themselves (the median of a subset). TrainingRankGradientMismatch
         # reads the last complete comparison, so the moments in between neither fire nor reset it.
         RecordingRule(ALIGNED_DEPARTURE,
                       f"max by ({job_rank}) (\n"
-                      f"  abs({level(JOB_RANK)}:training_grad_norm_aligned:latest_step\n"
-                      f"    - on({job}) group_left job:training_grad_norm_aligned:median_latest_step)\n"
-                      f"  / on({job}) group_left abs(job:training_grad_norm_aligned:median_latest_step)\n"
+                      f"  abs({aligned}\n"
+                      f"    - on({job}) group_left {aligned_median})\n"
+                      f"  / on({job}) group_left abs({aligned_median})\n"
                       f")\nand on({job})\n"
-                      f"  count by ({job}) ({level(JOB_RANK)}:training_grad_norm_aligned:latest_step)\n"
+                      f"  count by ({job}) ({aligned})\n"
                       f"  == count by ({job}) (training_grad_norm_aligned_step)", JOB_RANK),
         RecordingRule("job:training_rank_work_seconds:median_avg_over_time5m",
                       f"quantile by ({job}) (0.5, {WORK_AVG_5M})", JOB),
@@ -568,7 +569,7 @@ _FIRST_LAYER = (
 def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
     """Non-finite gradient norms: repeated or judged ongoing page, one the run went on from is a
     ticket (what an fp16 overflow skip looks like), as the exporter's ``nonfinite`` finding says."""
-    a, window, n = t.alerts, t.alerts.event_window, t.alerts.nonfinite_events
+    window, n = t.alerts.event_window, t.alerts.nonfinite_events
     events = _events(t)["nonfinite_grad"]
     new, count = events.nonzero, events.count()
     judged = f"{_status('nonfinite')} == 2"

@@ -10,13 +10,13 @@ from typing import Any, Mapping
 from lossbeat.diagnosis import History
 from lossbeat.diagnosis.vitals import Vitals
 from lossbeat.exposition.state import MonitorState
+from lossbeat.monitor.inputs import FIRST_LR
 from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.ratelog import RateLimitedLog
 from lossbeat.monitor.transfer import PendingStep
 
 __all__ = ["StepApplier", "derive_gauges", "ALL_LAYERS", "FROM_ANOTHER_RANK"]
 
-_FIRST_LR = ("lr", "0")  # the key of the first param group's (or the one given) learning rate
 
 ALL_LAYERS = "all layers"
 """The non-finite layer reported when a non-finite loss made every layer's gradient non-finite
@@ -48,7 +48,7 @@ class StepApplier:
         s, v = self.state, record.host
         loss = v.get("loss")  # None: a rank without a loss this step (a pipeline stage before the last)
         grad_norm = v.get("grad_norm")
-        lr_max = v.get(_FIRST_LR) if record.has_lrs == 1 else None  # one LR (the usual): no scan of the values
+        lr_max = v.get(FIRST_LR) if record.has_lrs == 1 else None  # one LR (the usual): no scan of the values
         if lr_max is not None:
             lrs = {"0": lr_max}
         else:

@@ -11,9 +11,11 @@ from typing import Any, Mapping
 from lossbeat.diagnosis.profiles import signal_kind
 from lossbeat.monitor import loaded
 
-__all__ = ["step_values", "scalar", "per_step", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components", "signals",
+__all__ = ["FIRST_LR", "step_values", "scalar", "per_step", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components", "signals",
            "check_step", "check_model", "check_epoch"]
 
+FIRST_LR = ("lr", "0")
+"""The values' key of the first param group's learning rate, or of the one given without an optimizer."""
 MAX_PARAM_GROUPS = 32
 MAX_COMPONENTS = 32
 MAX_FIELDS = 64
@@ -40,7 +42,7 @@ def step_values(*, loss: Any, optimizer: Any, learning_rate: Any, grad_norm: Any
     if grad_scaler is not None:
         values["grad_scale"] = loss_scale(grad_scaler)
     if optimizer is None and type(learning_rate) is float:
-        values[("lr", "0")] = learning_rate
+        values[FIRST_LR] = learning_rate
     elif optimizer is not None or learning_rate is not None:
         values.update(learning_rates(optimizer, learning_rate))
     if losses is not None:

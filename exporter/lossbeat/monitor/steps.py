@@ -17,8 +17,6 @@ from lossbeat.monitor.transfer import DeviceTransfer
 
 __all__ = ["StepPath"]
 
-_FIRST_LR = ("lr", "0")  # an explicit learning rate without an optimizer (the key inputs.step_values gives it)
-
 
 class StepPath:
     """From ``observe()``'s validated values to the submitted record; owns the step timer."""
@@ -48,7 +46,7 @@ class StepPath:
                 inputs.refuse_graph_capture("observe")
                 values: dict[Any, Any] = {"loss": loss, "grad_norm": grad_norm}
                 if learning_rate is not None:
-                    values[_FIRST_LR] = learning_rate
+                    values[inputs.FIRST_LR] = learning_rate
                 self._submit(step, now, duration, None, values, None)
                 return
             self.meter.submitted += 1
@@ -56,7 +54,7 @@ class StepPath:
             if grad_norm is not None:
                 host["grad_norm"] = grad_norm
             if learning_rate is not None:
-                host[_FIRST_LR] = learning_rate
+                host[inputs.FIRST_LR] = learning_rate
             transfer.submit_host(step, time.time(), duration, host, 0 if learning_rate is None else 1, now)
             if self.cross_rank.work_time:  # else step_end has nothing to do (no model here)
                 self.cross_rank.step_end(None)

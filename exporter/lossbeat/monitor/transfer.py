@@ -208,13 +208,7 @@ class DeviceTransfer:
         record = PendingStep(step, wall, duration, epoch, host, layout, None, None, layer_names,
                              has_lrs, has_components, has_signals)
         if not device_parts:
-            with self.lock:
-                self.last_submit = now
-                if not self.pending:  # nothing in flight before it: applied now, no queue
-                    self.apply(record)
-                    return
-                self.pending.append(record)
-                self._drain_locked(block=False, may_wait=True)
+            self._apply_or_queue(record, now)
             return
         if device_parts:
             packed = loaded.torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
@@ -235,7 +229,12 @@ class DeviceTransfer:
         """:meth:`submit` of a step whose values are all host floats already (``host``: ``"loss"``,
         ``"grad_norm"``, ``("lr", "0")``), without the scan of its values: applied now, or queued
         behind the steps in flight."""
-        record = PendingStep(step, wall, duration, None, host, _NO_PARTS, None, None, _NO_PARTS, has_lrs)
+        self._apply_or_queue(PendingStep(step, wall, duration, None, host, _NO_PARTS, None, None, _NO_PARTS, has_lrs),
+                             now)
+
+    def _apply_or_queue(self, record: PendingStep, now: float) -> None:
+        """A record with its values on the host: applied now when nothing is in flight before it
+        (no queue), else queued behind the steps in flight and drained as far as they arrived."""
         with self.lock:
             self.last_submit = now
             if not self.pending:
