@@ -28,10 +28,20 @@ from benchmarks.variants import LossbeatVariant, Variant  # noqa: E402
 def variants() -> list[Variant]:
     return [
         Variant(),
-        LossbeatVariant("lossbeat_layers", "lossbeat, per-layer norms, no cross-rank signals", per_layer=True,
-                        grad_norm_align_every=0, work_time=False),
-        LossbeatVariant("lossbeat_layers_cross_rank", "the same + aligned grad norm + work time", per_layer=True,
-                        grad_norm_align_every=100, work_time=True),
+        LossbeatVariant(
+            "lossbeat_layers",
+            "lossbeat, per-layer norms, no cross-rank signals",
+            per_layer=True,
+            grad_norm_align_every=0,
+            work_time=False,
+        ),
+        LossbeatVariant(
+            "lossbeat_layers_cross_rank",
+            "the same + aligned grad norm + work time",
+            per_layer=True,
+            grad_norm_align_every=100,
+            work_time=True,
+        ),
     ]
 
 
@@ -81,8 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for v in chosen:
             v.close()
-    out = {name: {"step_ms": r.step_ms, "paired_ratio": r.paired_ratio, "p25": r.paired_ratio_p25,
-                  "p75": r.paired_ratio_p75} for name, r in results.items()}
+    out = {
+        name: {
+            "step_ms": r.step_ms,
+            "paired_ratio": r.paired_ratio,
+            "p25": r.paired_ratio_p25,
+            "p75": r.paired_ratio_p75,
+        }
+        for name, r in results.items()
+    }
     layers, cross = results["lossbeat_layers"], results["lossbeat_layers_cross_rank"]
     out["cross_rank_over_layers"] = cross.paired_ratio / layers.paired_ratio
     out["direct"] = direct_cost_us()

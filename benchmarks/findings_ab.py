@@ -75,8 +75,9 @@ def _live(side: Side, run: Any) -> dict:
     with side.active():
         thresholds = sys.modules["lossbeat.diagnosis.thresholds"]
         t = thresholds.load_thresholds(profile=run.profile) if run.profile else thresholds.load_thresholds()
-        monitor = side.Monitor(side.MonitorConfig(port=0, thresholds=t, log_status_changes=False,
-                                                  profile=t.profile.name), serve=False)
+        monitor = side.Monitor(
+            side.MonitorConfig(port=0, thresholds=t, log_status_changes=False, profile=t.profile.name), serve=False
+        )
         trail: list = []
         last_findings: tuple = ()
         train, evals = list(run.log.train), list(run.log.evals)
@@ -106,9 +107,15 @@ def _live(side: Side, run: Any) -> dict:
             s = monitor.state
             # The raw gauges to 9 digits: summed in another order (exactly now, a running sum before),
             # they differ in the last bits.
-            trail.append(("end", tuple(_num(x if not isinstance(x, float) else float(f"{x:.9g}"))
-                                       for x in (s.loss, s.grad_norm, s.step, s.loss_cv, s.loss_trend_ratio,
-                                                 s.grad_norm_baseline))))
+            trail.append(
+                (
+                    "end",
+                    tuple(
+                        _num(x if not isinstance(x, float) else float(f"{x:.9g}"))
+                        for x in (s.loss, s.grad_norm, s.step, s.loss_cv, s.loss_trend_ratio, s.grad_norm_baseline)
+                    ),
+                )
+            )
         finally:
             monitor.close()
         return {"trail": trail}
@@ -159,7 +166,7 @@ def _compare(args: argparse.Namespace, logs: Path, tmp: Path, started: float) ->
         return 1
     differences, compared, seen_logs = [], 0, set()
     for mine, theirs in zip(runs_this, runs_other):
-        key = (mine.name if id(mine.log) not in seen_logs else None)
+        key = mine.name if id(mine.log) not in seen_logs else None
         seen_logs.add(id(mine.log))
         if key is None:
             continue
@@ -173,8 +180,12 @@ def _compare(args: argparse.Namespace, logs: Path, tmp: Path, started: float) ->
             print(f"{how:6s} {mine.name}: {status}", flush=True)
             if d:
                 differences.append({"run": mine.name, "how": how, "difference": d})
-    summary = {"against": args.against, "compared": compared, "differences": differences,
-               "seconds": round(time.time() - started, 1)}
+    summary = {
+        "against": args.against,
+        "compared": compared,
+        "differences": differences,
+        "seconds": round(time.time() - started, 1),
+    }
     print(json.dumps(summary, indent=2))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -33,8 +33,11 @@ def test_torchtitan_processor_on_gpu(tmp_path):
     processor.log(1, 5.25, 5.5, 0.75, extra_metrics={"n_tokens_seen": 4096, "lr/AdamW": 1e-3})
     monitor = processor.lossbeat.monitor
     monitor.flush()
-    samples = {s.name: s.value for f in text_string_to_metric_families(generate_latest(monitor.registry).decode())
-               for s in f.samples}
+    samples = {
+        s.name: s.value
+        for f in text_string_to_metric_families(generate_latest(monitor.registry).decode())
+        for s in f.samples
+    }
     processor.close()
     assert monitor.closed  # the exporter it started closes with the trainer
     assert samples["training_loss"] == pytest.approx(5.25)

@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     shared = build_workload(MODEL_SPECS[args.model])
-    models = {name: shared.model if name == "bare" else _copy(shared.model) for name in ("bare", "monitored", "guarded")}
+    models = {
+        name: shared.model if name == "bare" else _copy(shared.model) for name in ("bare", "monitored", "guarded")
+    }
     optimizers = {name: make_optimizer(m) for name, m in models.items()}
     monitors = {
         "monitored": Monitor(MonitorConfig(port=0, log_status_changes=False), serve=False),
@@ -76,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     windows = range(warm, args.steps - WINDOW + 1, WINDOW)
 
     def mean(xs, i):
-        return statistics.fmean(xs[i:i + WINDOW])
+        return statistics.fmean(xs[i : i + WINDOW])
 
     paired = [(mean(step_s["guarded"], i) - mean(step_s["monitored"], i)) / mean(step_s["bare"], i) for i in windows]
-    direct = (statistics.median(section_s["guarded"][warm:]) - statistics.median(section_s["monitored"][warm:])) \
-        / statistics.median(step_s["bare"][warm:])
+    direct = (
+        statistics.median(section_s["guarded"][warm:]) - statistics.median(section_s["monitored"][warm:])
+    ) / statistics.median(step_s["bare"][warm:])
     guarded = monitors["guarded"]
     result = {
         "model": args.model,

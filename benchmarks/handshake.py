@@ -103,6 +103,7 @@ class CountingStore:
 
 # --- before: e03f983's _all_ranks_arrive, _linked_ranks and _store_handshake, on explicit arguments ---
 
+
 def legacy_handshake(store: Any, prefix: str, rank: int, mine: Sequence[int], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     store.set(f"{prefix}/groups/{rank}", ",".join(map(str, mine)))
@@ -139,8 +140,9 @@ def legacy_handshake(store: Any, prefix: str, rank: int, mine: Sequence[int], ti
 
 def simulate(ranks: int, algorithm: str, prefix: str) -> dict[str, Any]:
     """N threads, one client each, against one server; the handshake timed from a common start."""
-    server = dist.TCPStore("127.0.0.1", 0, ranks + 1, True, timeout=datetime.timedelta(seconds=600),
-                           wait_for_workers=False)
+    server = dist.TCPStore(
+        "127.0.0.1", 0, ranks + 1, True, timeout=datetime.timedelta(seconds=600), wait_for_workers=False
+    )
     world = list(range(ranks))
     barrier = threading.Barrier(ranks + 1)
     clients: list[CountingStore | None] = [None] * ranks
@@ -149,8 +151,9 @@ def simulate(ranks: int, algorithm: str, prefix: str) -> dict[str, Any]:
 
     def rank_main(r: int) -> None:
         try:
-            clients[r] = store = CountingStore(dist.TCPStore(
-                "127.0.0.1", server.port, ranks + 1, False, timeout=datetime.timedelta(seconds=600)))
+            clients[r] = store = CountingStore(
+                dist.TCPStore("127.0.0.1", server.port, ranks + 1, False, timeout=datetime.timedelta(seconds=600))
+            )
         except Exception as e:  # counted: a rank that cannot connect never arrives
             errors.append(f"connect: {e}")
             barrier.wait()
@@ -180,17 +183,24 @@ def simulate(ranks: int, algorithm: str, prefix: str) -> dict[str, Any]:
     published = sorted(c.published - started for c in done if c.published is not None)
     decided = sorted(c.decided - c.published for c in done if c.published is not None and c.decided is not None)
     return {
-        "ranks": ranks, "algorithm": algorithm, "seconds": round(seconds, 3),
+        "ranks": ranks,
+        "algorithm": algorithm,
+        "seconds": round(seconds, 3),
         "outcomes": {o: outcomes.count(o) for o in set(outcomes)},
-        "requests": sum(per_rank), "requests_per_rank_median": per_rank[len(per_rank) // 2],
+        "requests": sum(per_rank),
+        "requests_per_rank_median": per_rank[len(per_rank) // 2],
         "requests_per_rank_max": per_rank[-1],
-        "keys_read_per_rank_median": keys_read[len(keys_read) // 2], "keys_read_per_rank_max": keys_read[-1],
-        "bytes_sent": sum(c.sent for c in done), "bytes_returned": sum(c.received for c in done),
-        "measured": True, "errors": errors[:5],
+        "keys_read_per_rank_median": keys_read[len(keys_read) // 2],
+        "keys_read_per_rank_max": keys_read[-1],
+        "bytes_sent": sum(c.sent for c in done),
+        "bytes_returned": sum(c.received for c in done),
+        "measured": True,
+        "errors": errors[:5],
         # The simulation's own cost: 2 cores run N threads, so ranks start their handshake spread out
         # (a cluster's ranks each have a CPU); and each rank's own wait, from its entry to its decision.
         "last_entry_published_s": round(published[-1], 3),
-        "rank_wait_s_median": round(decided[len(decided) // 2], 3), "rank_wait_s_max": round(decided[-1], 3),
+        "rank_wait_s_median": round(decided[len(decided) // 2], 3),
+        "rank_wait_s_max": round(decided[-1], 3),
     }
 
 
@@ -198,15 +208,23 @@ def legacy_counts(ranks: int) -> dict[str, Any]:
     """The before protocol's gets and bytes, exactly (polls aside): every rank gets every other's list."""
     listing = len(",".join(map(str, range(ranks))))
     gets = ranks * (ranks - 1)
-    return {"ranks": ranks, "algorithm": "before", "seconds": None, "requests": gets,
-            "bytes_returned": gets * listing, "measured": False,
-            "note": "not run: N(N-1) gets of the N-rank list, computed; polls not counted"}
+    return {
+        "ranks": ranks,
+        "algorithm": "before",
+        "seconds": None,
+        "requests": gets,
+        "bytes_returned": gets * listing,
+        "measured": False,
+        "note": "not run: N(N-1) gets of the N-rank list, computed; polls not counted",
+    }
 
 
 def render(results: dict[str, Any]) -> str:
-    rows = ["| ranks | before: time | before: requests | before: bytes returned | after: time | after: requests "
-            "(per rank: median / max) | after: keys read per rank (median / max) | after: bytes returned |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| ranks | before: time | before: requests | before: bytes returned | after: time | after: requests "
+        "(per rank: median / max) | after: keys read per rank (median / max) | after: bytes returned |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for n in sorted(results, key=int):
         b, a = results[n].get("before"), results[n].get("after")
         if a is None:
@@ -219,7 +237,8 @@ def render(results: dict[str, Any]) -> str:
             f"| {int(n):,} | {before_time} | {b['requests']:,}{mark} | {b['bytes_returned'] / 2**20:,.1f} MiB{mark} "
             f"| {a['seconds']:.2f} s | {a['requests']:,} ({a['requests_per_rank_median']} / "
             f"{a['requests_per_rank_max']}) | {a['keys_read_per_rank_median']} / {a['keys_read_per_rank_max']} "
-            f"| {a['bytes_returned'] / 2**10:,.1f} KiB |")
+            f"| {a['bytes_returned'] / 2**10:,.1f} KiB |"
+        )
     return "\n".join(rows)
 
 
@@ -236,18 +255,27 @@ def main() -> None:
     for n in args.ranks:
         entry = results.setdefault(str(n), {})
         entry["after"] = after = simulate(n, "after", f"after/{n}")
-        print(f"N={n} after: {after['seconds']:.2f}s {after['outcomes']} requests={after['requests']} "
-              f"(per rank median {after['requests_per_rank_median']}, max {after['requests_per_rank_max']}) "
-              f"returned={after['bytes_returned'] / 2**10:.1f} KiB errors={after['errors']}", flush=True)
+        print(
+            f"N={n} after: {after['seconds']:.2f}s {after['outcomes']} requests={after['requests']} "
+            f"(per rank median {after['requests_per_rank_median']}, max {after['requests_per_rank_max']}) "
+            f"returned={after['bytes_returned'] / 2**10:.1f} KiB errors={after['errors']}",
+            flush=True,
+        )
         if n <= args.legacy_max:
             entry["before"] = before = simulate(n, "before", f"before/{n}")
-            print(f"N={n} before: {before['seconds']:.2f}s {before['outcomes']} requests={before['requests']} "
-                  f"returned={before['bytes_returned'] / 2**20:.1f} MiB", flush=True)
+            print(
+                f"N={n} before: {before['seconds']:.2f}s {before['outcomes']} requests={before['requests']} "
+                f"returned={before['bytes_returned'] / 2**20:.1f} MiB",
+                flush=True,
+            )
         else:
             entry["before"] = legacy_counts(n)
-        entry["machine"] = {"cpus": __import__("os").cpu_count(), "torch": torch.__version__,
-                            "python": platform.python_version(),
-                            "load_average": list(__import__("os").getloadavg())}
+        entry["machine"] = {
+            "cpus": __import__("os").cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "load_average": list(__import__("os").getloadavg()),
+        }
         RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     print(render(results))
 

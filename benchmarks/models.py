@@ -26,12 +26,14 @@ MODEL_SPECS = {
     "10M": ModelSpec("10M", ModelSize(vocab=256, context=64, width=256, layers=12, heads=8), batch=8),
     "50M": ModelSpec("50M", ModelSize(vocab=256, context=64, width=512, layers=16, heads=8), batch=4),
     # GPU only: 1.34e9 parameters in 293 tensors, about 11 GB with grads and AdamW state in bf16.
-    "1.3B": ModelSpec("1.3B", ModelSize(vocab=32768, context=1024, width=2048, layers=24, heads=16), batch=8,
-                      dtype=torch.bfloat16),
+    "1.3B": ModelSpec(
+        "1.3B", ModelSize(vocab=32768, context=1024, width=2048, layers=24, heads=16), batch=8, dtype=torch.bfloat16
+    ),
     # The smoke plan's models: milliseconds a step on CPU (tiny-bf16 stands in for the GPU plan's dtype).
     "tiny": ModelSpec("tiny", ModelSize(vocab=32, context=8, width=16, layers=2, heads=2), batch=2),
-    "tiny-bf16": ModelSpec("tiny-bf16", ModelSize(vocab=32, context=8, width=16, layers=2, heads=2), batch=2,
-                           dtype=torch.bfloat16),
+    "tiny-bf16": ModelSpec(
+        "tiny-bf16", ModelSize(vocab=32, context=8, width=16, layers=2, heads=2), batch=2, dtype=torch.bfloat16
+    ),
 }
 TINY_SPEC = MODEL_SPECS["tiny"]
 """For the smoke test: milliseconds a step."""

@@ -97,8 +97,9 @@ class Side:
 def extract(rev: str, into: Path) -> Path:
     """``exporter/lossbeat`` of commit ``rev`` under ``into`` (returns the folder holding ``lossbeat/``)."""
     into.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "exporter/lossbeat"],
-                             check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "exporter/lossbeat"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into / "exporter"
 
@@ -112,8 +113,11 @@ class _Stream:
         self.side, self.kind = side, kind
         self.monitor = side.monitor()
         self.step = 0
-        self.make = ((lambda i: (_loss_at(i), 0.5)) if kind == "float"
-                     else (lambda i: (torch.tensor(_loss_at(i)), torch.tensor(0.5))))
+        self.make = (
+            (lambda i: (_loss_at(i), 0.5))
+            if kind == "float"
+            else (lambda i: (torch.tensor(_loss_at(i)), torch.tensor(0.5)))
+        )
         self.run(warmup)
 
     def inputs(self, calls: int) -> list[tuple[Any, Any]]:
@@ -183,15 +187,16 @@ def _summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": len(values)}
 
 
-def compare(sides: list[Side], rounds: int, calls: int, warmup: int, churn_calls: int,
-            render_layers: int, render_repeats: int) -> dict:
+def compare(
+    sides: list[Side], rounds: int, calls: int, warmup: int, churn_calls: int, render_layers: int, render_repeats: int
+) -> dict:
     """Every figure for every side, the sides' order rotated round by round."""
     streams = {(s.label, kind): _Stream(s, kind, warmup) for s in sides for kind in ("float", "tensor_0d")}
     renders = {s.label: _Render(s, render_layers) for s in sides}
     samples: dict[tuple[str, str], list[float]] = {}
     loads = [os.getloadavg()[0]]
     for r in range(rounds):
-        order = sides[r % len(sides):] + sides[:r % len(sides)]
+        order = sides[r % len(sides) :] + sides[: r % len(sides)]
         for kind in ("float", "tensor_0d"):
             for side in order:
                 wall, cpu = streams[side.label, kind].run(calls)
@@ -203,14 +208,22 @@ def compare(sides: list[Side], rounds: int, calls: int, warmup: int, churn_calls
             samples.setdefault((side.label, "render_ms_cpu"), []).append(cpu)
         for side in order:
             samples.setdefault((side.label, "heap_churn_bytes"), []).append(
-                streams[side.label, "float"].churn(churn_calls))
+                streams[side.label, "float"].churn(churn_calls)
+            )
         loads.append(os.getloadavg()[0])
     base = sides[0].label
     out: dict[str, Any] = {}
     for side in sides:
         figures = {}
-        for metric in ("float", "float_cpu", "tensor_0d", "tensor_0d_cpu", "render_ms", "render_ms_cpu",
-                       "heap_churn_bytes"):
+        for metric in (
+            "float",
+            "float_cpu",
+            "tensor_0d",
+            "tensor_0d_cpu",
+            "render_ms",
+            "render_ms_cpu",
+            "heap_churn_bytes",
+        ):
             values = samples[side.label, metric]
             figures[metric] = _summary(values)
             if side.label != base:
@@ -221,14 +234,18 @@ def compare(sides: list[Side], rounds: int, calls: int, warmup: int, churn_calls
     for s in list(streams.values()) + list(renders.values()):
         with s.side.active():
             s.monitor.close()
-    return {"sides": out, "load_average_1m": {"min": min(loads), "median": statistics.median(loads),
-                                               "max": max(loads)}}
+    return {"sides": out, "load_average_1m": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--against", action="append", default=[], metavar="REV",
-                        help="a commit to compare with (repeatable; e.g. main, f7a0381)")
+    parser.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="REV",
+        help="a commit to compare with (repeatable; e.g. main, f7a0381)",
+    )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=2000, help="observe() calls per round and input kind")
     parser.add_argument("--warmup", type=int, default=3000, help="steps before the first round (windows full)")
@@ -240,22 +257,29 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lossbeat-ab-") as tmp:
         sides = [Side("this", ROOT / "exporter")]
         for rev in args.against:
-            commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True,
-                                    capture_output=True, text=True).stdout.strip()
+            commit = subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True, text=True
+            ).stdout.strip()
             sides.append(Side(f"{rev} ({commit})" if commit != rev else rev, extract(rev, Path(tmp) / commit)))
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
         started = time.time()
-        results = compare(sides, args.rounds, args.calls, args.warmup, args.churn_calls,
-                          args.render_layers, args.render_repeats)
-    results.update({
-        "this": f"{head} (+ working tree)",
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "seconds": round(time.time() - started, 1),
-        "settings": {k: getattr(args, k) for k in ("rounds", "calls", "warmup", "churn_calls", "render_layers",
-                                                   "render_repeats")},
-    })
+        results = compare(
+            sides, args.rounds, args.calls, args.warmup, args.churn_calls, args.render_layers, args.render_repeats
+        )
+    results.update(
+        {
+            "this": f"{head} (+ working tree)",
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "seconds": round(time.time() - started, 1),
+            "settings": {
+                k: getattr(args, k)
+                for k in ("rounds", "calls", "warmup", "churn_calls", "render_layers", "render_repeats")
+            },
+        }
+    )
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:

@@ -43,7 +43,9 @@ def _measure(revs: list[str], calls: int, warmup: int) -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="lossbeat-ir-"))
     try:
-        sides = [Side("this", ROOT / "exporter")] + [Side(rev, extract(rev, tmp / str(i))) for i, rev in enumerate(revs)]
+        sides = [Side("this", ROOT / "exporter")] + [
+            Side(rev, extract(rev, tmp / str(i))) for i, rev in enumerate(revs)
+        ]
         streams = {(s.label, kind): _Stream(s, kind, warmup) for s in sides for kind in _KINDS}
         for stream in streams.values():  # the calls' inputs, built outside the counted regions
             stream.args = stream.inputs(calls)
@@ -90,13 +92,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     folder = Path(tempfile.mkdtemp(prefix="lossbeat-callgrind-"))
     try:
-        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={folder}/cg.out",
-                   sys.executable, "-m", "benchmarks.observe_instructions", "--inside",
-                   "--calls", str(args.calls), "--warmup", str(args.warmup)]
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={folder}/cg.out",
+            sys.executable,
+            "-m",
+            "benchmarks.observe_instructions",
+            "--inside",
+            "--calls",
+            str(args.calls),
+            "--warmup",
+            str(args.warmup),
+        ]
         for rev in args.against:
             command += ["--against", rev]
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONHASHSEED": "0"})
+        done = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"}
+        )
         if done.returncode:
             print(done.stderr[-4000:], file=sys.stderr)
             return done.returncode

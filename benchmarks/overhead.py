@@ -96,7 +96,11 @@ def _sync(workload: Workload) -> None:
 
 
 def measure_overhead(
-    workload: Workload, variants: list[Variant], rounds: int, block: int = 1, window_steps: int = 10,
+    workload: Workload,
+    variants: list[Variant],
+    rounds: int,
+    block: int = 1,
+    window_steps: int = 10,
     warmup_steps: int = 2,
 ) -> dict[str, VariantResult]:
     """Interleaved timing; ``variants[0]`` is the baseline. Unavailable variants are skipped."""
@@ -151,7 +155,9 @@ def _summarise(
         ratios = [a / b for a, b in zip(w.step_ms, base.step_ms)]
         section = statistics.median(w.section_ms)
         results[v.name] = VariantResult(
-            v.name, v.title, True,
+            v.name,
+            v.title,
+            True,
             step_ms=statistics.median(w.step_ms),
             section_ms=section,
             paired_ratio=statistics.median(ratios),
@@ -186,10 +192,15 @@ def count_variant(workload: Workload, variant: Variant, steps: int, warmup: int 
         "list_reads_per_step": counts.list_reads / steps,
         "device_syncs_per_step": (
             counts.scalar_reads + counts.device_method_reads + counts.device_list_reads + counts.device_waits
-        ) / steps if workload.device.type != "cpu" else None,
-        "lossbeat_blocking_waits_per_step": None if waits_before is None
+        )
+        / steps
+        if workload.device.type != "cpu"
+        else None,
+        "lossbeat_blocking_waits_per_step": None
+        if waits_before is None
         else (variant.blocking_waits - waits_before) / steps,
-        "lossbeat_host_transfers_per_step": None if transfers_before is None
+        "lossbeat_host_transfers_per_step": None
+        if transfers_before is None
         else (transfers_after - transfers_before) / steps,
         "top_ops": dict(counts.op_names.most_common(8)),
     }

@@ -42,17 +42,27 @@ def main() -> None:
     timings: dict[str, list[float]] = {"stage_only_us": [], "with_pipeline_group_us": [], "scalar_all_reduce_us": []}
     compute_grad_norms(piped)  # the first-time handshake, outside the timing
     for _ in range(args.rounds):
-        for key, run in (("stage_only_us", lambda: compute_grad_norms(plain)),
-                         ("with_pipeline_group_us", lambda: compute_grad_norms(piped)),
-                         ("scalar_all_reduce_us", lambda: dist.all_reduce(scalar, group=group))):
+        for key, run in (
+            ("stage_only_us", lambda: compute_grad_norms(plain)),
+            ("with_pipeline_group_us", lambda: compute_grad_norms(piped)),
+            ("scalar_all_reduce_us", lambda: dist.all_reduce(scalar, group=group)),
+        ):
             dist.barrier(group=group)
             started = time.perf_counter()
             run()
             timings[key].append((time.perf_counter() - started) * 1e6)
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in stage.parameters())
-        print(json.dumps({"stage_parameters": params, "tensors": len(plain.params), "ranks": dist.get_world_size(),
-                          **{k: round(statistics.median(v), 1) for k, v in timings.items()}}))
+        print(
+            json.dumps(
+                {
+                    "stage_parameters": params,
+                    "tensors": len(plain.params),
+                    "ranks": dist.get_world_size(),
+                    **{k: round(statistics.median(v), 1) for k, v in timings.items()},
+                }
+            )
+        )
     dist.destroy_process_group()
 
 

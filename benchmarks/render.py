@@ -56,16 +56,18 @@ def measure_render(layer_counts: tuple[int, ...], repeats: int) -> list[dict]:
             generate_latest(monitor.registry)
             generic_s.append(time.perf_counter() - start)
         monitor.close()
-        results.append({
-            "layers": layers,
-            "layer_series": series,
-            "render_ms": statistics.median(render_s) * 1e3,
-            "render_ms_p90": sorted(render_s)[int(0.9 * (len(render_s) - 1))] * 1e3,
-            "render_ms_openmetrics": statistics.median(openmetrics_s) * 1e3,
-            "generate_latest_ms": statistics.median(generic_s) * 1e3,
-            "bytes": len(body),
-            "observe_model_ms": statistics.median(observe_s[1:]) * 1e3,
-        })
+        results.append(
+            {
+                "layers": layers,
+                "layer_series": series,
+                "render_ms": statistics.median(render_s) * 1e3,
+                "render_ms_p90": sorted(render_s)[int(0.9 * (len(render_s) - 1))] * 1e3,
+                "render_ms_openmetrics": statistics.median(openmetrics_s) * 1e3,
+                "generate_latest_ms": statistics.median(generic_s) * 1e3,
+                "bytes": len(body),
+                "observe_model_ms": statistics.median(observe_s[1:]) * 1e3,
+            }
+        )
     return results
 
 
@@ -106,7 +108,7 @@ def measure_scrape_overhead(workload: Workload, rounds: int, block_seconds: floa
     per_block: dict[bool, list[float]] = {False: [], True: []}
     try:
         for round_index in range(rounds):
-            for scraped in ((False, True) if round_index % 2 == 0 else (True, False)):
+            for scraped in (False, True) if round_index % 2 == 0 else (True, False):
                 scraper.enabled.set() if scraped else scraper.enabled.clear()
                 start, steps = time.perf_counter(), 0
                 while time.perf_counter() - start < block_seconds or steps < 3:

@@ -31,51 +31,74 @@ def targets(results: dict) -> list[dict]:
             rows.append({"target": f"{what} < {limit}%", "measured": "not measured", "ok": None})
             continue
         direct, paired = r["direct_overhead_pct"], r["paired_overhead_pct"]
-        rows.append({
-            "target": f"{what} < {limit}%",
-            "measured": f"direct {direct:+.2f}%; paired {paired:+.2f}% "
-                        f"(IQR {(r['paired_ratio_p25'] - 1) * 100:+.1f}..{(r['paired_ratio_p75'] - 1) * 100:+.1f}%)",
-            "ok": direct < limit,
-        })
+        rows.append(
+            {
+                "target": f"{what} < {limit}%",
+                "measured": f"direct {direct:+.2f}%; paired {paired:+.2f}% "
+                f"(IQR {(r['paired_ratio_p25'] - 1) * 100:+.1f}..{(r['paired_ratio_p75'] - 1) * 100:+.1f}%)",
+                "ok": direct < limit,
+            }
+        )
 
     worst = None
     for model_counts in results.get("counts", {}).get("cpu", {}).values():
         for name, c in model_counts.items():
             if name.startswith("lossbeat"):
                 worst = max(worst or 0.0, c["host_reads_delta_per_step"])
-    rows.append({
-        "target": "<= 1 host read per observed step (CPU)",
-        "measured": "not measured" if worst is None else f"max {worst:.2f} over lossbeat variants",
-        "ok": None if worst is None else worst <= 1.0,
-    })
+    rows.append(
+        {
+            "target": "<= 1 host read per observed step (CPU)",
+            "measured": "not measured" if worst is None else f"max {worst:.2f} over lossbeat variants",
+            "ok": None if worst is None else worst <= 1.0,
+        }
+    )
     cuda_counts = results.get("counts", {}).get("cuda")
     deferred = None
     if cuda_counts:  # every lossbeat variant but the one that turns deferral off
         deferred = max(
             c[name]["device_syncs_delta_per_step"]
-            for c in cuda_counts.values() for name in c if name in DEFERRED_VARIANTS
+            for c in cuda_counts.values()
+            for name in c
+            if name in DEFERRED_VARIANTS
         )
-    rows.append({
-        "target": "0 blocking syncs per step on the deferred CUDA path",
-        "measured": "not measured: no GPU on this machine" if deferred is None
-        else f"max {deferred:.2f} a step over the deferred lossbeat variants (vs baseline)",
-        "ok": None if deferred is None else deferred <= 0.0,
-    })
+    rows.append(
+        {
+            "target": "0 blocking syncs per step on the deferred CUDA path",
+            "measured": "not measured: no GPU on this machine"
+            if deferred is None
+            else f"max {deferred:.2f} a step over the deferred lossbeat variants (vs baseline)",
+            "ok": None if deferred is None else deferred <= 0.0,
+        }
+    )
     us = results.get("observe_us", {})
     for kind, limit in OBSERVE_US.items():
         if kind in us:
-            rows.append({"target": f"observe() <= {limit} µs (median), scalars as {kind}",
-                         "measured": f"{us[kind]['us']:.1f} µs (min {us[kind]['us_min']:.1f})",
-                         "ok": us[kind]["us"] <= limit})
+            rows.append(
+                {
+                    "target": f"observe() <= {limit} µs (median), scalars as {kind}",
+                    "measured": f"{us[kind]['us']:.1f} µs (min {us[kind]['us_min']:.1f})",
+                    "ok": us[kind]["us"] <= limit,
+                }
+            )
     memory = results.get("memory", {})
     if memory.get("traced_steps"):
         left = memory["tracemalloc_growth_kb"] * 1024 / memory["traced_steps"]
-        rows.append({"target": f"Python heap left per step <= {HEAP_LEFT_BYTES} B", "measured": f"{left:.1f} B "
-                     f"(tracemalloc over {memory['traced_steps']:,} steps)", "ok": left <= HEAP_LEFT_BYTES})
+        rows.append(
+            {
+                "target": f"Python heap left per step <= {HEAP_LEFT_BYTES} B",
+                "measured": f"{left:.1f} B (tracemalloc over {memory['traced_steps']:,} steps)",
+                "ok": left <= HEAP_LEFT_BYTES,
+            }
+        )
     for r in results.get("render", []):
         if r["layers"] == 1000:
-            rows.append({"target": f"render of 1,000 layers <= {RENDER_MS} ms", "measured": f"{r['render_ms']:.2f} ms",
-                         "ok": r["render_ms"] <= RENDER_MS})
+            rows.append(
+                {
+                    "target": f"render of 1,000 layers <= {RENDER_MS} ms",
+                    "measured": f"{r['render_ms']:.2f} ms",
+                    "ok": r["render_ms"] <= RENDER_MS,
+                }
+            )
     return rows
 
 
@@ -129,7 +152,9 @@ def _counts_table(device: str, models: dict) -> list[str]:
         for name, c in counts.items():
             sync_cell = (
                 f"{c['device_syncs_per_step']:.1f} ({c['device_syncs_delta_per_step']:+.1f}) | "
-                f"{_f(c.get('lossbeat_blocking_waits_per_step'), '.2f')} | " if syncs else ""
+                f"{_f(c.get('lossbeat_blocking_waits_per_step'), '.2f')} | "
+                if syncs
+                else ""
             )
             lines.append(
                 f"| {name} | {c['host_reads_per_step']:.1f} ({c['host_reads_delta_per_step']:+.1f}) | "
@@ -137,8 +162,11 @@ def _counts_table(device: str, models: dict) -> list[str]:
                 + sync_cell
                 + f"{_f(c['lossbeat_host_transfers_per_step'], '.1f')} | "
                 f"{c['ops_per_step']:.0f} ({c['ops_delta_per_step']:+.1f}) | "
-                + (f"{c['compute_ops_per_step']:.0f} ({c['compute_ops_delta_per_step']:+.1f}) |"
-                   if "compute_ops_per_step" in c else "- |")
+                + (
+                    f"{c['compute_ops_per_step']:.0f} ({c['compute_ops_delta_per_step']:+.1f}) |"
+                    if "compute_ops_per_step" in c
+                    else "- |"
+                )
             )
         lines.append("")
     return lines
@@ -193,19 +221,32 @@ def render_markdown(results: dict, notes: str = "") -> str:
     if "cuda_error" in results:
         lines += [f"GPU run failed: `{results['cuda_error']}`", ""]
     if "cuda" not in results.get("overhead", {}):
-        lines += ["GPU table: not measured yet (no CUDA device here). `run.py` runs it wherever CUDA is present; "
-                  "`benchmarks/gpu.sh` runs it alone on a lent GPU machine, `run.py --merge-gpu` adds it here.", ""]
-    lines += ["## Host reads and aten ops per step (counted, not timed)", "",
-              "A host read on CPU waits for nothing; on an accelerator each read of a device tensor is a "
-              "blocking sync. The baseline's own reads are AdamW's step counters.", ""]
+        lines += [
+            "GPU table: not measured yet (no CUDA device here). `run.py` runs it wherever CUDA is present; "
+            "`benchmarks/gpu.sh` runs it alone on a lent GPU machine, `run.py --merge-gpu` adds it here.",
+            "",
+        ]
+    lines += [
+        "## Host reads and aten ops per step (counted, not timed)",
+        "",
+        "A host read on CPU waits for nothing; on an accelerator each read of a device tensor is a "
+        "blocking sync. The baseline's own reads are AdamW's step counters.",
+        "",
+    ]
     for device, models in results.get("counts", {}).items():
         lines += _counts_table(device, models)
     if "render" in results:
-        lines += ["## /metrics render", "", "| layers | series | render ms (median) | p90 ms | bytes | observe(model=...) ms |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "## /metrics render",
+            "",
+            "| layers | series | render ms (median) | p90 ms | bytes | observe(model=...) ms |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in results["render"]:
-            lines.append(f"| {r['layers']:,} | {r['layer_series']:,} | {r['render_ms']:.2f} | {r['render_ms_p90']:.2f} | "
-                         f"{r['bytes']:,} | {r['observe_model_ms']:.2f} |")
+            lines.append(
+                f"| {r['layers']:,} | {r['layer_series']:,} | {r['render_ms']:.2f} | {r['render_ms_p90']:.2f} | "
+                f"{r['bytes']:,} | {r['observe_model_ms']:.2f} |"
+            )
         lines.append("")
     if "scrape" in results:
         s = results["scrape"]
@@ -221,14 +262,18 @@ def render_markdown(results: dict, notes: str = "") -> str:
         ]
     if "observe_us" in results:
         u = results["observe_us"]
-        lines += ["## observe() in Python time (scalars only: loss, grad_norm, learning_rate)", "",
-                  f"- float inputs: {u['float']['us']:.1f} µs median (min {u['float']['us_min']:.1f})",
-                  f"- 0-d CPU tensor inputs: {u['tensor_0d']['us']:.1f} µs median (min {u['tensor_0d']['us_min']:.1f})",
-                  ""]
+        lines += [
+            "## observe() in Python time (scalars only: loss, grad_norm, learning_rate)",
+            "",
+            f"- float inputs: {u['float']['us']:.1f} µs median (min {u['float']['us_min']:.1f})",
+            f"- 0-d CPU tensor inputs: {u['tensor_0d']['us']:.1f} µs median (min {u['tensor_0d']['us_min']:.1f})",
+            "",
+        ]
     if "memory" in results:
         m = results["memory"]
         lines += [
-            "## Memory over a long run", "",
+            "## Memory over a long run",
+            "",
             f"{m['steps']:,} scalars-only observe() calls with float loss took {m['seconds']:.1f} s "
             f"({m['us_per_observe']:.1f} µs each, loss generation included). RSS {m['rss_start_mb']:.1f} MiB -> "
             f"{m['rss_end_mb']:.1f} MiB ({m['rss_growth_mb']:+.2f} MiB); checkpoints: "

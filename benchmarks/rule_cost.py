@@ -41,8 +41,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.scale import (JOB, RankFarm, Server, Setup, SetupFiles, _log,  # noqa: E402
-                              real_expositions)
+from benchmarks.scale import (
+    JOB,
+    RankFarm,
+    Server,
+    Setup,
+    SetupFiles,
+    _log,  # noqa: E402
+    real_expositions,
+)
 
 RESULTS = HERE / "rule_cost_results.json"
 _GROUP = re.compile(r'rule_group="[^"]*;([^"]+)"')
@@ -56,6 +63,7 @@ def _rule_files(setup: Setup, files: SetupFiles) -> dict[str, Path]:
 
 def _groups(path: Path) -> list[dict]:
     import yaml
+
     return yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
 
 
@@ -125,13 +133,20 @@ def replay(server: Server, groups: list[dict], at: float, rounds: int = 3) -> di
             stats = _get(server, rule["expr"], at, stats=True)
             cpu = sorted(cpus[(g, i)])[len(cpus[(g, i)]) // 2]
             allocated = _allocated_per_query(server, f"count(({rule['expr']}))", at) - allocated_overhead
-            rules.append({"rule": rule.get("record") or rule["alert"], "series": len(stats["result"]),
-                          "samples": stats["stats"]["samples"]["totalQueryableSamples"],
-                          "peak_samples": stats["stats"]["samples"]["peakSamples"], "cpu_ms": 1e3 * cpu,
-                          "allocated_mib": max(0.0, allocated) / 2**20})
+            rules.append(
+                {
+                    "rule": rule.get("record") or rule["alert"],
+                    "series": len(stats["result"]),
+                    "samples": stats["stats"]["samples"]["totalQueryableSamples"],
+                    "peak_samples": stats["stats"]["samples"]["peakSamples"],
+                    "cpu_ms": 1e3 * cpu,
+                    "allocated_mib": max(0.0, allocated) / 2**20,
+                }
+            )
         interval = group.get("interval")
         out[group["name"]] = {
-            "interval": interval, "rules": rules,
+            "interval": interval,
+            "rules": rules,
             "samples": sum(r["samples"] for r in rules),
             "peak_samples": max((r["peak_samples"] for r in rules), default=0),
             "cpu_ms": sum(r["cpu_ms"] for r in rules),
@@ -169,8 +184,14 @@ def measure(ranks: int, shards: int, minutes: float, interval: float, files: Set
             elapsed = time.time() - started
             cpu = {s.name: (s.cpu_seconds() - cpu0[s.name]) / elapsed for s in setup.servers}
             farm_cpu = (farm.stats()["cpu_s"] - farm0["cpu_s"]) / elapsed
-            missed = {s.name: sum(v for k, v in s.own_metrics().items()
-                                  if k.startswith("prometheus_rule_group_iterations_missed_total")) for s in setup.servers}
+            missed = {
+                s.name: sum(
+                    v
+                    for k, v in s.own_metrics().items()
+                    if k.startswith("prometheus_rule_group_iterations_missed_total")
+                )
+                for s in setup.servers
+            }
             rule_files = _rule_files(setup, files)
             datas = {s.name: s.data for s in setup.servers}
         finally:
@@ -186,14 +207,27 @@ def measure(ranks: int, shards: int, minutes: float, interval: float, files: Set
                 quiet.stop()
             for group, values in groups.items():
                 wall = walls[name].get(group) or [math.nan]
-                values.update(wall_mean_ms=1e3 * sum(wall) / len(wall), wall_max_ms=1e3 * max(wall),
-                              offset_s=offsets[name].get(group))
-            servers[name] = {"head_series": heads.get(name), "cpu_cores": cpu[name],
-                             "cpu_s_per_interval": cpu[name] * interval, "iterations_missed": missed[name],
-                             "rule_groups": groups}
-    return {"ranks": ranks, "shards": shards, "interval_s": interval, "filled_for_s": elapsed,
-            "farm_cpu_cores": farm_cpu, "load_average_1m": {"min": min(load), "max": max(load)},
-            "servers": servers}
+                values.update(
+                    wall_mean_ms=1e3 * sum(wall) / len(wall),
+                    wall_max_ms=1e3 * max(wall),
+                    offset_s=offsets[name].get(group),
+                )
+            servers[name] = {
+                "head_series": heads.get(name),
+                "cpu_cores": cpu[name],
+                "cpu_s_per_interval": cpu[name] * interval,
+                "iterations_missed": missed[name],
+                "rule_groups": groups,
+            }
+    return {
+        "ranks": ranks,
+        "shards": shards,
+        "interval_s": interval,
+        "filled_for_s": elapsed,
+        "farm_cpu_cores": farm_cpu,
+        "load_average_1m": {"min": min(load), "max": max(load)},
+        "servers": servers,
+    }
 
 
 def per_interval(run: dict, server: str, key: str) -> float | None:
@@ -210,43 +244,68 @@ def per_interval(run: dict, server: str, key: str) -> float | None:
     return total
 
 
-_COLUMNS = (("samples", "samples", "{:,.0f}"), ("allocated_mib", "MiB allocated", "{:.1f}"),
-            ("cpu_ms", "CPU ms", "{:.0f}"))
+_COLUMNS = (
+    ("samples", "samples", "{:,.0f}"),
+    ("allocated_mib", "MiB allocated", "{:.1f}"),
+    ("cpu_ms", "CPU ms", "{:.0f}"),
+)
 
 
 def report(runs: list[dict]) -> str:
     """Per set-up and server: every group's samples, allocations and CPU per evaluation, one
     column per label, and the wall times the fill saw."""
     out = []
-    for (ranks, shards, interval) in sorted({(r["ranks"], r["shards"], r["interval_s"]) for r in runs}):
-        same = sorted((r for r in runs if (r["ranks"], r["shards"], r["interval_s"]) == (ranks, shards, interval)),
-                      key=lambda r: r["label"] != "before")
+    for ranks, shards, interval in sorted({(r["ranks"], r["shards"], r["interval_s"]) for r in runs}):
+        same = sorted(
+            (r for r in runs if (r["ranks"], r["shards"], r["interval_s"]) == (ranks, shards, interval)),
+            key=lambda r: r["label"] != "before",
+        )
         labels = [r["label"] for r in same]
-        out.append(f"{ranks:,} ranks, {'one Prometheus' if not shards else f'{shards} shard(s) + global'}, "
-                   f"{interval:g} s, filled {same[0]['filled_for_s'] / 60:.0f} min "
-                   f"({', '.join(r['label'] + ': ' + (r.get('commit') or 'checkout') for r in same)})")
+        out.append(
+            f"{ranks:,} ranks, {'one Prometheus' if not shards else f'{shards} shard(s) + global'}, "
+            f"{interval:g} s, filled {same[0]['filled_for_s'] / 60:.0f} min "
+            f"({', '.join(r['label'] + ': ' + (r.get('commit') or 'checkout') for r in same)})"
+        )
         for server in sorted({s for r in same for s in r["servers"]}, key=lambda s: (s != "global", s)):
             of = [r["servers"].get(server) or {} for r in same]
             heads = " / ".join(f"{o.get('head_series') or 0:,.0f}" for o in of)
             cpus = " / ".join(f"{o.get('cpu_s_per_interval', 0):.2f}" for o in of)
-            out += ["", f"{server}: head series {heads}; the process's CPU seconds per {interval:g} s interval "
-                        f"(scrapes, rules, remote write) {cpus} ({' / '.join(labels)})", "",
-                    "| group | " + " | ".join(f"{title} ({label})" for _, title, _ in _COLUMNS for label in labels)
-                    + " | " + " | ".join(f"wall mean / max ms ({label})" for label in labels) + " |",
-                    "|---|" + "---:|" * ((len(_COLUMNS) + 1) * len(labels))]
+            out += [
+                "",
+                f"{server}: head series {heads}; the process's CPU seconds per {interval:g} s interval "
+                f"(scrapes, rules, remote write) {cpus} ({' / '.join(labels)})",
+                "",
+                "| group | "
+                + " | ".join(f"{title} ({label})" for _, title, _ in _COLUMNS for label in labels)
+                + " | "
+                + " | ".join(f"wall mean / max ms ({label})" for label in labels)
+                + " |",
+                "|---|" + "---:|" * ((len(_COLUMNS) + 1) * len(labels)),
+            ]
             groups = list(dict.fromkeys(g for o in of for g in o.get("rule_groups", {})))
             for group in groups:
                 cells = [o.get("rule_groups", {}).get(group) for o in of]
-                values = [("-" if c is None or key not in c else fmt.format(c[key]))
-                          for key, _, fmt in _COLUMNS for c in cells]
+                values = [
+                    ("-" if c is None or key not in c else fmt.format(c[key]))
+                    for key, _, fmt in _COLUMNS
+                    for c in cells
+                ]
                 walls = ["-" if c is None else f"{c['wall_mean_ms']:.0f} / {c['wall_max_ms']:.0f}" for c in cells]
                 interval_of = next((c.get("interval") for c in cells if c and c.get("interval")), None)
                 name = f"{group} (every {interval_of})" if interval_of else group
                 out.append(f"| {name} | " + " | ".join(values + walls) + " |")
-            paced = [("-" if (v := per_interval(r, server, key)) is None else fmt.format(v))
-                     for key, _, fmt in _COLUMNS for r in same]
-            out.append(f"| **all groups, per {interval:g} s** | " + " | ".join(paced) + " | "
-                       + " | ".join("" for _ in same) + " |")
+            paced = [
+                ("-" if (v := per_interval(r, server, key)) is None else fmt.format(v))
+                for key, _, fmt in _COLUMNS
+                for r in same
+            ]
+            out.append(
+                f"| **all groups, per {interval:g} s** | "
+                + " | ".join(paced)
+                + " | "
+                + " | ".join("" for _ in same)
+                + " |"
+            )
         out.append("")
     return "\n".join(out)
 
@@ -272,8 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         templates = real_expositions(world_size=args.ranks)
         result = measure(args.ranks, args.shards, args.minutes, args.interval, files, templates)
     result.update(label=args.label, commit=args.commit, date=time.strftime("%Y-%m-%d %H:%M"))
-    stored["runs"] = [r for r in stored["runs"] if (r["label"], r["ranks"], r["shards"], r["interval_s"])
-                      != (args.label, args.ranks, args.shards, args.interval)] + [result]
+    stored["runs"] = [
+        r
+        for r in stored["runs"]
+        if (r["label"], r["ranks"], r["shards"], r["interval_s"])
+        != (args.label, args.ranks, args.shards, args.interval)
+    ] + [result]
     args.results.write_text(json.dumps(stored, indent=2) + "\n")
     print(report(stored["runs"]))
     return 0

@@ -46,20 +46,36 @@ from benchmarks.variants import default_variants, package_version  # noqa: E402
 # Timing: (model, rounds); on CPU a round is one step per variant, on CUDA a block of CUDA_BLOCK.
 PLANS = {
     "quick": {
-        "overhead": [("1M", 30), ("10M", 10)], "counted": ["1M"], "count_steps": 10,
-        "scrape": ("1M", 2, 2.5), "render_repeats": 20, "observe_calls": 5_000,
-        "memory": (100_000, 20_000), "cuda": [("10M", 3), ("1.3B", 2)],
+        "overhead": [("1M", 30), ("10M", 10)],
+        "counted": ["1M"],
+        "count_steps": 10,
+        "scrape": ("1M", 2, 2.5),
+        "render_repeats": 20,
+        "observe_calls": 5_000,
+        "memory": (100_000, 20_000),
+        "cuda": [("10M", 3), ("1.3B", 2)],
     },
     # Seconds: proves every path of the harness (tests/test_readme_clean.py) on the tiny model; measures nothing.
     "smoke": {
-        "overhead": [("tiny", 2)], "counted": ["tiny"], "count_steps": 2,
-        "scrape": ("tiny", 1, 0.5), "render_repeats": 2, "observe_calls": 200,
-        "memory": (2_000, 1_000), "cuda": [("10M", 1)], "third_party": False,
+        "overhead": [("tiny", 2)],
+        "counted": ["tiny"],
+        "count_steps": 2,
+        "scrape": ("tiny", 1, 0.5),
+        "render_repeats": 2,
+        "observe_calls": 200,
+        "memory": (2_000, 1_000),
+        "cuda": [("10M", 1)],
+        "third_party": False,
     },
     "full": {
-        "overhead": [("1M", 200), ("10M", 80), ("50M", 40)], "counted": ["1M", "10M", "50M"],
-        "count_steps": 10, "scrape": ("10M", 6, 5.0), "render_repeats": 50, "observe_calls": 20_000,
-        "memory": (1_000_000, 100_000), "cuda": [("10M", 10), ("1.3B", 4)],
+        "overhead": [("1M", 200), ("10M", 80), ("50M", 40)],
+        "counted": ["1M", "10M", "50M"],
+        "count_steps": 10,
+        "scrape": ("10M", 6, 5.0),
+        "render_repeats": 50,
+        "observe_calls": 20_000,
+        "memory": (1_000_000, 100_000),
+        "cuda": [("10M", 10), ("1.3B", 4)],
     },
 }
 GPU_COUNT_STEPS = 5
@@ -101,8 +117,7 @@ def _log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run_overhead(device: str, plan: list[tuple[str, int]], results: dict, checkpoint,
-                 third_party: bool = True) -> None:
+def run_overhead(device: str, plan: list[tuple[str, int]], results: dict, checkpoint, third_party: bool = True) -> None:
     block = CUDA_BLOCK if device == "cuda" else 1
     for model_name, rounds in plan:
         spec = MODEL_SPECS[model_name]
@@ -115,8 +130,12 @@ def run_overhead(device: str, plan: list[tuple[str, int]], results: dict, checkp
             for v in variants:
                 v.close()
         results.setdefault("overhead", {}).setdefault(device, {})[model_name] = {
-            "parameters": workload.parameters, "tensors": workload.tensors, "batch": spec.batch,
-            "context": spec.size.context, "rounds": rounds, "block": block,
+            "parameters": workload.parameters,
+            "tensors": workload.tensors,
+            "batch": spec.batch,
+            "context": spec.size.context,
+            "rounds": rounds,
+            "block": block,
             "variants": {name: r.as_dict() for name, r in measured.items()},
         }
         checkpoint()
@@ -138,24 +157,45 @@ def run_counts(device: str, models: list[str], steps: int, results: dict, third_
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a run of under ~3 minutes")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a run of seconds that only exercises the harness (the numbers mean nothing)")
-    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
-                        help="folder for RESULTS.md and results.json (default: %(default)s, ignored by git)")
-    parser.add_argument("--update-committed", action="store_true",
-                        help="write the committed benchmarks/RESULTS.md and results.json instead")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a run of seconds that only exercises the harness (the numbers mean nothing)",
+    )
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=DEFAULT_RESULTS_DIR,
+        help="folder for RESULTS.md and results.json (default: %(default)s, ignored by git)",
+    )
+    parser.add_argument(
+        "--update-committed",
+        action="store_true",
+        help="write the committed benchmarks/RESULTS.md and results.json instead",
+    )
     parser.add_argument("--out", type=Path, default=None, help="the Markdown file (overrides the folder)")
     parser.add_argument("--json", type=Path, default=None, help="the JSON file (overrides the folder)")
-    parser.add_argument("--render-only", action="store_true",
-                        help="rewrite RESULTS.md from the JSON and NOTES.md, measuring nothing")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on a shared 2-core machine more threads only add noise)")
+    parser.add_argument(
+        "--render-only", action="store_true", help="rewrite RESULTS.md from the JSON and NOTES.md, measuring nothing"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared 2-core machine more threads only add noise)",
+    )
     parser.add_argument("--gpu-only", action="store_true", help="only the GPU part (counts and overhead)")
     parser.add_argument("--device", default="cuda", help="with --gpu-only: the device (cpu rehearses the plan)")
-    parser.add_argument("--gpu-models", default=None,
-                        help="with --gpu-only: MODEL:ROUNDS,... (default: the full plan's)")
-    parser.add_argument("--merge-gpu", type=Path, default=None, metavar="GPU_JSON",
-                        help="fold a --gpu-only run's JSON into --json and rewrite --out; measures nothing")
+    parser.add_argument(
+        "--gpu-models", default=None, help="with --gpu-only: MODEL:ROUNDS,... (default: the full plan's)"
+    )
+    parser.add_argument(
+        "--merge-gpu",
+        type=Path,
+        default=None,
+        metavar="GPU_JSON",
+        help="fold a --gpu-only run's JSON into --json and rewrite --out; measures nothing",
+    )
     args = parser.parse_args(argv)
     folder = HERE if args.update_committed else args.results_dir
     args.out = args.out or folder / "RESULTS.md"
@@ -190,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     run_overhead("cpu", plan["overhead"], results, checkpoint, third_party)
     model_name, rounds, block_seconds = plan["scrape"]
     _log(f"training while scraped: {model_name}")
-    results["scrape"] = {"model": model_name, **measure_scrape_overhead(
-        build_workload(MODEL_SPECS[model_name]), rounds, block_seconds)}
+    results["scrape"] = {
+        "model": model_name,
+        **measure_scrape_overhead(build_workload(MODEL_SPECS[model_name]), rounds, block_seconds),
+    }
     checkpoint()
     if torch.cuda.is_available():
         run_gpu_part("cuda", plan["cuda"], results, checkpoint)

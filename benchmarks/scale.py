@@ -71,8 +71,12 @@ def real_expositions(world_size: int, steps: int = 12, model: str = "10M") -> di
 
     torch.set_num_threads(1)
     work = build_workload(MODEL_SPECS[model])
-    monitors = {rank: Monitor(MonitorConfig(port=0, run_name="scale"), serve=False,
-                              rank_context=RankContext(rank, rank % 8, world_size)) for rank in (0, 1)}
+    monitors = {
+        rank: Monitor(
+            MonitorConfig(port=0, run_name="scale"), serve=False, rank_context=RankContext(rank, rank % 8, world_size)
+        )
+        for rank in (0, 1)
+    }
     for step in range(steps):
         tokens, targets = work.batch(step)
         loss = work.model(tokens, targets)
@@ -96,9 +100,16 @@ def series_count(text: str) -> int:
 # --- synthetic ranks --------------------------------------------------------------------------
 
 # Gauges that change every step; counters that grow with the steps.
-_MOVING = ("training_loss", "training_grad_norm", "training_layer_grad_norm", "training_loss_cv",
-           "training_step_duration_seconds", "training_loss_trend_ratio", "training_memory_allocated_bytes",
-           "training_learning_rate")
+_MOVING = (
+    "training_loss",
+    "training_grad_norm",
+    "training_layer_grad_norm",
+    "training_loss_cv",
+    "training_step_duration_seconds",
+    "training_loss_trend_ratio",
+    "training_memory_allocated_bytes",
+    "training_learning_rate",
+)
 _STEP_LIKE = ("training_step", "training_steps_total")
 
 
@@ -179,8 +190,10 @@ class _FarmWorker:
     Commands come on ``conn``: ("nan", rank, at), ("kill", rank), ("stats",), ("stop",)."""
 
     def __init__(self, templates: dict[str, str], first: int, count: int, started: float, conn) -> None:
-        self.ranks = {r: SyntheticRank(templates["layers" if r == 0 else "scalars"], r, started, seed=r)
-                      for r in range(first, first + count)}
+        self.ranks = {
+            r: SyntheticRank(templates["layers" if r == 0 else "scalars"], r, started, seed=r)
+            for r in range(first, first + count)
+        }
         self.conn = conn
         self.servers: dict[int, asyncio.AbstractServer] = {}
         self.scrapes = 0
@@ -226,14 +239,17 @@ class _FarmWorker:
                         break
                     body = rank.render(time.time())
                     self.scrapes += 1
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                    )
                     await writer.drain()
             except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
                 pass
             finally:
                 rank.writers.discard(writer)
                 writer.close()
+
         return handle
 
 
@@ -254,8 +270,9 @@ class RankFarm:
         self._workers = []
         for first in range(0, ranks, per):
             parent, child = context.Pipe()
-            proc = context.Process(target=_farm_process, args=(templates, first, min(per, ranks - first), started,
-                                                                 child), daemon=True)
+            proc = context.Process(
+                target=_farm_process, args=(templates, first, min(per, ranks - first), started, child), daemon=True
+            )
             proc.start()
             self._workers.append((first, min(per, ranks - first), proc, parent))
         self.ports: list[int] = [0] * ranks
@@ -301,8 +318,9 @@ class RankFarm:
 class Server:
     """One Prometheus of the set-up, from ``config`` (a dict), on a free loopback port."""
 
-    def __init__(self, workdir: Path, name: str, config: dict, flags: tuple[str, ...] = (),
-                 data: Path | None = None) -> None:
+    def __init__(
+        self, workdir: Path, name: str, config: dict, flags: tuple[str, ...] = (), data: Path | None = None
+    ) -> None:
         from lossbeat.stack.local import find_binary
         import yaml
 
@@ -313,9 +331,17 @@ class Server:
         (workdir / f"{name}.yml").write_text(yaml.safe_dump(config), encoding="utf-8")
         self.log = open(workdir / f"{name}.log", "wb")
         self.proc = subprocess.Popen(
-            [find_binary("prometheus"), f"--config.file={workdir / (name + '.yml')}",
-             f"--storage.tsdb.path={self.data}", f"--web.listen-address=127.0.0.1:{self.port}", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            [
+                find_binary("prometheus"),
+                f"--config.file={workdir / (name + '.yml')}",
+                f"--storage.tsdb.path={self.data}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                *flags,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 60
         while not _ok(f"{self.url}/-/ready"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -380,17 +406,23 @@ class SetupFiles:
         """The rule files and deploy/sharding configs of ``commit``, written under ``into``."""
         into.mkdir(parents=True, exist_ok=True)
         (into / "sharding").mkdir(exist_ok=True)
-        wanted = {"rules.yml": "alerting/rules.yml", "rules-shard.yml": "alerting/rules-shard.yml",
-                  "rules-global.yml": "alerting/rules-global.yml", "sharding/shard-0.yml": "deploy/sharding/shard-0.yml",
-                  "sharding/global.yml": "deploy/sharding/global.yml"}
+        wanted = {
+            "rules.yml": "alerting/rules.yml",
+            "rules-shard.yml": "alerting/rules-shard.yml",
+            "rules-global.yml": "alerting/rules-global.yml",
+            "sharding/shard-0.yml": "deploy/sharding/shard-0.yml",
+            "sharding/global.yml": "deploy/sharding/global.yml",
+        }
         for name, path in wanted.items():
-            text = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:{path}"], capture_output=True,
-                                  text=True, check=True).stdout
+            text = subprocess.run(
+                ["git", "-C", str(REPO), "show", f"{commit}:{path}"], capture_output=True, text=True, check=True
+            ).stdout
             (into / name).write_text(text, encoding="utf-8")
         return cls(into / "rules.yml", into / "rules-shard.yml", into / "rules-global.yml", into / "sharding")
 
     def shipped(self, name: str) -> dict:
         import yaml
+
         return yaml.safe_load((self.sharding / name).read_text(encoding="utf-8"))
 
 
@@ -401,25 +433,34 @@ class Setup:
     The shipped files, changed only where a loopback run must: addresses, the file_sd path, the
     interval, and no Alertmanager (alerts are read from each server's API)."""
 
-    def __init__(self, workdir: Path, ports: list[int], shards: int, interval: float,
-                 files: SetupFiles = SetupFiles()) -> None:
+    def __init__(
+        self, workdir: Path, ports: list[int], shards: int, interval: float, files: SetupFiles = SetupFiles()
+    ) -> None:
         import yaml
 
         self.interval = interval
         sd = workdir / "file_sd"
         sd.mkdir()
-        (sd / "ranks.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{p}" for p in ports],
-                                                    "labels": {"job": JOB}}]), encoding="utf-8")
-        timing = {"scrape_interval": f"{interval:g}s", "scrape_timeout": f"{min(interval, 10):g}s",
-                  "evaluation_interval": f"{interval:g}s"}
+        (sd / "ranks.json").write_text(
+            json.dumps([{"targets": [f"127.0.0.1:{p}" for p in ports], "labels": {"job": JOB}}]), encoding="utf-8"
+        )
+        timing = {
+            "scrape_interval": f"{interval:g}s",
+            "scrape_timeout": f"{min(interval, 10):g}s",
+            "evaluation_interval": f"{interval:g}s",
+        }
         self.servers: list[Server] = []
         self.shards: list[Server] = []
         self.global_server: Server | None = None
         try:
             if shards == 0:
-                config = {"global": timing, "rule_files": [str(files.rules)],
-                          "scrape_configs": [{"job_name": JOB, "sample_limit": 2000,
-                                              "file_sd_configs": [{"files": [str(sd / "*.json")]}]}]}
+                config = {
+                    "global": timing,
+                    "rule_files": [str(files.rules)],
+                    "scrape_configs": [
+                        {"job_name": JOB, "sample_limit": 2000, "file_sd_configs": [{"files": [str(sd / "*.json")]}]}
+                    ],
+                }
                 self.shards.append(Server(workdir, "prometheus", config))
                 self.servers = list(self.shards)
                 return
@@ -449,7 +490,9 @@ class Setup:
                     if relabel.get("target_label") == "shard":  # its partials carry its number
                         relabel["replacement"] = str(i)
                 config["remote_write"][0]["url"] = f"{self.global_server.url}/api/v1/write"
-                config["remote_write"][0]["queue_config"]["batch_send_deadline"] = f"{max(1, min(5, int(interval / 3)))}s"
+                config["remote_write"][0]["queue_config"]["batch_send_deadline"] = (
+                    f"{max(1, min(5, int(interval / 3)))}s"
+                )
                 server = Server(workdir, f"shard-{i}", config)
                 self.shards.append(server)
                 self.servers.append(server)
@@ -489,6 +532,7 @@ class Setup:
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -513,8 +557,13 @@ def _quantiles(values: list[float]) -> dict[str, float]:
 
 
 def _firing(server: Server, alert: str, **labels: str) -> list[dict]:
-    return [a for a in server.alerts() if a["labels"].get("alertname") == alert and a["state"] == "firing"
-            and all(a["labels"].get(k) == v for k, v in labels.items())]
+    return [
+        a
+        for a in server.alerts()
+        if a["labels"].get("alertname") == alert
+        and a["state"] == "firing"
+        and all(a["labels"].get(k) == v for k, v in labels.items())
+    ]
 
 
 def _wait_firing(server: Server, alert: str, deadline: float, **labels: str) -> float | None:
@@ -527,8 +576,16 @@ def _wait_firing(server: Server, alert: str, deadline: float, **labels: str) -> 
     return None
 
 
-def measure(ranks: int, warmup_cycles: int, templates: dict[str, str], interval: float = SCRAPE_INTERVAL,
-            shards: int = 0, kill: bool = True, farm_processes: int = 1, rules: Path = RULES) -> dict:
+def measure(
+    ranks: int,
+    warmup_cycles: int,
+    templates: dict[str, str],
+    interval: float = SCRAPE_INTERVAL,
+    shards: int = 0,
+    kill: bool = True,
+    farm_processes: int = 1,
+    rules: Path = RULES,
+) -> dict:
     """One size: serve ``ranks`` ranks to the set-up, measure every server while it scrapes and
     evaluates, then turn one rank NaN (time to TrainingLossNaN) and kill another (TrainingRankDown)."""
     load = [os.getloadavg()[0]]
@@ -561,15 +618,25 @@ def measure(ranks: int, warmup_cycles: int, templates: dict[str, str], interval:
                 time.sleep(interval)
                 owns = sample()
                 heads = sum(o.get("prometheus_tsdb_head_series", 0) for o in owns.values())
-                _log(f"cycle {cycle + 1}/{warmup_cycles}: {setup.up():.0f}/{ranks} up, head series {heads:.0f}, "
-                     f"RSS {sum(v[-1] for v in rss.values()) / 2**20:.0f} MiB, load {load[-1]:.1f}")
+                _log(
+                    f"cycle {cycle + 1}/{warmup_cycles}: {setup.up():.0f}/{ranks} up, head series {heads:.0f}, "
+                    f"RSS {sum(v[-1] for v in rss.values()) / 2**20:.0f} MiB, load {load[-1]:.1f}"
+                )
             scrape_durations, samples = [], []
             for server in setup.shards:
-                scrape_durations += [float(r["value"][1]) for r in server.query(f'scrape_duration_seconds{{job="{JOB}"}}')]
+                scrape_durations += [
+                    float(r["value"][1]) for r in server.query(f'scrape_duration_seconds{{job="{JOB}"}}')
+                ]
                 samples += [float(r["value"][1]) for r in server.query(f'scrape_samples_scraped{{job="{JOB}"}}')]
-            intervals = max((v for own in owns.values() for k, v in own.items()
-                             if k.startswith("prometheus_target_interval_length_seconds{") and 'quantile="0.99"' in k),
-                            default=None)
+            intervals = max(
+                (
+                    v
+                    for own in owns.values()
+                    for k, v in own.items()
+                    if k.startswith("prometheus_target_interval_length_seconds{") and 'quantile="0.99"' in k
+                ),
+                default=None,
+            )
 
             victim = ranks // 2
             owner = setup.shard_of(farm.ports[victim])
@@ -584,8 +651,10 @@ def measure(ranks: int, warmup_cycles: int, templates: dict[str, str], interval:
                 dead_owner = setup.shard_of(farm.ports[dead])
                 killed_at = time.time()
                 farm.kill(dead)
-                _log(f"rank {dead} killed (on {dead_owner.name}); waiting for TrainingRankDown on "
-                     f"{setup.evaluator.name} and TrainingExporterDown on {dead_owner.name} (both for: 2m)")
+                _log(
+                    f"rank {dead} killed (on {dead_owner.name}); waiting for TrainingRankDown on "
+                    f"{setup.evaluator.name} and TrainingExporterDown on {dead_owner.name} (both for: 2m)"
+                )
                 where = {"TrainingRankDown": setup.evaluator, "TrainingExporterDown": dead_owner}
                 found: dict[str, float | None] = dict.fromkeys(where)
                 deadline, last_sample = killed_at + 240 + 8 * interval, time.time()
@@ -597,26 +666,35 @@ def measure(ranks: int, warmup_cycles: int, templates: dict[str, str], interval:
                         sample()
                         last_sample = time.time()
                     time.sleep(1.0)
-                killed = {"rank": dead, "shard": dead_owner.name,
-                          "rank_down_firing_after_s": found["TrainingRankDown"],
-                          "exporter_down_firing_after_s": found["TrainingExporterDown"]}
+                killed = {
+                    "rank": dead,
+                    "shard": dead_owner.name,
+                    "rank_down_firing_after_s": found["TrainingRankDown"],
+                    "exporter_down_firing_after_s": found["TrainingExporterDown"],
+                }
                 _log(f"killed rank: {killed}")
             sample()
             elapsed = time.time() - started
             cpu = {s.name: (s.cpu_seconds() - cpu0[s.name]) / elapsed for s in setup.servers}
             farm1 = farm.stats()
             owns = {s.name: s.own_metrics() for s in setup.servers}
-            alerts = [a for s in setup.servers for a in s.alerts()
-                      if a["labels"].get("alertname") not in ("TrainingLossNaN", "TrainingRankDown",
-                                                                "TrainingExporterDown")]
+            alerts = [
+                a
+                for s in setup.servers
+                for a in s.alerts()
+                if a["labels"].get("alertname") not in ("TrainingLossNaN", "TrainingRankDown", "TrainingExporterDown")
+            ]
             per_server = {}
             for server in setup.servers:
                 own = owns[server.name]
                 per_server[server.name] = {
-                    "rule_group_duration_s": {g: {"mean": sum(v) / len(v), "max": max(v), "samples": len(v)}
-                                              for g, v in sorted(durations[server.name].items())},
-                    "rule_iterations_missed": sum(v for k, v in own.items()
-                                                  if k.startswith("prometheus_rule_group_iterations_missed_total")),
+                    "rule_group_duration_s": {
+                        g: {"mean": sum(v) / len(v), "max": max(v), "samples": len(v)}
+                        for g, v in sorted(durations[server.name].items())
+                    },
+                    "rule_iterations_missed": sum(
+                        v for k, v in own.items() if k.startswith("prometheus_rule_group_iterations_missed_total")
+                    ),
                     "head_series": own.get("prometheus_tsdb_head_series"),
                     "rss_bytes_max": max(rss[server.name]),
                     "cpu_cores": cpu[server.name],
@@ -626,21 +704,25 @@ def measure(ranks: int, warmup_cycles: int, templates: dict[str, str], interval:
             result = {
                 "ranks": ranks,
                 "interval_s": interval,
-                "setup": "one Prometheus, alerting/rules.yml" if shards == 0 else
-                         f"deploy/sharding: {shards} shards (hashmod, rules-shard.yml) -> 1 global (rules-global.yml)",
+                "setup": "one Prometheus, alerting/rules.yml"
+                if shards == 0
+                else f"deploy/sharding: {shards} shards (hashmod, rules-shard.yml) -> 1 global (rules-global.yml)",
                 "shards": shards,
-                "series_per_rank": {"exposed_scalars": series_count(templates["scalars"]),
-                                    "exposed_with_layers": series_count(templates["layers"]),
-                                    "shards_head": shard_series / ranks,
-                                    "global_head": (per_server["global"]["head_series"] or 0) / ranks
-                                    if shards else None},
+                "series_per_rank": {
+                    "exposed_scalars": series_count(templates["scalars"]),
+                    "exposed_with_layers": series_count(templates["layers"]),
+                    "shards_head": shard_series / ranks,
+                    "global_head": (per_server["global"]["head_series"] or 0) / ranks if shards else None,
+                },
                 "up": setup.up(),
                 "scrape_duration_s": _quantiles(scrape_durations),
                 "samples_per_scrape": _quantiles(samples),
                 "target_interval_p99_s": intervals,
                 "servers": per_server,
-                "slowest_rule_group": max(((n, g, d["max"]) for n, v in per_server.items()
-                                           for g, d in v["rule_group_duration_s"].items()), key=lambda x: x[2]),
+                "slowest_rule_group": max(
+                    ((n, g, d["max"]) for n, v in per_server.items() for g, d in v["rule_group_duration_s"].items()),
+                    key=lambda x: x[2],
+                ),
                 "rule_iterations_missed": sum(v["rule_iterations_missed"] for v in per_server.values()),
                 "rss_bytes_total": all_rss,
                 "rss_mib_per_1000_ranks": all_rss / 2**20 / ranks * 1000,
@@ -675,6 +757,7 @@ def _firing_time(server: Server, alert: str, rank: int) -> float:
 
 def _parse_time(text: str) -> float:
     from datetime import datetime
+
     text = re.sub(r"(\.\d{6})\d*", r"\1", text.replace("Z", "+00:00"))
     return datetime.fromisoformat(text).timestamp()
 
@@ -685,59 +768,88 @@ def _parse_time(text: str) -> float:
 def report(results: list[dict]) -> str:
     """The docs tables: one row per run, then every server's rule groups for the largest run."""
     results = sorted(results, key=lambda r: (r["ranks"], r["shards"], r.get("rules", "")))
-    rows = ["| ranks | set-up | interval (s) | up | slowest rule group, max (ms) | missed iterations | "
-            "series per rank (shards / global) | RSS per 1,000 ranks (MiB) | Prometheus CPU (cores) | "
-            "NaN to TrainingLossNaN (s) | kill to TrainingRankDown / ExporterDown firing (s) | load (1m) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| ranks | set-up | interval (s) | up | slowest rule group, max (ms) | missed iterations | "
+        "series per rank (shards / global) | RSS per 1,000 ranks (MiB) | Prometheus CPU (cores) | "
+        "NaN to TrainingLossNaN (s) | kill to TrainingRankDown / ExporterDown firing (s) | load (1m) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         server, group, slow = r["slowest_rule_group"]
         per = r["series_per_rank"]
         series = f"{per['shards_head']:.1f}" + (f" / {per['global_head']:.1f}" if per.get("global_head") else "")
         nan = "-" if r["nan_to_firing_s"] is None else f"{r['nan_to_firing_s']:.1f}"
         k = r.get("killed") or {}
-        kill = (f"{k.get('rank_down_firing_after_s') or '-'} / {k.get('exporter_down_firing_after_s') or '-'}"
-                if k else "not run")
+        kill = (
+            f"{k.get('rank_down_firing_after_s') or '-'} / {k.get('exporter_down_firing_after_s') or '-'}"
+            if k
+            else "not run"
+        )
         load = r["load_average_1m"]
         setup = f"{r['shards']} shards + global" if r["shards"] else "one Prometheus"
         if r.get("rules"):
             setup += " (rules before issue 21)"
         if r.get("label"):
             setup += f" ({r['label']})"
-        rows.append(f"| {r['ranks']:,} | {setup} | "
-                    f"{r['interval_s']:g} | {r['up']:.0f} | {1e3 * slow:.0f} ({server} {group}) | "
-                    f"{r['rule_iterations_missed']:.0f} | {series} | {r['rss_mib_per_1000_ranks']:.0f} | "
-                    f"{r['prometheus_cpu_cores_total']:.2f} | {nan} | {kill} | "
-                    f"{load['min']:.1f}-{load['max']:.1f} |")
+        rows.append(
+            f"| {r['ranks']:,} | {setup} | "
+            f"{r['interval_s']:g} | {r['up']:.0f} | {1e3 * slow:.0f} ({server} {group}) | "
+            f"{r['rule_iterations_missed']:.0f} | {series} | {r['rss_mib_per_1000_ranks']:.0f} | "
+            f"{r['prometheus_cpu_cores_total']:.2f} | {nan} | {kill} | "
+            f"{load['min']:.1f}-{load['max']:.1f} |"
+        )
     largest = max(results, key=lambda r: (r["ranks"], r.get("date", "")))  # the latest of the largest
-    lines = rows + ["", f"Every rule group of every server, {largest['ranks']:,} ranks (max / mean over the run, ms):", "",
-                    "| server | head series | RSS (MiB) | CPU (cores) | rule groups |", "|---|---|---|---|---|"]
+    lines = rows + [
+        "",
+        f"Every rule group of every server, {largest['ranks']:,} ranks (max / mean over the run, ms):",
+        "",
+        "| server | head series | RSS (MiB) | CPU (cores) | rule groups |",
+        "|---|---|---|---|---|",
+    ]
     for name, server in largest["servers"].items():
-        groups = ", ".join(f"{g} {1e3 * d['max']:.0f} / {1e3 * d['mean']:.0f}"
-                           for g, d in server["rule_group_duration_s"].items())
-        lines.append(f"| {name} | {server['head_series']:,.0f} | {server['rss_bytes_max'] / 2**20:,.0f} | "
-                     f"{server['cpu_cores']:.2f} | {groups} |")
+        groups = ", ".join(
+            f"{g} {1e3 * d['max']:.0f} / {1e3 * d['mean']:.0f}" for g, d in server["rule_group_duration_s"].items()
+        )
+        lines.append(
+            f"| {name} | {server['head_series']:,.0f} | {server['rss_bytes_max'] / 2**20:,.0f} | "
+            f"{server['cpu_cores']:.2f} | {groups} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, action="append", help="synthetic ranks (repeatable)")
-    parser.add_argument("--shards", type=int, default=None,
-                        help="0: one Prometheus with rules.yml; N: deploy/sharding with N shards "
-                             "(default: 0 up to 2,000 ranks, else one shard per 1,250 ranks)")
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        help="0: one Prometheus with rules.yml; N: deploy/sharding with N shards "
+        "(default: 0 up to 2,000 ranks, else one shard per 1,250 ranks)",
+    )
     parser.add_argument("--warmup-cycles", type=int, default=6, help="scrape intervals before the NaN (default 6)")
-    parser.add_argument("--interval", type=float, default=SCRAPE_INTERVAL,
-                        help="scrape and evaluation interval in seconds (default 15)")
+    parser.add_argument(
+        "--interval", type=float, default=SCRAPE_INTERVAL, help="scrape and evaluation interval in seconds (default 15)"
+    )
     parser.add_argument("--no-kill", action="store_true", help="skip the killed rank (TrainingRankDown, ~3 min)")
-    parser.add_argument("--farm-processes", type=int, default=None,
-                        help="processes serving the ranks (default: one per 4,000 ranks; each holds two "
-                             "file descriptors a rank)")
-    parser.add_argument("--rules", type=Path, default=RULES,
-                        help="the rules of the one-Prometheus set-up (default alerting/rules.yml; another "
-                             "commit's, to compare)")
+    parser.add_argument(
+        "--farm-processes",
+        type=int,
+        default=None,
+        help="processes serving the ranks (default: one per 4,000 ranks; each holds two file descriptors a rank)",
+    )
+    parser.add_argument(
+        "--rules",
+        type=Path,
+        default=RULES,
+        help="the rules of the one-Prometheus set-up (default alerting/rules.yml; another commit's, to compare)",
+    )
     parser.add_argument("--results", default=str(RESULTS), help="JSON file the results are merged into")
-    parser.add_argument("--label", help="a name for this run in the tables (a run replaces the stored one of the "
-                                        "same ranks, shards, interval and label)")
+    parser.add_argument(
+        "--label",
+        help="a name for this run in the tables (a run replaces the stored one of the "
+        "same ranks, shards, interval and label)",
+    )
     parser.add_argument("--report", action="store_true", help="print the markdown tables of the stored results")
     args = parser.parse_args(argv)
     path = Path(args.results)
@@ -756,8 +868,16 @@ def main(argv: list[str] | None = None) -> int:
         processes = args.farm_processes or max(1, math.ceil(ranks / 4000))
         # world_size in training_run_info is the size of this run's job.
         sized = {k: v.replace(f'world_size="{max(args.ranks)}"', f'world_size="{ranks}"') for k, v in templates.items()}
-        result = measure(ranks, args.warmup_cycles, sized, args.interval, shards, kill=not args.no_kill,
-                         farm_processes=processes, rules=args.rules)
+        result = measure(
+            ranks,
+            args.warmup_cycles,
+            sized,
+            args.interval,
+            shards,
+            kill=not args.no_kill,
+            farm_processes=processes,
+            rules=args.rules,
+        )
         if args.rules != RULES:
             result["rules"] = str(args.rules)
         result["prometheus_version"] = versions[0] if versions else "unknown"
@@ -775,13 +895,15 @@ def main(argv: list[str] | None = None) -> int:
 def _commit() -> str:
     """The checkout's commit (``-dirty`` with uncommitted changes): which rules a run measured."""
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
 
 
 def _prometheus() -> str:
     from lossbeat.stack.local import find_binary
+
     return find_binary("prometheus")
 
 

@@ -73,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[64, 1000])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
-    print("| layers | heatmap steps | /status.json ms (median) | p90 ms | first request ms | bytes | / ms | layer history MB |")
+    print(
+        "| layers | heatmap steps | /status.json ms (median) | p90 ms | first request ms | bytes | / ms | layer history MB |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for layers in args.layers:
         r = measure(layers, args.repeats)
-        print(f"| {r['layers']} | {r['heatmap_steps']} | {r['status_json_ms']:.2f} | {r['status_json_ms_p90']:.2f} | {r['status_json_cold_ms']:.1f} "
-              f"| {r['status_json_bytes']:,} | {r['page_ms']:.4f} | {r['layer_history_bytes'] / 2**20:.2f} |")
+        print(
+            f"| {r['layers']} | {r['heatmap_steps']} | {r['status_json_ms']:.2f} | {r['status_json_ms_p90']:.2f} | {r['status_json_cold_ms']:.1f} "
+            f"| {r['status_json_bytes']:,} | {r['page_ms']:.4f} | {r['layer_history_bytes'] / 2**20:.2f} |"
+        )
     return 0
 
 

@@ -90,7 +90,10 @@ class LossbeatVariant(Variant):
         model, monitor = workload.model, self.monitor
         grad_norm = monitor.clip_grad_norm_(model, MAX_NORM) if self.lossbeat_clip else _torch_clip(workload)
         monitor.observe(
-            self.steps, loss=loss, optimizer=workload.optimizer, grad_norm=grad_norm,
+            self.steps,
+            loss=loss,
+            optimizer=workload.optimizer,
+            grad_norm=grad_norm,
             model=model if self.per_layer else None,
         )
         self.steps += 1
@@ -184,7 +187,9 @@ def default_variants(device: torch.device, third_party: bool = True) -> list[Var
     variants: list[Variant] = [
         Variant(),
         LossbeatVariant("lossbeat_scalars", "lossbeat observe(loss, lr, grad_norm) - scalars only", per_layer=False),
-        LossbeatVariant("lossbeat_layers_every_step", "lossbeat observe(model=...) - per-layer every step", per_layer=True),
+        LossbeatVariant(
+            "lossbeat_layers_every_step", "lossbeat observe(model=...) - per-layer every step", per_layer=True
+        ),
         LossbeatVariant(
             "lossbeat_layers_every_10", "lossbeat observe(model=...), layer_every=10", per_layer=True, layer_every=10
         ),
@@ -193,10 +198,14 @@ def default_variants(device: torch.device, third_party: bool = True) -> list[Var
         ),
     ]
     if device.type == "cuda":
-        variants.append(LossbeatVariant(
-            "lossbeat_layers_blocking", "lossbeat per-layer every step, defer_device_reads=False",
-            per_layer=True, defer_device_reads=False,
-        ))
+        variants.append(
+            LossbeatVariant(
+                "lossbeat_layers_blocking",
+                "lossbeat per-layer every step, defer_device_reads=False",
+                per_layer=True,
+                defer_device_reads=False,
+            )
+        )
     variants.append(NaiveVariant())
     if third_party:
         variants += [LightningVariant(), WandbVariant()]

@@ -57,8 +57,12 @@ def _step(port: int) -> float | None:
 
 def _summary(seconds: list[float]) -> dict:
     ms = sorted(x * 1000 for x in seconds)
-    return {"median_ms": round(statistics.median(ms), 1), "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 1),
-            "max_ms": round(ms[-1], 1), "min_ms": round(ms[0], 1)}
+    return {
+        "median_ms": round(statistics.median(ms), 1),
+        "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 1),
+        "max_ms": round(ms[-1], 1),
+        "min_ms": round(ms[0], 1),
+    }
 
 
 class _Watch:
@@ -66,8 +70,9 @@ class _Watch:
 
     def __init__(self, log: Path, poll_interval: float, job: str = "latency") -> None:
         config = MonitorConfig(port=0, addr="127.0.0.1", run_name=job, linger_seconds=0)
-        self.watcher = Watcher(log, config, fmt="hf-stdout", poll_interval=poll_interval,
-                               rank_context=RankContext(0, 0, 1, "log"))
+        self.watcher = Watcher(
+            log, config, fmt="hf-stdout", poll_interval=poll_interval, rank_context=RankContext(0, 0, 1, "log")
+        )
         self.thread = threading.Thread(target=self.watcher.run, daemon=True)
         self.thread.start()
         self.port = self.watcher.monitor.port
@@ -92,9 +97,14 @@ def measure_metrics(rounds: int, poll_interval: float) -> dict:
                     pass
                 latencies.append(time.perf_counter() - written)
             watch.stop()
-    return {"what": "line written (flushed) to the value changing in /metrics, scraped over HTTP back to back",
-            "rounds": rounds, "poll_interval_s": poll_interval, **_summary(latencies), "target_ms": 1000,
-            "meets_target": _summary(latencies)["p90_ms"] < 1000}
+    return {
+        "what": "line written (flushed) to the value changing in /metrics, scraped over HTTP back to back",
+        "rounds": rounds,
+        "poll_interval_s": poll_interval,
+        **_summary(latencies),
+        "target_ms": 1000,
+        "meets_target": _summary(latencies)["p90_ms"] < 1000,
+    }
 
 
 def _active_at(prometheus: str, job: str) -> float | None:
@@ -102,8 +112,11 @@ def _active_at(prometheus: str, job: str) -> float | None:
     with urllib.request.urlopen(f"{prometheus}/api/v1/alerts", timeout=5) as resp:
         alerts = json.load(resp)["data"]["alerts"]
     for alert in alerts:
-        if (alert["labels"].get("alertname") == "TrainingLossNaN" and alert["labels"].get("job") == job
-                and alert["state"] == "firing"):
+        if (
+            alert["labels"].get("alertname") == "TrainingLossNaN"
+            and alert["labels"].get("job") == job
+            and alert["state"] == "firing"
+        ):
             stamp = alert["activeAt"].rstrip("Z")
             whole, _, frac = stamp.partition(".")
             parsed = datetime.datetime.fromisoformat(f"{whole}.{(frac + '000000')[:6]}+00:00")
@@ -129,17 +142,26 @@ def measure_alert(rounds: int, scrape_interval: float, poll_interval: float) -> 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         interval = f"{scrape_interval:g}s"
-        stack = Stack(workdir=tmp / "stack", prometheus_port=_free_port(), alertmanager_port=_free_port(),
-                      targets=(), scrape_interval=interval)
+        stack = Stack(
+            workdir=tmp / "stack",
+            prometheus_port=_free_port(),
+            alertmanager_port=_free_port(),
+            targets=(),
+            scrape_interval=interval,
+        )
         stack.start()
         logs, watches = [], []
         try:
             for i in range(rounds):
                 logs.append(open(tmp / f"train-{i}.log", "w", encoding="utf-8"))
                 watches.append(_Watch(tmp / f"train-{i}.log", poll_interval, job=f"latency-{i}"))
-            write_target_groups(stack.targets_file, [{"targets": [f"127.0.0.1:{w.port}"],
-                                                      "labels": {"job": f"latency-{i}"}}
-                                                     for i, w in enumerate(watches)])
+            write_target_groups(
+                stack.targets_file,
+                [
+                    {"targets": [f"127.0.0.1:{w.port}"], "labels": {"job": f"latency-{i}"}}
+                    for i, w in enumerate(watches)
+                ],
+            )
             for step in range(1, 4):  # a few healthy records each, scraped before any NaN
                 for fh in logs:
                     fh.write(_hf_line(step))
@@ -168,35 +190,50 @@ def measure_alert(rounds: int, scrape_interval: float, poll_interval: float) -> 
                 fh.close()
             stack.stop()
     bound = 2 * scrape_interval  # one scrape interval plus one evaluation interval (equal here)
-    return {"what": "line written (flushed) to TrainingLossNaN firing in a real Prometheus (its activeAt), "
-                    "shipped rules", "rounds": rounds, "scrape_interval_s": scrape_interval,
-            "evaluation_interval_s": scrape_interval, **_summary(latencies),
-            "seen_by_api_poll_median_ms": round(statistics.median(seen) * 1000, 1),
-            "target_ms": round(bound * 1000), "meets_target": max(latencies) < bound}
+    return {
+        "what": "line written (flushed) to TrainingLossNaN firing in a real Prometheus (its activeAt), shipped rules",
+        "rounds": rounds,
+        "scrape_interval_s": scrape_interval,
+        "evaluation_interval_s": scrape_interval,
+        **_summary(latencies),
+        "seen_by_api_poll_median_ms": round(statistics.median(seen) * 1000, 1),
+        "target_ms": round(bound * 1000),
+        "meets_target": max(latencies) < bound,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--alert-rounds", type=int, default=10, help="0: skip the Prometheus measurement")
-    parser.add_argument("--scrape-interval", type=float, nargs="+", default=[1.0, 5.0],
-                        help="Prometheus scrape and evaluation intervals to measure, seconds (default 1 5)")
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        nargs="+",
+        default=[1.0, 5.0],
+        help="Prometheus scrape and evaluation intervals to measure, seconds (default 1 5)",
+    )
     parser.add_argument("--poll-interval", type=float, default=0.05)
     args = parser.parse_args()
     result = {"metrics": measure_metrics(args.rounds, args.poll_interval)}
     if args.alert_rounds:
-        result["alert"] = [measure_alert(args.alert_rounds, interval, args.poll_interval)
-                           for interval in args.scrape_interval]
+        result["alert"] = [
+            measure_alert(args.alert_rounds, interval, args.poll_interval) for interval in args.scrape_interval
+        ]
     result["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print("| from a line written to | rounds | median | p90 | max | target |\n|---|---|---|---|---|---|")
     rows = [("the value in /metrics", result["metrics"])]
-    rows += [(f"TrainingLossNaN firing in Prometheus (scrape and evaluation every {r['scrape_interval_s']:g} s)", r)
-             for r in result.get("alert", [])]
+    rows += [
+        (f"TrainingLossNaN firing in Prometheus (scrape and evaluation every {r['scrape_interval_s']:g} s)", r)
+        for r in result.get("alert", [])
+    ]
     for what, r in rows:
-        print(f"| {what} | {r['rounds']} | {r['median_ms']} ms | {r['p90_ms']} ms | {r['max_ms']} ms | "
-              f"< {r['target_ms']} ms: {'pass' if r['meets_target'] else 'MISS'} |")
+        print(
+            f"| {what} | {r['rounds']} | {r['median_ms']} ms | {r['p90_ms']} ms | {r['max_ms']} ms | "
+            f"< {r['target_ms']} ms: {'pass' if r['meets_target'] else 'MISS'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -73,13 +73,20 @@ def _query(url: str, expr: str) -> list[dict]:
 
 def _sample(url: str, started: float) -> dict:
     """One look at Prometheus: its alerts (pending and firing), what each run shows."""
-    alerts = [{"alertname": a["labels"]["alertname"], "job": a["labels"].get("job"),
-               "rank": a["labels"].get("rank"), "severity": a["labels"].get("severity"), "state": a["state"]}
-              for a in _get(url, "/api/v1/alerts")["alerts"]]
+    alerts = [
+        {
+            "alertname": a["labels"]["alertname"],
+            "job": a["labels"].get("job"),
+            "rank": a["labels"].get("rank"),
+            "severity": a["labels"].get("severity"),
+            "state": a["state"],
+        }
+        for a in _get(url, "/api/v1/alerts")["alerts"]
+    ]
     phase = _query(url, 'training_phase{job="long-validation"} == 1')
     age = _query(url, 'training_heartbeat_age_seconds{job="long-validation"}')
-    present = _query(url, 'count by (job) (training_run_info)')
-    completed = _query(url, 'count by (job) (last_over_time(training_run_completed[1h]) == 1)')
+    present = _query(url, "count by (job) (training_run_info)")
+    completed = _query(url, "count by (job) (last_over_time(training_run_completed[1h]) == 1)")
     return {
         "t": round(time.time() - started, 1),
         "alerts": alerts,
@@ -94,14 +101,47 @@ def _start_runs(folder: Path, ports: dict[str, int], durations: dict[str, float]
     env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "LOSSBEAT_RUN_ID", "LOSSBEAT_FILE_SD_DIR")}
     common = ["--dir", str(folder), "--train-s", str(durations["train"])]
     commands = {
-        "staggered-end": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(RANKS), str(WORKER), "staggered", "--job", "staggered-end",
-                          "--port", str(ports["staggered-end"]), "--tail-s", str(durations["tail"]), *common],
-        "long-validation": [sys.executable, str(WORKER), "validation", "--job", "long-validation",
-                            "--port", str(ports["long-validation"]), "--validation-s", str(durations["validation"]),
-                            "--val-batch-s", str(durations["val_batch"]), *common],
-        "control-crash": [sys.executable, str(WORKER), "crash", "--job", "control-crash",
-                          "--port", str(ports["control-crash"]), *common],
+        "staggered-end": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(RANKS),
+            str(WORKER),
+            "staggered",
+            "--job",
+            "staggered-end",
+            "--port",
+            str(ports["staggered-end"]),
+            "--tail-s",
+            str(durations["tail"]),
+            *common,
+        ],
+        "long-validation": [
+            sys.executable,
+            str(WORKER),
+            "validation",
+            "--job",
+            "long-validation",
+            "--port",
+            str(ports["long-validation"]),
+            "--validation-s",
+            str(durations["validation"]),
+            "--val-batch-s",
+            str(durations["val_batch"]),
+            *common,
+        ],
+        "control-crash": [
+            sys.executable,
+            str(WORKER),
+            "crash",
+            "--job",
+            "control-crash",
+            "--port",
+            str(ports["control-crash"]),
+            *common,
+        ],
     }
     procs = {}
     for job, cmd in commands.items():
@@ -124,9 +164,16 @@ def _deliveries(notifications: list[dict], started: float) -> list[dict]:
     out = []
     for n in notifications:
         for a in n["alerts"]:
-            out.append({"t": round(n["received_at"] - started, 1), "route": n["path"].strip("/"),
-                        "status": a["status"], "alertname": a["labels"].get("alertname"),
-                        "job": a["labels"].get("job"), "rank": a["labels"].get("rank")})
+            out.append(
+                {
+                    "t": round(n["received_at"] - started, 1),
+                    "route": n["path"].strip("/"),
+                    "status": a["status"],
+                    "alertname": a["labels"].get("alertname"),
+                    "job": a["labels"].get("job"),
+                    "rank": a["labels"].get("rank"),
+                }
+            )
     return out
 
 
@@ -147,20 +194,33 @@ def main() -> int:
         folder = Path(tmp)
         base = _free_ports(RANKS + 5)  # the ranks, the validation, the control, Prometheus, Alertmanager, receiver
         ports = {"staggered-end": base, "long-validation": base + RANKS, "control-crash": base + RANKS + 1}
-        stack = Stack(workdir=folder / "stack", prometheus_port=base + RANKS + 2, alertmanager_port=base + RANKS + 3,
-                      receiver_port=base + RANKS + 4, targets=(), scrape_interval=interval,
-                      rule_files=[REPO / "alerting" / "rules.yml"],
-                      alertmanager_config=REPO / "alerting" / "alertmanager.yml")
+        stack = Stack(
+            workdir=folder / "stack",
+            prometheus_port=base + RANKS + 2,
+            alertmanager_port=base + RANKS + 3,
+            receiver_port=base + RANKS + 4,
+            targets=(),
+            scrape_interval=interval,
+            rule_files=[REPO / "alerting" / "rules.yml"],
+            alertmanager_config=REPO / "alerting" / "alertmanager.yml",
+        )
         stack.start(timeout=120)
         procs: dict[str, subprocess.Popen] = {}
         samples: list[dict] = []
         try:
-            write_target_groups(stack.targets_file, [
-                {"targets": [f"127.0.0.1:{ports['staggered-end'] + r}" for r in range(RANKS)],
-                 "labels": {"job": "staggered-end"}},
-                *({"targets": [f"127.0.0.1:{ports[job]}"], "labels": {"job": job}}
-                  for job in ("long-validation", "control-crash")),
-            ])
+            write_target_groups(
+                stack.targets_file,
+                [
+                    {
+                        "targets": [f"127.0.0.1:{ports['staggered-end'] + r}" for r in range(RANKS)],
+                        "labels": {"job": "staggered-end"},
+                    },
+                    *(
+                        {"targets": [f"127.0.0.1:{ports[job]}"], "labels": {"job": job}}
+                        for job in ("long-validation", "control-crash")
+                    ),
+                ],
+            )
             started = time.time()
             procs = _start_runs(folder, ports, durations)
             ended_at: float | None = None
@@ -168,10 +228,12 @@ def main() -> int:
             while time.time() < limit:
                 samples.append(_sample(stack.prometheus_url, started))
                 last = samples[-1]
-                print(f"t={last['t']:7.1f}s serving={last['ranks_serving']} completed={last['ranks_completed']} "
-                      f"phase={last['validation_phase']} age={last['validation_heartbeat_age_s']} "
-                      f"alerts={[(a['alertname'], a['job'], a['rank'], a['state']) for a in last['alerts']]}",
-                      flush=True)
+                print(
+                    f"t={last['t']:7.1f}s serving={last['ranks_serving']} completed={last['ranks_completed']} "
+                    f"phase={last['validation_phase']} age={last['validation_heartbeat_age_s']} "
+                    f"alerts={[(a['alertname'], a['job'], a['rank'], a['state']) for a in last['alerts']]}",
+                    flush=True,
+                )
                 if ended_at is None and all(p.poll() is not None for p in procs.values()):
                     ended_at = time.time()
                 if ended_at is not None and time.time() > ended_at + durations["after"]:
@@ -198,8 +260,13 @@ def main() -> int:
     deliveries = _deliveries(notifications, started)
     val = records.get("validation.0", {})
     # Prometheus' view lags the process by up to one scrape interval.
-    in_validation = [s for s in samples if val.get("validation_started") and val.get("validation_ended")
-                     and rel(val["validation_started"]) + every <= s["t"] <= rel(val["validation_ended"])]
+    in_validation = [
+        s
+        for s in samples
+        if val.get("validation_started")
+        and val.get("validation_ended")
+        and rel(val["validation_started"]) + every <= s["t"] <= rel(val["validation_ended"])
+    ]
     crash = records.get("crash.0", {})
     summary = {
         "scrape_interval": interval,
@@ -209,32 +276,53 @@ def main() -> int:
         "watched_s": samples[-1]["t"] if samples else 0,
         "pages": [d for d in deliveries if d["route"] == "page" and d["status"] == "firing"],
         "tickets": [d for d in deliveries if d["route"] == "ticket" and d["status"] == "firing"],
-        "received_by_job": {job: {"pages": sorted(d["alertname"] for d in deliveries
-                                                  if d["job"] == job and d["route"] == "page" and d["status"] == "firing"),
-                                  "tickets": sorted(d["alertname"] for d in deliveries
-                                                    if d["job"] == job and d["route"] == "ticket" and d["status"] == "firing")}
-                            for job in JOBS},
+        "received_by_job": {
+            job: {
+                "pages": sorted(
+                    d["alertname"]
+                    for d in deliveries
+                    if d["job"] == job and d["route"] == "page" and d["status"] == "firing"
+                ),
+                "tickets": sorted(
+                    d["alertname"]
+                    for d in deliveries
+                    if d["job"] == job and d["route"] == "ticket" and d["status"] == "firing"
+                ),
+            }
+            for job in JOBS
+        },
         "alert_states_seen": _transitions(samples),
-        "staggered_end": {r: {"closed": rel(v.get("closed")), "trained_until": rel(v.get("trained_until")),
-                              "tail_until": rel(v.get("tail_until")), "steps": v.get("steps"),
-                              "lingered_s": round(v["closed"] - v["close_started"], 1)}
-                          for r, v in sorted(records.items()) if r.startswith("staggered")},
+        "staggered_end": {
+            r: {
+                "closed": rel(v.get("closed")),
+                "trained_until": rel(v.get("trained_until")),
+                "tail_until": rel(v.get("tail_until")),
+                "steps": v.get("steps"),
+                "lingered_s": round(v["closed"] - v["close_started"], 1),
+            }
+            for r, v in sorted(records.items())
+            if r.startswith("staggered")
+        },
         "long_validation": {
             "validation_started": rel(val.get("validation_started")),
             "validation_ended": rel(val.get("validation_ended")),
             "validation_s": round(val["validation_ended"] - val["validation_started"], 1)
-            if val.get("validation_ended") else None,
+            if val.get("validation_ended")
+            else None,
             "steps": val.get("steps"),
             "closed": rel(val.get("closed")),
             "phases_during_validation": sorted({s["validation_phase"] for s in in_validation if s["validation_phase"]}),
             "max_heartbeat_age_during_validation_s": max(
                 (s["validation_heartbeat_age_s"] for s in in_validation if s["validation_heartbeat_age_s"] is not None),
-                default=None),
+                default=None,
+            ),
             "samples_during_validation": len(in_validation),
         },
         "control_crash": {"killed": rel(crash.get("killed")), "steps": crash.get("steps")},
-        "ranks_serving_min": {job: min((s["ranks_serving"].get(job, 0) for s in samples if s["ranks_serving"].get(job)),
-                                       default=0) for job in JOBS},
+        "ranks_serving_min": {
+            job: min((s["ranks_serving"].get(job, 0) for s in samples if s["ranks_serving"].get(job)), default=0)
+            for job in JOBS
+        },
     }
     expected = {"staggered-end": 0, "long-validation": 0, "control-crash": -9}
     if exit_codes != expected:

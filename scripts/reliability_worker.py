@@ -143,12 +143,22 @@ def validation(args: argparse.Namespace) -> None:
     val = [corpus.batch(8) for _ in range(val_batches)]
     monitor = start_exporter(args.port, addr="127.0.0.1", run_name=args.job, strict_port=True)
     times["started"] = time.time()
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        max_steps=steps_before + steps_before // 2, val_check_interval=steps_before,
-                        limit_val_batches=val_batches, callbacks=[LossbeatCallback(monitor)])
-    trainer.fit(Model(), torch.utils.data.DataLoader(train, batch_size=None),
-                torch.utils.data.DataLoader(val, batch_size=None))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        max_steps=steps_before + steps_before // 2,
+        val_check_interval=steps_before,
+        limit_val_batches=val_batches,
+        callbacks=[LossbeatCallback(monitor)],
+    )
+    trainer.fit(
+        Model(), torch.utils.data.DataLoader(train, batch_size=None), torch.utils.data.DataLoader(val, batch_size=None)
+    )
     times.update(steps=trainer.global_step, close_started=time.time())
     monitor.close()
     times["closed"] = time.time()

@@ -47,12 +47,29 @@ def free_port() -> int:
 def shoot(fault: str, driver: webdriver.Chrome) -> Path:
     port = free_port()
     steps, fault_step, target = RUNS.get(fault, DEFAULT_RUN)
-    args = [sys.executable, "-m", "lossbeat", "demo", "--port", str(port), "--steps", str(steps),
-            "--step-delay", "0.05", "--fault-step", str(fault_step), "--seed", "0", "--no-progress"]
+    args = [
+        sys.executable,
+        "-m",
+        "lossbeat",
+        "demo",
+        "--port",
+        str(port),
+        "--steps",
+        str(steps),
+        "--step-delay",
+        "0.05",
+        "--fault-step",
+        str(fault_step),
+        "--seed",
+        "0",
+        "--no-progress",
+    ]
     if fault != "healthy":
         args += ["--fault", fault]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "exporter"),
-                                                                     os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "exporter"), os.environ.get("PYTHONPATH")])),
+    }
     demo = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         deadline = time.monotonic() + 300
@@ -71,8 +88,10 @@ def shoot(fault: str, driver: webdriver.Chrome) -> Path:
         path = OUT / f"status-{fault}.png"
         # The whole page, not the window: the content's height through the DevTools protocol.
         height = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]["height"]
-        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
-            "width": 1300, "height": int(height) + 20, "deviceScaleFactor": 1, "mobile": False})
+        driver.execute_cdp_cmd(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1300, "height": int(height) + 20, "deviceScaleFactor": 1, "mobile": False},
+        )
         shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
         path.write_bytes(base64.b64decode(shot["data"]))
         driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})

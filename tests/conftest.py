@@ -98,8 +98,10 @@ def find_real_logs() -> Path:
     if os.environ.get("LOSSBEAT_REAL_LOGS"):
         return Path(os.environ["LOSSBEAT_REAL_LOGS"])
     here = Path(__file__).resolve()
-    return next((p / "shared/data/real-logs" for p in here.parents if (p / "shared/data/real-logs").is_dir()),
-                here.parents[1].parent / "shared/data/real-logs")
+    return next(
+        (p / "shared/data/real-logs" for p in here.parents if (p / "shared/data/real-logs").is_dir()),
+        here.parents[1].parent / "shared/data/real-logs",
+    )
 
 
 REAL_LOGS = find_real_logs()
@@ -112,6 +114,7 @@ REAL_LOGS = find_real_logs()
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import module_order
+
         indices = module_order.order([item.nodeid for item in items], module_order.load())
         items[:] = [items[i] for i in indices]
 
@@ -121,6 +124,7 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "load":  # xdist's default with -n; another --dist is xdist's own
         return None
     import module_order
+
     return module_order.make_scheduler(config, log)
 
 
@@ -144,18 +148,22 @@ _CPU_LOG = os.environ.get("LOSSBEAT_TEST_CPU")
 
 def _cpu_seconds() -> float:
     import resource
+
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 if _CPU_LOG:
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         import json
         import time
+
         cpu, wall = _cpu_seconds(), time.monotonic()
         yield
-        line = json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 3),
-                           "wall_s": round(time.monotonic() - wall, 3)})
+        line = json.dumps(
+            {"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 3), "wall_s": round(time.monotonic() - wall, 3)}
+        )
         with open(_CPU_LOG, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")

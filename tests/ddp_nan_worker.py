@@ -19,8 +19,9 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),
-                                torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    )
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     monitor = Monitor(MonitorConfig(port=0, layer_ranks="all"), serve=False)
     x = torch.randn(4, 8)
@@ -31,9 +32,16 @@ def main() -> None:
     monitor.observe(1, loss=loss, model=ddp)
     monitor.flush()
     s = monitor.state
-    (folder / f"rank{rank}.json").write_text(json.dumps({
-        "loss_finite": s.loss is not None and math.isfinite(s.loss), "nonfinite_loss_total": s.nonfinite_loss_total,
-        "nonfinite_grad_total": s.nonfinite_grad_total, "first_nonfinite_layer": s.first_nonfinite_layer}))
+    (folder / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "loss_finite": s.loss is not None and math.isfinite(s.loss),
+                "nonfinite_loss_total": s.nonfinite_loss_total,
+                "nonfinite_grad_total": s.nonfinite_grad_total,
+                "first_nonfinite_layer": s.first_nonfinite_layer,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 

@@ -64,8 +64,12 @@ def run(args: argparse.Namespace) -> dict:
         fully_shard(model, mesh=mesh)
         layout = str(next(model.parameters()).placements)
     else:
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
-                                         use_orig_params=args.wrap == "fsdp1", device_id=torch.device("cpu"))
+        model = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=args.wrap == "fsdp1",
+            device_id=torch.device("cpu"),
+        )
         layout = str(model.sharding_strategy)
     corpus = SyntheticCorpus(32, 16, seed=100 + rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -39,8 +39,7 @@ def run(args: argparse.Namespace) -> dict:
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
         wrapped = model
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-    monitor = Monitor(MonitorConfig(port=0, guard="skip", guard_spikes=True,
-                                    grad_norm_align_every=0), serve=False)
+    monitor = Monitor(MonitorConfig(port=0, guard="skip", guard_spikes=True, grad_norm_align_every=0), serve=False)
     state = {"step": 0}
     if rank == 0:
         # A NaN born in this rank's backward, before the gradients are averaged (DDP) or reduced (FSDP).

@@ -30,8 +30,9 @@ class Tokens(torch.utils.data.Dataset):
 
 def tiny_gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                      bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,16 +47,25 @@ def run(args: argparse.Namespace) -> dict:
     model = tiny_gpt2()
     monitor = Monitor(MonitorConfig(port=0, layer_ranks="all"), serve=False)  # layers compared across ranks
     training = TrainingArguments(
-        output_dir=args.dir, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        logging_steps=1, learning_rate=1e-3, max_grad_norm=0.05, report_to=[], use_cpu=True,
-        ddp_backend="gloo", save_strategy="no", disable_tqdm=True, seed=0,
+        output_dir=args.dir,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        max_grad_norm=0.05,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
         # As runs whose every parameter is used set it: DDP then hands back the model's own loss tensor
         # (with unused parameters searched, a copy), which the Trainer scales in place.
         ddp_find_unused_parameters=False,
     )
     # The sampler gives each rank its own shard: different data, gradients all-reduced by DDP.
-    trainer = Trainer(model=model, args=training, train_dataset=Tokens(64, 1),
-                      callbacks=[LossbeatCallback(monitor)])
+    trainer = Trainer(model=model, args=training, train_dataset=Tokens(64, 1), callbacks=[LossbeatCallback(monitor)])
     trainer.train()
     monitor.flush()
     logged = [r for r in trainer.state.log_history if "grad_norm" in r]

@@ -87,16 +87,35 @@ def run(args: argparse.Namespace) -> dict:
 
     monitor.measure_gradients = counted_measure
     training = TrainingArguments(
-        output_dir=args.dir, max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        logging_steps=1, learning_rate=1e-3, max_grad_norm=args.max_grad_norm, report_to=[], use_cpu=True,
-        ddp_backend="gloo", save_strategy="no", disable_tqdm=True, seed=0,
+        output_dir=args.dir,
+        max_steps=3,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        max_grad_norm=args.max_grad_norm,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
         # Each GPT2Block its own FSDP unit (FSDP1: its own flat parameter), the rest in the root's.
-        fsdp=True, fsdp_config={"version": args.fsdp_version, "transformer_layer_cls_to_wrap": ["GPT2Block"],
-                                "use_orig_params": True, "sync_module_states": False},  # the latter needs a GPU
+        fsdp=True,
+        fsdp_config={
+            "version": args.fsdp_version,
+            "transformer_layer_cls_to_wrap": ["GPT2Block"],
+            "use_orig_params": True,
+            "sync_module_states": False,
+        },  # the latter needs a GPU
     )
     steps: list = []
-    trainer = CpuFsdpTrainer(model=tiny_gpt2(), args=training, train_dataset=Tokens(64, 1),
-                             callbacks=[LossbeatCallback(monitor), Record(monitor, steps)])
+    trainer = CpuFsdpTrainer(
+        model=tiny_gpt2(),
+        args=training,
+        train_dataset=Tokens(64, 1),
+        callbacks=[LossbeatCallback(monitor), Record(monitor, steps)],
+    )
 
     references: list = []
     clip = trainer.accelerator.clip_grad_norm_
@@ -121,8 +140,11 @@ def run(args: argparse.Namespace) -> dict:
         "steps": steps,
         "references": references,
         "measured_at_end_of_backward": measured_at_end_of_backward,
-        "logged": [{"step": r["step"], "loss": r["loss"], "grad_norm": r["grad_norm"]}
-                   for r in trainer.state.log_history if "grad_norm" in r],
+        "logged": [
+            {"step": r["step"], "loss": r["loss"], "grad_norm": r["grad_norm"]}
+            for r in trainer.state.log_history
+            if "grad_norm" in r
+        ],
         "errors": dict(monitor.state.errors),
     }
     monitor.close()

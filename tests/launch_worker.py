@@ -45,8 +45,14 @@ def train(folder: pathlib.Path, port: int, steps: int) -> None:
                 p -= 0.01 * p.grad
                 p.grad = None
     monitor.flush()
-    ready = {"port": monitor.port, "rank": ctx.rank, "local_rank": ctx.local_rank,
-             "world_size": ctx.world_size, "source": ctx.source, "pid": os.getpid()}
+    ready = {
+        "port": monitor.port,
+        "rank": ctx.rank,
+        "local_rank": ctx.local_rank,
+        "world_size": ctx.world_size,
+        "source": ctx.source,
+        "pid": os.getpid(),
+    }
     (folder / f"ready.{ctx.rank}").write_text(json.dumps(ready))
     deadline = time.monotonic() + 90
     while not (folder / "done").exists() and time.monotonic() < deadline:
@@ -74,8 +80,7 @@ def main() -> None:
         mp.spawn(spawned, args=(str(folder), args.port, args.steps, args.world), nprocs=args.world, join=True)
         return
     if args.mode == "group":
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=args.rank,
-                                world_size=args.world)
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=args.rank, world_size=args.world)
     train(folder, args.port, args.steps)
     finish()
 

@@ -40,8 +40,12 @@ class HoldUntilScraped(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         folder = pathlib.Path(self.folder)
         monitor = self.lossbeat.monitor
-        ready = {"port": monitor.port, "pid": os.getpid(), "global_step": trainer.global_step,
-                 "observed": self.lossbeat.observed_steps}
+        ready = {
+            "port": monitor.port,
+            "pid": os.getpid(),
+            "global_step": trainer.global_step,
+            "observed": self.lossbeat.observed_steps,
+        }
         (folder / f"ready.{trainer.global_rank}").write_text(json.dumps(ready))
         deadline = time.monotonic() + 90
         while not (folder / "done").exists() and time.monotonic() < deadline:
@@ -61,9 +65,17 @@ def main() -> None:
     x = torch.randn(64, 8)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     lossbeat = LossbeatCallback(port=args.port, addr="127.0.0.1", run_name="lightning-launch")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=args.strategy, max_steps=args.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[lossbeat, HoldUntilScraped(args.dir, lossbeat)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=args.strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[lossbeat, HoldUntilScraped(args.dir, lossbeat)],
+    )
     trainer.fit(Regressor(), data)
     assert lossbeat.monitor is None, "the launching process started no monitor"
 

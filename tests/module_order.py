@@ -30,9 +30,15 @@ UNLISTED_S = 0.15
 GROUPS = {
     # Their tests import Lightning or the HF Trainer in the test process: 6-7 CPU-s the first
     # time in a process, nothing after.
-    "frameworks": ("tests/test_callback_phases.py", "tests/test_guard_integrations.py",
-                   "tests/test_integration_faults.py", "tests/test_integration_signals.py",
-                   "tests/test_integrations.py", "tests/test_launchers.py", "tests/test_pretrain_integrations.py"),
+    "frameworks": (
+        "tests/test_callback_phases.py",
+        "tests/test_guard_integrations.py",
+        "tests/test_integration_faults.py",
+        "tests/test_integration_signals.py",
+        "tests/test_integrations.py",
+        "tests/test_launchers.py",
+        "tests/test_pretrain_integrations.py",
+    ),
 }
 _GROUP_OF = {module: group for group, modules in GROUPS.items() for module in modules}
 

@@ -40,8 +40,9 @@ class Stage(nn.Module):
     def __init__(self, stage: int):
         super().__init__()
         torch.manual_seed(stage)
-        self.layers = nn.ModuleDict({str(2 * stage + i): nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
-                                     for i in range(2)})
+        self.layers = nn.ModuleDict(
+            {str(2 * stage + i): nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for i in range(2)}
+        )
         self.head = nn.Linear(WIDTH, WIDTH) if stage == STAGES - 1 else None
 
     def forward(self, x):
@@ -56,8 +57,10 @@ def mse(output, target):
 
 def full_grads(module) -> dict[str, torch.Tensor]:
     """This stage's whole gradients (FSDP2 shards gathered over the data-parallel group)."""
-    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-            for name, p in module.named_parameters()}
+    return {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+        for name, p in module.named_parameters()
+    }
 
 
 def scrape(port: int) -> dict[str, list]:
@@ -122,8 +125,9 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"rank": rank, "stage": stage_index, "pp_ranks": pp_ranks}
     lossbeat.measure.gradients.SHARD_HANDSHAKE_TIMEOUT_S = 3.0 if args.scenario == "one-stage" else 60.0
     # With pipeline_group every stage exports the model's norm, so the replicas agree: aligned norms on.
-    config = MonitorConfig(port=0, addr="127.0.0.1", run_name="pp", pipeline_group=pp, linger_seconds=0,
-                           grad_norm_align_every=100)
+    config = MonitorConfig(
+        port=0, addr="127.0.0.1", run_name="pp", pipeline_group=pp, linger_seconds=0, grad_norm_align_every=100
+    )
     monitor = Monitor(config, serve=True)  # pipeline_group: the 1-D "pp" mesh, taken as its group
 
     if args.scenario == "train":
@@ -153,11 +157,13 @@ def run(args: argparse.Namespace) -> dict:
             p.grad = g.clone()
         torch_total = float(torch.nn.utils.clip_grad_norm_(whole, max_norm))
         offset = sum(len(s) for s in stages[:stage_index])
-        torch_mine = [p.grad for p in whole[offset:offset + len(mine)]]
+        torch_mine = [p.grad for p in whole[offset : offset + len(mine)]]
         returned = float(monitor.clip_grad_norm_(module, max_norm))
         clipped, clipped_stages = gathered()
         result["clip"] = {
-            "max_norm": max_norm, "returned": returned, "torch_total": torch_total,
+            "max_norm": max_norm,
+            "returned": returned,
+            "torch_total": torch_total,
             "stage_ratio": norm(clipped.values()) / result["stage_only"],
             "after": norm(g for s in clipped_stages for g in s.values()),
             "max_diff_from_torch": max(float((a - b).abs().max()) for a, b in zip(clipped.values(), torch_mine)),
@@ -175,8 +181,9 @@ def run(args: argparse.Namespace) -> dict:
         result["errors"] = dict(monitor.state.errors)
         result["steps"] = monitor.state.steps_total
         result["nonfinite_loss"] = monitor.state.nonfinite_loss_total
-        result["loss_findings"] = [(f.check, int(f.status), f.known) for f in monitor.report().findings
-                                   if f.check.startswith("loss")]
+        result["loss_findings"] = [
+            (f.check, int(f.status), f.known) for f in monitor.report().findings if f.check.startswith("loss")
+        ]
     else:
         loss = train_step(1)
         if stage_index == 0:  # the idiom: only one stage logs

@@ -79,12 +79,21 @@ def main() -> None:
     parser.add_argument("--each", type=int, default=0)
     parser.add_argument("--final", action="store_true")
     args = parser.parse_args()
-    out = {"scrapes": 0, "failures": [], "failure_count": 0, "parse_errors": 0, "backwards": [],
-           "latencies": [], "last_counters": []}
+    out = {
+        "scrapes": 0,
+        "failures": [],
+        "failure_count": 0,
+        "parse_errors": 0,
+        "backwards": [],
+        "latencies": [],
+        "last_counters": [],
+    }
     lock = threading.Lock()
     until = time.monotonic() + args.seconds
-    threads = [threading.Thread(target=scraper, args=(args.port, until, args.interval, out, lock, args.each))
-               for _ in range(args.n)]
+    threads = [
+        threading.Thread(target=scraper, args=(args.port, until, args.interval, out, lock, args.each))
+        for _ in range(args.n)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -97,8 +106,15 @@ def main() -> None:
     out["latency_p50_ms"] = 1000 * lat[len(lat) // 2]
     out["latency_p99_ms"] = 1000 * lat[int(len(lat) * 0.99)]
     out["latency_max_ms"] = 1000 * lat[-1]
-    out["steps_total_seen"] = max((v for c in out.pop("last_counters") for k, v in c.items()
-                                   if k.startswith("training_steps_total{") and "'rank': '0'" in k), default=0)
+    out["steps_total_seen"] = max(
+        (
+            v
+            for c in out.pop("last_counters")
+            for k, v in c.items()
+            if k.startswith("training_steps_total{") and "'rank': '0'" in k
+        ),
+        default=0,
+    )
     print(json.dumps(out))
 
 

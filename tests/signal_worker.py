@@ -40,6 +40,7 @@ def main() -> None:
             return close(*args, **kwargs)
         finally:
             print(f"CLOSE_SECONDS {time.monotonic() - started:.3f}", flush=True)
+
     monitor.close = timed_close
     try:
         with monitor:

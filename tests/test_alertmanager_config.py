@@ -25,7 +25,12 @@ assert {"TrainingLossPlateau", "TrainingOverfitting", "TrainingLossDiverging"} <
 
 
 def amtool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([require_binary("amtool", install="apt-get install prometheus-alertmanager"), *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [require_binary("amtool", install="apt-get install prometheus-alertmanager"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def receivers_for(*labels: str) -> list[str]:
@@ -48,15 +53,21 @@ def test_amtool_accepts_the_config():
 def test_every_alert_routes_by_its_severity():
     expected = {"critical": ["page"], "warning": ["ticket"]}
     for rule in alert_rules(load_thresholds()):
-        labels = [f"alertname={rule.name}", "job=train", "rank=0", f"severity={rule.severity}",
-                  *(f"{k}={v}" for k, v in rule.labels.items())]
+        labels = [
+            f"alertname={rule.name}",
+            "job=train",
+            "rank=0",
+            f"severity={rule.severity}",
+            *(f"{k}={v}" for k, v in rule.labels.items()),
+        ]
         assert receivers_for(*labels) == expected[rule.severity], rule.name
 
 
 def test_amtool_verify_rejects_the_wrong_receiver():
     """The routing test above relies on amtool telling receivers apart."""
-    result = amtool("config", "routes", "test", f"--config.file={CONFIG}", "--verify.receivers=ticket",
-                    "severity=critical")
+    result = amtool(
+        "config", "routes", "test", f"--config.file={CONFIG}", "--verify.receivers=ticket", "severity=critical"
+    )
     assert result.returncode == 1
 
 
@@ -97,7 +108,8 @@ def test_inhibition_rule_content():
     # repeated skips page, their ticket is context.
     (halted,) = by_source['alertname="TrainingHalted"']
     assert halted["target_matchers"] == [
-        'alertname=~"TrainingExporterDown|TrainingStalled|TrainingSkippingRepeatedly|TrainingStepsSkipped"']
+        'alertname=~"TrainingExporterDown|TrainingStalled|TrainingSkippingRepeatedly|TrainingStepsSkipped"'
+    ]
     (repeated,) = by_source['alertname="TrainingSkippingRepeatedly"']
     assert repeated["target_matchers"] == ['alertname="TrainingStepsSkipped"']
     assert halted["equal"] == repeated["equal"] == list(TARGET)
@@ -113,10 +125,12 @@ def test_inhibition_rule_content():
 
 # --- a real Alertmanager applies the inhibition -----------------------------------------
 
+
 def _api(port: int, path: str, body: object | None = None):
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/v2/{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/v2/{path}", data=data, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=5) as response:
         text = response.read().decode()
         return json.loads(text) if text else None
@@ -127,9 +141,15 @@ def alertmanager(tmp_path):
     binary = require_binary("alertmanager", "prometheus-alertmanager")
     port = free_ports()
     process = subprocess.Popen(
-        [binary, f"--config.file={CONFIG}", f"--storage.path={tmp_path}", f"--web.listen-address=127.0.0.1:{port}",
-         "--cluster.listen-address="],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            binary,
+            f"--config.file={CONFIG}",
+            f"--storage.path={tmp_path}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         deadline = time.monotonic() + 20
@@ -152,13 +172,23 @@ RUN_A, RUN_B = "gpu-a:8470", "gpu-b:8470"  # two runs under one job label, each 
 
 def _alert(name: str, rank: str, severity: str, instance: str = RUN_A) -> dict:
     run_id = {RUN_A: "101", RUN_B: "102"}[instance]  # each run its own identity (Slurm job id)
-    return {"labels": {"alertname": name, "job": "train", "run_id": run_id, "instance": instance, "rank": rank,
-                       "severity": severity}}
+    return {
+        "labels": {
+            "alertname": name,
+            "job": "train",
+            "run_id": run_id,
+            "instance": instance,
+            "rank": rank,
+            "severity": severity,
+        }
+    }
 
 
 def _states(port: int) -> dict:
-    return {(a["labels"]["alertname"], a["labels"]["instance"], a["labels"]["rank"]): a["status"]
-            for a in _api(port, "alerts")}
+    return {
+        (a["labels"]["alertname"], a["labels"]["instance"], a["labels"]["rank"]): a["status"]
+        for a in _api(port, "alerts")
+    }
 
 
 def _wait_suppressed(port: int, key: tuple) -> dict:
@@ -171,13 +201,17 @@ def _wait_suppressed(port: int, key: tuple) -> dict:
 
 
 def test_real_alertmanager_mutes_loss_alerts_of_the_nan_rank_only(alertmanager):
-    _api(alertmanager, "alerts", [
-        _alert("TrainingLossNaN", "0", "critical"),
-        _alert("TrainingLossVolatile", "0", "warning"),
-        _alert("TrainingLossDiverging", "0", "critical"),
-        _alert("TrainingLossVolatile", "1", "warning"),
-        _alert("TrainingGradientVanishing", "0", "warning"),
-    ])
+    _api(
+        alertmanager,
+        "alerts",
+        [
+            _alert("TrainingLossNaN", "0", "critical"),
+            _alert("TrainingLossVolatile", "0", "warning"),
+            _alert("TrainingLossDiverging", "0", "critical"),
+            _alert("TrainingLossVolatile", "1", "warning"),
+            _alert("TrainingGradientVanishing", "0", "warning"),
+        ],
+    )
 
     seen = _wait_suppressed(alertmanager, ("TrainingLossVolatile", RUN_A, "0"))
     assert seen[("TrainingLossVolatile", RUN_A, "0")]["state"] == "suppressed"
@@ -190,12 +224,16 @@ def test_real_alertmanager_mutes_loss_alerts_of_the_nan_rank_only(alertmanager):
 
 def test_real_alertmanager_keeps_another_run_under_the_same_job_label(alertmanager):
     """Run A's NaN mutes run A's echoes only; run B, same job and rank, still reaches people."""
-    _api(alertmanager, "alerts", [
-        _alert("TrainingLossNaN", "0", "critical", RUN_A),
-        _alert("TrainingLossVolatile", "0", "warning", RUN_A),
-        _alert("TrainingLossVolatile", "0", "warning", RUN_B),
-        _alert("TrainingLossDiverging", "0", "critical", RUN_B),
-    ])
+    _api(
+        alertmanager,
+        "alerts",
+        [
+            _alert("TrainingLossNaN", "0", "critical", RUN_A),
+            _alert("TrainingLossVolatile", "0", "warning", RUN_A),
+            _alert("TrainingLossVolatile", "0", "warning", RUN_B),
+            _alert("TrainingLossDiverging", "0", "critical", RUN_B),
+        ],
+    )
     seen = _wait_suppressed(alertmanager, ("TrainingLossVolatile", RUN_A, "0"))
     assert seen[("TrainingLossVolatile", RUN_A, "0")]["state"] == "suppressed"
     assert seen[("TrainingLossVolatile", RUN_B, "0")]["state"] == "active"
@@ -205,11 +243,20 @@ def test_real_alertmanager_keeps_another_run_under_the_same_job_label(alertmanag
 def test_real_alertmanager_pages_a_forward_nan_once(alertmanager):
     """A NaN loss makes the gradients NaN too: TrainingGradientNonFinite of that rank is
     held; a non-finite gradient with a finite loss (run B) still pages."""
-    _api(alertmanager, "alerts", [
-        _alert("TrainingLossNaN", "0", "critical", RUN_A),
-        {"labels": {**_alert("TrainingGradientNonFinite", "0", "critical", RUN_A)["labels"], "layer": "all layers"}},
-        {"labels": {**_alert("TrainingGradientNonFinite", "0", "critical", RUN_B)["labels"], "layer": "blocks.2"}},
-    ])
+    _api(
+        alertmanager,
+        "alerts",
+        [
+            _alert("TrainingLossNaN", "0", "critical", RUN_A),
+            {
+                "labels": {
+                    **_alert("TrainingGradientNonFinite", "0", "critical", RUN_A)["labels"],
+                    "layer": "all layers",
+                }
+            },
+            {"labels": {**_alert("TrainingGradientNonFinite", "0", "critical", RUN_B)["labels"], "layer": "blocks.2"}},
+        ],
+    )
     seen = _wait_suppressed(alertmanager, ("TrainingGradientNonFinite", RUN_A, "0"))
     assert seen[("TrainingGradientNonFinite", RUN_A, "0")]["state"] == "suppressed"
     assert seen[("TrainingGradientNonFinite", RUN_A, "0")]["inhibitedBy"]
@@ -218,13 +265,24 @@ def test_real_alertmanager_pages_a_forward_nan_once(alertmanager):
 
 
 def _run_alert(name: str, run_id: str, instance: str, rank: str, **extra: str) -> dict:
-    return {"labels": {"alertname": name, "job": "train", "run_id": run_id, "instance": instance, "rank": rank,
-                       "severity": "critical", **extra}}
+    return {
+        "labels": {
+            "alertname": name,
+            "job": "train",
+            "run_id": run_id,
+            "instance": instance,
+            "rank": rank,
+            "severity": "critical",
+            **extra,
+        }
+    }
 
 
 def _run_states(port: int) -> dict:
-    return {(a["labels"]["alertname"], a["labels"]["run_id"], a["labels"]["rank"]): a["status"]
-            for a in _api(port, "alerts")}
+    return {
+        (a["labels"]["alertname"], a["labels"]["run_id"], a["labels"]["rank"]): a["status"]
+        for a in _api(port, "alerts")
+    }
 
 
 def _wait_run_suppressed(port: int, key: tuple) -> dict:
@@ -239,12 +297,21 @@ def _wait_run_suppressed(port: int, key: tuple) -> dict:
 def test_real_alertmanager_pages_a_nan_on_one_ddp_rank_once_for_the_run(alertmanager):
     """Rank 1's NaN loss reaches rank 0's gradients through the all-reduce: rank 0's
     TrainingGradientNonFinite (another rank, another instance) is held; run 102 is not."""
-    _api(alertmanager, "alerts", [
-        _run_alert("TrainingLossNaN", "101", "gpu-b:8470", "1"),
-        _run_alert("TrainingGradientNonFinite", "101", "gpu-a:8470", "0", layer="poisoned by the gradient "
-                   "all-reduce from another rank"),
-        _run_alert("TrainingGradientNonFinite", "102", "gpu-c:8470", "0", layer="blocks.2"),
-    ])
+    _api(
+        alertmanager,
+        "alerts",
+        [
+            _run_alert("TrainingLossNaN", "101", "gpu-b:8470", "1"),
+            _run_alert(
+                "TrainingGradientNonFinite",
+                "101",
+                "gpu-a:8470",
+                "0",
+                layer="poisoned by the gradient all-reduce from another rank",
+            ),
+            _run_alert("TrainingGradientNonFinite", "102", "gpu-c:8470", "0", layer="blocks.2"),
+        ],
+    )
     seen = _wait_run_suppressed(alertmanager, ("TrainingGradientNonFinite", "101", "0"))
     assert seen[("TrainingGradientNonFinite", "101", "0")]["state"] == "suppressed"
     assert seen[("TrainingLossNaN", "101", "1")]["state"] == "active"
@@ -254,12 +321,16 @@ def test_real_alertmanager_pages_a_nan_on_one_ddp_rank_once_for_the_run(alertman
 def test_real_alertmanager_pages_one_crash_once(alertmanager):
     """Rank 1 of run 101 died: TrainingExporterDown pages; its run's TrainingRankDown and the
     others' TrainingStalled (waiting for it in a collective) are held. Run 102 still pages."""
-    _api(alertmanager, "alerts", [
-        _run_alert("TrainingExporterDown", "101", "gpu-b:8470", "1"),
-        _run_alert("TrainingRankDown", "101", "gpu-b:8470", "1", world_size="2"),
-        _run_alert("TrainingStalled", "101", "gpu-a:8470", "0", phase="train"),
-        _run_alert("TrainingStalled", "102", "gpu-c:8470", "0", phase="train"),
-    ])
+    _api(
+        alertmanager,
+        "alerts",
+        [
+            _run_alert("TrainingExporterDown", "101", "gpu-b:8470", "1"),
+            _run_alert("TrainingRankDown", "101", "gpu-b:8470", "1", world_size="2"),
+            _run_alert("TrainingStalled", "101", "gpu-a:8470", "0", phase="train"),
+            _run_alert("TrainingStalled", "102", "gpu-c:8470", "0", phase="train"),
+        ],
+    )
     seen = _wait_run_suppressed(alertmanager, ("TrainingStalled", "101", "0"))
     assert seen[("TrainingStalled", "101", "0")]["state"] == "suppressed"
     assert seen[("TrainingRankDown", "101", "1")]["state"] == "suppressed"
@@ -270,12 +341,16 @@ def test_real_alertmanager_pages_one_crash_once(alertmanager):
 def test_real_alertmanager_pages_a_guard_stop_once(alertmanager):
     """A stopped run pages TrainingHalted; its exporter vanishing and its skips are held, for that
     rank of that run only."""
-    _api(alertmanager, "alerts", [
-        _alert("TrainingHalted", "0", "critical", RUN_A),
-        _alert("TrainingExporterDown", "0", "critical", RUN_A),
-        _alert("TrainingSkippingRepeatedly", "0", "critical", RUN_A),
-        _alert("TrainingExporterDown", "0", "critical", RUN_B),
-    ])
+    _api(
+        alertmanager,
+        "alerts",
+        [
+            _alert("TrainingHalted", "0", "critical", RUN_A),
+            _alert("TrainingExporterDown", "0", "critical", RUN_A),
+            _alert("TrainingSkippingRepeatedly", "0", "critical", RUN_A),
+            _alert("TrainingExporterDown", "0", "critical", RUN_B),
+        ],
+    )
     seen = _wait_suppressed(alertmanager, ("TrainingExporterDown", RUN_A, "0"))
     assert seen[("TrainingExporterDown", RUN_A, "0")]["state"] == "suppressed"
     assert seen[("TrainingSkippingRepeatedly", RUN_A, "0")]["state"] == "suppressed"

@@ -49,7 +49,9 @@ def test_whisper_ja_overfitting(defaults):
 
 
 def test_classifier_overfitting_per_eval_group():
-    a = analyze_file(_corpus("hf-classifier-multi-eval-overfit-trainer_state.json"), load_thresholds(profile="classification"))
+    a = analyze_file(
+        _corpus("hf-classifier-multi-eval-overfit-trainer_state.json"), load_thresholds(profile="classification")
+    )
     for group in ("g0", "g1", "g2", "g3", "g4", "g5"):
         assert _final(a, "overfitting", group).status is Status.WARNING
     assert "best 1.114" in _final(a, "overfitting", "g0").message
@@ -146,15 +148,24 @@ def test_nonfinite_values_are_counted(tmp_path, defaults):
 
 
 def test_cli_json_report(capsys):
-    rc = main(["analyze", str(_corpus("hf-t5-small-summarization-gradspike-trainer_state.json")),
-               str(_corpus("hf-qwen2.5-3b-lora-law-hugeloss-trainer_state.json")), "--json", "--fail-on", "never"])
+    rc = main(
+        [
+            "analyze",
+            str(_corpus("hf-t5-small-summarization-gradspike-trainer_state.json")),
+            str(_corpus("hf-qwen2.5-3b-lora-law-hugeloss-trainer_state.json")),
+            "--json",
+            "--fail-on",
+            "never",
+        ]
+    )
     assert rc == 0
     docs = json.loads(capsys.readouterr().out)
     assert [d["format"] for d in docs] == ["hf", "hf"]
     assert docs[0]["events"]["grad_explosions"] == 2 and docs[0]["train_records"] == 430
     assert docs[1]["status"] == "warning"  # 285 -> 79 in a few records: too few to call its noise a danger
     assert {"check": "loss_range", "status": "warning"}.items() <= next(
-        f for f in docs[1]["findings"] if f["check"] == "loss_range").items()
+        f for f in docs[1]["findings"] if f["check"] == "loss_range"
+    ).items()
 
 
 def test_cli_text_report_and_thresholds_file(tmp_path, capsys):
@@ -191,14 +202,18 @@ def test_cli_bad_file_exit_status(tmp_path, capsys):
 def test_cli_plot(tmp_path, capsys):
     require_module("matplotlib")
     out = tmp_path / "run.png"
-    paths = [str(_corpus("hf-t5-small-summarization-gradspike-trainer_state.json")),
-             str(_corpus("megatron-gpt3-15b-release-sm-golden_values.json"))]
+    paths = [
+        str(_corpus("hf-t5-small-summarization-gradspike-trainer_state.json")),
+        str(_corpus("megatron-gpt3-15b-release-sm-golden_values.json")),
+    ]
     assert main(["analyze", paths[0], "--plot", str(out), "--fail-on", "never"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["analyze", *paths, "--plot", str(out), "--fail-on", "never"]) == 0
     written = sorted(p.name for p in tmp_path.glob("run-*.png"))
-    assert written == ["run-hf-t5-small-summarization-gradspike-trainer_state.png",
-                       "run-megatron-gpt3-15b-release-sm-golden_values.png"]
+    assert written == [
+        "run-hf-t5-small-summarization-gradspike-trainer_state.png",
+        "run-megatron-gpt3-15b-release-sm-golden_values.png",
+    ]
 
 
 # --- several runs in one file -----------------------------------------------------------------
@@ -249,17 +264,26 @@ def test_gate_exit_status(tmp_path, capsys):
 
 
 def _lossbeat(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lossbeat", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(EXPORTER)}, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "lossbeat", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(EXPORTER)},
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_closed_pipe_ends_quietly(json_flag):
     """``lossbeat analyze ... | head -n 2``: a real pipe that the reader closes early."""
     files = [str(DATA / "llmc-three-seeds-main.log")] * 40  # well over a pipe buffer (64 KiB) of output
-    proc = subprocess.Popen([sys.executable, "-m", "lossbeat", "analyze", *files, *json_flag, "--fail-on", "never"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(EXPORTER)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lossbeat", "analyze", *files, *json_flag, "--fail-on", "never"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(EXPORTER)},
+    )
     first = proc.stdout.readline()
     proc.stdout.close()  # what head does after its lines
     err = proc.stderr.read().decode()
@@ -323,7 +347,7 @@ def _history(tmp_path, losses, name="trainer_state.json", evals=()):
 
 
 def test_plot_log_axis_past_a_decade_and_minimum_range_when_flat(tmp_path, defaults):
-    falling = _history(tmp_path, [11.0 * 0.9 ** i for i in range(60)], "falling.json")
+    falling = _history(tmp_path, [11.0 * 0.9**i for i in range(60)], "falling.json")
     fig = _figure(falling, defaults)
     assert fig.axes[0].get_yscale() == "log"
     flat = _history(tmp_path, [2.0 + (1e-4 if i % 2 else -1e-4) for i in range(60)], "flat.json")
@@ -349,6 +373,7 @@ def test_plot_many_events_are_a_rug_few_are_markers(tmp_path, defaults):
             steps = [10 * (i + 1) for i in range(0, 500, 500 // n)][:n]
             runs[-1].event_steps["loss_spikes"] = steps
             runs[-1].counters["loss_spikes"] = len(steps)
+
         return edit
 
     many = _figure(path, defaults, events(250))

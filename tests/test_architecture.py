@@ -106,7 +106,7 @@ def test_no_import_circles_between_modules():
     edges = {m: {t for t in ts if t.startswith("lossbeat.") and t in graph_modules()} for m, ts in graph().items()}
     # a package's __init__ re-exporting its own modules is not a circle of the design
     for m in edges:
-        edges[m] = {t for t in edges[m] if not (m != "lossbeat" and t.startswith(m + ".") )}
+        edges[m] = {t for t in edges[m] if not (m != "lossbeat" and t.startswith(m + "."))}
     cycles = []
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -116,7 +116,7 @@ def test_no_import_circles_between_modules():
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+                cycles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -170,10 +170,20 @@ def test_the_monitor_class_is_thin():
 def test_public_api_is_pinned():
     import lossbeat
 
-    assert sorted(lossbeat.__all__) == sorted([
-        "start_exporter", "Monitor", "MonitorConfig", "NullMonitor", "Report", "DEFAULT_PORT",
-        "load_thresholds", "Thresholds", "ThresholdsError", "TrainingHalted",
-    ])
+    assert sorted(lossbeat.__all__) == sorted(
+        [
+            "start_exporter",
+            "Monitor",
+            "MonitorConfig",
+            "NullMonitor",
+            "Report",
+            "DEFAULT_PORT",
+            "load_thresholds",
+            "Thresholds",
+            "ThresholdsError",
+            "TrainingHalted",
+        ]
+    )
     for name in lossbeat.__all__:
         assert getattr(lossbeat, name) is not None
     with pytest.raises(AttributeError, match="no_such_name"):
@@ -209,9 +219,13 @@ print(json.dumps({"floats": floats, "tensors": tensors}))
 
 @pytest.fixture(scope="module")
 def floats_then_tensors() -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", _FLOATS_THEN_TENSORS], capture_output=True, text=True, check=True,
-                         env=env, timeout=300).stdout
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")])),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _FLOATS_THEN_TENSORS], capture_output=True, text=True, check=True, env=env, timeout=300
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

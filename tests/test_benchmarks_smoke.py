@@ -108,8 +108,13 @@ def test_render_memory_observe_and_report_shapes(counts):
     memory = measure_memory(steps=400, traced_steps=50)
     assert memory["steps"] == 400 and len(memory["rss_checkpoints"]) == 4
     results = {
-        "quick": True, "seconds": 1.0, "environment": environment(),
-        "observe_us": observe_us, "render": render, "memory": memory, "counts": {"cpu": {"tiny": counts}},
+        "quick": True,
+        "seconds": 1.0,
+        "environment": environment(),
+        "observe_us": observe_us,
+        "render": render,
+        "memory": memory,
+        "counts": {"cpu": {"tiny": counts}},
     }
     markdown = render_markdown(results)
     assert "## Targets" in markdown
@@ -141,8 +146,22 @@ def test_gpu_plan_rehearsed_on_cpu_in_bf16_then_merged(tmp_path):
     from benchmarks.run import main as run_main
 
     gpu_json, gpu_md = tmp_path / "results-gpu.json", tmp_path / "RESULTS-gpu.md"
-    assert run_main(["--gpu-only", "--device", "cpu", "--gpu-models", "tiny-bf16:2",
-                     "--json", str(gpu_json), "--out", str(gpu_md)]) == 0
+    assert (
+        run_main(
+            [
+                "--gpu-only",
+                "--device",
+                "cpu",
+                "--gpu-models",
+                "tiny-bf16:2",
+                "--json",
+                str(gpu_json),
+                "--out",
+                str(gpu_md),
+            ]
+        )
+        == 0
+    )
     gpu = json.loads(gpu_json.read_text())
     assert gpu["gpu_only"] and "cuda_error" not in gpu
     counts = gpu["counts"]["cpu"]["tiny-bf16"]

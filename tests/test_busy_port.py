@@ -12,8 +12,12 @@ def test_demo_on_a_busy_port_says_so_in_one_line():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "lossbeat", "demo", "--port", str(port), "--steps", "3",
-                                 "--no-progress"], capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "lossbeat", "demo", "--port", str(port), "--steps", "3", "--no-progress"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert "Traceback" not in result.stderr, result.stderr
     if result.returncode != 0:  # strict: it stops, saying why
         (line,) = result.stderr.strip().splitlines()

@@ -93,9 +93,19 @@ def test_a_slow_lightning_validation_is_in_the_eval_phase_and_heartbeats():
 
     x = torch.randn(32, 4)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, max_steps=4,
-                        num_sanity_val_steps=0, limit_val_batches=5, val_check_interval=2, callbacks=[LossbeatCallback(monitor)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=4,
+        num_sanity_val_steps=0,
+        limit_val_batches=5,
+        val_check_interval=2,
+        callbacks=[LossbeatCallback(monitor)],
+    )
     model = SlowValidation()
     try:
         trainer.fit(model, data, data)
@@ -135,12 +145,28 @@ def test_a_slow_hf_evaluation_is_in_the_eval_phase_and_heartbeats(tmp_path):
             return super().__getitem__(i)
 
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, per_device_eval_batch_size=1,
-        logging_steps=1, eval_strategy="steps", eval_steps=2, learning_rate=1e-3, report_to=[], use_cpu=True,
-        save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=1,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
     )
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32, 1), eval_dataset=SlowEval(5, 2),
-                      callbacks=[LossbeatCallback(monitor), AfterEvaluation()])
+    trainer = Trainer(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=Tokens(32, 1),
+        eval_dataset=SlowEval(5, 2),
+        callbacks=[LossbeatCallback(monitor), AfterEvaluation()],
+    )
     try:
         trainer.train()
         assert trainer.state.global_step == 3
@@ -175,12 +201,26 @@ def test_an_hf_save_at_the_end_of_an_epoch_runs_in_the_checkpoint_phase(tmp_path
             seen.setdefault("saved", sample(monitor.port)["phase"])
 
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
-        eval_strategy="no", save_strategy="epoch", save_only_model=True, learning_rate=1e-3, report_to=[],
-        use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="epoch",
+        save_only_model=True,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
     )
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(8, 1),  # 2 steps an epoch
-                      callbacks=[LossbeatCallback(monitor), Sampler()])
+    trainer = Trainer(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=Tokens(8, 1),  # 2 steps an epoch
+        callbacks=[LossbeatCallback(monitor), Sampler()],
+    )
     try:
         trainer.train()
         assert seen == {"epoch_end": "checkpoint", "saved": "train"}, seen

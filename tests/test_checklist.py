@@ -17,14 +17,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _checklist(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lossbeat", "checklist", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lossbeat", "checklist", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_items_follow_the_article_order():
     assert [name for name, _, _ in ITEMS] == [
-        "loss in its usual range", "loss still falling", "loss volatility normal", "grad norm within its band",
-        "LR following its schedule", "no NaN/Inf", "memory use stable", "training speed normal",
+        "loss in its usual range",
+        "loss still falling",
+        "loss volatility normal",
+        "grad norm within its band",
+        "LR following its schedule",
+        "no NaN/Inf",
+        "memory use stable",
+        "training speed normal",
     ]
 
 
@@ -78,7 +85,12 @@ def test_unreadable_input_is_one_line_and_exit_2(tmp_path):
 
 def test_a_closed_pipe_ends_quietly():
     path = REAL_LOGS / "hf-whisper-large-v2-ja-overfit-trainer_state.json"
-    proc = subprocess.Popen(f"{sys.executable} -m lossbeat checklist {path} | head -1", shell=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        f"{sys.executable} -m lossbeat checklist {path} | head -1",
+        shell=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = proc.communicate(timeout=120)
     assert out.startswith("lossbeat checklist:") and "Traceback" not in err and "BrokenPipe" not in err

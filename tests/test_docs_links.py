@@ -31,13 +31,18 @@ def _prose(markdown: str) -> str:
 def github_anchors(markdown: str) -> set[str]:
     """The anchors GitHub gives the headings of ``markdown`` (lower case, punctuation but
     ``-`` and ``_`` dropped, spaces as ``-``)."""
-    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-            for heading in re.findall(r"^#{1,6}\s+(.+?)\s*$", _prose(markdown), flags=re.M)}
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in re.findall(r"^#{1,6}\s+(.+?)\s*$", _prose(markdown), flags=re.M)
+    }
 
 
 def relative_links(path: Path) -> list[str]:
-    return [target for target in _LINK.findall(_prose(path.read_text(encoding="utf-8")))
-            if not re.match(r"[a-z][a-z0-9+.-]*:", target)]  # http:, https:, mailto:
+    return [
+        target
+        for target in _LINK.findall(_prose(path.read_text(encoding="utf-8")))
+        if not re.match(r"[a-z][a-z0-9+.-]*:", target)
+    ]  # http:, https:, mailto:
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.relative_to(REPO).as_posix())
@@ -59,11 +64,14 @@ def test_every_relative_link_resolves(document):
 
 def test_the_link_checker_sees_a_broken_link(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# Title\n\n[ok](#title) [gone](missing.md) [web](https://example.com)\n"
-                    "```\n[in code](not-a-link.md)\n```\n", encoding="utf-8")
+    page.write_text(
+        "# Title\n\n[ok](#title) [gone](missing.md) [web](https://example.com)\n```\n[in code](not-a-link.md)\n```\n",
+        encoding="utf-8",
+    )
     assert relative_links(page) == ["#title", "missing.md"]
     assert github_anchors("## Sharded models: call `observe(model=...)`, never `if rank == 0:`\n") == {
-        "sharded-models-call-observemodel-never-if-rank--0"}
+        "sharded-models-call-observemodel-never-if-rank--0"
+    }
 
 
 def test_readme_is_short_and_keeps_the_two_commands():
@@ -77,7 +85,9 @@ def test_readme_is_short_and_keeps_the_two_commands():
 
 def test_readme_links_every_document_of_docs():
     linked = {(README.parent / target.partition("#")[0]).resolve() for target in relative_links(README)}
-    missing = [p.relative_to(REPO).as_posix() for p in sorted((REPO / "docs").glob("*.md")) if p.resolve() not in linked]
+    missing = [
+        p.relative_to(REPO).as_posix() for p in sorted((REPO / "docs").glob("*.md")) if p.resolve() not in linked
+    ]
     assert not missing, f"README.md does not link {missing} (the 'where everything else is documented' table)"
 
 

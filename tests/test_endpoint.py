@@ -25,8 +25,11 @@ from tls_certs import make_certs
 
 
 def request(port, method="GET", path="/metrics", headers=None, context=None, timeout=10):
-    conn = (http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=timeout) if context
-            else http.client.HTTPConnection("127.0.0.1", port, timeout=timeout))
+    conn = (
+        http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=timeout)
+        if context
+        else http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    )
     try:
         conn.request(method, path, headers=headers or {})
         resp = conn.getresponse()
@@ -92,6 +95,7 @@ def test_openmetrics_is_negotiated(monitor):
 
 # --- the web config -------------------------------------------------------------------------
 
+
 def write_config(tmp_path, doc, name="web.yml"):
     path = tmp_path / name
     path.write_text(yaml.safe_dump(doc) if not isinstance(doc, str) else doc)
@@ -109,25 +113,42 @@ def hashed():
     return bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
 
 
-@pytest.mark.parametrize("doc, message", [
-    ({"tls_server_config": {"cert_file": "x.crt"}}, "tls_server_config.key_file: required"),
-    ({"tls_server_confg": {}}, "tls_server_confg: unknown key"),
-    ({"tls_server_config": {"cert_file": "a", "key_file": "b", "cipher_suites": ["x"]}},
-     "tls_server_config.cipher_suites: not supported"),
-    ({"tls_server_config": {"cert_file": "a", "key_file": "b", "client_auth_type": "RequireAnyClientCert"}},
-     "client_auth_type: expected one of .*verifies every client certificate"),
-    ({"tls_server_config": {"cert_file": "a", "key_file": "b", "client_auth_type": "RequireAndVerifyClientCert"}},
-     "client_ca_file: required with client_auth_type"),
-    ({"tls_server_config": {"cert_file": "missing.crt", "key_file": "missing.key"}},
-     "tls_server_config.cert_file/key_file: cannot load"),
-    ({"basic_auth_users": {"prometheus": "plain-password"}}, "basic_auth_users.prometheus: expected a bcrypt hash"),
-    ({"basic_auth_users": ["prometheus"]}, "basic_auth_users: expected a mapping"),
-    ({"http_server_config": {"headers": {"X-A": "1\r\nSet-Cookie: x"}}}, "http_server_config.headers.X-A"),
-    ({"http_server_config": {"http3": True}}, "http_server_config.http3: unknown key"),
-    ("- a\n- list\n", r"\(top level\): expected a mapping"),
-    ("tls_server_config: !!python/object/apply:os.system [echo pwned]\n", "not valid YAML"),
-    ("tls_server_config: [\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"tls_server_config": {"cert_file": "x.crt"}}, "tls_server_config.key_file: required"),
+        ({"tls_server_confg": {}}, "tls_server_confg: unknown key"),
+        (
+            {"tls_server_config": {"cert_file": "a", "key_file": "b", "cipher_suites": ["x"]}},
+            "tls_server_config.cipher_suites: not supported",
+        ),
+        (
+            {"tls_server_config": {"cert_file": "a", "key_file": "b", "client_auth_type": "RequireAnyClientCert"}},
+            "client_auth_type: expected one of .*verifies every client certificate",
+        ),
+        (
+            {
+                "tls_server_config": {
+                    "cert_file": "a",
+                    "key_file": "b",
+                    "client_auth_type": "RequireAndVerifyClientCert",
+                }
+            },
+            "client_ca_file: required with client_auth_type",
+        ),
+        (
+            {"tls_server_config": {"cert_file": "missing.crt", "key_file": "missing.key"}},
+            "tls_server_config.cert_file/key_file: cannot load",
+        ),
+        ({"basic_auth_users": {"prometheus": "plain-password"}}, "basic_auth_users.prometheus: expected a bcrypt hash"),
+        ({"basic_auth_users": ["prometheus"]}, "basic_auth_users: expected a mapping"),
+        ({"http_server_config": {"headers": {"X-A": "1\r\nSet-Cookie: x"}}}, "http_server_config.headers.X-A"),
+        ({"http_server_config": {"http3": True}}, "http_server_config.http3: unknown key"),
+        ("- a\n- list\n", r"\(top level\): expected a mapping"),
+        ("tls_server_config: !!python/object/apply:os.system [echo pwned]\n", "not valid YAML"),
+        ("tls_server_config: [\n", "not valid YAML"),
+    ],
+)
 def test_a_bad_web_config_names_the_key(tmp_path, doc, message):
     path = write_config(tmp_path, doc)
     with pytest.raises(WebConfigError, match=message):
@@ -137,8 +158,14 @@ def test_a_bad_web_config_names_the_key(tmp_path, doc, message):
 
 
 def test_tls_versions_are_checked(tmp_path, certs):
-    doc = {"tls_server_config": {"cert_file": str(certs.server_cert), "key_file": str(certs.server_key),
-                                 "min_version": "TLS13", "max_version": "TLS12"}}
+    doc = {
+        "tls_server_config": {
+            "cert_file": str(certs.server_cert),
+            "key_file": str(certs.server_key),
+            "min_version": "TLS13",
+            "max_version": "TLS12",
+        }
+    }
     with pytest.raises(WebConfigError, match="min_version: must not be above max_version"):
         load_web_config(write_config(tmp_path, doc))
     doc["tls_server_config"]["max_version"] = "SSL3"
@@ -150,8 +177,9 @@ def test_relative_paths_are_from_the_config_file(tmp_path, certs):
     (tmp_path / "tls").mkdir()
     for src in (certs.server_cert, certs.server_key):
         (tmp_path / "tls" / src.name).write_bytes(src.read_bytes())
-    config = load_web_config(write_config(tmp_path, {"tls_server_config": {
-        "cert_file": "tls/server.crt", "key_file": "tls/server.key"}}))
+    config = load_web_config(
+        write_config(tmp_path, {"tls_server_config": {"cert_file": "tls/server.crt", "key_file": "tls/server.key"}})
+    )
     assert config.tls.cert_file == str(tmp_path / "tls" / "server.crt")
 
 
@@ -173,14 +201,29 @@ def test_basic_auth_without_bcrypt_is_a_clear_error(tmp_path, hashed, monkeypatc
 
 
 def test_basic_auth(tmp_path, hashed, monkeypatch):
-    monkeypatch.setenv("LOSSBEAT_WEB_CONFIG", str(write_config(tmp_path, {
-        "basic_auth_users": {"prometheus": hashed, "other": hashed.replace("$2b$04$", "$2b$04$")},
-        "http_server_config": {"headers": {"Cache-Control": "no-store"}}})))
+    monkeypatch.setenv(
+        "LOSSBEAT_WEB_CONFIG",
+        str(
+            write_config(
+                tmp_path,
+                {
+                    "basic_auth_users": {"prometheus": hashed, "other": hashed.replace("$2b$04$", "$2b$04$")},
+                    "http_server_config": {"headers": {"Cache-Control": "no-store"}},
+                },
+            )
+        ),
+    )
     with Monitor(MonitorConfig(port=0, addr="127.0.0.1")) as m:
         m.observe(0, loss=1.0)
-        for headers in ({}, basic("prometheus", "wrong"), basic("nobody", "s3cret"), basic("prometheus", ""),
-                        {"Authorization": "Basic !!!not-base64"}, {"Authorization": "Bearer s3cret"},
-                        basic("prometheus", "s3cret" + "x" * 100)):
+        for headers in (
+            {},
+            basic("prometheus", "wrong"),
+            basic("nobody", "s3cret"),
+            basic("prometheus", ""),
+            {"Authorization": "Basic !!!not-base64"},
+            {"Authorization": "Bearer s3cret"},
+            basic("prometheus", "s3cret" + "x" * 100),
+        ):
             for path in ("/metrics", "/", "/-/healthy", "/secret-path"):
                 status, resp_headers, body = request(m.port, path=path, headers=headers)
                 assert status == 401, (headers, path)
@@ -200,8 +243,14 @@ def tls_client(certs, cert=None, key=None) -> ssl.SSLContext:
 
 
 def mtls_config(tmp_path, certs, hashed=None, auth="RequireAndVerifyClientCert"):
-    doc = {"tls_server_config": {"cert_file": str(certs.server_cert), "key_file": str(certs.server_key),
-                                 "client_ca_file": str(certs.ca), "client_auth_type": auth}}
+    doc = {
+        "tls_server_config": {
+            "cert_file": str(certs.server_cert),
+            "key_file": str(certs.server_key),
+            "client_ca_file": str(certs.ca),
+            "client_auth_type": auth,
+        }
+    }
     if hashed:
         doc["basic_auth_users"] = {"prometheus": hashed}
     return str(write_config(tmp_path, doc))
@@ -261,7 +310,9 @@ def test_rotated_certificates_are_picked_up(tmp_path, certs):
     live.mkdir()
     for name in ("server.crt", "server.key"):
         (live / name).write_bytes((certs.server_cert.parent / name).read_bytes())
-    config = write_config(tmp_path, {"tls_server_config": {"cert_file": "live/server.crt", "key_file": "live/server.key"}})
+    config = write_config(
+        tmp_path, {"tls_server_config": {"cert_file": "live/server.crt", "key_file": "live/server.key"}}
+    )
     with Monitor(MonitorConfig(port=0, addr="127.0.0.1", web_config=str(config))) as m:
         assert request(m.port, context=tls_client(certs))[0] == 200
         (tmp_path / "rotated").mkdir()

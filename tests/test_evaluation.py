@@ -7,7 +7,16 @@ import pytest
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.analyze.replay import replay
 from lossbeat.diagnosis import Status
-from lossbeat.analyze.evaluation import BEGIN, END, evaluate, healthy_shapes, render, synthetic_faults, update_doc, verdict
+from lossbeat.analyze.evaluation import (
+    BEGIN,
+    END,
+    evaluate,
+    healthy_shapes,
+    render,
+    synthetic_faults,
+    update_doc,
+    verdict,
+)
 from lossbeat.diagnosis.thresholds import load_thresholds
 from lossbeat.diagnosis.vitals import LIVE_ONLY_CHECKS
 

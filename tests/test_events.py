@@ -19,8 +19,11 @@ def judge(loss, steps: int = 1500, grad=None, seed: int = 1):
         j.history.add_step(s, loss=loss(s, rnd), grad_norm=grad(s) if grad else None)
         if j.due(s):
             _, ch = j.judge(s)
-            changes += [(s, c.finding.check, c.finding.status, c.finding.message) for c in ch
-                        if c.finding.check in ("loss_spikes", "grad_explosions")]
+            changes += [
+                (s, c.finding.check, c.finding.status, c.finding.message)
+                for c in ch
+                if c.finding.check in ("loss_spikes", "grad_explosions")
+            ]
     return changes, {f.check: f for f in j.findings}
 
 
@@ -49,8 +52,9 @@ def test_a_spike_followed_by_a_lasting_worse_loss_is_a_danger():
 
 
 def test_an_explosion_followed_by_a_worse_loss_is_a_danger():
-    changes, _ = judge(lambda s, r: 2.0 + (0.6 if s > 600 else 0.0) + r.gauss(0, 0.02),
-                       grad=lambda s: 80.0 if s == 600 else 1.0)
+    changes, _ = judge(
+        lambda s, r: 2.0 + (0.6 if s > 600 else 0.0) + r.gauss(0, 0.02), grad=lambda s: 80.0 if s == 600 else 1.0
+    )
     assert any(c[1] == "grad_explosions" and c[2] is Status.DANGER and "step 600" in c[3] for c in changes)
 
 

@@ -27,14 +27,18 @@ WORKER = Path(__file__).with_name("signal_worker.py")
 
 def scrape(port: int) -> dict[str, float]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("rank", "run_id")): s.value
-            for f in text_string_to_metric_families(body) for s in f.samples}
+    return {
+        s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("rank", "run_id")): s.value
+        for f in text_string_to_metric_families(body)
+        for s in f.samples
+    }
 
 
 def small_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
-                               torch.nn.Linear(8, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    )
 
 
 def train_steps(monitor: Monitor, model: torch.nn.Module, steps, loss_override=None) -> None:
@@ -163,8 +167,7 @@ def test_dataloader_workers_during_scrapes():
             return torch.tensor([float(i)])
 
     with Monitor(MonitorConfig(port=0, addr="127.0.0.1")) as m:
-        loader = torch.utils.data.DataLoader(Data(), batch_size=4, num_workers=2,
-                                             multiprocessing_context="fork")
+        loader = torch.utils.data.DataLoader(Data(), batch_size=4, num_workers=2, multiprocessing_context="fork")
         for step, batch in enumerate(loader):
             m.observe(step, loss=float(batch.mean()))
             assert scrape(m.port)["training_step"] == float(step)
@@ -172,8 +175,13 @@ def test_dataloader_workers_during_scrapes():
 
 
 def run_worker(tmp_path, mode: str, sig: signal.Signals) -> tuple[int, str, float]:
-    proc = subprocess.Popen([sys.executable, str(WORKER), mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+    )
     lines = []
     try:
         for line in proc.stdout:
@@ -189,8 +197,12 @@ def run_worker(tmp_path, mode: str, sig: signal.Signals) -> tuple[int, str, floa
         except subprocess.TimeoutExpired:  # hung: SIGABRT makes faulthandler print every thread's stack
             proc.send_signal(signal.SIGABRT)
             out, _ = proc.communicate(timeout=60)
-            pytest.fail(f"the worker did not exit within 600 s of {sig.name}; its output and stacks:\n"
-                        + "".join(lines) + out[-20000:], pytrace=False)
+            pytest.fail(
+                f"the worker did not exit within 600 s of {sig.name}; its output and stacks:\n"
+                + "".join(lines)
+                + out[-20000:],
+                pytrace=False,
+            )
         return proc.returncode, "".join(lines) + out, time.monotonic() - sent
     finally:
         if proc.poll() is None:
@@ -198,11 +210,14 @@ def run_worker(tmp_path, mode: str, sig: signal.Signals) -> tuple[int, str, floa
             proc.wait()
 
 
-@pytest.mark.parametrize("mode, sig, code", [
-    ("with", signal.SIGINT, -signal.SIGINT),  # KeyboardInterrupt through the with-block
-    ("exit-handler", signal.SIGTERM, 143),  # the usual SIGTERM -> sys.exit() handler
-    ("with", signal.SIGTERM, -signal.SIGTERM),  # Python's default: killed, nothing runs, nothing hangs
-])
+@pytest.mark.parametrize(
+    "mode, sig, code",
+    [
+        ("with", signal.SIGINT, -signal.SIGINT),  # KeyboardInterrupt through the with-block
+        ("exit-handler", signal.SIGTERM, 143),  # the usual SIGTERM -> sys.exit() handler
+        ("with", signal.SIGTERM, -signal.SIGTERM),  # Python's default: killed, nothing runs, nothing hangs
+    ],
+)
 def test_signals_mid_step_shut_down_cleanly(tmp_path, mode, sig, code):
     returncode, output, _ = run_worker(tmp_path, mode, sig)
     assert returncode == code, output

@@ -31,8 +31,10 @@ def _log(losses, every=1, evals=None, fields=(), step0=None):
     return log
 
 
-@pytest.mark.parametrize("fields", [("train_loss", "val_loss", "val_MAE", "val_SMAPE"),
-                                    ("train_loss", "val_loss", "val_mse"), ("loss", "eval/rmse")])
+@pytest.mark.parametrize(
+    "fields",
+    [("train_loss", "val_loss", "val_MAE", "val_SMAPE"), ("train_loss", "val_loss", "val_mse"), ("loss", "eval/rmse")],
+)
 def test_regression_is_named_from_its_error_metric(fields):
     assert detect_profile(fields).profile == "regression"
 
@@ -49,8 +51,9 @@ def test_a_noisy_sparse_descent_is_never_a_plateau():
 
 def test_a_real_plateau_is_still_one():
     rng = random.Random(5)
-    losses = [3.0 * (1 + i) ** -0.3 for i in range(300)] + [3.0 * 300 ** -0.3 + 0.05 * rng.gauss(0, 1)
-                                                           for _ in range(1200)]
+    losses = [3.0 * (1 + i) ** -0.3 for i in range(300)] + [
+        3.0 * 300**-0.3 + 0.05 * rng.gauss(0, 1) for _ in range(1200)
+    ]
     a = replay(_log(losses, every=1), T)
     assert _final(a, "loss_trend").status is Status.WARNING
 
@@ -78,8 +81,7 @@ def test_a_noisy_eval_loss_that_trends_down_is_not_overfitting():
 
 def test_a_steady_eval_rise_is_overfitting_and_stays_so():
     train = [2.0 * (1 + i) ** -0.3 for i in range(2000)]
-    evals = {100 * k: 1.0 - 0.02 * k if k <= 10 else 0.8 + 0.02 * (k - 10) + 0.01 * (-1) ** k
-             for k in range(1, 20)}
+    evals = {100 * k: 1.0 - 0.02 * k if k <= 10 else 0.8 + 0.02 * (k - 10) + 0.01 * (-1) ** k for k in range(1, 20)}
     a = replay(_log(train, evals=evals), T)
     assert _final(a, "overfitting").status is Status.WARNING
     entries = [c for c in a.changes if c.finding.check == "overfitting" and c.finding.status > c.previous]

@@ -45,12 +45,21 @@ def thresholds_file(tmp_path) -> Path:
 
 def test_generate_writes_the_full_set_for_custom_thresholds(tmp_path, thresholds_file):
     out = tmp_path / "monitoring"
-    assert main(["generate", "--thresholds", str(thresholds_file), "--output-dir", str(out),
-                 "--runbook-url-base", BASE]) == 0
+    assert (
+        main(["generate", "--thresholds", str(thresholds_file), "--output-dir", str(out), "--runbook-url-base", BASE])
+        == 0
+    )
     written = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
-    assert {"rules.yml", "alertmanager.yml", "runbooks.md", "grafana/lossbeat-overview.json",
-            "grafana/lossbeat-layers.json", "kubernetes/prometheusrule.yaml",
-            "kubernetes/grafana-dashboards-configmap.yaml", "tests/traininglossnan.yml"} <= written
+    assert {
+        "rules.yml",
+        "alertmanager.yml",
+        "runbooks.md",
+        "grafana/lossbeat-overview.json",
+        "grafana/lossbeat-layers.json",
+        "kubernetes/prometheusrule.yaml",
+        "kubernetes/grafana-dashboards-configmap.yaml",
+        "tests/traininglossnan.yml",
+    } <= written
     assert written == set(bundle_files(load_thresholds(thresholds_file)))
     rules_text = (out / "rules.yml").read_text()
     assert "above 25 and" in rules_text and "* 0 + 180" in rules_text  # the explosion ceiling, the stall limit
@@ -58,17 +67,33 @@ def test_generate_writes_the_full_set_for_custom_thresholds(tmp_path, thresholds
     assert (out / "runbooks.md").read_text() == RUNBOOKS.read_text()
     assert (out / "alertmanager.yml").read_text() == (REPO / "alerting" / "alertmanager.yml").read_text()
     # Rerunning with --check finds nothing to change.
-    assert main(["generate", "--thresholds", str(thresholds_file), "--output-dir", str(out),
-                 "--runbook-url-base", BASE, "--check"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--thresholds",
+                str(thresholds_file),
+                "--output-dir",
+                str(out),
+                "--runbook-url-base",
+                BASE,
+                "--check",
+            ]
+        )
+        == 0
+    )
 
 
 def test_runbook_urls_carry_the_base_and_an_anchor_of_the_runbooks(tmp_path):
     anchors = github_anchors(RUNBOOKS.read_text(encoding="utf-8"))
     out = tmp_path / "out"
     assert main(["rules", "--output-dir", str(out), "--runbook-url-base", BASE]) == 0
-    for rules_text in ((out / "rules.yml").read_text(),
-                       yaml.dump({"groups": yaml.safe_load((out / "kubernetes" / "prometheusrule.yaml")
-                                                          .read_text())["spec"]["groups"]})):
+    for rules_text in (
+        (out / "rules.yml").read_text(),
+        yaml.dump(
+            {"groups": yaml.safe_load((out / "kubernetes" / "prometheusrule.yaml").read_text())["spec"]["groups"]}
+        ),
+    ):
         alerts = _alerts(rules_text)
         assert len(alerts) >= 16
         for alert in alerts:
@@ -92,8 +117,13 @@ def test_a_bad_runbook_base_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("command", ["rules", "dashboards", "generate"])
 def test_generators_write_nothing_without_an_output_folder(tmp_path, thresholds_file, command):
     before = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
-    result = subprocess.run([sys.executable, "-m", "lossbeat", command, "--thresholds", str(thresholds_file)],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "lossbeat", command, "--thresholds", str(thresholds_file)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 2
     assert "--output-dir" in result.stderr and result.stdout == ""
     assert list(tmp_path.iterdir()) == [thresholds_file]
@@ -102,8 +132,9 @@ def test_generators_write_nothing_without_an_output_folder(tmp_path, thresholds_
 
 
 def test_rules_check_alone_reads_the_checkout_and_writes_nothing():
-    result = subprocess.run([sys.executable, "-m", "lossbeat", "rules", "--check"], cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "lossbeat", "rules", "--check"], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -44,7 +44,13 @@ def test_layer_names_follow_module_paths_in_model_order():
     # Model order is named_parameters() order: a module's own parameters come first.
     grouping = LayerGrouping(Net())
     assert grouping.layer_names == [
-        "scale", "embed", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp", "head",
+        "scale",
+        "embed",
+        "blocks.0.attn",
+        "blocks.0.mlp",
+        "blocks.1.attn",
+        "blocks.1.mlp",
+        "head",
     ]
 
 
@@ -58,7 +64,13 @@ def test_wrapper_components_are_dropped_from_layer_names():
     assert "_orig_mod.blocks.0._checkpoint_wrapped_module.attn.weight" in names
     grouping = LayerGrouping(compiled)
     assert grouping.layer_names == [
-        "scale", "embed", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp", "head",
+        "scale",
+        "embed",
+        "blocks.0.attn",
+        "blocks.0.mlp",
+        "blocks.1.attn",
+        "blocks.1.mlp",
+        "head",
     ]
     assert not grouping.sharded and grouping.shard_groups == [()]  # no process group: nothing to reduce
     assert layer_name("_fsdp_wrapped_module.blocks.0._fsdp_wrapped_module._flat_param", None) == "blocks.0"
@@ -128,7 +140,8 @@ def test_the_layer_index_is_built_once_whatever_gradients_are_absent():
         assert [n for n, v in by_name.items() if v == -1.0] == [grouping.layer_names[2 + step % 4]]
         reference = reference_layer_norms(model, grouping)
         assert [v for v in by_name.values() if v >= 0] == pytest.approx(
-            [reference[n] for n, v in by_name.items() if v >= 0], rel=1e-5)
+            [reference[n] for n, v in by_name.items() if v >= 0], rel=1e-5
+        )
         seen.add(id(grouping.index(norms.global_norm.device, presence=True)))
     assert len(seen) == 1 and len(grouping._index_cache) == 1
 

@@ -27,8 +27,12 @@ def _batch(step: int):
 
 def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer):
     params = [p.detach().clone() for p in model.parameters()]
-    state = copy.deepcopy({i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
-                           for i, s in enumerate(optimizer.state.values())})
+    state = copy.deepcopy(
+        {
+            i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+            for i, s in enumerate(optimizer.state.values())
+        }
+    )
     return params, state
 
 
@@ -64,8 +68,7 @@ def _train(monitor, model, optimizer, steps, fault_at=None, fault="nan", scaler=
         if scaler is not None:
             scaler.unscale_(optimizer)
         grad_norm = monitor.clip_grad_norm_(model, 1e9 if fault == "explode" else 1.0)
-        monitor.observe(step, loss=loss, grad_norm=grad_norm, optimizer=optimizer, model=model,
-                        grad_scaler=scaler)
+        monitor.observe(step, loss=loss, grad_norm=grad_norm, optimizer=optimizer, model=model, grad_scaler=scaler)
         snapshots[step] = _snapshot(model, optimizer)
         monitor.step(optimizer, grad_scaler=scaler)
         snapshots[step + 0.5] = _snapshot(model, optimizer)
@@ -163,8 +166,16 @@ def test_under_a_grad_scaler_a_guard_skip_leaves_the_scaler_as_it_was():
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
     monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
     scales = {}
-    _, snaps = _train(monitor, model, optimizer, 40, fault_at=35, fault="explode", scaler=scaler,
-                      after_step=lambda s: scales.__setitem__(s, (scaler.get_scale(), int(scaler._growth_tracker))))
+    _, snaps = _train(
+        monitor,
+        model,
+        optimizer,
+        40,
+        fault_at=35,
+        fault="explode",
+        scaler=scaler,
+        after_step=lambda s: scales.__setitem__(s, (scaler.get_scale(), int(scaler._growth_tracker))),
+    )
     assert _equal(snaps[35], snaps[35.5])
     assert scales[35] == scales[34]  # neither backed off nor grown by the skipped step
     assert monitor.state.skipped_steps == {"explosion": 1}
@@ -254,9 +265,29 @@ def test_the_demo_survives_one_nan_batch_with_the_guard(tmp_path):
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "lossbeat", "demo", "--port", "0", "--steps", "80", "--fault", "nan",
-         "--fault-step", "60", "--guard", "skip", "--eval-every", "0", "--no-progress"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "lossbeat",
+            "demo",
+            "--port",
+            "0",
+            "--steps",
+            "80",
+            "--fault",
+            "nan",
+            "--fault-step",
+            "60",
+            "--guard",
+            "skip",
+            "--eval-every",
+            "0",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     events = out.stdout.strip().splitlines()[-1]
     assert "skipped_steps 1" in events and "nonfinite_loss 0" in events and "nonfinite_grad 0" in events, events

@@ -13,8 +13,9 @@ FAULT_STEPS = [30, 40, 50]
 # The 2-rank variants in one torchrun job (torchrun_jobs.py); one alone:
 # python -m torch.distributed.run --standalone --nproc-per-node N tests/guard_worker.py --wrap W --dir DIR
 JOBS = {
-    "guard-2-ranks": Job(2, {"guard-2-ddp": ("guard_worker", ["--wrap", "ddp"]),
-                             "guard-2-fsdp2": ("guard_worker", ["--wrap", "fsdp2"])}),
+    "guard-2-ranks": Job(
+        2, {"guard-2-ddp": ("guard_worker", ["--wrap", "ddp"]), "guard-2-fsdp2": ("guard_worker", ["--wrap", "fsdp2"])}
+    ),
     "guard-4-ranks": Job(4, {"guard-4-ddp": ("guard_worker", ["--wrap", "ddp"])}),
 }
 

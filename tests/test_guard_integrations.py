@@ -26,8 +26,9 @@ def _skipped(monitor: Monitor) -> dict[str, float]:
 
 
 def _snapshot(optimizer: torch.optim.Optimizer, params) -> tuple[list[torch.Tensor], list[dict]]:
-    state = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()}
-             for p in params]
+    state = [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()} for p in params
+    ]
     return [p.detach().clone() for p in params], state
 
 
@@ -85,17 +86,28 @@ def _hf_trainer(tmp_path, guard: str, steps: int = 6):
             self.lrs[state.global_step] = lr_scheduler.get_last_lr()[0]
 
     torch.manual_seed(0)
-    model = NaNAtStep(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                 bos_token_id=0, eos_token_id=0))
+    model = NaNAtStep(
+        GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    )
     monitor = Monitor(MonitorConfig(port=0, guard=guard), serve=False)
     recorder = Recorder()
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, logging_steps=1,
-        learning_rate=1e-3, lr_scheduler_type="linear", max_grad_norm=1.0, report_to=[], use_cpu=True,
-        save_strategy="no", disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 1),
-                      callbacks=[LossbeatCallback(monitor), recorder])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Tokens(64, 1), callbacks=[LossbeatCallback(monitor), recorder]
+    )
     recorder.losses = NaNAtStep.losses  # per step (one micro-batch each), as the model computed them
     return trainer, monitor, recorder
 
@@ -124,8 +136,9 @@ def test_hf_guard_hold_keeps_the_lr_schedule_at_a_skipped_step(tmp_path):
     monitor = Monitor(MonitorConfig(port=0, guard="skip", guard_schedule="hold"), serve=False)
     from lossbeat.integrations.hf import LossbeatCallback
 
-    trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks
-                                          if not isinstance(c, LossbeatCallback)]
+    trainer.callback_handler.callbacks = [
+        c for c in trainer.callback_handler.callbacks if not isinstance(c, LossbeatCallback)
+    ]
     trainer.add_callback(LossbeatCallback(monitor))
     trainer.train()
 
@@ -140,8 +153,9 @@ def test_hf_guard_stop_raises_training_halted_out_of_train_at_the_nan_step(tmp_p
         trainer.train()
     assert (raised.value.step, raised.value.reason) == (NAN_AT, "nonfinite")
     assert trainer.state.global_step == NAN_AT - 1
-    _assert_bitwise_equal(recorder.before[NAN_AT], _snapshot(trainer.optimizer.optimizer,
-                                                              list(trainer.model.parameters())))
+    _assert_bitwise_equal(
+        recorder.before[NAN_AT], _snapshot(trainer.optimizer.optimizer, list(trainer.model.parameters()))
+    )
     assert monitor.state.halted
     assert trainer.optimizer.step.__qualname__ == "AcceleratedOptimizer.step"  # the user's again
 
@@ -257,9 +271,18 @@ def _lightning_fit(guard: str, *, nan: str = "times", steps: int = 6, **trainer_
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     monitor = Monitor(MonitorConfig(port=0, guard=guard), serve=False)
     module = NaNAtStep()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[LossbeatCallback(monitor)], **trainer_args)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[LossbeatCallback(monitor)],
+        **trainer_args,
+    )
     return trainer, module, data, monitor
 
 
@@ -314,7 +337,8 @@ def test_lightning_guard_under_16_mixed_skips_through_the_scaler_and_keeps_its_s
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
     trainer, module, data, monitor = _lightning_fit(
-        "skip", nan="plus", plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        "skip", nan="plus", plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    )
     trainer.fit(module, data)
     monitor.flush()
 

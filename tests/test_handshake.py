@@ -86,8 +86,10 @@ def test_early_and_late_ranks_agree_on_one_decision(server):
         waiter.wait(["straggler/e/0"], timedelta(seconds=60))
         time.sleep(0.3)
 
-    assert run_ranks(server, "straggler", pair, timeout={0: 0.2, 1: 0.0}, grace=60.0,
-                     start={1: after_rank_0}) == {0: LATE, 1: LATE}
+    assert run_ranks(server, "straggler", pair, timeout={0: 0.2, 1: 0.0}, grace=60.0, start={1: after_rank_0}) == {
+        0: LATE,
+        1: LATE,
+    }
     # ... and once rank 0 gave up altogether (ordered by the store): absent for both.
     gone = {1: lambda: waiter.wait(["gone/l/0"], timedelta(seconds=60))}
     assert run_ranks(server, "gone", pair, timeout=0.2, grace=0.2, start=gone) == {0: ABSENT, 1: ABSENT}
@@ -105,7 +107,14 @@ def test_ranks_whose_groups_differ_meet_every_rank_they_are_linked_to(server):
     hsdp = {r: [[0, 1, 2, 3]] if r < 4 else [[4, 5, 6, 7]] for r in range(8)}
     del hsdp[6]
     assert run_ranks(server, "hsdp", hsdp, timeout=0.3, grace=0.3) == {
-        0: REDUCE, 1: REDUCE, 2: REDUCE, 3: REDUCE, 4: ABSENT, 5: ABSENT, 7: ABSENT}
+        0: REDUCE,
+        1: REDUCE,
+        2: REDUCE,
+        3: REDUCE,
+        4: ABSENT,
+        5: ABSENT,
+        7: ABSENT,
+    }
 
 
 def test_64_ranks_make_a_constant_number_of_store_requests_each(server):
@@ -132,9 +141,16 @@ def test_64_ranks_make_a_constant_number_of_store_requests_each(server):
 def frozen_store():
     """A TCPStore client whose server (another process) is stopped: every request times out."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import datetime, time, torch.distributed as d\n"
-         "s = d.TCPStore('127.0.0.1', 0, 1, True, wait_for_workers=False)\n"
-         "print(s.port, flush=True)\ntime.sleep(600)"], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import datetime, time, torch.distributed as d\n"
+            "s = d.TCPStore('127.0.0.1', 0, 1, True, wait_for_workers=False)\n"
+            "print(s.port, flush=True)\ntime.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(proc.stdout.readline())
         store = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=1))

@@ -26,7 +26,8 @@ def first_difference(a, b, path="history"):
         return None if same else f"{path}: {a!r} != {b!r}"
     if isinstance(a, Ring):
         return first_difference(a.last(len(a)), b.last(len(b)), path) or (
-            None if a.capacity == b.capacity else f"{path}: capacity")
+            None if a.capacity == b.capacity else f"{path}: capacity"
+        )
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             return f"{path}: {len(a)} items != {len(b)}"
@@ -38,8 +39,15 @@ def first_difference(a, b, path="history"):
     if isinstance(a, (int, str, type(None))):
         return None if a == b else f"{path}: {a!r} != {b!r}"
     names = [n for cls in type(a).__mro__ for n in getattr(cls, "__slots__", ())] + list(getattr(a, "__dict__", {}))
-    return next((d for n in names if n not in _NOT_STATE
-                 if (d := first_difference(getattr(a, n), getattr(b, n), f"{path}.{n}"))), None)
+    return next(
+        (
+            d
+            for n in names
+            if n not in _NOT_STATE
+            if (d := first_difference(getattr(a, n), getattr(b, n), f"{path}.{n}"))
+        ),
+        None,
+    )
 
 
 def _records(seed: int, n: int):
@@ -81,8 +89,10 @@ def _events(e):
     return e.nonfinite_loss, e.nonfinite_grad, e.spike, e.explosion
 
 
-@pytest.mark.parametrize("seed, profile", [(0, None), (1, "classification"), (2, "rl"), (3, "multi-task"),
-                                           (5, None), (6, None), (7, "causal-lm")])
+@pytest.mark.parametrize(
+    "seed, profile",
+    [(0, None), (1, "classification"), (2, "rl"), (3, "multi-task"), (5, None), (6, None), (7, "causal-lm")],
+)
 def test_a_batched_history_is_the_history_of_one_record_at_a_time(seed, profile):
     t = load_thresholds(profile=profile) if profile else load_thresholds()
     one, batched = History(t), History(t)
@@ -98,7 +108,10 @@ def test_a_batched_history_is_the_history_of_one_record_at_a_time(seed, profile)
             assert got is NO_EVENTS
         assert _events(got) == expected, f"record {i}"  # an event on its own record, never a batch later
         # What the next record and the optimizer guard are judged against, at every record.
-        assert (batched.loss.spike_limit(), batched.grad.event_limit()) == (one.loss.spike_limit(), one.grad.event_limit())
+        assert (batched.loss.spike_limit(), batched.grad.event_limit()) == (
+            one.loss.spike_limit(),
+            one.grad.event_limit(),
+        )
         assert len(batched._held) < t.windows.diagnose_every  # bounded: written at every refresh
         if rnd.random() < 0.03:
             batched.flush()
@@ -129,8 +142,15 @@ def test_only_the_usual_record_is_held_back():
     for step in range(300):
         assert h.defer(step, 2.0 + 0.01 * (step % 7), 0.5, 1e-3) is NO_EVENTS
     assert h.steps_seen + len(h._held) == 300 and len(h._held) < 10
-    for args in [(300, None), (300, math.nan), (300, 2.0, math.inf), (300, 2.0, 0.0), (298, 2.0),
-                 (300, 50.0), (300, 2.0, 40.0)]:  # no loss, NaN, Inf norm, zero norm, back, spike, explosion
+    for args in [
+        (300, None),
+        (300, math.nan),
+        (300, 2.0, math.inf),
+        (300, 2.0, 0.0),
+        (298, 2.0),
+        (300, 50.0),
+        (300, 2.0, 40.0),
+    ]:  # no loss, NaN, Inf norm, zero norm, back, spike, explosion
         assert h.defer(*args) is None
     events = h.add_step(300, 50.0, 0.5)
     assert events.spike and h.steps_seen == 301 and not h._held  # add_step writes the batch first

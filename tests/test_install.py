@@ -27,14 +27,16 @@ from e2e.e2e_harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # What a copy of the working tree leaves out: VCS data, build outputs, caches, local results.
-_NOT_SOURCES = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                                      "results", ".venv", "*.pyc")
+_NOT_SOURCES = shutil.ignore_patterns(
+    ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "results", ".venv", "*.pyc"
+)
 
 
 def _run(args: list[str], cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{' '.join(map(str, args))} exited {result.returncode}:\n" \
-                                   f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, args))} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return result
 
 
@@ -49,16 +51,42 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     # setuptools >= 70.1 builds wheels itself; without it here, pip fetches it (build isolation).
     offline = importlib.util.find_spec("setuptools") is not None
     require(offline or bool(os.environ.get("CI")), "setuptools is needed to build the wheel offline")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", *(["--no-build-isolation"] if offline else []),
-          "-w", str(root / "dist"), str(source)], cwd=root, env=env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            *(["--no-build-isolation"] if offline else []),
+            "-w",
+            str(root / "dist"),
+            str(source),
+        ],
+        cwd=root,
+        env=env,
+    )
     (wheel,) = (root / "dist").glob("lossbeat-*.whl")
     venv = root / "venv"
     # --without-pip: no ensurepip needed (Debian splits it into python3-venv); this pip installs into it.
     _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], cwd=root, env=env)
     bin_dir = venv / "bin"
     # --no-deps: torch, numpy, prometheus-client and PyYAML come from the system site-packages.
-    _run([sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install", "--no-deps", "--no-index",
-          str(wheel)], cwd=root, env=env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(bin_dir / "python"),
+            "install",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        cwd=root,
+        env=env,
+    )
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     return bin_dir, env
 
@@ -72,11 +100,19 @@ def test_the_wheel_not_the_checkout_is_imported(installed, tmp_path):
     shipped = path.parent / "shipped"
     for name in ("alertmanager.yml", "runbooks.md"):
         assert (shipped / name).is_file() and not (shipped / name).is_symlink(), name
-        assert (shipped / name).read_text() == (REPO / {"alertmanager.yml": "alerting",
-                                                        "runbooks.md": "docs"}[name] / name).read_text()
+        assert (shipped / name).read_text() == (
+            REPO / {"alertmanager.yml": "alerting", "runbooks.md": "docs"}[name] / name
+        ).read_text()
     # The status page is package data: the installed exporter serves it at /.
-    page = _run([str(bin_dir / "python"), "-c", "from lossbeat.exposition.status import page_html; "
-                 "import sys; sys.stdout.write(page_html().decode())"], tmp_path, env)
+    page = _run(
+        [
+            str(bin_dir / "python"),
+            "-c",
+            "from lossbeat.exposition.status import page_html; import sys; sys.stdout.write(page_html().decode())",
+        ],
+        tmp_path,
+        env,
+    )
     assert page.stdout == (REPO / "exporter/lossbeat/exposition/status_page.html").read_text()
 
 
@@ -92,12 +128,30 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
     (work / "my-thresholds.yaml").write_text("gradients:\n  explosion: 40\nalerts:\n  stalled_after: 3m\n")
 
     # The full set for the user's numbers, in the folder they name.
-    _run([lossbeat, "generate", "--thresholds", "my-thresholds.yaml", "--output-dir", "monitoring",
-          "--runbook-url-base", "https://wiki.example.com/runbooks"], work, env)
+    _run(
+        [
+            lossbeat,
+            "generate",
+            "--thresholds",
+            "my-thresholds.yaml",
+            "--output-dir",
+            "monitoring",
+            "--runbook-url-base",
+            "https://wiki.example.com/runbooks",
+        ],
+        work,
+        env,
+    )
     out = work / "monitoring"
-    for name in ("rules.yml", "alertmanager.yml", "runbooks.md", "grafana/lossbeat-overview.json",
-                 "grafana/lossbeat-layers.json", "kubernetes/prometheusrule.yaml",
-                 "kubernetes/grafana-dashboards-configmap.yaml"):
+    for name in (
+        "rules.yml",
+        "alertmanager.yml",
+        "runbooks.md",
+        "grafana/lossbeat-overview.json",
+        "grafana/lossbeat-layers.json",
+        "kubernetes/prometheusrule.yaml",
+        "kubernetes/grafana-dashboards-configmap.yaml",
+    ):
         assert (out / name).is_file(), name
     rules_text = (out / "rules.yml").read_text()
     assert "above 40 and" in rules_text and "https://wiki.example.com/runbooks#traininglossnan" in rules_text
@@ -113,15 +167,56 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
 
     # The local stack, from the package alone; a NaN run pages and the page arrives.
     stack_dir, exporter_port = work / "stack", free_port()
-    _run([lossbeat, "stack", "up", "--dir", str(stack_dir), "--prometheus-port", str(free_port()),
-          "--alertmanager-port", str(free_port()), "--receiver-port", str(free_port()),
-          "--targets", f"127.0.0.1:{exporter_port}", "--scrape-interval", "1s",
-          "--thresholds", "my-thresholds.yaml"], work, env, timeout=600)
+    _run(
+        [
+            lossbeat,
+            "stack",
+            "up",
+            "--dir",
+            str(stack_dir),
+            "--prometheus-port",
+            str(free_port()),
+            "--alertmanager-port",
+            str(free_port()),
+            "--receiver-port",
+            str(free_port()),
+            "--targets",
+            f"127.0.0.1:{exporter_port}",
+            "--scrape-interval",
+            "1s",
+            "--thresholds",
+            "my-thresholds.yaml",
+        ],
+        work,
+        env,
+        timeout=600,
+    )
     demo = None
     try:
-        demo = subprocess.Popen([lossbeat, "demo", "--fault", "nan", "--port", str(exporter_port), "--steps", "60",
-                                 "--fault-step", "10", "--batch-size", "8", "--no-progress", "--linger", "240"],
-                                cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        demo = subprocess.Popen(
+            [
+                lossbeat,
+                "demo",
+                "--fault",
+                "nan",
+                "--port",
+                str(exporter_port),
+                "--steps",
+                "60",
+                "--fault-step",
+                "10",
+                "--batch-size",
+                "8",
+                "--no-progress",
+                "--linger",
+                "240",
+            ],
+            cwd=work,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline, status = time.monotonic() + 240, ""
         notifications = stack_dir / "notifications.jsonl"
         while time.monotonic() < deadline:
@@ -138,8 +233,12 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
         assert (stack_dir / "notifications.jsonl").read_text().count("TrainingLossNaN") >= 1
         # The paged alert's runbook link leads somewhere: the receiver serves the runbooks.
         rules = yaml.safe_load((stack_dir / "rules.yml").read_text())
-        url = next(r["annotations"]["runbook_url"] for g in rules["groups"] for r in g["rules"]
-                   if r.get("alert") == "TrainingLossNaN")
+        url = next(
+            r["annotations"]["runbook_url"]
+            for g in rules["groups"]
+            for r in g["rules"]
+            if r.get("alert") == "TrainingLossNaN"
+        )
         page, _, anchor = url.partition("#")
         with urllib.request.urlopen(page, timeout=10) as resp:
             assert f'id="{anchor}"' in resp.read().decode()
@@ -147,8 +246,14 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
         if demo is not None:
             demo.terminate()
             demo.wait(timeout=60)
-        down = subprocess.run([lossbeat, "stack", "down", "--dir", str(stack_dir)], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=600)
+        down = subprocess.run(
+            [lossbeat, "stack", "down", "--dir", str(stack_dir)],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert down.returncode == 0, down.stderr
     ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
     assert not [l for l in ps.splitlines() if str(stack_dir) in l and " Z" not in l], "stack processes survived"

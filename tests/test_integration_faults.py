@@ -26,7 +26,9 @@ def _samples(monitor: Monitor) -> dict[str, dict[tuple, float]]:
     out: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(generate_latest(monitor.registry).decode()):
         for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("rank", "run_id")))] = s.value
+            out.setdefault(s.name, {})[
+                tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("rank", "run_id")))
+            ] = s.value
     return out
 
 
@@ -107,8 +109,9 @@ _DDP = textwrap.dedent("""
 
 
 def test_ddp_layer_names_are_the_models_own_without_module(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _DDP, str(tmp_path / "store")], capture_output=True, text=True,
-                          timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", _DDP, str(tmp_path / "store")], capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr
     lines = {" ".join(line.split(" ", 2)[:2]): line.split(" ", 2)[2] for line in done.stdout.splitlines()}
     assert lines["plain None"] == lines["ddp None"] == "['0', '2.0']"
@@ -135,8 +138,9 @@ def _hf_callback(monitor: Monitor, max_grad_norm: float, optimizer=None, model=N
     from lossbeat.integrations.hf import LossbeatCallback
 
     callback = LossbeatCallback(monitor)
-    args = TrainingArguments(output_dir="/tmp/lossbeat-hf-faults", max_grad_norm=max_grad_norm, report_to=[],
-                             use_cpu=True)
+    args = TrainingArguments(
+        output_dir="/tmp/lossbeat-hf-faults", max_grad_norm=max_grad_norm, report_to=[], use_cpu=True
+    )
     state, control = TrainerState(), TrainerControl()
     callback.on_train_begin(args, state, control, model=model, optimizer=optimizer)
     return callback, args, state, control

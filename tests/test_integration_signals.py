@@ -31,8 +31,9 @@ def _hf_trainer(tmp_path, extra_logs, *, custom_loss: bool, compute_metrics=None
             if not custom_loss:
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             logits = model(input_ids=inputs["input_ids"]).logits  # no labels: the output has no loss
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
-                                                     inputs["labels"][:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)), inputs["labels"][:, 1:].reshape(-1)
+            )
             return (loss, logits) if return_outputs else loss
 
         def log(self, logs, start_time=None):
@@ -43,12 +44,27 @@ def _hf_trainer(tmp_path, extra_logs, *, custom_loss: bool, compute_metrics=None
     monitor = Monitor(MonitorConfig(port=0), serve=False)
     callback = LossbeatCallback(monitor)
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=1,
-        eval_strategy="steps", eval_steps=3, learning_rate=1e-3, report_to=[], use_cpu=True,
-        save_strategy="no", disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
     )
-    trainer = TaskTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32, 1), eval_dataset=Tokens(8, 2),
-                          callbacks=[callback], compute_metrics=compute_metrics)
+    trainer = TaskTrainer(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=Tokens(32, 1),
+        eval_dataset=Tokens(8, 2),
+        callbacks=[callback],
+        compute_metrics=compute_metrics,
+    )
     trainer.train()
     logged = [r for r in trainer.state.log_history if "loss" in r]
     evals = [r for r in trainer.state.log_history if "eval_loss" in r]
@@ -58,8 +74,14 @@ def _hf_trainer(tmp_path, extra_logs, *, custom_loss: bool, compute_metrics=None
 def test_hf_trainer_grpo_like_logs_detect_rl_and_export_the_collapsed_reward_spread(tmp_path):
     """A custom compute_loss (as GRPO's) leaves the callback observing logged records: each with its
     reward, reward_std, frac_reward_zero_std and kl."""
-    rl = lambda step: {"reward": 0.25 + 0.01 * step, "reward_std": 0.0, "frac_reward_zero_std": 1.0,  # noqa: E731
-                       "kl": 0.002 * step, "completions/mean_length": 64.0, "clip_ratio/region_mean": 0.0}
+    rl = lambda step: {
+        "reward": 0.25 + 0.01 * step,
+        "reward_std": 0.0,
+        "frac_reward_zero_std": 1.0,  # noqa: E731
+        "kl": 0.002 * step,
+        "completions/mean_length": 64.0,
+        "clip_ratio/region_mean": 0.0,
+    }
     monitor, callback, logged, _ = _hf_trainer(tmp_path, rl, custom_loss=True)
     s = registry_samples(monitor)
     assert callback.observed_steps == 0 and sample_value(s, "training_steps_total") == len(logged) == 6
@@ -79,13 +101,19 @@ def test_hf_trainer_grpo_like_logs_detect_rl_and_export_the_collapsed_reward_spr
 def test_hf_trainer_per_step_passes_dpo_logs_with_the_next_step_and_eval_metrics_with_the_eval(tmp_path):
     """The model's own loss (per-step mode): a log follows its step's observe, so its values go
     with the next step's; compute_metrics' eval_accuracy goes with observe_eval."""
+
     def accuracy(pred):
         logits, labels = pred.predictions, pred.label_ids
         logits = logits[0] if isinstance(logits, tuple) else logits
         return {"accuracy": float((logits[:, :-1].argmax(-1) == labels[:, 1:]).mean())}
 
-    dpo = lambda step: {"rewards/chosen": 0.1 * step, "rewards/rejected": -0.1 * step,  # noqa: E731
-                        "rewards/margins": 0.2 * step, "rewards/accuracies": 0.5 + 0.05 * step, "logps/chosen": -40.0}
+    dpo = lambda step: {
+        "rewards/chosen": 0.1 * step,
+        "rewards/rejected": -0.1 * step,  # noqa: E731
+        "rewards/margins": 0.2 * step,
+        "rewards/accuracies": 0.5 + 0.05 * step,
+        "logps/chosen": -40.0,
+    }
     monitor, callback, logged, evals = _hf_trainer(tmp_path, dpo, custom_loss=False, compute_metrics=accuracy)
     s = registry_samples(monitor)
     assert callback.observed_steps == 6
@@ -93,7 +121,9 @@ def test_hf_trainer_per_step_passes_dpo_logs_with_the_next_step_and_eval_metrics
     assert info["profile"] == "preference" and info["source"] == "detected"
     passed = logged[-2]  # the log of step 5 went with step 6's observe; step 6's has no step after it
     assert sample_value(s, "training_signal", signal="margins") == pytest.approx(passed["rewards/margins"])
-    assert sample_value(s, "training_signal", signal="preference_accuracy") == pytest.approx(passed["rewards/accuracies"])
+    assert sample_value(s, "training_signal", signal="preference_accuracy") == pytest.approx(
+        passed["rewards/accuracies"]
+    )
     assert monitor.history.signals["margins"].count == 5
     assert len(evals) == 2 and "eval_accuracy" in evals[-1]
     assert sample_value(s, "training_signal", signal="eval_accuracy") == pytest.approx(evals[-1]["eval_accuracy"])
@@ -133,9 +163,19 @@ def test_lightning_logged_values_reach_the_monitor_each_step():
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     monitor = Monitor(MonitorConfig(port=0), serve=False)
     module = Policy()
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=6,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[LossbeatCallback(monitor)],
-                        val_check_interval=3, limit_val_batches=1, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        max_steps=6,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[LossbeatCallback(monitor)],
+        val_check_interval=3,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, data, data)
     s = registry_samples(monitor)
     assert _profile(s)["profile"] == "rl"
@@ -150,15 +190,28 @@ def test_lightning_logged_values_reach_the_monitor_each_step():
 
 def test_task_metrics_passes_signals_each_time_other_names_once_and_keeps_train_and_eval_apart():
     passed: set[str] = set()
-    logs = {"loss": 0.7, "grad_norm": 1.0, "learning_rate": 1e-4, "epoch": 0.1, "reward": 0.5,
-            "completions/mean_length": 80.0, "eval_loss": 0.6, "note": "text", "kl": torch.tensor(0.01)}
+    logs = {
+        "loss": 0.7,
+        "grad_norm": 1.0,
+        "learning_rate": 1e-4,
+        "epoch": 0.1,
+        "reward": 0.5,
+        "completions/mean_length": 80.0,
+        "eval_loss": 0.6,
+        "note": "text",
+        "kl": torch.tensor(0.01),
+    }
     first = task_metrics(logs, passed)
     assert list(first) == ["reward", "kl", "completions/mean_length", "note"]  # signals first
     assert first["reward"] == 0.5 and first["completions/mean_length"] is None and first["note"] is None
     assert isinstance(first["kl"], torch.Tensor)  # not read: the step's transfer carries it
     assert task_metrics(logs, passed) == {"reward": 0.5, "kl": first["kl"]}
     assert task_metrics({"reward": "high"}, passed) == {"reward": None}  # not a number: absent, never raised
-    evaluation = task_metrics({"eval_loss": 0.6, "eval_accuracy": 0.8, "eval_runtime": 1.0, "epoch": 1.0},
-                              passed, evaluation=True, skip="eval_loss")
+    evaluation = task_metrics(
+        {"eval_loss": 0.6, "eval_accuracy": 0.8, "eval_runtime": 1.0, "epoch": 1.0},
+        passed,
+        evaluation=True,
+        skip="eval_loss",
+    )
     assert evaluation == {"eval_accuracy": 0.8, "eval_runtime": None}
     assert task_metrics({"loss": 1.0, "epoch": 1.0}, passed) is None

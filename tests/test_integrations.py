@@ -13,8 +13,6 @@ from conftest import registry_samples, require_module, sample_value
 from lossbeat.monitor import Monitor, MonitorConfig
 
 
-
-
 def _layers(samples: dict) -> dict[str, float]:
     return {dict(k)["layer"]: v for k, v in samples.get("training_layer_grad_norm", {}).items()}
 
@@ -42,12 +40,24 @@ def _hf_run(tmp_path, *, per_step: bool, max_grad_norm: float = 0.05):
     monitor.measure_gradients = counted_measure
     callback = LossbeatCallback(monitor, per_step=per_step)
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        logging_steps=1, eval_strategy="steps", eval_steps=3, learning_rate=1e-3, max_grad_norm=max_grad_norm,
-        report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        learning_rate=1e-3,
+        max_grad_norm=max_grad_norm,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 1), eval_dataset=Tokens(8, 2),
-                      callbacks=[callback])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Tokens(64, 1), eval_dataset=Tokens(8, 2), callbacks=[callback]
+    )
     trainer.train()
     logged = [r for r in trainer.state.log_history if "loss" in r]
     evals = [r for r in trainer.state.log_history if "eval_loss" in r]
@@ -196,8 +206,16 @@ def _fit_lightning(make_module, samples: int, *, validate: bool = False, **train
     monitor = Monitor(MonitorConfig(port=0), serve=False)
     callback = LossbeatCallback(monitor)
     module = make_module()
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **trainer_args)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        **trainer_args,
+    )
     trainer.fit(module, data, data if validate else None)
     return trainer, module, monitor, callback
 
@@ -205,8 +223,14 @@ def _fit_lightning(make_module, samples: int, *, validate: bool = False, **train
 def test_lightning_callback_observes_each_optimizer_step_with_unclipped_norms():
     Regressor = _lightning_module()
     trainer, module, monitor, callback = _fit_lightning(
-        Regressor, 64, validate=True, max_steps=6, val_check_interval=4, limit_val_batches=2,
-        accumulate_grad_batches=2, gradient_clip_val=0.01,
+        Regressor,
+        64,
+        validate=True,
+        max_steps=6,
+        val_check_interval=4,
+        limit_val_batches=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.01,
     )
 
     s = registry_samples(monitor)
@@ -254,8 +278,9 @@ def test_lightning_fp16_scaler_overflow_is_counted_not_paged():
             return loss * 1e30 if batch_idx == 2 else loss  # overflows fp16 in backward
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # small enough for this loss in fp16
-    _, _, monitor, _ = _fit_lightning(Overflowing, 48, max_epochs=1, limit_val_batches=0,
-                                      plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    _, _, monitor, _ = _fit_lightning(
+        Overflowing, 48, max_epochs=1, limit_val_batches=0, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    )
 
     s = registry_samples(monitor)
     assert sample_value(s, "training_steps_total") == 6
@@ -317,13 +342,24 @@ def test_hf_fp16_with_clipping_measures_before_the_clip_and_exports_each_steps_e
             epochs.append((monitor.state.epoch, state.epoch))
 
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=7, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        logging_steps=1, learning_rate=1e-3, max_grad_norm=0.05, fp16=True, report_to=[], use_cpu=True,
-        save_strategy="no", disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path),
+        max_steps=7,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        max_grad_norm=0.05,
+        fp16=True,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
     )
     # 20 samples: 5 micro-batches per epoch, the last step of each epoch has one.
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(20, 1),
-                      callbacks=[LossbeatCallback(monitor), Epochs()])
+    trainer = Trainer(
+        model=tiny_gpt2(), args=args, train_dataset=Tokens(20, 1), callbacks=[LossbeatCallback(monitor), Epochs()]
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True
     trainer.train()
@@ -358,8 +394,16 @@ def test_a_failing_flush_at_train_end_is_counted_not_raised_into_the_trainer(tmp
     monitor = _FailingFlush(MonitorConfig(port=0), serve=False)
     x = torch.randn(32, 8)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[LightningCallback(monitor)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[LightningCallback(monitor)],
+    )
     trainer.fit(Regressor(), data)  # on_train_end flushes: no exception escapes
     assert trainer.global_step == 3
     assert monitor.state.errors["observe"] == 1
@@ -371,8 +415,15 @@ def test_a_failing_flush_at_train_end_is_counted_not_raised_into_the_trainer(tmp
     from lossbeat.integrations.hf import LossbeatCallback as HFCallback
 
     hf_monitor = _FailingFlush(MonitorConfig(port=0), serve=False)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
-                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(16, 1), callbacks=[HFCallback(hf_monitor)]).train()
     assert sample_value(registry_samples(hf_monitor), "training_steps_total") == 2
     assert hf_monitor.state.errors["observe"] == 1
@@ -393,14 +444,23 @@ def test_hf_callback_starts_its_exporter_when_training_begins_with_the_trainers_
         LossbeatCallback(run="x")
     callback = LossbeatCallback(port=0, addr="127.0.0.1", run_name="hf-rank-process")
     assert callback.monitor is None
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
-                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(16, 1), callbacks=[callback]).train()
     monitor = callback.monitor
     try:
         assert monitor.rank_context.source == "trainer"
         assert (monitor.rank_context.rank, monitor.rank_context.world_size) == (args.process_index, args.world_size)
         body = urllib.request.urlopen(f"http://127.0.0.1:{monitor.port}/metrics", timeout=10).read().decode()
-        assert re.search(r'training_steps_total{rank="0",run_id="[^"]*"} 2\.0', body) and 'run="hf-rank-process"' in body
+        assert (
+            re.search(r'training_steps_total{rank="0",run_id="[^"]*"} 2\.0', body) and 'run="hf-rank-process"' in body
+        )
     finally:
         monitor.close()

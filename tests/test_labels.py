@@ -39,16 +39,25 @@ def labels_of(text: str, parse=text_string_to_metric_families) -> dict[str, set[
 
 def test_nasty_label_values_are_escaped_and_parse_back(tmp_path):
     model = nasty_model()
-    optimizer = torch.optim.SGD([{"params": [p], "name": NASTY[i % len(NASTY)]}
-                                 for i, p in enumerate(model.parameters())], lr=0.1)
+    optimizer = torch.optim.SGD(
+        [{"params": [p], "name": NASTY[i % len(NASTY)]} for i, p in enumerate(model.parameters())], lr=0.1
+    )
     run_name = 'run "α"\\\nβ'
     with Monitor(MonitorConfig(port=0, addr="127.0.0.1", run_name=run_name, layer_depth=None)) as m:
         sum(layer(torch.ones(1, 2)).sum() for layer in model.children()).backward()
         m.observe(1, loss=1.0, optimizer=optimizer, model=model, losses={name: 0.5 for name in NASTY})
         body = urllib.request.urlopen(f"http://127.0.0.1:{m.port}/metrics", timeout=10).read().decode()
-        openmetrics = urllib.request.urlopen(urllib.request.Request(
-            f"http://127.0.0.1:{m.port}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}),
-            timeout=10).read().decode()
+        openmetrics = (
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    f"http://127.0.0.1:{m.port}/metrics",
+                    headers={"Accept": "application/openmetrics-text; version=1.0.0"},
+                ),
+                timeout=10,
+            )
+            .read()
+            .decode()
+        )
 
     expected_layers = {n.replace(".", "_") for n in NASTY if n}
     for text, parse in ((body, text_string_to_metric_families), (openmetrics, openmetrics_families)):

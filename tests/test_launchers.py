@@ -23,9 +23,23 @@ from test_distributed import scrape
 WORKER = str(Path(__file__).with_name("launch_worker.py"))
 LIGHTNING_WORKER = str(Path(__file__).with_name("lightning_launch_worker.py"))
 LAUNCHER_VARIABLES = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MASTER_ADDR", "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MPI_LOCALRANKID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
 )
 
 
@@ -38,9 +52,16 @@ def clean_env(**variables: object) -> dict[str, str]:
 def run_ranks(tmp_path: Path, launches: list[tuple[list[str], dict[str, str]]], ranks: list[int]) -> dict[int, dict]:
     """Starts each (script and arguments, environment) worker, waits for ``ready.<rank>`` of every
     rank, scrapes each rank's port; returns {rank: {"ready": ..., "metrics": ...}}."""
-    jobs = [subprocess.Popen([sys.executable, *argv, "--dir", str(tmp_path)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for argv, env in launches]
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, *argv, "--dir", str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for argv, env in launches
+    ]
     out: dict[int, dict] = {}
     try:
         deadline = time.monotonic() + 400  # a hang guard: several ranks import torch at once
@@ -83,18 +104,45 @@ NODE_OF_TWO = [
     # srun --ntasks 4 --ntasks-per-node 2: this node runs tasks 2 and 3.
     ("srun", lambda i: {"SLURM_PROCID": 2 + i, "SLURM_LOCALID": i, "SLURM_NTASKS": 4}, [2, 3], 4, "slurm"),
     # mpirun -np 4 inside an sbatch script: the batch step's SLURM_PROCID=0 is inherited by every rank.
-    ("mpirun (Open MPI) in sbatch",
-     lambda i: {"OMPI_COMM_WORLD_RANK": 2 + i, "OMPI_COMM_WORLD_LOCAL_RANK": i, "OMPI_COMM_WORLD_SIZE": 4,
-                "SLURM_PROCID": 0, "SLURM_LOCALID": 0, "SLURM_NTASKS": 1}, [2, 3], 4, "openmpi"),
+    (
+        "mpirun (Open MPI) in sbatch",
+        lambda i: {
+            "OMPI_COMM_WORLD_RANK": 2 + i,
+            "OMPI_COMM_WORLD_LOCAL_RANK": i,
+            "OMPI_COMM_WORLD_SIZE": 4,
+            "SLURM_PROCID": 0,
+            "SLURM_LOCALID": 0,
+            "SLURM_NTASKS": 1,
+        },
+        [2, 3],
+        4,
+        "openmpi",
+    ),
     ("mpiexec (MPICH, Intel MPI)", lambda i: {"PMI_RANK": i, "PMI_SIZE": 2, "MPI_LOCALRANKID": i}, [0, 1], 2, "mpich"),
     # Lightning's subprocess launcher: LOCAL_RANK, NODE_RANK, WORLD_SIZE and no RANK.
     ("Lightning launcher", lambda i: {"LOCAL_RANK": i, "NODE_RANK": 0, "WORLD_SIZE": 2}, [0, 1], 2, "lightning"),
-    ("Lightning launcher, node 1 of 2",
-     lambda i: {"LOCAL_RANK": i, "NODE_RANK": 1, "WORLD_SIZE": 4, "LOCAL_WORLD_SIZE": 2}, [2, 3], 4, "lightning"),
+    (
+        "Lightning launcher, node 1 of 2",
+        lambda i: {"LOCAL_RANK": i, "NODE_RANK": 1, "WORLD_SIZE": 4, "LOCAL_WORLD_SIZE": 2},
+        [2, 3],
+        4,
+        "lightning",
+    ),
     # torchrun started by srun --ntasks-per-node 1: torchrun's variables win over the step's.
-    ("torchrun under srun",
-     lambda i: {"RANK": 2 + i, "LOCAL_RANK": i, "WORLD_SIZE": 4, "SLURM_PROCID": 1, "SLURM_LOCALID": 0,
-                "SLURM_NTASKS": 2}, [2, 3], 4, "torchrun"),
+    (
+        "torchrun under srun",
+        lambda i: {
+            "RANK": 2 + i,
+            "LOCAL_RANK": i,
+            "WORLD_SIZE": 4,
+            "SLURM_PROCID": 1,
+            "SLURM_LOCALID": 0,
+            "SLURM_NTASKS": 2,
+        },
+        [2, 3],
+        4,
+        "torchrun",
+    ),
 ]
 
 
@@ -108,18 +156,28 @@ def test_each_launcher_gives_each_rank_its_port_and_rank_label(tmp_path, launche
 
 def test_srun_ranks_that_start_a_process_group_keep_slurms_local_rank(tmp_path):
     base = free_ports(2)
-    launches = [([WORKER, "group", "--port", str(base), "--rank", str(i), "--world", "2"],
-                 clean_env(SLURM_PROCID=i, SLURM_LOCALID=i, SLURM_NTASKS=2)) for i in range(2)]
+    launches = [
+        (
+            [WORKER, "group", "--port", str(base), "--rank", str(i), "--world", "2"],
+            clean_env(SLURM_PROCID=i, SLURM_LOCALID=i, SLURM_NTASKS=2),
+        )
+        for i in range(2)
+    ]
     assert_served(run_ranks(tmp_path, launches, [0, 1]), base, {0: (0, 2), 1: (1, 2)}, "slurm")
 
 
-@pytest.mark.parametrize("inherited", [{}, {"SLURM_PROCID": 0, "SLURM_LOCALID": 0, "SLURM_NTASKS": 1}],
-                         ids=["no launcher variables", "spawned by one srun task"])
+@pytest.mark.parametrize(
+    "inherited",
+    [{}, {"SLURM_PROCID": 0, "SLURM_LOCALID": 0, "SLURM_NTASKS": 1}],
+    ids=["no launcher variables", "spawned by one srun task"],
+)
 def test_multiprocessing_spawn_ranks_come_from_the_process_group(tmp_path, inherited):
     """mp.spawn + init_process_group(rank=i): no variable names the rank (or only the one srun
     task's, the same in every process); the group and its store give rank and local rank."""
     base = free_ports(2)
-    results = run_ranks(tmp_path, [([WORKER, "spawn", "--port", str(base), "--world", "2"], clean_env(**inherited))], [0, 1])
+    results = run_ranks(
+        tmp_path, [([WORKER, "spawn", "--port", str(base), "--world", "2"], clean_env(**inherited))], [0, 1]
+    )
     assert_served(results, base, {0: (0, 2), 1: (1, 2)}, "process group")
 
 

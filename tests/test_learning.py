@@ -36,16 +36,19 @@ def _final(a, check):
     return next(f for f in a.findings if f.check == check and not f.component)
 
 
-@pytest.mark.parametrize("fields, profile", [
-    (["loss", "reward", "reward_std", "frac_reward_zero_std", "kl"], "rl"),
-    (["loss", "rewards/chosen", "rewards/margins", "logps/chosen"], "preference"),
-    (["loss", "eval_loss", "eval_wer"], "seq2seq"),
-    (["loss", "eval_rouge-1"], "seq2seq"),
-    (["loss", "eval_loss", "eval_accuracy", "eval_f1"], "classification"),
-    (["loss", "eval_mnli_matthews_correlation"], "classification"),
-    (["loss", "grad_norm", "learning_rate", "train/acc_0"], None),  # a draft model's own accuracy: not a classifier
-    (["loss", "rewards/answer_reward/mean"], None),
-])
+@pytest.mark.parametrize(
+    "fields, profile",
+    [
+        (["loss", "reward", "reward_std", "frac_reward_zero_std", "kl"], "rl"),
+        (["loss", "rewards/chosen", "rewards/margins", "logps/chosen"], "preference"),
+        (["loss", "eval_loss", "eval_wer"], "seq2seq"),
+        (["loss", "eval_rouge-1"], "seq2seq"),
+        (["loss", "eval_loss", "eval_accuracy", "eval_f1"], "classification"),
+        (["loss", "eval_mnli_matthews_correlation"], "classification"),
+        (["loss", "grad_norm", "learning_rate", "train/acc_0"], None),  # a draft model's own accuracy: not a classifier
+        (["loss", "rewards/answer_reward/mean"], None),
+    ],
+)
 def test_the_profile_is_named_from_the_fields(fields, profile):
     assert detect_profile(fields).profile == profile
 
@@ -66,8 +69,14 @@ def test_an_rl_run_whose_reward_spread_collapsed_is_named_not_exploding_gradient
     zero = [(i, 0.3 if i < 100 else 1.0) for i in range(1, n + 1)]
     reward = [(i, 1.0 + 0.01 * rng.random()) for i in range(1, n + 1)]
     grads = [0.1 if i < 100 else 1e-9 for i in range(n)]
-    a = replay(_log([0.0 if i >= 100 else rng.gauss(0, 1e-3) for i in range(n)], grads,
-                    {"reward_std": std, "frac_reward_zero_std": zero, "reward": reward}), t)
+    a = replay(
+        _log(
+            [0.0 if i >= 100 else rng.gauss(0, 1e-3) for i in range(n)],
+            grads,
+            {"reward_std": std, "frac_reward_zero_std": zero, "reward": reward},
+        ),
+        t,
+    )
     f = _final(a, "learning")
     assert f.status is Status.DANGER and "learning signal collapsed" in f.message
     assert not a.reached("grad_norm", Status.DANGER) and a.counters["loss_spikes"] == 0
@@ -132,8 +141,11 @@ def test_zero_inflated_losses_count_no_spikes():
 def test_a_converged_loss_near_zero_drifting_by_noise_is_not_diverging():
     t = T.with_profile("classification")
     rng = random.Random(4)
-    losses = [0.010 * (1 + 0.5 * math.exp(-i / 500)) * (1 + 0.3 * rng.gauss(0, 1)) + (0.0015 * (i - 8000) / 2000
-              if i > 8000 else 0.0) for i in range(10000)]
+    losses = [
+        0.010 * (1 + 0.5 * math.exp(-i / 500)) * (1 + 0.3 * rng.gauss(0, 1))
+        + (0.0015 * (i - 8000) / 2000 if i > 8000 else 0.0)
+        for i in range(10000)
+    ]
     a = replay(_log(losses), t)
     assert not a.reached("loss_trend", Status.DANGER)
 
@@ -142,11 +154,17 @@ def test_a_late_regression_in_a_long_run_is_found_as_fast_as_an_early_one():
     rng = random.Random(5)
 
     def delay(start):
-        losses = [2.0 + 3.0 * math.exp(-i / 2000) + rng.gauss(0, 0.04) + (0.3 * min(1.0, (i - start) / 500)
-                  if i > start else 0.0) for i in range(start + 4000)]
+        losses = [
+            2.0
+            + 3.0 * math.exp(-i / 2000)
+            + rng.gauss(0, 0.04)
+            + (0.3 * min(1.0, (i - start) / 500) if i > start else 0.0)
+            for i in range(start + 4000)
+        ]
         a = replay(_log(losses, step0=0), T)
-        first = next((c.step for c in a.changes if c.finding.check == "loss_trend"
-                      and c.finding.status is Status.DANGER), None)
+        first = next(
+            (c.step for c in a.changes if c.finding.check == "loss_trend" and c.finding.status is Status.DANGER), None
+        )
         assert first is not None
         return first - start
 
@@ -165,8 +183,11 @@ def test_messages_say_rose_or_fell_never_a_signed_flat():
     rng = random.Random(7)
     losses = [2.0 + 0.001 * rng.gauss(0, 1) for _ in range(2000)]
     f = _final(replay(_log(losses), T), "loss_trend")
-    assert "(+" not in f.message and "(-" not in f.message and ("rose" in f.message or "fell" in f.message
-                                                               or "unchanged" in f.message)
+    assert (
+        "(+" not in f.message
+        and "(-" not in f.message
+        and ("rose" in f.message or "fell" in f.message or "unchanged" in f.message)
+    )
 
 
 REAL2 = DATA / "real-logs-2"
@@ -178,7 +199,9 @@ def test_the_score_against_the_independent_truth():
     n = totals(scores)
     # Targets reached on real-logs-2 (docs/analyze.md lists what still fails and why).
     assert n["healthy_danger"] == 0 and n["healthy_pages"] == 0
-    assert n["healthy_flapping"] == 0  # the TFT forecaster: regression named from val_MAE, its noisy val judged by its noise
+    assert (
+        n["healthy_flapping"] == 0
+    )  # the TFT forecaster: regression named from val_MAE, its noisy val judged by its noise
     assert n["wrong_dangers"] == 0
     assert n["named"] == n["faults"] == 13
     assert n["read_in_full"] == n["files"] == 23

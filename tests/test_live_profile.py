@@ -21,16 +21,25 @@ def test_rl_is_detected_from_the_metrics_observe_is_given():
     assert m._profile.name == "causal-lm"
     assert 'source="default"' in _text(m)
     for step in range(1, 30):
-        m.observe(step, loss=0.01, grad_norm=0.5,
-                  metrics={"reward": 0.1 * step, "reward_std": 0.3, "frac_reward_zero_std": 0.1, "kl": 0.01,
-                           "completions/mean_length": 200.0})
+        m.observe(
+            step,
+            loss=0.01,
+            grad_norm=0.5,
+            metrics={
+                "reward": 0.1 * step,
+                "reward_std": 0.3,
+                "frac_reward_zero_std": 0.1,
+                "kl": 0.01,
+                "completions/mean_length": 200.0,
+            },
+        )
     text = _text(m)
     assert m._judge.thresholds.profile.name == "rl"
-    assert 'training_profile_info{' in text and 'profile="rl"' in text and 'source="detected"' in text
+    assert "training_profile_info{" in text and 'profile="rl"' in text and 'source="detected"' in text
     assert 'fields="reward,reward_std,frac_reward_zero_std,kl"' in text
-    assert 'training_run_info{' in text and 'profile="rl"' in text
-    assert 'training_signal{' in text and 'signal="reward_std"' in text
-    assert "signal=\"completions/mean_length\"" not in text  # only the known signals are exported
+    assert "training_run_info{" in text and 'profile="rl"' in text
+    assert "training_signal{" in text and 'signal="reward_std"' in text
+    assert 'signal="completions/mean_length"' not in text  # only the known signals are exported
     assert m.history.signals["reward"].count == 29
     m.close()
 
@@ -78,7 +87,9 @@ def test_no_names_keeps_the_default_and_wrong_types_raise():
 def test_rl_collapse_is_judged_live():
     m = _monitor()
     for step in range(1, 80):
-        m.observe(step, loss=0.0, grad_norm=0.1, metrics={"reward": 1.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0})
+        m.observe(
+            step, loss=0.0, grad_norm=0.1, metrics={"reward": 1.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0}
+        )
     learning = next(f for f in m.report().findings if f.check == "learning")
     assert learning.status.name == "DANGER" and "collapsed" in learning.message
     m.close()

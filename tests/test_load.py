@@ -46,9 +46,14 @@ def _phase(monitor: Monitor, model, optimizer, data, step0: int, done) -> dict:
         steps.append(time.perf_counter() - t0)
         observe_times.append(t2 - t1)
         step += 1
-    return {"steps": len(steps), "step_ms_median": 1000 * statistics.median(steps),
-            "step_ms_mean": 1000 * statistics.fmean(steps), "observe_us_median": 1e6 * statistics.median(observe_times),
-            "observe_share": sum(observe_times) / sum(steps), "last_step": step}
+    return {
+        "steps": len(steps),
+        "step_ms_median": 1000 * statistics.median(steps),
+        "step_ms_mean": 1000 * statistics.fmean(steps),
+        "observe_us_median": 1e6 * statistics.median(observe_times),
+        "observe_share": sum(observe_times) / sum(steps),
+        "last_step": step,
+    }
 
 
 def test_fifty_scrapers_during_training(tmp_path):
@@ -62,16 +67,31 @@ def test_fifty_scrapers_during_training(tmp_path):
         return elapsed >= min(10.0, seconds / 3) if timed else steps >= 200
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(m for i in range(6) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())),
-                                torch.nn.Linear(256, 10))
+    model = torch.nn.Sequential(
+        *(m for i in range(6) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())), torch.nn.Linear(256, 10)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = (torch.randn(64, 256), torch.randint(0, 10, (64,)))
 
     with Monitor(MonitorConfig(port=0, addr="127.0.0.1", run_name="load")) as monitor:
         baseline = _phase(monitor, model, optimizer, data, 0, alone)
-        scrapers = subprocess.Popen([sys.executable, str(SCRAPERS), str(monitor.port), str(n), str(seconds), interval,
-                                     "--each", str(each), "--final"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        scrapers = subprocess.Popen(
+            [
+                sys.executable,
+                str(SCRAPERS),
+                str(monitor.port),
+                str(n),
+                str(seconds),
+                interval,
+                "--each",
+                str(each),
+                "--final",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
         def scrapers_stopped(steps: int, elapsed: float) -> bool:
             """Their "stopped" line is out; then they scrape once more, training paused."""
@@ -89,10 +109,20 @@ def test_fifty_scrapers_during_training(tmp_path):
 
     assert scrapers.returncode == 0 and stopped == "stopped\n", (stopped, err)
     result = json.loads(out)
-    report = {"seconds": seconds if timed else None, "each": each, "scrapers": n, "interval": float(interval), "baseline": baseline, "under_load": loaded, "after": after,
-              "scrape": result, "exporter_errors": errors,
-              "step_slowdown": loaded["step_ms_median"] / statistics.fmean(
-                  [baseline["step_ms_median"], after["step_ms_median"]]) - 1}
+    report = {
+        "seconds": seconds if timed else None,
+        "each": each,
+        "scrapers": n,
+        "interval": float(interval),
+        "baseline": baseline,
+        "under_load": loaded,
+        "after": after,
+        "scrape": result,
+        "exporter_errors": errors,
+        "step_slowdown": loaded["step_ms_median"]
+        / statistics.fmean([baseline["step_ms_median"], after["step_ms_median"]])
+        - 1,
+    }
     if os.environ.get("LOSSBEAT_LOAD_REPORT"):
         Path(os.environ["LOSSBEAT_LOAD_REPORT"]).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

@@ -26,6 +26,7 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 # --- HF Trainer stdout ------------------------------------------------------------------------------
 
+
 def _hf(loss: float, epoch: float, quoted: bool = False) -> str:
     if quoted:  # transformers >= 4.5x: every value formatted as a string
         return f"{{'loss': '{loss:.4g}', 'grad_norm': '0.7695', 'learning_rate': '2.262e-05', 'epoch': '{epoch:.4g}'}}"
@@ -50,18 +51,33 @@ def test_hf_stdout_string_values_and_an_epoch_going_back_without_a_bar(tmp_path)
     dicts += [_hf(2.8 - i / 10, (i + 1) / 10, quoted=True) for i in range(3)]  # a second run
     log = parse_log(write(tmp_path, "out.log", "\n".join(dicts) + "\n"))
     first, second = log.segments
-    assert [(r.step, r.loss, r.grad_norm, r.epoch) for r in first.train][:2] == [(1, 2.9, 0.7695, 0.1), (2, 2.8, 0.7695, 0.2)]
+    assert [(r.step, r.loss, r.grad_norm, r.epoch) for r in first.train][:2] == [
+        (1, 2.9, 0.7695, 0.1),
+        (2, 2.8, 0.7695, 0.2),
+    ]
     assert first.train[0].learning_rate == pytest.approx(2.262e-05)
     assert len(first.train) == 4 and len(second.train) == 3 and not log.counts.unreadable
 
 
 def test_hf_stdout_in_a_notebook_and_in_a_kaggle_stream(tmp_path):
     texts = [_hf(3.0 - i / 10, i / 10) + "\n" for i in range(1, 7)] + ["{'eval_loss': 2.5, 'epoch': 0.6}\n"]
-    notebook = {"cells": [{"cell_type": "code", "source": ["trainer.train()"],
-                           "outputs": [{"name": "stdout", "output_type": "stream", "text": texts}]}]}
+    notebook = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "source": ["trainer.train()"],
+                "outputs": [{"name": "stdout", "output_type": "stream", "text": texts}],
+            }
+        ]
+    }
     nb = write(tmp_path, "train.ipynb", json.dumps(notebook, indent=1))
-    kaggle = write(tmp_path, "kaggle.log", "[" + "\n,".join(
-        json.dumps({"stream_name": "stdout", "time": 10.0 + i, "data": t}) for i, t in enumerate(texts)) + "]\n")
+    kaggle = write(
+        tmp_path,
+        "kaggle.log",
+        "["
+        + "\n,".join(json.dumps({"stream_name": "stdout", "time": 10.0 + i, "data": t}) for i, t in enumerate(texts))
+        + "]\n",
+    )
     for path in (nb, kaggle):
         log = parse_log(path)
         assert log.format == "hf-stdout"
@@ -81,6 +97,7 @@ def test_nanogpt_prints_inside_a_notebook_are_read(tmp_path):
 
 # --- Lightning metrics.csv ----------------------------------------------------------------------------
 
+
 def test_lightning_user_named_loss_column_is_read_nan_included(tmp_path):
     rows = ["step,epoch,mean_loss,val_acc"]
     rows += [f"{s},{s // 10},{'nan' if s >= 20 else 2.0 - s / 30}," for s in range(30)]
@@ -97,27 +114,33 @@ def test_lightning_loss_column_chosen_by_name_and_the_rest_listed(tmp_path):
     log = parse_log(write(tmp_path, "metrics.csv", "\n".join(rows) + "\n"))
     assert [r.loss for r in log.train][:2] == [2.0, 1.99]
     assert [(e.step, e.loss) for e in log.evals] == [(9, 1.7)]
-    assert ("train loss from column 'train/total_loss'; other loss columns, not read: train/ce_loss, train/aux_loss"
-            in log.notes)
+    assert (
+        "train loss from column 'train/total_loss'; other loss columns, not read: train/ce_loss, train/aux_loss"
+        in log.notes
+    )
     assert "eval loss from column 'val/total_loss'" in log.notes
 
 
 # --- line prefixes ------------------------------------------------------------------------------------
 
+
 def _llmc(step: int) -> str:
     return f"step {step:4d}/100 | loss {7 - step / 10:.6f} (+0.00z)| norm 1.2000 (+0.00z)| lr 6.00e-04 | 120.00 ms\n"
 
 
-@pytest.mark.parametrize("prefix", [
-    lambda i: "0: ",  # srun --label
-    lambda i: f"[rank{i % 2}]:",  # torchrun --log-dir / --tee
-    lambda i: f"[default{i % 2}]:",  # torchrun's local ranks
-    lambda i: f"2024-05-01 12:00:{i:02d},123 - INFO - ",  # logging's default format
-    lambda i: f"[2024-05-01 12:00:{i:02d}] ",
-    lambda i: f"[rank0]:[titan] 2024-05-01 12:00:{i:02d},657 - root - INFO - \x1b[31m",
-    lambda i: f"[2024-05-01 12:00:{i:02d},123][__main__][INFO] - ",  # Hydra's job logging
-    lambda i: f"I0501 12:00:{i:02d}.123456 140231 train.py:88] ",  # absl / glog
-])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        lambda i: "0: ",  # srun --label
+        lambda i: f"[rank{i % 2}]:",  # torchrun --log-dir / --tee
+        lambda i: f"[default{i % 2}]:",  # torchrun's local ranks
+        lambda i: f"2024-05-01 12:00:{i:02d},123 - INFO - ",  # logging's default format
+        lambda i: f"[2024-05-01 12:00:{i:02d}] ",
+        lambda i: f"[rank0]:[titan] 2024-05-01 12:00:{i:02d},657 - root - INFO - \x1b[31m",
+        lambda i: f"[2024-05-01 12:00:{i:02d},123][__main__][INFO] - ",  # Hydra's job logging
+        lambda i: f"I0501 12:00:{i:02d}.123456 140231 train.py:88] ",  # absl / glog
+    ],
+)
 def test_prefixed_lines_are_read_every_one(tmp_path, prefix):
     # half the lines prefixed, half not: every record is read, not only the clean ones
     lines = [(prefix(i) if i % 2 == 0 else "") + _llmc(i) for i in range(1, 21)]
@@ -137,16 +160,22 @@ def test_prefixed_nanogpt_and_speedrun_lines(tmp_path):
 
 # --- new formats, from each project's print statements ------------------------------------------------
 
+
 def test_build_nanogpt_stdout_and_log_txt(tmp_path):
     # print(f"step {step:5d} | loss: {loss_accum.item():.6f} | lr {lr:.4e} | norm: {norm:.4f} | dt: {dt*1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}")
     # print(f"validation loss: {val_loss_accum.item():.4f}")  (before the step is trained)
     lines = ["nohup: ignoring input", "using device: cuda"]
     for step in range(12):
         if step % 5 == 0:
-            lines += [f"validation loss: {11 - step / 5:.4f}", "HellaSwag accuracy: 2486/10042=0.2476",
-                      "rank 0 sample 0: Hello, I'm a language model,"]
-        lines.append(f"step {step:5d} | loss: {10.955 - step / 10:.6f} | lr {6e-4 * (step + 1) / 715:.4e} | "
-                     f"norm: {15.34 / (step + 1):.4f} | dt: 4738.40ms | tok/sec: 110646.69")
+            lines += [
+                f"validation loss: {11 - step / 5:.4f}",
+                "HellaSwag accuracy: 2486/10042=0.2476",
+                "rank 0 sample 0: Hello, I'm a language model,",
+            ]
+        lines.append(
+            f"step {step:5d} | loss: {10.955 - step / 10:.6f} | lr {6e-4 * (step + 1) / 715:.4e} | "
+            f"norm: {15.34 / (step + 1):.4f} | dt: 4738.40ms | tok/sec: 110646.69"
+        )
     path = write(tmp_path, "train.log", "\n".join(lines) + "\n")
     assert detect_format(path) == "build-nanogpt"
     log = parse_log(path)
@@ -168,19 +197,29 @@ def test_nanochat_base_mid_and_sft_are_three_runs(tmp_path):
     # print0(f"Step {step:05d} | Validation bpb: {val_bpb:.4f}"); mid_train drops the total;
     # chat_sft: print0(f"Step {step:05d}/{num_iterations:05d} | Training loss: {train_loss_item:.6f}| lrm: {lrm:.6f}| ...")
     lines = ["Step 00000 | Validation bpb: 3.2987"]
-    lines += [f"step {s:05d}/00010 ({s * 10:.2f}%) | loss: {11 - s / 2:.6f} | lrm: 1.00 | dt: 874.40ms | "
-              f"tok/sec: 299,799 | mfu: 52.92 | total time: 0.00m" for s in range(10)]
+    lines += [
+        f"step {s:05d}/00010 ({s * 10:.2f}%) | loss: {11 - s / 2:.6f} | lrm: 1.00 | dt: 874.40ms | "
+        f"tok/sec: 299,799 | mfu: 52.92 | total time: 0.00m"
+        for s in range(10)
+    ]
     lines += ["Step 00010 | Validation bpb: 0.8155", "Step 00000 | Validation bpb: 0.7004"]
-    lines += [f"step {s:05d} ({s * 20:.2f}%) | loss: {1.7 - s / 20:.6f} | lrm: 1.00 | dt: 900.00ms | tok/sec: 14,766 | "
-              f"mfu: 2.61 | total time: 0.00m" for s in range(1, 6)]
+    lines += [
+        f"step {s:05d} ({s * 20:.2f}%) | loss: {1.7 - s / 20:.6f} | lrm: 1.00 | dt: 900.00ms | tok/sec: 14,766 | "
+        f"mfu: 2.61 | total time: 0.00m"
+        for s in range(1, 6)
+    ]
     lines += ["Step 00000 | Validation loss: 1.010513"]
-    lines += [f"Step {s:05d}/00004 | Training loss: {0.9 - s / 50:.6f}| lrm: 1.000000| num_tokens: 12,345" for s in range(4)]
+    lines += [
+        f"Step {s:05d}/00004 | Training loss: {0.9 - s / 50:.6f}| lrm: 1.000000| num_tokens: 12,345" for s in range(4)
+    ]
     path = write(tmp_path, "speedrun.log", "\n".join(lines) + "\n")
     assert detect_format(path) == "nanochat"
     base, mid, sft = parse_log(path).segments
     assert [len(s.train) for s in (base, mid, sft)] == [10, 5, 4]
     assert [(e.step, e.loss, e.group) for e in base.evals] == [(0, 3.2987, "bpb"), (10, 0.8155, "bpb")]
-    assert [(e.step, e.loss) for e in mid.evals] == [(0, 0.7004)] and [(e.step, e.loss) for e in sft.evals] == [(0, 1.010513)]
+    assert [(e.step, e.loss) for e in mid.evals] == [(0, 0.7004)] and [(e.step, e.loss) for e in sft.evals] == [
+        (0, 1.010513)
+    ]
     assert base.train[0].learning_rate is None and any("'lrm'" in n for n in base.notes)
 
 
@@ -189,23 +228,38 @@ def test_olmo_and_olmo_core_console_metrics(tmp_path):
     # prefix = f"[step={self.global_step}/{self.max_steps},epoch={self.epoch}]"
     olmo = []
     for s in range(1, 6):
-        olmo += [f"2024-05-01 12:00:0{s}.123\tnode01:0\tolmo.train:967\tINFO\t[step={s}/100,epoch=0]",
-                 f"    train/CrossEntropyLoss={10 - s:.3f}", f"    train/Perplexity={2 ** (10 - s):.1f}",
-                 f"    optim/total_grad_norm={1 / s:.4f}", "    throughput/device/tokens_per_second=12,345"]
+        olmo += [
+            f"2024-05-01 12:00:0{s}.123\tnode01:0\tolmo.train:967\tINFO\t[step={s}/100,epoch=0]",
+            f"    train/CrossEntropyLoss={10 - s:.3f}",
+            f"    train/Perplexity={2 ** (10 - s):.1f}",
+            f"    optim/total_grad_norm={1 / s:.4f}",
+            "    throughput/device/tokens_per_second=12,345",
+        ]
     # eval: log.info(f"[eval_step={eval_step + 1}/{num_eval_batches}]"), then
     # self.log_metrics_to_console(f"{evaluator.label}", metrics) with keys "eval/{label}/CrossEntropyLoss"
-    olmo += ["2024-05-01 12:00:09.123\tnode01:0\tolmo.train:1000\tINFO\t[eval_step=5/10]",
-             "2024-05-01 12:00:09.123\tnode01:0\tolmo.train:1000\tINFO\t[eval_step=10/10]",
-             "2024-05-01 12:00:10.123\tnode01:0\tolmo.train:1000\tINFO\tc4_en-validation",
-             "    eval/c4_en-validation/CrossEntropyLoss=5.100", "    eval/c4_en-validation/Perplexity=164.0"]
+    olmo += [
+        "2024-05-01 12:00:09.123\tnode01:0\tolmo.train:1000\tINFO\t[eval_step=5/10]",
+        "2024-05-01 12:00:09.123\tnode01:0\tolmo.train:1000\tINFO\t[eval_step=10/10]",
+        "2024-05-01 12:00:10.123\tnode01:0\tolmo.train:1000\tINFO\tc4_en-validation",
+        "    eval/c4_en-validation/CrossEntropyLoss=5.100",
+        "    eval/c4_en-validation/Perplexity=164.0",
+    ]
     log = parse_log(write(tmp_path, "olmo.log", "\n".join(olmo) + "\n"))
-    assert log.format == "olmo" and [(r.step, r.loss, r.grad_norm) for r in log.train][:2] == [(1, 9.0, 1.0), (2, 8.0, 0.5)]
+    assert log.format == "olmo" and [(r.step, r.loss, r.grad_norm) for r in log.train][:2] == [
+        (1, 9.0, 1.0),
+        (2, 8.0, 0.5),
+    ]
     assert len(log.train) == 5 and [(e.step, e.loss, e.group) for e in log.evals] == [(5, 5.1, "c4_en-validation")]
     # OLMo-core: "train/CE loss", "optim/total grad norm", eval losses in the step's own block
     core = []
     for s in (10, 20, 30):
-        core += [f"[step={s}/1000,epoch=0]", f"    train/CE loss={4 - s / 100:.3f}", "    train/PPL=30.1",
-                 "    optim/total grad norm=0.2300", "    optim/LR (group 0)=6.00E-04"]
+        core += [
+            f"[step={s}/1000,epoch=0]",
+            f"    train/CE loss={4 - s / 100:.3f}",
+            "    train/PPL=30.1",
+            "    optim/total grad norm=0.2300",
+            "    optim/LR (group 0)=6.00E-04",
+        ]
     core += ["    eval/lm/c4_en-validation/CE loss=3.900"]
     log = parse_log(write(tmp_path, "olmo-core.log", "\n".join(core) + "\n"))
     assert log.format == "olmo" and [r.step for r in log.train] == [10, 20, 30]
@@ -220,10 +274,12 @@ def test_torchtitan_with_colour_codes_and_rank_prefixes(tmp_path):
     for s in (1, 10, 20, 30):
         for rank in (0, 7):  # each rank prints each step
             norm = "    inf" if s == 20 else f"{1.2345:7.4f}"
-            lines.append(f"[rank{rank}]:[titan] 2025-05-11 08:31:08,657 - root - INFO - \x1b[31mstep: {s:2}  "
-                         f"\x1b[32mloss: {8 - s / 10:7.4f}  \x1b[38;2;180;60;0mgrad_norm: {norm}  "
-                         "\x1b[38;2;54;234;195mmemory: 24.28GiB(77.42%)  \x1b[34mtps: 4,477  \x1b[36mtflops: 10.76  "
-                         "\x1b[35mmfu: 3.45%\x1b[39m")
+            lines.append(
+                f"[rank{rank}]:[titan] 2025-05-11 08:31:08,657 - root - INFO - \x1b[31mstep: {s:2}  "
+                f"\x1b[32mloss: {8 - s / 10:7.4f}  \x1b[38;2;180;60;0mgrad_norm: {norm}  "
+                "\x1b[38;2;54;234;195mmemory: 24.28GiB(77.42%)  \x1b[34mtps: 4,477  \x1b[36mtflops: 10.76  "
+                "\x1b[35mmfu: 3.45%\x1b[39m"
+            )
     lines.append("[rank0]:[titan] 2025-05-11 08:35:00,000 - root - INFO - validate step: 30  loss:  7.5000")
     log = parse_log(write(tmp_path, "train.log", "\n".join(lines) + "\n"))
     assert log.format == "torchtitan" and [r.step for r in log.train] == [1, 10, 20, 30]
@@ -235,7 +291,8 @@ def test_torchtitan_with_colour_codes_and_rank_prefixes(tmp_path):
 def test_key_value_records_restarting_within_the_first_interval(tmp_path):
     runs = [range(9, 70, 10), range(10, 81, 10), range(10, 41, 10)]  # "batch: 9 ... 69", then "batch: 10 ..."
     text = "OVERFLOW! Scale value 4294967296 -> 2147483648\n" + "".join(
-        f"batch: {b}, time: 28.32, ntokens: 618.06/1024, loss: {55 - b / 100:.2f}\n" for run in runs for b in run)
+        f"batch: {b}, time: 28.32, ntokens: 618.06/1024, loss: {55 - b / 100:.2f}\n" for run in runs for b in run
+    )
     log = parse_log(write(tmp_path, "train.log", text))
     assert log.format == "kv-stdout"
     assert [len(s.train) for s in log.segments] == [7, 8, 4]
@@ -245,8 +302,11 @@ def test_key_value_records_restarting_within_the_first_interval(tmp_path):
 def test_key_value_records_name_the_loss_read(tmp_path):
     # DeepSpeed-Chat step 3: print(f"epoch: {epoch}|step: {step}|ppo_ep: {ppo_ep+1}|act_loss: {actor_loss_sum/inner_iter}|
     #   cri_loss: {critic_loss_sum/inner_iter}|unsuper_loss: {unsup_loss_sum/inner_iter}")
-    text = "".join(f"epoch: 0|step: {s}|ppo_ep: 1|act_loss: {0.2 + s / 100}|cri_loss: 0.12|unsuper_loss: 0.0\n"
-                   f"average reward score: {s / 10}\n" for s in range(6))
+    text = "".join(
+        f"epoch: 0|step: {s}|ppo_ep: 1|act_loss: {0.2 + s / 100}|cri_loss: 0.12|unsuper_loss: 0.0\n"
+        f"average reward score: {s / 10}\n"
+        for s in range(6)
+    )
     log = parse_log(write(tmp_path, "ds.log", text))
     assert [r.loss for r in log.train] == pytest.approx([0.2, 0.21, 0.22, 0.23, 0.24, 0.25])
     assert any("train loss from 'act_loss'" in n and "cri_loss, unsuper_loss" in n for n in log.notes)

@@ -53,7 +53,13 @@ def test_corpus_file_parses_with_sources_md_counts(name):
     path = _corpus(name)
     assert detect_format(path) == fmt
     log = parse_log(path)
-    assert (log.format, len(log.train), log.losses, len(log.evals), log.eval_groups) == (fmt, train, losses, evals, groups)
+    assert (log.format, len(log.train), log.losses, len(log.evals), log.eval_groups) == (
+        fmt,
+        train,
+        losses,
+        evals,
+        groups,
+    )
 
 
 def test_hf_fields_and_first_last_values():
@@ -78,8 +84,10 @@ def test_llamafactory_dedupes_ranks_and_resume_keeps_lr_key():
     assert all(r.learning_rate is not None for r in log.train)  # from the "lr" key
     assert log.train[0].learning_rate == pytest.approx(1e-5, rel=1e-3)
     assert log.counts.read == 1360 and log.counts.train == 656
-    assert log.counts.skipped == {"repeated steps (the latest record of a step kept)": 702,
-                                  "lines without a loss or eval loss (progress only)": 2}
+    assert log.counts.skipped == {
+        "repeated steps (the latest record of a step kept)": 702,
+        "lines without a loss or eval loss (progress only)": 2,
+    }
     assert "read 1360 lines: 656 train records" in log.notes[0]
 
 
@@ -185,7 +193,9 @@ def test_repeated_and_slightly_late_steps_are_not_runs(tmp_path):
 
 
 def test_resume_from_checkpoint_is_not_a_new_run(tmp_path):
-    history = [{"step": s, "loss": 2.0} for s in range(10, 110, 10)] + [{"step": s, "loss": 1.0} for s in range(60, 160, 10)]
+    history = [{"step": s, "loss": 2.0} for s in range(10, 110, 10)] + [
+        {"step": s, "loss": 1.0} for s in range(60, 160, 10)
+    ]
     path = tmp_path / "trainer_state.json"
     path.write_text(json.dumps({"log_history": history}))
     log = parse_log(path)
@@ -288,22 +298,39 @@ def torch_tensor():
 
 
 def test_formats_list_is_complete():
-    assert set(FORMATS) == {"hf", "hf-stdout", "llamafactory", "lightning", "llmc", "llmc-stdout", "nanogpt",
-                            "megatron", "megatron-log", "build-nanogpt", "nanochat", "olmo", "torchtitan",
-                            "kv-stdout", "tensorboard"}
+    assert set(FORMATS) == {
+        "hf",
+        "hf-stdout",
+        "llamafactory",
+        "lightning",
+        "llmc",
+        "llmc-stdout",
+        "nanogpt",
+        "megatron",
+        "megatron-log",
+        "build-nanogpt",
+        "nanochat",
+        "olmo",
+        "torchtitan",
+        "kv-stdout",
+        "tensorboard",
+    }
 
 
 # --- broken inputs: one line naming the file and the problem ----------------------------------
 
 
-@pytest.mark.parametrize("content, problem", [
-    (b"", "empty file"),
-    (b'{"log_history": [{"step": 1, "loss": 2.0}, {"step": 2, "lo', "truncated JSON"),
-    (bytes(range(256)) * 64, "binary data"),
-    (b"\x00\x01\x02garbage\xff\xfe" * 1000, "binary data"),
-    (b'{"log_history": []}', "no training or eval records"),
-    (b'{"something": "else"}', "none of the known layouts"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"", "empty file"),
+        (b'{"log_history": [{"step": 1, "loss": 2.0}, {"step": 2, "lo', "truncated JSON"),
+        (bytes(range(256)) * 64, "binary data"),
+        (b"\x00\x01\x02garbage\xff\xfe" * 1000, "binary data"),
+        (b'{"log_history": []}', "no training or eval records"),
+        (b'{"something": "else"}', "none of the known layouts"),
+    ],
+)
 def test_broken_files_raise_one_line(tmp_path, content, problem):
     path = tmp_path / "broken.json"
     path.write_bytes(content)
@@ -345,9 +372,17 @@ def test_one_step_is_read(tmp_path):
 
 def test_unreadable_values_are_counted_not_dropped(tmp_path):
     path = tmp_path / "trainer_state.json"
-    path.write_text(json.dumps({"log_history": [
-        {"step": 1, "loss": 2.0, "grad_norm": "n/a"}, {"step": 2, "loss": "abc"}, {"step": "x", "loss": 1.0},
-    ]}))
+    path.write_text(
+        json.dumps(
+            {
+                "log_history": [
+                    {"step": 1, "loss": 2.0, "grad_norm": "n/a"},
+                    {"step": 2, "loss": "abc"},
+                    {"step": "x", "loss": 1.0},
+                ]
+            }
+        )
+    )
     log = parse_log(path)
     assert [(r.step, r.loss, r.grad_norm) for r in log.train] == [(1, 2.0, None), (2, None, None)]
     assert log.counts.unreadable == {"grad_norm": 1, "loss": 1, "step": 1}
@@ -444,8 +479,9 @@ def test_hf_stdout_logging_first_step_and_a_lagging_bar(tmp_path):
     bar = lambda n: f"\r {n}/100 [00:01<00:10,  9.1it/s]"  # noqa: E731
     path = tmp_path / "out.log"
     positions = [1, 10, 20, 29, 40, 50]  # step 1 (logging_first_step), then every 10; the bar lags once
-    path.write_text("".join(f"{bar(p)}\n{{'loss': {3 - p / 100}, 'learning_rate': 1e-4, 'epoch': {p / 100}}}\n"
-                            for p in positions))
+    path.write_text(
+        "".join(f"{bar(p)}\n{{'loss': {3 - p / 100}, 'learning_rate': 1e-4, 'epoch': {p / 100}}}\n" for p in positions)
+    )
     log = parse_log(path)
     assert [r.step for r in log.train] == [1, 10, 20, 30, 40, 50]
     assert len(log.train) == len(positions)
@@ -454,24 +490,62 @@ def test_hf_stdout_logging_first_step_and_a_lagging_bar(tmp_path):
 # --- fuzzing: any bytes, any forced format: records or a LogFormatError, never another exception ----
 
 _FRAGMENTS = [
-    '{"log_history": [', '{"step": 1, "loss": 2.0}', '"loss": "x"', "]}", '{"current_steps": 3, "loss": NaN}',
-    '{"lm loss": {"values": {"1": "nan", "x": 2}}}', "epoch,step,train_loss,lr-AdamW", ",,1.5,", "9,9,nan,0.1",
-    "s:0 trl:11.0 lr:0.0001 norm:1.5", "s:x tel:", "step 1/10 | loss 2.0 (+nanz)| norm 1.0 | lr 1e-4",
-    "val loss abc", "step:1/10 train_loss:3.0", "iter 5: loss inf, time 3ms", "step 5: train loss 2, val loss",
+    '{"log_history": [',
+    '{"step": 1, "loss": 2.0}',
+    '"loss": "x"',
+    "]}",
+    '{"current_steps": 3, "loss": NaN}',
+    '{"lm loss": {"values": {"1": "nan", "x": 2}}}',
+    "epoch,step,train_loss,lr-AdamW",
+    ",,1.5,",
+    "9,9,nan,0.1",
+    "s:0 trl:11.0 lr:0.0001 norm:1.5",
+    "s:x tel:",
+    "step 1/10 | loss 2.0 (+nanz)| norm 1.0 | lr 1e-4",
+    "val loss abc",
+    "step:1/10 train_loss:3.0",
+    "iter 5: loss inf, time 3ms",
+    "step 5: train loss 2, val loss",
     " iteration 10/ 100 | lm loss: 4.0E+00 | grad norm: x | number of nan iterations: 2 |",
-    "validation loss at iteration 10 | lm loss value: 3.0 |", "{'loss': nan, 'grad_norm': tensor(1.0), 'epoch': 1}",
-    "{'eval_loss': '2.0', 'epoch': 'x'}", " 10/100 [00:01<00:10]", "\r", "\x00", "\ufffd", "}", "{", ",", "|",
-    "step     3 | loss: 3.4 | lr 6e-04 | norm: x | dt: 1ms", "validation loss: nan", "7 val 3.2", "7 hella 0.25",
-    "step 00012/00100 (1.20%) | loss: 3.4 | lrm: 1.00", "Step 00012 | Validation bpb: x", "[step=5/10,epoch=0]",
-    "    train/CE loss=inf", "    eval/lm/c4/CE loss=3", "[eval_step=1/2]", "step: 10  loss:  7.9  grad_norm:  inf",
-    "validate step: 10  loss: x", "batch: 9, time: 1.0, loss: 5", "epoch: 0|step: 2|act_loss: nan", "[rank0]:", "0: ",
-    "\x1b[31m", '{"name": "stdout", "text": ["iter 1: loss 2.0, time 1ms"]}', '"step: 1 loss: 2\\n"',
+    "validation loss at iteration 10 | lm loss value: 3.0 |",
+    "{'loss': nan, 'grad_norm': tensor(1.0), 'epoch': 1}",
+    "{'eval_loss': '2.0', 'epoch': 'x'}",
+    " 10/100 [00:01<00:10]",
+    "\r",
+    "\x00",
+    "\ufffd",
+    "}",
+    "{",
+    ",",
+    "|",
+    "step     3 | loss: 3.4 | lr 6e-04 | norm: x | dt: 1ms",
+    "validation loss: nan",
+    "7 val 3.2",
+    "7 hella 0.25",
+    "step 00012/00100 (1.20%) | loss: 3.4 | lrm: 1.00",
+    "Step 00012 | Validation bpb: x",
+    "[step=5/10,epoch=0]",
+    "    train/CE loss=inf",
+    "    eval/lm/c4/CE loss=3",
+    "[eval_step=1/2]",
+    "step: 10  loss:  7.9  grad_norm:  inf",
+    "validate step: 10  loss: x",
+    "batch: 9, time: 1.0, loss: 5",
+    "epoch: 0|step: 2|act_loss: nan",
+    "[rank0]:",
+    "0: ",
+    "\x1b[31m",
+    '{"name": "stdout", "text": ["iter 1: loss 2.0, time 1ms"]}',
+    '"step: 1 loss: 2\\n"',
 ]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(parts=st.lists(st.sampled_from(_FRAGMENTS) | st.text(max_size=20), max_size=30),
-       sep=st.sampled_from(["\n", "\r\n", "\r", ""]), fmt=st.sampled_from([None, *FORMATS]))
+@given(
+    parts=st.lists(st.sampled_from(_FRAGMENTS) | st.text(max_size=20), max_size=30),
+    sep=st.sampled_from(["\n", "\r\n", "\r", ""]),
+    fmt=st.sampled_from([None, *FORMATS]),
+)
 def test_fuzzed_text_never_raises_anything_but_log_format_error(tmp_path, parts, sep, fmt):
     path = tmp_path / "fuzz.log"
     path.write_text(sep.join(parts), encoding="utf-8", errors="replace")
@@ -507,15 +581,23 @@ def test_compressed_files_and_log_directories_get_a_hint(tmp_path):
         parse_log(tmp_path / "checkpoint-500")
 
 
-@pytest.mark.parametrize("text, expected", [
-    # llm.c's older C trainer
-    ("step 1/74: train loss 4.677316 (acc 0.12) (1.52 ms, 336842 tok/s)\nval loss 4.3\n"
-     "step 2/74: train loss 4.1 (1.4 ms, 336842 tok/s)\n", [(1, 4.677316, None, None), (2, 4.1, None, None)]),
-    # llm.c's train_gpt2.py
-    ("step    1/5000 | train loss 10.985306 | norm 15.4521 | lr 1.00e-06 | (3200.53 ms | 163828 tok/s)\n"
-     "step    2/5000 | train loss nan | norm inf | lr 2.00e-06 | (320.53 ms | 163828 tok/s)\n",
-     [(1, 10.985306, 15.4521, 1e-06), (2, math.nan, math.inf, 2e-06)]),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        # llm.c's older C trainer
+        (
+            "step 1/74: train loss 4.677316 (acc 0.12) (1.52 ms, 336842 tok/s)\nval loss 4.3\n"
+            "step 2/74: train loss 4.1 (1.4 ms, 336842 tok/s)\n",
+            [(1, 4.677316, None, None), (2, 4.1, None, None)],
+        ),
+        # llm.c's train_gpt2.py
+        (
+            "step    1/5000 | train loss 10.985306 | norm 15.4521 | lr 1.00e-06 | (3200.53 ms | 163828 tok/s)\n"
+            "step    2/5000 | train loss nan | norm inf | lr 2.00e-06 | (320.53 ms | 163828 tok/s)\n",
+            [(1, 10.985306, 15.4521, 1e-06), (2, math.nan, math.inf, 2e-06)],
+        ),
+    ],
+)
 def test_llmc_stdout_variants(tmp_path, text, expected):
     path = tmp_path / "train.out"
     path.write_text(text)

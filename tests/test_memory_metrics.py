@@ -77,7 +77,10 @@ def test_the_memory_check_recovers_after_a_transient_spike():
     statuses = []
     for i in range(20):  # one reading touches 96 % (the first compiled step), then 60 %
         peak = 0.96 * 80 * gib if i == 12 else 0.6 * 80 * gib
-        memory = next(f for f in vitals.findings(i, None, MemoryReading("cuda:0", 0.6 * 80 * gib, peak, 80 * gib))
-                      if f.check == "memory")
+        memory = next(
+            f
+            for f in vitals.findings(i, None, MemoryReading("cuda:0", 0.6 * 80 * gib, peak, 80 * gib))
+            if f.check == "memory"
+        )
         statuses.append(memory.status.name)
     assert statuses[12] == "DANGER" and statuses[13:] == ["GOOD"] * 7

@@ -5,7 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from lossbeat.exposition.metrics import METRICS, PREFIX, REFERENCE_DOC, TABLE_END, TABLE_START, markdown_table, update_reference_doc
+from lossbeat.exposition.metrics import (
+    METRICS,
+    PREFIX,
+    REFERENCE_DOC,
+    TABLE_END,
+    TABLE_START,
+    markdown_table,
+    update_reference_doc,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / REFERENCE_DOC
@@ -27,7 +35,7 @@ def test_names_follow_prometheus_conventions():
 def test_metric_table_of_the_docs_is_generated_from_the_contract():
     text = DOC.read_text(encoding="utf-8")
     assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1
-    region = text[text.index(TABLE_START):text.index(TABLE_END) + len(TABLE_END)]
+    region = text[text.index(TABLE_START) : text.index(TABLE_END) + len(TABLE_END)]
     assert region == markdown_table(), f"{REFERENCE_DOC} metric table drifted: run `make generate`"
     for name in METRICS:
         assert f"`{name}" in region

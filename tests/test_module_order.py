@@ -12,14 +12,30 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_units_go_longest_first_and_keep_their_tests_in_order():
-    nodeids = ["tests/test_a.py::one", "tests/test_a.py::two", "tests/test_b.py::one",
-               "tests/test_c.py::one", "tests/test_c.py::two[x]", "tests/test_d.py::one"]
-    seconds = {"tests/test_a.py::two": 3.0, "tests/test_c.py::one": 2.0, "tests/test_c.py::two[x]": 2.0,
-               "tests/test_d.py::one": 3.0 + UNLISTED_S}
+    nodeids = [
+        "tests/test_a.py::one",
+        "tests/test_a.py::two",
+        "tests/test_b.py::one",
+        "tests/test_c.py::one",
+        "tests/test_c.py::two[x]",
+        "tests/test_d.py::one",
+    ]
+    seconds = {
+        "tests/test_a.py::two": 3.0,
+        "tests/test_c.py::one": 2.0,
+        "tests/test_c.py::two[x]": 2.0,
+        "tests/test_d.py::one": 3.0 + UNLISTED_S,
+    }
     ordered = [nodeids[i] for i in order(nodeids, seconds)]
     # c: 4.0; a: 3.0 + the unlisted one; d: the same, collected after a; b: unlisted only.
-    assert ordered == ["tests/test_c.py::one", "tests/test_c.py::two[x]", "tests/test_a.py::one",
-                       "tests/test_a.py::two", "tests/test_d.py::one", "tests/test_b.py::one"]
+    assert ordered == [
+        "tests/test_c.py::one",
+        "tests/test_c.py::two[x]",
+        "tests/test_a.py::one",
+        "tests/test_a.py::two",
+        "tests/test_d.py::one",
+        "tests/test_b.py::one",
+    ]
     assert order(nodeids, {}) == [0, 1, 3, 4, 2, 5]  # no file: every test UNLISTED_S, a and c first
 
 

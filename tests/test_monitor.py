@@ -88,8 +88,16 @@ def test_every_metric_is_exported_with_its_value(monitor):
     for step in range(60):
         loss, tokens = trainer.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1.0)
-        monitor.observe(step, loss=loss, optimizer=trainer.optimizer, grad_norm=grad_norm, model=trainer.model,
-                        tokens=tokens, losses={"lm": loss, "aux": 0.5}, epoch=step / 30)
+        monitor.observe(
+            step,
+            loss=loss,
+            optimizer=trainer.optimizer,
+            grad_norm=grad_norm,
+            model=trainer.model,
+            tokens=tokens,
+            losses={"lm": loss, "aux": 0.5},
+            epoch=step / 30,
+        )
         losses.append(loss.item())
         last_grad_norm = grad_norm.item()
         trainer.step()
@@ -107,7 +115,9 @@ def test_every_metric_is_exported_with_its_value(monitor):
     assert value(parsed, "training_steps_total") == 60
     assert value(parsed, "training_tokens_total") == 60 * 8 * SIZE.context
     last50 = torch.tensor(losses[-50:], dtype=torch.float64)
-    assert value(parsed, "training_loss_cv") == pytest.approx((last50.std(unbiased=False) / last50.mean()).item(), rel=1e-6)
+    assert value(parsed, "training_loss_cv") == pytest.approx(
+        (last50.std(unbiased=False) / last50.mean()).item(), rel=1e-6
+    )
     recent, previous = sum(losses[-20:]) / 20, sum(losses[-40:-20]) / 20
     assert value(parsed, "training_loss_trend_ratio") == pytest.approx((previous - recent) / previous, rel=1e-6)
     assert 0 < value(parsed, "training_step_duration_seconds") < 5
@@ -119,7 +129,10 @@ def test_every_metric_is_exported_with_its_value(monitor):
         assert value(parsed, "training_health_status", check=check, component="") in (0, 1, 2)
     assert ("training_health_status", (("check", "loss_trend"), ("component", "aux"))) in parsed
     assert value(parsed, "training_memory_allocated_bytes", device="cpu") > 10e6
-    assert value(parsed, "training_memory_peak_bytes", device="cpu") >= value(parsed, "training_memory_allocated_bytes", device="cpu") * 0.5
+    assert (
+        value(parsed, "training_memory_peak_bytes", device="cpu")
+        >= value(parsed, "training_memory_allocated_bytes", device="cpu") * 0.5
+    )
     info = [dict(k[1]) for k in parsed if k[0] == "training_run_info"]
     assert info and info[0]["profile"] == "causal-lm" and info[0]["version"] == lossbeat.__version__
     assert info[0]["feed"] == "process"  # the training process itself (lossbeat watch: "log")
@@ -133,11 +146,20 @@ def test_every_metric_is_exported_with_its_value(monitor):
     exported = {name for name, _ in parsed}
     for spec in METRICS.values():
         name = spec.name + ("_info" if spec.kind == "info" else "")
-        if name in ("training_nonfinite_grad_first_layer_info", "training_grad_clip_coefficient",
-                    "training_grad_scale", "training_rank_work_seconds", "training_loss_pattern",
-                    "training_loss_pattern_since_step", "training_grad_norm_aligned",
-                    "training_grad_norm_aligned_step", "training_skipped_steps_total",
-                    "training_guard_consecutive_skips", "training_halted", "training_signal"):
+        if name in (
+            "training_nonfinite_grad_first_layer_info",
+            "training_grad_clip_coefficient",
+            "training_grad_scale",
+            "training_rank_work_seconds",
+            "training_loss_pattern",
+            "training_loss_pattern_since_step",
+            "training_grad_norm_aligned",
+            "training_grad_norm_aligned_step",
+            "training_skipped_steps_total",
+            "training_guard_consecutive_skips",
+            "training_halted",
+            "training_signal",
+        ):
             continue
         assert name in exported, name
 
@@ -199,7 +221,9 @@ class Chain(nn.Module):
 
 
 def _origin(monitor):
-    infos = [dict(k[1])["layer"] for k in samples(scrape(monitor.port)) if k[0] == "training_nonfinite_grad_first_layer_info"]
+    infos = [
+        dict(k[1])["layer"] for k in samples(scrape(monitor.port)) if k[0] == "training_nonfinite_grad_first_layer_info"
+    ]
     return infos[0] if infos else None
 
 
@@ -312,8 +336,9 @@ def test_bad_arguments_raise_and_name_the_argument(monitor):
         MonitorConfig(layer_ranks=[-1])
     with pytest.raises(TypeError, match="reduce_shards: expected True or False, got 'no'"):
         MonitorConfig(reduce_shards="no")
-    with pytest.raises(TypeError, match="pipeline_group: expected a torch.distributed ProcessGroup, a 1-D "
-                                        "DeviceMesh or None, got list"):
+    with pytest.raises(
+        TypeError, match="pipeline_group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got list"
+    ):
         MonitorConfig(pipeline_group=[0, 1])  # ranks, not a group
     with pytest.raises(TypeError, match="pipeline_group: .* got str"):
         MonitorConfig(pipeline_group="pp")
@@ -359,8 +384,9 @@ def _amp_run(monitor, steps, overflow_steps, scaler):
         scaler.unscale_(trainer.optimizer)
         grad_norm = monitor.clip_grad_norm_(trainer.model, 1.0)
         scales.append(scaler.get_scale())
-        monitor.observe(step, loss=loss, optimizer=trainer.optimizer, grad_norm=grad_norm, model=trainer.model,
-                        grad_scaler=scaler)
+        monitor.observe(
+            step, loss=loss, optimizer=trainer.optimizer, grad_norm=grad_norm, model=trainer.model, grad_scaler=scaler
+        )
         scaler.step(trainer.optimizer)
         scaler.update()
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -437,8 +463,15 @@ def test_one_observe_causes_at_most_one_host_transfer_and_no_item_calls(monitor)
         counter = CountHostSyncs()
         transfers_before = monitor.host_transfers
         with counter:
-            monitor.observe(step, loss=loss, optimizer=trainer.optimizer, grad_norm=grad_norm,
-                            model=trainer.model, tokens=torch.tensor(tokens), losses={"lm": loss})
+            monitor.observe(
+                step,
+                loss=loss,
+                optimizer=trainer.optimizer,
+                grad_norm=grad_norm,
+                model=trainer.model,
+                tokens=torch.tensor(tokens),
+                losses={"lm": loss},
+            )
         assert counter.syncs == 0, "observe() called .item() or an implicit bool() on a tensor"
         assert monitor.host_transfers - transfers_before == 1  # the one packed .tolist()
         trainer.step()
@@ -585,8 +618,11 @@ def test_only_the_chosen_ranks_export_per_layer_norms():
     loss, _ = trainer.backward()
     exported = {}
     for layer_ranks, rank in (("first", 0), ("first", 3), ("all", 3), ((1, 3), 3), ((1, 3), 2)):
-        m = Monitor(MonitorConfig(port=0, layer_ranks=layer_ranks), serve=False,
-                    rank_context=RankContext(rank=rank, local_rank=rank % 2, world_size=4))
+        m = Monitor(
+            MonitorConfig(port=0, layer_ranks=layer_ranks),
+            serve=False,
+            rank_context=RankContext(rank=rank, local_rank=rank % 2, world_size=4),
+        )
         counter = CountOps()
         with counter:
             m.observe(0, loss=loss, model=trainer.model)
@@ -594,8 +630,13 @@ def test_only_the_chosen_ranks_export_per_layer_norms():
         assert m.state.grad_norm > 0  # the global norm on every rank
         m.close()
     # (exports layers, per-layer work): a rank that exports none does no per-layer work either.
-    assert exported == {("first", 0): (True, 1), ("first", 3): (False, 0), ("all", 3): (True, 1),
-                        ("(1, 3)", 3): (True, 1), ("(1, 3)", 2): (False, 0)}
+    assert exported == {
+        ("first", 0): (True, 1),
+        ("first", 3): (False, 0),
+        ("all", 3): (True, 1),
+        ("(1, 3)", 3): (True, 1),
+        ("(1, 3)", 2): (False, 0),
+    }
 
 
 def test_layers_unfrozen_mid_run_are_picked_up():
@@ -633,8 +674,13 @@ def test_memory_stays_bounded_over_55k_steps():
 
     def observe(steps):
         for step in steps:
-            m.observe(step, loss=2.0 + (step % 17) * 0.01 if step % 1000 else math.nan,
-                      learning_rate=1e-4, grad_norm=1.0, tokens=512)
+            m.observe(
+                step,
+                loss=2.0 + (step % 17) * 0.01 if step % 1000 else math.nan,
+                learning_rate=1e-4,
+                grad_norm=1.0,
+                tokens=512,
+            )
 
     try:
         observe(range(5_000))
@@ -734,8 +780,9 @@ def test_exposition_passes_promtool_check_metrics(monitor):
     trainer = Trainer()
     for step in range(25):
         loss, tokens = trainer.backward(poison_layer="blocks.0.mlp.fc" if step == 20 else None)
-        monitor.observe(step, loss=loss, optimizer=trainer.optimizer, model=trainer.model, tokens=tokens,
-                        losses={"lm": loss})
+        monitor.observe(
+            step, loss=loss, optimizer=trainer.optimizer, model=trainer.model, tokens=tokens, losses={"lm": loss}
+        )
         trainer.optimizer.zero_grad(set_to_none=True)
     monitor.observe_eval(24, 1.0)
     text = scrape(monitor.port)
@@ -776,8 +823,18 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
     for step in range(3):
         event = _StubEvent()
         events.append(event)
-        monitor._transfer.pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
-                                         packed=torch.tensor([float(step + 1)], dtype=torch.float64), event=event))
+        monitor._transfer.pending.append(
+            _Pending(
+                step,
+                0.0,
+                None,
+                None,
+                {},
+                [("loss", 1)],
+                packed=torch.tensor([float(step + 1)], dtype=torch.float64),
+                event=event,
+            )
+        )
     monitor._transfer.drain(block=False)
     assert monitor.state.steps_total == 0  # nothing ready: nothing applied, nothing waited for
     events[1].done = True
@@ -790,8 +847,11 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
     for step in range(3, 3 + _MAX_PENDING + 1):
         event = _StubEvent()
         events.append(event)
-        monitor._transfer.pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
-                                         packed=torch.tensor([1.0], dtype=torch.float64), event=event))
+        monitor._transfer.pending.append(
+            _Pending(
+                step, 0.0, None, None, {}, [("loss", 1)], packed=torch.tensor([1.0], dtype=torch.float64), event=event
+            )
+        )
     assert monitor.blocking_waits == 0
     monitor._transfer.drain(block=False)  # too many in flight: the oldest are waited for, down to the cap
     assert events[2].waited and len(monitor._transfer.pending) == _MAX_PENDING
@@ -810,11 +870,17 @@ def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatc
     m = Monitor(MonitorConfig(port=0, layer_every=3), serve=False)
     per_layer = []
     real = monitor_module.compute_grad_norms
-    monkeypatch.setattr(monitor_module, "compute_grad_norms",
-                        lambda grouping, layers, *a: per_layer.append(layers) or real(grouping, layers, *a))
+    monkeypatch.setattr(
+        monitor_module,
+        "compute_grad_norms",
+        lambda grouping, layers, *a: per_layer.append(layers) or real(grouping, layers, *a),
+    )
     # A step still in flight holds every later step back until the cap makes observe() wait.
-    m._transfer.pending.append(_Pending(-1, 0.0, None, None, {}, [("loss", 1)],
-                               packed=torch.tensor([1.0], dtype=torch.float64), event=_StubEvent()))
+    m._transfer.pending.append(
+        _Pending(
+            -1, 0.0, None, None, {}, [("loss", 1)], packed=torch.tensor([1.0], dtype=torch.float64), event=_StubEvent()
+        )
+    )
     trainer = Trainer()
     loss, _ = trainer.backward()
     for step in range(9):
@@ -849,8 +915,11 @@ def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(mo
     monitor.observe(0, loss=1.0)
     events = [_StubEvent(), _StubEvent()]
     for step, (event, loss) in enumerate(zip(events, (math.nan, 2.0)), start=1):
-        monitor._transfer.pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
-                                         packed=torch.tensor([loss], dtype=torch.float64), event=event))
+        monitor._transfer.pending.append(
+            _Pending(
+                step, 0.0, None, None, {}, [("loss", 1)], packed=torch.tensor([loss], dtype=torch.float64), event=event
+            )
+        )
     events[0].done = True
     parsed = samples(scrape(monitor.port))  # the loop has just observed: the scrape leaves it be
     assert value(parsed, "training_steps_total") == 1
@@ -888,8 +957,18 @@ def test_scrapes_and_observe_apply_deferred_steps_once_and_in_order(monkeypatch)
             event = _StubEvent()
             event.done = step % 3 != 0  # some copies still in flight
             with m._transfer.lock:
-                m._transfer.pending.append(_Pending(step, 0.0, None, None, {}, [("loss", 1)],
-                                           packed=torch.tensor([1.0], dtype=torch.float64), event=event))
+                m._transfer.pending.append(
+                    _Pending(
+                        step,
+                        0.0,
+                        None,
+                        None,
+                        {},
+                        [("loss", 1)],
+                        packed=torch.tensor([1.0], dtype=torch.float64),
+                        event=event,
+                    )
+                )
             m._transfer.drain(block=False)
             if step % 3 == 0:
                 event.done = True
@@ -985,7 +1064,9 @@ def test_status_change_lines_start_above_a_tqdm_bar(monitor, capsys):
     try:
         with tqdm.tqdm(total=100, file=sys.stderr, mininterval=0) as bar:
             for step in range(50):
-                monitor.observe(step, loss=2.0 + 0.01 * (step % 3), grad_norm=50.0 if step >= 40 else 1.0)  # a loss that moves: trained
+                monitor.observe(
+                    step, loss=2.0 + 0.01 * (step % 3), grad_norm=50.0 if step >= 40 else 1.0
+                )  # a loss that moves: trained
                 bar.update(1)
     finally:
         logger.removeHandler(handler)
@@ -1049,21 +1130,38 @@ def test_the_float_shortcut_builds_what_the_general_path_builds():
         for i in range(400):
             g = grad_at(i)
             lr = None if i % 17 == 0 else 1e-3
-            m.observe(i, loss=wrap(loss_at(i)), grad_norm=None if g is None else wrap(g),
-                      learning_rate=None if lr is None else wrap(lr))
+            m.observe(
+                i,
+                loss=wrap(loss_at(i)),
+                grad_norm=None if g is None else wrap(g),
+                learning_rate=None if lr is None else wrap(lr),
+            )
         m.flush()
         s, h = m.state, m.history
-        fed.append({
-            "counts": (s.steps_total, s.nonfinite_loss_total, s.nonfinite_grad_total, s.loss_spikes_total,
-                       s.grad_explosions_total),
-            "event_steps": dict(s.event_steps), "lrs": dict(s.learning_rates), "loss": s.loss,
-            "grad_norm": s.grad_norm, "recent": [tuple(str(x) for x in r) for r in s.recent.snapshot()],
-            "windows": (h.steps_seen, h.grad_records, list(h.grad_norms.last(50)), h.loss.noise, h.grad.median),
-            "findings": [(f.check, f.status, f.message) for f in m.report().findings
-                         if f.check != "throughput"],  # steps/s: the machine's, not the record's
-            "errors": dict(s.errors),
-        })
+        fed.append(
+            {
+                "counts": (
+                    s.steps_total,
+                    s.nonfinite_loss_total,
+                    s.nonfinite_grad_total,
+                    s.loss_spikes_total,
+                    s.grad_explosions_total,
+                ),
+                "event_steps": dict(s.event_steps),
+                "lrs": dict(s.learning_rates),
+                "loss": s.loss,
+                "grad_norm": s.grad_norm,
+                "recent": [tuple(str(x) for x in r) for r in s.recent.snapshot()],
+                "windows": (h.steps_seen, h.grad_records, list(h.grad_norms.last(50)), h.loss.noise, h.grad.median),
+                "findings": [
+                    (f.check, f.status, f.message) for f in m.report().findings if f.check != "throughput"
+                ],  # steps/s: the machine's, not the record's
+                "errors": dict(s.errors),
+            }
+        )
         m.close()
     floats, general = fed
-    assert floats["counts"][1:] == (2, 0, 2, 1) and not any(floats["errors"].values())  # NaN twice, 2 spikes, 1 explosion
+    assert floats["counts"][1:] == (2, 0, 2, 1) and not any(
+        floats["errors"].values()
+    )  # NaN twice, 2 spikes, 1 explosion
     assert floats == general

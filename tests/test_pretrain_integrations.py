@@ -21,14 +21,14 @@ from conftest import registry_samples, require_module, sample_value
 from lossbeat.monitor import Monitor, MonitorConfig
 
 
-
-
 def test_lossbeat_imports_without_the_frameworks():
-    code = ("import sys; sys.modules['olmo_core'] = None; sys.modules['torchtitan'] = None\n"
-            "import lossbeat, lossbeat.integrations\n"
-            "for name in ('lossbeat.integrations.olmo_core', 'lossbeat.integrations.torchtitan'):\n"
-            "    try:\n        __import__(name)\n    except ImportError:\n        pass\n"
-            "    else:\n        raise SystemExit(name + ' imported without its framework')\n")
+    code = (
+        "import sys; sys.modules['olmo_core'] = None; sys.modules['torchtitan'] = None\n"
+        "import lossbeat, lossbeat.integrations\n"
+        "for name in ('lossbeat.integrations.olmo_core', 'lossbeat.integrations.torchtitan'):\n"
+        "    try:\n        __import__(name)\n    except ImportError:\n        pass\n"
+        "    else:\n        raise SystemExit(name + ' imported without its framework')\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
@@ -55,19 +55,25 @@ def _olmo_run(tmp_path, *, nan_at: int | None = None, steps: int = 6, grads: dic
     dataset = NumpyFSLDataset(path, sequence_length=seq, pad_token_id=0, eos_token_id=vocab - 1, vocab_size=vocab)
     dataset.work_dir = tmp_path
     dataset.prepare()
-    loader = NumpyDataLoaderConfig(global_batch_size=4 * seq, seed=0, num_workers=0,
-                                   work_dir=str(tmp_path)).build(dataset)
+    loader = NumpyDataLoaderConfig(global_batch_size=4 * seq, seed=0, num_workers=0, work_dir=str(tmp_path)).build(
+        dataset
+    )
     torch.manual_seed(0)
     model = TransformerConfig.olmo2_1M(vocab_size=vocab).build(init_device="cpu")
     train_module = TransformerTrainModuleConfig(
-        rank_microbatch_size=2 * seq, max_sequence_length=seq, optim=AdamWConfig(lr=1e-3), max_grad_norm=1.0,
+        rank_microbatch_size=2 * seq,
+        max_sequence_length=seq,
+        optim=AdamWConfig(lr=1e-3),
+        max_grad_norm=1.0,
     ).build(model, device=torch.device("cpu"))
 
     class MeanCE(Evaluator):  # an in-loop evaluator: the mean CE loss over fixed batches
         def __init__(self):
             gen = torch.Generator().manual_seed(1)
-            super().__init__(name="heldout", batches=[
-                {"input_ids": torch.randint(1, vocab - 1, (2, seq), generator=gen)} for _ in range(2)])
+            super().__init__(
+                name="heldout",
+                batches=[{"input_ids": torch.randint(1, vocab - 1, (2, seq), generator=gen)} for _ in range(2)],
+            )
             self.reset_metrics()
 
         def update_metrics(self, batch, ce_loss, logits):
@@ -107,8 +113,12 @@ def _olmo_run(tmp_path, *, nan_at: int | None = None, steps: int = 6, grads: dic
             phases.append(monitor.state.phase[0])
 
     callback = LossbeatCallback(monitor)
-    config = TrainerConfig(save_folder=str(tmp_path / "save"), max_duration=Duration.steps(steps),
-                           metrics_collect_interval=2, no_checkpoints=True)
+    config = TrainerConfig(
+        save_folder=str(tmp_path / "save"),
+        max_duration=Duration.steps(steps),
+        metrics_collect_interval=2,
+        no_checkpoints=True,
+    )
     config = config.with_callback("lossbeat", callback).with_callback("record", Record())
     config = config.with_callback("evaluator", EvaluatorCallback(evaluators=[MeanCE()], eval_interval=3))
     config = config.with_callback("phase", SeePhase())
@@ -137,7 +147,8 @@ def test_olmo_core_trainer_exports_what_it_logs(tmp_path):
     first = min(s for s, m in logged.items() if "throughput/total tokens" in m)  # the speed monitor's first
     assert 1 < first < 6
     assert sample_value(samples, "training_tokens_total") == pytest.approx(
-        last["throughput/total tokens"] - logged[first]["throughput/total tokens"])
+        last["throughput/total tokens"] - logged[first]["throughput/total tokens"]
+    )
     assert sample_value(samples, "training_nonfinite_loss_total") == 0
     # The evaluator's steps ran in the eval phase (set before the EvaluatorCallback's post_step).
     assert phases[2] == "eval" and phases[5] == "eval" and phases[0] == "train"
@@ -200,9 +211,16 @@ def test_olmo_core_nan_loss_is_counted_before_the_trainer_stops(tmp_path):
 
 def _titan_metrics(step: int, loss: float, grad_norm: float, tokens: int) -> dict:
     """The dict MetricsProcessor.log hands its backends (torchtitan 0.3.0), with the trainer's extras."""
-    return {"loss_metrics/global_avg_loss": loss, "loss_metrics/global_max_loss": loss * 1.1,
-            "grad_norm": grad_norm, "throughput(tps)": 1000.0, "tflops": 1.0, "memory/max_reserved(GiB)": 1.0,
-            "n_tokens_seen": tokens, "lr/AdamW": 3e-4 * step}
+    return {
+        "loss_metrics/global_avg_loss": loss,
+        "loss_metrics/global_max_loss": loss * 1.1,
+        "grad_norm": grad_norm,
+        "throughput(tps)": 1000.0,
+        "tflops": 1.0,
+        "memory/max_reserved(GiB)": 1.0,
+        "n_tokens_seen": tokens,
+        "lr/AdamW": 3e-4 * step,
+    }
 
 
 def test_torchtitan_logger_keys_are_those_torchtitan_logs():

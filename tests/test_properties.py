@@ -62,8 +62,25 @@ def errors(m: Monitor) -> int:
 
 FLOATS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0.0, -0.0, 5e-324, 1e-45, 1e-300, 1e300, 1.7976931348623157e308, 65504.0, 65520.0, 3.4e38,
-                     math.nan, math.inf, -math.inf, 1.0, 2.5]),
+    st.sampled_from(
+        [
+            0.0,
+            -0.0,
+            5e-324,
+            1e-45,
+            1e-300,
+            1e300,
+            1.7976931348623157e308,
+            65504.0,
+            65520.0,
+            3.4e38,
+            math.nan,
+            math.inf,
+            -math.inf,
+            1.0,
+            2.5,
+        ]
+    ),
 )
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -72,8 +89,23 @@ FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 def data_values(draw):
     """A real number in a form training code passes: the value is data, never an error."""
     x = draw(FLOATS)
-    form = draw(st.sampled_from(["float", "int", "bigint", "numpy", "numpy-int", "fraction", "tensor",
-                                 "tensor-1", "grad-leaf", "grad-nonleaf", "int-tensor"]))
+    form = draw(
+        st.sampled_from(
+            [
+                "float",
+                "int",
+                "bigint",
+                "numpy",
+                "numpy-int",
+                "fraction",
+                "tensor",
+                "tensor-1",
+                "grad-leaf",
+                "grad-nonleaf",
+                "int-tensor",
+            ]
+        )
+    )
     if form == "float":
         return form, x, x
     if form in ("int", "bigint", "numpy-int", "int-tensor"):
@@ -104,10 +136,20 @@ def data_values(draw):
 
 
 _WRONG_TYPES = [
-    ("str", "1.0"), ("bytes", b"1"), ("list", [1.0]), ("tuple", (1.0,)), ("dict", {"loss": 1.0}),
-    ("bool", True), ("complex", 1 + 2j), ("object", object()), ("numpy-array", np.array([1.0, 2.0])),
-    ("bool-tensor", torch.tensor(True)), ("complex-tensor", torch.tensor(1 + 2j)),
-    ("meta", torch.tensor(1.0, device="meta")), ("set", {1.0}), ("none-list", [None]),
+    ("str", "1.0"),
+    ("bytes", b"1"),
+    ("list", [1.0]),
+    ("tuple", (1.0,)),
+    ("dict", {"loss": 1.0}),
+    ("bool", True),
+    ("complex", 1 + 2j),
+    ("object", object()),
+    ("numpy-array", np.array([1.0, 2.0])),
+    ("bool-tensor", torch.tensor(True)),
+    ("complex-tensor", torch.tensor(1 + 2j)),
+    ("meta", torch.tensor(1.0, device="meta")),
+    ("set", {1.0}),
+    ("none-list", [None]),
 ]
 # Real tensors of another shape: a wrong value for most arguments, but per-step data for a loss
 # or a loss component (nn.DataParallel's per-device losses): observed as the mean, counted.
@@ -128,6 +170,7 @@ def assert_names(exc: BaseException, name: str) -> None:
 
 # --- observe(loss=...) ---------------------------------------------------------------------------
 
+
 def test_loss_data_is_counted_never_raised():
     m = monitor()
 
@@ -145,6 +188,7 @@ def test_loss_data_is_counted_never_raised():
             assert exported == expected
         else:
             assert math.isnan(exported)
+
     check()
 
 
@@ -159,6 +203,7 @@ def test_wrong_loss_types_raise_naming_loss_and_record_nothing():
             m.observe(1, loss=case[1])
         assert_names(info.value, "loss")
         assert observed(m) == before
+
     check()
 
 
@@ -172,6 +217,7 @@ def test_a_loss_tensor_of_another_shape_is_counted_never_raised(argument):
         steps, inputs = m.state.steps_total, m.state.errors.get("input", 0)
         m.observe(1, **({"loss": case[1]} if argument == "loss" else {"loss": 1.0, "losses": {"aux": case[1]}}))
         assert m.state.steps_total == steps + 1 and m.state.errors.get("input", 0) == inputs + 1
+
     check()
 
 
@@ -206,6 +252,7 @@ def test_other_scalar_arguments(argument):
             assert exported == expected or (math.isnan(exported) and math.isnan(expected))
         elif argument == "epoch" and math.isfinite(expected):
             assert exported == expected
+
     data()
 
     @given(case=WRONG_TYPES if argument == "losses" else WRONG)
@@ -217,6 +264,7 @@ def test_other_scalar_arguments(argument):
         name = {"losses": "losses['aux']"}.get(argument, argument)
         assert_names(info.value, name)
         assert m.state.steps_total == steps
+
     wrong()
 
 
@@ -230,14 +278,16 @@ def test_tokens_never_decrease_the_counter():
         m.observe(1, loss=1.0, tokens=case[1])
         after = sample(m, "training_tokens_total")
         assert after >= before and not math.isnan(after)
+
     check()
 
 
 # --- steps ------------------------------------------------------------------------------------
 
+
 def test_steps_backwards_repeating_and_jumping_are_data():
     m = monitor()
-    ints = st.one_of(st.integers(-2**63, 2**63), st.integers(0, 10).map(np.int64), st.integers(0, 10).map(np.int32))
+    ints = st.one_of(st.integers(-(2**63), 2**63), st.integers(0, 10).map(np.int64), st.integers(0, 10).map(np.int32))
 
     @given(steps=st.lists(ints, min_size=1, max_size=30))
     def check(steps):
@@ -248,14 +298,18 @@ def test_steps_backwards_repeating_and_jumping_are_data():
             assert sample(m, "training_step") == float(int(step))
         assert m.state.steps_total == total + len(steps)
         assert errors(m) == 0
+
     check()
 
 
 def test_wrong_steps_raise_naming_step():
     m = monitor()
 
-    @given(step=st.one_of(st.floats(), st.text(max_size=3), st.just(None), st.just(True),
-                          st.just(torch.tensor(3)), st.just([1])))
+    @given(
+        step=st.one_of(
+            st.floats(), st.text(max_size=3), st.just(None), st.just(True), st.just(torch.tensor(3)), st.just([1])
+        )
+    )
     def check(step):
         CASES["observe(step=wrong)"] += 1
         for call in (lambda: m.observe(step, loss=1.0), lambda: m.observe_eval(step, 1.0)):
@@ -263,10 +317,12 @@ def test_wrong_steps_raise_naming_step():
                 call()
             assert_names(info.value, "step")
         assert m.state.steps_total == 0 and m.state.evals_total == 0
+
     check()
 
 
 # --- observe_eval -----------------------------------------------------------------------------
+
 
 def test_observe_eval():
     m = monitor()
@@ -286,10 +342,12 @@ def test_observe_eval():
         assert m.state.evals_total == evals + 1 and errors(m) == 0
         exported = sample(m, "training_eval_loss")
         assert exported == expected if math.isfinite(expected) else math.isnan(exported)
+
     check()
 
 
 # --- optimizers -------------------------------------------------------------------------------
+
 
 @st.composite
 def optimizers(draw):
@@ -320,15 +378,19 @@ def test_optimizers_with_unusual_param_groups():
         assert errors(m) == errs
         exported = [s for f in m.registry.collect() if f.name == "training_learning_rate" for s in f.samples]
         assert len(exported) <= 32  # bounded cardinality
+
     check()
 
 
-@pytest.mark.parametrize("optimizer, name", [
-    (object(), "optimizer"),
-    (type("Opt", (), {"param_groups": None})(), "optimizer"),
-    (type("Opt", (), {"param_groups": [{"lr": "fast"}]})(), "optimizer.param_groups[0]['lr']"),
-    (type("Opt", (), {"param_groups": [{"lr": torch.ones(3)}]})(), "optimizer.param_groups[0]['lr']"),
-])
+@pytest.mark.parametrize(
+    "optimizer, name",
+    [
+        (object(), "optimizer"),
+        (type("Opt", (), {"param_groups": None})(), "optimizer"),
+        (type("Opt", (), {"param_groups": [{"lr": "fast"}]})(), "optimizer.param_groups[0]['lr']"),
+        (type("Opt", (), {"param_groups": [{"lr": torch.ones(3)}]})(), "optimizer.param_groups[0]['lr']"),
+    ],
+)
 def test_wrong_optimizers_raise_naming_them(optimizer, name):
     m = monitor()
     with pytest.raises((TypeError, ValueError)) as info:
@@ -337,6 +399,7 @@ def test_wrong_optimizers_raise_naming_them(optimizer, name):
 
 
 # --- models: measure_gradients, clip_grad_norm_, observe(model=) ------------------------------
+
 
 class Zoo(torch.nn.Module):
     """Frozen, unused and tied parameters, mixed dtypes."""
@@ -403,13 +466,19 @@ def test_measure_gradients_and_observe_model():
         if norm is not None:
             # Norms are accumulated in fp32 (gradients.py): above sqrt(fp32 max) a square overflows to inf.
             assert close(float(norm), expected) or (expected > FP32_SQUARE_MAX and math.isinf(float(norm))), (
-                float(norm), expected)
+                float(norm),
+                expected,
+            )
         m.observe(2, loss=1.0, model=model)
         assert errors(m) == errs
         if has_grads:
             exported = sample(m, "training_grad_norm")
-            assert close(exported, expected) or (math.isinf(expected) and math.isnan(exported)) or (
-                expected > FP32_SQUARE_MAX and math.isnan(exported))
+            assert (
+                close(exported, expected)
+                or (math.isinf(expected) and math.isnan(exported))
+                or (expected > FP32_SQUARE_MAX and math.isnan(exported))
+            )
+
     check()
 
 
@@ -433,10 +502,12 @@ def test_clip_grad_norm_matches_torch():
             assert not math.isfinite(float(total))
             return
         assert close(float(total), float(expected)) or (
-            float(expected) > FP32_SQUARE_MAX and math.isinf(float(total))), (float(total), float(expected))
+            float(expected) > FP32_SQUARE_MAX and math.isinf(float(total))
+        ), (float(total), float(expected))
         for p, q in zip(model.parameters(), twin.parameters()):
             if q.grad is not None:
                 assert torch.allclose(p.grad.float(), q.grad.float(), rtol=2e-2, atol=1e-6 * float(max_norm))
+
     check()
 
 
@@ -453,9 +524,11 @@ def test_clip_grad_norm_rejects_bad_max_norm(max_norm):
 def test_wrong_models_raise_naming_model(call, model):
     m = monitor()
     with pytest.raises(TypeError) as info:
-        {"measure_gradients": lambda: m.measure_gradients(model),
-         "clip_grad_norm_": lambda: m.clip_grad_norm_(model, 1.0),
-         "observe": lambda: m.observe(0, loss=1.0, model="x" if model is None else model)}[call]()
+        {
+            "measure_gradients": lambda: m.measure_gradients(model),
+            "clip_grad_norm_": lambda: m.clip_grad_norm_(model, 1.0),
+            "observe": lambda: m.observe(0, loss=1.0, model="x" if model is None else model),
+        }[call]()
     assert_names(info.value, "model")
 
 
@@ -495,10 +568,14 @@ def test_fp64_gradients():
 
 def test_error_messages_name_arguments_at_the_first_call():
     """A fresh monitor: the very first call with a mistake raises, and nothing is half-recorded."""
-    for kwargs, name in [({"loss": "1"}, "loss"), ({"loss": 1.0, "grad_norm": [1]}, "grad_norm"),
-                         ({"loss": 1.0, "losses": [1.0]}, "losses"), ({"loss": 1.0, "losses": {1: 1.0}}, "losses"),
-                         ({"loss": 1.0, "grad_scaler": object()}, "grad_scaler"),
-                         ({"loss": 1.0, "epoch": "1"}, "epoch")]:
+    for kwargs, name in [
+        ({"loss": "1"}, "loss"),
+        ({"loss": 1.0, "grad_norm": [1]}, "grad_norm"),
+        ({"loss": 1.0, "losses": [1.0]}, "losses"),
+        ({"loss": 1.0, "losses": {1: 1.0}}, "losses"),
+        ({"loss": 1.0, "grad_scaler": object()}, "grad_scaler"),
+        ({"loss": 1.0, "epoch": "1"}, "epoch"),
+    ]:
         m = monitor()
         with pytest.raises((TypeError, ValueError)) as info:
             m.observe(0, **kwargs)

@@ -28,8 +28,11 @@ README = (REPO / "README.md").read_text(encoding="utf-8")
 def _readme_command(pattern: str) -> list[str]:
     """The README's shell command (continuation lines joined; in a bash block, else inline
     code) whose text matches ``pattern``."""
-    lines = [line for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S)
-             for line in block.replace("\\\n", " ").splitlines()]
+    lines = [
+        line
+        for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+        for line in block.replace("\\\n", " ").splitlines()
+    ]
     for command in lines + re.findall(r"`([^`\n]+)`", README):
         command = command.split("  #")[0].strip()
         if re.search(pattern, command):
@@ -53,13 +56,16 @@ def _env(clone: Path) -> dict:
 
 def _run(args: list[str], cwd: Path, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{args} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    assert result.returncode == 0, (
+        f"{args} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    )
     return result
 
 
 def _status(clone: Path) -> str:
-    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone,
-                          capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def test_readme_commands_leave_the_clone_clean(clone, tmp_path):
@@ -79,8 +85,14 @@ def test_readme_commands_leave_the_clone_clean(clone, tmp_path):
     assert "above 30 and" in (user / output / "rules.yml").read_text()  # the custom explosion ceiling
 
     # The same command without a folder refuses, writing nothing, even from inside the checkout.
-    refused = subprocess.run([sys.executable, "-m", "lossbeat", "generate", "--thresholds", str(user / thresholds)],
-                             cwd=clone, env=env, capture_output=True, text=True, timeout=300)
+    refused = subprocess.run(
+        [sys.executable, "-m", "lossbeat", "generate", "--thresholds", str(user / thresholds)],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert refused.returncode == 2 and "--output-dir" in refused.stderr
 
     # The benchmarks, as the README runs them (from the checkout), in their seconds-long plan.
@@ -95,11 +107,16 @@ def test_readme_commands_leave_the_clone_clean(clone, tmp_path):
     # `lossbeat analyze` of a finished run, with its plot going where it is told.
     require_module("matplotlib")
     log = tmp_path / "trainer_state.json"
-    history = [{"step": s, "loss": 2.0 - s / 100, "grad_norm": 1.0, "learning_rate": 1e-4, "epoch": s / 50}
-               for s in range(1, 121)]
+    history = [
+        {"step": s, "loss": 2.0 - s / 100, "grad_norm": 1.0, "learning_rate": 1e-4, "epoch": s / 50}
+        for s in range(1, 121)
+    ]
     log.write_text(json.dumps({"log_history": history}), encoding="utf-8")
-    analyzed = _run([sys.executable, "-m", "lossbeat", "analyze", str(log), "--json",
-                     "--plot", str(tmp_path / "run.png")], clone, env)
+    analyzed = _run(
+        [sys.executable, "-m", "lossbeat", "analyze", str(log), "--json", "--plot", str(tmp_path / "run.png")],
+        clone,
+        env,
+    )
     assert len(json.loads(analyzed.stdout)) == 1
     assert (tmp_path / "run.png").stat().st_size > 0
 

@@ -20,8 +20,16 @@ import pytest
 from conftest import require, require_binary
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.exposition import registration as registration_module
-from lossbeat.exposition.registration import (META, Owner, boot_id, pid_namespace, prune, process_start_ticks,
-                                               read_entries, register)
+from lossbeat.exposition.registration import (
+    META,
+    Owner,
+    boot_id,
+    pid_namespace,
+    prune,
+    process_start_ticks,
+    read_entries,
+    register,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,13 +68,18 @@ def test_entry_has_the_real_port_and_labels_and_goes_on_close(tmp_path, monkeypa
             assert m.port != base + 1
             [path] = _entries(sd)
             me = Owner.current()
-            assert path.name == (f"lossbeat-{socket.gethostname()}-{me.boot_id[:12]}-{me.pid_ns}-{os.getpid()}-"
-                                 f"{me.start_ticks}-{m.port}.json")  # the owner, readable without opening it
+            assert path.name == (
+                f"lossbeat-{socket.gethostname()}-{me.boot_id[:12]}-{me.pid_ns}-{os.getpid()}-"
+                f"{me.start_ticks}-{m.port}.json"
+            )  # the owner, readable without opening it
             [group] = json.loads(path.read_text())
             assert group["targets"] == [f"127.0.0.1:{m.port}"]
             labels = group["labels"]
             assert {k: labels[k] for k in ("job", "node", "slurm_job_id")} == {
-                "job": "lm-7b", "node": socket.gethostname(), "slurm_job_id": "4242"}
+                "job": "lm-7b",
+                "node": socket.gethostname(),
+                "slurm_job_id": "4242",
+            }
             assert labels[f"{META}rank"] == "5" and labels[f"{META}pid"] == str(os.getpid())
             assert labels[f"{META}start_ticks"] == str(process_start_ticks(os.getpid()))
             assert labels[f"{META}boot_id"] == boot_id() and labels[f"{META}pid_ns"] == str(pid_namespace())
@@ -122,8 +135,12 @@ _CHILD = textwrap.dedent("""
 
 def _child(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path, Path]:
     sd, marker = tmp_path / "sd", tmp_path / "marker"
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(sd), mode, str(marker)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(sd), mode, str(marker)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     line = proc.stdout.readline()
     assert line.startswith("serving"), line + proc.stdout.read()
     return proc, sd, marker
@@ -173,11 +190,21 @@ def test_a_killed_rank_leaves_a_recognisable_entry_that_prune_removes(tmp_path):
         dead.wait(30)
         owners = {owner.pid: owner.alive() for _, owner, _ in read_entries(sd)}
         assert owners == {dead.pid: False, alive.pid: True}
-        listing = subprocess.run([sys.executable, "-m", "lossbeat", "targets", "list", str(sd)],
-                                 capture_output=True, text=True, timeout=60, check=True).stdout
+        listing = subprocess.run(
+            [sys.executable, "-m", "lossbeat", "targets", "list", str(sd)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         assert f"pid={dead.pid} dead" in listing and f"pid={alive.pid} alive" in listing
-        out = subprocess.run([sys.executable, "-m", "lossbeat", "targets", "prune", str(sd)],
-                             capture_output=True, text=True, timeout=60, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "lossbeat", "targets", "prune", str(sd)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         assert f"-{dead.pid}-" in out
         assert [owner.pid for _, owner, _ in read_entries(sd)] == [alive.pid]
     finally:
@@ -199,13 +226,26 @@ def test_a_rank_that_registers_prunes_dead_entries_of_its_host(tmp_path):
         registration.remove()
 
 
-def _fake_entry(directory: Path, host: str, pid: int, ticks: int | None, *, boot: str | None = None,
-                ns: int | None = None, **labels: str) -> Path:
+def _fake_entry(
+    directory: Path,
+    host: str,
+    pid: int,
+    ticks: int | None,
+    *,
+    boot: str | None = None,
+    ns: int | None = None,
+    **labels: str,
+) -> Path:
     boot = boot_id() if boot is None else boot
     ns = pid_namespace() if ns is None else ns
     path = directory / f"lossbeat-{host}-{boot[:12]}-{ns}-{pid}-{ticks if ticks is not None else 'x'}-8470.json"
-    meta = {f"{META}host": host, f"{META}pid": str(pid), f"{META}start_ticks": "" if ticks is None else str(ticks),
-            f"{META}boot_id": boot, f"{META}pid_ns": str(ns)}
+    meta = {
+        f"{META}host": host,
+        f"{META}pid": str(pid),
+        f"{META}start_ticks": "" if ticks is None else str(ticks),
+        f"{META}boot_id": boot,
+        f"{META}pid_ns": str(ns),
+    }
     path.write_text(json.dumps([{"targets": [f"{host}:8470"], "labels": {**labels, **meta}}]))
     return path
 
@@ -249,12 +289,14 @@ def test_prometheus_discovers_a_rank_at_its_fallback_port(tmp_path, monkeypatch)
     sd.mkdir()
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{
-            "job_name": "training",
-            "file_sd_configs": [{"files": [str(sd / "*.json")], "refresh_interval": "2s"}],
-            # The owner's labels are for relabelling only; keep the rank's as a check.
-            "relabel_configs": [{"source_labels": [f"{META}rank"], "target_label": "registered_rank"}],
-        }],
+        "scrape_configs": [
+            {
+                "job_name": "training",
+                "file_sd_configs": [{"files": [str(sd / "*.json")], "refresh_interval": "2s"}],
+                # The owner's labels are for relabelling only; keep the rank's as a check.
+                "relabel_configs": [{"source_labels": [f"{META}rank"], "target_label": "registered_rank"}],
+            }
+        ],
     }
     prom = PrometheusProcess(tmp_path / "prom", config).wait_ready()
     monkeypatch.setenv("SLURM_JOB_ID", "31337")
@@ -262,12 +304,22 @@ def test_prometheus_discovers_a_rank_at_its_fallback_port(tmp_path, monkeypatch)
     try:
         with _busy_port() as busy:
             taken = busy.getsockname()[1]
-            with Monitor(MonitorConfig(port=taken, addr="127.0.0.1", port_per_local_rank=False,
-                                       run_name="shared-node-job", file_sd_dir=str(sd))) as m:
+            with Monitor(
+                MonitorConfig(
+                    port=taken,
+                    addr="127.0.0.1",
+                    port_per_local_rank=False,
+                    run_name="shared-node-job",
+                    file_sd_dir=str(sd),
+                )
+            ) as m:
                 m.observe(10, loss=2.25)
                 assert m.port != taken
-                found = wait_until(lambda: prom.api.query('training_loss{job="shared-node-job"}'), 60,
-                                   "the self-registered rank's training_loss in Prometheus")
+                found = wait_until(
+                    lambda: prom.api.query('training_loss{job="shared-node-job"}'),
+                    60,
+                    "the self-registered rank's training_loss in Prometheus",
+                )
                 labels = found[0]["metric"]
                 assert labels["instance"] == f"127.0.0.1:{m.port}" and labels["rank"] == "3"
                 assert labels["slurm_job_id"] == "31337" and labels["node"] == socket.gethostname()
@@ -281,7 +333,7 @@ def test_prometheus_discovers_a_rank_at_its_fallback_port(tmp_path, monkeypatch)
 
 def test_a_dead_pid_of_another_pid_namespace_or_boot_is_unknowable_and_kept(tmp_path):
     me = Owner.current()
-    dead_pid = 2 ** 22 + 7  # above any pid_max here: no such process in this namespace
+    dead_pid = 2**22 + 7  # above any pid_max here: no such process in this namespace
     other_ns = _fake_entry(tmp_path, me.host, dead_pid, 5, ns=me.pid_ns + 1)
     other_boot = _fake_entry(tmp_path, me.host, dead_pid + 1, 5, boot="0" * 32)
     mine_dead = _fake_entry(tmp_path, me.host, dead_pid + 2, 5)
@@ -305,9 +357,13 @@ def test_a_live_rank_in_another_pid_namespace_with_this_host_name_is_never_prune
     docker --network host); job B's rank on the host registers and prunes. A's entry stays."""
     require_binary("unshare")
     sd = tmp_path / "sd"
-    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _IN_NAMESPACE,
-                             str(sd)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _IN_NAMESPACE, str(sd)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         if not line.startswith("registered"):
@@ -338,10 +394,12 @@ def test_a_fifo_or_a_symlink_in_the_folder_never_blocks_a_registering_rank(tmp_p
     sd.mkdir()
     os.mkfifo(sd / "lossbeat-stale-node07-1234-8470.json")
     (sd / "lossbeat-zero-node07-1-8470.json").symlink_to("/dev/zero")
-    code = ("from lossbeat import start_exporter; from lossbeat.exposition.registration import prune, read_entries;"
-            f"m = start_exporter(0, addr='127.0.0.1', port_per_local_rank=False, file_sd_dir={str(sd)!r});"
-            f"print(sorted((p.name, o is None) for p, o, _ in read_entries({str(sd)!r})));"
-            f"print(prune({str(sd)!r})); m.close()")
+    code = (
+        "from lossbeat import start_exporter; from lossbeat.exposition.registration import prune, read_entries;"
+        f"m = start_exporter(0, addr='127.0.0.1', port_per_local_rank=False, file_sd_dir={str(sd)!r});"
+        f"print(sorted((p.name, o is None) for p, o, _ in read_entries({str(sd)!r})));"
+        f"print(prune({str(sd)!r})); m.close()"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     listing, pruned = done.stdout.splitlines()[-2:]
@@ -362,7 +420,9 @@ def test_a_registering_rank_opens_no_other_ranks_entry(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "open", spy)
     real_read_text = Path.read_text
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: opened.append(str(self)) or real_read_text(self, *a, **k))
+    monkeypatch.setattr(
+        Path, "read_text", lambda self, *a, **k: opened.append(str(self)) or real_read_text(self, *a, **k)
+    )
     registration = register(tmp_path, addr="127.0.0.1", port=3, rank=0)
     monkeypatch.undo()
     try:
@@ -375,7 +435,9 @@ def test_a_registering_rank_opens_no_other_ranks_entry(tmp_path, monkeypatch):
 def test_the_entry_mode_is_set_on_the_open_descriptor_never_by_path(tmp_path, monkeypatch):
     by_path = []
     real_chmod = os.chmod
-    monkeypatch.setattr(os, "chmod", lambda path, mode, *a, **k: by_path.append(str(path)) or real_chmod(path, mode, *a, **k))
+    monkeypatch.setattr(
+        os, "chmod", lambda path, mode, *a, **k: by_path.append(str(path)) or real_chmod(path, mode, *a, **k)
+    )
     old_umask = os.umask(0o077)
     try:
         registration = register(tmp_path, addr="127.0.0.1", port=4, rank=0)

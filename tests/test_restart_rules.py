@@ -27,12 +27,23 @@ TESTS = [
             {"series": f"training_nonfinite_loss_total{{{SERIES}}}", "values": "3+0x9 0+0x10"},
             {"series": f"training_loss{{{SERIES}}}", "values": "2.5+0x20"},
         ],
-        "alert_rule_test": [{"eval_time": t, "alertname": "TrainingLossNaN", "exp_alerts": []}
-                            for t in ("9m", "11m", "14m", "18m")],
-        "promql_expr_test": [{"expr": "job_run_id_instance_rank:training_nonfinite_loss:increase5m", "eval_time": t,
-                              "exp_samples": [{"labels": 'job_run_id_instance_rank:training_nonfinite_loss:increase5m'
-                                                         '{instance="127.0.0.1:8470",job="train",rank="0"}', "value": 0}]}
-                             for t in ("11m", "14m")],
+        "alert_rule_test": [
+            {"eval_time": t, "alertname": "TrainingLossNaN", "exp_alerts": []} for t in ("9m", "11m", "14m", "18m")
+        ],
+        "promql_expr_test": [
+            {
+                "expr": "job_run_id_instance_rank:training_nonfinite_loss:increase5m",
+                "eval_time": t,
+                "exp_samples": [
+                    {
+                        "labels": "job_run_id_instance_rank:training_nonfinite_loss:increase5m"
+                        '{instance="127.0.0.1:8470",job="train",rank="0"}',
+                        "value": 0,
+                    }
+                ],
+            }
+            for t in ("11m", "14m")
+        ],
     },
     {
         "name": "a non-finite loss right after a restart is still seen",
@@ -41,8 +52,13 @@ TESTS = [
             {"series": f"training_nonfinite_loss_total{{{SERIES}}}", "values": "3+0x9 0 0 1+0x8"},
             {"series": f"training_loss{{{SERIES}}}", "values": "2.5+0x20"},
         ],
-        "promql_expr_test": [{"expr": "job_run_id_instance_rank:training_nonfinite_loss:increase5m > bool 0.5", "eval_time": "14m",
-                              "exp_samples": [{"labels": '{instance="127.0.0.1:8470",job="train",rank="0"}', "value": 1}]}],
+        "promql_expr_test": [
+            {
+                "expr": "job_run_id_instance_rank:training_nonfinite_loss:increase5m > bool 0.5",
+                "eval_time": "14m",
+                "exp_samples": [{"labels": '{instance="127.0.0.1:8470",job="train",rank="0"}', "value": 1}],
+            }
+        ],
     },
     {
         "name": "the step rate across a restart: never negative, never a spike, right once past it",
@@ -52,11 +68,23 @@ TESTS = [
             {"series": f"training_steps_total{{{SERIES}}}", "values": "0+60x10 0+60x10"},
         ],
         "promql_expr_test": [
-            *({"expr": within("job:training_steps:rate5m", 0.9, 1.1), "eval_time": t,
-               "exp_samples": [{"labels": '{job="train"}', "value": 1}]} for t in ("9m", "17m", "20m")),
+            *(
+                {
+                    "expr": within("job:training_steps:rate5m", 0.9, 1.1),
+                    "eval_time": t,
+                    "exp_samples": [{"labels": '{job="train"}', "value": 1}],
+                }
+                for t in ("9m", "17m", "20m")
+            ),
             # The window holding the restart reads low (the minute with the restart counts 0), not wrong:
-            *({"expr": within("job:training_steps:rate5m", 0.5, 1.1), "eval_time": t,
-               "exp_samples": [{"labels": '{job="train"}', "value": 1}]} for t in ("12m", "14m")),
+            *(
+                {
+                    "expr": within("job:training_steps:rate5m", 0.5, 1.1),
+                    "eval_time": t,
+                    "exp_samples": [{"labels": '{job="train"}', "value": 1}],
+                }
+                for t in ("12m", "14m")
+            ),
         ],
     },
     {
@@ -69,8 +97,10 @@ TESTS = [
             {"series": f"training_loss{{{SERIES}}}", "values": "2.5+0x20"},
             {"series": f"up{{{SERIES}}}", "values": "1+0x20"},
         ],
-        "alert_rule_test": [{"eval_time": "15m", "alertname": name, "exp_alerts": []}
-                            for name in ("TrainingStalled", "TrainingExporterDown", "TrainingLossNaN")],
+        "alert_rule_test": [
+            {"eval_time": "15m", "alertname": name, "exp_alerts": []}
+            for name in ("TrainingStalled", "TrainingExporterDown", "TrainingLossNaN")
+        ],
     },
 ]
 
@@ -79,7 +109,11 @@ def test_counters_reset_and_steps_going_back(tmp_path):
     promtool = require_binary("promtool")
     groups = [g["name"] for g in yaml.safe_load(RULES.read_text())["groups"]]
     path = tmp_path / "restart.yml"
-    path.write_text(yaml.safe_dump({"rule_files": [str(RULES)], "evaluation_interval": "1m",
-                                    "group_eval_order": groups, "tests": TESTS}, sort_keys=False))
+    path.write_text(
+        yaml.safe_dump(
+            {"rule_files": [str(RULES)], "evaluation_interval": "1m", "group_eval_order": groups, "tests": TESTS},
+            sort_keys=False,
+        )
+    )
     result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -13,8 +13,14 @@ import pytest
 import yaml
 
 from lossbeat.mixin import rules
-from lossbeat.mixin.alert_rules import (LOOKBACK_GROUP, LOOKBACK_INTERVAL, alert_rules, all_records, lookback_rules,
-                                        recording_rules)
+from lossbeat.mixin.alert_rules import (
+    LOOKBACK_GROUP,
+    LOOKBACK_INTERVAL,
+    alert_rules,
+    all_records,
+    lookback_rules,
+    recording_rules,
+)
 from lossbeat.exposition.metrics import METRICS
 from lossbeat.mixin.stages import series_names
 from lossbeat.mixin.rule_tests import render_template, rule_test_documents
@@ -67,14 +73,24 @@ CUSTOM_THRESHOLDS = {
     # Whole minutes: the rule tests evaluate every minute, as the shipped ones do. A sub-minute
     # duration shrinks every file's evaluation step (the gcd), which multiplies promtool's work by
     # four; that case is checked on the documents (test_sub_minute_durations_shrink_the_step).
-    "alerts": {"event_window": "3m", "explosion_for": "4m", "explosion_events": 5, "spikes_events": 4,
-               "spikes_window": "2m", "stalled_after": "4m", "exporter_down_for": "3m",
-               "overfitting_for": "3m", "plateau_for": "5m"},
+    "alerts": {
+        "event_window": "3m",
+        "explosion_for": "4m",
+        "explosion_events": 5,
+        "spikes_events": 4,
+        "spikes_window": "2m",
+        "stalled_after": "4m",
+        "exporter_down_for": "3m",
+        "overfitting_for": "3m",
+        "plateau_for": "5m",
+    },
 }
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([require_binary("promtool"), *args], capture_output=True, text=True, timeout=600, cwd=cwd)  # a hang guard: promtool needs ~40 s of CPU for every test file
+    return subprocess.run(
+        [require_binary("promtool"), *args], capture_output=True, text=True, timeout=600, cwd=cwd
+    )  # a hang guard: promtool needs ~40 s of CPU for every test file
 
 
 def checked_in_rules() -> list[dict]:
@@ -107,6 +123,7 @@ def write_layout(root: Path, thresholds) -> None:
 
 
 # --- promtool -------------------------------------------------------------------------
+
 
 def test_promtool_accepts_the_generated_rules():
     result = promtool("check", "rules", str(RULES_FILE))
@@ -165,7 +182,9 @@ def test_sub_minute_durations_shrink_the_step(tmp_path):
     documents = rule_test_documents(thresholds)
     assert {d["evaluation_interval"] for d in documents.values()} == {"15s"}
     assert {t["interval"] for d in documents.values() for t in d["tests"]} == {"15s"}
-    stalled = next(t for t in documents["trainingstalled.yml"]["tests"] if t["name"] == "no progress while training fires")
+    stalled = next(
+        t for t in documents["trainingstalled.yml"]["tests"] if t["name"] == "no progress while training fires"
+    )
     # The heartbeat age grows by one 15 s step a sample; the alert fires one step past 45 s + 15 s.
     assert stalled["input_series"][0]["values"].startswith("0+0x1 15+15x")
     assert [(c["eval_time"], len(c["exp_alerts"])) for c in stalled["alert_rule_test"]] == [("75s", 1), ("1m", 0)]
@@ -186,6 +205,7 @@ def _write(tmp_path: Path, document: dict) -> Path:
 
 # --- drift ----------------------------------------------------------------------------
 
+
 def test_checked_in_files_match_the_generator():
     thresholds = load_thresholds()
     for path, text in rules.generated_files(thresholds).items():
@@ -200,12 +220,15 @@ def test_alert_table_of_the_docs_matches_the_generator():
     doc = (REPO / rules.REFERENCE_DOC).read_text(encoding="utf-8")
     assert doc.count(rules.TABLE_START) == 1 and doc.count(rules.TABLE_END) == 1
     region = doc.split(rules.TABLE_START, 1)[1].split(rules.TABLE_END, 1)[0]
-    assert region == "\n" + rules.render_alert_table(load_thresholds()), f"{rules.REFERENCE_DOC} drifted: run `make generate`"
+    assert region == "\n" + rules.render_alert_table(load_thresholds()), (
+        f"{rules.REFERENCE_DOC} drifted: run `make generate`"
+    )
 
 
 def test_check_passes_on_the_checkout():
-    result = subprocess.run([sys.executable, "-m", "lossbeat", "rules", "--check"],
-                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "lossbeat", "rules", "--check"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout == ""
 
@@ -226,7 +249,9 @@ def test_check_reports_drift_with_a_diff(tmp_path, capsys):
 def test_generate_in_a_fresh_tree_and_remove_stale_test_files(tmp_path, monkeypatch, capsys):
     (tmp_path / "README.md").write_text("# x\n")  # what marks a checkout
     (tmp_path / rules.REFERENCE_DOC).parent.mkdir()
-    (tmp_path / rules.REFERENCE_DOC).write_text(f"# x\n\n{rules.TABLE_START}\nPLACEHOLDER-ROW\n{rules.TABLE_END}\n\nkept\n")
+    (tmp_path / rules.REFERENCE_DOC).write_text(
+        f"# x\n\n{rules.TABLE_START}\nPLACEHOLDER-ROW\n{rules.TABLE_END}\n\nkept\n"
+    )
     monkeypatch.setattr(rules, "REPO_ROOT", tmp_path)
     assert run_rules("--checkout") == 0
     for path in rules.generated_files(load_thresholds()):
@@ -248,15 +273,26 @@ def test_generate_in_a_fresh_tree_and_remove_stale_test_files(tmp_path, monkeypa
 
 # --- thresholds drive the rules -------------------------------------------------------
 
+
 def test_a_threshold_change_changes_the_alert_expression(tmp_path):
-    override = _write(tmp_path, {"gradients": {"jump_ratio": 7}, "alerts": {"explosion_for": "7m", "explosion_events": 4}})
+    override = _write(
+        tmp_path, {"gradients": {"jump_ratio": 7}, "alerts": {"explosion_for": "7m", "explosion_events": 4}}
+    )
     assert run_rules("--thresholds", str(override), "--output-dir", str(tmp_path / "out")) == 0
     groups = yaml.safe_load((tmp_path / "out" / "rules.yml").read_text())["groups"]
     sustained, events, isolated = alerts_by_name(groups, "TrainingGradientExplosion")
     # The sustained trigger reads the exporter's judgment (same thresholds file): no raw constant.
     assert sustained["expr"].split() == [
-        "training_grad_norm", "and", "on(job,", "run_id,", "instance,", "rank)", 'training_health_status{check="grad_norm",component=""}',
-        "==", "2"]
+        "training_grad_norm",
+        "and",
+        "on(job,",
+        "run_id,",
+        "instance,",
+        "rank)",
+        'training_health_status{check="grad_norm",component=""}',
+        "==",
+        "2",
+    ]
     assert sustained["for"] == "7m"
     assert "a jump to 7x its baseline" in sustained["annotations"]["description"]
     # The events trigger reads the counter's increase, recorded once first in its group.
@@ -271,7 +307,12 @@ def test_a_threshold_change_changes_the_alert_expression(tmp_path):
     # The folder gets the rules (and their two stages), their unit tests (which pass) and the
     # PrometheusRule; nothing else.
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "kubernetes", "rules-global.yml", "rules-shard.yml", "rules.yml", "tests"]
+        "kubernetes",
+        "rules-global.yml",
+        "rules-shard.yml",
+        "rules.yml",
+        "tests",
+    ]
     assert promtool("check", "rules", str(tmp_path / "out" / "rules.yml")).returncode == 0
     # The file these thresholds changed (the others are the checked-in ones, run above).
     tests = changed_rule_tests(tmp_path / "out")
@@ -283,9 +324,13 @@ def test_a_threshold_change_changes_the_alert_expression(tmp_path):
 def test_judgment_alerts_read_the_exporters_judged_status():
     """Rules and live checks agree by construction: the judgment alerts key off training_health_status."""
     groups = rules.build_rule_groups(load_thresholds())
-    judged = {"TrainingLossOutOfRange": ("loss_range", ">= 1"), "TrainingLossDiverging": ("loss_trend", "== 2"),
-              "TrainingLossPlateau": ("loss_trend", "== 1"), "TrainingLossVolatile": ("loss_volatility", "== 2"),
-              "TrainingOverfitting": ("overfitting", ">= 1")}
+    judged = {
+        "TrainingLossOutOfRange": ("loss_range", ">= 1"),
+        "TrainingLossDiverging": ("loss_trend", "== 2"),
+        "TrainingLossPlateau": ("loss_trend", "== 1"),
+        "TrainingLossVolatile": ("loss_volatility", "== 2"),
+        "TrainingOverfitting": ("overfitting", ">= 1"),
+    }
     for name, (check, condition) in judged.items():
         (rule,) = alerts_by_name(groups, name)
         assert f'training_health_status{{check="{check}"' in rule["expr"] and condition in rule["expr"], name
@@ -313,14 +358,27 @@ def test_rendering_is_deterministic():
     thresholds = load_thresholds()
     assert rules.render_rules(thresholds) == rules.render_rules(load_thresholds())
     assert [g["name"] for g in yaml.safe_load(rules.render_rules(thresholds))["groups"]] == [
-        "lossbeat.recording", "lossbeat.lookback", "lossbeat.summary", "lossbeat.summary.checks", "lossbeat.nonfinite",
-        "lossbeat.gradients", "lossbeat.gradients.slow", "lossbeat.loss", "lossbeat.loss.slow", "lossbeat.optimizer",
-        "lossbeat.liveness", "lossbeat.liveness.slow", "lossbeat.resources", "lossbeat.resources.slow",
-        "lossbeat.cross_rank", "lossbeat.guard",
+        "lossbeat.recording",
+        "lossbeat.lookback",
+        "lossbeat.summary",
+        "lossbeat.summary.checks",
+        "lossbeat.nonfinite",
+        "lossbeat.gradients",
+        "lossbeat.gradients.slow",
+        "lossbeat.loss",
+        "lossbeat.loss.slow",
+        "lossbeat.optimizer",
+        "lossbeat.liveness",
+        "lossbeat.liveness.slow",
+        "lossbeat.resources",
+        "lossbeat.resources.slow",
+        "lossbeat.cross_rank",
+        "lossbeat.guard",
     ]
 
 
 # --- the alert contract ---------------------------------------------------------------
+
 
 def test_alert_names_and_severities_are_the_contract():
     found: dict[str, set] = {}
@@ -377,7 +435,9 @@ def test_metric_name_scan_finds_the_series():
     first_layer = "job_run_id_instance_rank_layer:training_nonfinite_grad_first_layer:info5m"
     assert {"job_run_id_instance_rank:training_nonfinite_grad:nonzero_events5m", first_layer} <= _names_in(expr)
     assert {"training_nonfinite_grad_first_layer_info"} <= _names_in(records[first_layer])
-    assert {"training_nonfinite_grad_total"} <= _names_in(records["job_run_id_instance_rank:training_nonfinite_grad:total_if_new5m"])
+    assert {"training_nonfinite_grad_total"} <= _names_in(
+        records["job_run_id_instance_rank:training_nonfinite_grad:total_if_new5m"]
+    )
     expr = alerts_by_name(checked_in_rules(), "TrainingOverfitting")[0]["expr"]
     assert {"training_eval_loss", "training_health_status"} <= _names_in(expr)
 

@@ -33,8 +33,9 @@ def scrape(port: int, source: str | None = None) -> dict[str, float]:
             return samples(response.read().decode())
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
     try:
-        connection.request("GET", "/metrics", headers={"User-Agent": "Prometheus/2.45.3",
-                                                       "X-Prometheus-Scrape-Timeout-Seconds": "10"})
+        connection.request(
+            "GET", "/metrics", headers={"User-Agent": "Prometheus/2.45.3", "X-Prometheus-Scrape-Timeout-Seconds": "10"}
+        )
         return samples(connection.getresponse().read().decode())
     finally:
         connection.close()
@@ -221,6 +222,7 @@ def test_heartbeat_follows_steps_evaluations_phases_and_heartbeat_calls():
 
 def _render(monitor: Monitor) -> str:
     from prometheus_client import generate_latest
+
     return generate_latest(monitor.registry).decode()
 
 
@@ -251,6 +253,7 @@ if sys.argv[3] == "exit0":
 
 def _free_port() -> int:
     from conftest import free_ports
+
     return free_ports(1)
 
 
@@ -260,9 +263,14 @@ def test_a_script_without_close_says_completed_at_exit_unless_it_crashed(ending)
     sys.exit(143) publish no completion marker (issue 19)."""
     import subprocess
     import sys
+
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(port), "3", ending],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, str(port), "3", ending],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "serving", proc.stderr.read()
         scraper = Scraper(port, interval=0.3)

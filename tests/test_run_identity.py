@@ -68,8 +68,7 @@ def test_every_series_carries_the_run_id(clean_env):
     monitor.observe(1, loss=1.0)
     monitor.observe(2, loss=0.5)
     monitor.flush()
-    samples = [s for f in text_string_to_metric_families(generate_latest(monitor.registry).decode())
-               for s in f.samples]
+    samples = [s for f in text_string_to_metric_families(generate_latest(monitor.registry).decode()) for s in f.samples]
     assert len(samples) > 20
     assert {s.labels.get("run_id") for s in samples} == {"4242"}
 

@@ -25,8 +25,8 @@ def templates():
 def test_expositions_are_real_and_only_rank_0_has_layers(templates):
     scalars, layers = series_count(templates["scalars"]), series_count(templates["layers"])
     assert 20 <= scalars <= 60, scalars
-    assert 'training_layer_grad_norm{' in templates["layers"]
-    assert 'training_layer_grad_norm{' not in templates["scalars"]
+    assert "training_layer_grad_norm{" in templates["layers"]
+    assert "training_layer_grad_norm{" not in templates["scalars"]
     assert layers > scalars and 'world_size="6"' in templates["scalars"]
 
 
@@ -39,7 +39,9 @@ def test_a_synthetic_rank_moves_and_turns_nan(templates):
     rank.nan_since = 1050.0
     nan = rank.render(1051.0).decode()
     assert 'training_loss{rank="4",run_id="scale-benchmark"} NaN' in nan
-    assert 'training_nonfinite_loss_total{rank="4",run_id="scale-benchmark"} 3.0' in nan  # 2 steps/s since the flip, and the first
+    assert (
+        'training_nonfinite_loss_total{rank="4",run_id="scale-benchmark"} 3.0' in nan
+    )  # 2 steps/s since the flip, and the first
 
 
 def test_the_sharded_set_up_scrapes_every_rank_once_and_the_nan_fires_on_its_shard(templates):
@@ -54,7 +56,11 @@ def test_the_sharded_set_up_scrapes_every_rank_once_and_the_nan_fires_on_its_sha
     assert 0 < servers["global"]["head_series"] < sum(servers[s]["head_series"] for s in ("shard-0", "shard-1"))
     assert "lossbeat.recording" in servers["shard-0"]["rule_group_duration_s"]
     assert set(servers["global"]["rule_group_duration_s"]) == {
-        "lossbeat.recording.global", "lossbeat.summary.global", "lossbeat.summary.checks.global", "lossbeat.cross_rank"}
+        "lossbeat.recording.global",
+        "lossbeat.summary.global",
+        "lossbeat.summary.checks.global",
+        "lossbeat.cross_rank",
+    }
     # The global holds the shards' partials and a few series a rank, not the ranks' raw series.
     assert servers["global"]["head_series"] < 0.5 * sum(servers[s]["head_series"] for s in ("shard-0", "shard-1"))
     assert result["nan_to_firing_s"] is not None and result["nan_to_firing_s"] < 10

@@ -20,9 +20,25 @@ def test_metrics_over_tls(tmp_path):
     require(shutil.which("openssl") is not None, "openssl not installed")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     with Monitor(MonitorConfig(port=0, addr="127.0.0.1", certfile=str(cert), keyfile=str(key))) as m:
         m.observe(0, loss=1.5)
@@ -75,8 +91,11 @@ def test_two_jobs_sharing_a_node_both_serve(monkeypatch):
 def test_strict_port_raises_naming_the_port_and_the_fix():
     with _busy_port() as busy:
         port = busy.getsockname()[1]
-        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}.*strict_port=True.*"
-                                          f"free port {port}.*port=0 for a free one"):
+        with pytest.raises(
+            OSError,
+            match=f"cannot serve metrics on 127.0.0.1:{port}.*strict_port=True.*"
+            f"free port {port}.*port=0 for a free one",
+        ):
             MetricsServer(CollectorRegistry(), port, "127.0.0.1", strict_port=True)
         with pytest.raises(OSError, match=f"127.0.0.1:{port}.*strict_port"):
             Monitor(MonitorConfig(port=port, addr="127.0.0.1", strict_port=True, port_per_local_rank=False))

@@ -51,8 +51,13 @@ def test_the_shards_forward_what_the_global_rules_read_and_no_more():
         assert all(pattern.match(name) for name in needed), sorted(n for n in needed if not pattern.match(n))
         partials = re.compile(f"^(?:{label['regex']})$")
         assert {n for n in needed if partials.match(n)} == needed - per_rank
-        for raw in ("up", "training_loss", "training_health_status", "training_steps_total",
-                    "job_run_id_instance_rank_world_size:training_run:present"):
+        for raw in (
+            "up",
+            "training_loss",
+            "training_health_status",
+            "training_steps_total",
+            "job_run_id_instance_rank_world_size:training_run:present",
+        ):
             assert not pattern.match(raw), raw
 
 

@@ -27,10 +27,13 @@ def resources() -> dict[str, float]:
     with open("/proc/self/statm") as fh:
         rss = int(fh.read().split()[1]) * _PAGE
     threads = [t.name for t in threading.enumerate()]
-    return {"rss_mb": rss / 2**20, "fds": len(os.listdir("/proc/self/fd")),
-            # Connection threads come and go with scrapes; the monitor's own threads must not grow.
-            "threads": sum("process_request_thread" not in name for name in threads),
-            "connection_threads": sum("process_request_thread" in name for name in threads)}
+    return {
+        "rss_mb": rss / 2**20,
+        "fds": len(os.listdir("/proc/self/fd")),
+        # Connection threads come and go with scrapes; the monitor's own threads must not grow.
+        "threads": sum("process_request_thread" not in name for name in threads),
+        "connection_threads": sum("process_request_thread" in name for name in threads),
+    }
 
 
 def slope_per_minute(points: list[tuple[float, float]]) -> float:
@@ -44,14 +47,19 @@ def slope_per_minute(points: list[tuple[float, float]]) -> float:
 def test_soak_resources_stay_flat():
     seconds = float(os.environ.get("LOSSBEAT_SOAK_SECONDS", "25"))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(m for _ in range(8) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())),
-                                torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(
+        *(m for _ in range(8) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())), torch.nn.Linear(64, 1)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(32, 64), torch.randn(32, 1)
     samples: list[tuple[float, dict]] = []
     with Monitor(MonitorConfig(port=0, addr="127.0.0.1", run_name="soak")) as monitor:
-        scrapers = subprocess.Popen([sys.executable, str(SCRAPERS), str(monitor.port), "4", str(seconds), "0.2"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        scrapers = subprocess.Popen(
+            [sys.executable, str(SCRAPERS), str(monitor.port), "4", str(seconds), "0.2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         start = time.monotonic()
         next_sample, step = start, 0
         while time.monotonic() - start < seconds:
@@ -59,8 +67,15 @@ def test_soak_resources_stay_flat():
             optimizer.zero_grad()
             loss.backward()
             # Every kind of step: NaN losses, evaluations, changing learning rates.
-            monitor.observe(step, loss=math.nan if step % 97 == 0 else loss, optimizer=optimizer, model=model,
-                            tokens=32, losses={"mse": loss}, epoch=step / 1000)
+            monitor.observe(
+                step,
+                loss=math.nan if step % 97 == 0 else loss,
+                optimizer=optimizer,
+                model=model,
+                tokens=32,
+                losses={"mse": loss},
+                epoch=step / 1000,
+            )
             if step % 50 == 0:
                 monitor.observe_eval(step, float(loss) * 1.1)
             optimizer.step()
@@ -77,11 +92,15 @@ def test_soak_resources_stay_flat():
     warm = [s for t, s in samples if t >= seconds * 0.3]  # after warm-up: allocator pools, first regroup
     first, last = warm[0], warm[-1]
     report = {
-        "seconds": seconds, "steps": step, "scrapes": scrape["scrapes"],
+        "seconds": seconds,
+        "steps": step,
+        "scrapes": scrape["scrapes"],
         "rss_mb": [round(first["rss_mb"], 1), round(last["rss_mb"], 1)],
         "rss_slope_mb_per_min": slope_per_minute([(t, s["rss_mb"]) for t, s in samples if t >= seconds * 0.3]),
-        "threads": [first["threads"], last["threads"]], "fds": [min(s["fds"] for s in warm[:5]), min(s["fds"] for s in warm[-5:])],
-        "max_connection_threads": max(s["connection_threads"] for _, s in samples), "exporter_errors": errors,
+        "threads": [first["threads"], last["threads"]],
+        "fds": [min(s["fds"] for s in warm[:5]), min(s["fds"] for s in warm[-5:])],
+        "max_connection_threads": max(s["connection_threads"] for _, s in samples),
+        "exporter_errors": errors,
     }
     if os.environ.get("LOSSBEAT_SOAK_REPORT"):
         Path(os.environ["LOSSBEAT_SOAK_REPORT"]).write_text(json.dumps(report, indent=1))

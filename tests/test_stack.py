@@ -20,8 +20,7 @@ import socket
 import urllib.error
 import urllib.request
 
-from lossbeat.stack.local import (Stack, alert_lines, render_prometheus_config, write_target_groups,
-                                  write_targets_file)
+from lossbeat.stack.local import Stack, alert_lines, render_prometheus_config, write_target_groups, write_targets_file
 from lossbeat.stack.webhook import notifications_html, read_notifications, read_targets, serve, status_links
 
 from conftest import require_binary
@@ -53,6 +52,7 @@ def config_files(tmp_path) -> tuple[Path, Path]:
 @pytest.fixture
 def exporter():
     """A real HTTP endpoint serving one metric in the exposition format."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
             body = b'# TYPE training_step gauge\ntraining_step{rank="0"} 42\n'
@@ -72,8 +72,9 @@ def exporter():
 
 
 def _lossbeat(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lossbeat", "stack", *args], capture_output=True,
-                          text=True, timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "lossbeat", "stack", *args], capture_output=True, text=True, timeout=60, env=env
+    )
 
 
 def test_rendered_config_passes_promtool(tmp_path, config_files):
@@ -81,8 +82,9 @@ def test_rendered_config_passes_promtool(tmp_path, config_files):
     rules, _ = config_files
     targets = tmp_path / "targets.json"
     write_targets_file(targets, ["127.0.0.1:8470", "127.0.0.1:8471"], job="train-a")
-    config = render_prometheus_config(targets_file=targets, rule_files=[rules], alertmanagers=["127.0.0.1:9093"],
-                                      scrape_interval="1s")
+    config = render_prometheus_config(
+        targets_file=targets, rule_files=[rules], alertmanagers=["127.0.0.1:9093"], scrape_interval="1s"
+    )
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     result = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True)
@@ -94,9 +96,16 @@ def test_stack_python_api_scrapes_targets_under_their_job_label(tmp_path, config
     require_binary("prometheus")
     require_binary("alertmanager", "prometheus-alertmanager")
     rules, am = config_files
-    stack = Stack(workdir=tmp_path / "stack", prometheus_port=free_port(), alertmanager_port=free_port(),
-                  targets=[exporter], job="train-b", scrape_interval="1s", rule_files=[rules],
-                  alertmanager_config=am)
+    stack = Stack(
+        workdir=tmp_path / "stack",
+        prometheus_port=free_port(),
+        alertmanager_port=free_port(),
+        targets=[exporter],
+        job="train-b",
+        scrape_interval="1s",
+        rule_files=[rules],
+        alertmanager_config=am,
+    )
     with stack:
         prom = Prometheus(stack.prometheus_url)
         result = wait_until(lambda: prom.query('training_step{job="train-b"}'), 20, "a scrape of the exporter")
@@ -118,10 +127,25 @@ def test_stack_cli_up_status_down(tmp_path, config_files, exporter):
     thresholds.write_text("alerts:\n  stalled_after: 15s\n")
     workdir = tmp_path / "cli-stack"
     prom_port, am_port = free_port(), free_port()
-    up = _lossbeat("up", "--dir", str(workdir), "--prometheus-port", str(prom_port),
-                   "--alertmanager-port", str(am_port), "--receiver-port", "0",
-                   "--targets", exporter, "--scrape-interval", "1s",
-                   "--thresholds", str(thresholds), "--alertmanager-config", str(am))
+    up = _lossbeat(
+        "up",
+        "--dir",
+        str(workdir),
+        "--prometheus-port",
+        str(prom_port),
+        "--alertmanager-port",
+        str(am_port),
+        "--receiver-port",
+        "0",
+        "--targets",
+        exporter,
+        "--scrape-interval",
+        "1s",
+        "--thresholds",
+        str(thresholds),
+        "--alertmanager-config",
+        str(am),
+    )
     try:
         assert up.returncode == 0, up.stderr
         assert f"http://127.0.0.1:{prom_port}" in up.stdout
@@ -151,8 +175,9 @@ def test_stack_up_says_how_to_install_missing_binaries(tmp_path, config_files):
     rules, am = config_files
     env = {**os.environ, "PATH": str(tmp_path)}  # no prometheus on this PATH
     env.pop("LOSSBEAT_PROMETHEUS", None)
-    result = _lossbeat("up", "--dir", str(tmp_path / "s"), "--rules", str(rules),
-                       "--alertmanager-config", str(am), env=env)
+    result = _lossbeat(
+        "up", "--dir", str(tmp_path / "s"), "--rules", str(rules), "--alertmanager-config", str(am), env=env
+    )
     assert result.returncode == 2
     assert "apt-get install prometheus prometheus-alertmanager" in result.stderr
 
@@ -165,8 +190,9 @@ VOLATILE = {"alertname": "TrainingLossVolatile", "job": "train", "rank": "0", "s
 
 
 def _post(url: str, document: dict) -> int:
-    request = urllib.request.Request(url, data=json.dumps(document).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(document).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as resp:
         return resp.status
 
@@ -197,26 +223,35 @@ def test_receiver_records_webhooks_and_serves_the_runbooks(tmp_path):
 
 
 def test_status_lines_name_the_receiver_and_the_delivery():
-    prometheus = [{"labels": NAN, "state": "firing"}, {"labels": PLATEAU, "state": "firing"},
-                  {"labels": VOLATILE, "state": "firing"},
-                  {"labels": {**NAN, "rank": "1"}, "state": "pending"}]
+    prometheus = [
+        {"labels": NAN, "state": "firing"},
+        {"labels": PLATEAU, "state": "firing"},
+        {"labels": VOLATILE, "state": "firing"},
+        {"labels": {**NAN, "rank": "1"}, "state": "pending"},
+    ]
     alertmanager = [
         {"labels": NAN, "receivers": [{"name": "page"}], "status": {"state": "active"}},
         {"labels": PLATEAU, "receivers": [{"name": "ticket"}], "status": {"state": "active"}},
         {"labels": VOLATILE, "receivers": [{"name": "ticket"}], "status": {"state": "suppressed"}},
     ]
-    notifications = [{"receiver": "page", "received_at": 0.0, "alerts": [{"labels": NAN, "status": "firing"}]},
-                     # delivered to another receiver, or resolved: not this alert's delivery
-                     {"receiver": "ticket", "received_at": 0.0, "alerts": [{"labels": NAN, "status": "firing"}]},
-                     {"receiver": "ticket", "received_at": 0.0, "alerts": [{"labels": PLATEAU, "status": "resolved"}]}]
+    notifications = [
+        {"receiver": "page", "received_at": 0.0, "alerts": [{"labels": NAN, "status": "firing"}]},
+        # delivered to another receiver, or resolved: not this alert's delivery
+        {"receiver": "ticket", "received_at": 0.0, "alerts": [{"labels": NAN, "status": "firing"}]},
+        {"receiver": "ticket", "received_at": 0.0, "alerts": [{"labels": PLATEAU, "status": "resolved"}]},
+    ]
     lines = alert_lines(prometheus, alertmanager, notifications)
     by_name = {}
     for line in lines:
         by_name.setdefault(line.split()[1], []).append(line)
-    assert "receiver page" in by_name["TrainingLossNaN"][0] and "paged: TrainingLossNaN" in by_name["TrainingLossNaN"][0]
+    assert (
+        "receiver page" in by_name["TrainingLossNaN"][0] and "paged: TrainingLossNaN" in by_name["TrainingLossNaN"][0]
+    )
     assert "receiver ticket" in by_name["TrainingLossPlateau"][0]
     assert "not delivered yet" in by_name["TrainingLossPlateau"][0]
-    assert "suppressed" in by_name["TrainingLossVolatile"][0] and "no notification" in by_name["TrainingLossVolatile"][0]
+    assert (
+        "suppressed" in by_name["TrainingLossVolatile"][0] and "no notification" in by_name["TrainingLossVolatile"][0]
+    )
     assert "pending" in by_name["TrainingLossNaN"][1] and "paged" not in by_name["TrainingLossNaN"][1]
     assert lines[-1] == by_name["TrainingLossNaN"][1]  # firing first
     unknown = alert_lines(prometheus[:1], alertmanager[:1], None)
@@ -260,10 +295,27 @@ def test_stack_status_and_the_receivers_page_link_each_alert_to_its_ranks_status
     rules.write_text(LINK_RULES)
     am.write_text(LINK_ALERTMANAGER)
     workdir, receiver_port = tmp_path / "links-stack", free_port()
-    up = _lossbeat("up", "--dir", str(workdir), "--prometheus-port", str(free_port()),
-                   "--alertmanager-port", str(free_port()), "--receiver-port", str(receiver_port),
-                   "--targets", exporter, "--job-name", "train-links", "--scrape-interval", "1s",
-                   "--rules", str(rules), "--alertmanager-config", str(am))
+    up = _lossbeat(
+        "up",
+        "--dir",
+        str(workdir),
+        "--prometheus-port",
+        str(free_port()),
+        "--alertmanager-port",
+        str(free_port()),
+        "--receiver-port",
+        str(receiver_port),
+        "--targets",
+        exporter,
+        "--job-name",
+        "train-links",
+        "--scrape-interval",
+        "1s",
+        "--rules",
+        str(rules),
+        "--alertmanager-config",
+        str(am),
+    )
     receiver = f"http://127.0.0.1:{receiver_port}"
     try:
         assert up.returncode == 0, up.stderr
@@ -277,8 +329,10 @@ def test_stack_status_and_the_receivers_page_link_each_alert_to_its_ranks_status
         with urllib.request.urlopen(f"{receiver}/", timeout=10) as resp:
             assert resp.headers["Content-Type"].startswith("text/html")
             page = resp.read().decode()
-        rows = {name: next(r for r in page.splitlines() if f"<b>{name}</b>" in r)
-                for name in ("RankUp", "JobUp", "HostileLabel")}
+        rows = {
+            name: next(r for r in page.splitlines() if f"<b>{name}</b>" in r)
+            for name in ("RankUp", "JobUp", "HostileLabel")
+        }
         link = f'<a class=page href="http://{exporter}/">http://{exporter}/</a>'
         assert link in rows["RankUp"] and f"rank {exporter} is up" in rows["RankUp"]
         assert "instance=" not in rows["JobUp"] and link in rows["JobUp"]  # the job's one rank
@@ -298,9 +352,11 @@ def test_stack_status_and_the_receivers_page_link_each_alert_to_its_ranks_status
 
 
 def test_status_links_follow_the_instance_the_scheme_and_the_jobs_ranks(tmp_path):
-    ranks = [{"instance": "node1:8470", "job": "train", "scheme": "https"},
-             {"instance": "node1:8471", "job": "train", "scheme": "https"},
-             {"instance": "127.0.0.1:8470", "job": "other", "scheme": "http"}]
+    ranks = [
+        {"instance": "node1:8470", "job": "train", "scheme": "https"},
+        {"instance": "node1:8471", "job": "train", "scheme": "https"},
+        {"instance": "127.0.0.1:8470", "job": "other", "scheme": "http"},
+    ]
     assert status_links({"instance": "127.0.0.1:8470", "job": "other"}, ranks) == ["http://127.0.0.1:8470/"]
     assert status_links({"instance": "node1:8471"}, ranks) == ["https://node1:8471/"]  # scraped over TLS
     assert status_links({"instance": "[::1]:8470"}) == ["http://[::1]:8470/"]
@@ -310,41 +366,73 @@ def test_status_links_follow_the_instance_the_scheme_and_the_jobs_ranks(tmp_path
         assert status_links({"instance": hostile}) == [], hostile
     # The stack's file_sd targets file: a group's __scheme__ label says it is scraped over TLS.
     targets = tmp_path / "targets.json"
-    write_target_groups(targets, [{"targets": ["node1:8470"], "labels": {"job": "train", "__scheme__": "https"}},
-                                  {"targets": ["node2:8470"], "labels": {"job": "train"}}])
-    assert read_targets(targets) == [{"instance": "node1:8470", "job": "train", "scheme": "https"},
-                                     {"instance": "node2:8470", "job": "train", "scheme": "http"}]
+    write_target_groups(
+        targets,
+        [
+            {"targets": ["node1:8470"], "labels": {"job": "train", "__scheme__": "https"}},
+            {"targets": ["node2:8470"], "labels": {"job": "train"}},
+        ],
+    )
+    assert read_targets(targets) == [
+        {"instance": "node1:8470", "job": "train", "scheme": "https"},
+        {"instance": "node2:8470", "job": "train", "scheme": "http"},
+    ]
     assert read_targets(tmp_path / "absent.json") == [] and read_targets(None) == []
 
 
 def test_the_page_of_notifications_escapes_every_string_from_the_alerts():
     hostile = '"><script>alert(1)</script>'
-    notifications = [{"receiver": "page", "received_at": 0.0, "alerts": [{
-        "status": "firing", "labels": {"alertname": "Nan<script>", "job": hostile, "instance": hostile + ":1"},
-        "annotations": {"summary": hostile, "runbook_url": "javascript:alert(1)"}}]},
-        {"receiver": "ticket", "received_at": 1.0, "alerts": [{
-            "status": "firing", "labels": {"alertname": "TrainingLossNaN", "job": "train", "instance": "h:8470"},
-            "annotations": {"runbook_url": "http://127.0.0.1:5001/runbooks#traininglossnan"}}]}]
+    notifications = [
+        {
+            "receiver": "page",
+            "received_at": 0.0,
+            "alerts": [
+                {
+                    "status": "firing",
+                    "labels": {"alertname": "Nan<script>", "job": hostile, "instance": hostile + ":1"},
+                    "annotations": {"summary": hostile, "runbook_url": "javascript:alert(1)"},
+                }
+            ],
+        },
+        {
+            "receiver": "ticket",
+            "received_at": 1.0,
+            "alerts": [
+                {
+                    "status": "firing",
+                    "labels": {"alertname": "TrainingLossNaN", "job": "train", "instance": "h:8470"},
+                    "annotations": {"runbook_url": "http://127.0.0.1:5001/runbooks#traininglossnan"},
+                }
+            ],
+        },
+    ]
     page = notifications_html(notifications)
     assert "<script" not in page and "javascript:" not in page.replace("javascript:alert(1)", "")
     assert "&lt;b&gt;" not in page and "Nan&lt;script&gt;" in page
-    assert '&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;' in page
+    assert "&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert 'href="http://h:8470/"' in page and 'href="http://127.0.0.1:5001/runbooks#traininglossnan"' in page
     assert page.index("TrainingLossNaN") < page.index("Nan&lt;script&gt;")  # newest first
     assert page.count("<a class=page ") == 1  # the hostile instance gets no link
 
 
 def test_status_lines_end_with_the_status_page_of_the_rank():
-    targets = [{"instance": "127.0.0.1:8470", "job": "train", "scheme": "http"},
-               {"instance": "127.0.0.1:8471", "job": "train", "scheme": "http"}]
+    targets = [
+        {"instance": "127.0.0.1:8470", "job": "train", "scheme": "http"},
+        {"instance": "127.0.0.1:8471", "job": "train", "scheme": "http"},
+    ]
     rank = {**NAN, "instance": "127.0.0.1:8471"}
     job_level = {"alertname": "TrainingRanksMissing", "job": "train", "severity": "warning"}
     lonely = {"alertname": "TrainingRanksMissing", "job": "gone", "severity": "warning"}
     hostile = {**NAN, "instance": "\x1b[2J\x1b[31mred:1"}  # a terminal escape sequence in a label
-    prometheus = [{"labels": rank, "state": "firing"}, {"labels": job_level, "state": "pending"},
-                  {"labels": lonely, "state": "pending"}, {"labels": hostile, "state": "pending"}]
-    lines = alert_lines(prometheus, [{"labels": rank, "receivers": [{"name": "page"}], "status": {"state": "active"}}],
-                        [], targets)
+    prometheus = [
+        {"labels": rank, "state": "firing"},
+        {"labels": job_level, "state": "pending"},
+        {"labels": lonely, "state": "pending"},
+        {"labels": hostile, "state": "pending"},
+    ]
+    lines = alert_lines(
+        prometheus, [{"labels": rank, "receivers": [{"name": "page"}], "status": {"state": "active"}}], [], targets
+    )
     firing = lines[0]
     (red,) = [line for line in lines if "red:1" in line]
     (train,) = [line for line in lines if "TrainingRanksMissing" in line and "job=train" in line]
@@ -362,11 +450,21 @@ def test_a_busy_port_is_one_line_naming_it(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = _lossbeat("up", "--dir", str(tmp_path / "s"), "--prometheus-port", str(free_port()),
-                           "--alertmanager-port", str(free_port()), "--receiver-port", str(port))
+        result = _lossbeat(
+            "up",
+            "--dir",
+            str(tmp_path / "s"),
+            "--prometheus-port",
+            str(free_port()),
+            "--alertmanager-port",
+            str(free_port()),
+            "--receiver-port",
+            str(port),
+        )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        f"lossbeat stack: port {port} (receiver) is in use on 127.0.0.1; pass --receiver-port with a free one"]
+        f"lossbeat stack: port {port} (receiver) is in use on 127.0.0.1; pass --receiver-port with a free one"
+    ]
     assert not (tmp_path / "s" / "state.json").exists()
 
 
@@ -380,8 +478,17 @@ def test_up_leaves_foreign_files_in_its_folder(tmp_path):
     with socket.socket() as busy:  # stops `up` after it cleared its own files
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        result = _lossbeat("up", "--dir", str(workdir), "--prometheus-port", str(busy.getsockname()[1]),
-                           "--alertmanager-port", str(free_port()), "--receiver-port", "0")
+        result = _lossbeat(
+            "up",
+            "--dir",
+            str(workdir),
+            "--prometheus-port",
+            str(busy.getsockname()[1]),
+            "--alertmanager-port",
+            str(free_port()),
+            "--receiver-port",
+            "0",
+        )
     assert result.returncode == 1
     assert (workdir / "notes.txt").read_text() == "keep me" and not (workdir / "prometheus.log").exists()
 
@@ -397,8 +504,17 @@ def test_up_refuses_a_shared_folder_with_a_planted_symlink_and_writes_nothing_th
     shared.chmod(0o777)
     for name in ("targets.tmp", "targets.json", "prometheus.yml", "state.json"):
         (shared / name).symlink_to(victim / f"created-by-{name}")
-    result = _lossbeat("up", "--dir", str(shared), "--prometheus-port", str(free_port()),
-                       "--alertmanager-port", str(free_port()), "--receiver-port", "0")
+    result = _lossbeat(
+        "up",
+        "--dir",
+        str(shared),
+        "--prometheus-port",
+        str(free_port()),
+        "--alertmanager-port",
+        str(free_port()),
+        "--receiver-port",
+        "0",
+    )
     assert result.returncode == 2
     assert "writable by others" in result.stderr
     assert list(victim.iterdir()) == []  # nothing created or clobbered through the symlinks
@@ -434,6 +550,7 @@ def test_the_default_folder_is_per_user_not_a_shared_tmp_name(tmp_path, monkeypa
     runtime.chmod(0o777)  # an XDG_RUNTIME_DIR others can write is not used
     assert default_dir().name == f"lossbeat-stack-{os.getuid()}"
     from lossbeat.stack.local import DEFAULT_DIR
+
     assert DEFAULT_DIR != Path(tempfile.gettempdir()) / "lossbeat-stack"
 
 

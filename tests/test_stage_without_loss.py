@@ -34,7 +34,7 @@ def exposition(monitor: Monitor) -> dict[str, list[tuple[dict, float]]]:
 
 
 def one(metrics, name: str) -> float:
-    (_, value), = metrics[name]
+    ((_, value),) = metrics[name]
     return value
 
 
@@ -71,8 +71,9 @@ class TwoStages:
 
 
 def new_monitor() -> Monitor:
-    return Monitor(MonitorConfig(port=0, addr="127.0.0.1", log_status_changes=False),
-                   registry=CollectorRegistry(), serve=False)
+    return Monitor(
+        MonitorConfig(port=0, addr="127.0.0.1", log_status_changes=False), registry=CollectorRegistry(), serve=False
+    )
 
 
 def test_a_stage_without_a_loss_exports_everything_but_the_loss():

@@ -38,8 +38,12 @@ def test_a_shard_reads_only_its_ranks_series_and_its_own_records():
             assert stage_of_record(name) == "shard", f"{_key(rule)} reads the global {name}"
     # The cross-rank alerts and the job-level records are the global's.
     global_rules = {_key(r) for r in _rules(stage_groups(t, "global"))}
-    assert {"TrainingRankDown", "TrainingLossRankSpread", "job:training_loss:median_avg_over_time5m",
-            "job_run_id_instance_rank:training_loss:robust_z5m"} <= global_rules
+    assert {
+        "TrainingRankDown",
+        "TrainingLossRankSpread",
+        "job:training_loss:median_avg_over_time5m",
+        "job_run_id_instance_rank:training_loss:robust_z5m",
+    } <= global_rules
     assert "TrainingLossNaN" not in global_rules and "TrainingExporterDown" not in global_rules
 
 
@@ -50,8 +54,9 @@ def test_the_checked_in_stage_files_are_current_and_promtool_accepts_them(tmp_pa
         text = (rules.REPO_ROOT / path).read_text(encoding="utf-8")
         assert text == rules.render_stage_rules(t, stage), f"{path} is stale: make generate"
         assert yaml.safe_load(text)["groups"] == stage_groups(t, stage)
-        done = subprocess.run([promtool, "check", "rules", str(rules.REPO_ROOT / path)], capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [promtool, "check", "rules", str(rules.REPO_ROOT / path)], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -68,12 +73,19 @@ def test_the_two_stages_together_judge_the_cross_rank_alerts_as_rules_yml_does(t
         files.append(str(path))
     order = [g["name"] for stage in STAGES for g in stage_groups(t, stage)]
     documents = rule_test_documents(t)
-    names = ("trainingrankdown.yml", "traininglossrankspread.yml", "trainingstraggler.yml",
-             "trainingrankgradientmismatch.yml", "traininglossnan.yml", "traininggradientnonfinite.yml")
+    names = (
+        "trainingrankdown.yml",
+        "traininglossrankspread.yml",
+        "trainingstraggler.yml",
+        "trainingrankgradientmismatch.yml",
+        "traininglossnan.yml",
+        "traininggradientnonfinite.yml",
+    )
     for name in names:
         document = {**documents[name], "rule_files": files, "group_eval_order": order}
         (tmp_path / name).write_text(yaml.safe_dump(document), encoding="utf-8")
-    done = subprocess.run([promtool, "test", "rules", *names], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [promtool, "test", "rules", *names], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("SUCCESS") == len(names)

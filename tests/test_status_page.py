@@ -36,6 +36,7 @@ def request(port, path="/status.json", headers=None):
 def strict_json(body: bytes):
     def refuse(name):
         raise AssertionError(f"non-JSON constant {name} in /status.json")
+
     return json.loads(body, parse_constant=refuse)
 
 
@@ -140,7 +141,7 @@ def test_layer_history_is_bounded(served):
 
 def test_heatmap_levels_and_layers_that_come_and_go(served):
     _, hexes = _quantise({"a": 1.0, "b": 0.0, "c": float("nan"), "d": 1e-20, "e": 1e30, "f": 0.05})
-    levels = [int(hexes[i:i + 2], 16) for i in range(0, len(hexes), 2)]
+    levels = [int(hexes[i : i + 2], 16) for i in range(0, len(hexes), 2)]
     assert levels[1:5] == [0, 0, 1, 255]
     assert level_norm(levels[0]) == pytest.approx(1.0) and level_norm(levels[5]) == pytest.approx(0.05, rel=0.13)
     monitor, _ = served
@@ -155,7 +156,7 @@ def test_heatmap_levels_and_layers_that_come_and_go(served):
     doc, _ = status(monitor.port)
     rows = heatmap_matrix(doc["layers"])
     assert doc["layers"]["names"] == ["0", "1"] and len(doc["layers"]["sets"]) == 2
-    assert rows[0][1] is None and rows[0][0] == pytest.approx(6 ** 0.5, rel=0.13) and None not in rows[1]
+    assert rows[0][1] is None and rows[0][0] == pytest.approx(6**0.5, rel=0.13) and None not in rows[1]
 
 
 def test_the_page_is_self_contained_and_never_injects_html(served):
@@ -183,8 +184,10 @@ def write_config(tmp_path, doc):
 def test_status_json_is_behind_basic_auth(tmp_path):
     bcrypt = require_module("bcrypt")
     hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
-    config = write_config(tmp_path, {"basic_auth_users": {"prometheus": hashed},
-                                     "http_server_config": {"headers": {"Cache-Control": "private"}}})
+    config = write_config(
+        tmp_path,
+        {"basic_auth_users": {"prometheus": hashed}, "http_server_config": {"headers": {"Cache-Control": "private"}}},
+    )
     good = {"Authorization": "Basic " + base64.b64encode(b"prometheus:s3cret").decode()}
     bad = {"Authorization": "Basic " + base64.b64encode(b"prometheus:wrong").decode()}
     with Monitor(MonitorConfig(port=0, addr="127.0.0.1", web_config=config, run_name="secret-run")) as m:
@@ -225,8 +228,14 @@ def browser():
     driver_path = require_binary("chromedriver", install="apt-get install chromium chromium-driver")
     webdriver = require_module("selenium.webdriver")
     options = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1300,1600", "--disable-extensions"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1300,1600",
+        "--disable-extensions",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=driver_path), options=options)
@@ -241,9 +250,9 @@ def wait_for(driver, condition, timeout=30):
     from selenium.webdriver.support.ui import WebDriverWait
 
     # The page redraws its rows on every poll, so an element found a moment ago may be gone.
-    return WebDriverWait(driver, timeout, poll_frequency=0.2,
-                         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
-                         ).until(lambda d: condition(d))
+    return WebDriverWait(
+        driver, timeout, poll_frequency=0.2, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
+    ).until(lambda d: condition(d))
 
 
 def test_in_a_real_browser(served, browser):
@@ -259,7 +268,12 @@ def test_in_a_real_browser(served, browser):
     labels = [e.get_attribute("textContent") for e in browser.find_elements(By.CSS_SELECTOR, "#heat-names div")]
     assert labels == list(monitor.state.layer_norms) and EVIL in labels
     assert browser.execute_script("return document.querySelectorAll('script').length") == 1
-    assert browser.execute_script("return document.querySelectorAll('#heat-names div *, #findings *:not(tr):not(td):not(div)').length") == 0
+    assert (
+        browser.execute_script(
+            "return document.querySelectorAll('#heat-names div *, #findings *:not(tr):not(td):not(div)').length"
+        )
+        == 0
+    )
 
     # The step advances between two looks (the page polls; no reload).
     browser.execute_script("window.__same_page = true")
@@ -273,7 +287,8 @@ def test_in_a_real_browser(served, browser):
     wait_for(browser, lambda d: d.find_element(By.CSS_SELECTOR, nonfinite).get_attribute("class") == "danger")
     # Read in one script: a row found first could be redrawn before its colour is read.
     red = browser.execute_script(
-        "return getComputedStyle(document.querySelector(arguments[0])).color", nonfinite + " td.st")
+        "return getComputedStyle(document.querySelector(arguments[0])).color", nonfinite + " td.st"
+    )
     assert red in ("rgba(207, 34, 46, 1)", "rgb(207, 34, 46)")
     assert browser.find_elements(By.CSS_SELECTOR, "#chart-loss path")  # the curves are drawn
     errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
@@ -314,7 +329,8 @@ def test_analyze_html_writes_the_page_for_a_finished_log(static_page):
     assert doc["run"]["step"] == analysed["last_step"]
     assert len(doc["series"]["step"]) == analysed["read"]["train"] > 0
     assert [(f["check"], f["status"]) for f in doc["findings"]] == [
-        (f["check"], f["status"] if f["known"] else "unknown") for f in analysed["findings"]]
+        (f["check"], f["status"] if f["known"] else "unknown") for f in analysed["findings"]
+    ]
     assert {k: doc["counters"][k] for k in analysed["events"]} == analysed["events"]
     for kind, steps in analysed["event_steps"].items():
         assert doc["last_event_step"][kind] == (steps[-1] if steps else None)

@@ -43,9 +43,13 @@ def _live(log, profile, learning_rates=False):
     evals = {e.step: e.loss for e in log.evals}
     for r in log.train:
         named = by_step.get(r.step, {})
-        m.observe(r.step, loss=r.loss, grad_norm=r.grad_norm,
-                  learning_rate=r.learning_rate if learning_rates else None,
-                  metrics={k: v for k, v in named.items() if not k.startswith("eval_")} or None)
+        m.observe(
+            r.step,
+            loss=r.loss,
+            grad_norm=r.grad_norm,
+            learning_rate=r.learning_rate if learning_rates else None,
+            metrics={k: v for k, v in named.items() if not k.startswith("eval_")} or None,
+        )
         if r.step in evals:
             m.observe_eval(r.step, evals[r.step], metrics={k: v for k, v in named.items() if k.startswith("eval_")})
     report = m.report()
@@ -133,8 +137,13 @@ def test_a_run_that_never_learned_at_a_large_peak_lr_names_the_lr():
     assert _final(replay(healthy, T).findings, "learning_rate").status is Status.GOOD
 
 
-@pytest.mark.parametrize("name", ["hf-llada-grpo-remasking-policy-ckpt1000-trainer_state.json",
-                                  "hf-vit-skin-cancer-10ep-overfit-trainer_state.json"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf-llada-grpo-remasking-policy-ckpt1000-trainer_state.json",
+        "hf-vit-skin-cancer-10ep-overfit-trainer_state.json",
+    ],
+)
 def test_a_real_log_fed_to_a_monitor_with_its_signals_gives_the_findings_analyze_gives(name):
     """Live = offline on real logs whose task signals judge them (GRPO's reward; ViT's eval accuracy)."""
     from lossbeat.analyze import judge_log
@@ -147,6 +156,9 @@ def test_a_real_log_fed_to_a_monitor_with_its_signals_gives_the_findings_analyze
     log = parse_log(path)
     (offline,) = judge_log(log, T).runs
     live = _live(log, offline.profile, learning_rates=True)
-    shared = lambda findings: sorted((f.check, f.component, f.status, f.message)  # noqa: E731
-                                     for f in findings if f.check not in LIVE_ONLY_CHECKS)
+    shared = lambda findings: sorted(
+        (f.check, f.component, f.status, f.message)  # noqa: E731
+        for f in findings
+        if f.check not in LIVE_ONLY_CHECKS
+    )
     assert shared(live) == shared(offline.findings)

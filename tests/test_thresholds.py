@@ -44,10 +44,14 @@ def test_every_default_states_its_basis():
     assert "BASIS" in text and "[A §" in text and "[M" in text and "[S" in text
     section = text.split("\nalerts:")[0]
     for block in section.split("\n\n"):
-        numbers = [line for line in block.splitlines() if ":" in line and not line.lstrip().startswith("#")
-                   and any(ch.isdigit() for ch in line.split(":", 1)[1])]
+        numbers = [
+            line
+            for line in block.splitlines()
+            if ":" in line and not line.lstrip().startswith("#") and any(ch.isdigit() for ch in line.split(":", 1)[1])
+        ]
         if numbers and "profiles:" not in block and "version:" not in block:
             assert "[" in block or "#" in block, block
+
 
 def test_a_user_file_overrides_a_subset(tmp_path):
     path = tmp_path / "t.yaml"

@@ -24,6 +24,7 @@ def _health(monitor: Monitor, check: str) -> int:
 
 # --- memory -----------------------------------------------------------------------------
 
+
 def test_memory_near_the_limit_is_danger():
     f = check_memory([70 * GIB] * 3, 77 * GIB, 80 * GIB, T.memory)
     assert f.status is Status.DANGER and "96%" in f.message
@@ -47,6 +48,7 @@ def test_memory_without_samples_or_limit_is_not_judged():
 
 
 # --- throughput -------------------------------------------------------------------------
+
 
 def _tracker(times):
     tracker = ThroughputTracker(T.throughput)
@@ -83,6 +85,7 @@ def test_warmup_steps_do_not_count():
 
 # --- LR schedule ------------------------------------------------------------------------
 
+
 def test_declared_schedule_values_and_validation():
     s = LRSchedule(peak_lr=1e-3, warmup_steps=100, total_steps=1100, decay="cosine", min_lr=1e-5)
     assert s.lr_at(0) == 0 and s.lr_at(50) == pytest.approx(5e-4) and s.lr_at(100) == pytest.approx(1e-3)
@@ -108,8 +111,13 @@ def test_an_lr_that_departs_from_the_declared_schedule_warns_after_a_few_steps()
     assert "departs from the declared schedule" in tracker.update(30, 1.0).message
 
 
-def _scheduler_run(optimizer_steps: int, scheduler_steps_per_optimizer_step: int, tracker: ScheduleTracker,
-                   start: int = 0, scheduler=None):
+def _scheduler_run(
+    optimizer_steps: int,
+    scheduler_steps_per_optimizer_step: int,
+    tracker: ScheduleTracker,
+    start: int = 0,
+    scheduler=None,
+):
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
@@ -138,19 +146,26 @@ def test_a_scheduler_reset_by_a_resume_is_caught():
 
 # --- patterns ---------------------------------------------------------------------------
 
+
 def _f(check: str, status: Status, fix: str = "") -> Finding:
     return Finding(check, status, check, fix)
 
 
-@pytest.mark.parametrize("findings, name", [
-    ([_f("loss_trend", Status.GOOD)], "converging"),
-    ([_f("loss_trend", Status.GOOD), _f("loss_volatility", Status.WARNING)], "oscillating"),
-    ([_f("loss_trend", Status.GOOD), _f("overfitting", Status.WARNING)], "overfitting"),
-    ([_f("loss_trend", Status.GOOD), _f("nonfinite", Status.DANGER), _f("overfitting", Status.WARNING)], "diverging"),
-    ([_f("loss_trend", Status.WARNING)], "no_progress"),
-    ([Finding.unknown("loss_trend"), Finding("overfitting", Status.WARNING, "g0", component="g0")], "overfitting"),
-    ([_f("loss_trend", Status.DANGER)], "diverging"),
-])
+@pytest.mark.parametrize(
+    "findings, name",
+    [
+        ([_f("loss_trend", Status.GOOD)], "converging"),
+        ([_f("loss_trend", Status.GOOD), _f("loss_volatility", Status.WARNING)], "oscillating"),
+        ([_f("loss_trend", Status.GOOD), _f("overfitting", Status.WARNING)], "overfitting"),
+        (
+            [_f("loss_trend", Status.GOOD), _f("nonfinite", Status.DANGER), _f("overfitting", Status.WARNING)],
+            "diverging",
+        ),
+        ([_f("loss_trend", Status.WARNING)], "no_progress"),
+        ([Finding.unknown("loss_trend"), Finding("overfitting", Status.WARNING, "g0", component="g0")], "overfitting"),
+        ([_f("loss_trend", Status.DANGER)], "diverging"),
+    ],
+)
 def test_the_five_patterns(findings, name):
     assert classify(findings).name == name
 
@@ -176,6 +191,7 @@ def test_a_run_that_never_fell_is_no_progress_even_with_an_expected_flat_end():
 def test_analyze_names_the_pattern_and_its_first_step():
     from lossbeat.analyze import analyze_file
     from conftest import REAL_LOGS as logs
+
     overfit = analyze_file(logs / "hf-whisper-large-v2-ja-overfit-trainer_state.json")
     assert overfit.pattern.name == "overfitting" and overfit.pattern_since is not None
     plateau = analyze_file(logs / "hf-llama3.1-8b-lora-token-compressor-plateau-trainer_state.json")
@@ -185,6 +201,7 @@ def test_analyze_names_the_pattern_and_its_first_step():
 
 
 # --- a real Monitor ---------------------------------------------------------------------
+
 
 def _train(monitor: Monitor, steps: int, *, scheduler_steps: int = 1, leak: list | None = None):
     torch.manual_seed(0)
@@ -228,8 +245,7 @@ def test_monitor_catches_a_scheduler_stepped_per_micro_batch(tmp_path):
 def test_monitor_catches_a_real_memory_leak_and_a_clean_run_is_silent(tmp_path):
     # Small thresholds: 1 MiB a step on a machine of tens of GiB; the rule of the
     # shipped file (5 % of the device) is tested in the pure check above.
-    text = ("windows:\n  diagnose_every: 5\n"
-            "memory:\n  growth_fraction: 0.0005\n  samples: 20\n  warmup_samples: 2\n")
+    text = "windows:\n  diagnose_every: 5\nmemory:\n  growth_fraction: 0.0005\n  samples: 20\n  warmup_samples: 2\n"
     leaky = _monitor(tmp_path, text)
     leaked: list = []
     _train(leaky, 200, leak=leaked)
@@ -245,9 +261,11 @@ def test_monitor_exports_memory_limit_and_pattern(tmp_path):
 
     monitor = _monitor(tmp_path, "windows:\n  diagnose_every: 5\n")
     _train(monitor, 400)
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(generate_latest(monitor.registry).decode())
-               for s in fam.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(generate_latest(monitor.registry).decode())
+        for s in fam.samples
+    }
     limit = next(v for (n, _), v in samples.items() if n == "training_memory_limit_bytes")
     peak = next(v for (n, _), v in samples.items() if n == "training_memory_peak_bytes")
     allocated = next(v for (n, _), v in samples.items() if n == "training_memory_allocated_bytes")

@@ -145,8 +145,20 @@ def test_half_written_line_is_held_until_its_newline(tmp_path):
 
 
 def jsonl(step, loss, total=100) -> str:
-    return json.dumps({"current_steps": step, "total_steps": total, "loss": loss, "lr": 1e-5,
-                       "epoch": step / total, "percentage": step, "elapsed_time": "0:00:10"}) + "\n"
+    return (
+        json.dumps(
+            {
+                "current_steps": step,
+                "total_steps": total,
+                "loss": loss,
+                "lr": 1e-5,
+                "epoch": step / total,
+                "percentage": step,
+                "elapsed_time": "0:00:10",
+            }
+        )
+        + "\n"
+    )
 
 
 def test_rotation_and_copytruncate_continue_the_run_and_a_restart_is_a_new_run(tmp_path):
@@ -263,11 +275,14 @@ def test_follower_bounds_an_endless_line(tmp_path):
     assert f.poll() == (["ok"], False)
 
 
-@pytest.mark.parametrize("name, fmt", [
-    ("real-logs/llamafactory-qwen2.5-3b-full-sft-7epoch-trainer_log.jsonl", "llamafactory"),
-    ("real-logs-2/hf-stdout-llama3.2-3b-lora-jcommonsenseqa-string-values-train_log.txt", "hf-stdout"),
-    ("real-logs/llmc-gpt2-124m-fineweb-main.log", "llmc"),
-])
+@pytest.mark.parametrize(
+    "name, fmt",
+    [
+        ("real-logs/llamafactory-qwen2.5-3b-full-sft-7epoch-trainer_log.jsonl", "llamafactory"),
+        ("real-logs-2/hf-stdout-llama3.2-3b-lora-jcommonsenseqa-string-values-train_log.txt", "hf-stdout"),
+        ("real-logs/llmc-gpt2-124m-fineweb-main.log", "llmc"),
+    ],
+)
 def test_live_parsers_read_real_logs_as_the_offline_ones(name, fmt):
     path = REAL / name
     require(path.exists(), f"{path} not here (the real logs of ../shared/data)")
@@ -295,8 +310,7 @@ def test_live_parsers_read_real_logs_as_the_offline_ones(name, fmt):
     for i, seg in enumerate(offline.segments):
         # two ranks append each LLaMA-Factory step with their own loss: the live reader keeps the first,
         # the offline one the latest, so the steps are compared there
-        want += (["new run"] if i else []) + [r.step if fmt == "llamafactory" else (r.step, r.loss)
-                                              for r in seg.train]
+        want += (["new run"] if i else []) + [r.step if fmt == "llamafactory" else (r.step, r.loss) for r in seg.train]
     if fmt == "hf-stdout":  # it ends with the Trainer's summary; the LLaMA-Factory log stops at 6565 of 6566
         want.append("completed")
     same = [a == b or str(a) == str(b) for a, b in zip(got, want)]  # str: NaN == NaN
@@ -351,7 +365,7 @@ def test_real_hf_printed_log_written_in_odd_chunks_is_read_whole(tmp_path):
     w, t, result = start(log, fmt="hf-stdout")  # its first dict lies 107 KB in, after the unbuffered bar
     with open(log, "wb") as fh:
         for i in range(0, len(data), 1777):
-            fh.write(data[i:i + 1777])
+            fh.write(data[i : i + 1777])
             fh.flush()
             if w.builder is not None:  # the watcher reads up to here: mid-line, mid-character
                 wait_for(lambda: w.follower.offset == fh.tell(), "the watcher to catch up")
@@ -397,16 +411,25 @@ def test_tensorboard_run_dir_written_by_a_real_summary_writer(tmp_path):
 
 
 LLMC = "step {:4d}/3 | loss {} (+nanz)| norm 1.2000 (+nanz)| lr 6.00e-04 | 3594.75 ms | 37.6% bf16 MFU | 144426 tok/s\n"
-MEGATRON = (" [2024-10-10 02:20:29] iteration        {}/       3 | consumed samples:          96 | elapsed time per "
-            "iteration (ms): 812.3 | learning rate: 6.000000E-04 | global batch size:    32 | lm loss: {} | "
-            "loss scale: 1.0 | grad norm: 1.200 | number of skipped iterations:   0 | number of nan iterations:   0 |\n")
+MEGATRON = (
+    " [2024-10-10 02:20:29] iteration        {}/       3 | consumed samples:          96 | elapsed time per "
+    "iteration (ms): 812.3 | learning rate: 6.000000E-04 | global batch size:    32 | lm loss: {} | "
+    "loss scale: 1.0 | grad norm: 1.200 | number of skipped iterations:   0 | number of nan iterations:   0 |\n"
+)
 
 
-@pytest.mark.parametrize("fmt, line, eval_line, why", [
-    ("llmc-stdout", LLMC, "val loss 2.850000\n", "llm.c printed its last step (3/3)"),
-    ("megatron-log", MEGATRON, " validation loss at iteration 2 | lm loss value: 2.850000E+00 | lm loss PPL: 17.3 |\n",
-     "Megatron-LM logged its last iteration (3/3)"),
-])
+@pytest.mark.parametrize(
+    "fmt, line, eval_line, why",
+    [
+        ("llmc-stdout", LLMC, "val loss 2.850000\n", "llm.c printed its last step (3/3)"),
+        (
+            "megatron-log",
+            MEGATRON,
+            " validation loss at iteration 2 | lm loss value: 2.850000E+00 | lm loss PPL: 17.3 |\n",
+            "Megatron-LM logged its last iteration (3/3)",
+        ),
+    ],
+)
 def test_printed_last_step_completes_the_run(tmp_path, fmt, line, eval_line, why):
     log = tmp_path / "train.log"
     out = Writer(log)
@@ -426,19 +449,23 @@ def test_printed_last_step_completes_the_run(tmp_path, fmt, line, eval_line, why
 def test_ranks_of_the_logs_from_their_names_their_order_or_a_template():
     from lossbeat.watch.ranks import RankedLog, assign_ranks
 
-    assert assign_ranks(["logs/rank1.log", "logs/rank0.log"]) == [RankedLog("logs/rank0.log", 0, 2),
-                                                                  RankedLog("logs/rank1.log", 1, 2)]
+    assert assign_ranks(["logs/rank1.log", "logs/rank0.log"]) == [
+        RankedLog("logs/rank0.log", 0, 2),
+        RankedLog("logs/rank1.log", 1, 2),
+    ]
     assert [r.rank for r in assign_ranks(["a/train_rank-3.log", "a/train_rank-5.log"], world_size=8)] == [3, 5]
     assert assign_ranks(["node-a.log", "node-b.log"]) == [RankedLog("node-a.log", 0, 2), RankedLog("node-b.log", 1, 2)]
     assert assign_ranks(["out/rank{rank}.log"], world_size=3) == [RankedLog(f"out/rank{r}.log", r, 3) for r in range(3)]
     assert assign_ranks(["train.log"]) == [RankedLog("train.log", -1, 0)]  # one log: the environment says
     assert assign_ranks(["rank3.log"], rank=3, world_size=4) == [RankedLog("rank3.log", 3, 4)]
-    for args, message in [((["rank3.log"], 3), "--world-size: needed with --rank"),
-                          ((["r{rank}.log"],), "--world-size: needed to expand"),
-                          ((["a.log", "b.log"], 1), "--rank: one log only"),
-                          ((["rank0.log", "rank7.log"], None, 4), "--world-size: 4 ranks, but a log is rank 7"),
-                          ((["a.log", "./a.log"],), "path: a log given twice"),
-                          ((["train.log"], None, 2), "--world-size: given without --rank")]:
+    for args, message in [
+        ((["rank3.log"], 3), "--world-size: needed with --rank"),
+        ((["r{rank}.log"],), "--world-size: needed to expand"),
+        ((["a.log", "b.log"], 1), "--rank: one log only"),
+        ((["rank0.log", "rank7.log"], None, 4), "--world-size: 4 ranks, but a log is rank 7"),
+        ((["a.log", "./a.log"],), "path: a log given twice"),
+        ((["train.log"], None, 2), "--world-size: given without --rank"),
+    ]:
         with pytest.raises(ValueError, match=message):
             assign_ranks(*args)
 
@@ -451,8 +478,21 @@ def test_one_command_follows_the_ranks_of_a_job_each_its_own_rank(tmp_path):
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
-    args = parser.parse_args([str(tmp_path / "rank{rank}.log"), "--world-size", "2", "--port", "0",
-                              "--addr", "127.0.0.1", "--linger", "0", "--poll-interval", "0.01"])
+    args = parser.parse_args(
+        [
+            str(tmp_path / "rank{rank}.log"),
+            "--world-size",
+            "2",
+            "--port",
+            "0",
+            "--addr",
+            "127.0.0.1",
+            "--linger",
+            "0",
+            "--poll-interval",
+            "0.01",
+        ]
+    )
     watchers = command.make_watchers(args)  # serving before the logs exist
     ended: list = []
     t = threading.Thread(target=lambda: ended.extend(command.follow(watchers)), daemon=True)

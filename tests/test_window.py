@@ -131,5 +131,7 @@ def test_step_summary_windows_are_the_loop_over_their_blocks_bit_for_bit():
                 width = rng.uniform(1.0, 0.6 * max(1, summary.span))
                 end = summary.last_step - rng.choice((0.0, width / 2.0, width))
                 got, expected = summary.window(end - width, end), loop(summary, end - width, end)
-                assert got[0] == expected[0] and (got[1] == expected[1] or got[1] != got[1] and expected[1] != expected[1])
+                assert got[0] == expected[0] and (
+                    got[1] == expected[1] or got[1] != got[1] and expected[1] != expected[1]
+                )
     assert summary.width > 1  # the blocks merged along the way

@@ -25,13 +25,16 @@ class Certs:
 
 def _key():
     from cryptography.hazmat.primitives.asymmetric import ec
+
     return ec.generate_private_key(ec.SECP256R1())
 
 
 def _write(path: Path, key, cert) -> None:
     from cryptography.hazmat.primitives import serialization
-    path.with_suffix(".key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
@@ -53,16 +56,28 @@ def _cert(subject: str, key, issuer_name, issuer_key, *, ca: bool, server: bool 
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
     if not ca:
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     else:
-        builder = builder.add_extension(x509.KeyUsage(
-            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-            key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
-            decipher_only=False), critical=True)
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
     return builder.sign(issuer_key or key, hashes.SHA256()), name
 
 
@@ -79,5 +94,12 @@ def make_certs(directory: Path, server_name: str = "lossbeat-test") -> Certs:
     _, rogue_name = _cert("rogue CA", rogue_ca_key, None, None, ca=True)
     rogue_key = _key()
     _write(directory / "rogue", rogue_key, _cert("prometheus", rogue_key, rogue_name, rogue_ca_key, ca=False)[0])
-    return Certs(directory / "ca.crt", directory / "server.crt", directory / "server.key",
-                 directory / "client.crt", directory / "client.key", directory / "rogue.crt", directory / "rogue.key")
+    return Certs(
+        directory / "ca.crt",
+        directory / "server.crt",
+        directory / "server.key",
+        directory / "client.crt",
+        directory / "client.key",
+        directory / "rogue.crt",
+        directory / "rogue.key",
+    )

@@ -45,8 +45,17 @@ def _run_once(folder: Path, ranks: int, variants: list) -> tuple[int | None, flo
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"dir": str(folder), "variants": variants}))
     log = folder / "output.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           str(RUNNER), "--spec", str(spec)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        str(RUNNER),
+        "--spec",
+        str(spec),
+    ]
     launched = time.time()
     with open(log, "w") as out:
         # Its own session: a stalled job is stopped with its ranks, not the launcher alone.
@@ -85,26 +94,35 @@ def run_job(folder: Path, job: Job) -> dict[str, dict]:
             vdir = job_dir / name
             errors = sorted(vdir.glob("error.*.txt"))
             results = [vdir / f"result.{r}.json" for r in range(job.ranks)]
-            alone = f"alone: python -m torch.distributed.run --standalone --nproc-per-node {job.ranks} " \
-                    f"tests/{worker}.py {' '.join(args)} --dir DIR"
+            alone = (
+                f"alone: python -m torch.distributed.run --standalone --nproc-per-node {job.ranks} "
+                f"tests/{worker}.py {' '.join(args)} --dir DIR"
+            )
             if errors:
                 failed = True
                 tracebacks = "\n".join(f"--- rank {p.name.split('.')[1]}:\n{p.read_text()}" for p in errors)
-                outcomes[name] = {"error": f"variant {name} raised ({alone}):\n{tracebacks}\n"
-                                           f"--- the job's output ({ended}):\n{_tail(log)}"}
+                outcomes[name] = {
+                    "error": f"variant {name} raised ({alone}):\n{tracebacks}\n"
+                    f"--- the job's output ({ended}):\n{_tail(log)}"
+                }
             elif all(p.exists() for p in results) and (vdir / "seconds").exists():
-                outcomes[name] = {"results": [json.loads(p.read_text()) for p in results],
-                                  "seconds": first_start - launched + float((vdir / "seconds").read_text())}
+                outcomes[name] = {
+                    "results": [json.loads(p.read_text()) for p in results],
+                    "seconds": first_start - launched + float((vdir / "seconds").read_text()),
+                }
             elif vdir.exists():
                 failed = True
-                outcomes[name] = {"error": f"the job ended ({ended}) in variant {name}, no error recorded "
-                                           f"({alone}):\n{_tail(log)}"}
+                outcomes[name] = {
+                    "error": f"the job ended ({ended}) in variant {name}, no error recorded ({alone}):\n{_tail(log)}"
+                }
             else:
                 not_started.append([name, worker, args])
         if not failed and (rc != 0 or not_started):  # no variant explains the job's end: every one fails
             for name, _, _ in left:
-                outcomes[name] = {"error": f"the job of {[v[0] for v in left]} ended with {ended} after "
-                                           f"its variants ran:\n{_tail(log)}"}
+                outcomes[name] = {
+                    "error": f"the job of {[v[0] for v in left]} ended with {ended} after "
+                    f"its variants ran:\n{_tail(log)}"
+                }
             not_started = []
         left = not_started
     return outcomes

@@ -65,11 +65,15 @@ def parallel_model(mesh) -> Model:
     torch.manual_seed(0)
     model = Model()
     for block in model.blocks:
-        parallelize_module(block, mesh, {
-            "norm": SequenceParallel(),
-            "up": ColwiseParallel(input_layouts=Shard(1)),
-            "down": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "norm": SequenceParallel(),
+                "up": ColwiseParallel(input_layouts=Shard(1)),
+                "down": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
     parallelize_module(model.norm, mesh, SequenceParallel())
     return model
 
@@ -113,8 +117,11 @@ def fsdp_tp(rank: int, world: int) -> dict:
         ref_global, ref_layers = reference(model)
         record: dict = {"loss": float(loss.detach()), "reference": ref_global, "reference_layers": ref_layers}
         if step == 0:  # observe measures the gradients
-            result["placements"] = {name: [str(p.placements), str(p.grad.placements)]
-                                    for name, p in model.named_parameters() if name.startswith("blocks.0.")}
+            result["placements"] = {
+                name: [str(p.placements), str(p.grad.placements)]
+                for name, p in model.named_parameters()
+                if name.startswith("blocks.0.")
+            }
             monitor.observe(step, loss=loss, model=model)
             local.observe(step, loss=loss, model=model)
             local.flush()
@@ -132,7 +139,8 @@ def fsdp_tp(rank: int, world: int) -> dict:
             record.update(max_norm=max_norm, clip_returned=float(returned), after_clip=reference(model)[0])
             if step == 1:
                 record["max_diff_from_torch"] = max(
-                    float((p.grad._local_tensor - t).abs().max()) for p, t in zip(model.parameters(), torch_clipped))
+                    float((p.grad._local_tensor - t).abs().max()) for p, t in zip(model.parameters(), torch_clipped)
+                )
             monitor.observe(step, loss=loss, model=model, grad_norm=returned)
         monitor.flush()
         record.update(grad_norm=monitor.state.grad_norm, layers=monitor.state.layer_norms)

@@ -20,8 +20,9 @@ import tempfile
 __all__ = ["target_groups", "main"]
 
 
-def target_groups(nodes: list[str], job: str, local_ranks: int, base_port: int = 8470,
-                  extra_labels: dict[str, str] | None = None) -> list[dict]:
+def target_groups(
+    nodes: list[str], job: str, local_ranks: int, base_port: int = 8470, extra_labels: dict[str, str] | None = None
+) -> list[dict]:
     """One file_sd target group per node, with a target per local rank."""
     return [
         {

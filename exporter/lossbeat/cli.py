@@ -17,7 +17,10 @@ SUBCOMMANDS = {
     "demo": ("lossbeat.demo", "train a small language model on CPU with the exporter live"),
     "rules": ("lossbeat.mixin.rules", "generate Prometheus alert and recording rules from the thresholds file"),
     "dashboards": ("lossbeat.mixin.dashboards", "generate the Grafana dashboards from the thresholds file"),
-    "generate": ("lossbeat.mixin.bundle", "write rules, rule tests, Alertmanager config, runbooks and dashboards into a folder"),
+    "generate": (
+        "lossbeat.mixin.bundle",
+        "write rules, rule tests, Alertmanager config, runbooks and dashboards into a folder",
+    ),
     "stack": ("lossbeat.stack.local", "start or stop a local Prometheus + Alertmanager on loopback"),
     "analyze": ("lossbeat.analyze", "diagnose a finished run from its log files"),
     "checklist": ("lossbeat.analyze.checklist", "the article's daily checklist for a live job or a finished log"),

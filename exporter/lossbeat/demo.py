@@ -213,16 +213,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8470, help="exporter port (default 8470; 0 = a free port)")
     parser.add_argument("--addr", default="127.0.0.1", help="exporter address (default 127.0.0.1)")
     parser.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
-    parser.add_argument("--fault", type=_faults, default=(),
-                        help=f"inject failures, comma-separated: {', '.join(FAULTS)}")
-    parser.add_argument("--multi-task", action="store_true",
-                        help="add a noise-detection task; components lm and noise (profile multi-task)")
+    parser.add_argument(
+        "--fault", type=_faults, default=(), help=f"inject failures, comma-separated: {', '.join(FAULTS)}"
+    )
+    parser.add_argument(
+        "--multi-task",
+        action="store_true",
+        help="add a noise-detection task; components lm and noise (profile multi-task)",
+    )
     parser.add_argument("--fault-step", type=int, help="step at which the fault starts (default: steps / 2)")
     parser.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step, to watch it live")
-    parser.add_argument("--step-time", type=float, default=0.0,
-                        help="pace the steps: each takes this many seconds of wall time, whatever its work took "
-                             "(the loop sleeps the rest and catches up after a late step), so the steps/s stay "
-                             "steady on a busy machine; not with --step-delay")
+    parser.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="pace the steps: each takes this many seconds of wall time, whatever its work took "
+        "(the loop sleeps the rest and catches up after a late step), so the steps/s stay "
+        "steady on a busy machine; not with --step-delay",
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
@@ -230,13 +238,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thresholds", help="thresholds YAML overriding the packaged defaults")
     parser.add_argument("--profile", help="task profile (default causal-lm)")
     parser.add_argument("--run-name", "--job-name", dest="run_name", default="lossbeat-demo")
-    parser.add_argument("--linger", type=float, default=0.0, help="keep serving /metrics this many seconds after training")
+    parser.add_argument(
+        "--linger", type=float, default=0.0, help="keep serving /metrics this many seconds after training"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--guard", choices=("off", "skip", "stop"), default="off",
-                        help="the optimizer guard (monitor.step): skip or stop a bad step before the optimizer "
-                             "applies it; with it, --fault nan is one bad batch (at --fault-step), not every step after")
-    parser.add_argument("--grad-scaler", action="store_true",
-                        help="dynamic loss scaling with a GradScaler, as fp16 training does")
+    parser.add_argument(
+        "--guard",
+        choices=("off", "skip", "stop"),
+        default="off",
+        help="the optimizer guard (monitor.step): skip or stop a bad step before the optimizer "
+        "applies it; with it, --fault nan is one bad batch (at --fault-step), not every step after",
+    )
+    parser.add_argument(
+        "--grad-scaler", action="store_true", help="dynamic loss scaling with a GradScaler, as fp16 training does"
+    )
 
 
 def _faults(text: str) -> tuple[str, ...]:
@@ -249,8 +264,9 @@ def _faults(text: str) -> tuple[str, ...]:
 
 def _scale_gradients_from(model: "TinyLM", layer: str, factor: float, start: int, once: bool = False) -> None:
     for p in model.get_submodule(layer).parameters():
-        p.register_hook(lambda g, _m=model: g * factor if (_m.training_step == start if once
-                                                             else _m.training_step >= start) else g)
+        p.register_hook(
+            lambda g, _m=model: g * factor if (_m.training_step == start if once else _m.training_step >= start) else g
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -273,10 +289,15 @@ def run(args: argparse.Namespace) -> int:
     profile = args.profile or ("multi-task" if args.multi_task else None)
     try:
         monitor = start_exporter(
-            args.port, addr=args.addr, thresholds=args.thresholds, profile=profile, run_name=args.run_name,
+            args.port,
+            addr=args.addr,
+            thresholds=args.thresholds,
+            profile=profile,
+            run_name=args.run_name,
             # The demo shows every signal, the Cluster dashboard's too: per-rank work time, and the
             # aligned grad norm (on by itself only under DDP, where replicas must agree).
-            work_time=True, grad_norm_align_every=10,
+            work_time=True,
+            grad_norm_align_every=10,
             guard=args.guard,
         )
     except OSError as exc:  # a busy port: the message names it and the fix; no traceback
@@ -284,9 +305,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     faults = set(args.fault)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if args.grad_scaler else None
-    print(f"lossbeat demo: {sum(p.numel() for p in model.parameters()):,} parameters; "
-          f"metrics on http://{args.addr}:{monitor.port}/metrics"
-          + (f"; fault {','.join(args.fault)} at step {fault_step}" if faults else ""), flush=True)
+    print(
+        f"lossbeat demo: {sum(p.numel() for p in model.parameters()):,} parameters; "
+        f"metrics on http://{args.addr}:{monitor.port}/metrics"
+        + (f"; fault {','.join(args.fault)} at step {fault_step}" if faults else ""),
+        flush=True,
+    )
 
     if "explode" in faults:
         _scale_gradients_from(model, EXPLODING_LAYER, 1e4, fault_step, once=args.guard != "off")
@@ -325,8 +349,17 @@ def run(args: argparse.Namespace) -> int:
             else:
                 loss.backward()
             grad_norm = monitor.clip_grad_norm_(model, 1.0)
-            monitor.observe(step, loss=loss, optimizer=optimizer, grad_norm=grad_norm, model=model,
-                            tokens=tokens.numel(), epoch=step / 100, losses=components, grad_scaler=scaler)
+            monitor.observe(
+                step,
+                loss=loss,
+                optimizer=optimizer,
+                grad_norm=grad_norm,
+                model=model,
+                tokens=tokens.numel(),
+                epoch=step / 100,
+                losses=components,
+                grad_scaler=scaler,
+            )
             if args.guard != "off":  # the guard decides, on the device; with a scaler, its step and update
                 monitor.step(optimizer, grad_scaler=scaler)
             elif scaler is not None:  # skips a step whose gradients are not finite, lowers the scale

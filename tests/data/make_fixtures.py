@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-HF_SCRIPT = r'''
+HF_SCRIPT = r"""
 import torch, transformers
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 torch.manual_seed(0)
@@ -42,9 +42,9 @@ args = TrainingArguments(output_dir=OUT, max_steps=40, per_device_train_batch_si
                          lr_scheduler_type="cosine", report_to=["tensorboard"],
                          save_strategy="no", use_cpu=True, disable_tqdm=False, seed=0)
 Trainer(model=model, args=args, train_dataset=Data(320), eval_dataset=Data(64)).train()
-'''
+"""
 
-LIGHTNING_SCRIPT = r'''
+LIGHTNING_SCRIPT = r"""
 import torch, lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
@@ -66,14 +66,19 @@ trainer = L.Trainer(max_epochs=5, logger=CSVLogger(OUT), callbacks=[LearningRate
                     log_every_n_steps=10, enable_checkpointing=False, enable_progress_bar=False,
                     accelerator="cpu", enable_model_summary=False)
 trainer.fit(M(), dl(), dl())
-'''
+"""
 
 
 def _run(script: str, out: str, log: Path | None = None) -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") if log else contextlib.nullcontext() as fh:
-        subprocess.run([sys.executable, "-c", f"OUT = {out!r}\n" + script], check=True, env=env,
-                       stdout=fh or subprocess.DEVNULL, stderr=subprocess.STDOUT if fh else None)
+        subprocess.run(
+            [sys.executable, "-c", f"OUT = {out!r}\n" + script],
+            check=True,
+            env=env,
+            stdout=fh or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if fh else None,
+        )
 
 
 def main() -> None:

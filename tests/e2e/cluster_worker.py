@@ -48,8 +48,14 @@ def main() -> None:
     model = DistributedDataParallel(TinyLM(ModelSize(vocab=32, context=16, width=32, layers=2, heads=2)))
     corpus = SyntheticCorpus(32, 16, seed=100 + rank)  # each rank its own shard
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    monitor = start_exporter(0, addr="127.0.0.1", run_name=args.job, thresholds=args.thresholds,
-                             work_time=True, grad_norm_align_every=args.align_every)
+    monitor = start_exporter(
+        0,
+        addr="127.0.0.1",
+        run_name=args.job,
+        thresholds=args.thresholds,
+        work_time=True,
+        grad_norm_align_every=args.align_every,
+    )
     folder = pathlib.Path(args.dir)
     deadline = time.monotonic() + args.max_s
     slot_end = time.monotonic()

@@ -83,9 +83,16 @@ def stack(servers, e2e_rules, receiver, extra_alertmanagers, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("stack")
     am_config = workdir / "alertmanager.yml"
     am_config.write_text(yaml.safe_dump(retimed_alertmanager_config(SHIPPED_ALERTMANAGER, receiver.url)))
-    server = Stack(workdir=workdir, prometheus_port=free_port(), alertmanager_port=free_port(),
-                   targets=(), scrape_interval="1s", rule_files=[e2e_rules], alertmanager_config=am_config,
-                   extra_alertmanagers=extra_alertmanagers)
+    server = Stack(
+        workdir=workdir,
+        prometheus_port=free_port(),
+        alertmanager_port=free_port(),
+        targets=(),
+        scrape_interval="1s",
+        rule_files=[e2e_rules],
+        alertmanager_config=am_config,
+        extra_alertmanagers=extra_alertmanagers,
+    )
     server.start()
     try:
         yield server
@@ -114,13 +121,14 @@ def demo(stack, e2e_thresholds, tmp_path, request):
     runs: list[DemoRun] = []
 
     def start(*args: str) -> DemoRun:
-        run = DemoRun(job=_job_name(request.node.name, len(runs)),
-                      log_path=tmp_path / f"demo-{len(runs)}.log",
-                      args=["--thresholds", str(e2e_thresholds), *args])
+        run = DemoRun(
+            job=_job_name(request.node.name, len(runs)),
+            log_path=tmp_path / f"demo-{len(runs)}.log",
+            args=["--thresholds", str(e2e_thresholds), *args],
+        )
         runs.append(run)
         run.start()
-        write_target_groups(stack.targets_file,
-                            [{"targets": [r.target], "labels": {"job": r.job}} for r in runs])
+        write_target_groups(stack.targets_file, [{"targets": [r.target], "labels": {"job": r.job}} for r in runs])
         return run
 
     yield start

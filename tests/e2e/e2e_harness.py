@@ -21,8 +21,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import free_ports
 
 __all__ = [
-    "free_port", "wait_until", "WebhookReceiver", "Delivery",
-    "Prometheus", "DemoRun", "exporter_samples", "wait_for_page", "AlertmanagerProcess",
+    "free_port",
+    "wait_until",
+    "WebhookReceiver",
+    "Delivery",
+    "Prometheus",
+    "DemoRun",
+    "exporter_samples",
+    "wait_for_page",
+    "AlertmanagerProcess",
     "alertmanager_alerts",
 ]
 
@@ -49,6 +56,7 @@ def wait_until(probe: Callable[[], T], timeout: float, what: str, interval: floa
 @dataclass(frozen=True)
 class Delivery:
     """One alert as Alertmanager delivered it to the webhook."""
+
     path: str
     received_at: float  # time.time()
     status: str  # firing | resolved
@@ -71,7 +79,8 @@ class WebhookReceiver:
                 with receiver._lock:
                     for alert in payload.get("alerts", []):
                         receiver.deliveries.append(
-                            Delivery(self.path, now, alert.get("status", ""), dict(alert.get("labels", {}))))
+                            Delivery(self.path, now, alert.get("status", ""), dict(alert.get("labels", {})))
+                        )
                 self.send_response(200)
                 self.end_headers()
 
@@ -87,8 +96,11 @@ class WebhookReceiver:
     def received(self, **labels: str) -> list[Delivery]:
         """Firing deliveries whose labels include all of ``labels``."""
         with self._lock:
-            return [d for d in self.deliveries if d.status == "firing"
-                    and all(d.labels.get(k) == v for k, v in labels.items())]
+            return [
+                d
+                for d in self.deliveries
+                if d.status == "firing" and all(d.labels.get(k) == v for k, v in labels.items())
+            ]
 
     def close(self) -> None:
         self._server.shutdown()
@@ -120,8 +132,9 @@ class Prometheus:
 
     def alerts(self, **labels: str) -> list[dict]:
         """Pending and firing alerts whose labels include all of ``labels``."""
-        return [a for a in self._get("/api/v1/alerts")["alerts"]
-                if all(a["labels"].get(k) == v for k, v in labels.items())]
+        return [
+            a for a in self._get("/api/v1/alerts")["alerts"] if all(a["labels"].get(k) == v for k, v in labels.items())
+        ]
 
     def firing(self, alertname: str, **labels: str) -> list[dict]:
         return [a for a in self.alerts(alertname=alertname, **labels) if a["state"] == "firing"]
@@ -131,8 +144,7 @@ class Prometheus:
         return [r["query"] for g in self._get("/api/v1/rules")["groups"] for r in g["rules"] if r["name"] == name]
 
     def target_health(self, job: str) -> list[str]:
-        return [t["health"] for t in self._get("/api/v1/targets")["activeTargets"]
-                if t["labels"].get("job") == job]
+        return [t["health"] for t in self._get("/api/v1/targets")["activeTargets"] if t["labels"].get("job") == job]
 
 
 def exporter_samples(port: int) -> dict[str, float]:
@@ -153,6 +165,7 @@ def exporter_samples(port: int) -> dict[str, float]:
 @dataclass
 class DemoRun:
     """A real ``lossbeat demo`` training process with its exporter on a free port."""
+
     job: str
     log_path: Path
     args: list[str]
@@ -177,6 +190,7 @@ class DemoRun:
             if self.proc.poll() is not None:
                 pytest.fail(f"demo exited early ({self.proc.returncode}):\n{self.log_tail()}")
             return exporter_samples(self.port)
+
         wait_until(serving, timeout, f"the demo exporter on :{self.port}")
 
     def first_time(self, metric_prefix: str, timeout: float) -> float:
@@ -184,6 +198,7 @@ class DemoRun:
 
         Polled at 10 Hz straight from the exporter: the moment the fault is observable.
         """
+
         def seen():
             for name, value in exporter_samples(self.port).items():
                 if name.startswith(metric_prefix) and value > 0:
@@ -191,6 +206,7 @@ class DemoRun:
             if self.proc.poll() is not None:
                 pytest.fail(f"demo exited before {metric_prefix} rose:\n{self.log_tail()}")
             return None
+
         return wait_until(seen, timeout, f"{metric_prefix} > 0 on the exporter", interval=0.1)
 
     def wait_exit(self, timeout: float) -> int:
@@ -226,11 +242,12 @@ def terminate(proc: subprocess.Popen, timeout: float = 10) -> None:
         proc.wait(timeout)
 
 
-def wait_for_page(receiver: WebhookReceiver, alertname: str, job: str, timeout: float,
-                  path: str = "/page") -> Delivery:
+def wait_for_page(receiver: WebhookReceiver, alertname: str, job: str, timeout: float, path: str = "/page") -> Delivery:
     """The first firing ``alertname`` for ``job`` delivered on ``path`` (the paging route)."""
+
     def delivered():
         return [d for d in receiver.received(alertname=alertname, job=job) if d.path == path]
+
     return wait_until(delivered, timeout, f"{alertname} for job {job} delivered to {path}")[0]
 
 
@@ -239,13 +256,22 @@ class AlertmanagerProcess:
 
     def __init__(self, config: Path, workdir: Path) -> None:
         from lossbeat.stack.local import find_binary
+
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._log = open(workdir / "alertmanager-control.log", "wb")
         self.proc = subprocess.Popen(
-            [find_binary("alertmanager"), f"--config.file={config}", f"--storage.path={workdir / 'am-control'}",
-             f"--web.listen-address={self.address}", "--cluster.listen-address="],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            [
+                find_binary("alertmanager"),
+                f"--config.file={config}",
+                f"--storage.path={workdir / 'am-control'}",
+                f"--web.listen-address={self.address}",
+                "--cluster.listen-address=",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
 
     def wait_ready(self, timeout: float = 30) -> None:
         def ready():
@@ -256,6 +282,7 @@ class AlertmanagerProcess:
                     return resp.status == 200
             except OSError:
                 return False
+
         wait_until(ready, timeout, "the control alertmanager")
 
     def stop(self) -> None:

@@ -58,11 +58,19 @@ class TrainerLogJsonl(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         last = state.log_history[-1] if state.log_history else {}
-        entry = {"current_steps": state.global_step, "total_steps": state.max_steps, "loss": last.get("loss"),
-                 "eval_loss": last.get("eval_loss"), "lr": last.get("learning_rate"), "epoch": last.get("epoch"),
-                 "percentage": round(100 * state.global_step / state.max_steps, 2),
-                 "elapsed_time": time.strftime("%H:%M:%S", time.gmtime(time.time() - self.started))}
-        with open(self.path, "a", encoding="utf-8") as fh:  # json.dumps writes a NaN loss as NaN, as LLaMA-Factory's does
+        entry = {
+            "current_steps": state.global_step,
+            "total_steps": state.max_steps,
+            "loss": last.get("loss"),
+            "eval_loss": last.get("eval_loss"),
+            "lr": last.get("learning_rate"),
+            "epoch": last.get("epoch"),
+            "percentage": round(100 * state.global_step / state.max_steps, 2),
+            "elapsed_time": time.strftime("%H:%M:%S", time.gmtime(time.time() - self.started)),
+        }
+        with open(
+            self.path, "a", encoding="utf-8"
+        ) as fh:  # json.dumps writes a NaN loss as NaN, as LLaMA-Factory's does
             fh.write(json.dumps({k: v for k, v in entry.items() if v is not None}) + "\n")
 
 
@@ -78,9 +86,18 @@ def main() -> None:
     out = pathlib.Path(args.dir)
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out / "tb")  # where the Trainer's TensorBoardCallback writes
     training = TrainingArguments(
-        output_dir=str(out / "checkpoints"), max_steps=args.steps, per_device_train_batch_size=4,
-        logging_steps=1, learning_rate=1e-3, max_grad_norm=1.0, report_to=["tensorboard"], use_cpu=True,
-        save_strategy="no", seed=0, dataloader_num_workers=0, logging_nan_inf_filter=False,
+        output_dir=str(out / "checkpoints"),
+        max_steps=args.steps,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+        report_to=["tensorboard"],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+        logging_nan_inf_filter=False,
     )
     callbacks = [Paced(args.step_s), TrainerLogJsonl(out / "trainer_log.jsonl")]
     if args.nan_at:

@@ -20,8 +20,15 @@ class PrometheusProcess:
     """``prometheus`` with ``config`` (a dict) in ``workdir``; ``agent=True`` starts agent mode
     (scrape and remote-write only, no rules, no queries)."""
 
-    def __init__(self, workdir: Path, config: dict, *, agent: bool = False, extra_flags: tuple[str, ...] = (),
-                 name: str = "prometheus") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        config: dict,
+        *,
+        agent: bool = False,
+        extra_flags: tuple[str, ...] = (),
+        name: str = "prometheus",
+    ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.name = name
@@ -30,14 +37,25 @@ class PrometheusProcess:
         self.api = Prometheus(self.url)
         config_path = self.workdir / f"{name}.yml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-        storage = ([f"--storage.agent.path={self.workdir / (name + '-wal')}", "--enable-feature=agent"] if agent
-                   else [f"--storage.tsdb.path={self.workdir / (name + '-data')}"])
+        storage = (
+            [f"--storage.agent.path={self.workdir / (name + '-wal')}", "--enable-feature=agent"]
+            if agent
+            else [f"--storage.tsdb.path={self.workdir / (name + '-data')}"]
+        )
         self.log_path = self.workdir / f"{name}.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [find_binary("prometheus"), f"--config.file={config_path}", *storage,
-                 f"--web.listen-address=127.0.0.1:{self.port}", *extra_flags],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                [
+                    find_binary("prometheus"),
+                    f"--config.file={config_path}",
+                    *storage,
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    *extra_flags,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
 
     def wait_ready(self, timeout: float = 60) -> "PrometheusProcess":
         def ready() -> bool:
@@ -48,6 +66,7 @@ class PrometheusProcess:
                     return resp.status == 200
             except OSError:
                 return False
+
         wait_until(ready, timeout, f"{self.name} ready")
         return self
 

@@ -29,8 +29,9 @@ def _assert_paged(page, run, alertname: str) -> None:
     ],
 )
 def test_fault_pages_on_call_with_job_and_rank(demo, receiver, fault, counter, alertname):
-    run = demo("--steps", "600", "--step-delay", STEP_DELAY, "--batch-size", "8", "--fault", fault,
-               "--fault-step", FAULT_STEP)
+    run = demo(
+        "--steps", "600", "--step-delay", STEP_DELAY, "--batch-size", "8", "--fault", fault, "--fault-step", FAULT_STEP
+    )
     run.wait_serving()
     onset = run.first_time(counter, timeout=120)
     page = wait_for_page(receiver, alertname, run.job, timeout=60)
@@ -49,8 +50,9 @@ def test_healthy_run_pages_nobody(demo, receiver, prometheus):
     # --linger: a critical alert raised near the end still has time to be delivered.
     run = demo("--steps", "150", "--step-delay", "0.05", "--batch-size", "8", "--eval-every", "30", "--linger", "6")
     run.wait_serving()
-    wait_until(lambda: prometheus.query(f'training_steps_total{{job="{run.job}"}}'), 30,
-               "Prometheus to scrape the healthy run")
+    wait_until(
+        lambda: prometheus.query(f'training_steps_total{{job="{run.job}"}}'), 30, "Prometheus to scrape the healthy run"
+    )
     assert run.wait_exit(timeout=180) == 0, run.log_tail()
     ended = time.time()
     lifetime = f"{int(ended - run.started_at) + 1}s"
@@ -59,7 +61,8 @@ def test_healthy_run_pages_nobody(demo, receiver, prometheus):
     assert float(steps[0]["value"][1]) == 150
     # ... fired no critical alert while it lived (its exporter going away at exit is not part of the run) ...
     critical = prometheus.query(
-        f'ALERTS{{job="{run.job}", severity="critical", alertstate="firing"}}[{lifetime}]', at=ended)
+        f'ALERTS{{job="{run.job}", severity="critical", alertstate="firing"}}[{lifetime}]', at=ended
+    )
     assert critical == [], [c["metric"] for c in critical]
     # ... and nobody was paged.
     pages = [d for d in receiver.deliveries if d.labels.get("job") == run.job and d.path == "/page"]

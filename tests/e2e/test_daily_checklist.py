@@ -33,8 +33,7 @@ def _fires(prometheus, alertname: str, job: str, timeout: float) -> dict:
 
 
 def test_a_leaking_run_fires_memory_growing_and_opens_a_ticket(demo, prometheus, receiver):
-    run = demo("--steps", "400", "--step-delay", "0.05", "--batch-size", "8", "--fault", "leak",
-               "--fault-step", "100")
+    run = demo("--steps", "400", "--step-delay", "0.05", "--batch-size", "8", "--fault", "leak", "--fault-step", "100")
     run.wait_serving()
     alert = _fires(prometheus, "TrainingMemoryGrowing", run.job, timeout=300)
     assert alert["labels"]["severity"] == "warning" and alert["labels"]["device"] == "cpu"
@@ -46,15 +45,31 @@ def test_a_leaking_run_fires_memory_growing_and_opens_a_ticket(demo, prometheus,
 
 def test_a_slowed_run_fires_throughput_dropped_and_the_checklist_crosses_item_8(demo, prometheus, receiver):
     # Paced steps (--step-time): the rate the rule judges is the demo's, not the machine's load.
-    run = demo("--steps", "2000", "--step-time", "0.1", "--batch-size", "8", "--fault", "slow",
-               "--fault-step", "300", "--eval-every", "0")
+    run = demo(
+        "--steps",
+        "2000",
+        "--step-time",
+        "0.1",
+        "--batch-size",
+        "8",
+        "--fault",
+        "slow",
+        "--fault-step",
+        "300",
+        "--eval-every",
+        "0",
+    )
     run.wait_serving()
     alert = _fires(prometheus, "TrainingThroughputDropped", run.job, timeout=300)
     assert alert["labels"]["rank"] == "0"
     # The checklist while the alert fires: once the slow rate fills the baseline window, the
     # run's new level is its own and the alert resolves (the ticket stays).
-    result = subprocess.run([sys.executable, "-m", "lossbeat", "checklist", "--prometheus", prometheus.url,
-                             "--job", run.job, "--json"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "lossbeat", "checklist", "--prometheus", prometheus.url, "--job", run.job, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     wait_for_page(receiver, "TrainingThroughputDropped", run.job, timeout=60, path="/ticket")
     assert result.returncode == 1, result.stderr
     items = {i["number"]: i for i in json.loads(result.stdout)["items"]}
@@ -66,12 +81,19 @@ def test_a_healthy_run_fires_neither_and_the_checklist_reads_it(demo, prometheus
     # Paced steps: a busy machine slows the work inside a step, not the steps/s the rule reads.
     run = demo("--steps", "600", "--step-time", "0.1", "--batch-size", "8", "--eval-every", "50")
     run.wait_serving()
-    wait_until(lambda: prometheus.query(f'training_steps_total{{job="{run.job}"}} > 300'), 300,
-               "the healthy run to pass step 300")
+    wait_until(
+        lambda: prometheus.query(f'training_steps_total{{job="{run.job}"}} > 300'),
+        300,
+        "the healthy run to pass step 300",
+    )
     assert not prometheus.alerts(alertname="TrainingThroughputDropped", job=run.job)
     assert not prometheus.alerts(alertname="TrainingMemoryGrowing", job=run.job)
-    result = subprocess.run([sys.executable, "-m", "lossbeat", "checklist", "--prometheus", prometheus.url,
-                             "--job", run.job], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "lossbeat", "checklist", "--prometheus", prometheus.url, "--job", run.job],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = result.stdout.splitlines()
     assert lines[0] == f"lossbeat checklist: job {run.job} at {prometheus.url}", result.stderr
     assert "\u2713 6. no NaN/Inf" in result.stdout

@@ -12,10 +12,21 @@ from lossbeat.diagnosis.thresholds import load_thresholds
 from .e2e_harness import exporter_samples, wait_until
 
 
-
 def test_every_panel_query_returns_data_from_real_runs(demo, prometheus, e2e_thresholds):
-    common = ("--steps", "120", "--step-delay", "0.05", "--batch-size", "8", "--eval-every", "10",
-              "--fault-step", "40", "--linger", "120")
+    common = (
+        "--steps",
+        "120",
+        "--step-delay",
+        "0.05",
+        "--batch-size",
+        "8",
+        "--eval-every",
+        "10",
+        "--fault-step",
+        "40",
+        "--linger",
+        "120",
+    )
     exploding = demo(*common, "--fault", "explode,vanish", "--multi-task", "--grad-scaler")
     nan = demo(*common, "--fault", "nan")
     for run in (exploding, nan):
@@ -23,6 +34,7 @@ def test_every_panel_query_returns_data_from_real_runs(demo, prometheus, e2e_thr
 
     def runs_done():
         return all(exporter_samples(r.port).get('training_steps_total{rank="0"}') == 120 for r in (exploding, nan))
+
     wait_until(runs_done, 600, "both runs to finish training")
     wait_until(lambda: prometheus.firing("TrainingLossNaN", job=nan.job), 30, "an alert to fire (Firing alerts panel)")
 

@@ -13,8 +13,9 @@ EXPORTER_DOWN_FOR_S = 5  # alerts.exporter_down_for in stack_config.E2E_THRESHOL
 
 
 def _scraped(prometheus, run) -> None:
-    wait_until(lambda: prometheus.query(f'training_steps_total{{job="{run.job}"}} > 0'), 60,
-               f"Prometheus to scrape {run.job}")
+    wait_until(
+        lambda: prometheus.query(f'training_steps_total{{job="{run.job}"}} > 0'), 60, f"Prometheus to scrape {run.job}"
+    )
 
 
 def test_a_finished_run_with_its_target_kept_pages_nobody(demo, receiver, prometheus):

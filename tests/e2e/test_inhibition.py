@@ -55,8 +55,9 @@ def extra_alertmanagers(control_alertmanager) -> list[str]:
 def test_nan_loss_inhibits_its_symptom_alerts(demo, receiver, prometheus, stack):
     # Paced steps: the NaN at step 40 comes 4 s in whatever the machine's load, well inside the
     # symptom's 30 s `for` (unpaced, a busy machine reached step 40 after the symptom fired).
-    run = demo("--steps", "600", "--step-time", "0.1", "--batch-size", "8", "--fault", "nan", "--fault-step", "40",
-               "--lr", "0")
+    run = demo(
+        "--steps", "600", "--step-time", "0.1", "--batch-size", "8", "--fault", "nan", "--fault-step", "40", "--lr", "0"
+    )
     run.wait_serving()
     wait_for_page(receiver, "TrainingLossNaN", run.job, timeout=90)
 
@@ -65,8 +66,11 @@ def test_nan_loss_inhibits_its_symptom_alerts(demo, receiver, prometheus, stack)
     assert prometheus.firing("TrainingLossNaN", job=run.job), "the NaN alert must still fire"
 
     # Without the inhibit rule the symptom reaches the ticket queue ...
-    control = wait_until(lambda: [d for d in receiver.received(alertname=SYMPTOM, job=run.job)
-                                  if d.path.startswith("/control/")], 30, f"{SYMPTOM} via the control")
+    control = wait_until(
+        lambda: [d for d in receiver.received(alertname=SYMPTOM, job=run.job) if d.path.startswith("/control/")],
+        30,
+        f"{SYMPTOM} via the control",
+    )
     assert control[0].path == "/control/ticket"
     # ... with the shipped config Alertmanager holds it as inhibited by the NaN alert ...
     held = [a for a in alertmanager_alerts(stack.alertmanager_url, SYMPTOM) if a["labels"]["job"] == run.job]
@@ -89,6 +93,9 @@ def test_a_forward_nan_pages_once(demo, receiver, prometheus, stack):
     held = [a for a in alertmanager_alerts(stack.alertmanager_url, echo) if a["labels"]["job"] == run.job]
     assert held and held[0]["status"]["state"] == "suppressed", held
     time.sleep(4)
-    pages = [d.labels["alertname"] for d in receiver.deliveries
-             if d.labels.get("job") == run.job and d.path == "/page" and d.status == "firing"]
+    pages = [
+        d.labels["alertname"]
+        for d in receiver.deliveries
+        if d.labels.get("job") == run.job and d.path == "/page" and d.status == "firing"
+    ]
     assert pages and set(pages) == {"TrainingLossNaN"}, pages

@@ -20,6 +20,7 @@ def test_stalled_run_then_killed_trainer_pages_on_call(demo, receiver, prometheu
         if samples.get('training_steps_total{rank="0"}') == 30:
             return samples['training_last_step_timestamp_seconds{rank="0"}']
         return None
+
     last_step = wait_until(last_step_time, 120, "the run's 30th step")
     stalled = wait_for_page(receiver, "TrainingStalled", run.job, timeout=STALLED_AFTER_S + 45)
     age = stalled.received_at - last_step

@@ -66,8 +66,9 @@ def sharded(servers, e2e_rules, receiver, tmp_path_factory):
         central_config["global"]["evaluation_interval"] = "1s"
         central_config["rule_files"] = [str(e2e_rules.parent / "rules-global.yml")]
         central_config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] = [alertmanager.address]
-        central = PrometheusProcess(work, central_config, name="global",
-                                    extra_flags=("--web.enable-remote-write-receiver",))
+        central = PrometheusProcess(
+            work, central_config, name="global", extra_flags=("--web.enable-remote-write-receiver",)
+        )
         processes.append(central)
         central.wait_ready()
         shards = []
@@ -95,9 +96,31 @@ def start_rank(work: Path, job: str, rank: int, world: int, port: int, threshold
     log = open(work / f"{job}-rank{rank}.log", "wb")
     with log:
         return subprocess.Popen(
-            [sys.executable, "-m", "lossbeat", "demo", "--port", str(port), "--no-progress", "--steps", "100000",
-             "--step-delay", "0.2", "--batch-size", "8", "--run-name", job, "--thresholds", str(thresholds), *fault],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            [
+                sys.executable,
+                "-m",
+                "lossbeat",
+                "demo",
+                "--port",
+                str(port),
+                "--no-progress",
+                "--steps",
+                "100000",
+                "--step-delay",
+                "0.2",
+                "--batch-size",
+                "8",
+                "--run-name",
+                job,
+                "--thresholds",
+                str(thresholds),
+                *fault,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
 
 
 def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(sharded, receiver, e2e_thresholds):
@@ -115,8 +138,10 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
         for (job, rank), (port, shard) in layout.items():
             fault = ("--fault", "nan", "--fault-step", "40") if rank == 0 else ()
             procs[(job, rank)] = start_rank(work, job, rank, 2, port, e2e_thresholds, *fault)
-        write_target_groups(sd / "training.json", [
-            {"targets": [f"127.0.0.1:{port}"], "labels": {"job": job}} for (job, _), (port, _) in layout.items()])
+        write_target_groups(
+            sd / "training.json",
+            [{"targets": [f"127.0.0.1:{port}"], "labels": {"job": job}} for (job, _), (port, _) in layout.items()],
+        )
 
         # Each shard scrapes exactly its half, and forwards each rank's 5m mean loss (what the
         # global compares across ranks) and its partials, not the raw series.
@@ -124,6 +149,7 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
             up = sum(len(p.api.query('up{job=~"sharded-.*"} == 1')) for p in sharded["shards"])
             means = central.api.query('job_run_id_instance_rank:training_loss:avg_over_time5m{job=~"sharded-.*"}')
             return up == len(layout) and len(means) == len(layout) and means
+
         wait_until(all_up, 120, "every rank scraped by its shard and its mean loss remote-written to the global")
         assert not central.api.query('training_loss{job=~"sharded-.*"}')  # the raw series stay on the shards
         # Each shard's count of its ranks present, per job, labelled with the shard's number.
@@ -132,6 +158,7 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
         def partials():
             got = central.api.query('job_world_size_shard:training_run:count_present{job=~"sharded-.*"}')
             return sorted((p["metric"]["job"], p["metric"]["shard"], float(p["value"][1])) for p in got) == expected
+
         wait_until(partials, 60, "each shard's count of ranks present, per job, on the global")
         for shard, process in enumerate(sharded["shards"]):
             scraped = {t["labels"]["instance"] for t in process.api._get("/api/v1/targets")["activeTargets"]}
@@ -140,8 +167,11 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
 
         for shard in range(SHARDS):
             job = f"sharded-nan-s{shard}"
-            wait_until(lambda: [d for d in receiver.received(alertname="TrainingLossNaN", job=job)
-                                if d.path == "/page"], 120, f"TrainingLossNaN of {job} (shard {shard}) paged")
+            wait_until(
+                lambda: [d for d in receiver.received(alertname="TrainingLossNaN", job=job) if d.path == "/page"],
+                120,
+                f"TrainingLossNaN of {job} (shard {shard}) paged",
+            )
         time.sleep(5)  # further evaluations and notification cycles must not page again
         for shard in range(SHARDS):
             job = f"sharded-nan-s{shard}"
@@ -160,8 +190,7 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
         victim = procs[(job, 1)]
         victim.kill()
         victim.wait(10)
-        down = wait_until(lambda: central.api.firing("TrainingRankDown", job=job), 120,
-                          f"TrainingRankDown for {job}")
+        down = wait_until(lambda: central.api.firing("TrainingRankDown", job=job), 120, f"TrainingRankDown for {job}")
         assert [(a["labels"]["rank"], a["labels"]["world_size"]) for a in down] == [("1", "2")]
         assert float(down[0]["value"]) == 1
         assert not central.api.alerts(alertname="TrainingRankDown", job="sharded-nan-s1")

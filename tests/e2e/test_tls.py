@@ -39,11 +39,19 @@ def secure_monitor(tmp_path):
     bcrypt = require_module("bcrypt")
     certs = make_certs(tmp_path)
     web = tmp_path / "web.yml"
-    web.write_text(yaml.safe_dump({
-        "tls_server_config": {"cert_file": "server.crt", "key_file": "server.key",
-                              "client_ca_file": "ca.crt", "client_auth_type": "RequireAndVerifyClientCert"},
-        "basic_auth_users": {"prometheus": bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=10)).decode()},
-    }))
+    web.write_text(
+        yaml.safe_dump(
+            {
+                "tls_server_config": {
+                    "cert_file": "server.crt",
+                    "key_file": "server.key",
+                    "client_ca_file": "ca.crt",
+                    "client_auth_type": "RequireAndVerifyClientCert",
+                },
+                "basic_auth_users": {"prometheus": bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=10)).decode()},
+            }
+        )
+    )
     monitor = Monitor(MonitorConfig(port=0, addr="127.0.0.1", web_config=str(web), run_name="tls-e2e"))
     stop = threading.Event()
     trainer = threading.Thread(target=_training_loop, args=(monitor, stop), daemon=True)
@@ -63,11 +71,21 @@ def test_prometheus_scrapes_over_mutual_tls_with_basic_auth(secure_monitor, tmp_
     jobs = {
         "secure": {"scheme": "https", "tls_config": client_tls, "basic_auth": password},
         "no-password": {"scheme": "https", "tls_config": client_tls},
-        "wrong-password": {"scheme": "https", "tls_config": client_tls,
-                           "basic_auth": {"username": "prometheus", "password": "guess"}},
+        "wrong-password": {
+            "scheme": "https",
+            "tls_config": client_tls,
+            "basic_auth": {"username": "prometheus", "password": "guess"},
+        },
         "no-client-cert": {"scheme": "https", "tls_config": {"ca_file": str(certs.ca)}, "basic_auth": password},
-        "rogue-client-cert": {"scheme": "https", "basic_auth": password, "tls_config": {
-            "ca_file": str(certs.ca), "cert_file": str(certs.rogue_cert), "key_file": str(certs.rogue_key)}},
+        "rogue-client-cert": {
+            "scheme": "https",
+            "basic_auth": password,
+            "tls_config": {
+                "ca_file": str(certs.ca),
+                "cert_file": str(certs.rogue_cert),
+                "key_file": str(certs.rogue_key),
+            },
+        },
         "plain-http": {"scheme": "http", "basic_auth": password},
     }
     config = {
@@ -78,9 +96,16 @@ def test_prometheus_scrapes_over_mutual_tls_with_basic_auth(secure_monitor, tmp_
     port = free_port()
     log = open(tmp_path / "prometheus.log", "wb")
     proc = subprocess.Popen(
-        [prometheus_bin, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        [
+            prometheus_bin,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         api = Prometheus(f"http://127.0.0.1:{port}")
 
@@ -115,6 +140,7 @@ def test_prometheus_scrapes_over_mutual_tls_with_basic_auth(secure_monitor, tmp_
         def series():
             result = api.query('training_loss{job="secure"}')
             return result if result else None
+
         loss = wait_until(series, 30, "training_loss scraped over TLS")
         assert float(loss[0]["value"][1]) > 0
         up = {r["metric"]["job"]: float(r["value"][1]) for r in api.query("up")}

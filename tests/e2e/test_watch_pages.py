@@ -52,7 +52,10 @@ class Trainer:
             self.proc = subprocess.Popen(
                 [sys.executable, str(TRAINER), "--dir", str(folder), "--step-s", str(STEP_S), *args],
                 env={**os.environ, "PYTHONPATH": str(ROOT / "exporter"), "PYTHONUNBUFFERED": "1"},
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
 
     def last_growth(self, log: str) -> float:
         """When the log last grew: the file's mtime (TensorBoard: its newest event file's)."""
@@ -70,10 +73,28 @@ class CommandWatch:
         self.port = free_port()
         self._err = open(err, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lossbeat", "watch", str(path), "--port", str(self.port), "--addr", "127.0.0.1",
-             "--job", job, "--thresholds", str(thresholds), "--linger", str(LINGER_S)],
+            [
+                sys.executable,
+                "-m",
+                "lossbeat",
+                "watch",
+                str(path),
+                "--port",
+                str(self.port),
+                "--addr",
+                "127.0.0.1",
+                "--job",
+                job,
+                "--thresholds",
+                str(thresholds),
+                "--linger",
+                str(LINGER_S),
+            ],
             env={**os.environ, "PYTHONPATH": str(ROOT / "exporter")},
-            stdout=subprocess.DEVNULL, stderr=self._err, stdin=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL,
+            stderr=self._err,
+            stdin=subprocess.DEVNULL,
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -92,8 +113,9 @@ class ThreadWatch:
     def __init__(self, path: Path, job: str, thresholds: Path) -> None:
         from lossbeat.watch import Watcher
 
-        config = MonitorConfig(port=0, addr="127.0.0.1", run_name=job, thresholds=str(thresholds),
-                               linger_seconds=LINGER_S)
+        config = MonitorConfig(
+            port=0, addr="127.0.0.1", run_name=job, thresholds=str(thresholds), linger_seconds=LINGER_S
+        )
         self.watcher = Watcher(path, config, rank_context=RankContext(0, 0, 1, "log"))
         self.port = self.watcher.monitor.port
         self.ended: list[str] = []
@@ -113,7 +135,8 @@ class ThreadWatch:
 
 
 def test_real_trainer_logs_page_nan_then_stalled_and_a_healthy_run_pages_nothing(
-        stack, e2e_thresholds, receiver, prometheus, tmp_path):
+    stack, e2e_thresholds, receiver, prometheus, tmp_path
+):
     require_module("transformers")
     require_module("tensorboard")
     started = time.time()
@@ -124,18 +147,28 @@ def test_real_trainer_logs_page_nan_then_stalled_and_a_healthy_run_pages_nothing
         for run, trainer in (("healthy", healthy), ("nan", faulty)):
             for log in LOGS:
                 job = f"e2e-watch-{log}-{run}"
-                watches[log, run] = (CommandWatch(trainer.printed, job, e2e_thresholds, tmp_path / f"{job}.err")
-                                     if log == "printed" else ThreadWatch(trainer.paths[log], job, e2e_thresholds))
-        write_target_groups(stack.targets_file, [{"targets": [f"127.0.0.1:{w.port}"],
-                                                  "labels": {"job": f"e2e-watch-{log}-{run}"}}
-                                                 for (log, run), w in watches.items()])
+                watches[log, run] = (
+                    CommandWatch(trainer.printed, job, e2e_thresholds, tmp_path / f"{job}.err")
+                    if log == "printed"
+                    else ThreadWatch(trainer.paths[log], job, e2e_thresholds)
+                )
+        write_target_groups(
+            stack.targets_file,
+            [
+                {"targets": [f"127.0.0.1:{w.port}"], "labels": {"job": f"e2e-watch-{log}-{run}"}}
+                for (log, run), w in watches.items()
+            ],
+        )
 
         # The NaN at step NAN_AT pages from each of the faulty run's logs. The page's wait counts from
         # the NaN's line in the log: what a busy machine slows first is the trainers' start (the
         # transformers import), which is not what this test judges (a hang guard, never a verdict).
         printed_nan = time.monotonic() + 900
-        while not re.search(r"\bnan\b", faulty.printed.read_text(errors="replace"), re.IGNORECASE) \
-                and faulty.proc.poll() is None and time.monotonic() < printed_nan:
+        while (
+            not re.search(r"\bnan\b", faulty.printed.read_text(errors="replace"), re.IGNORECASE)
+            and faulty.proc.poll() is None
+            and time.monotonic() < printed_nan
+        ):
             time.sleep(0.5)
         for log in LOGS:
             page = wait_for_page(receiver, "TrainingLossNaN", f"e2e-watch-{log}-nan", timeout=300)

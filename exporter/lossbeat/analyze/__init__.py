@@ -26,8 +26,21 @@ from lossbeat.analyze.replay import Analysis, WorstFinding, replay
 from lossbeat.analyze.report import file_to_dict, format_file
 from lossbeat.diagnosis.profiles import Detection, detect_profile
 
-__all__ = ["Analysis", "WorstFinding", "FileAnalysis", "analyze_file", "analyze_runs", "replay", "for_log", "judge_log",
-           "add_arguments", "run", "EXIT_OK", "EXIT_GATE", "EXIT_UNREADABLE"]
+__all__ = [
+    "Analysis",
+    "WorstFinding",
+    "FileAnalysis",
+    "analyze_file",
+    "analyze_runs",
+    "replay",
+    "for_log",
+    "judge_log",
+    "add_arguments",
+    "run",
+    "EXIT_OK",
+    "EXIT_GATE",
+    "EXIT_UNREADABLE",
+]
 
 EXIT_OK, EXIT_GATE, EXIT_UNREADABLE = 0, 1, 2
 _FAIL_ON = {"warning": Status.WARNING, "danger": Status.DANGER, "never": None}
@@ -66,8 +79,9 @@ def judge_log(log: ParsedLog, thresholds: Thresholds, given: bool = False) -> Fi
     return FileAnalysis(log, runs)
 
 
-def analyze_runs(path: str | os.PathLike, thresholds: Thresholds | None = None, fmt: str | None = None,
-                 profile: str | None = None) -> FileAnalysis:
+def analyze_runs(
+    path: str | os.PathLike, thresholds: Thresholds | None = None, fmt: str | None = None, profile: str | None = None
+) -> FileAnalysis:
     """Parse ``path`` and diagnose each run in it on its own. ``profile`` overrides the one the
     log's fields name."""
     log = parse_log(path, fmt)
@@ -83,21 +97,40 @@ def analyze_file(path: str | os.PathLike, thresholds: Thresholds | None = None, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", metavar="PATH",
-                        help="log files (or a directory of TensorBoard event files): " + ", ".join(FORMATS))
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="log files (or a directory of TensorBoard event files): " + ", ".join(FORMATS),
+    )
     parser.add_argument("--format", choices=FORMATS, help="skip auto-detection")
     parser.add_argument("--thresholds", metavar="F", help="thresholds YAML overlaid on the packaged defaults")
-    parser.add_argument("--profile", metavar="P", help="task profile (causal-lm, classification, seq2seq, regression, multi-task, preference, rl); "
-                        "default: the one the log's fields name (reward_std: rl, rewards/margins: preference, "
-                        "eval_wer: seq2seq, eval_accuracy: classification), else causal-lm")
-    parser.add_argument("--plot", metavar="OUT.png", help="draw the curves and events (needs the plots extra); "
-                        "with several files, OUT-<file>.png each")
-    parser.add_argument("--html", metavar="OUT.html", help="write the exporter's status page, static, for the log "
-                        "(curves, events, findings, segments); with several files, OUT-<file>.html each")
+    parser.add_argument(
+        "--profile",
+        metavar="P",
+        help="task profile (causal-lm, classification, seq2seq, regression, multi-task, preference, rl); "
+        "default: the one the log's fields name (reward_std: rl, rewards/margins: preference, "
+        "eval_wer: seq2seq, eval_accuracy: classification), else causal-lm",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="draw the curves and events (needs the plots extra); with several files, OUT-<file>.png each",
+    )
+    parser.add_argument(
+        "--html",
+        metavar="OUT.html",
+        help="write the exporter's status page, static, for the log "
+        "(curves, events, findings, segments); with several files, OUT-<file>.html each",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document (a list, one object per file)")
-    parser.add_argument("--fail-on", choices=tuple(_FAIL_ON), default="danger",
-                        help="exit 1 when a run's final diagnosis reaches this status (default: danger); "
-                             "exit 2 when a file cannot be read")
+    parser.add_argument(
+        "--fail-on",
+        choices=tuple(_FAIL_ON),
+        default="danger",
+        help="exit 1 when a run's final diagnosis reaches this status (default: danger); "
+        "exit 2 when a file cannot be read",
+    )
 
 
 def _plot_path(out: str, log_path: str, many: bool) -> str:

@@ -36,8 +36,7 @@ ITEMS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("loss in its usual range", ("loss_range",), ("TrainingLossOutOfRange",)),
     ("loss still falling", ("loss_trend",), ("TrainingLossPlateau", "TrainingLossDiverging")),
     ("loss volatility normal", ("loss_volatility",), ("TrainingLossVolatile", "TrainingLossSpikes")),
-    ("grad norm within its band", ("grad_norm",),
-     ("TrainingGradientExplosion", "TrainingGradientVanishing")),
+    ("grad norm within its band", ("grad_norm",), ("TrainingGradientExplosion", "TrainingGradientVanishing")),
     ("LR following its schedule", ("lr_schedule", "learning_rate"), ("TrainingLearningRateSuspect",)),
     ("no NaN/Inf", ("nonfinite",), ("TrainingLossNaN", "TrainingGradientNonFinite", "TrainingLossScaleCollapsed")),
     ("memory use stable", ("memory",), ("TrainingMemoryGrowing", "TrainingMemoryNearLimit")),
@@ -89,8 +88,10 @@ def from_prometheus(base: str, job: str, timeout: float = 10.0) -> list[Item]:
     """The eight items for ``job`` from a live Prometheus: the worst ``training_health_status``
     of each item's checks across the job's ranks, failed too by the item's firing alerts."""
     sel = f'job="{_escape(job)}"'
-    status = {r["metric"].get("check", ""): int(float(r["value"][1]))
-              for r in _query(base, f"max by (check) (training_health_status{{{sel},component=\"\"}})", timeout)}
+    status = {
+        r["metric"].get("check", ""): int(float(r["value"][1]))
+        for r in _query(base, f'max by (check) (training_health_status{{{sel},component=""}})', timeout)
+    }
     if not status:
         raise LookupError(f"no lossbeat series for job {job!r} at {base} (is it scraped?)")
     firing: dict[str, int] = {}
@@ -122,10 +123,14 @@ def _live_values(base: str, sel: str, timeout: float) -> dict[int, str]:
         3: ("loss CV {:.3f}", f"max(training_loss_cv{{{sel}}})"),
         4: ("grad norm {:.3g}", f"max(training_grad_norm{{{sel}}})"),
         5: ("learning rate {:.3g}", f"max(training_learning_rate{{{sel}}})"),
-        6: ("{:.0f} non-finite steps in the last hour",
-            f"sum(increase(training_nonfinite_loss_total{{{sel}}}[1h]) or increase(training_nonfinite_grad_total{{{sel}}}[1h]))"),
-        7: ("peak memory {:.0%} of the limit",
-            f"max(training_memory_peak_bytes{{{sel}}} / training_memory_limit_bytes{{{sel}}})"),
+        6: (
+            "{:.0f} non-finite steps in the last hour",
+            f"sum(increase(training_nonfinite_loss_total{{{sel}}}[1h]) or increase(training_nonfinite_grad_total{{{sel}}}[1h]))",
+        ),
+        7: (
+            "peak memory {:.0%} of the limit",
+            f"max(training_memory_peak_bytes{{{sel}}} / training_memory_limit_bytes{{{sel}}})",
+        ),
         8: ("{:.3g} steps/s", f"avg(rate(training_steps_total{{{sel}}}[5m]))"),
     }
     out = {}
@@ -146,8 +151,10 @@ def format_items(items: list[Item], title: str, pattern: str = "") -> str:
     for item in items:
         lines.append(f"  {_MARKS[item.ok]} {item.number}. {item.name:<27} {item.value}")
     failed = sum(item.ok is False for item in items)
-    lines.append(f"  {8 - failed - sum(item.ok is None for item in items)} passed, {failed} failed, "
-                 f"{sum(item.ok is None for item in items)} not judged")
+    lines.append(
+        f"  {8 - failed - sum(item.ok is None for item in items)} passed, {failed} failed, "
+        f"{sum(item.ok is None for item in items)} not judged"
+    )
     return "\n".join(lines)
 
 
@@ -193,8 +200,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.json:
-            json.dump({"source": args.path or f"{args.prometheus} job={args.job}", "pattern": pattern,
-                       "items": [asdict(i) for i in items]}, sys.stdout, indent=2)
+            json.dump(
+                {
+                    "source": args.path or f"{args.prometheus} job={args.job}",
+                    "pattern": pattern,
+                    "items": [asdict(i) for i in items],
+                },
+                sys.stdout,
+                indent=2,
+            )
             print()
         else:
             print(format_items(items, title, pattern))

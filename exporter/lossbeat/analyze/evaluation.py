@@ -34,13 +34,26 @@ from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord, parse_log
 from lossbeat.diagnosis.thresholds import Thresholds, load_thresholds
 from lossbeat.diagnosis.vitals import LIVE_ONLY_CHECKS
 
-__all__ = ["Run", "healthy_shapes", "synthetic_faults", "evaluate", "render", "update_doc", "update_truth", "main",
-           "BEGIN", "END", "PAGING_CHECKS"]
+__all__ = [
+    "Run",
+    "healthy_shapes",
+    "synthetic_faults",
+    "evaluate",
+    "render",
+    "update_doc",
+    "update_truth",
+    "main",
+    "BEGIN",
+    "END",
+    "PAGING_CHECKS",
+]
 
 BEGIN, END = "<!-- evaluation:begin -->", "<!-- evaluation:end -->"
 REPO = Path(__file__).resolve().parents[3]
-DEFAULT_LOGS = next((p / "shared" / "data" / "real-logs" for p in REPO.parents
-                     if (p / "shared" / "data" / "real-logs").is_dir()), REPO.parent / "shared" / "data" / "real-logs")
+DEFAULT_LOGS = next(
+    (p / "shared" / "data" / "real-logs" for p in REPO.parents if (p / "shared" / "data" / "real-logs").is_dir()),
+    REPO.parent / "shared" / "data" / "real-logs",
+)
 """``../shared/data/real-logs`` from the repository (or from a folder above a worktree)."""
 DATA = DEFAULT_LOGS.parent
 """``../shared/data``: folders of real logs, some with a ``truth.json``."""
@@ -74,9 +87,15 @@ class Run:
 # --- synthetic series ------------------------------------------------------------------
 
 
-def _log(name: str, steps: range, loss: Callable[[int], float], grad: Callable[[int], float] | None = None,
-         lr: Callable[[int], float] | None = None, evals: Callable[[int], float] | None = None,
-         eval_every: int = 0) -> ParsedLog:
+def _log(
+    name: str,
+    steps: range,
+    loss: Callable[[int], float],
+    grad: Callable[[int], float] | None = None,
+    lr: Callable[[int], float] | None = None,
+    evals: Callable[[int], float] | None = None,
+    eval_every: int = 0,
+) -> ParsedLog:
     log = ParsedLog(path=name, format="synthetic")
     for s in steps:
         log.train.append(TrainRecord(s, loss(s), grad(s) if grad else None, lr(s) if lr else None))
@@ -91,6 +110,7 @@ def _cosine(peak: float, total: int, warmup: int = 100, floor: float = 0.1) -> C
             return peak * (s + 1) / warmup
         p = min(1.0, (s - warmup) / max(1, total - warmup))
         return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)))
+
     return lr
 
 
@@ -110,36 +130,97 @@ def healthy_shapes() -> list[Run]:
     n = _noise(1, 0.03)
     # Real curves keep a slow power-law tail while the LR is high (no synthetic perfect floor).
     fast = lambda s: 0.7 + 9.0 * math.exp(-s / 60) + 1.0 * (1 + s / 100) ** -0.5 + n()  # noqa: E731
-    runs.append(Run("synthetic: fast early drop (from scratch, every step)", _log(
-        "fast-drop", range(3000), fast, _settling_grad(15.0, 0.3, 80, 2), _cosine(6e-4, 3000))))
+    runs.append(
+        Run(
+            "synthetic: fast early drop (from scratch, every step)",
+            _log("fast-drop", range(3000), fast, _settling_grad(15.0, 0.3, 80, 2), _cosine(6e-4, 3000)),
+        )
+    )
     n2 = _noise(3, 0.02)
-    runs.append(Run("synthetic: slow late descent (power law, every step)", _log(
-        "slow", range(6000), lambda s: 2.0 + 3.0 * (1 + s / 50) ** -0.35 + n2(), _settling_grad(2.0, 0.6, 300, 4),
-        _cosine(3e-4, 6000, floor=0.1))))
+    runs.append(
+        Run(
+            "synthetic: slow late descent (power law, every step)",
+            _log(
+                "slow",
+                range(6000),
+                lambda s: 2.0 + 3.0 * (1 + s / 50) ** -0.35 + n2(),
+                _settling_grad(2.0, 0.6, 300, 4),
+                _cosine(3e-4, 6000, floor=0.1),
+            ),
+        )
+    )
     n3 = _noise(5, 0.08)  # the article's "normal convergence with noise, small batch" [A §1.3]
-    runs.append(Run("synthetic: noisy small batch (every step)", _log(
-        "noisy", range(3000), lambda s: 0.6 + 2.8 * math.exp(-s / 250) + 0.3 * (1 + s / 100) ** -0.5 + n3(),
-        _settling_grad(3.0, 1.0, 200, 6, 0.3),
-        _cosine(1e-4, 3000))))
+    runs.append(
+        Run(
+            "synthetic: noisy small batch (every step)",
+            _log(
+                "noisy",
+                range(3000),
+                lambda s: 0.6 + 2.8 * math.exp(-s / 250) + 0.3 * (1 + s / 100) ** -0.5 + n3(),
+                _settling_grad(3.0, 1.0, 200, 6, 0.3),
+                _cosine(1e-4, 3000),
+            ),
+        )
+    )
     n4, n4e = _noise(7, 0.04), _noise(8, 0.01)
-    runs.append(Run("synthetic: high stable grad norm (~17.5, clipped at 1)", _log(
-        "high-grad", range(0, 4000, 25), lambda s: 0.4 + 0.8 * math.exp(-s / 800) + n4(),
-        lambda s: 17.5 + n4() * 10, _cosine(1e-5, 4000, warmup=200),
-        lambda s: 0.45 + 0.6 * math.exp(-s / 900) + n4e(), eval_every=500)))
+    runs.append(
+        Run(
+            "synthetic: high stable grad norm (~17.5, clipped at 1)",
+            _log(
+                "high-grad",
+                range(0, 4000, 25),
+                lambda s: 0.4 + 0.8 * math.exp(-s / 800) + n4(),
+                lambda s: 17.5 + n4() * 10,
+                _cosine(1e-5, 4000, warmup=200),
+                lambda s: 0.45 + 0.6 * math.exp(-s / 900) + n4e(),
+                eval_every=500,
+            ),
+        )
+    )
     n5 = _noise(9, 0.02)
-    runs.append(Run("synthetic: cosine to zero, flat at the end", _log(
-        "cosine-zero", range(0, 5000, 10),
-        lambda s: 1.5 + 0.8 * math.exp(-s / 600) + 0.6 * (1 + s / 200) ** -0.5 * (1 + math.cos(math.pi * s / 5000)) / 2
-        + n5(),
-        _settling_grad(1.5, 0.8, 500, 10), _cosine(2e-4, 5000, warmup=100, floor=0.0))))
+    runs.append(
+        Run(
+            "synthetic: cosine to zero, flat at the end",
+            _log(
+                "cosine-zero",
+                range(0, 5000, 10),
+                lambda s: (
+                    1.5
+                    + 0.8 * math.exp(-s / 600)
+                    + 0.6 * (1 + s / 200) ** -0.5 * (1 + math.cos(math.pi * s / 5000)) / 2
+                    + n5()
+                ),
+                _settling_grad(1.5, 0.8, 500, 10),
+                _cosine(2e-4, 5000, warmup=100, floor=0.0),
+            ),
+        )
+    )
     n6, n7 = _noise(11, 0.05), _noise(12, 0.005)
     curve = lambda s: 2.0 + 1.5 * math.exp(-s / 500) + 0.5 * (1 + s / 1000) ** -0.5  # noqa: E731
-    runs.append(Run("synthetic: the same run logged every step", _log(
-        "every-step", range(20000), lambda s: curve(s) + n6(), _settling_grad(2.0, 0.8, 2000, 13),
-        _cosine(3e-4, 20000))))
-    runs.append(Run("synthetic: the same run logged every 100 steps", _log(
-        "every-100", range(0, 20000, 100), lambda s: curve(s) + n7(), _settling_grad(2.0, 0.8, 2000, 14, 0.03),
-        _cosine(3e-4, 20000))))
+    runs.append(
+        Run(
+            "synthetic: the same run logged every step",
+            _log(
+                "every-step",
+                range(20000),
+                lambda s: curve(s) + n6(),
+                _settling_grad(2.0, 0.8, 2000, 13),
+                _cosine(3e-4, 20000),
+            ),
+        )
+    )
+    runs.append(
+        Run(
+            "synthetic: the same run logged every 100 steps",
+            _log(
+                "every-100",
+                range(0, 20000, 100),
+                lambda s: curve(s) + n7(),
+                _settling_grad(2.0, 0.8, 2000, 14, 0.03),
+                _cosine(3e-4, 20000),
+            ),
+        )
+    )
     return runs
 
 
@@ -152,25 +233,62 @@ def synthetic_faults() -> list[Run]:
     grad = lambda s: 0.8 * math.exp(grad_n())  # noqa: E731
     lr = _cosine(3e-4, total)
     steps = range(total)
-    out.append(Run("synthetic: NaN loss and grad from step 1500", _log(
-        "nan", steps, lambda s: math.nan if s >= k else base(s), lambda s: math.nan if s >= k else grad(s), lr),
-        fault="NaN", onset=k, expect=("nonfinite", "event:nonfinite_loss")))
-    out.append(Run("synthetic: x10 grad-norm jump from step 1500", _log(
-        "jump", steps, base, lambda s: grad(s) * (10.0 if s >= k else 1.0), lr),
-        fault="x10 grad jump", onset=k, expect=("grad_norm", "event:grad_explosions")))
+    out.append(
+        Run(
+            "synthetic: NaN loss and grad from step 1500",
+            _log(
+                "nan", steps, lambda s: math.nan if s >= k else base(s), lambda s: math.nan if s >= k else grad(s), lr
+            ),
+            fault="NaN",
+            onset=k,
+            expect=("nonfinite", "event:nonfinite_loss"),
+        )
+    )
+    out.append(
+        Run(
+            "synthetic: x10 grad-norm jump from step 1500",
+            _log("jump", steps, base, lambda s: grad(s) * (10.0 if s >= k else 1.0), lr),
+            fault="x10 grad jump",
+            onset=k,
+            expect=("grad_norm", "event:grad_explosions"),
+        )
+    )
     hot_n = _noise(23, 0.25)
-    out.append(Run("synthetic: LR x30 from step 1500 (loss climbs, jitters)", _log(
-        "lr-x30", steps, lambda s: base(s) + ((s - k) * 0.004 + abs(hot_n()) * 1.5 if s >= k else 0.0),
-        lambda s: grad(s) * (6.0 if s >= k else 1.0), lambda s: lr(s) * (30.0 if s >= k else 1.0)),
-        fault="LR x30", onset=k, expect=("loss_trend", "loss_volatility", "grad_norm", "learning_rate")))
-    out.append(Run("synthetic: steady grad-norm climb (+1%/step) from step 1500", _log(
-        "climb", steps, base, lambda s: grad(s) * (1.01 ** (s - k) if s >= k else 1.0), lr),
-        fault="grad-norm climb", onset=k, expect=("grad_norm", "event:grad_explosions")))
+    out.append(
+        Run(
+            "synthetic: LR x30 from step 1500 (loss climbs, jitters)",
+            _log(
+                "lr-x30",
+                steps,
+                lambda s: base(s) + ((s - k) * 0.004 + abs(hot_n()) * 1.5 if s >= k else 0.0),
+                lambda s: grad(s) * (6.0 if s >= k else 1.0),
+                lambda s: lr(s) * (30.0 if s >= k else 1.0),
+            ),
+            fault="LR x30",
+            onset=k,
+            expect=("loss_trend", "loss_volatility", "grad_norm", "learning_rate"),
+        )
+    )
+    out.append(
+        Run(
+            "synthetic: steady grad-norm climb (+1%/step) from step 1500",
+            _log("climb", steps, base, lambda s: grad(s) * (1.01 ** (s - k) if s >= k else 1.0), lr),
+            fault="grad-norm climb",
+            onset=k,
+            expect=("grad_norm", "event:grad_explosions"),
+        )
+    )
     e_n = _noise(24, 0.005)
     evals = lambda s: 1.2 + 1.5 * math.exp(-s / 400) + (0.0002 * (s - 1500) if s > 1500 else 0.0) + e_n()  # noqa: E731
-    out.append(Run("synthetic: overfitting from the evaluation at step 1500 (eval every 250)", _log(
-        "overfit", steps, base, grad, lr, evals, eval_every=250),
-        fault="overfitting", onset=1500, expect=("overfitting",)))
+    out.append(
+        Run(
+            "synthetic: overfitting from the evaluation at step 1500 (eval every 250)",
+            _log("overfit", steps, base, grad, lr, evals, eval_every=250),
+            fault="overfitting",
+            onset=1500,
+            expect=("overfitting",),
+        )
+    )
     return out
 
 
@@ -179,26 +297,32 @@ def synthetic_faults() -> list[Run]:
 # What SOURCES.md says each curve shows (matched on the file name): the fault a reader sees and
 # the checks that catching it counts; healthy files list the warnings a reader would agree with.
 _REAL: dict[str, dict] = {
-    "classifier-multi-eval-overfit": dict(profile="classification", fault="overfitting (every eval set)",
-                                         expect=("overfitting",)),
+    "classifier-multi-eval-overfit": dict(
+        profile="classification", fault="overfitting (every eval set)", expect=("overfitting",)
+    ),
     "token-compressor-plateau": dict(fault="plateau (no progress)", expect=("loss_trend", "learning_rate")),
-    "mistral-7b-lora-translator": dict(note="flat within epochs, drops at their boundaries; warmup grad norms "
-                                       "near 10 (its own level)", agreed=("loss_range", "loss_trend")),
-    "law-hugeloss": dict(fault="huge loss (285) and grad norm (422)", expect=("loss_range", "grad_norm",
-                                                                              "loss_volatility")),
+    "mistral-7b-lora-translator": dict(
+        note="flat within epochs, drops at their boundaries; warmup grad norms near 10 (its own level)",
+        agreed=("loss_range", "loss_trend"),
+    ),
+    "law-hugeloss": dict(
+        fault="huge loss (285) and grad norm (422)", expect=("loss_range", "grad_norm", "loss_volatility")
+    ),
     "nsllm": dict(fault="long plateau after the fast drop", expect=("loss_trend",)),
-    "tcm-9epoch": dict(note="memorisation over 9 epochs (loss 0.09)", agreed=("loss_range", "loss_volatility",
-                                                                               "loss_trend")),
+    "tcm-9epoch": dict(
+        note="memorisation over 9 epochs (loss 0.09)", agreed=("loss_range", "loss_volatility", "loss_trend")
+    ),
     "t5-small": dict(fault="isolated grad-norm spikes (35.6, 13.2)", expect=("event:grad_explosions",)),
     "tinyllama-1.1b-chat-lora-sft": dict(),
     "dpo": dict(profile="preference", agreed=("loss_trend", "learning"), note="flat near ln 2 for its first epoch"),
-    "whisper-large-v2-ja-overfit": dict(fault="overfitting (eval rises at every evaluation)",
-                                         expect=("overfitting",)),
-    "whisper-large-v3-tr": dict(fault="degrades as the LR warms up (best checkpoint at 250)",
-                                expect=("overfitting", "loss_trend")),
+    "whisper-large-v2-ja-overfit": dict(fault="overfitting (eval rises at every evaluation)", expect=("overfitting",)),
+    "whisper-large-v3-tr": dict(
+        fault="degrades as the LR warms up (best checkpoint at 250)", expect=("overfitting", "loss_trend")
+    ),
     "lightning-wikitext103": dict(fault="both losses rise after the resume", expect=("loss_trend",)),
-    "llamafactory-qwen2.5-3b": dict(agreed=("loss_trend",), note="flat through its first epoch, then drops at "
-                                    "epoch boundaries"),
+    "llamafactory-qwen2.5-3b": dict(
+        agreed=("loss_trend",), note="flat through its first epoch, then drops at epoch boundaries"
+    ),
     "llmc-gpt2": dict(),
     "megatron-gpt3": dict(marks=(("loss bump 3.16 against 2.99", 2845),)),
     "modded-nanogpt": dict(marks=(("single-step loss spike 5.28 against 3.80", 947),)),
@@ -212,11 +336,22 @@ def real_runs(directory: Path) -> list[Run]:
             continue
         spec = next((v for k, v in _REAL.items() if k in path.name), {})
         log = parse_log(path)
-        runs.append(Run(f"real: {path.name}", log, spec.get("profile"), spec.get("fault", ""),
-                        None, spec.get("expect", ()), spec.get("agreed", ()), spec.get("note", "")))
+        runs.append(
+            Run(
+                f"real: {path.name}",
+                log,
+                spec.get("profile"),
+                spec.get("fault", ""),
+                None,
+                spec.get("expect", ()),
+                spec.get("agreed", ()),
+                spec.get("note", ""),
+            )
+        )
         for what, step in spec.get("marks", ()):  # a known event inside a healthy run: caught as an event
-            runs.append(Run(f"real: {path.name}", log, spec.get("profile"), what, step, ("event:loss_spikes",),
-                            exact=True))
+            runs.append(
+                Run(f"real: {path.name}", log, spec.get("profile"), what, step, ("event:loss_spikes",), exact=True)
+            )
     return runs
 
 
@@ -229,14 +364,25 @@ def demo_runs(steps: int = 400, thresholds: Thresholds | None = None) -> list[Ru
         import torch
     except ImportError:  # the evaluation of logs needs no torch
         return []
-    from lossbeat.demo import (EXPLODING_LAYER, VANISHING_LAYER, ModelSize, SyntheticCorpus, TinyLM, _scale_gradients_from,
-                       learning_rate_at)
+    from lossbeat.demo import (
+        EXPLODING_LAYER,
+        VANISHING_LAYER,
+        ModelSize,
+        SyntheticCorpus,
+        TinyLM,
+        _scale_gradients_from,
+        learning_rate_at,
+    )
     from lossbeat.monitor import Monitor, MonitorConfig
 
-    expects = {"": (), "nan": ("nonfinite", "event:nonfinite_loss"), "explode": ("grad_norm", "event:grad_explosions",
-                                                                             "layer_grad_norm"),
-               "lr-high": ("loss_trend", "loss_volatility", "learning_rate", "grad_norm"),
-               "plateau": ("learning_rate", "loss_trend"), "vanish": ("layer_grad_norm",)}
+    expects = {
+        "": (),
+        "nan": ("nonfinite", "event:nonfinite_loss"),
+        "explode": ("grad_norm", "event:grad_explosions", "layer_grad_norm"),
+        "lr-high": ("loss_trend", "loss_volatility", "learning_rate", "grad_norm"),
+        "plateau": ("learning_rate", "loss_trend"),
+        "vanish": ("layer_grad_norm",),
+    }
     runs = []
     for fault, expect in expects.items():
         torch.manual_seed(0)
@@ -256,7 +402,9 @@ def demo_runs(steps: int = 400, thresholds: Thresholds | None = None) -> list[Ru
         for step in range(steps):
             model.training_step = step
             active = fault if step >= k else ""
-            lr = 0.3 if active == "lr-high" else 1e-8 if active == "plateau" else learning_rate_at(step, steps, 3e-3, 20)
+            lr = (
+                0.3 if active == "lr-high" else 1e-8 if active == "plateau" else learning_rate_at(step, steps, 3e-3, 20)
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss = model(*corpus.batch(32))
@@ -279,8 +427,13 @@ def demo_runs(steps: int = 400, thresholds: Thresholds | None = None) -> list[Ru
                 layer_steps.append(step)
         monitor.flush()
         report = monitor.report()
-        run = Run(f"demo: {fault or 'healthy'} ({steps} steps" + (f", fault at {k})" if fault else ")"), log,
-                  fault=fault, onset=k if fault else None, expect=expect)
+        run = Run(
+            f"demo: {fault or 'healthy'} ({steps} steps" + (f", fault at {k})" if fault else ")"),
+            log,
+            fault=fault,
+            onset=k if fault else None,
+            expect=expect,
+        )
         run.analysis = replay(log, thresholds or load_thresholds())
         offline = {(f.check, f.component): f.status for f in run.analysis.findings if f.check not in LIVE_ONLY_CHECKS}
         live = {(f.check, f.component): f.status for f in report.findings if f.check not in LIVE_ONLY_CHECKS}
@@ -332,8 +485,17 @@ def verdict(run: Run, t: Thresholds) -> Verdict:
         hits = []
         for (check, component), w in a.worst.items():
             if check in run.expect and w.finding.status >= Status.WARNING:
-                first = next((c.step for c in a.changes if c.finding.check == check and c.finding.component == component
-                              and c.finding.status >= Status.WARNING and (c.step or 0) >= onset), w.step)
+                first = next(
+                    (
+                        c.step
+                        for c in a.changes
+                        if c.finding.check == check
+                        and c.finding.component == component
+                        and c.finding.status >= Status.WARNING
+                        and (c.step or 0) >= onset
+                    ),
+                    w.step,
+                )
                 hits.append((first, _where(check, component)))
         for kind in ("nonfinite_loss", "grad_explosions", "loss_spikes"):
             if f"event:{kind}" in run.expect:
@@ -393,7 +555,8 @@ def render(runs: list[Run], t: Thresholds | None = None) -> str:
     lines += [
         f"**Healthy runs: {len(healthy)}; with a danger: {n_danger}; that would page: {n_pages}; flapping: {n_flap}.** "
         f"Flapping: a check entering a worse status {FLAPPING_ENTRIES} times or more in one run. "
-        "Pages: a danger of " + ", ".join(f"`{c}`" for c in PAGING_CHECKS)
+        "Pages: a danger of "
+        + ", ".join(f"`{c}`" for c in PAGING_CHECKS)
         + f", or {t.alerts.explosion_events} explosion events within 50 records.",
         "",
         "| healthy run | profile | records | danger | would page | warnings (first step) | agreed by a reader | "
@@ -421,13 +584,18 @@ def render(runs: list[Run], t: Thresholds | None = None) -> str:
         v = verdicts[id(r)]
         onset = r.onset if r.onset is not None else r.analysis.first_step
         delay = "-" if v.caught_step is None or onset is None else str(v.caught_step - onset)
-        lines.append(f"| {r.fault} | {r.name} | {onset if r.onset is not None else '-'} | {v.caught or 'MISSED'} | "
-                     f"{v.caught_step if v.caught_step is not None else '-'} | {delay} |")
+        lines.append(
+            f"| {r.fault} | {r.name} | {onset if r.onset is not None else '-'} | {v.caught or 'MISSED'} | "
+            f"{v.caught_step if v.caught_step is not None else '-'} | {delay} |"
+        )
     live = [r for r in runs if r.live_matches is not None]
     if live:
         same = sum(bool(r.live_matches) for r in live)
-        lines += ["", f"Live path = offline path: the demo runs through a `Monitor` gave the same final findings as "
-                      f"`analyze`'s replay of the same series in {same} of {len(live)} runs."]
+        lines += [
+            "",
+            f"Live path = offline path: the demo runs through a `Monitor` gave the same final findings as "
+            f"`analyze`'s replay of the same series in {same} of {len(live)} runs.",
+        ]
     lines.append(END)
     return "\n".join(lines)
 
@@ -465,12 +633,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lossbeat.analyze.evaluation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--logs", type=Path, default=DEFAULT_LOGS, help="folder of real logs (default: %(default)s)")
     parser.add_argument("--demo-steps", type=int, default=400, help="steps per demo run (0: no demo runs)")
-    parser.add_argument("--truth", type=Path, nargs="*", default=None, metavar="DIR",
-                        help="score analyze against the truth.json of each DIR (default: every folder of "
-                             f"{DATA} that has one) and print that table only")
-    parser.add_argument("--write", type=Path, nargs="?", const=DOC, default=None,
-                        help=f"write the tables into this file between the markers (default {DOC}); with "
-                             "--truth, only the ground-truth tables")
+    parser.add_argument(
+        "--truth",
+        type=Path,
+        nargs="*",
+        default=None,
+        metavar="DIR",
+        help="score analyze against the truth.json of each DIR (default: every folder of "
+        f"{DATA} that has one) and print that table only",
+    )
+    parser.add_argument(
+        "--write",
+        type=Path,
+        nargs="?",
+        const=DOC,
+        default=None,
+        help=f"write the tables into this file between the markers (default {DOC}); with "
+        "--truth, only the ground-truth tables",
+    )
     args = parser.parse_args(argv)
     if args.truth is not None:
         dirs = args.truth or truth_dirs(DATA)
@@ -485,8 +665,9 @@ def main(argv: list[str] | None = None) -> int:
             print(truth)
         return 0
     if not args.logs.is_dir():
-        print(f"lossbeat evaluation: no real logs at {args.logs}; evaluating the synthetic and demo runs",
-              file=sys.stderr)
+        print(
+            f"lossbeat evaluation: no real logs at {args.logs}; evaluating the synthetic and demo runs", file=sys.stderr
+        )
     table = render(evaluate(args.logs if args.logs.is_dir() else None, args.demo_steps))
     if args.write and truth_dirs(DATA):
         truth = "\n\n".join(render_truth(d.name, score_dir(d)) for d in truth_dirs(DATA))

@@ -22,7 +22,7 @@ __all__ = ["static_document", "write_html", "MAX_POINTS"]
 
 MAX_POINTS = 5000
 """Points per curve in the static page: a longer run is thinned evenly (its first and last kept)."""
-_MARKER = b"<script>\n\"use strict\";"
+_MARKER = b'<script>\n"use strict";'
 
 
 def _thin(items: list, limit: int = MAX_POINTS) -> list:
@@ -42,32 +42,63 @@ def static_document(log: ParsedLog, runs: list[Analysis], thresholds: Thresholds
     segment = log.segments[-1] if log.segments else log
     train = _thin(list(segment.train))
     evals = _thin([e for e in segment.evals if e.group == ""] or list(segment.evals))
-    findings = [(f.check, f.component, int(f.status), f.message, f.fix if f.status else "", f.known) for f in a.findings]
+    findings = [
+        (f.check, f.component, int(f.status), f.message, f.fix if f.status else "", f.known) for f in a.findings
+    ]
     notes = list(log.notes) + list(a.notes)
     if len(runs) > 1:
-        notes += [f"run {i + 1} of {len(runs)}: steps {r.first_step}-{r.last_step}, final status "
-                  f"{r.status.name.lower()}" for i, r in enumerate(runs)]
+        notes += [
+            f"run {i + 1} of {len(runs)}: steps {r.first_step}-{r.last_step}, final status {r.status.name.lower()}"
+            for i, r in enumerate(runs)
+        ]
         notes.append(f"the page shows run {len(runs)} of {len(runs)}")
     return {
-        "run": {"name": log.path, "profile": thresholds.profile.name, "rank": "-", "world_size": "-",
-                "version": __version__, "step": a.last_step, "uptime_s": None, "phase": f"finished log ({log.format})",
-                "completed": False, "last_step_age_s": None},
+        "run": {
+            "name": log.path,
+            "profile": thresholds.profile.name,
+            "rank": "-",
+            "world_size": "-",
+            "version": __version__,
+            "step": a.last_step,
+            "uptime_s": None,
+            "phase": f"finished log ({log.format})",
+            "completed": False,
+            "last_step_age_s": None,
+        },
         "current": {"grad_norm_ceiling": thresholds.gradients.explosion},
-        "findings": [{"check": c, "component": comp, "status": STATUSES[s] if known else "unknown",
-                      "message": m, "fix": fix} for c, comp, s, m, fix, known in findings],
-        "pattern": {"name": a.pattern.name if a.pattern else None, "since_step": a.pattern_since,
-                    "text": a.pattern.meaning if a.pattern else ""},
+        "findings": [
+            {"check": c, "component": comp, "status": STATUSES[s] if known else "unknown", "message": m, "fix": fix}
+            for c, comp, s, m, fix, known in findings
+        ],
+        "pattern": {
+            "name": a.pattern.name if a.pattern else None,
+            "since_step": a.pattern_since,
+            "text": a.pattern.meaning if a.pattern else "",
+        },
         "checklist": checklist(findings),
-        "counters": {"steps": a.train_records, "evals": a.eval_records,
-                     **{k: a.counters.get(k, 0) for k in COUNTERS if k in a.counters}},
+        "counters": {
+            "steps": a.train_records,
+            "evals": a.eval_records,
+            **{k: a.counters.get(k, 0) for k in COUNTERS if k in a.counters},
+        },
         "last_event_step": {k: (a.event_steps[k][-1] if a.event_steps.get(k) else None) for k in a.counters},
         "series": {
-            "step": [r.step for r in train], "loss": [_point(r.loss) for r in train],
-            "grad_norm": [_point(r.grad_norm) for r in train], "grad_norm_baseline": [None] * len(train),
+            "step": [r.step for r in train],
+            "loss": [_point(r.loss) for r in train],
+            "grad_norm": [_point(r.grad_norm) for r in train],
+            "grad_norm_baseline": [None] * len(train),
             "learning_rate": [_point(r.learning_rate) for r in train],
         },
         "eval": {"step": [e.step for e in evals], "loss": [_point(e.loss) for e in evals]},
-        "layers": {"steps": [], "names": [], "columns": [], "column_set": [], "sets": [], "q_low": -12.0, "q_step": 0.1},
+        "layers": {
+            "steps": [],
+            "names": [],
+            "columns": [],
+            "column_set": [],
+            "sets": [],
+            "q_low": -12.0,
+            "q_step": 0.1,
+        },
         "notes": notes,
     }
 

@@ -91,8 +91,18 @@ def _events_on(ax, kind: str, steps: list[int], total: int, at: dict[int, float]
             ax.plot(*zip(*pts), marker, color=color, ms=7, mew=1.5, ls="none", label=label, zorder=5)
             return
     # many events: a rug of ticks along the bottom edge, one per event step
-    ax.plot(steps, [0.0] * len(steps), "|", color=color, ms=12, mew=0.8, alpha=0.7,
-            transform=ax.get_xaxis_transform(), label=f"{label}: rug", clip_on=False)
+    ax.plot(
+        steps,
+        [0.0] * len(steps),
+        "|",
+        color=color,
+        ms=12,
+        mew=0.8,
+        alpha=0.7,
+        transform=ax.get_xaxis_transform(),
+        label=f"{label}: rug",
+        clip_on=False,
+    )
 
 
 def _pyplot():
@@ -133,8 +143,14 @@ def draw(log: ParsedLog, analyses: list[Analysis], thresholds: Thresholds, runs:
     has_grad = any(r.grad_norm is not None for run in runs for r in run.train)
     has_lr = any(r.learning_rate is not None for run in runs for r in run.train)
     heights = [3.2] + [2.2] * (has_grad + has_lr)
-    fig, axes = plt.subplots(len(heights), 1, sharex=True, figsize=(12, sum(heights) + 0.6), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(
+        len(heights),
+        1,
+        sharex=True,
+        figsize=(12, sum(heights) + 0.6),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
     axes = [ax for (ax,) in axes]
     loss_ax = axes[0]
     grad_ax = axes[1] if has_grad else None
@@ -158,8 +174,13 @@ def draw(log: ParsedLog, analyses: list[Analysis], thresholds: Thresholds, runs:
             gy = [r.loss if r.loss is not None and math.isfinite(r.loss) else math.nan for r in run.train]
             if len(pts) > _SMOOTH_ABOVE:
                 loss_ax.plot(gx, gy, lw=0.5, color=c_train, alpha=0.3)
-                loss_ax.plot(xs, _smoothed(list(ys), max(5, len(ys) // 100)), lw=1.3, color=c_train,
-                             label=f"{tag}train loss (smoothed; raw faint)")
+                loss_ax.plot(
+                    xs,
+                    _smoothed(list(ys), max(5, len(ys) // 100)),
+                    lw=1.3,
+                    color=c_train,
+                    label=f"{tag}train loss (smoothed; raw faint)",
+                )
             else:
                 loss_ax.plot(gx, gy, lw=1, color=c_train, label=f"{tag}train loss")
         for g_i, group in enumerate(run.eval_groups):
@@ -172,17 +193,32 @@ def draw(log: ParsedLog, analyses: list[Analysis], thresholds: Thresholds, runs:
         interval = max(1, (run.train[-1].step - run.train[0].step) // max(1, len(run.train) - 1)) if run.train else 1
         missing = [r.step for r in run.train if r.loss is None]
         for j, (lo, hi) in enumerate(_bands(missing, 2 * interval)):
-            loss_ax.axvspan(lo, hi + interval, color="0.6", alpha=0.25, lw=0,
-                            label=f"{tag}no loss logged ({len(missing)} records)" if j == 0 else None)
+            loss_ax.axvspan(
+                lo,
+                hi + interval,
+                color="0.6",
+                alpha=0.25,
+                lw=0,
+                label=f"{tag}no loss logged ({len(missing)} records)" if j == 0 else None,
+            )
         # overfitting: one span from the first step the check fired (any eval set) to the end of the run
-        fired = sorted((w.step, component) for (check, component), w in a.worst.items()
-                       if check == "overfitting" and w.finding.status >= Status.WARNING)
+        fired = sorted(
+            (w.step, component)
+            for (check, component), w in a.worst.items()
+            if check == "overfitting" and w.finding.status >= Status.WARNING
+        )
         if fired and run.train:
             end = max(run.train[-1].step, max((e.step for e in run.evals), default=0))
             sets = [c for _, c in fired if c]
             which = f" ({', '.join(sets[:4])}{', ...' if len(sets) > 4 else ''})" if sets else ""
-            loss_ax.axvspan(fired[0][0], end, color="orange", alpha=0.15, lw=0,
-                            label=f"{tag}overfitting{which} from step {fired[0][0]}")
+            loss_ax.axvspan(
+                fired[0][0],
+                end,
+                color="orange",
+                alpha=0.15,
+                lw=0,
+                label=f"{tag}overfitting{which} from step {fired[0][0]}",
+            )
             bests = []
             for _, component in fired:
                 ev = _finite((e.step, e.loss) for e in run.evals if e.group == component)
@@ -190,8 +226,17 @@ def draw(log: ParsedLog, analyses: list[Analysis], thresholds: Thresholds, runs:
                     bests.append(min(ev, key=lambda p: p[1]))
             if bests:
                 one = bests[0] if len(bests) == 1 else None
-                loss_ax.plot(*zip(*bests), "*", color="orange", ms=11, mec="k", mew=0.5, ls="none", zorder=6,
-                             label=f"{tag}best eval {one[1]:.4g} (step {one[0]})" if one else f"{tag}best eval per set")
+                loss_ax.plot(
+                    *zip(*bests),
+                    "*",
+                    color="orange",
+                    ms=11,
+                    mec="k",
+                    mew=0.5,
+                    ls="none",
+                    zorder=6,
+                    label=f"{tag}best eval {one[1]:.4g} (step {one[0]})" if one else f"{tag}best eval per set",
+                )
         previous_end = runs[i - 1].train[-1].step if i > 0 and runs[i - 1].train else None
         if several and run.train and previous_end is not None and run.train[0].step > previous_end:
             for ax in axes:  # runs one after the other on the step axis: mark where each starts

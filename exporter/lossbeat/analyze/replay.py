@@ -96,8 +96,9 @@ class _Replay:
         self.judge = Judge(thresholds)
         self.history = self.judge.history
         self.patterns = PatternTracker()
-        self.a = Analysis(log.path, log.format, notes=list(log.notes),
-                          eval_groups=tuple(log.eval_groups), eval_records=len(log.evals))
+        self.a = Analysis(
+            log.path, log.format, notes=list(log.notes), eval_groups=tuple(log.eval_groups), eval_records=len(log.evals)
+        )
 
     def train(self, r: TrainRecord) -> None:
         a = self.a
@@ -108,7 +109,9 @@ class _Replay:
             a.missing_losses += 1
             return
         events = self.history.add_step(r.step, r.loss, r.grad_norm, r.learning_rate)
-        for kind, hit in zip(EVENT_KINDS, (events.nonfinite_loss, events.nonfinite_grad, events.spike, events.explosion)):
+        for kind, hit in zip(
+            EVENT_KINDS, (events.nonfinite_loss, events.nonfinite_grad, events.spike, events.explosion)
+        ):
             if hit:
                 a.counters[kind] += 1
                 if len(a.event_steps[kind]) < _MAX_EVENT_STEPS:

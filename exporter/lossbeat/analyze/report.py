@@ -26,7 +26,9 @@ def _steps(steps: list[int], total: int) -> str:
 def format_text(a: Analysis, header: bool = True, skip_notes: frozenset[str] = frozenset(), indent: str = "   ") -> str:
     """One run's block; ``header`` False inside a file block (the file header says path and format)."""
     span = f"steps {a.first_step}-{a.last_step}" if a.first_step is not None else "no steps"
-    groups = f" in {len(a.eval_groups)} groups ({', '.join(a.eval_groups)})" if len([g for g in a.eval_groups if g]) else ""
+    groups = (
+        f" in {len(a.eval_groups)} groups ({', '.join(a.eval_groups)})" if len([g for g in a.eval_groups if g]) else ""
+    )
     lines = [f"== {a.path} [{a.format}]"] if header else []
     lines.append(f"{indent}{a.train_records} train records ({span}), {a.eval_records} eval records{groups}")
     if a.profile_reason:
@@ -35,8 +37,10 @@ def format_text(a: Analysis, header: bool = True, skip_notes: frozenset[str] = f
     pattern = a.pattern
     if pattern is not None:
         since = f", since step {a.pattern_since:,}" if a.pattern_since is not None else ""
-        lines.append(f"{indent}the loss curve looks like pattern {pattern.number}, {pattern.name.replace('_', ' ')}"
-                     f"{since}: {pattern.meaning}")
+        lines.append(
+            f"{indent}the loss curve looks like pattern {pattern.number}, {pattern.name.replace('_', ' ')}"
+            f"{since}: {pattern.meaning}"
+        )
     lines.append(f"{indent}final diagnosis" + (f" (step {a.last_step}):" if a.last_step is not None else ":"))
     for f in a.findings:
         if f.known:
@@ -48,10 +52,13 @@ def format_text(a: Analysis, header: bool = True, skip_notes: frozenset[str] = f
     if earlier:
         lines.append(f"{indent}worse earlier in the run:")
         for w in earlier:
-            lines.append(f"{indent}  {_MARKS[w.finding.status]} {_where(w.finding):<24} at step {w.step}: {w.finding.message}")
-    lines.append(f"{indent}events: " + ", ".join(
-        f"{k} {a.counters[k]}{_steps(a.event_steps[k], a.counters[k])}" for k in EVENT_KINDS
-    ))
+            lines.append(
+                f"{indent}  {_MARKS[w.finding.status]} {_where(w.finding):<24} at step {w.step}: {w.finding.message}"
+            )
+    lines.append(
+        f"{indent}events: "
+        + ", ".join(f"{k} {a.counters[k]}{_steps(a.event_steps[k], a.counters[k])}" for k in EVENT_KINDS)
+    )
     return "\n".join(lines)
 
 
@@ -69,8 +76,14 @@ def format_file(log: ParsedLog, runs: list[Analysis]) -> str:
 
 
 def _finding(f: Finding) -> dict[str, Any]:
-    return {"check": f.check, "component": f.component, "status": f.status.name.lower(),
-            "message": f.message, "fix": f.fix, "known": f.known}
+    return {
+        "check": f.check,
+        "component": f.component,
+        "status": f.status.name.lower(),
+        "message": f.message,
+        "fix": f.fix,
+        "known": f.known,
+    }
 
 
 def _pattern(a: Analysis) -> dict[str, Any] | None:

@@ -29,8 +29,18 @@ from lossbeat.diagnosis import Status
 from lossbeat.diagnosis.thresholds import Thresholds, load_thresholds
 from lossbeat.logs import LogFormatError, parse_log
 
-__all__ = ["FileScore", "categories", "score_dir", "render_truth", "truth_dirs", "truth_file", "SPIKES_NAMED",
-           "FLAPPING_ENTRIES", "flapping", "REPO_TRUTH"]
+__all__ = [
+    "FileScore",
+    "categories",
+    "score_dir",
+    "render_truth",
+    "truth_dirs",
+    "truth_file",
+    "SPIKES_NAMED",
+    "FLAPPING_ENTRIES",
+    "flapping",
+    "REPO_TRUTH",
+]
 
 SPIKES_NAMED = 3
 """Loss spikes in a run that name 'loss_spikes' (the TrainingLossSpikes alert's count)."""
@@ -129,8 +139,13 @@ class FileScore:
 
 
 def _score(directory: Path, entry: dict, t: Thresholds) -> FileScore:
-    s = FileScore(entry["file"], entry["verdict"], list(entry.get("faults", ())),
-                  truth_records=int(entry.get("records", 0)), truth_evals=int(entry.get("eval_records", 0)))
+    s = FileScore(
+        entry["file"],
+        entry["verdict"],
+        list(entry.get("faults", ())),
+        truth_records=int(entry.get("records", 0)),
+        truth_evals=int(entry.get("eval_records", 0)),
+    )
     path = directory / entry["file"]
     if "/" in entry["file"] and not path.exists():
         path = directory / entry["file"].split("/")[0]  # a TensorBoard folder named by one of its files
@@ -145,7 +160,9 @@ def _score(directory: Path, entry: dict, t: Thresholds) -> FileScore:
     s.records, s.evals = log.counts.train, log.counts.evals
     if s.records != s.truth_records and sum(r.loss is not None for r in log.train) == s.truth_records:
         s.records = s.truth_records  # the truth counts the records with a loss (a closing null-loss line apart)
-    s.read = f"{s.records}/{s.truth_records}" + (f", evals {s.evals}/{s.truth_evals}" if s.truth_evals or s.evals else "")
+    s.read = f"{s.records}/{s.truth_records}" + (
+        f", evals {s.evals}/{s.truth_evals}" if s.truth_evals or s.evals else ""
+    )
     s.profile = runs[-1].profile if runs else ""
     s.status = fa.status.name.lower()
     s.worst = max((a.worst_status for a in runs), default=Status.GOOD).name.lower()
@@ -229,6 +246,8 @@ def render_truth(name: str, scores: list[FileScore]) -> str:
         if s.flapping:
             status += f"; flapping: {', '.join(s.flapping)}"
         ruled = f"{_cell(s.wrong_dangers)} / {_cell(s.wrong_warnings)}"
-        lines.append(f"| {s.file} | {truth} | {s.profile or '-'} | {status} | {_cell(s.found)} | {_cell(s.named)} | "
-                     f"{_cell(s.missed)} | {ruled} | {s.read or '-'} |")
+        lines.append(
+            f"| {s.file} | {truth} | {s.profile or '-'} | {status} | {_cell(s.found)} | {_cell(s.named)} | "
+            f"{_cell(s.missed)} | {ruled} | {s.read or '-'} |"
+        )
     return "\n".join(lines)

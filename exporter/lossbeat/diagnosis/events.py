@@ -52,8 +52,7 @@ class Event:
 
     __slots__ = ("index", "step", "before", "n_before", "noise", "loss_records", "after")
 
-    def __init__(self, index: int, step: int, before: float, n_before: int, noise: float,
-                 loss_records: int) -> None:
+    def __init__(self, index: int, step: int, before: float, n_before: int, noise: float, loss_records: int) -> None:
         self.index, self.step = index, step
         """The record index (``History.steps_seen``) and step of the event."""
         self.before, self.n_before, self.noise = before, n_before, noise
@@ -74,8 +73,9 @@ class EventTrack:
         self.first_steps: list[int] = []
         self.recent = Ring(_KEPT)
 
-    def push(self, index: int, step: int, level_before: float, records_before: int, noise: float,
-             loss_records: int) -> None:
+    def push(
+        self, index: int, step: int, level_before: float, records_before: int, noise: float, loss_records: int
+    ) -> None:
         self.total += 1
         if len(self.first_steps) < _FIRST:
             self.first_steps.append(step)
@@ -112,41 +112,61 @@ def check_events(history, check: str) -> Finding:
     held = window * _AFTER_WINDOWS + max(window, now // _HELD_FRACTION)
     recent = track.within(now, held)
     if not recent:
-        return Finding(check, GOOD, f"{track.total} {what}(s) earlier ({_steps(track.first_steps, track.total)}), "
-                                           f"none in the last {held} records: the run went on")
+        return Finding(
+            check,
+            GOOD,
+            f"{track.total} {what}(s) earlier ({_steps(track.first_steps, track.total)}), "
+            f"none in the last {held} records: the run went on",
+        )
     for e in recent:
         _measure_after(history, e)
-    fix = ("inspect the batches of those steps (corrupt, duplicated or very long samples); clip gradients "
-           "(max_norm 1.0) and lower the learning rate if they repeat")
+    fix = (
+        "inspect the batches of those steps (corrupt, duplicated or very long samples); clip gradients "
+        "(max_norm 1.0) and lower the learning rate if they repeat"
+    )
     bursts = _bursts(recent, window, t.events.repeated)
     for first, last, count in bursts:
         # Repeated: a danger unless the loss came back to its level before them (a spike's own
         # height, loss.spike_min_rise, above it is not back).
         worse = _worse(history, first, last.after, t.loss.spike_min_rise)
         if worse:
-            return Finding(check, DANGER,
-                           f"{count} {what}s within {window} records (steps {first.step} to {last.step}; "
-                           f"{track.total} so far): repeated, and the loss did not recover: {worse}", fix)
+            return Finding(
+                check,
+                DANGER,
+                f"{count} {what}s within {window} records (steps {first.step} to {last.step}; "
+                f"{track.total} so far): repeated, and the loss did not recover: {worse}",
+                fix,
+            )
     for e in recent:
         worse = _worse(history, e, e.after, t.events.worse_after)
         if worse:
             return Finding(check, DANGER, f"{what} at step {e.step} followed by a worse loss: {worse}", fix)
     steps = [e.step for e in recent]
     first, last = recent[0], recent[-1]
-    back = (f"; the loss is back at its level ({first.before:.4g} before, {last.after[-1]:.4g} after)"
-            if t.profile.trend and math.isfinite(first.before) and last.after and math.isfinite(last.after[-1]) else "")
+    back = (
+        f"; the loss is back at its level ({first.before:.4g} before, {last.after[-1]:.4g} after)"
+        if t.profile.trend and math.isfinite(first.before) and last.after and math.isfinite(last.after[-1])
+        else ""
+    )
     earlier = track.total - len(recent)
     kind = "repeated" if bursts else "isolated"
     if earlier:
         # The run absorbed events of this kind before (they left the window): more now that the
         # loss recovers from (isolated or in a burst; one it did not recover from is a danger
         # above) are its own pattern (a long run's sparse spikes), a note, not a warning again.
-        return Finding(check, GOOD,
-                       f"{len(recent)} {kind} {what}(s) in the last {held} records ({_steps(steps, len(steps))}; "
-                       f"{track.total} so far, the {earlier} before absorbed): this run's own pattern{back}")
-    return Finding(check, WARNING,
-                   f"{len(recent)} {kind} {what}(s) in the last {held} records ({_steps(steps, len(steps))}; "
-                   f"{track.total} so far); the run goes on{back}", fix)
+        return Finding(
+            check,
+            GOOD,
+            f"{len(recent)} {kind} {what}(s) in the last {held} records ({_steps(steps, len(steps))}; "
+            f"{track.total} so far, the {earlier} before absorbed): this run's own pattern{back}",
+        )
+    return Finding(
+        check,
+        WARNING,
+        f"{len(recent)} {kind} {what}(s) in the last {held} records ({_steps(steps, len(steps))}; "
+        f"{track.total} so far); the run goes on{back}",
+        fix,
+    )
 
 
 def _bursts(events: list[Event], window: int, repeated: int) -> list[tuple[Event, Event, int]]:
@@ -180,7 +200,7 @@ def _measure_after(history, event: Event) -> None:
     if k < span:
         return
     values = loss.ring.last(min(k, len(loss.ring)))[:span]
-    event.after = tuple(median(values[i:i + n]) for i in range(0, len(values) - n + 1, n)) or (median(values),)
+    event.after = tuple(median(values[i : i + n]) for i in range(0, len(values) - n + 1, n)) or (median(values),)
 
 
 def _worse(history, event: Event, after: tuple[float, ...], rise_min: float) -> str:
@@ -195,12 +215,20 @@ def _worse(history, event: Event, after: tuple[float, ...], rise_min: float) -> 
     not damage; a fall (a new epoch's level drop) never is."""
     t = history.thresholds
     before, noise = event.before, event.noise
-    if not t.profile.trend or not math.isfinite(before) or not event.n_before or not after \
-            or not all(math.isfinite(a) for a in after):
+    if (
+        not t.profile.trend
+        or not math.isfinite(before)
+        or not event.n_before
+        or not after
+        or not all(math.isfinite(a) for a in after)
+    ):
         return ""
     n = t.windows.cv_steps
-    floor = (t.loss.trend_min_z * _MEDIAN_SE * noise * math.sqrt(1.0 / n + 1.0 / event.n_before)
-             if math.isfinite(noise) else 0.0)
+    floor = (
+        t.loss.trend_min_z * _MEDIAN_SE * noise * math.sqrt(1.0 / n + 1.0 / event.n_before)
+        if math.isfinite(noise)
+        else 0.0
+    )
     rise = min(after) - before
     if rise > max(rise_min * abs(before), floor):
         change = f" ({rise / abs(before) * 100:+.1f} % or more)" if before else ""

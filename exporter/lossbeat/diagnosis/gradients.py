@@ -28,7 +28,8 @@ def check_grad_norm(baseline, t: GradientThresholds) -> Finding:
         return Finding.unknown(check)
     if recent < t.vanishing:
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"gradient norm {recent:.3g} is below {t.vanishing:g}: vanishing gradients",
             "look for saturated activations, add residual connections or normalisation, raise the learning rate",
         )
@@ -37,13 +38,15 @@ def check_grad_norm(baseline, t: GradientThresholds) -> Finding:
     median, level = baseline.median, baseline.level
     if median > 0 and recent > t.jump_ratio * median:
         return Finding(
-            check, DANGER,
+            check,
+            DANGER,
             f"gradient norm {recent:.3g} jumped to {recent / median:.1f}x the run's baseline {median:.3g}: exploding gradients",
             _FIX,
         )
     if not median > 0 and recent > t.explosion:  # a baseline of zero gradients: no ratio, the ceiling
         return Finding(
-            check, DANGER,
+            check,
+            DANGER,
             f"gradient norm {recent:.3g} jumped from a baseline of {median:.3g}, above {t.explosion:g}: exploding gradients",
             _FIX,
         )
@@ -53,7 +56,8 @@ def check_grad_norm(baseline, t: GradientThresholds) -> Finding:
     wide = _median(baseline.ring.last(_CLIMB_RECORDS)) if climbing else math.nan  # read only when it decides
     if climbing and wide > t.climb_ratio * level:
         return Finding(
-            check, DANGER,
+            check,
+            DANGER,
             f"gradient norm {recent:.3g} keeps climbing: the median of the last {_CLIMB_RECORDS} records {wide:.3g} "
             f"is {wide / level:.1f}x the run's level {level:.3g}",
             _FIX,

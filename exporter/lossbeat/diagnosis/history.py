@@ -81,14 +81,17 @@ class EvalTrack:
         # Once overfitting is judged, it is left only when the eval loss comes back near its best
         # (value hysteresis, as for volatility and plateaus): one lucky evaluation of a noisy eval set
         # that rises steadily is within its noise of the best, not back at it.
-        self.still_above = self.still_above + 1 \
-            if rise > self.t.overfitting.eval_rise * self.t.hysteresis.release else 0
+        self.still_above = (
+            self.still_above + 1 if rise > self.t.overfitting.eval_rise * self.t.hysteresis.release else 0
+        )
 
     @property
     def rise(self) -> float:
         if not self.count:
             return math.nan
-        return (self.latest - self.best) / self.best if self.best > 0 else (math.inf if self.latest > self.best else 0.0)
+        return (
+            (self.latest - self.best) / self.best if self.best > 0 else (math.inf if self.latest > self.best else 0.0)
+        )
 
 
 class History:
@@ -208,8 +211,9 @@ class History:
             events.spike = self.loss.push(step, loss)
             pushed = not events.nonfinite_loss
             if events.spike:
-                self.events["loss_spikes"].push(self.steps_seen, step, *self._level_before(pushed),
-                                                 self.loss.noise, self.loss.records)
+                self.events["loss_spikes"].push(
+                    self.steps_seen, step, *self._level_before(pushed), self.loss.noise, self.loss.records
+                )
 
         if grad_norm is not None:
             self.grad_records += 1
@@ -220,8 +224,9 @@ class History:
                 if grad_norm != 0.0:  # no gradient (an RL step without advantage) is not a level
                     events.explosion = self.grad.push(step, grad_norm)
                     if events.explosion:
-                        self.events["grad_explosions"].push(self.steps_seen, step, *self._level_before(pushed),
-                                                            self.loss.noise, self.loss.records)
+                        self.events["grad_explosions"].push(
+                            self.steps_seen, step, *self._level_before(pushed), self.loss.noise, self.loss.records
+                        )
             else:
                 events.nonfinite_grad = True
 
@@ -243,8 +248,9 @@ class History:
                 series.push(step, value)
         return events
 
-    def defer(self, step: int, loss: float | None, grad_norm: float | None = None,
-              learning_rate: float | None = None) -> StepEvents | None:
+    def defer(
+        self, step: int, loss: float | None, grad_norm: float | None = None, learning_rate: float | None = None
+    ) -> StepEvents | None:
         """``add_step`` for the usual record, its windows written in a batch: a finite loss that is
         no spike, a grad norm that is None or finite, non-zero and no explosion, no components, a
         step that does not go back. Such a record counts no event, judged now against the limits
@@ -254,8 +260,7 @@ class History:
         Judge, ``add_step``, a scrape's gauges). Returns :data:`NO_EVENTS`, or None for any other
         record, holding nothing back for it (``add_step`` it)."""
         last = self.last_step
-        if (loss is None or (last is not None and step < last) or not _isfinite(loss)
-                or loss > self.loss._spike_limit):
+        if loss is None or (last is not None and step < last) or not _isfinite(loss) or loss > self.loss._spike_limit:
             return None
         grad = self.grad
         if grad_norm is not None and not (_isfinite(grad_norm) and grad_norm != 0.0 and grad_norm <= grad._limit):

@@ -88,11 +88,15 @@ class Judge:
             held = held_map.get(key)
             if held is None:
                 # Good until confirmed; a first word of a worse status says it is only that.
-                first = raw.message if raw.status is GOOD or not raw.known else (
-                    f"{raw.message} (said once, not yet confirmed: a {raw.status.name.lower()} after "
-                    f"{danger_enter if raw.status is DANGER else warning_enter} diagnoses in a row)")
-                held = held_map[key] = _Held(Finding(raw.check, GOOD, first, component=raw.component,
-                                                     known=raw.known))
+                first = (
+                    raw.message
+                    if raw.status is GOOD or not raw.known
+                    else (
+                        f"{raw.message} (said once, not yet confirmed: a {raw.status.name.lower()} after "
+                        f"{danger_enter if raw.status is DANGER else warning_enter} diagnoses in a row)"
+                    )
+                )
+                held = held_map[key] = _Held(Finding(raw.check, GOOD, first, component=raw.component, known=raw.known))
                 held_now[key] = GOOD
             finding = held.finding
             before = finding.status

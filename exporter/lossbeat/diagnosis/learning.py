@@ -39,11 +39,15 @@ The first logged loss is the model before (or during) its first updates; every r
 exactly equal, 5 times or more, is a model whose output no longer changes with its batches (a
 loss printed to 4 significant digits does not repeat 5 times in a row while anything moves)."""
 _BEST_BELOW_CHANCE = 0.05  # a best eval loss this fraction below ln K: not at chance all along
-_FIX_NOTHING = ("check that the loss is computed from the model's outputs (not detached, not under no_grad), "
-                "that some labels are not the ignore index, that parameters have requires_grad and are in the "
-                "optimizer, and that the LR is not 0")
-_FIX_CHANCE = ("the model is not learning: check that labels match inputs (shuffled together), the learning rate "
-               "(too small or too large), and that the head being trained is the one evaluated")
+_FIX_NOTHING = (
+    "check that the loss is computed from the model's outputs (not detached, not under no_grad), "
+    "that some labels are not the ignore index, that parameters have requires_grad and are in the "
+    "optimizer, and that the LR is not 0"
+)
+_FIX_CHANCE = (
+    "the model is not learning: check that labels match inputs (shuffled together), the learning rate "
+    "(too small or too large), and that the head being trained is the one evaluated"
+)
 
 
 def chance_level(mean: float, se: float) -> int | None:
@@ -99,8 +103,11 @@ def _nothing_trained(history, profile: Profile) -> Finding | None:
     after_first = run == loss.records - 1 and run >= _CONSTANT_AFTER_FIRST
     if run < MIN_CONSTANT_RECORDS and not (run == loss.records and run >= 3) and not saturated and not after_first:
         return None
-    every = "every record" if run == loss.records else (
-        "every record after the first" if after_first else f"the last {run} records")
+    every = (
+        "every record"
+        if run == loss.records
+        else ("every record after the first" if after_first else f"the last {run} records")
+    )
     grads = history.grad_records
     zero_grad = grads and history.grad_zero_run >= min(run, history.grad_records)
     bad_grad = grads and history.grad_nonfinite_run >= min(run, history.grad_records)
@@ -109,28 +116,44 @@ def _nothing_trained(history, profile: Profile) -> Finding | None:
     if profile.name == "preference" and value == 0.0:
         margins = history.signals.get("margins")
         grown = f"; reward margins {margins.first:.3g} -> {margins.latest:.3g}" if margins and margins.count > 1 else ""
-        return Finding(CHECK, DANGER,
-                       f"preference loss saturated at exactly 0 on {every}{grown}: the policy drives the rejected "
-                       "answers' likelihood away instead of learning the preference (over-optimisation)",
-                       "lower the learning rate or raise beta, check the chosen/rejected pairs (trivially separable?), "
-                       "and watch logps/chosen: it should not fall")
+        return Finding(
+            CHECK,
+            DANGER,
+            f"preference loss saturated at exactly 0 on {every}{grown}: the policy drives the rejected "
+            "answers' likelihood away instead of learning the preference (over-optimisation)",
+            "lower the learning rate or raise beta, check the chosen/rejected pairs (trivially separable?), "
+            "and watch logps/chosen: it should not fall",
+        )
     if zero_grad or (value == 0.0 and not bad_grad):
         what = f"gradient norm 0 on {every}" if zero_grad else "no gradient norm logged"
-        return Finding(CHECK, DANGER,
-                       f"nothing is trained: the loss is exactly {value:.6g} on {every} ({what}): the loss is "
-                       "detached from the model, or every label is masked", _FIX_NOTHING)
+        return Finding(
+            CHECK,
+            DANGER,
+            f"nothing is trained: the loss is exactly {value:.6g} on {every} ({what}): the loss is "
+            "detached from the model, or every label is masked",
+            _FIX_NOTHING,
+        )
     k = chance_level(value, 0.0)
-    at = f" = ln {k}, a uniform prediction over {k} classes" if k else (
-        f" = ln {math.exp(value):,.0f}, a uniform prediction over the vocabulary" if 5.0 < value < 15.0 else "")
+    at = (
+        f" = ln {k}, a uniform prediction over {k} classes"
+        if k
+        else (f" = ln {math.exp(value):,.0f}, a uniform prediction over the vocabulary" if 5.0 < value < 15.0 else "")
+    )
     if bad_grad:
-        return Finding(CHECK, DANGER,
-                       f"the loss is exactly {value:.6g}{at} on {every} and the gradient norm is not finite on "
-                       f"{every}: the model never moves off its initial output (every update skipped or poisoned)",
-                       "find the first non-finite gradient (torch.autograd.set_detect_anomaly(True)), check the "
-                       "initialisation and the precision (fp16 overflow), and lower the learning rate")
-    return Finding(CHECK, DANGER,
-                   f"nothing is trained: the loss is exactly {value:.6g}{at} on {every}: the parameters do not change",
-                   _FIX_NOTHING)
+        return Finding(
+            CHECK,
+            DANGER,
+            f"the loss is exactly {value:.6g}{at} on {every} and the gradient norm is not finite on "
+            f"{every}: the model never moves off its initial output (every update skipped or poisoned)",
+            "find the first non-finite gradient (torch.autograd.set_detect_anomaly(True)), check the "
+            "initialisation and the precision (fp16 overflow), and lower the learning rate",
+        )
+    return Finding(
+        CHECK,
+        DANGER,
+        f"nothing is trained: the loss is exactly {value:.6g}{at} on {every}: the parameters do not change",
+        _FIX_NOTHING,
+    )
 
 
 def _eval_chance(history) -> tuple[int, float] | None:
@@ -160,26 +183,41 @@ def _rl(history, t: Thresholds) -> Finding | None:
     # Collapsed: every one of the last records (a zero-spread step now and then is a group that
     # was all solved or all failed, not a collapse).
     rl = t.rl
-    std_gone = std is not None and std.count >= rl.collapse_records and max(
-        abs(v) for v in std.recent.last(len(std.recent))) <= rl.reward_std_zero
-    zero_all = zero is not None and zero.count >= rl.collapse_records and min(
-        zero.recent.last(len(zero.recent))) >= rl.zero_std_fraction
+    std_gone = (
+        std is not None
+        and std.count >= rl.collapse_records
+        and max(abs(v) for v in std.recent.last(len(std.recent))) <= rl.reward_std_zero
+    )
+    zero_all = (
+        zero is not None
+        and zero.count >= rl.collapse_records
+        and min(zero.recent.last(len(zero.recent))) >= rl.zero_std_fraction
+    )
     if std_gone or zero_all:
         n = len((std if std_gone else zero).recent)
-        which = (f"reward_std 0 on each of the last {n} records" if std_gone else
-                 f"frac_reward_zero_std 1 on each of the last {n} records")
-        return Finding(CHECK, DANGER,
-                       f"the learning signal collapsed: {which}: every completion of a group "
-                       "gets the same reward, so there is no advantage and no gradient",
-                       "raise the sampling temperature or the group size, check the reward function (constant? "
-                       "saturated?) and make the prompts neither all solved nor all failed")
+        which = (
+            f"reward_std 0 on each of the last {n} records"
+            if std_gone
+            else f"frac_reward_zero_std 1 on each of the last {n} records"
+        )
+        return Finding(
+            CHECK,
+            DANGER,
+            f"the learning signal collapsed: {which}: every completion of a group "
+            "gets the same reward, so there is no advantage and no gradient",
+            "raise the sampling temperature or the group size, check the reward function (constant? "
+            "saturated?) and make the prompts neither all solved nor all failed",
+        )
     grads = _grad_collapsed(history, rl)
     if grads is not None:
-        return Finding(CHECK, DANGER,
-                       f"the learning signal collapsed: {grads}: no advantage reaches the policy (every completion "
-                       "of a group gets the same reward, or the loss is detached from it)",
-                       "log reward_std to confirm; raise the sampling temperature or the group size, check the reward "
-                       "function, and that the policy loss is computed from the model's outputs")
+        return Finding(
+            CHECK,
+            DANGER,
+            f"the learning signal collapsed: {grads}: no advantage reaches the policy (every completion "
+            "of a group gets the same reward, or the loss is detached from it)",
+            "log reward_std to confirm; raise the sampling temperature or the group size, check the reward "
+            "function, and that the policy loss is computed from the model's outputs",
+        )
     runaway = _kl_runs_away(sig.get("kl"), rl)
     if runaway is not None:
         return runaway
@@ -191,16 +229,22 @@ def _rl(history, t: Thresholds) -> Finding | None:
             dead = ""
             if zero is not None and zero.mean() >= 0.5:
                 dead = f"; in {zero.mean() * 100:.0f}% of the groups every completion got the same reward (no gradient)"
-            return Finding(CHECK, WARNING,
-                           f"the reward is not improving: {m0:.4g} over the first fifth of the run, {m1:.4g} over the "
-                           f"last fifth ({(m1 - m0):+.3g}, within its noise){dead}: the policy is not learning",
-                           "raise the learning rate (GRPO/PPO often need 1e-6 to 1e-5 with a real warmup), check the "
-                           "reward function and the group size, and look at the completions")
+            return Finding(
+                CHECK,
+                WARNING,
+                f"the reward is not improving: {m0:.4g} over the first fifth of the run, {m1:.4g} over the "
+                f"last fifth ({(m1 - m0):+.3g}, within its noise){dead}: the policy is not learning",
+                "raise the learning rate (GRPO/PPO often need 1e-6 to 1e-5 with a real warmup), check the "
+                "reward function and the group size, and look at the completions",
+            )
     if zero is not None and zero.count >= 5 and zero.mean() >= 0.5:
-        return Finding(CHECK, WARNING,
-                       f"in {zero.mean() * 100:.0f}% of the prompt groups every completion got the same reward: "
-                       "those groups give no gradient", "raise the group size or the temperature; filter prompts "
-                                                        "that are always or never solved")
+        return Finding(
+            CHECK,
+            WARNING,
+            f"in {zero.mean() * 100:.0f}% of the prompt groups every completion got the same reward: "
+            "those groups give no gradient",
+            "raise the group size or the temperature; filter prompts that are always or never solved",
+        )
     if reward is not None and reward.count >= 2:
         return Finding(CHECK, GOOD, f"reward {reward.latest:.4g} (first {reward.first:.4g})")
     return None
@@ -222,8 +266,10 @@ def _grad_collapsed(history, rl) -> str | None:
         history.grad_level_peak = before
     level, last = history.grad_level_peak, values[-n:]
     if level > 0 and max(last) <= rl.grad_collapse_ratio * level:
-        return (f"the gradient norm fell to {median(last):.3g} on each of the last {n} records, at most "
-                f"{rl.grad_collapse_ratio:.0%} of its earlier level {level:.3g}")
+        return (
+            f"the gradient norm fell to {median(last):.3g} on each of the last {n} records, at most "
+            f"{rl.grad_collapse_ratio:.0%} of its earlier level {level:.3g}"
+        )
     return None
 
 
@@ -234,12 +280,14 @@ def _kl_runs_away(kl, rl) -> Finding | None:
     n0, m0, n1, m1 = kl.last_fifths()
     if not (n0 and n1 and m1 > rl.kl_floor and m0 > 0 and m1 > rl.kl_growth * m0):
         return None
-    return Finding(CHECK, WARNING,
-                   f"the KL to the reference runs away: {m0:.3g} -> {m1:.3g} over the last two fifths of the run "
-                   f"(x{m1 / m0:.1f}): the policy leaves the reference model (reward hacking, or a learning rate "
-                   "too high)",
-                   "raise the KL coefficient (beta), lower the learning rate, and read the latest completions for "
-                   "reward hacking")
+    return Finding(
+        CHECK,
+        WARNING,
+        f"the KL to the reference runs away: {m0:.3g} -> {m1:.3g} over the last two fifths of the run "
+        f"(x{m1 / m0:.1f}): the policy leaves the reference model (reward hacking, or a learning rate "
+        "too high)",
+        "raise the KL coefficient (beta), lower the learning rate, and read the latest completions for reward hacking",
+    )
 
 
 def _preference(history, mean: float, se: float, falling: bool) -> Finding | None:
@@ -249,21 +297,27 @@ def _preference(history, mean: float, se: float, falling: bool) -> Finding | Non
         chance_acc = acc is None or abs(acc.recent_median(10) - 0.5) <= 0.1
         if chance_acc:
             accuracy = f", preference accuracy {acc.recent_median(10):.2f}" if acc is not None else ""
-            return Finding(CHECK, WARNING,
-                           f"not learning preferences: the loss {mean:.4g} sits at ln 2{accuracy} (chance): the policy "
-                           "does not separate chosen from rejected answers",
-                           "raise the learning rate or beta, check that chosen and rejected are not swapped or "
-                           "identical, and that the reference model is the policy's starting point")
+            return Finding(
+                CHECK,
+                WARNING,
+                f"not learning preferences: the loss {mean:.4g} sits at ln 2{accuracy} (chance): the policy "
+                "does not separate chosen from rejected answers",
+                "raise the learning rate or beta, check that chosen and rejected are not swapped or "
+                "identical, and that the reference model is the policy's starting point",
+            )
     return None
 
 
 def _never(loss, now: float) -> Finding:
-    return Finding(CHECK, WARNING,
-                   f"never learned: the loss started at {loss.initial:.4g} and never fell significantly below it "
-                   f"over {loss.span} steps (now {now:.4g})",
-                   "check the learning rate (too large: the loss rises or jumps around its start; too small: it "
-                   "does not move), that the optimizer holds the model's parameters, and that the labels match "
-                   "the inputs")
+    return Finding(
+        CHECK,
+        WARNING,
+        f"never learned: the loss started at {loss.initial:.4g} and never fell significantly below it "
+        f"over {loss.span} steps (now {now:.4g})",
+        "check the learning rate (too large: the loss rises or jumps around its start; too small: it "
+        "does not move), that the optimizer holds the model's parameters, and that the labels match "
+        "the inputs",
+    )
 
 
 def check_learning(history, trend, t: Thresholds) -> Finding:
@@ -278,13 +332,15 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         return nothing
     if profile.name == "rl":
         found = _rl(history, t)
-        return found or Finding.unknown(CHECK, "an RL loss is not meant to fall: the reward signals judge learning "
-                                               "(none logged)")
+        return found or Finding.unknown(
+            CHECK, "an RL loss is not meant to fall: the reward signals judge learning (none logged)"
+        )
     did = learned(history, t)
     prior = None
     if profile.name == "classification":  # a binary classifier at its class prior, whatever the train loss did
         ln2 = chance_level(loss.initial, loss.noise) == 2 or any(
-            chance_level(track.first, 0.0) == 2 for track in history.evals.values())
+            chance_level(track.first, 0.0) == 2 for track in history.evals.values()
+        )
         prior = check_class_prior(history, t.class_prior, ln2)
     if loss.records < t.windows.trend_min_records:
         if did is False and loss.span >= t.loss.range_after_steps // 5:
@@ -305,16 +361,24 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         # 8-class model at ln 3): a model at chance never left it.
         k = chance_level(mean, se)
         if k is not None and not falling:
-            return Finding(CHECK, WARNING,
-                           f"at chance: the train loss {mean:.4g} equals ln {k} within its noise: the model predicts "
-                           f"uniformly over {k} classes", _FIX_CHANCE)
+            return Finding(
+                CHECK,
+                WARNING,
+                f"at chance: the train loss {mean:.4g} equals ln {k} within its noise: the model predicts "
+                f"uniformly over {k} classes",
+                _FIX_CHANCE,
+            )
     if profile.name in ("classification", "seq2seq", "preference", "causal-lm"):
         at = _eval_chance(history) if profile.name != "causal-lm" else None
         if at is not None:
             k, value = at
-            return Finding(CHECK, WARNING,
-                           f"at chance: the eval loss {value:.4g} equals ln {k} within its noise: the model predicts "
-                           f"uniformly over {k} classes", _FIX_CHANCE)
+            return Finding(
+                CHECK,
+                WARNING,
+                f"at chance: the eval loss {value:.4g} equals ln {k} within its noise: the model predicts "
+                f"uniformly over {k} classes",
+                _FIX_CHANCE,
+            )
     if prior is not None:
         return prior
     if did is False and loss.span >= t.loss.range_after_steps // 5:

@@ -11,8 +11,9 @@ from lossbeat.diagnosis.loss import Trend
 __all__ = ["check_learning_rate", "check_warmup"]
 
 
-def check_learning_rate(schedule, trend: Trend, cv: float, t: LearningRateThresholds,
-                        learned: bool | None = None) -> Finding:
+def check_learning_rate(
+    schedule, trend: Trend, cv: float, t: LearningRateThresholds, learned: bool | None = None
+) -> Finding:
     """``schedule``: a :class:`LearningRateSchedule` (the largest LR across param groups per step).
 
     ``trend``: the loss trend (too small = a flat loss at a tiny LR that did not
@@ -32,7 +33,9 @@ def check_learning_rate(schedule, trend: Trend, cv: float, t: LearningRateThresh
         if ended:
             return Finding(check, GOOD, "learning rate reached 0 at the end of its decayed schedule")
         return Finding(
-            check, WARNING, "learning rate is 0: the model is not updating",
+            check,
+            WARNING,
+            "learning rate is 0: the model is not updating",
             "check the scheduler (a warmup from 0 that never ends, or a decay that ended)",
         )
     if lr < t.too_small and trend.known and not trend.falling and not trend.rising:
@@ -42,28 +45,32 @@ def check_learning_rate(schedule, trend: Trend, cv: float, t: LearningRateThresh
             # Small all along (DPO and RLHF use 1e-7..1e-6 by design): the plateau check tells a flat loss.
             return Finding(check, GOOD, f"learning rate {lr:.3g} (peak {schedule.peak:.3g})")
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"learning rate {lr:.3g} with a flat loss ({trend.ratio * 100:+.1f}% over {trend.window_steps:.0f} steps), "
             f"not reached by a gradual decay (peak {schedule.peak:.3g})",
             "the learning rate looks too small: try 10x larger, or check the schedule's minimum",
         )
     if max(recent) > t.too_large and trend.rising:
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"learning rate {max(recent):.3g} with a rising loss",
             "the learning rate looks too large: lower it (e.g. 3-10x) or lengthen the warmup",
         )
     peak = schedule.peak
     if learned is False and math.isfinite(peak) and peak > t.too_large:
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"learning rate peaked at {peak:.3g} and the loss never fell below its start: a learning rate that "
             "large overshoots (fine-tuning a pre-trained model usually takes 1e-5 to 2e-4)",
             "lower the learning rate 10-100x and warm it up; check the model's usual fine-tuning LR",
         )
     if math.isfinite(cv) and max(recent) > t.too_large and cv > t.too_large_cv:
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"learning rate {max(recent):.3g} with a volatile loss (noise {cv:.3f} of its level)",
             "the learning rate looks too large: lower it (e.g. 3-10x) or lengthen the warmup",
         )
@@ -81,9 +88,11 @@ def check_warmup(series, profile: Profile, t: LearningRateThresholds) -> Finding
         return Finding.unknown(check, "not the start of a run from scratch: the warmup check does not apply")
     if first > 0 and at_check > t.warmup_max_ratio * first:
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"loss {t.warmup_check_step} steps in is {at_check:.4g}, {at_check / first * 100:.0f}% of the initial {first:.4g}",
             "warmup may be too short or the peak LR wrong: try warmup over ~10% of the steps",
         )
-    return Finding(check, GOOD,
-                   f"loss fell from {first:.4g} to {at_check:.4g} in the first {t.warmup_check_step} steps")
+    return Finding(
+        check, GOOD, f"loss fell from {first:.4g} to {at_check:.4g} in the first {t.warmup_check_step} steps"
+    )

@@ -124,8 +124,10 @@ def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
     local = getattr(series, "local", math.nan)
     if (rising or watching) and math.isfinite(local):
         # The median of n records has a standard error of about 1.25 noise / sqrt(n).
-        tolerance = max(abs(loss.trend_rising) * max(abs(previous), floor or 0.0),
-                        loss.trend_min_z * 1.25 * noise / math.sqrt(loss.spike_min_steps) if math.isfinite(noise) else 0.0)
+        tolerance = max(
+            abs(loss.trend_rising) * max(abs(previous), floor or 0.0),
+            loss.trend_min_z * 1.25 * noise / math.sqrt(loss.spike_min_steps) if math.isfinite(noise) else 0.0,
+        )
         rising = rising and local > previous + tolerance
         watching = watching and local > previous + tolerance
     falling = not rising and ratio >= loss.plateau_max_fall and z >= loss.fall_min_z
@@ -148,15 +150,18 @@ def _start(series, profile: Profile) -> str:
         return ""
     if profile.loss_good is not None and initial > profile.loss_good[1]:
         size = math.exp(initial)
-        return (f"initial loss {initial:.4g} = ln {size:,.0f}: a uniform prediction over about {size:,.0f} tokens "
-                "or classes, the healthy start of a model trained from scratch")
+        return (
+            f"initial loss {initial:.4g} = ln {size:,.0f}: a uniform prediction over about {size:,.0f} tokens "
+            "or classes, the healthy start of a model trained from scratch"
+        )
     if profile.name == "preference" and abs(initial - math.log(2)) < 0.02:
         return f"initial loss {initial:.4g} = ln 2: the policy starts equal to its reference, as expected"
     return f"initial loss {initial:.4g}: a model that already knows the task (fine-tuning)"
 
 
-def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, component: str = "",
-                     learned: bool | None = None) -> Finding:
+def check_loss_range(
+    series, profile: Profile, t: Thresholds, trend: Trend, component: str = "", learned: bool | None = None
+) -> Finding:
     """Layer 1: is the loss where this task's losses live, once the run has had time to learn?
 
     ``learned``: whether the loss fell significantly below its start
@@ -164,8 +169,12 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
     check = "loss_range"
     if series.nonfinite_run:
         return Finding.unknown(check, NONFINITE, component)
-    if profile.loss_good is None and profile.loss_warn_low is None and profile.loss_warn_high is None \
-            and profile.loss_init_high is None:
+    if (
+        profile.loss_good is None
+        and profile.loss_warn_low is None
+        and profile.loss_warn_high is None
+        and profile.loss_init_high is None
+    ):
         return Finding.unknown(check, f"profile {profile.name} has no absolute loss range", component)
     recent = series.ring.last(t.windows.range_steps)
     if not recent:
@@ -176,10 +185,15 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
     # run has not left it, by half, and is not seen leaving it (a significant fall from the first
     # records: the range judges where it settles). Judged from the third record of a sparse log, a
     # fast fall 19.2 -> 13.0 (a VLM fine-tune, healthy) had not halved yet.
-    if profile.loss_init_high is not None and initial > profile.loss_init_high and not mean < 0.5 * initial \
-            and learned is not True:
+    if (
+        profile.loss_init_high is not None
+        and initial > profile.loss_init_high
+        and not mean < 0.5 * initial
+        and learned is not True
+    ):
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, more than a uniform prediction over "
             f"any plausible vocabulary or class count (now {mean:.4g})",
             "check the initialisation, the labels (ignored index, shifted targets) and the loss reduction "
@@ -190,29 +204,45 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
     # learning even where two windows of few noisy records cannot prove it (the plateau check says no
     # more either); keyed on significance, the exemption came and went with the fall's z and the range
     # warning flapped (issue 18: a YOLO loss, 45.9 -> 3.4 over 40 epochs, above 5 for 60 % of the run).
-    descending = trend.known and (trend.falling or (not trend.rising and not trend.watching
-                                                    and trend.ratio >= t.loss.plateau_max_fall))
+    descending = trend.known and (
+        trend.falling or (not trend.rising and not trend.watching and trend.ratio >= t.loss.plateau_max_fall)
+    )
     learning = series.span < t.loss.range_after_steps and not (trend.known and not descending)
     if learning:
         start = _start(series, profile)
-        return Finding(check, GOOD, f"mean loss {mean:.4g} while still learning" + (f"; {start}" if start else ""),
-                       component=component)
+        return Finding(
+            check,
+            GOOD,
+            f"mean loss {mean:.4g} while still learning" + (f"; {start}" if start else ""),
+            component=component,
+        )
     k = uniform_classes(mean) if profile.name in _CHANCE_PROFILES else None
     if k is not None and trend.known and not trend.falling:
-        what = "the policy does not separate chosen from rejected" if profile.name == "preference" and k == 2 \
+        what = (
+            "the policy does not separate chosen from rejected"
+            if profile.name == "preference" and k == 2
             else f"the model predicts uniformly over {k} classes (chance level)"
+        )
         return Finding(
-            check, WARNING, f"loss {mean:.4g} equals ln {k}: {what}",
+            check,
+            WARNING,
+            f"loss {mean:.4g} equals ln {k}: {what}",
             "the model is not learning: check that labels match inputs (shuffled together), the learning rate, "
             "and that the classifier head is trained",
             component,
         )
     if profile.loss_warn_high is not None and mean > profile.loss_warn_high and descending:
-        return Finding(check, GOOD, f"mean loss {mean:.4g}, above {profile.loss_warn_high:g} but still falling "
-                       f"({trend.ratio * 100:.1f}% over the last {trend.window_steps:.0f} steps)", component=component)
+        return Finding(
+            check,
+            GOOD,
+            f"mean loss {mean:.4g}, above {profile.loss_warn_high:g} but still falling "
+            f"({trend.ratio * 100:.1f}% over the last {trend.window_steps:.0f} steps)",
+            component=component,
+        )
     if profile.loss_warn_high is not None and mean > profile.loss_warn_high:
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"mean loss {mean:.4g} is above {profile.loss_warn_high:g} for a {profile.name} task "
             f"after {series.span} steps",
             "check the learning rate, the labels and the loss reduction; a loss this high often means the model is not learning",
@@ -220,7 +250,8 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
         )
     if profile.loss_warn_low is not None and mean < profile.loss_warn_low:
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"mean loss {mean:.4g} is below {profile.loss_warn_low:g}: suspiciously low for a {profile.name} task",
             "look for label leakage or memorisation: compare with the eval loss and check the data split",
             component,
@@ -231,8 +262,15 @@ def check_loss_range(series, profile: Profile, t: Thresholds, trend: Trend, comp
 
 
 def check_loss_trend(
-    trend: Trend, series, t: Thresholds, profile: Profile, schedule_ended: bool = False, lr_fraction: float = math.nan,
-    component: str = "", held: Status = GOOD, learned: bool | None = None,
+    trend: Trend,
+    series,
+    t: Thresholds,
+    profile: Profile,
+    schedule_ended: bool = False,
+    lr_fraction: float = math.nan,
+    component: str = "",
+    held: Status = GOOD,
+    learned: bool | None = None,
 ) -> Finding:
     """Layer 2: is the loss still falling, flat, or rising, over windows in steps?
 
@@ -251,11 +289,15 @@ def check_loss_trend(
         return Finding.unknown(check, component=component)
     pct, span = trend.ratio * 100, f"{trend.window_steps:.0f} steps"
     if trend.rising:
-        best = (f"; {(trend.recent - trend.best) / abs(trend.best) * 100:.0f}% above the best level {trend.best:.4g}"
-                if math.isfinite(trend.best) and trend.best and trend.recent > trend.best else "")
+        best = (
+            f"; {(trend.recent - trend.best) / abs(trend.best) * 100:.0f}% above the best level {trend.best:.4g}"
+            if math.isfinite(trend.best) and trend.best and trend.recent > trend.best
+            else ""
+        )
         against = (trend.recent - trend.previous) / abs(trend.previous) * 100 if trend.previous else math.inf
         return Finding(
-            check, DANGER,
+            check,
+            DANGER,
             f"loss is rising: {trend.recent:.4g} over the last {span}, {_moved(against)} against the window before "
             f"({trend.previous:.4g}){best}",
             "lower the learning rate, enable gradient clipping, and check the data of the recent steps",
@@ -264,31 +306,47 @@ def check_loss_trend(
     if trend.watching:
         against = (trend.recent - trend.previous) / abs(trend.previous) * 100 if trend.previous else math.inf
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"loss {_moved(against)} over the last {span} against the window before ({trend.recent:.4g} against "
             f"{trend.previous:.4g}): beyond its noise, not yet lasting half a window: watching",
             "if it keeps rising: lower the learning rate, enable gradient clipping, and check the data of the recent "
-            "steps", component)
+            "steps",
+            component,
+        )
     release = t.hysteresis.release
     if held is WARNING:  # a plateau is left for a fall beyond its threshold / release ...
-        falling = trend.falling and trend.ratio >= t.loss.plateau_max_fall / release \
-            and trend.z >= t.loss.fall_min_z / release and _fall_lasts(trend, series, t, profile)
+        falling = (
+            trend.falling
+            and trend.ratio >= t.loss.plateau_max_fall / release
+            and trend.z >= t.loss.fall_min_z / release
+            and _fall_lasts(trend, series, t, profile)
+        )
     else:
         falling = trend.falling
     if falling:
         return Finding(check, GOOD, f"loss falling ({pct:.1f}% over the last {span})", component=component)
     if schedule_ended and learned is not False:
         return Finding(
-            check, GOOD,
+            check,
+            GOOD,
             f"loss flat ({_moved(-pct)} over the last {span}) at the end of a decayed LR schedule "
             f"(LR at {lr_fraction * 100:.2g}% of its peak): expected",
             component=component,
         )
     # ... and entered only below its threshold x release: a descent at the threshold does not flap.
-    if held is not WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release \
-            and trend.z >= t.loss.fall_min_z * release:
-        return Finding(check, GOOD, f"loss falling slowly ({pct:.1f}% over the last {span}), at the plateau "
-                                           "threshold", component=component)
+    if (
+        held is not WARNING
+        and not trend.rising
+        and trend.ratio >= t.loss.plateau_max_fall * release
+        and trend.z >= t.loss.fall_min_z * release
+    ):
+        return Finding(
+            check,
+            GOOD,
+            f"loss falling slowly ({pct:.1f}% over the last {span}), at the plateau threshold",
+            component=component,
+        )
     # A plateau is a fall too small to matter. A fall as large as one that matters, but within the
     # noise of two windows of few records (a sparse or noisy log early in the run), is no evidence
     # either way: absence of evidence of a fall is not evidence of its absence. The windows lack the
@@ -296,19 +354,28 @@ def check_loss_trend(
     # Entering on it made noisy descents flap, plateau and back, as the fall's z crossed 3 by chance
     # (issue 18: a YOLO loss falling 5-8 % per window, z 1.7-3, over 40 epochs).
     if held is not WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release:
-        return Finding(check, GOOD, f"loss {_moved(-pct)} over the last {span}, within the noise of the "
-                                           "windows: too few records to call it falling or a plateau",
-                       component=component)
+        return Finding(
+            check,
+            GOOD,
+            f"loss {_moved(-pct)} over the last {span}, within the noise of the "
+            "windows: too few records to call it falling or a plateau",
+            component=component,
+        )
     floor = profile.volatility_floor
     near_zero = 0.1 * (floor or 0.0) * (release if held is WARNING else 1.0 / release)
     if floor is not None and abs(trend.recent) < near_zero:
-        return Finding(check, GOOD, f"loss flat near zero ({trend.recent:.3g}): nothing left to fall",
-                       component=component)
+        return Finding(
+            check, GOOD, f"loss flat near zero ({trend.recent:.3g}): nothing left to fall", component=component
+        )
     return Finding(
-        check, WARNING,
+        check,
+        WARNING,
         f"loss has plateaued: {_moved(-pct)} over the last {span} "
-        + (f"(no fall of {t.loss.plateau_max_fall * 100:g}% of the level)" if trend.ratio < t.loss.plateau_max_fall
-           else "(not a significant fall)")
+        + (
+            f"(no fall of {t.loss.plateau_max_fall * 100:g}% of the level)"
+            if trend.ratio < t.loss.plateau_max_fall
+            else "(not a significant fall)"
+        )
         + ("; it never fell below its start" if learned is False else ""),
         "if it is not converged: raise the learning rate, try a cosine schedule with restarts, or check that the data is shuffled",
         component,
@@ -325,8 +392,9 @@ def _fall_lasts(trend: Trend, series, t: Thresholds, profile: Profile) -> bool:
     s = getattr(series, "summary", None)
     if s is None or s.last_step is None or not math.isfinite(trend.window_steps):
         return True
-    earlier = _compare(s, series.noise, trend.window_steps, t, profile.volatility_floor,
-                       s.last_step - trend.window_steps / 2.0)
+    earlier = _compare(
+        s, series.noise, trend.window_steps, t, profile.volatility_floor, s.last_step - trend.window_steps / 2.0
+    )
     if earlier is None:
         return True  # no earlier windows inside the run: the latest comparison is all there is
     ratio, z = earlier[0], earlier[1]
@@ -352,8 +420,12 @@ def robust_cv(series, profile: Profile) -> float:
 
 
 def check_loss_volatility(
-    cv: float, t: LossThresholds, component: str = "", nonfinite: bool = False,
-    held: Status = GOOD, release: float = 1.0,
+    cv: float,
+    t: LossThresholds,
+    component: str = "",
+    nonfinite: bool = False,
+    held: Status = GOOD,
+    release: float = 1.0,
 ) -> Finding:
     """Layer 3: how much does the loss jump around its trend? ``cv``: :func:`robust_cv`.
 
@@ -371,13 +443,15 @@ def check_loss_volatility(
         return Finding(check, GOOD, f"loss volatility normal (noise/level {cv:.3f})", component=component)
     if cv < danger:
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"loss is volatile (step-to-step noise {cv:.3f} of its level)",
             "use a larger batch (or gradient accumulation) or a lower learning rate",
             component,
         )
     return Finding(
-        check, DANGER,
+        check,
+        DANGER,
         f"loss is very volatile (step-to-step noise {cv:.3f} of its level)",
         "lower the learning rate, clip gradients, and look for bad batches",
         component,
@@ -386,13 +460,22 @@ def check_loss_volatility(
 
 def is_spike(value: float, level: float, noise: float, t: LossThresholds) -> bool:
     """A loss above the recent median by ``spike_sigma`` robust std and ``spike_min_rise`` of the level."""
-    return (math.isfinite(value) and math.isfinite(noise)
-            and value - level > max(t.spike_sigma * noise, t.spike_min_rise * abs(level)))
+    return (
+        math.isfinite(value)
+        and math.isfinite(noise)
+        and value - level > max(t.spike_sigma * noise, t.spike_min_rise * abs(level))
+    )
 
 
-def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: str = "",
-                      learned: bool | None = None, metric: tuple | None = None,
-                      held: Status = GOOD) -> Finding:
+def check_overfitting(
+    track,
+    trend: Trend,
+    t: OverfittingThresholds,
+    component: str = "",
+    learned: bool | None = None,
+    metric: tuple | None = None,
+    held: Status = GOOD,
+) -> Finding:
     """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
 
     ``learned`` False (the training loss never fell below its start): an eval loss rising there is
@@ -407,33 +490,47 @@ def check_overfitting(track, trend: Trend, t: OverfittingThresholds, component: 
     # eval_rise x release (``held``: the status the check holds now).
     above = max(track.above, getattr(track, "still_above", 0)) if held >= WARNING else track.above
     if learned is not True and above:
-        why = ("the training loss never fell below its start: not overfitting, a run that never learned"
-               if learned is False else "the training loss has not been seen falling yet")
-        return Finding(check, GOOD,
-                       f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
-                       component=component)
+        why = (
+            "the training loss never fell below its start: not overfitting, a run that never learned"
+            if learned is False
+            else "the training loss has not been seen falling yet"
+        )
+        return Finding(
+            check,
+            GOOD,
+            f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
+            component=component,
+        )
     if above >= t.evals and not trend.rising:
         confident = _still_improving(metric, track)
         if confident:
             return Finding(
-                check, WARNING,
+                check,
+                WARNING,
                 f"over-confident: eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} "
                 f"(step {track.best_step}) for {above} evaluations while the {confident}: the model grows "
                 "more confident in the answers it gets wrong, so the loss rises while the metric improves",
                 "choose the checkpoint by the metric (metric_for_best_model), not the eval loss; calibrate "
                 "(label smoothing, temperature scaling) if probabilities matter; regularise once the metric stops "
-                "improving", component)
+                "improving",
+                component,
+            )
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g} (step {track.best_step}) "
             f"for {above} evaluations while the training loss does not rise",
             "add weight decay or dropout, get more data, or stop early at the best checkpoint",
             component,
         )
     if above:
-        return Finding(check, GOOD,
-                       f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}: "
-                       "one evaluation, watching", component=component)
+        return Finding(
+            check,
+            GOOD,
+            f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}: "
+            "one evaluation, watching",
+            component=component,
+        )
     return Finding(check, GOOD, f"eval loss {track.latest:.4g} (best {track.best:.4g})", component=component)
 
 

@@ -53,8 +53,7 @@ def _read(findings: Iterable[Finding]) -> tuple[dict[str, Finding], bool, bool]:
         if check == "overfitting" and f.known and f.status >= WARNING:
             overfitting = True
     trend = by_check.get("loss_trend")
-    falling = (trend is not None and trend.known and trend.status is GOOD
-               and trend.message.startswith("loss falling"))
+    falling = trend is not None and trend.known and trend.status is GOOD and trend.message.startswith("loss falling")
     return by_check, overfitting, falling
 
 

@@ -33,9 +33,11 @@ __all__ = ["check_class_prior", "eval_set_size", "prior_entropy"]
 
 CHECK = "learning"
 _COUNT_TOL = 1e-6  # an accuracy x n this close to an integer is a count (float64 k / n is off by ~1e-13)
-_FIX = ("check that labels match inputs, weight the classes or sample them "
-        "balanced (or tune the decision threshold), raise the learning rate or train longer; judge it by balanced "
-        "accuracy, MCC or macro-F1, which a prior predictor cannot fake")
+_FIX = (
+    "check that labels match inputs, weight the classes or sample them "
+    "balanced (or tune the decision threshold), raise the learning rate or train longer; judge it by balanced "
+    "accuracy, MCC or macro-F1, which a prior predictor cannot fake"
+)
 
 
 def prior_entropy(a: float) -> float:
@@ -87,7 +89,7 @@ def _one_class(a: float, f: float, n: int) -> bool:
 
 def _train_mean(history) -> tuple[float, float]:
     values = history.loss.ring.last(len(history.loss.ring))
-    tail = values[-max(1, len(values) // 4):]
+    tail = values[-max(1, len(values) // 4) :]
     noise = history.loss.noise
     se = noise / math.sqrt(len(tail)) if math.isfinite(noise) else math.inf
     return (sum(tail) / len(tail) if tail else math.nan), se
@@ -124,17 +126,30 @@ def check_class_prior(history, c: ClassPriorThresholds, ln2_start: bool) -> Find
     if math.isfinite(eval_loss) and abs(eval_loss - h) > loss_band:
         return None  # the eval loss left the prior's entropy: below it learned, above it is another finding
     f = f1s[at]
-    how = "" if f is None else (f"eval F1 0 at evaluation {at + 1}: no positive predicted right" if f == 0.0 else
-                                f"eval F1 {f:.3g} = 2a/(1+a) at evaluation {at + 1}: every example predicted positive")
+    how = (
+        ""
+        if f is None
+        else (
+            f"eval F1 0 at evaluation {at + 1}: no positive predicted right"
+            if f == 0.0
+            else f"eval F1 {f:.3g} = 2a/(1+a) at evaluation {at + 1}: every example predicted positive"
+        )
+    )
     if not how:
         train, se = _train_mean(history)
         if not math.isfinite(eval_loss) or not abs(train - h) <= loss_band + c.z * se:
             return None  # no F1: only both losses at H(a) say the model outputs the prior
         how = f"train loss {train:.4g} at H(a) too"
-    loss = f", eval loss {eval_loss:.4g} against the prior's entropy H({a:.3f}) = {h:.4g}" \
-        if math.isfinite(eval_loss) else ""
-    return Finding(CHECK, WARNING,
-                   f"at the class prior: eval accuracy {accs[-1]:.3f} over {acc.count} evaluations stays at the "
-                   f"majority share {a:.3f} (within {band:.3f}, {c.z:g} standard errors of {n} examples){loss} "
-                   f"({how}): the model predicts the class prior: it learned the class balance, not the task",
-                   _FIX)
+    loss = (
+        f", eval loss {eval_loss:.4g} against the prior's entropy H({a:.3f}) = {h:.4g}"
+        if math.isfinite(eval_loss)
+        else ""
+    )
+    return Finding(
+        CHECK,
+        WARNING,
+        f"at the class prior: eval accuracy {accs[-1]:.3f} over {acc.count} evaluations stays at the "
+        f"majority share {a:.3f} (within {band:.3f}, {c.z:g} standard errors of {n} examples){loss} "
+        f"({how}): the model predicts the class prior: it learned the class balance, not the task",
+        _FIX,
+    )

@@ -20,7 +20,17 @@ from typing import Iterable
 
 from lossbeat.diagnosis.window import Ring, StepSummary, fsum, median, robust_noise
 
-__all__ = ["RLThresholds", "ClassPriorThresholds", "Detection", "detect_profile", "SIGNALS", "is_signal", "signal_kind", "SignalTrack", "MAX_SIGNALS"]
+__all__ = [
+    "RLThresholds",
+    "ClassPriorThresholds",
+    "Detection",
+    "detect_profile",
+    "SIGNALS",
+    "is_signal",
+    "signal_kind",
+    "SignalTrack",
+    "MAX_SIGNALS",
+]
 
 MAX_SIGNALS = 16
 """Named signals kept per run (bounded label cardinality live, bounded memory offline)."""
@@ -42,29 +52,67 @@ _ALIAS = {alias: name for name, aliases in SIGNALS.items() for alias in aliases}
 
 HIGHER_IS_BETTER = frozenset({"reward", "preference_accuracy", "eval_accuracy", "eval_f1", "margins"})
 
-_CLASSIFICATION = re.compile(r"^(?:eval|val|test)_(?:.+_)?(?:accuracy|acc|f1|matthews_correlation|mcc|auc|roc_auc|"
-                             r"precision|recall|balanced_accuracy)$")
-_SEQ2SEQ = re.compile(r"^(?:eval|val|test|predict)_(?:.+_)?(?:wer|cer|rouge[-_]?\w*|bleu|sacrebleu|meteor|chrf|gen_len)$")
+_CLASSIFICATION = re.compile(
+    r"^(?:eval|val|test)_(?:.+_)?(?:accuracy|acc|f1|matthews_correlation|mcc|auc|roc_auc|"
+    r"precision|recall|balanced_accuracy)$"
+)
+_SEQ2SEQ = re.compile(
+    r"^(?:eval|val|test|predict)_(?:.+_)?(?:wer|cer|rouge[-_]?\w*|bleu|sacrebleu|meteor|chrf|gen_len)$"
+)
 # Regression and forecasting report an error metric beside the loss (Lightning's val_MAE, pytorch-forecasting's
 # val_SMAPE, a hydrology model's val_mse or val_nse): their loss is on the data's own scale, with no absolute
 # range and no level to be "suspiciously low" against (a quantile loss of 0.03 is a good forecast, not a
 # memorised LM). Case-insensitive: torchmetrics-style names are upper case.
-_REGRESSION = re.compile(r"^(?:eval|val|valid|validation|test)[_/](?:.+_)?(?:mae|mse|rmse|msle|rmsle|mape|smape|wape|"
-                         r"r2|r2_score|nse|kge|mase)$", re.IGNORECASE)
-_PREFERENCE = frozenset({"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-                         "logps/chosen", "logps/rejected", "kto/rewards", "odds_ratio_loss"})
-_RL = frozenset({"reward", "reward_std", "frac_reward_zero_std", "zero_std_ratio", "kl", "clip_ratio",
-                 "objective/kl", "env/reward_mean", "env/reward_std", "objective/scores", "advantages",
-                 # Actor-critic (PPO) logs name the policy's and the value head's losses apart
-                 # (DeepSpeed-Chat, OpenRLHF, CleanRL, stable-baselines): no supervised run does.
-                 "act_loss", "actor_loss", "cri_loss", "critic_loss", "policy_loss", "value_loss",
-                 "vf_loss", "pg_loss", "policy_gradient_loss"})
+_REGRESSION = re.compile(
+    r"^(?:eval|val|valid|validation|test)[_/](?:.+_)?(?:mae|mse|rmse|msle|rmsle|mape|smape|wape|"
+    r"r2|r2_score|nse|kge|mase)$",
+    re.IGNORECASE,
+)
+_PREFERENCE = frozenset(
+    {
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+        "kto/rewards",
+        "odds_ratio_loss",
+    }
+)
+_RL = frozenset(
+    {
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "zero_std_ratio",
+        "kl",
+        "clip_ratio",
+        "objective/kl",
+        "env/reward_mean",
+        "env/reward_std",
+        "objective/scores",
+        "advantages",
+        # Actor-critic (PPO) logs name the policy's and the value head's losses apart
+        # (DeepSpeed-Chat, OpenRLHF, CleanRL, stable-baselines): no supervised run does.
+        "act_loss",
+        "actor_loss",
+        "cri_loss",
+        "critic_loss",
+        "policy_loss",
+        "value_loss",
+        "vf_loss",
+        "pg_loss",
+        "policy_gradient_loss",
+    }
+)
 _RL_PREFIXES = ("completions/", "clip_ratio/")
 
 
 @dataclass(frozen=True)
 class RLThresholds:
     """When an RL run's learning signal has collapsed (the ``learning`` check and TrainingRLSignalCollapsed)."""
+
     reward_std_zero: float
     """``reward_std`` at or below this: every completion of a group got the same reward."""
     zero_std_fraction: float
@@ -82,6 +130,7 @@ class RLThresholds:
 @dataclass(frozen=True)
 class ClassPriorThresholds:
     """When a binary classifier predicts its class prior (the ``learning`` check, :mod:`lossbeat.diagnosis.prior`)."""
+
     z: float
     """Standard errors: an accuracy that rose, or an eval loss that fell below the prior's entropy, by more learned."""
     min_eval_examples: int
@@ -123,10 +172,20 @@ def detect_profile(fields: Iterable[str]) -> Detection:
     names = [f for f in fields if isinstance(f, str)]
     rl = [f for f in names if f in _RL or f.startswith(_RL_PREFIXES)]
     # A reward alone (e.g. a reward model's own log) is not RL: a reward and its spread, or a KL, is.
-    actor_critic = {"act_loss", "actor_loss", "policy_loss", "pg_loss", "policy_gradient_loss"} & set(rl) and \
-        {"cri_loss", "critic_loss", "value_loss", "vf_loss"} & set(rl)  # a policy loss and a value loss
-    if actor_critic or any(f in ("reward_std", "frac_reward_zero_std", "zero_std_ratio", "env/reward_std",
-                                 "objective/kl", "kl") for f in rl) or (rl and any(f.startswith(_RL_PREFIXES) for f in rl)):
+    actor_critic = {"act_loss", "actor_loss", "policy_loss", "pg_loss", "policy_gradient_loss"} & set(rl) and {
+        "cri_loss",
+        "critic_loss",
+        "value_loss",
+        "vf_loss",
+    } & set(rl)  # a policy loss and a value loss
+    if (
+        actor_critic
+        or any(
+            f in ("reward_std", "frac_reward_zero_std", "zero_std_ratio", "env/reward_std", "objective/kl", "kl")
+            for f in rl
+        )
+        or (rl and any(f.startswith(_RL_PREFIXES) for f in rl))
+    ):
         return Detection("rl", tuple(rl))
     pref = [f for f in names if f in _PREFERENCE]
     if pref:

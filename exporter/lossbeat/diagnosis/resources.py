@@ -21,9 +21,7 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.2f} GiB"
 
 
-def check_memory(
-    allocated: Sequence[float], peak: float | None, limit: float | None, t: MemoryThresholds
-) -> Finding:
+def check_memory(allocated: Sequence[float], peak: float | None, limit: float | None, t: MemoryThresholds) -> Finding:
     """``allocated``: memory samples (bytes), one per diagnosis, oldest first, the run's
     first ``t.warmup_samples`` already dropped by the caller; ``peak``: peak allocated bytes;
     ``limit``: the device's (or the process's) memory limit in bytes."""
@@ -34,7 +32,8 @@ def check_memory(
     top = max(current, peak or 0.0)
     if top > t.near_limit * limit:
         return Finding(
-            check, DANGER,
+            check,
+            DANGER,
             f"peak memory {_gib(top)} is {top / limit:.0%} of the {_gib(limit)} limit: an out-of-memory error is near",
             "lower the micro-batch size and raise gradient accumulation, enable activation checkpointing, "
             "or free cached tensors (torch.cuda.empty_cache() only hides fragmentation)",
@@ -49,7 +48,8 @@ def check_memory(
     # The middle third only where the growth is large enough to ask whether it is steady.
     if growth > t.growth_fraction * limit and first < median(allocated[third:-third]) < last:
         return Finding(
-            check, WARNING,
+            check,
+            WARNING,
             f"memory keeps growing: {_gib(first)} -> {_gib(last)} over the last {len(allocated)} samples "
             f"(+{growth / limit:.1%} of the limit): a leak",
             "look for tensors kept across steps (losses appended without .item() or .detach(), "
@@ -126,7 +126,8 @@ class ThroughputTracker:
         ratio = level / recent  # steps/s now over the run's own steps/s
         if ratio < self.t.drop_fraction:
             return Finding(
-                check, WARNING,
+                check,
+                WARNING,
                 f"throughput fell to {ratio:.0%} of the run's own level ({1 / recent:.3g} steps/s, was {1 / level:.3g})",
                 "look for a slow node (thermal throttling, a failing GPU), a data-loader stall (workers, storage), "
                 "or checkpoint I/O inside the step; mark evaluations and checkpoints with monitor.phase()",

@@ -11,7 +11,14 @@ from lossbeat.diagnosis.history import History
 from lossbeat.diagnosis.learning import check_learning, learned
 from lossbeat.diagnosis.events import check_events
 from lossbeat.diagnosis.learning_rate import check_learning_rate, check_warmup
-from lossbeat.diagnosis.loss import check_loss_range, check_loss_trend, check_loss_volatility, check_overfitting, robust_cv, trend_of
+from lossbeat.diagnosis.loss import (
+    check_loss_range,
+    check_loss_trend,
+    check_loss_volatility,
+    check_overfitting,
+    robust_cv,
+    trend_of,
+)
 
 __all__ = ["diagnose"]
 
@@ -36,17 +43,40 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     did_learn = learned(history, t)
     findings = [
         check_loss_range(loss, profile, t, trend, learned=did_learn),
-        check_loss_trend(trend, loss, t, profile, ended, schedule.fraction_of_peak,
-                         held=held.get(("loss_trend", ""), GOOD), learned=did_learn),
-        _hides_trend(check_loss_volatility(cv, t.loss, nonfinite=bool(loss.nonfinite_run),
-                                           held=held.get(("loss_volatility", ""), GOOD), release=release),
-                     trend, loss, did_learn),
+        check_loss_trend(
+            trend,
+            loss,
+            t,
+            profile,
+            ended,
+            schedule.fraction_of_peak,
+            held=held.get(("loss_trend", ""), GOOD),
+            learned=did_learn,
+        ),
+        _hides_trend(
+            check_loss_volatility(
+                cv,
+                t.loss,
+                nonfinite=bool(loss.nonfinite_run),
+                held=held.get(("loss_volatility", ""), GOOD),
+                release=release,
+            ),
+            trend,
+            loss,
+            did_learn,
+        ),
         check_grad_norm(history.grad, t.gradients),
         check_layer_grad_norms(history.layer_norms, t.gradients),
         check_learning_rate(schedule, trend, cv, t.learning_rate, learned=did_learn),
         check_warmup(loss, profile, t.learning_rate),
-        check_overfitting(history.evals.get(""), trend, t.overfitting, learned=did_learn, metric=_eval_metric(history),
-                          held=held.get(("overfitting", ""), GOOD)),
+        check_overfitting(
+            history.evals.get(""),
+            trend,
+            t.overfitting,
+            learned=did_learn,
+            metric=_eval_metric(history),
+            held=held.get(("overfitting", ""), GOOD),
+        ),
         _nonfinite(history),
         check_events(history, "loss_spikes"),
         check_events(history, "grad_explosions"),
@@ -54,17 +84,37 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     ]
     for group, track in history.evals.items():
         if group:
-            findings.append(check_overfitting(track, trend, t.overfitting, group, learned=did_learn,
-                                              held=held.get(("overfitting", group), GOOD)))
+            findings.append(
+                check_overfitting(
+                    track, trend, t.overfitting, group, learned=did_learn, held=held.get(("overfitting", group), GOOD)
+                )
+            )
     component_profile = t.profiles.get("multi-task", profile) if profile.name == "multi-task" else profile
     for name, series in history.components.items():
         c_trend = trend_of(series, t, component_profile.volatility_floor)
         findings.append(check_loss_range(series, component_profile, t, c_trend, name))
-        findings.append(check_loss_trend(c_trend, series, t, component_profile, ended, schedule.fraction_of_peak, name,
-                                         held=held.get(("loss_trend", name), GOOD)))
-        findings.append(check_loss_volatility(robust_cv(series, component_profile), t.loss, name,
-                                              nonfinite=bool(series.nonfinite_run),
-                                              held=held.get(("loss_volatility", name), GOOD), release=release))
+        findings.append(
+            check_loss_trend(
+                c_trend,
+                series,
+                t,
+                component_profile,
+                ended,
+                schedule.fraction_of_peak,
+                name,
+                held=held.get(("loss_trend", name), GOOD),
+            )
+        )
+        findings.append(
+            check_loss_volatility(
+                robust_cv(series, component_profile),
+                t.loss,
+                name,
+                nonfinite=bool(series.nonfinite_run),
+                held=held.get(("loss_volatility", name), GOOD),
+                release=release,
+            )
+        )
     return findings
 
 
@@ -105,7 +155,8 @@ def _nonfinite(history: History) -> Finding:
     scale, scale_min = history.grad_scale, history.thresholds.gradients.loss_scale_min
     if scale is not None and not scale >= scale_min:
         return Finding(
-            "nonfinite", DANGER,
+            "nonfinite",
+            DANGER,
             f"fp16 loss scale collapsed to {scale:.3g} (below {scale_min:g}): nearly every step overflows and is "
             "skipped",
             "the gradients overflow even unscaled: lower the learning rate, check the inputs for NaN/Inf, "
@@ -124,20 +175,25 @@ def _nonfinite(history: History) -> Finding:
         # record), or repeated within the window: danger (TrainingGradientNonFinite pages on it).
         if ongoing or bad > max(_REPEATED_NONFINITE, len(recent) // 10):
             return Finding(
-                "nonfinite", DANGER,
+                "nonfinite",
+                DANGER,
                 f"non-finite loss or gradient {ago} step(s) ago ({bad} of the last {len(recent)} records, "
                 f"{history.nonfinite_seen} so far)" + (": still non-finite" if ongoing else ": repeated"),
                 "lower the learning rate 10x, check the inputs for NaN/Inf, prefer bf16 over fp16 or use loss scaling, "
                 "and locate the first bad op with torch.autograd.set_detect_anomaly(True)",
             )
         return Finding(
-            "nonfinite", WARNING,
+            "nonfinite",
+            WARNING,
             f"{bad} isolated non-finite value(s) in the last {len(recent)} records ({history.nonfinite_seen} so far); "
             f"the run recovered (finite for the last {ago} records): what fp16 loss-scale overflow skips look like",
             "if this run uses fp16 with a GradScaler, pass grad_scaler= to observe (skips are then counted apart); "
             "else check the inputs of those steps",
         )
     if history.nonfinite_seen:
-        return Finding("nonfinite", GOOD,
-                       f"all values finite lately ({history.nonfinite_seen} non-finite record(s) earlier, recovered)")
+        return Finding(
+            "nonfinite",
+            GOOD,
+            f"all values finite lately ({history.nonfinite_seen} non-finite record(s) earlier, recovered)",
+        )
     return Finding("nonfinite", GOOD, "all values finite")

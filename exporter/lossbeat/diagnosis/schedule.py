@@ -48,8 +48,11 @@ class LRSchedule:
         if self.decay not in _DECAYS:
             raise ValueError(f"lr_schedule.decay: expected one of {', '.join(_DECAYS)}, got {self.decay!r}")
         if self.decay != "constant":
-            if isinstance(self.total_steps, bool) or not isinstance(self.total_steps, int) \
-                    or self.total_steps <= self.warmup_steps:
+            if (
+                isinstance(self.total_steps, bool)
+                or not isinstance(self.total_steps, int)
+                or self.total_steps <= self.warmup_steps
+            ):
                 raise ValueError(
                     f"lr_schedule.total_steps: {self.decay} decay needs an int above warmup_steps, "
                     f"got {self.total_steps!r}"
@@ -128,8 +131,7 @@ class ScheduleTracker:
             )
         if d_counter > d_step * (1 + self.t.tolerance):
             return self._warn(
-                f"the LR scheduler stepped {d_counter} times in {d_step} optimizer steps: "
-                "stepped per micro-batch?",
+                f"the LR scheduler stepped {d_counter} times in {d_step} optimizer steps: stepped per micro-batch?",
                 "step the scheduler once per optimizer step, outside the gradient-accumulation loop",
             )
         if counter + max(1, int(self.t.tolerance * step)) < step and step > 10 * self.t.consecutive:

@@ -125,8 +125,12 @@ class LossSeries:
 
     def _limit(self) -> float:
         t = self.t
-        if (not t.profile.trend  # an RL policy loss is ~0 by construction: its excursions mean nothing
-                or len(self.window) < t.loss.spike_min_steps or not math.isfinite(self._noise) or not self._noise > 0):
+        if (
+            not t.profile.trend  # an RL policy loss is ~0 by construction: its excursions mean nothing
+            or len(self.window) < t.loss.spike_min_steps
+            or not math.isfinite(self._noise)
+            or not self._noise > 0
+        ):
             return math.inf
         return self._local + max(t.loss.spike_sigma * self._noise, t.loss.spike_min_rise * abs(self._local))
 
@@ -140,12 +144,16 @@ class LossSeries:
         # A loss that is often exactly 0 (GRPO/PPO groups without advantage, a satisfied hinge) has
         # a median second difference of 0: against that every non-zero record would be a spike.
         # Its noise and local level are those of its non-zero records.
-        if window.size == size and window.size < self.ring.capacity and not (
-                window.zeros > _ZERO_INFLATED * n and n - window.zeros >= 4):
+        if (
+            window.size == size
+            and window.size < self.ring.capacity
+            and not (window.zeros > _ZERO_INFLATED * n and n - window.zeros >= 4)
+        ):
             self._level = window.values.median()
             self._noise = window.noise()
-            local = self.ring.last(self.t.loss.spike_min_steps) if n >= self.t.loss.spike_min_steps \
-                else self.ring.last(n)
+            local = (
+                self.ring.last(self.t.loss.spike_min_steps) if n >= self.t.loss.spike_min_steps else self.ring.last(n)
+            )
         else:
             values = self.ring.last(size)
             self._level = median(values)
@@ -154,7 +162,7 @@ class LossSeries:
                 values = nonzero
             self._noise = robust_noise(values)
             n = len(values)
-            local = values[-self.t.loss.spike_min_steps:]
+            local = values[-self.t.loss.spike_min_steps :]
         if math.isnan(self.first_noise) and n >= _EARLY_NOISE_RECORDS:
             self.first_noise = self._noise
         # Spikes are judged against the local level (a falling loss leaves the window's median behind).

@@ -309,9 +309,7 @@ class Thresholds:
 
     def with_profile(self, name: str) -> "Thresholds":
         if name not in self.profiles:
-            raise ThresholdsError(
-                f"profile: unknown profile {name!r}; known: {', '.join(sorted(self.profiles))}"
-            )
+            raise ThresholdsError(f"profile: unknown profile {name!r}; known: {', '.join(sorted(self.profiles))}")
         return dataclasses.replace(self, profile=self.profiles[name])
 
 
@@ -421,8 +419,15 @@ def _profile(name: str, doc: Any) -> Profile:
         raise ThresholdsError(f"{where}.loss_warn_low: must not exceed loss_good's low bound {good[0]}")
     if good and high is not None and high < good[1]:
         raise ThresholdsError(f"{where}.loss_warn_high: must not be below loss_good's high bound {good[1]}")
-    return Profile(name=name, loss_good=good, loss_warn_low=low, loss_warn_high=high,
-                   loss_init_high=bounds["loss_init_high"], volatility_floor=bounds["volatility_floor"], trend=trend)
+    return Profile(
+        name=name,
+        loss_good=good,
+        loss_warn_low=low,
+        loss_warn_high=high,
+        loss_init_high=bounds["loss_init_high"],
+        volatility_floor=bounds["volatility_floor"],
+        trend=trend,
+    )
 
 
 def _alerts(doc: Mapping) -> AlertSettings:
@@ -517,7 +522,9 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
     if not loss.trend_rising < loss.trend_improving:
         raise ThresholdsError("loss.trend_rising: must be below loss.trend_improving")
     if loss.trend_rising > 0:
-        raise ThresholdsError(f"loss.trend_rising: must be <= 0 (a falling loss is not rising), got {loss.trend_rising}")
+        raise ThresholdsError(
+            f"loss.trend_rising: must be <= 0 (a falling loss is not rising), got {loss.trend_rising}"
+        )
     if not loss.cv_warning < loss.cv_danger:
         raise ThresholdsError("loss.cv_warning: must be below loss.cv_danger")
     grads = _build(GradientThresholds, _section(doc, "gradients"), "gradients")
@@ -529,9 +536,7 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
     hysteresis = _build(Hysteresis, _section(doc, "hysteresis"), "hysteresis")
     overfitting = _build(OverfittingThresholds, _section(doc, "overfitting"), "overfitting")
     if not grads.vanishing < grads.healthy_low < grads.healthy_high < grads.explosion:
-        raise ThresholdsError(
-            "gradients: expected vanishing < healthy_low < healthy_high < explosion"
-        )
+        raise ThresholdsError("gradients: expected vanishing < healthy_low < healthy_high < explosion")
     if not grads.layer_vanishing < grads.layer_explosion:
         raise ThresholdsError("gradients.layer_vanishing: must be below gradients.layer_explosion")
     windows = _build(Windows, _section(doc, "windows"), "windows")
@@ -542,7 +547,9 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         ("learning_rate.too_small_window", learning_rate.too_small_window)
     ]:
         if steps > MAX_WINDOW_STEPS:
-            raise ThresholdsError(f"{where}: at most {MAX_WINDOW_STEPS} steps (memory is allocated up front), got {steps}")
+            raise ThresholdsError(
+                f"{where}: at most {MAX_WINDOW_STEPS} steps (memory is allocated up front), got {steps}"
+            )
     return Thresholds(
         profile=profiles[active],
         profiles=profiles,

@@ -41,8 +41,10 @@ def as_schedule(value: Any) -> tuple[LRSchedule | None, Any]:
             raise TypeError(f"lr_schedule: {exc}") from None
     if isinstance(getattr(value, "last_epoch", None), int):
         if type(value).__name__ == "ReduceLROnPlateau":
-            raise TypeError("lr_schedule: ReduceLROnPlateau follows the eval loss, not a schedule; "
-                            "pass None (its LR is still exported and checked)")
+            raise TypeError(
+                "lr_schedule: ReduceLROnPlateau follows the eval loss, not a schedule; "
+                "pass None (its LR is still exported and checked)"
+            )
         return None, value
     raise TypeError(
         f"lr_schedule: expected an LRSchedule, a mapping of its fields or an LR scheduler, got {type(value).__name__}"

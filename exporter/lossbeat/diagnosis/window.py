@@ -48,7 +48,7 @@ class Ring:
         """``push`` each of ``values``, in order: at most two slice writes."""
         k, capacity, data = len(values), self._capacity, self._data
         if k >= capacity:  # only the last `capacity` stay
-            data[:] = values[k - capacity:]
+            data[:] = values[k - capacity :]
             self._next, self._count = 0, capacity
             return
         start = self._next
@@ -57,7 +57,7 @@ class Ring:
             data[start:end] = values
         else:
             data[start:] = values[: capacity - start]
-            data[: end - capacity] = values[capacity - start:]
+            data[: end - capacity] = values[capacity - start :]
         self._next = end % capacity
         self._count = min(self._count + k, capacity)
 
@@ -85,9 +85,9 @@ class Ring:
             return []
         start = self._next - n
         if start >= 0:
-            return self._data[start:self._next]
+            return self._data[start : self._next]
         # Wrapped: only a full ring wraps (before that, _next == _count >= n).
-        return self._data[start:] + self._data[:self._next]
+        return self._data[start:] + self._data[: self._next]
 
     def clear(self) -> None:
         self._next = 0
@@ -352,8 +352,20 @@ class StepSummary:
     N steps means the same whether the log holds every step or every 500th.
     """
 
-    __slots__ = ("capacity", "width", "blocks", "first_step", "last_step", "_starts", "_added", "_starts_at",
-                 "_ordered", "_merges", "_best_states", "_window_sums")
+    __slots__ = (
+        "capacity",
+        "width",
+        "blocks",
+        "first_step",
+        "last_step",
+        "_starts",
+        "_added",
+        "_starts_at",
+        "_ordered",
+        "_merges",
+        "_best_states",
+        "_window_sums",
+    )
 
     def __init__(self, capacity: int = 128) -> None:
         if not isinstance(capacity, int) or capacity < 4 or capacity % 2:

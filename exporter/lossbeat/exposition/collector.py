@@ -100,10 +100,12 @@ class MonitorCollector(Collector):
         layers = s.layer_norms  # swapped whole
         if layers:
             if self._layer_lines is None or self._layer_lines.fixed != {"rank": rank, RUN_ID_LABEL: s.run_id}:
-                self._layer_lines = LayerLines("training_layer_grad_norm", "layer",
-                                               {"rank": rank, RUN_ID_LABEL: s.run_id})
-            yield LayerFamily("training_layer_grad_norm", METRICS["training_layer_grad_norm"].help,
-                              self._layer_lines, layers)
+                self._layer_lines = LayerLines(
+                    "training_layer_grad_norm", "layer", {"rank": rank, RUN_ID_LABEL: s.run_id}
+                )
+            yield LayerFamily(
+                "training_layer_grad_norm", METRICS["training_layer_grad_norm"].help, self._layer_lines, layers
+            )
 
         if s.health:
             g = _gauge("training_health_status", ("check", "component"))
@@ -150,8 +152,10 @@ class MonitorCollector(Collector):
             for reason in SKIP_REASONS:
                 c.add_metric([rank, reason], skipped.get(reason, 0))
             yield c
-            for name, value in (("training_guard_consecutive_skips", s.guard_consecutive_skips),
-                                ("training_halted", 1.0 if s.halted else 0.0)):
+            for name, value in (
+                ("training_guard_consecutive_skips", s.guard_consecutive_skips),
+                ("training_halted", 1.0 if s.halted else 0.0),
+            ):
                 g = _gauge(name)
                 g.add_metric([rank], value)
                 yield g
@@ -196,9 +200,11 @@ class MonitorCollector(Collector):
         if not s.measures_memory:  # this process is not the one that trains (lossbeat watch)
             return
         reading = read_memory(s.cuda_device)
-        for name, value in (("training_memory_allocated_bytes", reading.allocated),
-                            ("training_memory_peak_bytes", reading.peak),
-                            ("training_memory_limit_bytes", reading.limit)):
+        for name, value in (
+            ("training_memory_allocated_bytes", reading.allocated),
+            ("training_memory_peak_bytes", reading.peak),
+            ("training_memory_limit_bytes", reading.limit),
+        ):
             if value is not None:
                 g = _gauge(name, ("device",))
                 g.add_metric([s.rank, reading.device], value)

@@ -27,13 +27,16 @@ class CrossRankCollector(Collector):
         s = self.signals
         aligned = s.aligned
         if aligned is not None:
-            for name, value in (("training_grad_norm_aligned", aligned[1]),
-                                ("training_grad_norm_aligned_step", aligned[0])):
+            for name, value in (
+                ("training_grad_norm_aligned", aligned[1]),
+                ("training_grad_norm_aligned_step", aligned[0]),
+            ):
                 g = GaugeMetricFamily(name, METRICS[name].help, labels=("rank",))
                 g.add_metric([s.rank], value)
                 yield g
         if s.work_mean is not None:
-            g = GaugeMetricFamily("training_rank_work_seconds", METRICS["training_rank_work_seconds"].help,
-                                  labels=("rank",))
+            g = GaugeMetricFamily(
+                "training_rank_work_seconds", METRICS["training_rank_work_seconds"].help, labels=("rank",)
+            )
             g.add_metric([s.rank], s.work_mean)
             yield g

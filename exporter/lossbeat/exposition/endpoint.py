@@ -49,10 +49,10 @@ _HANDSHAKE_TIMEOUT_S = 10.0
 _REQUEST_TIMEOUT_S = 30.0
 _AUTH_CACHE = 64  # verified (user, password) digests kept: a scrape costs one bcrypt check, not one each
 _LANDING = (
-    "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>lossbeat exporter</title></head>\n"
+    '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>lossbeat exporter</title></head>\n'
     "<body><h1>lossbeat exporter</h1>\n<p>Training-health metrics of a PyTorch run, for Prometheus "
     f"(lossbeat {__version__}).</p>\n"
-    "<ul><li><a href=\"metrics\">Metrics</a></li><li><a href=\"-/healthy\">Health</a></li></ul>\n"
+    '<ul><li><a href="metrics">Metrics</a></li><li><a href="-/healthy">Health</a></li></ul>\n'
     "</body></html>\n"
 ).encode()
 _COMMON_HEADERS = [("X-Content-Type-Options", "nosniff")]
@@ -129,8 +129,12 @@ class _SharedRenders:
             return started, response
 
 
-def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None,
-             scrapers: Scrapers | None = None, status: StatusSource | None = None) -> Callable:
+def make_app(
+    registry: CollectorRegistry,
+    web_config: WebConfig | None = None,
+    scrapers: Scrapers | None = None,
+    status: StatusSource | None = None,
+) -> Callable:
     """The WSGI application serving ``registry`` by the exporter conventions above (and
     ``status`` at ``/`` and ``/status.json``); basic auth guards every path alike. Each scrape
     of /metrics is recorded in ``scrapers`` (who scraped, when, which render it was sent)."""
@@ -144,13 +148,26 @@ def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None,
     def route(environ: dict[str, Any]) -> Response:
         method, path = environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")
         if auth is not None and not auth.allows(environ.get("HTTP_AUTHORIZATION")):
-            return ("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="lossbeat", charset="UTF-8"'),
-                                         ("Content-Type", "text/plain; charset=utf-8")], b"Unauthorized\n")
+            return (
+                "401 Unauthorized",
+                [
+                    ("WWW-Authenticate", 'Basic realm="lossbeat", charset="UTF-8"'),
+                    ("Content-Type", "text/plain; charset=utf-8"),
+                ],
+                b"Unauthorized\n",
+            )
         if path not in (METRICS_PATH, "/", HEALTH_PATH) and not (status_source is not None and path == STATUS_PATH):
-            return "404 Not Found", [("Content-Type", "text/plain; charset=utf-8")], b"Not Found: metrics are at /metrics\n"
+            return (
+                "404 Not Found",
+                [("Content-Type", "text/plain; charset=utf-8")],
+                b"Not Found: metrics are at /metrics\n",
+            )
         if method not in ("GET", "HEAD"):
-            return ("405 Method Not Allowed", [("Allow", _ALLOWED), ("Content-Type", "text/plain; charset=utf-8")],
-                    f"Method Not Allowed: use {_ALLOWED}\n".encode())
+            return (
+                "405 Method Not Allowed",
+                [("Allow", _ALLOWED), ("Content-Type", "text/plain; charset=utf-8")],
+                f"Method Not Allowed: use {_ALLOWED}\n".encode(),
+            )
         if path == "/":
             page = _LANDING if status_source is None else page_html()
             return "200 OK", [("Content-Type", "text/html; charset=utf-8"), ("Cache-Control", "no-cache")], page
@@ -177,8 +194,11 @@ def make_app(registry: CollectorRegistry, web_config: WebConfig | None = None,
                 failed_once.set()
                 log.exception("lossbeat: error while serving %s (logged once)", environ.get("PATH_INFO"))
             status, headers, body = "500 Internal Server Error", [("Content-Type", "text/plain")], b"error\n"
-        headers = [h for h in headers if h[0].lower() not in configured] + extra_headers + [
-            ("Content-Length", str(len(body)))]
+        headers = (
+            [h for h in headers if h[0].lower() not in configured]
+            + extra_headers
+            + [("Content-Length", str(len(body)))]
+        )
         start_response(status, headers)
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
 
@@ -248,7 +268,10 @@ def _address_family(addr: str, port: int) -> tuple[socket.AddressFamily, str]:
 
 
 def start_server(
-    registry: CollectorRegistry, port: int, addr: str = "0.0.0.0", web_config: WebConfig | None = None,
+    registry: CollectorRegistry,
+    port: int,
+    addr: str = "0.0.0.0",
+    web_config: WebConfig | None = None,
     scrapers: Scrapers | None = None,
     status: StatusSource | None = None,
 ) -> tuple[ThreadingWSGIServer, threading.Thread]:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PHASES", "PREFIX", "RUN_ID_LABEL", "with_run_id",
-           "SKIP_REASONS"]
+__all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PHASES", "PREFIX", "RUN_ID_LABEL", "with_run_id", "SKIP_REASONS"]
 
 SKIP_REASONS = ("nonfinite", "explosion", "spike")
 """Why the optimizer guard skipped a step (the ``reason`` label of training_skipped_steps_total)."""
@@ -44,56 +43,234 @@ class MetricSpec:
 
 _SPECS = [
     # --- gauges: the latest observed values -------------------------------------
-    MetricSpec("training_loss", "gauge", "Training loss of the last step observed with one; NaN when it was not finite. Absent on a rank that computes none (a pipeline stage before the last).", unit="none"),
+    MetricSpec(
+        "training_loss",
+        "gauge",
+        "Training loss of the last step observed with one; NaN when it was not finite. Absent on a rank that computes none (a pipeline stage before the last).",
+        unit="none",
+    ),
     MetricSpec("training_eval_loss", "gauge", "Evaluation loss of the last evaluation.", unit="none"),
-    MetricSpec("training_loss_component", "gauge", "Components of a multi-task loss, each on its own.", ("component",), unit="none"),
+    MetricSpec(
+        "training_loss_component",
+        "gauge",
+        "Components of a multi-task loss, each on its own.",
+        ("component",),
+        unit="none",
+    ),
     MetricSpec("training_grad_norm", "gauge", "Global L2 norm of the gradients before clipping.", unit="none"),
-    MetricSpec("training_learning_rate", "gauge", "Learning rate of each optimizer param group.", ("param_group",), unit="none"),
-    MetricSpec("training_layer_grad_norm", "gauge", "L2 norm of the gradients of each layer (parameters grouped by module path).", ("layer",), unit="none"),
+    MetricSpec(
+        "training_learning_rate", "gauge", "Learning rate of each optimizer param group.", ("param_group",), unit="none"
+    ),
+    MetricSpec(
+        "training_layer_grad_norm",
+        "gauge",
+        "L2 norm of the gradients of each layer (parameters grouped by module path).",
+        ("layer",),
+        unit="none",
+    ),
     MetricSpec("training_step", "gauge", "The last observed optimizer step.", unit="none"),
     MetricSpec("training_epoch", "gauge", "The current epoch (may be fractional).", unit="none"),
-    MetricSpec("training_last_step_timestamp_seconds", "gauge", "Unix time at which the last step was observed.", unit="dateTimeAsIso"),
-    MetricSpec("training_last_heartbeat_timestamp_seconds", "gauge", "Unix time of the last sign of progress: a step, an evaluation, a phase change or heartbeat().", unit="dateTimeAsIso"),
-    MetricSpec("training_heartbeat_age_seconds", "gauge", "Seconds since the last sign of progress (a step, an evaluation, a phase change or heartbeat()), measured at scrape time on the node's own clock: TrainingStalled reads it, so a skew between the node's and Prometheus' clocks does not matter.", unit="s"),
-    MetricSpec("training_phase", "gauge", "1 for the phase the run is in (set by Monitor.phase()), 0 for the others.", ("phase",), unit="none"),
-    MetricSpec("training_run_completed", "gauge", "1 once Monitor.close() ended the run normally, else 0: a target that vanishes without it died.", unit="none"),
+    MetricSpec(
+        "training_last_step_timestamp_seconds",
+        "gauge",
+        "Unix time at which the last step was observed.",
+        unit="dateTimeAsIso",
+    ),
+    MetricSpec(
+        "training_last_heartbeat_timestamp_seconds",
+        "gauge",
+        "Unix time of the last sign of progress: a step, an evaluation, a phase change or heartbeat().",
+        unit="dateTimeAsIso",
+    ),
+    MetricSpec(
+        "training_heartbeat_age_seconds",
+        "gauge",
+        "Seconds since the last sign of progress (a step, an evaluation, a phase change or heartbeat()), measured at scrape time on the node's own clock: TrainingStalled reads it, so a skew between the node's and Prometheus' clocks does not matter.",
+        unit="s",
+    ),
+    MetricSpec(
+        "training_phase",
+        "gauge",
+        "1 for the phase the run is in (set by Monitor.phase()), 0 for the others.",
+        ("phase",),
+        unit="none",
+    ),
+    MetricSpec(
+        "training_run_completed",
+        "gauge",
+        "1 once Monitor.close() ended the run normally, else 0: a target that vanishes without it died.",
+        unit="none",
+    ),
     MetricSpec("training_step_duration_seconds", "gauge", "Wall time between the last two observed steps.", unit="s"),
-    MetricSpec("training_loss_cv", "gauge", "Coefficient of variation (std / mean) of the finite losses over the volatility window.", unit="none"),
-    MetricSpec("training_loss_trend_ratio", "gauge", "(mean of the previous window - mean of the recent window) / previous mean; positive means the loss falls.", unit="percentunit"),
-    MetricSpec("training_grad_norm_baseline", "gauge", "Rolling median of the recent global grad norms: the run's own level, against which explosions are judged.", unit="none"),
-    MetricSpec("training_health_status", "gauge", "Diagnosis per check: 0 good, 1 warning, 2 danger.", ("check", "component"), unit="none"),
-    MetricSpec("training_memory_allocated_bytes", "gauge", "Device memory allocated by tensors (CUDA), or process resident memory on CPU.", ("device",), unit="bytes"),
-    MetricSpec("training_memory_peak_bytes", "gauge", "Peak device memory allocated (CUDA), or peak process resident memory on CPU.", ("device",), unit="bytes"),
-    MetricSpec("training_memory_limit_bytes", "gauge", "Total memory of the device (CUDA), or the memory limit of the process (its cgroup's, else the machine's RAM) on CPU.", ("device",), unit="bytes"),
-    MetricSpec("training_loss_pattern", "gauge", "1 for the loss-curve pattern the run shows now (converging, oscillating, overfitting, diverging, no_progress), 0 for the others.", ("pattern",), unit="none"),
-    MetricSpec("training_loss_pattern_since_step", "gauge", "The step at which the current loss-curve pattern began.", unit="none"),
-    MetricSpec("training_grad_clip_coefficient", "gauge", "Factor the last clip_grad_norm_ through lossbeat scaled gradients by (1 = not clipped).", unit="none"),
-    MetricSpec("training_grad_scale", "gauge", "Loss scale of the fp16 GradScaler passed to observe(grad_scaler=...).", unit="none"),
-    MetricSpec("training_signal", "gauge", "Named signals of the task beside the loss, as passed to observe(metrics=...) or observe_eval(metrics=...): reward, reward_std, frac_reward_zero_std, kl (RL), margins, preference_accuracy (preference), eval_accuracy, eval_f1, eval_wer, eval_cer; each under its canonical name (TRL's rewards/std is reward_std).", ("signal",), unit="none"),
-    MetricSpec("training_layers_without_grad", "gauge", "Layers none of whose parameters had a gradient at the last per-layer measurement (unused this step); they are left out of training_layer_grad_norm.", unit="none"),
+    MetricSpec(
+        "training_loss_cv",
+        "gauge",
+        "Coefficient of variation (std / mean) of the finite losses over the volatility window.",
+        unit="none",
+    ),
+    MetricSpec(
+        "training_loss_trend_ratio",
+        "gauge",
+        "(mean of the previous window - mean of the recent window) / previous mean; positive means the loss falls.",
+        unit="percentunit",
+    ),
+    MetricSpec(
+        "training_grad_norm_baseline",
+        "gauge",
+        "Rolling median of the recent global grad norms: the run's own level, against which explosions are judged.",
+        unit="none",
+    ),
+    MetricSpec(
+        "training_health_status",
+        "gauge",
+        "Diagnosis per check: 0 good, 1 warning, 2 danger.",
+        ("check", "component"),
+        unit="none",
+    ),
+    MetricSpec(
+        "training_memory_allocated_bytes",
+        "gauge",
+        "Device memory allocated by tensors (CUDA), or process resident memory on CPU.",
+        ("device",),
+        unit="bytes",
+    ),
+    MetricSpec(
+        "training_memory_peak_bytes",
+        "gauge",
+        "Peak device memory allocated (CUDA), or peak process resident memory on CPU.",
+        ("device",),
+        unit="bytes",
+    ),
+    MetricSpec(
+        "training_memory_limit_bytes",
+        "gauge",
+        "Total memory of the device (CUDA), or the memory limit of the process (its cgroup's, else the machine's RAM) on CPU.",
+        ("device",),
+        unit="bytes",
+    ),
+    MetricSpec(
+        "training_loss_pattern",
+        "gauge",
+        "1 for the loss-curve pattern the run shows now (converging, oscillating, overfitting, diverging, no_progress), 0 for the others.",
+        ("pattern",),
+        unit="none",
+    ),
+    MetricSpec(
+        "training_loss_pattern_since_step",
+        "gauge",
+        "The step at which the current loss-curve pattern began.",
+        unit="none",
+    ),
+    MetricSpec(
+        "training_grad_clip_coefficient",
+        "gauge",
+        "Factor the last clip_grad_norm_ through lossbeat scaled gradients by (1 = not clipped).",
+        unit="none",
+    ),
+    MetricSpec(
+        "training_grad_scale",
+        "gauge",
+        "Loss scale of the fp16 GradScaler passed to observe(grad_scaler=...).",
+        unit="none",
+    ),
+    MetricSpec(
+        "training_signal",
+        "gauge",
+        "Named signals of the task beside the loss, as passed to observe(metrics=...) or observe_eval(metrics=...): reward, reward_std, frac_reward_zero_std, kl (RL), margins, preference_accuracy (preference), eval_accuracy, eval_f1, eval_wer, eval_cer; each under its canonical name (TRL's rewards/std is reward_std).",
+        ("signal",),
+        unit="none",
+    ),
+    MetricSpec(
+        "training_layers_without_grad",
+        "gauge",
+        "Layers none of whose parameters had a gradient at the last per-layer measurement (unused this step); they are left out of training_layer_grad_norm.",
+        unit="none",
+    ),
     # --- info ---------------------------------------------------------------------
-    MetricSpec("training_run", "info", "Metadata of the training run; feed: 'process' (the training process observes its own steps) or 'log' (lossbeat watch reads its log).", ("run", "profile", "world_size", "local_rank", "feed", "version", "torch_version")),
-    MetricSpec("training_profile", "info", "The task profile the run is judged with, and why: source 'given' (MonitorConfig.profile), 'detected' (from the names observe was given, listed in fields) or 'default' (no name says; the thresholds file's profile).", ("profile", "source", "fields")),
-    MetricSpec("training_nonfinite_grad_first_layer", "info", "Where the last non-finite gradient started: the last layer in model order whose gradient was non-finite (backprop spreads it to the layers before), or 'all layers' when a non-finite loss (on a pipeline stage without one: the gradient from the later stages) poisoned every one, or 'poisoned by the gradient all-reduce from another rank' when every layer is non-finite but this rank's loss is finite (another rank's NaN, averaged in by DDP).", ("layer",)),
+    MetricSpec(
+        "training_run",
+        "info",
+        "Metadata of the training run; feed: 'process' (the training process observes its own steps) or 'log' (lossbeat watch reads its log).",
+        ("run", "profile", "world_size", "local_rank", "feed", "version", "torch_version"),
+    ),
+    MetricSpec(
+        "training_profile",
+        "info",
+        "The task profile the run is judged with, and why: source 'given' (MonitorConfig.profile), 'detected' (from the names observe was given, listed in fields) or 'default' (no name says; the thresholds file's profile).",
+        ("profile", "source", "fields"),
+    ),
+    MetricSpec(
+        "training_nonfinite_grad_first_layer",
+        "info",
+        "Where the last non-finite gradient started: the last layer in model order whose gradient was non-finite (backprop spreads it to the layers before), or 'all layers' when a non-finite loss (on a pipeline stage without one: the gradient from the later stages) poisoned every one, or 'poisoned by the gradient all-reduce from another rank' when every layer is non-finite but this rank's loss is finite (another rank's NaN, averaged in by DDP).",
+        ("layer",),
+    ),
     # --- counters: events are never missed between scrapes ------------------------
     MetricSpec("training_steps_total", "counter", "Observed training steps."),
     MetricSpec("training_tokens_total", "counter", "Tokens processed, as passed to observe(tokens=...)."),
     MetricSpec("training_eval_total", "counter", "Observed evaluations."),
     MetricSpec("training_nonfinite_loss_total", "counter", "Steps whose loss was NaN or infinite."),
     MetricSpec("training_nonfinite_grad_total", "counter", "Steps whose gradient norm was NaN or infinite."),
-    MetricSpec("training_loss_spikes_total", "counter", "Steps whose loss exceeded its recent median by spike_sigma robust standard deviations (and spike_min_rise)."),
-    MetricSpec("training_grad_explosions_total", "counter", "Steps whose global grad norm departed from the run's baseline: above jump_ratio x its median, or above the explosion ceiling and ceiling_ratio x it."),
-    MetricSpec("training_grad_scaler_overflows_total", "counter", "Steps whose gradients overflowed under fp16 loss scaling: the GradScaler skips them (not counted as non-finite gradients)."),
+    MetricSpec(
+        "training_loss_spikes_total",
+        "counter",
+        "Steps whose loss exceeded its recent median by spike_sigma robust standard deviations (and spike_min_rise).",
+    ),
+    MetricSpec(
+        "training_grad_explosions_total",
+        "counter",
+        "Steps whose global grad norm departed from the run's baseline: above jump_ratio x its median, or above the explosion ceiling and ceiling_ratio x it.",
+    ),
+    MetricSpec(
+        "training_grad_scaler_overflows_total",
+        "counter",
+        "Steps whose gradients overflowed under fp16 loss scaling: the GradScaler skips them (not counted as non-finite gradients).",
+    ),
     # The optimizer guard (MonitorConfig.guard): exported unless it is off.
-    MetricSpec("training_skipped_steps_total", "counter", "Steps the optimizer guard kept from the optimizer (parameters, optimizer state and loss scale untouched), by reason: nonfinite, explosion, spike.", ("reason",)),
-    MetricSpec("training_guard_consecutive_skips", "gauge", "Steps skipped in a row by the optimizer guard up to the last applied one (0: the last step was applied).", unit="none"),
-    MetricSpec("training_halted", "gauge", "1 once the optimizer guard stopped the run (TrainingHalted raised on every rank), else 0.", unit="none"),
-    MetricSpec("training_phase_seconds_total", "counter", "Wall time spent in each phase since the monitor started (the current phase up to the scrape).", ("phase",)),
-    MetricSpec("training_exporter_errors_total", "counter", "Errors inside lossbeat itself, by where they happened; training is never interrupted.", ("where",)),
+    MetricSpec(
+        "training_skipped_steps_total",
+        "counter",
+        "Steps the optimizer guard kept from the optimizer (parameters, optimizer state and loss scale untouched), by reason: nonfinite, explosion, spike.",
+        ("reason",),
+    ),
+    MetricSpec(
+        "training_guard_consecutive_skips",
+        "gauge",
+        "Steps skipped in a row by the optimizer guard up to the last applied one (0: the last step was applied).",
+        unit="none",
+    ),
+    MetricSpec(
+        "training_halted",
+        "gauge",
+        "1 once the optimizer guard stopped the run (TrainingHalted raised on every rank), else 0.",
+        unit="none",
+    ),
+    MetricSpec(
+        "training_phase_seconds_total",
+        "counter",
+        "Wall time spent in each phase since the monitor started (the current phase up to the scrape).",
+        ("phase",),
+    ),
+    MetricSpec(
+        "training_exporter_errors_total",
+        "counter",
+        "Errors inside lossbeat itself, by where they happened; training is never interrupted.",
+        ("where",),
+    ),
     # Cross-rank signals (lossbeat.measure.cross_rank): compared across the ranks of a job by the rules.
-    MetricSpec("training_grad_norm_aligned", "gauge", "Global gradient norm at the last step that is a multiple of grad_norm_align_every (equal on every data-parallel replica).", unit="none"),
+    MetricSpec(
+        "training_grad_norm_aligned",
+        "gauge",
+        "Global gradient norm at the last step that is a multiple of grad_norm_align_every (equal on every data-parallel replica).",
+        unit="none",
+    ),
     MetricSpec("training_grad_norm_aligned_step", "gauge", "The step of training_grad_norm_aligned.", unit="none"),
-    MetricSpec("training_rank_work_seconds", "gauge", "This rank's own work per step, host time, mean of the last 50 steps: end of the previous observe() to the start of the forward, plus the forward (no collectives; under asynchronous CUDA the kernels' launch, not their run).", unit="s"),
+    MetricSpec(
+        "training_rank_work_seconds",
+        "gauge",
+        "This rank's own work per step, host time, mean of the last 50 steps: end of the previous observe() to the start of the forward, plus the forward (no collectives; under asynchronous CUDA the kernels' launch, not their run).",
+        unit="s",
+    ),
 ]
 
 METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in _SPECS}
@@ -160,7 +337,7 @@ def update_reference_doc(path: str = REFERENCE_DOC) -> bool:
     start, end = text.find(TABLE_START), text.find(TABLE_END)
     if start < 0 or end < start:
         raise ValueError(f"{path}: missing {TABLE_START} ... {TABLE_END} markers")
-    new = text[:start] + markdown_table() + text[end + len(TABLE_END):]
+    new = text[:start] + markdown_table() + text[end + len(TABLE_END) :]
     if new != text:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(new)

@@ -46,8 +46,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-__all__ = ["ENV_DIR", "Owner", "Registration", "register", "read_entries", "prune", "prune_own_namespace",
-           "add_arguments", "run"]
+__all__ = [
+    "ENV_DIR",
+    "Owner",
+    "Registration",
+    "register",
+    "read_entries",
+    "prune",
+    "prune_own_namespace",
+    "add_arguments",
+    "run",
+]
 
 log = logging.getLogger("lossbeat")
 
@@ -83,8 +92,13 @@ class Owner:
 
     def comparable(self) -> bool:
         """Whether this owner's pid can be looked up here: same host, same boot, same PID namespace."""
-        return (self.host == socket.gethostname() and self.boot_id is not None and self.pid_ns is not None
-                and self.boot_id == boot_id() and self.pid_ns == pid_namespace())
+        return (
+            self.host == socket.gethostname()
+            and self.boot_id is not None
+            and self.pid_ns is not None
+            and self.boot_id == boot_id()
+            and self.pid_ns == pid_namespace()
+        )
 
     def alive(self) -> bool | None:
         """Whether the process still runs; None when that is unknowable here: another host,
@@ -125,7 +139,7 @@ def process_start_ticks(pid: int) -> int | None:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read().decode(errors="replace")
         # Field 2 (comm) may contain spaces and parentheses: count from the last ')'.
-        return int(text[text.rindex(")") + 2:].split()[19])
+        return int(text[text.rindex(")") + 2 :].split()[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -134,8 +148,10 @@ def _entry_path(directory: Path, owner: Owner, port: str) -> Path:
     # The port too: two serving monitors in one process must not share (and remove) one entry.
     # The owner fields too: a registering rank judges entries from their names alone.
     ticks = _NO_TICKS if owner.start_ticks is None else str(owner.start_ticks)
-    return directory / (f"{PREFIX}{_safe(owner.host)}-{(owner.boot_id or 'x')[:12]}-{owner.pid_ns or 'x'}-"
-                        f"{owner.pid}-{ticks}-{_safe(port)}.json")
+    return directory / (
+        f"{PREFIX}{_safe(owner.host)}-{(owner.boot_id or 'x')[:12]}-{owner.pid_ns or 'x'}-"
+        f"{owner.pid}-{ticks}-{_safe(port)}.json"
+    )
 
 
 def _owner_from_name(name: str) -> Owner | None:
@@ -143,21 +159,32 @@ def _owner_from_name(name: str) -> Owner | None:
     boot id shortened), or None for any other name."""
     if not (name.startswith(PREFIX) and name.endswith(".json")):
         return None
-    parts = name[len(PREFIX):-len(".json")].rsplit("-", 5)
+    parts = name[len(PREFIX) : -len(".json")].rsplit("-", 5)
     if len(parts) != 6:
         return None
     host, boot, ns, pid, ticks, _port = parts
     try:
-        return Owner(host, int(pid), None if ticks == _NO_TICKS else int(ticks),
-                     None if boot == "x" else boot, None if ns == "x" else int(ns))
+        return Owner(
+            host,
+            int(pid),
+            None if ticks == _NO_TICKS else int(ticks),
+            None if boot == "x" else boot,
+            None if ns == "x" else int(ns),
+        )
     except ValueError:
         return None
 
 
 def _name_is_comparable(owner: Owner, mine: Owner) -> bool:
     """:meth:`Owner.comparable` for an owner parsed from a file name (safe host, short boot id)."""
-    return (owner.host == _safe(mine.host) and owner.boot_id is not None and mine.boot_id is not None
-            and owner.boot_id == mine.boot_id[:12] and owner.pid_ns is not None and owner.pid_ns == mine.pid_ns)
+    return (
+        owner.host == _safe(mine.host)
+        and owner.boot_id is not None
+        and mine.boot_id is not None
+        and owner.boot_id == mine.boot_id[:12]
+        and owner.pid_ns is not None
+        and owner.pid_ns == mine.pid_ns
+    )
 
 
 def prune_own_namespace(directory: str | os.PathLike) -> list[Path]:
@@ -260,8 +287,15 @@ def _target_host(addr: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def register(directory: str | os.PathLike | None, *, addr: str, port: int, rank: int,
-             job: str = "", on_error: Callable[[], None] | None = None) -> Registration | None:
+def register(
+    directory: str | os.PathLike | None,
+    *,
+    addr: str,
+    port: int,
+    rank: int,
+    job: str = "",
+    on_error: Callable[[], None] | None = None,
+) -> Registration | None:
     """Register this rank in ``directory`` (default: ``$LOSSBEAT_FILE_SD_DIR``); None when unset.
 
     Prunes the entries of dead processes of this host and PID namespace first, from the file
@@ -282,8 +316,12 @@ def register(directory: str | os.PathLike | None, *, addr: str, port: int, rank:
         prune_own_namespace(directory)
         registration = Registration(directory, f"{_target_host(addr)}:{port}", labels, rank)
     except OSError as exc:
-        log.warning("lossbeat: cannot register rank %d in %s (%s); Prometheus will not discover it",
-                    rank, directory, exc.strerror or exc)
+        log.warning(
+            "lossbeat: cannot register rank %d in %s (%s); Prometheus will not discover it",
+            rank,
+            directory,
+            exc.strerror or exc,
+        )
         if on_error is not None:
             on_error()
         return None
@@ -315,8 +353,13 @@ def read_entries(directory: str | os.PathLike) -> list[tuple[Path, Owner | None,
             labels = groups[0]["labels"]
             ticks = labels.get(f"{META}start_ticks", "")
             ns = labels.get(f"{META}pid_ns", "")
-            owner = Owner(labels[f"{META}host"], int(labels[f"{META}pid"]), int(ticks) if ticks else None,
-                          labels.get(f"{META}boot_id") or None, int(ns) if ns else None)
+            owner = Owner(
+                labels[f"{META}host"],
+                int(labels[f"{META}pid"]),
+                int(ticks) if ticks else None,
+                labels.get(f"{META}boot_id") or None,
+                int(ns) if ns else None,
+            )
         except FileNotFoundError:
             continue  # removed meanwhile
         except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
@@ -377,8 +420,10 @@ def _describe(entries: Iterable[tuple[Path, Owner | None, dict]]) -> Iterable[st
         if owner is None:
             yield f"{path.name}: unreadable"
             continue
-        yield (f"{path.name}: job={labels.get('job', '-')} rank={labels.get(META + 'rank', '-')} "
-               f"host={owner.host} pid={owner.pid} {states[owner.alive()]}")
+        yield (
+            f"{path.name}: job={labels.get('job', '-')} rank={labels.get(META + 'rank', '-')} "
+            f"host={owner.host} pid={owner.pid} {states[owner.alive()]}"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

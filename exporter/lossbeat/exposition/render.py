@@ -83,7 +83,7 @@ class LayerFamily(Metric):
         prefix = self._lines.prefix
         help_text = self.documentation.replace("\\", r"\\").replace("\n", r"\n")
         if openmetrics:
-            help_text = help_text.replace('"', r'\"')
+            help_text = help_text.replace('"', r"\"")
         head = f"# HELP {self.name} {help_text}\n# TYPE {self.name} gauge\n"
         return head + "".join([f"{prefix(k)}{floatToGoString(v)}\n" for k, v in self._values.items()])
 
@@ -98,8 +98,9 @@ class _Families:
         return iter(self._families)
 
 
-def bake(registry: Any, accept: str | None, accept_encoding: str | None,
-         params: Mapping[str, Any] | None = None) -> tuple[str, list[tuple[str, str]], bytes]:
+def bake(
+    registry: Any, accept: str | None, accept_encoding: str | None, params: Mapping[str, Any] | None = None
+) -> tuple[str, list[tuple[str, str]], bytes]:
     """(status, headers, body) of a /metrics response, as prometheus_client's ``_bake_output``
     answers it, with each :class:`LayerFamily` written from its cached lines."""
     if params and "name[]" in params:  # a filtered scrape: rare, the ordinary path

@@ -115,8 +115,11 @@ class RankContext:
             node_rank = _env_int("NODE_RANK") or _env_int("GROUP_RANK") or 0
             per_node = _env_int("LOCAL_WORLD_SIZE") or (world_size if node_rank == 0 else None)
             if per_node is None:
-                log.warning("lossbeat: NODE_RANK=%s without LOCAL_WORLD_SIZE: the global rank is unknown "
-                            "until the process group starts; using LOCAL_RANK", node_rank)
+                log.warning(
+                    "lossbeat: NODE_RANK=%s without LOCAL_WORLD_SIZE: the global rank is unknown "
+                    "until the process group starts; using LOCAL_RANK",
+                    node_rank,
+                )
                 return cls(local_rank, local_rank, world_size, "lightning")
             return cls(node_rank * per_node + local_rank, local_rank, world_size, "lightning")
         return cls()
@@ -139,9 +142,12 @@ def _local_rank_from_store(dist: Any, rank: int) -> int:
         hosts = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
         return sum(1 for h in hosts if h.decode() == host)
     except Exception as exc:  # noqa: BLE001 - a store without the API, or lower ranks without a monitor
-        log.warning("lossbeat: no local rank from the launcher or the process group's store (%s); "
-                    "using the global rank %d; pass rank_context=RankContext(...) to start_exporter to choose",
-                    exc, rank)
+        log.warning(
+            "lossbeat: no local rank from the launcher or the process group's store (%s); "
+            "using the global rank %d; pass rank_context=RankContext(...) to start_exporter to choose",
+            exc,
+            rank,
+        )
         return rank
 
 
@@ -185,7 +191,10 @@ class MetricsServer:
                 "lossbeat: port %s:%d is unavailable (%s: another job on this node?); serving /metrics on "
                 "port %d instead. Prometheus finds it through file_sd self-registration (LOSSBEAT_FILE_SD_DIR); "
                 "strict_port=True makes a taken port an error",
-                addr, port, exc.strerror or exc, self._server.server_address[1],
+                addr,
+                port,
+                exc.strerror or exc,
+                self._server.server_address[1],
             )
         self.port: int = self._server.server_address[1]
         self._pid = os.getpid()
@@ -194,12 +203,16 @@ class MetricsServer:
     def _bind_error(self, port: int, exc: OSError, strict_port: bool) -> str:
         reason = exc.strerror or str(exc)
         if strict_port and exc.errno in _PORT_UNAVAILABLE:
-            return (f"lossbeat: cannot serve metrics on {self.addr}:{port} ({reason}) and strict_port=True; "
-                    f"free port {port} (another job on this node?), pass another base port "
-                    "(start_exporter(port=...)), port=0 for a free one, or strict_port=False to fall back "
-                    "to a free port")
-        return (f"lossbeat: cannot serve metrics on {self.addr}:{port} ({reason}); "
-                "check addr (an address of this host), or pass port=0 for a free port")
+            return (
+                f"lossbeat: cannot serve metrics on {self.addr}:{port} ({reason}) and strict_port=True; "
+                f"free port {port} (another job on this node?), pass another base port "
+                "(start_exporter(port=...)), port=0 for a free one, or strict_port=False to fall back "
+                "to a free port"
+            )
+        return (
+            f"lossbeat: cannot serve metrics on {self.addr}:{port} ({reason}); "
+            "check addr (an address of this host), or pass port=0 for a free port"
+        )
 
     def close(self) -> None:
         _serving.discard(self)

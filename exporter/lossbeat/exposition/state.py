@@ -126,8 +126,9 @@ class MonitorState:
         (a status request), not at every diagnosis."""
         source = self.findings_source
         if source is not self._findings_of:
-            self._findings = tuple((f.check, f.component, int(f.status), f.message, f.fix if f.status else "", f.known)
-                                   for f in source)
+            self._findings = tuple(
+                (f.check, f.component, int(f.status), f.message, f.fix if f.status else "", f.known) for f in source
+            )
             self._findings_of = source
         return self._findings
 

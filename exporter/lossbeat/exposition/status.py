@@ -22,8 +22,18 @@ from lossbeat.diagnosis.patterns import PATTERNS
 if TYPE_CHECKING:
     from lossbeat.exposition.state import MonitorState
 
-__all__ = ["StatusSource", "status_document", "page_html", "render_json", "heatmap_matrix", "level_norm",
-           "STATUS_PATH", "STATUSES", "Q_LOW", "Q_STEP"]
+__all__ = [
+    "StatusSource",
+    "status_document",
+    "page_html",
+    "render_json",
+    "heatmap_matrix",
+    "level_norm",
+    "STATUS_PATH",
+    "STATUSES",
+    "Q_LOW",
+    "Q_STEP",
+]
 
 STATUS_PATH = "/status.json"
 STATUSES = ("good", "warning", "danger")
@@ -104,7 +114,7 @@ def heatmap_matrix(layers: Mapping[str, Any]) -> list[list[float | None]]:
     rows: list[list[float | None]] = [[None] * len(columns) for _ in names]
     for j, (hexes, set_index) in enumerate(zip(columns, layers["column_set"])):
         for position, row in enumerate(layers["sets"][set_index]):
-            rows[row][j] = level_norm(int(hexes[2 * position: 2 * position + 2], 16))
+            rows[row][j] = level_norm(int(hexes[2 * position : 2 * position + 2], 16))
     return rows
 
 
@@ -137,13 +147,19 @@ class _HeatmapCache:
                     names.setdefault(name, len(names))
             column_set.append(index)
         return {
-            "steps": [step for step, _ in history], "names": list(names),
-            "columns": [new[id(norms)][2] for _, norms in history], "column_set": column_set,
-            "sets": [[names[n] for n in keys] for keys in sets], "q_low": Q_LOW, "q_step": Q_STEP,
+            "steps": [step for step, _ in history],
+            "names": list(names),
+            "columns": [new[id(norms)][2] for _, norms in history],
+            "column_set": column_set,
+            "sets": [[names[n] for n in keys] for keys in sets],
+            "q_low": Q_LOW,
+            "q_step": Q_STEP,
         }
 
 
-def status_document(s: "MonitorState", now: float | None = None, heatmap: _HeatmapCache | None = None) -> dict[str, Any]:
+def status_document(
+    s: "MonitorState", now: float | None = None, heatmap: _HeatmapCache | None = None
+) -> dict[str, Any]:
     """What ``/status.json`` serves: plain, JSON-safe data from the state (read, never written)."""
     now = time.time() if now is None else now
     recent = s.recent.snapshot()
@@ -154,27 +170,42 @@ def status_document(s: "MonitorState", now: float | None = None, heatmap: _Heatm
     info = s.run_info
     return {
         "run": {
-            "name": info.get("run", ""), "profile": info.get("profile", ""), "rank": s.rank,
-            "world_size": info.get("world_size", ""), "version": info.get("version", ""),
-            "step": None if s.step is None else int(s.step), "uptime_s": max(now - s.started, 0.0),
-            "phase": s.phase[0], "completed": s.completed,
+            "name": info.get("run", ""),
+            "profile": info.get("profile", ""),
+            "rank": s.rank,
+            "world_size": info.get("world_size", ""),
+            "version": info.get("version", ""),
+            "step": None if s.step is None else int(s.step),
+            "uptime_s": max(now - s.started, 0.0),
+            "phase": s.phase[0],
+            "completed": s.completed,
             "last_step_age_s": None if s.last_step_time is None else max(now - s.last_step_time, 0.0),
         },
         "current": {
-            "loss": _scalar(s.loss), "eval_loss": _scalar(s.eval_loss), "grad_norm": _scalar(s.grad_norm),
-            "grad_norm_baseline": _scalar(s.grad_norm_baseline), "grad_norm_ceiling": _scalar(s.grad_norm_ceiling),
+            "loss": _scalar(s.loss),
+            "eval_loss": _scalar(s.eval_loss),
+            "grad_norm": _scalar(s.grad_norm),
+            "grad_norm_baseline": _scalar(s.grad_norm_baseline),
+            "grad_norm_ceiling": _scalar(s.grad_norm_ceiling),
             "learning_rate": _scalar(max(s.learning_rates.values())) if s.learning_rates else None,
             "first_nonfinite_layer": s.first_nonfinite_layer,
         },
         "findings": [
-            {"check": check, "component": component, "status": _status_name(status) if known else "unknown",
-             "message": message, "fix": fix}
+            {
+                "check": check,
+                "component": component,
+                "status": _status_name(status) if known else "unknown",
+                "message": message,
+                "fix": fix,
+            }
             for check, component, status, message, fix, known in findings
         ],
         "pattern": {"name": pattern, "since_step": since, "text": _PATTERN_TEXT.get(pattern or "", "")},
         "checklist": checklist(findings),
         "counters": {
-            "steps": s.steps_total, "evals": s.evals_total, "exporter_errors": sum(s.errors.values()),
+            "steps": s.steps_total,
+            "evals": s.evals_total,
+            "exporter_errors": sum(s.errors.values()),
             **{name: getattr(s, f"{name}_total") for name in COUNTERS},
         },
         "last_event_step": {name: s.event_steps.get(name) for name in COUNTERS},

@@ -51,8 +51,15 @@ _TLS_VERSIONS = {
 _TLS_KEYS = {"cert_file", "key_file", "client_ca_file", "client_auth_type", "min_version", "max_version"}
 # Keys of the toolkit's format that lossbeat does not implement: refused, never silently ignored.
 _UNSUPPORTED = {
-    "tls_server_config": {"cert", "key", "client_ca", "cipher_suites", "curve_preferences",
-                          "prefer_server_cipher_suites", "client_allowed_sans"},
+    "tls_server_config": {
+        "cert",
+        "key",
+        "client_ca",
+        "cipher_suites",
+        "curve_preferences",
+        "prefer_server_cipher_suites",
+        "client_allowed_sans",
+    },
 }
 _TOP_KEYS = {"tls_server_config", "basic_auth_users", "http_server_config"}
 _HTTP_KEYS = {"headers", "http2"}
@@ -93,7 +100,9 @@ class TLSServerConfig:
             try:
                 context.load_verify_locations(cafile=self.client_ca_file)
             except (OSError, ssl.SSLError) as exc:
-                raise WebConfigError(f"tls_server_config.client_ca_file: cannot load {self.client_ca_file}: {exc}") from exc
+                raise WebConfigError(
+                    f"tls_server_config.client_ca_file: cannot load {self.client_ca_file}: {exc}"
+                ) from exc
         return context
 
     def files(self) -> tuple[str, ...]:
@@ -159,8 +168,11 @@ def parse_web_config(doc: Any, source: str = "<web config>", directory: str = ".
             if not isinstance(user, str) or not user or ":" in user:
                 raise fail(where, "a user name is a non-empty string without ':'")
             if not isinstance(hashed, str) or not _is_bcrypt_hash(hashed):
-                raise fail(where, "expected a bcrypt hash ($2a$, $2b$ or $2y$, 60 characters), "
-                                  "e.g. from `htpasswd -nBC 12 USER`; never a plain password")
+                raise fail(
+                    where,
+                    "expected a bcrypt hash ($2a$, $2b$ or $2y$, 60 characters), "
+                    "e.g. from `htpasswd -nBC 12 USER`; never a plain password",
+                )
             users[user] = hashed
         if users:
             require_bcrypt()
@@ -190,8 +202,7 @@ def require_bcrypt() -> Any:
         import bcrypt
     except ImportError as exc:
         raise ImportError(
-            "lossbeat: basic_auth_users in the web config needs the bcrypt package: "
-            "pip install 'lossbeat[security]'"
+            "lossbeat: basic_auth_users in the web config needs the bcrypt package: pip install 'lossbeat[security]'"
         ) from exc
     return bcrypt
 
@@ -201,8 +212,10 @@ def _tls(doc: Any, directory: str, fail) -> TLSServerConfig:
         raise fail("tls_server_config", "expected a mapping")
     for key in doc:
         if key in _UNSUPPORTED["tls_server_config"]:
-            raise fail(f"tls_server_config.{key}", "not supported by lossbeat (use the *_file keys; "
-                                                   "protocol versions via min_version/max_version)")
+            raise fail(
+                f"tls_server_config.{key}",
+                "not supported by lossbeat (use the *_file keys; protocol versions via min_version/max_version)",
+            )
     _no_unknown(doc, _TLS_KEYS, "tls_server_config.", fail)
     values: dict[str, Any] = {}
     for key in ("cert_file", "key_file", "client_ca_file"):
@@ -220,10 +233,15 @@ def _tls(doc: Any, directory: str, fail) -> TLSServerConfig:
         # The toolkit's default: a client CA means clients must present a certificate it signed.
         auth = "RequireAndVerifyClientCert" if "client_ca_file" in values else "NoClientCert"
     if auth not in _CLIENT_AUTH:
-        hint = (" (Python's ssl verifies every client certificate it asks for: use VerifyClientCertIfGiven"
-                " or RequireAndVerifyClientCert)" if auth in ("RequestClientCert", "RequireAnyClientCert") else "")
-        raise fail("tls_server_config.client_auth_type",
-                   f"expected one of {', '.join(_CLIENT_AUTH)}, got {auth!r}{hint}")
+        hint = (
+            " (Python's ssl verifies every client certificate it asks for: use VerifyClientCertIfGiven"
+            " or RequireAndVerifyClientCert)"
+            if auth in ("RequestClientCert", "RequireAnyClientCert")
+            else ""
+        )
+        raise fail(
+            "tls_server_config.client_auth_type", f"expected one of {', '.join(_CLIENT_AUTH)}, got {auth!r}{hint}"
+        )
     if auth != "NoClientCert" and "client_ca_file" not in values:
         raise fail("tls_server_config.client_ca_file", f"required with client_auth_type {auth}")
     values["client_auth_type"] = auth

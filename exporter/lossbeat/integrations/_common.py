@@ -13,8 +13,17 @@ from lossbeat.diagnosis.profiles import is_signal
 from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
 from lossbeat.exposition.server import RankContext
 
-__all__ = ["check_monitor", "rank_monitor", "flush_quietly", "phase_quietly", "eval_loss_from", "task_metrics",
-           "AfterBackward", "uses_deepspeed", "deepspeed_grad_norm"]
+__all__ = [
+    "check_monitor",
+    "rank_monitor",
+    "flush_quietly",
+    "phase_quietly",
+    "eval_loss_from",
+    "task_metrics",
+    "AfterBackward",
+    "uses_deepspeed",
+    "deepspeed_grad_norm",
+]
 
 log = logging.getLogger("lossbeat")
 
@@ -122,8 +131,9 @@ _NAMES_KEPT = 256
 """Distinct names a callback passes on per run (the monitor remembers at most 64)."""
 
 
-def task_metrics(logged: Mapping[str, Any] | None, passed: set[str], *, evaluation: bool = False,
-                 skip: str | None = None) -> dict[str, Any] | None:
+def task_metrics(
+    logged: Mapping[str, Any] | None, passed: set[str], *, evaluation: bool = False, skip: str | None = None
+) -> dict[str, Any] | None:
     """The task's named values in what a framework logged, for ``observe(metrics=...)`` (training)
     or ``observe_eval(metrics=...)`` (``evaluation``), or None when there is nothing to pass.
 

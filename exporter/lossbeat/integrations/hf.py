@@ -16,8 +16,17 @@ except ImportError:  # pragma: no cover - the Trainer itself needs accelerate
 
 from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
-from lossbeat.integrations._common import (AfterBackward, check_monitor, deepspeed_grad_norm, eval_loss_from,
-                                           flush_quietly, phase_quietly, rank_monitor, task_metrics, uses_deepspeed)
+from lossbeat.integrations._common import (
+    AfterBackward,
+    check_monitor,
+    deepspeed_grad_norm,
+    eval_loss_from,
+    flush_quietly,
+    phase_quietly,
+    rank_monitor,
+    task_metrics,
+    uses_deepspeed,
+)
 from lossbeat.integrations._guard import Patch, ScheduleGate, guard_mode, settings_guard
 
 __all__ = ["LossbeatCallback"]
@@ -149,7 +158,11 @@ class LossbeatCallback(TrainerCallback):
     """
 
     def __init__(
-        self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None, per_step: bool = True,
+        self,
+        monitor: Monitor | NullMonitor | None = None,
+        *,
+        eval_key: str | None = None,
+        per_step: bool = True,
         **settings: Any,
     ) -> None:
         check_monitor(monitor, settings)
@@ -214,8 +227,9 @@ class LossbeatCallback(TrainerCallback):
         self._unguard()
         if guard_mode(self._monitor) != "off" and optimizer is not None:
             if uses_deepspeed(model, optimizer):
-                raise ValueError("guard: not available under DeepSpeed, whose engine steps inside backward; "
-                                 "use guard='off'")
+                raise ValueError(
+                    "guard: not available under DeepSpeed, whose engine steps inside backward; use guard='off'"
+                )
             self._step_patch = Patch(optimizer, "step", self._guarded_step)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -250,8 +264,15 @@ class LossbeatCallback(TrainerCallback):
             if norm is not None:
                 measured = {"grad_norm": norm}
         logged, self._logged = self._logged, None
-        self.monitor.observe(state.global_step + 1, loss=loss, optimizer=optimizer, epoch=epoch,
-                             grad_scaler=scaler, metrics=logged, **measured)
+        self.monitor.observe(
+            state.global_step + 1,
+            loss=loss,
+            optimizer=optimizer,
+            epoch=epoch,
+            grad_scaler=scaler,
+            metrics=logged,
+            **measured,
+        )
         self._decided = self._step_patch is not None
         self._observed_steps += 1
         self._reset()
@@ -271,7 +292,8 @@ class LossbeatCallback(TrainerCallback):
         epoch = logs.get("epoch")
         logged, self._logged = self._logged, None
         self._start(args).observe(
-            state.global_step, loss=float(loss),
+            state.global_step,
+            loss=float(loss),
             grad_norm=float(grad_norm) if isinstance(grad_norm, (int, float)) else None,
             learning_rate=float(lr) if isinstance(lr, (int, float)) else None,
             epoch=float(epoch) if isinstance(epoch, (int, float)) else None,
@@ -298,8 +320,10 @@ class LossbeatCallback(TrainerCallback):
         found = eval_loss_from(metrics, self.eval_key)
         if found is not None:
             self._start(args).observe_eval(
-                state.global_step, found[1],
-                metrics=task_metrics(metrics, self._names_passed, evaluation=True, skip=found[0]))
+                state.global_step,
+                found[1],
+                metrics=task_metrics(metrics, self._names_passed, evaluation=True, skip=found[0]),
+            )
         phase_quietly(self._monitor, "checkpoint" if control.should_save else self._after_evaluation())
 
     def on_predict(self, args, state, control, metrics=None, **kwargs):
@@ -333,8 +357,11 @@ class LossbeatCallback(TrainerCallback):
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
         gate, ran = ScheduleGate(), []
         # Under fp16 the scaler skips an overflow (or a guard skip) by not calling the torch step.
-        hook = inner.register_step_post_hook(lambda *_: ran.append(True)) \
-            if scaler is not None and hasattr(inner, "register_step_post_hook") else None
+        hook = (
+            inner.register_step_post_hook(lambda *_: ran.append(True))
+            if scaler is not None and hasattr(inner, "register_step_post_hook")
+            else None
+        )
         try:
             self._monitor.step(inner, grad_scaler=scaler, scheduler=gate)
         except BaseException:  # TrainingHalted (or a failing step) leaves train(): no on_train_end follows
@@ -380,8 +407,7 @@ class LossbeatCallback(TrainerCallback):
         # this hook, and a view would count the first micro-batch at that scale.
         value = loss.detach().to(torch.float32, copy=True).reshape(())
         with self._lock:  # replicas' threads: no lost update, one measurement per step
-            if self._measure_pre_clip and self._after_backward is not None and not self._watched \
-                    and _completes_step():
+            if self._measure_pre_clip and self._after_backward is not None and not self._watched and _completes_step():
                 self._watched = True
                 self._after_backward.watch(loss, owner)
             if self._loss_sum is None:

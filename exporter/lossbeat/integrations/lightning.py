@@ -10,8 +10,14 @@ from lightning.pytorch.callbacks import Callback
 
 from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
-from lossbeat.integrations._common import (check_monitor, eval_loss_from, flush_quietly, phase_quietly, rank_monitor,
-                                           task_metrics)
+from lossbeat.integrations._common import (
+    check_monitor,
+    eval_loss_from,
+    flush_quietly,
+    phase_quietly,
+    rank_monitor,
+    task_metrics,
+)
 from lossbeat.integrations._guard import Patch, guard_mode, settings_guard
 
 __all__ = ["LossbeatCallback"]
@@ -161,8 +167,13 @@ class LossbeatCallback(Callback):
         # "16-mixed" precision's GradScaler (None otherwise): an overflow it skips is no fault.
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         self.monitor.observe(
-            step, loss=self._loss_sum, model=pl_module, optimizer=optimizer, epoch=float(trainer.current_epoch),
-            grad_scaler=scaler, metrics=task_metrics(trainer.callback_metrics, self._names_passed),
+            step,
+            loss=self._loss_sum,
+            model=pl_module,
+            optimizer=optimizer,
+            epoch=float(trainer.current_epoch),
+            grad_scaler=scaler,
+            metrics=task_metrics(trainer.callback_metrics, self._names_passed),
         )
         self._decided = optimizer if self._patches else None
         self._loss_sum = None
@@ -175,9 +186,13 @@ class LossbeatCallback(Callback):
             return  # accumulating, or observed with gradients
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self.monitor.observe(step, loss=loss, optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-                                 epoch=float(trainer.current_epoch),
-                                 metrics=task_metrics(trainer.callback_metrics, self._names_passed))
+            self.monitor.observe(
+                step,
+                loss=loss,
+                optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+                epoch=float(trainer.current_epoch),
+                metrics=task_metrics(trainer.callback_metrics, self._names_passed),
+            )
             self._observed_at = step
         self._loss_sum = None
 
@@ -187,14 +202,18 @@ class LossbeatCallback(Callback):
         logged = trainer.callback_metrics
         found = eval_loss_from(logged, self.eval_key, prefix="val_")
         if found is not None:
-            self.monitor.observe_eval(trainer.global_step, found[1], metrics=task_metrics(
-                logged, self._names_passed, evaluation=True, skip=found[0]))
+            self.monitor.observe_eval(
+                trainer.global_step,
+                found[1],
+                metrics=task_metrics(logged, self._names_passed, evaluation=True, skip=found[0]),
+            )
 
     def on_validation_start(self, trainer, pl_module) -> None:
         phase_quietly(self._monitor, "eval")  # None: trainer.validate() outside a fit
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         phase_quietly(self._monitor, "eval")  # a heartbeat each batch
 
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -203,8 +222,9 @@ class LossbeatCallback(Callback):
     def on_test_start(self, trainer, pl_module) -> None:
         phase_quietly(self._monitor, "eval")
 
-    def on_test_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         phase_quietly(self._monitor, "eval")  # a heartbeat each batch
 
     def on_test_end(self, trainer, pl_module) -> None:
@@ -213,8 +233,9 @@ class LossbeatCallback(Callback):
     def on_predict_start(self, trainer, pl_module) -> None:
         phase_quietly(self._monitor, "eval")
 
-    def on_predict_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
-                             dataloader_idx: int = 0) -> None:
+    def on_predict_batch_end(
+        self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         phase_quietly(self._monitor, "eval")  # a heartbeat each batch
 
     def on_predict_end(self, trainer, pl_module) -> None:
@@ -242,13 +263,16 @@ class LossbeatCallback(Callback):
         _check_schedule("on", monitor.config.guard_schedule)
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         if scaler is not None:  # "16-mixed": Lightning runs scaler.step(optimizer) and scaler.update()
-            self._patches = [Patch(scaler, "step", self._guarded_scaler_step),
-                             Patch(scaler, "update", self._guarded_scaler_update)]
+            self._patches = [
+                Patch(scaler, "step", self._guarded_scaler_step),
+                Patch(scaler, "update", self._guarded_scaler_update),
+            ]
             return
         for optimizer in trainer.optimizers:
             if isinstance(optimizer, torch.optim.LBFGS):
-                raise ValueError("guard: LBFGS re-evaluates the loss inside its step and cannot be guarded; "
-                                 "use guard='off'")
+                raise ValueError(
+                    "guard: LBFGS re-evaluates the loss inside its step and cannot be guarded; use guard='off'"
+                )
         self._patches = [Patch(optimizer, "step", self._guarded_step(optimizer)) for optimizer in trainer.optimizers]
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -305,5 +329,7 @@ class LossbeatCallback(Callback):
 
 def _check_schedule(guard: str, schedule: str) -> None:
     if guard != "off" and schedule == "hold":
-        raise ValueError("guard_schedule: 'hold' is not available with the Lightning callback: Lightning steps "
-                         "its LR schedulers itself, so a skipped step takes its slot; use 'advance'")
+        raise ValueError(
+            "guard_schedule: 'hold' is not available with the Lightning callback: Lightning steps "
+            "its LR schedulers itself, so a skipped step takes its slot; use 'advance'"
+        )

@@ -91,8 +91,9 @@ class LossbeatCallback(Callback):
 
     priority: ClassVar[int] = 10
 
-    def __init__(self, monitor: Monitor | NullMonitor | None = None, *, eval_key: Optional[str] = None,
-                 **settings: Any) -> None:
+    def __init__(
+        self, monitor: Monitor | NullMonitor | None = None, *, eval_key: Optional[str] = None, **settings: Any
+    ) -> None:
         check_monitor(monitor, settings)
         self._monitor = monitor
         self._given = monitor
@@ -183,9 +184,14 @@ class LossbeatCallback(Callback):
             self._tokens_seen = total
         grad_norm = metrics.get(OPTIM_GRAD_NORM_METRIC)
         self._monitor.observe(
-            step, loss=loss, grad_norm=grad_norm, learning_rate=lrs[0][1] if lrs else None,
-            optimizer=optimizer if getattr(optimizer, "param_groups", None) is not None else None, tokens=tokens,
-            epoch=float(self.trainer.epoch) if self._trainer is not None else None)
+            step,
+            loss=loss,
+            grad_norm=grad_norm,
+            learning_rate=lrs[0][1] if lrs else None,
+            optimizer=optimizer if getattr(optimizer, "param_groups", None) is not None else None,
+            tokens=tokens,
+            epoch=float(self.trainer.epoch) if self._trainer is not None else None,
+        )
         self._observed_at = step
 
     def _trainer_module(self) -> Any:
@@ -207,4 +213,3 @@ def _eval_due(callback: Any, step: int) -> bool:
         return False
     interval, fixed = getattr(callback, "eval_interval", None), getattr(callback, "fixed_steps", None)
     return bool((interval and step % interval == 0) or (fixed and step in fixed))
-

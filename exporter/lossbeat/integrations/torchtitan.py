@@ -84,9 +84,13 @@ class LossbeatLogger(BaseLogger):
             if self._tokens_seen is not None and total >= self._tokens_seen:
                 tokens = total - self._tokens_seen
             self._tokens_seen = total
-        self.monitor.observe(step, loss=loss if loss >= 0 or loss != loss else None,
-                             grad_norm=metrics.get(GRAD_NORM_KEY), learning_rate=lrs[0] if lrs else None,
-                             tokens=tokens)
+        self.monitor.observe(
+            step,
+            loss=loss if loss >= 0 or loss != loss else None,
+            grad_norm=metrics.get(GRAD_NORM_KEY),
+            learning_rate=lrs[0] if lrs else None,
+            tokens=tokens,
+        )
         self._observed_at = step
 
 
@@ -117,8 +121,11 @@ class LossbeatMetricsProcessor(MetricsProcessor):
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        settings: dict[str, Any] = {"port": config.lossbeat_port, "enabled": config.lossbeat_enabled,
-                                    **config.lossbeat_settings}
+        settings: dict[str, Any] = {
+            "port": config.lossbeat_port,
+            "enabled": config.lossbeat_enabled,
+            **config.lossbeat_settings,
+        }
         if config.lossbeat_run_name:
             settings["run_name"] = config.lossbeat_run_name
         self.lossbeat = LossbeatLogger(**settings)

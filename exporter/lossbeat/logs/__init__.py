@@ -41,16 +41,41 @@ from typing import Callable
 
 from lossbeat.logs.csv_logs import is_lightning_header, parse_lightning
 from lossbeat.logs.json_logs import load_json, parse_hf_state, parse_llamafactory, parse_megatron_golden
-from lossbeat.logs.records import DEFAULT_MAX_RECORDS, EvalRecord, LogFormatError, ParsedLog, ReadCounts, RecordBuilder, TrainRecord
+from lossbeat.logs.records import (
+    DEFAULT_MAX_RECORDS,
+    EvalRecord,
+    LogFormatError,
+    ParsedLog,
+    ReadCounts,
+    RecordBuilder,
+    TrainRecord,
+)
 from lossbeat.logs.source import Source, compressed, head_lines, open_source
 from lossbeat.logs.stdout_logs import (
-    BUILD_NANOGPT, BUILD_NANOGPT_LOGTXT, NANOCHAT, OLMO_STEP, TORCHTITAN, is_kv_record,
-    parse_build_nanogpt, parse_kv_stdout, parse_nanochat, parse_olmo, parse_torchtitan,
+    BUILD_NANOGPT,
+    BUILD_NANOGPT_LOGTXT,
+    NANOCHAT,
+    OLMO_STEP,
+    TORCHTITAN,
+    is_kv_record,
+    parse_build_nanogpt,
+    parse_kv_stdout,
+    parse_nanochat,
+    parse_olmo,
+    parse_torchtitan,
 )
 from lossbeat.logs.tensorboard import event_files, is_event_file, parse_tensorboard
 from lossbeat.logs.text_logs import (
-    HF_DICT_START, LLMC_STDOUT, MEGATRON_ITER, NANOGPT_EVAL, NANOGPT_ITER,
-    parse_hf_stdout, parse_llmc_main, parse_llmc_stdout, parse_megatron_log, parse_nanogpt,
+    HF_DICT_START,
+    LLMC_STDOUT,
+    MEGATRON_ITER,
+    NANOGPT_EVAL,
+    NANOGPT_ITER,
+    parse_hf_stdout,
+    parse_llmc_main,
+    parse_llmc_stdout,
+    parse_megatron_log,
+    parse_nanogpt,
 )
 
 __all__ = [
@@ -65,9 +90,23 @@ __all__ = [
     "parse_log",
 ]
 
-FORMATS: tuple[str, ...] = ("hf", "hf-stdout", "llamafactory", "lightning", "llmc", "llmc-stdout", "nanogpt",
-                            "megatron", "megatron-log", "build-nanogpt", "nanochat", "olmo", "torchtitan",
-                            "kv-stdout", "tensorboard")
+FORMATS: tuple[str, ...] = (
+    "hf",
+    "hf-stdout",
+    "llamafactory",
+    "lightning",
+    "llmc",
+    "llmc-stdout",
+    "nanogpt",
+    "megatron",
+    "megatron-log",
+    "build-nanogpt",
+    "nanochat",
+    "olmo",
+    "torchtitan",
+    "kv-stdout",
+    "tensorboard",
+)
 
 _JSON_FORMATS = {"hf": parse_hf_state, "megatron": parse_megatron_golden}
 _LINE_FORMATS: dict[str, Callable[[Source, RecordBuilder], None]] = {
@@ -91,8 +130,10 @@ def _detect(src: Source) -> str:
         return "tensorboard"
     if src.encoding is None:
         if kind := compressed(src.head_bytes):
-            raise LogFormatError(f"{src.path}: {kind}-compressed: decompress it first "
-                                 f"(e.g. {'zcat' if kind == 'gzip' else kind + ' -dc'} FILE > log)")
+            raise LogFormatError(
+                f"{src.path}: {kind}-compressed: decompress it first "
+                f"(e.g. {'zcat' if kind == 'gzip' else kind + ' -dc'} FILE > log)"
+            )
         raise LogFormatError(f"{src.path}: binary data, not a text log (and not a TensorBoard event file)")
     head = src.head
     stripped = head.lstrip()
@@ -115,8 +156,12 @@ def _detect(src: Source) -> str:
         return "llmc"
     if any(LLMC_STDOUT.match(line) and "loss" in line for line in text):
         return "llmc-stdout"
-    if any(re.match(r"^step:\d+/\d+\s+(train_loss|val_loss):", line) or NANOGPT_ITER.match(line)
-           or NANOGPT_EVAL.match(line) for line in text):
+    if any(
+        re.match(r"^step:\d+/\d+\s+(train_loss|val_loss):", line)
+        or NANOGPT_ITER.match(line)
+        or NANOGPT_EVAL.match(line)
+        for line in text
+    ):
         return "nanogpt"
     if any(MEGATRON_ITER.search(line) for line in text):
         return "megatron-log"
@@ -124,18 +169,21 @@ def _detect(src: Source) -> str:
         return "build-nanogpt"
     if any(NANOCHAT.match(line) for line in text):
         return "nanochat"
-    if any(OLMO_STEP.search(line) for line in text) and any(
-            re.match(r"^(?:train|eval)/[^=]*=", line) for line in text):
+    if any(OLMO_STEP.search(line) for line in text) and any(re.match(r"^(?:train|eval)/[^=]*=", line) for line in text):
         return "olmo"
     if any(TORCHTITAN.match(line) for line in text):
         return "torchtitan"
     if _count(is_kv_record, text) >= 2:
         return "kv-stdout"
     if stripped.startswith("{"):
-        raise LogFormatError(f"{src.path}: JSON, but none of the known layouts (trainer_state.json "
-                             "log_history, trainer_log.jsonl, Megatron golden values)")
-    raise LogFormatError(f"{src.path}: unknown log format: no record of a known format in the first "
-                         f"{len(head) >> 10 or 1} KiB (known: {', '.join(FORMATS)})")
+        raise LogFormatError(
+            f"{src.path}: JSON, but none of the known layouts (trainer_state.json "
+            "log_history, trainer_log.jsonl, Megatron golden values)"
+        )
+    raise LogFormatError(
+        f"{src.path}: unknown log format: no record of a known format in the first "
+        f"{len(head) >> 10 or 1} KiB (known: {', '.join(FORMATS)})"
+    )
 
 
 def _count(test: Callable[[str], object], lines: list[str]) -> int:

@@ -34,13 +34,17 @@ def _rank(name: str) -> tuple:
     return ("total" not in low, not plain, low.endswith("_epoch"), "train" not in low, len(name))
 
 
-def choose_loss_column(columns: list[str], known: tuple[str, ...], exclude: re.Pattern,
-                       require: re.Pattern | None = None) -> tuple[str | None, list[str]]:
+def choose_loss_column(
+    columns: list[str], known: tuple[str, ...], exclude: re.Pattern, require: re.Pattern | None = None
+) -> tuple[str | None, list[str]]:
     """The loss column by name: a known name first, else any column named ``*loss*`` (``mean_loss``,
     ``train/total_loss``, ``train_disc_loss``...) ranked by :func:`_rank`. Returns it and the other
     candidates (listed in the notes, not read)."""
-    candidates = [c for c in columns if _LOSS.search(c) and not exclude.search(c)
-                  and (require is None or require.search(c)) and c not in _NOT_A_LOSS]
+    candidates = [
+        c
+        for c in columns
+        if _LOSS.search(c) and not exclude.search(c) and (require is None or require.search(c)) and c not in _NOT_A_LOSS
+    ]
     chosen = next((c for c in known if c in columns), None)
     if chosen is None and candidates:
         chosen = sorted(candidates, key=_rank)[0]
@@ -85,13 +89,18 @@ def parse_lightning(src: Source, out: RecordBuilder) -> None:
     if lr_col:
         others = f"; not read: {', '.join(lr_cols[1:])}" if len(lr_cols) > 1 else ""
         out.note(f"learning rate from column {lr_col!r}{others}")
-    unused = [c for c in columns if c not in {train_col, eval_col, grad_col, *lr_cols, *train_others, *eval_others,
-                                              "step", "epoch"}]
+    unused = [
+        c
+        for c in columns
+        if c not in {train_col, eval_col, grad_col, *lr_cols, *train_others, *eval_others, "step", "epoch"}
+    ]
     if unused:
         out.note(f"columns not read: {', '.join(unused[:12])}{', ...' if len(unused) > 12 else ''}")
     if not train_col:
-        out.note(f"no train-loss column (looked for {', '.join(_TRAIN)}, then any column named *loss* "
-                 "that is not a validation, test or epoch aggregate)")
+        out.note(
+            f"no train-loss column (looked for {', '.join(_TRAIN)}, then any column named *loss* "
+            "that is not a validation, test or epoch aggregate)"
+        )
     lr_steps: list[int] = []
     lr_values: list[float] = []
     rows: list[tuple] = []  # train and eval rows in file order, emitted once every LR is known

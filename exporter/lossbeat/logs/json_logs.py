@@ -26,8 +26,9 @@ def _size(n: int) -> str:
 def load_json(src: Source) -> Any:
     """The whole document (bounded: :data:`MAX_JSON_BYTES`); a broken one is a one-line error."""
     if src.size > MAX_JSON_BYTES:
-        raise LogFormatError(f"{src.path}: a {_size(src.size)} JSON document is larger than the "
-                             f"{_size(MAX_JSON_BYTES)} read at once")
+        raise LogFormatError(
+            f"{src.path}: a {_size(src.size)} JSON document is larger than the {_size(MAX_JSON_BYTES)} read at once"
+        )
     try:
         with open(src.path, encoding=src.encoding or "utf-8", errors="replace") as fh:
             text = fh.read()
@@ -71,8 +72,13 @@ def _train_and_evals(out: RecordBuilder, entry: Mapping, step: int) -> bool:
                 out.signal(step, key, value)
     if "loss" in entry:
         lr_key = next((k for k in _LR_KEYS if k in entry), None)
-        out.train(step, _value(out, entry, "loss"), _value(out, entry, "grad_norm"),
-                  _value(out, entry, lr_key) if lr_key else None, _value(out, entry, "epoch"))
+        out.train(
+            step,
+            _value(out, entry, "loss"),
+            _value(out, entry, "grad_norm"),
+            _value(out, entry, lr_key) if lr_key else None,
+            _value(out, entry, "epoch"),
+        )
         used = True
     for key in entry:
         m = HF_EVAL_KEY.match(key)
@@ -85,8 +91,14 @@ def _train_and_evals(out: RecordBuilder, entry: Mapping, step: int) -> bool:
 
 
 def _note_unread_keys(out: RecordBuilder, keys: set[str]) -> None:
-    unread = sorted(k for k in keys if k not in _READ_KEYS and not HF_EVAL_KEY.match(k)
-                    and k not in _SUMMARY_KEYS and not (isinstance(k, str) and is_signal(k)))
+    unread = sorted(
+        k
+        for k in keys
+        if k not in _READ_KEYS
+        and not HF_EVAL_KEY.match(k)
+        and k not in _SUMMARY_KEYS
+        and not (isinstance(k, str) and is_signal(k))
+    )
     if unread:
         out.note(f"fields not read: {', '.join(unread[:12])}{', ...' if len(unread) > 12 else ''}")
 

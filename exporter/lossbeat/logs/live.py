@@ -27,8 +27,9 @@ __all__ = ["LiveSink", "LiveBuilder", "live_parser", "LIVE_FORMATS"]
 class LiveSink(Protocol):
     """Where a :class:`LiveBuilder` sends the records, in file order."""
 
-    def train(self, step: int, loss: float | None, grad_norm: float | None, learning_rate: float | None,
-              epoch: float | None) -> None: ...
+    def train(
+        self, step: int, loss: float | None, grad_norm: float | None, learning_rate: float | None, epoch: float | None
+    ) -> None: ...
 
     def eval(self, step: int, loss: float, group: str) -> None: ...
 
@@ -75,8 +76,14 @@ class LiveBuilder(RecordBuilder):
         run.add(step)
         self.last_step = step
 
-    def train(self, step: int, loss: float | None, grad_norm: float | None = None,
-              learning_rate: float | None = None, epoch: float | None = None) -> None:
+    def train(
+        self,
+        step: int,
+        loss: float | None,
+        grad_norm: float | None = None,
+        learning_rate: float | None = None,
+        epoch: float | None = None,
+    ) -> None:
         if not self._goes_back(step) and self.last_step is not None and step <= self.last_step:
             self.skip("repeated or earlier steps (a live record is final: the first one kept)")
             return
@@ -114,9 +121,13 @@ def parse_hf_stdout_live(src: Source, out: LiveBuilder) -> None:
                 out.hf_epoch = epoch if epoch is not None else out.hf_epoch
                 out.hf_records += 1
                 lr_key = "learning_rate" if "learning_rate" in items else ("lr" if "lr" in items else None)
-                out.train(out.hf_records, _py_number(out, "loss", items["loss"]),
-                          _py_number(out, "grad_norm", items.get("grad_norm")),
-                          _py_number(out, "learning_rate", items.get(lr_key)) if lr_key else None, epoch)
+                out.train(
+                    out.hf_records,
+                    _py_number(out, "loss", items["loss"]),
+                    _py_number(out, "grad_norm", items.get("grad_norm")),
+                    _py_number(out, "learning_rate", items.get(lr_key)) if lr_key else None,
+                    epoch,
+                )
             elif any(_HF_EVAL.match(k) for k in items):
                 for key, value in items.items():
                     g = _HF_EVAL.match(key)
@@ -145,7 +156,9 @@ def parse_llamafactory_live(src: Source, out: LiveBuilder) -> None:
 
 
 LIVE_FORMATS: dict[str, Callable[[Source, LiveBuilder], None]] = {
-    **_LINE_FORMATS, "hf-stdout": parse_hf_stdout_live, "llamafactory": parse_llamafactory_live,
+    **_LINE_FORMATS,
+    "hf-stdout": parse_hf_stdout_live,
+    "llamafactory": parse_llamafactory_live,
 }
 """The formats a live file can be read in: every line format (not whole JSON documents, not TensorBoard)."""
 
@@ -155,7 +168,9 @@ def live_parser(fmt: str) -> Callable[[Source, LiveBuilder], None]:
     if fmt in LIVE_FORMATS:
         return LIVE_FORMATS[fmt]
     if fmt in FORMATS:
-        raise LogFormatError(f"{fmt}: not a line-by-line log, so it cannot be followed (a JSON document "
-                             "rewritten whole, or event files): follow the run's printed log instead "
-                             f"(live formats: {', '.join(LIVE_FORMATS)})")
+        raise LogFormatError(
+            f"{fmt}: not a line-by-line log, so it cannot be followed (a JSON document "
+            "rewritten whole, or event files): follow the run's printed log instead "
+            f"(live formats: {', '.join(LIVE_FORMATS)})"
+        )
     raise LogFormatError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")

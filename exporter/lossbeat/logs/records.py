@@ -85,17 +85,28 @@ class ReadCounts:
         if self.skipped:
             text += "; skipped " + ", ".join(f"{n} {why}" for why, n in self.skipped.items())
         if self.unreadable:
-            text += "; unreadable " + ", ".join(
-                f"{n} {name} value{'s' if n > 1 else ''} (first: {self.unreadable_examples[name]})"
-                for name, n in self.unreadable.items()
-            ) + " (left out)"
+            text += (
+                "; unreadable "
+                + ", ".join(
+                    f"{n} {name} value{'s' if n > 1 else ''} (first: {self.unreadable_examples[name]})"
+                    for name, n in self.unreadable.items()
+                )
+                + " (left out)"
+            )
         if self.stopped_at:
             text += f"; STOPPED EARLY {self.stopped_at}"
         return text
 
     def to_dict(self) -> dict:
-        return {"unit": self.unit, "read": self.read, "train": self.train, "evals": self.evals,
-                "skipped": dict(self.skipped), "unreadable": dict(self.unreadable), "stopped_at": self.stopped_at}
+        return {
+            "unit": self.unit,
+            "read": self.read,
+            "train": self.train,
+            "evals": self.evals,
+            "skipped": dict(self.skipped),
+            "unreadable": dict(self.unreadable),
+            "stopped_at": self.stopped_at,
+        }
 
 
 @dataclass
@@ -168,8 +179,7 @@ class _Run:
         if step <= self.first_step:
             return True
         last = self.last_step if self.last_step is not None else step
-        return (self.first_gap > 0 and step <= self.first_step + self.first_gap
-                and step < last - 2 * self.first_gap)
+        return self.first_gap > 0 and step <= self.first_step + self.first_gap and step < last - 2 * self.first_gap
 
     def add(self, step: int) -> None:
         if self.first_step is not None and not self.first_gap and step > self.first_step:
@@ -238,8 +248,14 @@ class RecordBuilder:
             self._runs.append(run)
         return run
 
-    def train(self, step: int, loss: float | None, grad_norm: float | None = None,
-              learning_rate: float | None = None, epoch: float | None = None) -> None:
+    def train(
+        self,
+        step: int,
+        loss: float | None,
+        grad_norm: float | None = None,
+        learning_rate: float | None = None,
+        epoch: float | None = None,
+    ) -> None:
         run = self._maybe_restart(step)
         if step in run.by_step:
             self.skip("repeated steps (the latest record of a step kept)")
@@ -282,8 +298,19 @@ class RecordBuilder:
         for i, run in enumerate(runs):
             train = [run.by_step[s] for s in sorted(run.by_step)]
             evals = sorted(run.evals.values(), key=lambda e: e.step)
-            seg = ParsedLog(self.path, self.format, train, evals, [], self.counts, i, [], self.derived_steps,
-                            tuple(self.fields), {k: sorted(v.items()) for k, v in run.signals.items()})
+            seg = ParsedLog(
+                self.path,
+                self.format,
+                train,
+                evals,
+                [],
+                self.counts,
+                i,
+                [],
+                self.derived_steps,
+                tuple(self.fields),
+                {k: sorted(v.items()) for k, v in run.signals.items()},
+            )
             if len(runs) > 1:
                 span = f"steps {train[0].step}-{train[-1].step}" if train else "no train records"
                 seg.notes.append(f"run {i + 1} of {len(runs)} in this file ({span}, from {run.start})")
@@ -306,8 +333,19 @@ class RecordBuilder:
         last = segments[-1] if segments else ParsedLog(self.path, self.format, notes=notes, counts=self.counts)
         # The file's notes: for a one-run file its run's notes, else the notes shared by every run.
         file_notes = list(last.notes) if len(segments) == 1 else notes
-        return ParsedLog(self.path, self.format, last.train, last.evals, file_notes, self.counts,
-                         last.segment, segments, self.derived_steps, tuple(self.fields), dict(last.signals))
+        return ParsedLog(
+            self.path,
+            self.format,
+            last.train,
+            last.evals,
+            file_notes,
+            self.counts,
+            last.segment,
+            segments,
+            self.derived_steps,
+            tuple(self.fields),
+            dict(last.signals),
+        )
 
 
 def _start_note(train: list[TrainRecord]) -> list[str]:
@@ -317,6 +355,8 @@ def _start_note(train: list[TrainRecord]) -> list[str]:
     interval = log_interval([r.step for r in train])
     first = train[0].step
     if first > 2 * interval + 1:
-        return [f"the step counter starts at {first} (logged every {interval} steps): "
-                "the log begins mid-run (a resumed run, or a trimmed log)"]
+        return [
+            f"the step counter starts at {first} (logged every {interval} steps): "
+            "the log begins mid-run (a resumed run, or a trimmed log)"
+        ]
     return []

@@ -16,8 +16,18 @@ from typing import Iterator
 
 from lossbeat.logs.records import LogFormatError, RecordBuilder
 
-__all__ = ["Source", "open_source", "iter_lines", "text_lines", "clean_line", "unwrap_json", "parse_number", "compressed",
-           "MAX_JSON_BYTES", "MAX_LINE_CHARS"]
+__all__ = [
+    "Source",
+    "open_source",
+    "iter_lines",
+    "text_lines",
+    "clean_line",
+    "unwrap_json",
+    "parse_number",
+    "compressed",
+    "MAX_JSON_BYTES",
+    "MAX_LINE_CHARS",
+]
 
 MAX_JSON_BYTES = 256 << 20
 """Largest JSON document read at once (trainer_state.json, golden values): json.load holds it all."""
@@ -27,11 +37,18 @@ SNIFF_BYTES = 1 << 20
 """Bytes read from the start of the file to detect its format and encoding."""
 
 _BOMS = (
-    (codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
-    (codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"),
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
 )
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 @dataclass(frozen=True)
@@ -60,8 +77,11 @@ def open_source(path: str) -> Source:
     except OSError as exc:
         raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
     if stat.S_ISDIR(st.st_mode):
-        raise _fail(path, "is a directory, not a log file (a directory is read only when it holds "
-                          f"TensorBoard event files){_known_inside(path)}")
+        raise _fail(
+            path,
+            "is a directory, not a log file (a directory is read only when it holds "
+            f"TensorBoard event files){_known_inside(path)}",
+        )
     for test, kind in _KINDS:
         if test(st.st_mode):  # opening a FIFO would block until a writer comes
             raise _fail(path, f"is {kind}, not a regular file: save the log to a file first")
@@ -93,8 +113,13 @@ def _known_inside(directory: str) -> str:
     return f"; it holds {', '.join(found)}: pass that file" if found else ""
 
 
-_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"(\xb5/\xfd", "zstd"),
-               (b"PK\x03\x04", "zip"))
+_COMPRESSED = (
+    (b"\x1f\x8b", "gzip"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"(\xb5/\xfd", "zstd"),
+    (b"PK\x03\x04", "zip"),
+)
 
 
 def compressed(head: bytes) -> str | None:
@@ -190,12 +215,16 @@ _PREFIXES = (
     re.compile(r"^\[[^\]]{0,40}\d{1,2}:\d{2}:\d{2}[^\]]{0,40}\]\s*"),  # "[2024-05-01 12:00:00]", "[12:00:00 INFO]"
     re.compile(r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\s*"),  # ISO timestamps
     re.compile(r"^\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\s+"),  # a bare time of day
-    re.compile(r"^[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+\s+[\w.-]+:\d+\]\s*"),  # absl / glog: "I0501 12:00:00.123 42 f.py:9] "
+    re.compile(
+        r"^[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+\s+[\w.-]+:\d+\]\s*"
+    ),  # absl / glog: "I0501 12:00:00.123 42 f.py:9] "
     # "[titan]", "[INFO]", Hydra's "[__main__][INFO] - ", DeepSpeed's "[loss_scaler.py:188:update_scale]"
     re.compile(r"^\[(?:[A-Za-z_][\w.-]{0,39}|[\w.-]+\.py:\d+(?::\w+)?)\](?:\s*-(?=\s))?\s*"),
     # logging's separators and level: "- root - INFO - ", "| INFO | ", "INFO:root:", "INFO     "
-    re.compile(r"^(?:[-|:]\s*)?(?:[\w.\[\]<>]+\s*[-|:]\s*)?(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)"
-               r"(?::[\w.]+:|\s*[-|:]\s+|\s+|$)"),
+    re.compile(
+        r"^(?:[-|:]\s*)?(?:[\w.\[\]<>]+\s*[-|:]\s*)?(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)"
+        r"(?::[\w.]+:|\s*[-|:]\s+|\s+|$)"
+    ),
 )
 
 
@@ -209,7 +238,7 @@ def clean_line(line: str) -> str:
         for rx in _PREFIXES:
             m = rx.match(text)
             if m and m.end():
-                text = text[m.end():]
+                text = text[m.end() :]
                 break
         else:
             break
@@ -239,7 +268,7 @@ def unwrap_json(line: str) -> list[str] | None:
         text = text.lstrip("[,").strip()
     if text.endswith("]") and not text.endswith("\\]"):
         text = text[:-1].rstrip().rstrip(",")
-    if not (text.startswith('"') and text.endswith('"')) and not (text.startswith("{\"") and text.endswith("}")):
+    if not (text.startswith('"') and text.endswith('"')) and not (text.startswith('{"') and text.endswith("}")):
         return None
     try:
         value = json.loads(text)
@@ -271,8 +300,10 @@ def text_lines(src: Source, out: RecordBuilder) -> Iterator[str]:
     if wrapped:
         out.note(f"{wrapped} lines are JSON stream entries (notebook or Kaggle output): their printed text was read")
     if prefixed:
-        out.note(f"{prefixed} lines carry colour codes or launcher/logger prefixes (rank labels, timestamps, "
-                 "log levels): removed before reading")
+        out.note(
+            f"{prefixed} lines carry colour codes or launcher/logger prefixes (rank labels, timestamps, "
+            "log levels): removed before reading"
+        )
 
 
 def head_lines(src: Source) -> list[str]:

@@ -28,8 +28,17 @@ from lossbeat.logs.records import RecordBuilder
 from lossbeat.logs.source import Source, parse_number, text_lines
 
 __all__ = [
-    "parse_build_nanogpt", "parse_nanochat", "parse_olmo", "parse_torchtitan", "parse_kv_stdout",
-    "BUILD_NANOGPT", "BUILD_NANOGPT_LOGTXT", "NANOCHAT", "OLMO_STEP", "TORCHTITAN", "is_kv_record",
+    "parse_build_nanogpt",
+    "parse_nanochat",
+    "parse_olmo",
+    "parse_torchtitan",
+    "parse_kv_stdout",
+    "BUILD_NANOGPT",
+    "BUILD_NANOGPT_LOGTXT",
+    "NANOCHAT",
+    "OLMO_STEP",
+    "TORCHTITAN",
+    "is_kv_record",
 ]
 
 _NOT_RECORD = "lines that are not records (banners, progress, warnings)"
@@ -60,8 +69,9 @@ def parse_build_nanogpt(src: Source, out: RecordBuilder) -> None:
     for line in text_lines(src, out):
         if m := BUILD_NANOGPT.match(line):
             last = int(m.group(1))
-            out.train(last, _number(out, "loss", m.group(2)), _number(out, "norm", m.group(4)),
-                      _number(out, "lr", m.group(3)))
+            out.train(
+                last, _number(out, "loss", m.group(2)), _number(out, "norm", m.group(4)), _number(out, "lr", m.group(3))
+            )
         elif m := _BN_VAL.match(line):
             if (loss := _number(out, "validation loss", m.group(1))) is not None:
                 out.eval(last + 1, loss)
@@ -135,8 +145,12 @@ def parse_olmo(src: Source, out: RecordBuilder) -> None:
         if train is not None:
             grad = next((v for k, v in block.items() if _OLMO_GRAD.match(k)), None)
             lr = next((v for k, v in block.items() if _OLMO_LR.match(k)), None)
-            out.train(step, _number(out, "train loss", train), _number(out, "grad norm", grad),
-                      _number(out, "learning rate", lr))
+            out.train(
+                step,
+                _number(out, "train loss", train),
+                _number(out, "grad norm", grad),
+                _number(out, "learning rate", lr),
+            )
             used = True
         for key, value in block.items():
             if (e := _OLMO_EVAL.match(key)) and (loss := _number(out, key, value)) is not None:
@@ -179,8 +193,12 @@ def parse_torchtitan(src: Source, out: RecordBuilder) -> None:
                 continue
             grad = _TT_GRAD.search(line)
             lr = _TT_LR.search(line)
-            out.train(step, loss, _number(out, "grad_norm", grad.group(1) if grad else None),
-                      _number(out, "lr", lr.group(1) if lr else None))
+            out.train(
+                step,
+                loss,
+                _number(out, "grad_norm", grad.group(1) if grad else None),
+                _number(out, "lr", lr.group(1) if lr else None),
+            )
         else:
             out.skip(_NOT_RECORD)
 
@@ -243,12 +261,16 @@ def parse_kv_stdout(src: Source, out: RecordBuilder) -> None:
             others.update(k for k in pairs if k.endswith("loss") and k != loss_key and not _EVAL_KEY.match(k))
             grad = next((pairs[k] for k in _GRAD_KEYS if k in pairs), None)
             lr = next((pairs[k] for k in _LR_KEYS if k in pairs), None)
-            out.train(step, _number(out, loss_key, pairs[loss_key]), _number(out, "grad norm", grad),
-                      _number(out, "lr", lr))
+            out.train(
+                step, _number(out, loss_key, pairs[loss_key]), _number(out, "grad norm", grad), _number(out, "lr", lr)
+            )
         for k in evals:
             if (loss := _number(out, k, pairs[k])) is not None:
                 out.eval(step, loss)
     if chosen:
         rest = f"; other loss keys, not read: {', '.join(sorted(others))}" if others else ""
-        out.note("printed key: value records: train loss from "
-                 + ", ".join(f"{k!r} ({n} records)" for k, n in chosen.items()) + rest)
+        out.note(
+            "printed key: value records: train loss from "
+            + ", ".join(f"{k!r} ({n} records)" for k, n in chosen.items())
+            + rest
+        )

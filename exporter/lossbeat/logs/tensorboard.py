@@ -77,8 +77,10 @@ def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
     """Scalars of one or more event files (in order): a train record per step with a train loss."""
     loader = _loader()
     if loader is None:
-        raise LogFormatError(f"{out.path}: a TensorBoard event file: reading it needs the tensorboard "
-                             "package (pip install 'lossbeat[tensorboard]')")
+        raise LogFormatError(
+            f"{out.path}: a TensorBoard event file: reading it needs the tensorboard "
+            "package (pip install 'lossbeat[tensorboard]')"
+        )
     out.counts.unit = "events"
     tensor_util = _tensor_util()
     ordered: dict[str, list[tuple[int, int, float]]] = {}  # tag -> (arrival, step, value), in file order
@@ -109,15 +111,18 @@ def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
                     break
         except Exception as exc:  # noqa: BLE001 - a corrupt or truncated file: say which, keep what was read
             if not ordered:
-                raise LogFormatError(f"{path}: not a readable TensorBoard event file "
-                                     f"({type(exc).__name__}: {exc})") from None
+                raise LogFormatError(
+                    f"{path}: not a readable TensorBoard event file ({type(exc).__name__}: {exc})"
+                ) from None
             out.note(f"{path}: reading stopped at event {out.counts.read} ({type(exc).__name__}: {exc})")
         if out.counts.stopped_at:
             break
         size = os.path.getsize(path)
         if consumed < size:
-            out.note(f"{path}: the last {size - consumed} bytes are not a complete event "
-                     "(the file was cut short while being written): not read")
+            out.note(
+                f"{path}: the last {size - consumed} bytes are not a complete event "
+                "(the file was cut short while being written): not read"
+            )
     if out.counts.read == 0:
         raise LogFormatError(f"{out.path}: no TensorBoard event could be read (not an event file, or a corrupt one)")
     train = _pick(latest, _TRAIN)
@@ -146,7 +151,8 @@ def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
             # the LR holds until its next value (a LearningRateMonitor may log at other steps)
             i = bisect.bisect_right(lr_steps, step)
             rate = latest[lr][lr_steps[i - 1]] if i else None
-            out.train(step, value, latest[grad].get(step) if grad else None, rate,
-                      latest[epoch].get(step) if epoch else None)
+            out.train(
+                step, value, latest[grad].get(step) if grad else None, rate, latest[epoch].get(step) if epoch else None
+            )
         else:
             out.eval(step, value, group)

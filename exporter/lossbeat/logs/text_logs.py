@@ -13,8 +13,19 @@ from lossbeat.logs.records import RecordBuilder, log_interval
 from lossbeat.logs.source import Source, parse_number, text_lines
 
 __all__ = [
-    "parse_llmc_main", "parse_llmc_stdout", "parse_nanogpt", "parse_megatron_log", "parse_hf_stdout",
-    "LLMC_MAIN", "LLMC_STDOUT", "NANOGPT", "NANOGPT_ITER", "NANOGPT_EVAL", "MEGATRON_ITER", "HF_DICT", "HF_DICT_START",
+    "parse_llmc_main",
+    "parse_llmc_stdout",
+    "parse_nanogpt",
+    "parse_megatron_log",
+    "parse_hf_stdout",
+    "LLMC_MAIN",
+    "LLMC_STDOUT",
+    "NANOGPT",
+    "NANOGPT_ITER",
+    "NANOGPT_EVAL",
+    "MEGATRON_ITER",
+    "HF_DICT",
+    "HF_DICT_START",
 ]
 
 _NOT_RECORD = "lines that are not records (banners, progress, warnings)"
@@ -45,8 +56,12 @@ def parse_llmc_main(src: Source, out: RecordBuilder) -> None:
         fields = dict(_KV.findall(m.group(2)))
         used = False
         if "trl" in fields:
-            out.train(step, _number(out, "trl", fields["trl"]), _number(out, "norm", fields.get("norm")),
-                      _number(out, "lr", fields.get("lr")))
+            out.train(
+                step,
+                _number(out, "trl", fields["trl"]),
+                _number(out, "norm", fields.get("norm")),
+                _number(out, "lr", fields.get("lr")),
+            )
             used = True
         if "tel" in fields:
             loss = _number(out, "tel", fields["tel"])
@@ -81,8 +96,12 @@ def parse_llmc_stdout(src: Source, out: RecordBuilder) -> None:
             if raw["loss"] is None:
                 out.skip("step lines without a loss")
                 continue
-            out.train(step, _number(out, "loss", raw["loss"]), _number(out, "norm", raw["norm"]),
-                      _number(out, "lr", raw["lr"]))
+            out.train(
+                step,
+                _number(out, "loss", raw["loss"]),
+                _number(out, "norm", raw["norm"]),
+                _number(out, "lr", raw["lr"]),
+            )
             last = step
             if step == total > 0:
                 out.complete(f"llm.c printed its last step ({step}/{total})")
@@ -157,16 +176,21 @@ def parse_megatron_log(src: Source, out: RecordBuilder) -> None:
             step, fields = int(m.group(1)), _fields(m.group(3))
             loss = _number(out, "lm loss", fields.get("lm loss"))
             nans = _number(out, "number of nan iterations", fields.get("number of nan iterations"))
-            skipped_iters += int(_number(out, "number of skipped iterations",
-                                         fields.get("number of skipped iterations")) or 0)
+            skipped_iters += int(
+                _number(out, "number of skipped iterations", fields.get("number of skipped iterations")) or 0
+            )
             if nans:
                 nan_steps.append(f"{step} ({int(nans)} NaN iterations, mean of the others {loss})")
                 loss = float("nan")
             if loss is None and "lm loss" not in fields:
                 out.skip("iteration lines without lm loss")
             else:
-                out.train(step, loss, _number(out, "grad norm", fields.get("grad norm")),
-                          _number(out, "learning rate", fields.get("learning rate")))
+                out.train(
+                    step,
+                    loss,
+                    _number(out, "grad norm", fields.get("grad norm")),
+                    _number(out, "learning rate", fields.get("learning rate")),
+                )
                 if step == int(m.group(2)) > 0:
                     out.complete(f"Megatron-LM logged its last iteration ({step}/{step})")
             last = step
@@ -180,8 +204,11 @@ def parse_megatron_log(src: Source, out: RecordBuilder) -> None:
             continue
         out.skip(_NOT_RECORD)
     if nan_steps:
-        out.note("intervals with NaN iterations, recorded as a non-finite loss: " + ", ".join(nan_steps[:10])
-                 + (", ..." if len(nan_steps) > 10 else ""))
+        out.note(
+            "intervals with NaN iterations, recorded as a non-finite loss: "
+            + ", ".join(nan_steps[:10])
+            + (", ..." if len(nan_steps) > 10 else "")
+        )
     if skipped_iters:
         out.note(f"{skipped_iters} iterations skipped by the optimizer (fp16 loss-scale overflow)")
 
@@ -270,8 +297,9 @@ def parse_hf_stdout(src: Source, out: RecordBuilder) -> None:
                 raw_eval.append((out.where, len(raw_train), items))
                 after_eval = True
             else:
-                out.skip("final summaries" if "train_runtime" in items or "train_loss" in items
-                         else "dicts without a loss")
+                out.skip(
+                    "final summaries" if "train_runtime" in items or "train_loss" in items else "dicts without a loss"
+                )
         if not found:
             out.skip(_NOT_RECORD)
         if len(raw_train) >= out.max_records:
@@ -287,9 +315,13 @@ def parse_hf_stdout(src: Source, out: RecordBuilder) -> None:
             pending = next(evals, None)
         out.where = where
         lr_key = "learning_rate" if "learning_rate" in items else ("lr" if "lr" in items else None)
-        out.train(step, _py_number(out, "loss", items["loss"]), _py_number(out, "grad_norm", items.get("grad_norm")),
-                  _py_number(out, "learning_rate", items.get(lr_key)) if lr_key else None,
-                  _py_number(out, "epoch", items.get("epoch")))
+        out.train(
+            step,
+            _py_number(out, "loss", items["loss"]),
+            _py_number(out, "grad_norm", items.get("grad_norm")),
+            _py_number(out, "learning_rate", items.get(lr_key)) if lr_key else None,
+            _py_number(out, "epoch", items.get("epoch")),
+        )
     while pending is not None:
         _hf_eval(out, steps[-1] if steps else 0, pending)
         pending = next(evals, None)
@@ -311,12 +343,16 @@ def _derived_steps(out: RecordBuilder, raw_train: list[tuple[str, int | None, di
             steps.append(snapped)
         stale = sum(1 for a, b in zip(steps, steps[1:]) if b == a)
         if not stale:
-            out.note(f"the Trainer prints no step: steps derived from the progress bar, snapped to the "
-                     f"logging interval ({interval})")
+            out.note(
+                f"the Trainer prints no step: steps derived from the progress bar, snapped to the "
+                f"logging interval ({interval})"
+            )
             return steps
-        out.note(f"the Trainer prints no step, and the progress bar gives {stale} of {len(steps)} records the "
-                 "step of the record before (the bar is drawn in blocks, not at each log): steps are record "
-                 "numbers (1, 2, ...), not training steps")
+        out.note(
+            f"the Trainer prints no step, and the progress bar gives {stale} of {len(steps)} records the "
+            "step of the record before (the bar is drawn in blocks, not at each log): steps are record "
+            "numbers (1, 2, ...), not training steps"
+        )
     else:
         out.note("the Trainer prints no step and the log has no progress bar: steps are record numbers (1, 2, ...)")
     steps, k, last_epoch = [], 0, None

@@ -129,7 +129,9 @@ class CrossRankSignals:
         self._hooked = id(model)
 
     def _on_outer_start(self, module, args) -> None:
-        if self._outer_start is None:  # the first forward of the step (gradient accumulation: later ones add forward time)
+        if (
+            self._outer_start is None
+        ):  # the first forward of the step (gradient accumulation: later ones add forward time)
             self._outer_start = time.perf_counter()
 
     def _on_inner_start(self, module, args) -> None:

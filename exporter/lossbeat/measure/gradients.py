@@ -55,7 +55,11 @@ from lossbeat.measure import handshake
 from lossbeat.measure.errors import ShardedMeasurementError, ShardHandshakeError
 
 __all__ = [
-    "LayerGrouping", "GradientNorms", "ShardedMeasurementError", "ShardHandshakeError", "compute_grad_norms",
+    "LayerGrouping",
+    "GradientNorms",
+    "ShardedMeasurementError",
+    "ShardHandshakeError",
+    "compute_grad_norms",
     "clip_with_norms",
     "deepspeed_zero_stage",
 ]
@@ -146,8 +150,9 @@ def _wrapper_levels(model: torch.nn.Module) -> int:
     while True:
         if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile (dropped anyway)
             model = model._orig_mod
-        elif (isinstance(model, (DistributedDataParallel, DataParallel)) or type(model).__name__ == "DeepSpeedEngine") \
-                and isinstance(getattr(model, "module", None), torch.nn.Module):
+        elif (
+            isinstance(model, (DistributedDataParallel, DataParallel)) or type(model).__name__ == "DeepSpeedEngine"
+        ) and isinstance(getattr(model, "module", None), torch.nn.Module):
             levels += 1
             model = model.module
         else:
@@ -187,7 +192,11 @@ class LayerGrouping:
     """
 
     def __init__(
-        self, model: torch.nn.Module, depth: int | None = None, max_layers: int = 1000, reduce_shards: bool = True,
+        self,
+        model: torch.nn.Module,
+        depth: int | None = None,
+        max_layers: int = 1000,
+        reduce_shards: bool = True,
         pipeline_group: Any = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
@@ -327,9 +336,12 @@ class LayerGrouping:
             self.handshake, detail = _all_ranks_arrive(groups, SHARD_HANDSHAKE_TIMEOUT_S)
             self._handshake_detail = detail
             if self.handshake == handshake.LATE and self.on_late is not None:
-                self.on_late(ShardHandshakeError(
-                    f"the shard handshake missed its {SHARD_HANDSHAKE_TIMEOUT_S:g}s deadline (every rank arrived, "
-                    f"after {detail}): gradient norms are measured as usual"))
+                self.on_late(
+                    ShardHandshakeError(
+                        f"the shard handshake missed its {SHARD_HANDSHAKE_TIMEOUT_S:g}s deadline (every rank arrived, "
+                        f"after {detail}): gradient norms are measured as usual"
+                    )
+                )
         if self.handshake == handshake.ABSENT:
             raise ShardedMeasurementError(
                 "the gradients of a sharded or pipelined model (FSDP, HSDP, tensor/sequence/pipeline parallel) are "
@@ -342,7 +354,8 @@ class LayerGrouping:
         if self.handshake == HANDSHAKE_FAILED:
             raise ShardHandshakeError(
                 f"the shard handshake through the process group's store failed ({self._handshake_detail}): "
-                "the sharded gradient norms are not exported, clip_grad_norm_ clips as torch does")
+                "the sharded gradient norms are not exported, clip_grad_norm_ clips as torch does"
+            )
 
 
 def _all_ranks_arrive(groups: Sequence[Any], timeout: float) -> tuple[str, str]:
@@ -459,7 +472,9 @@ def _reduce_partial_grads(grouping: LayerGrouping, present: _Present) -> _Presen
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def compute_grad_norms(grouping: LayerGrouping, per_layer: bool = True, present: _Present | None = None) -> GradientNorms | None:
+def compute_grad_norms(
+    grouping: LayerGrouping, per_layer: bool = True, present: _Present | None = None
+) -> GradientNorms | None:
     """Fused norms of every gradient; None when no parameter has one
     (a sharded or pipelined model's ranks always join the collectives: zeros where none has).
 

@@ -117,8 +117,9 @@ def _close(store: Any, prefix: str, rank: int, codes: Sequence[str], until: floa
     return "leader", len(known)
 
 
-def _leader(store: Any, prefix: str, rank: int, codes: Sequence[str], pointer: int,
-            until: float) -> tuple[int, int] | None:
+def _leader(
+    store: Any, prefix: str, rank: int, codes: Sequence[str], pointer: int, until: float
+) -> tuple[int, int] | None:
     """(the component's leader, its size), following the pointers down; None: someone is absent."""
     cur = pointer
     while True:
@@ -154,8 +155,7 @@ def _meet(store: Any, key: str, size: int, soft: float, hard: float) -> str:
     return _wait_get(store, f"{key}/late", hard, ABSENT)
 
 
-def meet(store: Any, prefix: str, rank: int, groups: Sequence[Sequence[int]], timeout: float,
-         grace: float) -> str:
+def meet(store: Any, prefix: str, rank: int, groups: Sequence[Sequence[int]], timeout: float, grace: float) -> str:
     """REDUCE, LATE or ABSENT for ``rank``, whose process groups hold ``groups`` (ranks each),
     meeting the ranks linked to it at ``prefix`` in ``store`` (the same prefix on every rank).
 

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 __all__ = ["MemoryReading", "read_memory"]
 
+
 class MemoryReading(NamedTuple):
     device: str
     """``cuda:N`` or ``cpu``: the ``device`` label."""
@@ -181,7 +182,7 @@ def _status_kib(status: bytes, key: bytes) -> float:
     at = status.find(key)
     if at < 0:
         return math.nan
-    return float(status[at + len(key):status.index(b"\n", at + 1)].split()[0])
+    return float(status[at + len(key) : status.index(b"\n", at + 1)].split()[0])
 
 
 @functools.lru_cache(maxsize=1)

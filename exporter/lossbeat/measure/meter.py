@@ -36,8 +36,17 @@ class GradientMeter:
     ``on_error(where, error)`` is called when a measurement fails; the step goes on without
     gradient values."""
 
-    def __init__(self, *, layer_depth: int | None, max_layers: int, layer_every: int, reduce_shards: bool,
-                 pipeline_group: Any, exports_layers: bool, on_error: Callable[[str, Exception], None]) -> None:
+    def __init__(
+        self,
+        *,
+        layer_depth: int | None,
+        max_layers: int,
+        layer_every: int,
+        reduce_shards: bool,
+        pipeline_group: Any,
+        exports_layers: bool,
+        on_error: Callable[[str, Exception], None],
+    ) -> None:
         self.layer_depth, self.max_layers, self.layer_every = layer_depth, max_layers, layer_every
         self.reduce_shards, self.pipeline_group = reduce_shards, pipeline_group
         self.exports_layers = exports_layers
@@ -83,15 +92,22 @@ class GradientMeter:
         from lossbeat.measure.gradients import LayerGrouping, deepspeed_zero_stage  # a model: torch is loaded
 
         grouping = self.grouping = LayerGrouping(
-            model, self.layer_depth, self.max_layers, self.reduce_shards, self.pipeline_group,
+            model,
+            self.layer_depth,
+            self.max_layers,
+            self.reduce_shards,
+            self.pipeline_group,
         )
         grouping.on_late = lambda error: self.on_error("handshake", error)
         stage = deepspeed_zero_stage(model)
         if stage is not None and not self._warned_deepspeed:
             self._warned_deepspeed = True
-            log.warning("lossbeat: DeepSpeed ZeRO-%d keeps partitioned gradients outside p.grad: per-layer and "
-                        "global gradient norms cannot be measured from the model; pass "
-                        "grad_norm=engine.get_global_grad_norm() to observe() (see the README)", stage)
+            log.warning(
+                "lossbeat: DeepSpeed ZeRO-%d keeps partitioned gradients outside p.grad: per-layer and "
+                "global gradient norms cannot be measured from the model; pass "
+                "grad_norm=engine.get_global_grad_norm() to observe() (see the README)",
+                stage,
+            )
         return grouping
 
     def clip(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -116,8 +132,9 @@ class GradientMeter:
         self._measured = (model, norms, coefficient)
         return norms.global_norm
 
-    def measure_ahead(self, model: torch.nn.Module, scale: torch.Tensor | None, step: int | None = None
-                      ) -> torch.Tensor | None:
+    def measure_ahead(
+        self, model: torch.nn.Module, scale: torch.Tensor | None, step: int | None = None
+    ) -> torch.Tensor | None:
         """Measure now (norms divided by a loss ``scale`` on the device); the next step reuses them,
         or, with ``step``, ``observe(step)`` does, with or without the model (per-layer norms every
         ``layer_every`` steps measured so: observe may come several steps later)."""
@@ -131,8 +148,9 @@ class GradientMeter:
             norms = compute_grad_norms(self.grouping_for(model), due and self.exports_layers)
             if norms is not None and scale is not None:
                 layers = norms.layer_norms
-                norms = dataclasses.replace(norms, global_norm=norms.global_norm / scale,
-                                            layer_norms=None if layers is None else layers / scale)
+                norms = dataclasses.replace(
+                    norms, global_norm=norms.global_norm / scale, layer_norms=None if layers is None else layers / scale
+                )
         except Exception as e:  # may run inside an autograd callback: never break backward
             self._measured = None
             self.on_error("measure_gradients", e)
@@ -146,8 +164,9 @@ class GradientMeter:
                 self._ahead.pop(old, None)
         return None if norms is None else norms.global_norm
 
-    def measure_step(self, model: torch.nn.Module | None, need_global: bool, values: dict[Any, Any],
-                     step: int | None = None) -> list[str]:
+    def measure_step(
+        self, model: torch.nn.Module | None, need_global: bool, values: dict[Any, Any], step: int | None = None
+    ) -> list[str]:
         """Adds device tensors for the global and per-layer norms to ``values``; returns the layer names.
 
         Isolated: a failure here (an unsupported gradient, a sharded model some rank

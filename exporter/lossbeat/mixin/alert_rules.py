@@ -58,8 +58,16 @@ every rank's 16 health checks."""
 SUMMARY_INTERVAL = "1m"
 SLOW = ".slow"
 """The suffix of a family's group of TICKETS (``lossbeat.loss.slow``, ...)."""
-TICKETS = ("TrainingGradientVanishing", "TrainingLossPlateau", "TrainingLossVolatile", "TrainingLossOutOfRange",
-           "TrainingOverfitting", "TrainingExporterErrors", "TrainingMemoryGrowing", "TrainingThroughputDropped")
+TICKETS = (
+    "TrainingGradientVanishing",
+    "TrainingLossPlateau",
+    "TrainingLossVolatile",
+    "TrainingLossOutOfRange",
+    "TrainingOverfitting",
+    "TrainingExporterErrors",
+    "TrainingMemoryGrowing",
+    "TrainingThroughputDropped",
+)
 """Warnings that hold for 10 minutes or more before they fire, or count a counter over its window
 (TrainingExporterErrors): judged every minute (:func:`group_intervals`) in their family's ``.slow``
 group, not at every scrape; a ticket may wait a minute more. Together they read more than the
@@ -203,6 +211,7 @@ MAD_TO_SIGMA = 0.6745
 def _by(labels: tuple[str, ...]) -> str:
     return ", ".join(labels)
 
+
 # Alerts judged from the loss: meaningless while the loss is not finite, so the Alertmanager
 # configuration inhibits them while TrainingLossNaN fires for the same job and rank.
 LOSS_DERIVED_ALERTS = (
@@ -233,34 +242,57 @@ def recording_rules() -> list[RecordingRule]:
     (:func:`_job_summaries`). On one Prometheus the partials are the job's. The global
     Prometheus of a sharded set-up then reads a few series per job and shard, not the ranks'."""
 
-    def per_rank(metric_operations: str, expr: str, extra: tuple[str, ...] = (),
-                 group: str = RECORDING_GROUP) -> RecordingRule:
+    def per_rank(
+        metric_operations: str, expr: str, extra: tuple[str, ...] = (), group: str = RECORDING_GROUP
+    ) -> RecordingRule:
         """A rule per rank of each run: ``{by}`` in ``expr`` becomes the labels it keeps."""
         keeps = TARGET + extra
         return RecordingRule(f"{level(keeps)}:{metric_operations}", expr.format(by=", ".join(keeps)), keeps, group)
 
-    return [
-        per_rank("training_loss:avg_over_time5m", "avg by ({by}) (avg_over_time(training_loss[5m]))"),
-        per_rank("training_loss_component:avg_over_time5m",
-                 "avg by ({by}) (avg_over_time(training_loss_component[5m]))", ("component",), SUMMARY_GROUP),
-        per_rank("training_grad_norm:avg_over_time5m", "avg by ({by}) (avg_over_time(training_grad_norm[5m]))",
-                 group=SUMMARY_GROUP),
-        per_rank("training_steps:rate5m", "sum by ({by}) (rate(training_steps_total[5m]))"),
-        per_rank("training_step_duration_seconds:avg_over_time5m",
-                 "avg by ({by}) (avg_over_time(training_step_duration_seconds[5m]))", group=SUMMARY_GROUP),
-        per_rank("training_loss_spikes:increase5m", "sum by ({by}) (increase(training_loss_spikes_total[5m]))",
-                 group=SUMMARY_GROUP),
-        # Each rank's work time once (the median and TrainingStraggler read it).
-        RecordingRule(WORK_AVG_5M, f"avg by ({_by(JOB_RANK)}) (avg_over_time(training_rank_work_seconds[5m]))",
-                      JOB_RANK),
-        # The ranks present (reporting now, or gone after their completion marker), and the ranks
-        # gone (seen in the last RANK_SEEN_LOOKBACK, not present): once per evaluation for every
-        # rank, on the rank's own shard, where TrainingRankDown read them five times, each over
-        # an hour of samples.
-        RecordingRule(RANK_PRESENT, _present(), JOB_RANK + ("world_size",)),
-        RecordingRule(RANK_GONE, f"group by ({_by(JOB_RANK)}) ({_seen_lately()})\n"
-                                 f"unless on({_by(JOB_RANK)}) {RANK_PRESENT}", JOB_RANK),
-    ] + _shard_partials() + _job_summaries() + _cross_rank_recording_rules()
+    return (
+        [
+            per_rank("training_loss:avg_over_time5m", "avg by ({by}) (avg_over_time(training_loss[5m]))"),
+            per_rank(
+                "training_loss_component:avg_over_time5m",
+                "avg by ({by}) (avg_over_time(training_loss_component[5m]))",
+                ("component",),
+                SUMMARY_GROUP,
+            ),
+            per_rank(
+                "training_grad_norm:avg_over_time5m",
+                "avg by ({by}) (avg_over_time(training_grad_norm[5m]))",
+                group=SUMMARY_GROUP,
+            ),
+            per_rank("training_steps:rate5m", "sum by ({by}) (rate(training_steps_total[5m]))"),
+            per_rank(
+                "training_step_duration_seconds:avg_over_time5m",
+                "avg by ({by}) (avg_over_time(training_step_duration_seconds[5m]))",
+                group=SUMMARY_GROUP,
+            ),
+            per_rank(
+                "training_loss_spikes:increase5m",
+                "sum by ({by}) (increase(training_loss_spikes_total[5m]))",
+                group=SUMMARY_GROUP,
+            ),
+            # Each rank's work time once (the median and TrainingStraggler read it).
+            RecordingRule(
+                WORK_AVG_5M, f"avg by ({_by(JOB_RANK)}) (avg_over_time(training_rank_work_seconds[5m]))", JOB_RANK
+            ),
+            # The ranks present (reporting now, or gone after their completion marker), and the ranks
+            # gone (seen in the last RANK_SEEN_LOOKBACK, not present): once per evaluation for every
+            # rank, on the rank's own shard, where TrainingRankDown read them five times, each over
+            # an hour of samples.
+            RecordingRule(RANK_PRESENT, _present(), JOB_RANK + ("world_size",)),
+            RecordingRule(
+                RANK_GONE,
+                f"group by ({_by(JOB_RANK)}) ({_seen_lately()})\nunless on({_by(JOB_RANK)}) {RANK_PRESENT}",
+                JOB_RANK,
+            ),
+        ]
+        + _shard_partials()
+        + _job_summaries()
+        + _cross_rank_recording_rules()
+    )
 
 
 SHARD = "shard"
@@ -268,13 +300,18 @@ SHARD = "shard"
 so that the global Prometheus tells them apart; absent on one Prometheus."""
 
 
-def _partial(metric_operations: str, aggregation: str, expr: str, extra: tuple[str, ...] = (),
-             group: str = SUMMARY_GROUP) -> RecordingRule:
+def _partial(
+    metric_operations: str, aggregation: str, expr: str, extra: tuple[str, ...] = (), group: str = SUMMARY_GROUP
+) -> RecordingRule:
     """One shard's ``aggregation`` of ``expr`` per job (and ``extra``), by ``shard`` too: a label its
     ranks' series lack, and its remote write adds."""
     keeps = JOB + extra + (SHARD,)
-    return RecordingRule(f"{level(('job',) + extra + (SHARD,))}:{metric_operations}",
-                         f"{aggregation} by ({_by(keeps)}) ({expr})", keeps, group)
+    return RecordingRule(
+        f"{level(('job',) + extra + (SHARD,))}:{metric_operations}",
+        f"{aggregation} by ({_by(keeps)}) ({expr})",
+        keeps,
+        group,
+    )
 
 
 LOSS_SUM, LOSS_COUNT = "job_shard:training_loss:sum", "job_shard:training_loss:count"
@@ -305,21 +342,36 @@ def _shard_partials() -> list[RecordingRule]:
 def _job_summaries() -> list[RecordingRule]:
     """The job-level series of dashboards, from the shards' partials (every minute)."""
     job = _by(JOB)
-    return [dataclasses.replace(r, group=SUMMARY_GROUP) for r in (
-        RecordingRule("job:training_loss:avg", f"sum by ({job}) ({LOSS_SUM}) / sum by ({job}) ({LOSS_COUNT})", JOB),
-        RecordingRule("job:training_eval_loss:avg", f"sum by ({job}) ({EVAL_SUM}) / sum by ({job}) ({EVAL_COUNT})",
-                      JOB),
-        RecordingRule("job:training_grad_norm:max", f"max by ({job}) (job_shard:training_grad_norm:max)", JOB),
-        RecordingRule("job_layer:training_layer_grad_norm:max",
-                      f"max by ({job}, layer) (job_layer_shard:training_layer_grad_norm:max)", JOB + ("layer",)),
-        # Every rank takes the same steps: the job's step rate is their mean; tokens add up.
-        RecordingRule("job:training_steps:rate5m",
-                      f"sum by ({job}) ({STEPS_RATE_SUM}) / sum by ({job}) ({STEPS_RATE_COUNT})", JOB),
-        RecordingRule("job:training_tokens:rate5m", f"sum by ({job}) (job_shard:training_tokens:rate5m)", JOB),
-        # Worst status of each check across the job's ranks (0 good, 1 warning, 2 danger).
-    )] + [RecordingRule("job_check:training_health_status:max",
-                        f"max by ({job}, check) (job_check_shard:training_health_status:max)", JOB + ("check",),
-                        CHECKS_SUMMARY_GROUP)]
+    return [
+        dataclasses.replace(r, group=SUMMARY_GROUP)
+        for r in (
+            RecordingRule("job:training_loss:avg", f"sum by ({job}) ({LOSS_SUM}) / sum by ({job}) ({LOSS_COUNT})", JOB),
+            RecordingRule(
+                "job:training_eval_loss:avg", f"sum by ({job}) ({EVAL_SUM}) / sum by ({job}) ({EVAL_COUNT})", JOB
+            ),
+            RecordingRule("job:training_grad_norm:max", f"max by ({job}) (job_shard:training_grad_norm:max)", JOB),
+            RecordingRule(
+                "job_layer:training_layer_grad_norm:max",
+                f"max by ({job}, layer) (job_layer_shard:training_layer_grad_norm:max)",
+                JOB + ("layer",),
+            ),
+            # Every rank takes the same steps: the job's step rate is their mean; tokens add up.
+            RecordingRule(
+                "job:training_steps:rate5m",
+                f"sum by ({job}) ({STEPS_RATE_SUM}) / sum by ({job}) ({STEPS_RATE_COUNT})",
+                JOB,
+            ),
+            RecordingRule("job:training_tokens:rate5m", f"sum by ({job}) (job_shard:training_tokens:rate5m)", JOB),
+            # Worst status of each check across the job's ranks (0 good, 1 warning, 2 danger).
+        )
+    ] + [
+        RecordingRule(
+            "job_check:training_health_status:max",
+            f"max by ({job}, check) (job_check_shard:training_health_status:max)",
+            JOB + ("check",),
+            CHECKS_SUMMARY_GROUP,
+        )
+    ]
 
 
 def _cross_rank_recording_rules() -> list[RecordingRule]:
@@ -333,35 +385,47 @@ def _cross_rank_recording_rules() -> list[RecordingRule]:
     return [
         RecordingRule(median, f"quantile by ({job}) (0.5, {mean})", JOB),
         RecordingRule(mad, f"quantile by ({job}) (0.5, abs({mean} - on({job}) group_left {median}))", JOB),
-        RecordingRule(f"{level(JOB_RANK)}:training_loss:robust_z5m",
-                      f"sum by ({job_rank}) ({MAD_TO_SIGMA} * ({mean} - on({job}) group_left {median})"
-                      f" / on({job}) group_left {mad})", JOB_RANK),
+        RecordingRule(
+            f"{level(JOB_RANK)}:training_loss:robust_z5m",
+            f"sum by ({job_rank}) ({MAD_TO_SIGMA} * ({mean} - on({job}) group_left {median})"
+            f" / on({job}) group_left {mad})",
+            JOB_RANK,
+        ),
         # Each rank's aligned grad norm, kept only at the job's latest aligned step.
-        RecordingRule(aligned,
-                      f"max by ({job_rank}) (training_grad_norm_aligned and on({_by(TARGET)}) "
-                      f"(training_grad_norm_aligned_step == on({job}) group_left "
-                      f"max by ({job}) (training_grad_norm_aligned_step)))", JOB_RANK),
+        RecordingRule(
+            aligned,
+            f"max by ({job_rank}) (training_grad_norm_aligned and on({_by(TARGET)}) "
+            f"(training_grad_norm_aligned_step == on({job}) group_left "
+            f"max by ({job}) (training_grad_norm_aligned_step)))",
+            JOB_RANK,
+        ),
         RecordingRule(aligned_median, f"quantile by ({job}) (0.5, {aligned})", JOB),
         # Each rank's departure from that median, only once every rank exporting aligned norms is
         # at that step: while the scrapes of a new aligned step come in, the ranks already there
         # would be compared among themselves (the median of a subset). TrainingRankGradientMismatch
         # reads the last complete comparison, so the moments in between neither fire nor reset it.
-        RecordingRule(ALIGNED_DEPARTURE,
-                      f"max by ({job_rank}) (\n"
-                      f"  abs({aligned}\n"
-                      f"    - on({job}) group_left {aligned_median})\n"
-                      f"  / on({job}) group_left abs({aligned_median})\n"
-                      f")\nand on({job})\n"
-                      f"  count by ({job}) ({aligned})\n"
-                      f"  == count by ({job}) (training_grad_norm_aligned_step)", JOB_RANK),
-        RecordingRule("job:training_rank_work_seconds:median_avg_over_time5m",
-                      f"quantile by ({job}) (0.5, {WORK_AVG_5M})", JOB),
+        RecordingRule(
+            ALIGNED_DEPARTURE,
+            f"max by ({job_rank}) (\n"
+            f"  abs({aligned}\n"
+            f"    - on({job}) group_left {aligned_median})\n"
+            f"  / on({job}) group_left abs({aligned_median})\n"
+            f")\nand on({job})\n"
+            f"  count by ({job}) ({aligned})\n"
+            f"  == count by ({job}) (training_grad_norm_aligned_step)",
+            JOB_RANK,
+        ),
+        RecordingRule(
+            "job:training_rank_work_seconds:median_avg_over_time5m", f"quantile by ({job}) (0.5, {WORK_AVG_5M})", JOB
+        ),
         # Per run, the count of ranks present (the shards' counts added up) where it is not the
         # world size the ranks report (count_values writes the count into a label to compare).
-        RecordingRule(RANKS_SHORT,
-                      f"sum by ({job}, world_size) ({PRESENT_COUNT})\nunless on({job}, world_size)\n"
-                      f'count_values by ({job}) ("world_size", sum by ({job}) ({PRESENT_COUNT}))',
-                      JOB + ("world_size",)),
+        RecordingRule(
+            RANKS_SHORT,
+            f"sum by ({job}, world_size) ({PRESENT_COUNT})\nunless on({job}, world_size)\n"
+            f'count_values by ({job}) ("world_size", sum by ({job}) ({PRESENT_COUNT}))',
+            JOB + ("world_size",),
+        ),
     ]
 
 
@@ -399,17 +463,25 @@ def lookback_rules() -> list[RecordingRule]:
     keep_for, info_for = duration_seconds(EXPORTER_SEEN_LOOKBACK), duration_seconds(RANK_SEEN_LOOKBACK)
     seen_now = f"max by ({t}) (last_over_time(training_steps_total[{SEEN_WINDOW}]))"
     return [
-        RecordingRule(SEEN_AT, f"{seen_now} * 0 + time()\nor\n{SEEN_AT} > time() - {number(keep_for)}", TARGET,
-                      LOOKBACK_GROUP),
+        RecordingRule(
+            SEEN_AT, f"{seen_now} * 0 + time()\nor\n{SEEN_AT} > time() - {number(keep_for)}", TARGET, LOOKBACK_GROUP
+        ),
         RecordingRule(STEPS_LAST, f"{seen_now}\nor\n({STEPS_LAST} and on({t}) {SEEN_AT})", TARGET, LOOKBACK_GROUP),
-        RecordingRule(INFO_SEEN_AT,
-                      f"group by ({jr}, world_size) (last_over_time(training_run_info[{SEEN_WINDOW}])) * 0 + time()\n"
-                      f"or\n{INFO_SEEN_AT} > time() - {number(info_for)}", JOB_RANK + ("world_size",), LOOKBACK_GROUP),
+        RecordingRule(
+            INFO_SEEN_AT,
+            f"group by ({jr}, world_size) (last_over_time(training_run_info[{SEEN_WINDOW}])) * 0 + time()\n"
+            f"or\n{INFO_SEEN_AT} > time() - {number(info_for)}",
+            JOB_RANK + ("world_size",),
+            LOOKBACK_GROUP,
+        ),
         # Kept while either lookback remembers the rank.
-        RecordingRule(COMPLETED_LAST,
-                      f"max by ({t}) (max_over_time(training_run_completed[{SEEN_WINDOW}]))\n"
-                      f"or\n({COMPLETED_LAST} and on({t}) ({SEEN_AT} or on({t}) {INFO_SEEN_AT}))", TARGET,
-                      LOOKBACK_GROUP),
+        RecordingRule(
+            COMPLETED_LAST,
+            f"max by ({t}) (max_over_time(training_run_completed[{SEEN_WINDOW}]))\n"
+            f"or\n({COMPLETED_LAST} and on({t}) ({SEEN_AT} or on({t}) {INFO_SEEN_AT}))",
+            TARGET,
+            LOOKBACK_GROUP,
+        ),
     ]
 
 
@@ -417,20 +489,23 @@ def _completed() -> str:
     """The ranks whose last word was the completion marker: recorded, or in the raw window the
     lookback group has not recorded yet."""
     t = _by(TARGET)
-    return (f"({COMPLETED_LAST} == 1 or max by ({t}) (max_over_time(training_run_completed[{SEEN_WINDOW}])) == 1)")
+    return f"({COMPLETED_LAST} == 1 or max by ({t}) (max_over_time(training_run_completed[{SEEN_WINDOW}])) == 1)"
 
 
 def _seen_lately() -> str:
     """The ranks (with their world size) that reported ``training_run_info`` in the last RANK_SEEN_LOOKBACK."""
     jr = _by(JOB_RANK)
-    return (f"group by ({jr}, world_size) ({INFO_SEEN_AT} or "
-            f"group by ({jr}, world_size) (last_over_time(training_run_info[{SEEN_WINDOW}])))")
+    return (
+        f"group by ({jr}, world_size) ({INFO_SEEN_AT} or "
+        f"group by ({jr}, world_size) (last_over_time(training_run_info[{SEEN_WINDOW}])))"
+    )
 
 
 def _present() -> str:
     jr = _by(JOB_RANK)
-    return (f"group by ({jr}, world_size) (training_run_info)\nor on({jr})\n"
-            f"({_seen_lately()} and on({jr}) {_completed()})")
+    return (
+        f"group by ({jr}, world_size) (training_run_info)\nor on({jr})\n({_seen_lately()} and on({jr}) {_completed()})"
+    )
 
 
 def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
@@ -515,17 +590,22 @@ class Events:
 
     def records(self) -> list[RecordingRule]:
         c, w = self.counter, self.window
-        return [RecordingRule(self.increase, f"increase({c}[{w}])", TARGET, self.group, per_series=True),
-                RecordingRule(self.young, f"{c} unless {c} offset {w}", TARGET, self.group, per_series=True),
-                RecordingRule(self.nonzero, f"{self.increase} > 0 or {self.young} > 0", TARGET, self.group,
-                              per_series=True)]
+        return [
+            RecordingRule(self.increase, f"increase({c}[{w}])", TARGET, self.group, per_series=True),
+            RecordingRule(self.young, f"{c} unless {c} offset {w}", TARGET, self.group, per_series=True),
+            RecordingRule(
+                self.nonzero, f"{self.increase} > 0 or {self.young} > 0", TARGET, self.group, per_series=True
+            ),
+        ]
 
 
 def _events(t: Thresholds) -> dict[str, Events]:
     w = t.alerts.event_window
-    return {"nonfinite_loss": Events("training_nonfinite_loss_total", w, NONFINITE_GROUP),
-            "nonfinite_grad": Events("training_nonfinite_grad_total", w, NONFINITE_GROUP),
-            "grad_explosions": Events("training_grad_explosions_total", w, GRADIENTS_GROUP)}
+    return {
+        "nonfinite_loss": Events("training_nonfinite_loss_total", w, NONFINITE_GROUP),
+        "nonfinite_grad": Events("training_nonfinite_grad_total", w, NONFINITE_GROUP),
+        "grad_explosions": Events("training_grad_explosions_total", w, GRADIENTS_GROUP),
+    }
 
 
 def _first_layer_record(t: Thresholds) -> str:
@@ -543,7 +623,9 @@ def event_records(t: Thresholds) -> list[RecordingRule]:
         f"max by ({jt}, layer) (\n  training_nonfinite_grad_first_layer_info and on({jt}) {grad.nonzero}\n"
         f"  or on({jt})\n"
         f'  label_replace(group by ({jt}) ({grad.nonzero}), "layer", "unknown", "__name__", ".*")\n)',
-        TARGET + ("layer",), NONFINITE_GROUP)
+        TARGET + ("layer",),
+        NONFINITE_GROUP,
+    )
     return [*events["nonfinite_loss"].records(), *grad.records(), first_layer, *events["grad_explosions"].records()]
 
 
@@ -573,9 +655,12 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
     events = _events(t)["nonfinite_grad"]
     new, count = events.nonzero, events.count()
     judged = f"{_status('nonfinite')} == 2"
-    rule = dict(name="TrainingGradientNonFinite", group="lossbeat.nonfinite",
-                action="inspect the named layer; lower the LR, clip gradients, use bf16 or loss scaling",
-                keeps=TARGET + ("layer",))
+    rule = dict(
+        name="TrainingGradientNonFinite",
+        group="lossbeat.nonfinite",
+        action="inspect the named layer; lower the LR, clip gradients, use bf16 or loss scaling",
+        keeps=TARGET + ("layer",),
+    )
     return [
         AlertRule(
             **rule,
@@ -588,8 +673,10 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
                 f"{WHO_CAP} produced {VALUE} steps with a NaN/Inf gradient norm in the last {window}, and the "
                 f"exporter judges them ongoing (non-finite in consecutive steps, or with the loss); " + _FIRST_LAYER
             ),
-            condition=(f"a NaN/Inf gradient norm within {window} and the exporter's nonfinite check a danger "
-                       "(consecutive non-finite steps); names the first bad layer (`trigger=sustained`)"),
+            condition=(
+                f"a NaN/Inf gradient norm within {window} and the exporter's nonfinite check a danger "
+                "(consecutive non-finite steps); names the first bad layer (`trigger=sustained`)"
+            ),
         ),
         AlertRule(
             **rule,
@@ -615,8 +702,10 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
                 f"than {n} and not consecutive: the run went on (what fp16 loss-scale overflow skipping or one bad "
                 "batch looks like). It pages if it repeats. " + _FIRST_LAYER[0].upper() + _FIRST_LAYER[1:]
             ),
-            condition=(f"1 to {n - 1} steps with a NaN/Inf gradient norm within {window}, not judged ongoing "
-                       "(`trigger=isolated`, a ticket)"),
+            condition=(
+                f"1 to {n - 1} steps with a NaN/Inf gradient norm within {window}, not judged ongoing "
+                "(`trigger=isolated`, a ticket)"
+            ),
         ),
     ]
 
@@ -633,7 +722,7 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             # The exporter's judgment: the recent grad norm jumped to `jump_ratio` x its rolling
             # baseline, or climbed to `climb_ratio` x the run's slow level. A stable high level
             # (pre-clip norms of 15-20 are common) is the run's own level and does not page.
-            expr=f'training_grad_norm\n  and {ON_TARGET} {_status("grad_norm")} == 2\n',
+            expr=f"training_grad_norm\n  and {ON_TARGET} {_status('grad_norm')} == 2\n",
             for_=a.explosion_for,
             labels={"trigger": "sustained"},
             summary="The gradient norm departed from the run's own level",
@@ -673,9 +762,11 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             group="lossbeat.gradients",
             severity="warning",
             # One departure the run absorbed (fewer than explosion_events, not judged sustained): a ticket.
-            expr=(f"{explosions.nonzero}\n"
-                  f"  unless {ON_TARGET} ({explosions.increase} >= {a.explosion_events}"
-                  f" or {_status('grad_norm')} == 2)\n"),
+            expr=(
+                f"{explosions.nonzero}\n"
+                f"  unless {ON_TARGET} ({explosions.increase} >= {a.explosion_events}"
+                f" or {_status('grad_norm')} == 2)\n"
+            ),
             labels={"trigger": "isolated"},
             summary="An isolated gradient-norm explosion",
             description=(
@@ -750,7 +841,7 @@ def _range_alert(t: Thresholds) -> AlertRule:
         name="TrainingLossOutOfRange",
         group="lossbeat.loss",
         severity="warning",
-        expr=f'{_status("loss_range", None)} >= 1\n',
+        expr=f"{_status('loss_range', None)} >= 1\n",
         for_=a.out_of_range_for,
         summary="The loss is outside the expected range for its task",
         description=(
@@ -769,14 +860,16 @@ def _range_alert(t: Thresholds) -> AlertRule:
 
 def _loss_alerts(t: Thresholds) -> list[AlertRule]:
     a, loss = t.alerts, t.loss
-    windows = (f"windows of {number(100 * t.windows.trend_fraction)}% of the steps seen "
-               f"(at least {t.windows.trend_min_steps} steps)")
+    windows = (
+        f"windows of {number(100 * t.windows.trend_fraction)}% of the steps seen "
+        f"(at least {t.windows.trend_min_steps} steps)"
+    )
     rules = [
         AlertRule(
             name="TrainingLossDiverging",
             group="lossbeat.loss",
             severity="critical",
-            expr=f'{_status("loss_trend", None)} == 2\n',
+            expr=f"{_status('loss_trend', None)} == 2\n",
             for_=a.diverging_for,
             summary="The training loss is rising",
             description=(
@@ -797,7 +890,7 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingLossPlateau",
             group="lossbeat.loss",
             severity="warning",
-            expr=f'{_status("loss_trend", None)} == 1\n',
+            expr=f"{_status('loss_trend', None)} == 1\n",
             for_=a.plateau_for,
             summary="The training loss has stopped improving",
             description=(
@@ -816,7 +909,7 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingLossVolatile",
             group="lossbeat.loss",
             severity="warning",
-            expr=f'{_status("loss_volatility", None)} == 2\n',
+            expr=f"{_status('loss_volatility', None)} == 2\n",
             for_=a.volatile_for,
             summary="The training loss oscillates strongly",
             description=(
@@ -854,7 +947,7 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             severity="critical",
             # The exporter's judgment (lossbeat.diagnosis.events): spikes repeated within its
             # window and the loss not back at its level, or one followed by a worse loss.
-            expr=f'{_status("loss_spikes")} == 2\n',
+            expr=f"{_status('loss_spikes')} == 2\n",
             for_=a.diverging_for,
             labels={"trigger": "sustained"},
             summary="Loss spikes that did damage",
@@ -878,10 +971,7 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             severity="warning",
             # The exporter's judgment only: it knows the best eval loss of the whole run and
             # requires `overfitting.evals` evaluations in a row above it (one blip is noise).
-            expr=(
-                "training_eval_loss\n"
-                f'  and {ON_TARGET} {_status("overfitting")} >= 1\n'
-            ),
+            expr=(f"training_eval_loss\n  and {ON_TARGET} {_status('overfitting')} >= 1\n"),
             for_=a.overfitting_for,
             summary="Eval loss rises while the training loss falls",
             description=(
@@ -954,7 +1044,7 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
             summary="A training process stopped sending metrics without finishing",
             description=(
                 f"Prometheus has had no lossbeat metrics from {{{{ $labels.instance }}}} ({WHO}) for at least "
-                f"{a.exporter_down_for}, after {{{{ $value | printf \"%.0f\" }}}} steps, and the run never "
+                f'{a.exporter_down_for}, after {{{{ $value | printf "%.0f" }}}} steps, and the run never '
                 "reported completion: the process died (crash, OOM kill, scancel, eviction), hangs, "
                 "or is unreachable."
             ),
@@ -989,12 +1079,13 @@ def _stalled_alert(t: Thresholds) -> AlertRule:
     train, other = number(duration_seconds(a.stalled_after)), number(duration_seconds(a.stalled_phase_after))
     # The exporter's own age of the heartbeat (the node's clock against itself: no skew with
     # Prometheus'); exporters without it (older versions) fall back to Prometheus' clock.
-    age = (f"(training_heartbeat_age_seconds + 0 or {ON_TARGET} "
-           "(time() - training_last_heartbeat_timestamp_seconds))")
+    age = f"(training_heartbeat_age_seconds + 0 or {ON_TARGET} (time() - training_last_heartbeat_timestamp_seconds))"
     # Each rank's limit in the phase it is in, with that phase's label: the age is read once.
-    limit = (f'(training_phase{{phase="train"}} == 1) * 0 + {train}\n'
-             f"  or {ON_TARGET}\n"
-             f'  (training_phase{{phase!="train"}} == 1) * 0 + {other}')
+    limit = (
+        f'(training_phase{{phase="train"}} == 1) * 0 + {train}\n'
+        f"  or {ON_TARGET}\n"
+        f'  (training_phase{{phase!="train"}} == 1) * 0 + {other}'
+    )
     return AlertRule(
         name="TrainingStalled",
         group="lossbeat.liveness",
@@ -1002,13 +1093,13 @@ def _stalled_alert(t: Thresholds) -> AlertRule:
         expr=f"{age}\n> {ON_TARGET} group_left(phase) (\n  {limit}\n)\n",
         summary="Training has stopped making progress",
         description=(
-            f"{WHO_CAP} showed no progress for {{{{ $value | printf \"%.0f\" }}}}s in phase "
+            f'{WHO_CAP} showed no progress for {{{{ $value | printf "%.0f" }}}}s in phase '
             f"{{{{ $labels.phase }}}} (alert after {a.stalled_after} in training, {a.stalled_phase_after} "
             "in an evaluation or checkpoint) while its exporter is still up."
         ),
         condition=(
             f"no step, evaluation or heartbeat for {a.stalled_after} while training, or for "
-            f"{a.stalled_phase_after} inside `monitor.phase(\"eval\")` / `phase(\"checkpoint\")`; the exporter is up"
+            f'{a.stalled_phase_after} inside `monitor.phase("eval")` / `phase("checkpoint")`; the exporter is up'
         ),
         action="look for a hang: data loader, NCCL collective, checkpoint I/O",
         keeps=TARGET + ("phase",),
@@ -1038,8 +1129,10 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
                 f'{{{{ $value | printf "%.1f" }}}}% of its limit (alert above {number(100 * m.near_limit)}%): '
                 "a longer batch or an evaluation can fail with an out-of-memory error."
             ),
-            condition=(f"peak memory in use since the previous scrape (allocated + outside the allocator) / "
-                       f"the device's total > {near} for {m.near_limit_for}"),
+            condition=(
+                f"peak memory in use since the previous scrape (allocated + outside the allocator) / "
+                f"the device's total > {near} for {m.near_limit_for}"
+            ),
             action="lower the micro-batch size (raise accumulation), activation checkpointing",
             keeps=TARGET + ("device",),
         ),
@@ -1062,7 +1155,6 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
             description=(
                 f"The allocated memory of {WHO} on {{{{ $labels.device }}}} grew by "
                 f'{{{{ $value | printf "%.1f" }}}}% of its limit in the last {m.window} and, at that rate, '
-
                 f"reaches the limit within {m.oom_horizon}."
             ),
             condition=(
@@ -1085,13 +1177,13 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
                 f"{rate}\n"
                 f"  < {ON_TARGET} {number(tp.drop_fraction)} * quantile_over_time(0.5, "
                 f"{past_rate}[{tp.baseline}:{resolution}] offset {tp.for_})\n"
-                f"and {ON_TARGET} (training_phase{{phase=\"train\"}} == 1)\n"
+                f'and {ON_TARGET} (training_phase{{phase="train"}} == 1)\n'
                 f"and {ON_TARGET} {past_rate} > 0\n"
             ),
             for_=tp.for_,
             summary="Training runs much slower than it did",
             description=(
-                f"{WHO_CAP} makes {{{{ $value | printf \"%.3g\" }}}} steps/s, below "
+                f'{WHO_CAP} makes {{{{ $value | printf "%.3g" }}}} steps/s, below '
                 f"{number(100 * tp.drop_fraction)}% of its median over the {tp.baseline} before, for {tp.for_}."
             ),
             condition=(
@@ -1134,7 +1226,7 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
             for_=a.rank_down_for,
             summary="Fewer ranks report metrics than the job's world size",
             description=(
-                f"Only {{{{ $value | printf \"%.0f\" }}}} of the {{{{ $labels.world_size }}}} ranks of job "
+                f'Only {{{{ $value | printf "%.0f" }}}} of the {{{{ $labels.world_size }}}} ranks of job '
                 "{{ $labels.job }} report metrics; missing: rank {{ $labels.rank }} (unknown: it has not "
                 f"reported in the last {RANK_SEEN_LOOKBACK}). A rank died, hangs without serving, or was never "
                 "discovered, while the others go on."
@@ -1202,7 +1294,7 @@ def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
                 f"> median + {number(c.straggler_min_seconds)}s, with >= {ranks} ranks; for {a.straggler_for}"
             ),
             action="check that rank's data loading (workers, storage), its host (CPU contention) and any "
-                   "host-device sync it alone does (rank-0 logging); a slow GPU needs DCGM, not this alert",
+            "host-device sync it alone does (rank-0 logging); a slow GPU needs DCGM, not this alert",
             keeps=TARGET,
         ),
         AlertRule(
@@ -1345,20 +1437,31 @@ def group_intervals(thresholds: Thresholds) -> dict[str, str]:
     tickets = [r for r in alert_rules(thresholds) if r.group.endswith(SLOW)]
     waits = [duration_seconds(r.for_ or thresholds.alerts.event_window) for r in tickets]
     slow = _duration(max(1, min(60, int(min(waits)) // 5)))
-    return {LOOKBACK_GROUP: LOOKBACK_INTERVAL, SUMMARY_GROUP: SUMMARY_INTERVAL, CHECKS_SUMMARY_GROUP: SUMMARY_INTERVAL,
-            **{r.group: slow for r in tickets}}
+    return {
+        LOOKBACK_GROUP: LOOKBACK_INTERVAL,
+        SUMMARY_GROUP: SUMMARY_INTERVAL,
+        CHECKS_SUMMARY_GROUP: SUMMARY_INTERVAL,
+        **{r.group: slow for r in tickets},
+    }
 
 
 def rule_groups(thresholds: Thresholds) -> list[dict]:
     """Prometheus rule groups: recording rules first, then the alerts by group (a group's own
     records before its alerts)."""
     alerts = alert_rules(thresholds)
-    groups: dict[str, list[dict]] = {RECORDING_GROUP: [], LOOKBACK_GROUP: [], SUMMARY_GROUP: [],
-                                     CHECKS_SUMMARY_GROUP: []}
+    groups: dict[str, list[dict]] = {
+        RECORDING_GROUP: [],
+        LOOKBACK_GROUP: [],
+        SUMMARY_GROUP: [],
+        CHECKS_SUMMARY_GROUP: [],
+    }
     for record in all_records(thresholds):
         groups.setdefault(record.group, []).append({"record": record.record, "expr": record.expr})
     for alert in alerts:
         groups.setdefault(alert.group, []).append(alert.to_rule(thresholds.alerts.runbook_url))
     intervals = group_intervals(thresholds)
-    return [{"name": name, **({"interval": intervals[name]} if name in intervals else {}), "rules": rules}
-            for name, rules in groups.items() if rules]
+    return [
+        {"name": name, **({"interval": intervals[name]} if name in intervals else {}), "rules": rules}
+        for name, rules in groups.items()
+        if rules
+    ]

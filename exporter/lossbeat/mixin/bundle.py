@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     files = {args.output_dir / path: text for path, text in bundle_files(thresholds).items()}
     code = sync_files(files, check=args.check, command="lossbeat generate")
     if code == 0 and not args.check:
-        print(f"lossbeat generate: {len(files)} files in {args.output_dir} "
-              f"(runbook links: {thresholds.alerts.runbook_url}#<alert>)")
+        print(
+            f"lossbeat generate: {len(files)} files in {args.output_dir} "
+            f"(runbook links: {thresholds.alerts.runbook_url}#<alert>)"
+        )
     return code

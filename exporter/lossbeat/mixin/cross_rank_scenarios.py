@@ -56,21 +56,34 @@ def cross_rank(b: _Builder) -> dict[str, list[Scenario]]:
     gone = [run(1, up_for), "stale"]
     beyond = duration_seconds(RANK_SEEN_LOOKBACK) + 15 * b.i
     long = int(beyond // b.i) + 2
-    out = {down.name: [
-        Scenario("a rank that stops reporting fires, named",
-                 [info("0", 4), info("1", 4), info("2", 4), info("3", 4, gone)],
-                 [(fires, down.name, [Expect(down, job_labels("3", world_size="4"), 3)]),
-                  (fires - 2 * b.i, down.name, [])]),
-        Scenario("all ranks reporting is silent", [info(str(r), 4) for r in range(4)], [(fires, down.name, [])]),
-        Scenario("a job whose ranks all ended is silent", [info(str(r), 4, gone) for r in range(4)],
-                 [(fires, down.name, [])]),
-        Scenario("a single-rank job is silent", [info("0", 1)], [(fires, down.name, [])]),
-        # Named while the lookback group remembers it (past the raw samples' window), unknown after.
-        Scenario(f"a rank gone half an hour is still named, unknown after {RANK_SEEN_LOOKBACK}",
-                 [*(info(str(r), 4, [run(1, long)]) for r in range(3)), info("3", 4, gone)],
-                 [(1800.0, down.name, [Expect(down, job_labels("3", world_size="4"), 3)]),
-                  (beyond, down.name, [Expect(down, {"job": JOB, "rank": "unknown", "world_size": "4"}, 3)])]),
-    ]}
+    out = {
+        down.name: [
+            Scenario(
+                "a rank that stops reporting fires, named",
+                [info("0", 4), info("1", 4), info("2", 4), info("3", 4, gone)],
+                [
+                    (fires, down.name, [Expect(down, job_labels("3", world_size="4"), 3)]),
+                    (fires - 2 * b.i, down.name, []),
+                ],
+            ),
+            Scenario("all ranks reporting is silent", [info(str(r), 4) for r in range(4)], [(fires, down.name, [])]),
+            Scenario(
+                "a job whose ranks all ended is silent",
+                [info(str(r), 4, gone) for r in range(4)],
+                [(fires, down.name, [])],
+            ),
+            Scenario("a single-rank job is silent", [info("0", 1)], [(fires, down.name, [])]),
+            # Named while the lookback group remembers it (past the raw samples' window), unknown after.
+            Scenario(
+                f"a rank gone half an hour is still named, unknown after {RANK_SEEN_LOOKBACK}",
+                [*(info(str(r), 4, [run(1, long)]) for r in range(3)), info("3", 4, gone)],
+                [
+                    (1800.0, down.name, [Expect(down, job_labels("3", world_size="4"), 3)]),
+                    (beyond, down.name, [Expect(down, {"job": JOB, "rank": "unknown", "world_size": "4"}, 3)]),
+                ],
+            ),
+        ]
+    }
 
     spread = b.rule("TrainingLossRankSpread")
     at = b.after_for(a.loss_spread_for)
@@ -82,11 +95,14 @@ def cross_rank(b: _Builder) -> dict[str, list[Scenario]]:
         """``without_loss``: more ranks that export no loss (pipeline stages before the last):
         they take no part in the median, the MAD or the rank count."""
         series = [b.hold("training_loss", _target(str(r)), x, samples) for r, x in enumerate(losses)]
-        series += [b.hold("training_grad_norm", _target(str(r)), 1.0, samples)
-                   for r in range(len(losses), len(losses) + without_loss)]
+        series += [
+            b.hold("training_grad_norm", _target(str(r)), 1.0, samples)
+            for r in range(len(losses), len(losses) + without_loss)
+        ]
         firing = _spread_firing(b.t, losses)
-        return Scenario(name, series, [(at, spread.name, [Expect(spread, job_labels(r), z)
-                                                          for r, z in firing.items()])])
+        return Scenario(
+            name, series, [(at, spread.name, [Expect(spread, job_labels(r), z) for r, z in firing.items()])]
+        )
 
     healthy = [base * (1 + e) for e in noise]
     high = healthy[:3] + [base * (1 + 5 * rel)]
@@ -98,14 +114,23 @@ def cross_rank(b: _Builder) -> dict[str, list[Scenario]]:
         scenario("ranks within their noise are silent", healthy),
         scenario("a departure below the relative minimum is silent", small),
         scenario(f"fewer than {c.min_ranks} ranks are silent", [base, base * (1 + 5 * rel)][: c.min_ranks - 1]),
-        scenario("ranks without a loss (pipeline stages) take no part: the departing rank fires", high,
-                 without_loss=len(high)),
-        scenario(f"fewer than {c.min_ranks} ranks with a loss are silent, whatever the ranks without one",
-                 [base, base * (1 + 5 * rel)][: c.min_ranks - 1], without_loss=2 * c.min_ranks),
+        scenario(
+            "ranks without a loss (pipeline stages) take no part: the departing rank fires",
+            high,
+            without_loss=len(high),
+        ),
+        scenario(
+            f"fewer than {c.min_ranks} ranks with a loss are silent, whatever the ranks without one",
+            [base, base * (1 + 5 * rel)][: c.min_ranks - 1],
+            without_loss=2 * c.min_ranks,
+        ),
     ]
     # Checks on the generator: the firing cases fire, the silent ones do not, before and at `for`.
-    if not (_spread_firing(b.t, high) and _spread_firing(b.t, low)) or _spread_firing(b.t, healthy) \
-            or _spread_firing(b.t, small):
+    if (
+        not (_spread_firing(b.t, high) and _spread_firing(b.t, low))
+        or _spread_firing(b.t, healthy)
+        or _spread_firing(b.t, small)
+    ):
         raise ValueError("cross_rank: thresholds leave no firing or no silent TrainingLossRankSpread test")
     cases[0].checks.append((at - 2 * b.i, spread.name, []))
     out[spread.name] = cases
@@ -127,16 +152,30 @@ def _straggler(b: _Builder) -> dict[str, list[Scenario]]:
     base = 10 * c.straggler_min_seconds / (c.straggler_ratio - 1)
     slow = base * c.straggler_ratio * 1.5
     tiny = c.straggler_min_seconds / (4 * c.straggler_ratio)
-    return {rule.name: [
-        Scenario("a rank far slower than the job's median fires, named", ranks([base, base, base, slow]),
-                 [(at, rule.name, [Expect(rule, _target("3"), slow / base)]), (at - 2 * b.i, rule.name, [])]),
-        Scenario("just under the ratio is silent", ranks([base, base, base, base * c.straggler_ratio * 0.99]),
-                 [(at, rule.name, [])]),
-        Scenario("a slow rank on tiny steps (under the absolute floor) is silent",
-                 ranks([tiny, tiny, tiny, tiny * c.straggler_ratio * 1.5]), [(at, rule.name, [])]),
-        Scenario(f"fewer than {c.min_ranks} ranks are silent", ranks([base, slow][: c.min_ranks - 1]),
-                 [(at, rule.name, [])]),
-    ]}
+    return {
+        rule.name: [
+            Scenario(
+                "a rank far slower than the job's median fires, named",
+                ranks([base, base, base, slow]),
+                [(at, rule.name, [Expect(rule, _target("3"), slow / base)]), (at - 2 * b.i, rule.name, [])],
+            ),
+            Scenario(
+                "just under the ratio is silent",
+                ranks([base, base, base, base * c.straggler_ratio * 0.99]),
+                [(at, rule.name, [])],
+            ),
+            Scenario(
+                "a slow rank on tiny steps (under the absolute floor) is silent",
+                ranks([tiny, tiny, tiny, tiny * c.straggler_ratio * 1.5]),
+                [(at, rule.name, [])],
+            ),
+            Scenario(
+                f"fewer than {c.min_ranks} ranks are silent",
+                ranks([base, slow][: c.min_ranks - 1]),
+                [(at, rule.name, [])],
+            ),
+        ]
+    }
 
 
 def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
@@ -147,9 +186,14 @@ def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
 
     def ranks(norms: list[float], steps: list[int] | None = None) -> list[Series]:
         steps = steps or [200] * len(norms)
-        return [series for r, (x, step) in enumerate(zip(norms, steps)) for series in (
-            b.hold("training_grad_norm_aligned", _target(str(r)), x, samples),
-            b.hold("training_grad_norm_aligned_step", _target(str(r)), step, samples))]
+        return [
+            series
+            for r, (x, step) in enumerate(zip(norms, steps))
+            for series in (
+                b.hold("training_grad_norm_aligned", _target(str(r)), x, samples),
+                b.hold("training_grad_norm_aligned_step", _target(str(r)), step, samples),
+            )
+        ]
 
     def job_rank(rank: str) -> dict[str, str]:
         return {k: v for k, v in _target(rank).items() if k in JOB_RANK}
@@ -168,19 +212,39 @@ def _gradient_mismatch(b: _Builder) -> dict[str, list[Scenario]]:
             steps = [run(200, complete), run(300, total - complete)] if r < 2 else [run(200, total)]
             out.append(Series("training_grad_norm_aligned_step", _target(str(r)), steps))
         return out
-    return {rule.name: [
-        Scenario("a replica whose norm differs fires, named", ranks(corrupt),
-                 [(at, rule.name, [Expect(rule, job_rank("3"), abs(corrupt[3] - median) / abs(median))]),
-                  (at - 2 * b.i, rule.name, [])]),
-        Scenario("replicas within float tolerance are silent", ranks([1.5, 1.5, 1.5, 1.5 * (1 + c.grad_norm_rtol / 2)]),
-                 [(at, rule.name, [])]),
-        Scenario("a rank still at an older aligned step is not compared",
-                 ranks([1.5, 1.5, 1.5, 3.0], steps=[200, 200, 200, 100]), [(at, rule.name, [])]),
-        Scenario("a single rank is silent", ranks([1.5]), [(at, rule.name, [])]),
-        # While the scrapes of a new aligned step come in, the ranks already there are not compared
-        # among themselves: two of four at step 200, one of them off, is no median of the job.
-        Scenario("an aligned step only some ranks have reached is not judged",
-                 ranks([1.5, corrupt[3], 1.5, 1.5], steps=[200, 200, 100, 100]), [(at, rule.name, [])]),
-        Scenario("a mismatch still fires while a newer aligned step is half scraped",
-                 moving(), [(later, rule.name, [Expect(rule, job_rank("3"), abs(corrupt[3] - median) / abs(median))])]),
-    ]}
+
+    return {
+        rule.name: [
+            Scenario(
+                "a replica whose norm differs fires, named",
+                ranks(corrupt),
+                [
+                    (at, rule.name, [Expect(rule, job_rank("3"), abs(corrupt[3] - median) / abs(median))]),
+                    (at - 2 * b.i, rule.name, []),
+                ],
+            ),
+            Scenario(
+                "replicas within float tolerance are silent",
+                ranks([1.5, 1.5, 1.5, 1.5 * (1 + c.grad_norm_rtol / 2)]),
+                [(at, rule.name, [])],
+            ),
+            Scenario(
+                "a rank still at an older aligned step is not compared",
+                ranks([1.5, 1.5, 1.5, 3.0], steps=[200, 200, 200, 100]),
+                [(at, rule.name, [])],
+            ),
+            Scenario("a single rank is silent", ranks([1.5]), [(at, rule.name, [])]),
+            # While the scrapes of a new aligned step come in, the ranks already there are not compared
+            # among themselves: two of four at step 200, one of them off, is no median of the job.
+            Scenario(
+                "an aligned step only some ranks have reached is not judged",
+                ranks([1.5, corrupt[3], 1.5, 1.5], steps=[200, 200, 100, 100]),
+                [(at, rule.name, [])],
+            ),
+            Scenario(
+                "a mismatch still fires while a newer aligned step is half scraped",
+                moving(),
+                [(later, rule.name, [Expect(rule, job_rank("3"), abs(corrupt[3] - median) / abs(median))])],
+            ),
+        ]
+    }

@@ -50,23 +50,27 @@ FILTER = 'job=~"$job", rank=~"$rank"'
 ALERTS_FILTER = 'job=~"$job", rank=~"$rank|"'
 RATE_INTERVAL = "$__rate_interval"
 
-HEALTH_MAPPINGS = [{
-    "type": "value",
-    "options": {
-        "0": {"color": "green", "index": 0, "text": "good"},
-        "1": {"color": "yellow", "index": 1, "text": "warning"},
-        "2": {"color": "red", "index": 2, "text": "danger"},
-    },
-}]
+HEALTH_MAPPINGS = [
+    {
+        "type": "value",
+        "options": {
+            "0": {"color": "green", "index": 0, "text": "good"},
+            "1": {"color": "yellow", "index": 1, "text": "warning"},
+            "2": {"color": "red", "index": 2, "text": "danger"},
+        },
+    }
+]
 
 # Panels that show events which a healthy run never has: their queries return no series.
-_QUIET_PANELS = frozenset({
-    "Firing alerts",
-    "Exploding layers",
-    "Vanishing layers",
-    "Layers outside the healthy range",
-    "First layer with a non-finite gradient",
-})
+_QUIET_PANELS = frozenset(
+    {
+        "Firing alerts",
+        "Exploding layers",
+        "Vanishing layers",
+        "Layers outside the healthy range",
+        "First layer with a non-finite gradient",
+    }
+)
 # Series only some runs export: loss components (multi-task runs), the rank work time
 # (work_time=True).
 _OPTIONAL_METRICS = ("training_loss_component{", "training_rank_work_seconds{")
@@ -78,6 +82,7 @@ def may_be_empty(title: str, expr: str) -> bool:
 
 
 # --- PromQL -------------------------------------------------------------------------
+
 
 def _selector(metric: str, filters: str = FILTER, matchers: str = "") -> str:
     """``metric{matchers, job=~"$job", rank=~"$rank"}``; the name must be in the contract."""
@@ -113,8 +118,15 @@ def _seconds(duration: str) -> float:
 _VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
 
-def expand_query(expr: str, *, job: str = ".*", rank: str = ".*", rate_interval: str = "1m",
-                 time_range: str = "1h", interval: str = "15s") -> str:
+def expand_query(
+    expr: str,
+    *,
+    job: str = ".*",
+    rank: str = ".*",
+    rate_interval: str = "1m",
+    time_range: str = "1h",
+    interval: str = "15s",
+) -> str:
     """Substitute Grafana's template variables so Prometheus can run ``expr`` as is.
 
     ``job`` and ``rank`` are regexes (what Grafana puts in for All or a multi-value
@@ -124,9 +136,13 @@ def expand_query(expr: str, *, job: str = ".*", rank: str = ".*", rate_interval:
     if not isinstance(expr, str):
         raise TypeError(f"expr: expected a PromQL string, got {type(expr).__name__}")
     values = {
-        "job": job, "rank": rank,
-        "__rate_interval": rate_interval, "__range": time_range, "__interval": interval,
-        "__range_s": str(int(_seconds(time_range))), "__interval_ms": str(int(_seconds(interval) * 1000)),
+        "job": job,
+        "rank": rank,
+        "__rate_interval": rate_interval,
+        "__range": time_range,
+        "__interval": interval,
+        "__range_s": str(int(_seconds(time_range))),
+        "__interval_ms": str(int(_seconds(interval) * 1000)),
     }
 
     def substitute(match: re.Match) -> str:
@@ -139,6 +155,7 @@ def expand_query(expr: str, *, job: str = ".*", rank: str = ".*", rate_interval:
 
 
 # --- panels ---------------------------------------------------------------------------
+
 
 def _target(expr: str, legend: str = "__auto", ref: str = "A", *, table: bool = False) -> dict:
     return {
@@ -165,10 +182,21 @@ def _thresholds(base: str, *steps: tuple[float, str]) -> dict:
     }
 
 
-def _panel(kind: str, title: str, description: str, unit: str, targets: list[dict], *,
-           size: tuple[int, int], thresholds: dict | None = None, options: dict | None = None,
-           custom: dict | None = None, defaults: dict | None = None,
-           overrides: list | None = None, transformations: list | None = None) -> dict:
+def _panel(
+    kind: str,
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[dict],
+    *,
+    size: tuple[int, int],
+    thresholds: dict | None = None,
+    options: dict | None = None,
+    custom: dict | None = None,
+    defaults: dict | None = None,
+    overrides: list | None = None,
+    transformations: list | None = None,
+) -> dict:
     field_defaults = {
         "color": {"mode": "thresholds" if kind in ("stat", "state-timeline") else "palette-classic"},
         "custom": custom or {},
@@ -192,10 +220,19 @@ def _panel(kind: str, title: str, description: str, unit: str, targets: list[dic
     return panel
 
 
-def _timeseries(title: str, description: str, unit: str, targets: list[dict], *,
-                size: tuple[int, int] = (12, 8), thresholds: dict | None = None,
-                threshold_style: str = "off", log_scale: bool = False, bars: bool = False,
-                defaults: dict | None = None) -> dict:
+def _timeseries(
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[dict],
+    *,
+    size: tuple[int, int] = (12, 8),
+    thresholds: dict | None = None,
+    threshold_style: str = "off",
+    log_scale: bool = False,
+    bars: bool = False,
+    defaults: dict | None = None,
+) -> dict:
     custom = {
         "drawStyle": "bars" if bars else "line",
         "fillOpacity": 60 if bars else 10,
@@ -210,12 +247,31 @@ def _timeseries(title: str, description: str, unit: str, targets: list[dict], *,
         "legend": {"calcs": ["lastNotNull", "max"], "displayMode": "table", "placement": "bottom", "showLegend": True},
         "tooltip": {"mode": "multi", "sort": "desc"},
     }
-    return _panel("timeseries", title, description, unit, targets, size=size, thresholds=thresholds,
-                  options=options, custom=custom, defaults=defaults)
+    return _panel(
+        "timeseries",
+        title,
+        description,
+        unit,
+        targets,
+        size=size,
+        thresholds=thresholds,
+        options=options,
+        custom=custom,
+        defaults=defaults,
+    )
 
 
-def _stat(title: str, description: str, unit: str, targets: list[dict], *, size: tuple[int, int],
-          thresholds: dict | None = None, mappings: list | None = None, defaults: dict | None = None) -> dict:
+def _stat(
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[dict],
+    *,
+    size: tuple[int, int],
+    thresholds: dict | None = None,
+    mappings: list | None = None,
+    defaults: dict | None = None,
+) -> dict:
     options = {
         "colorMode": "background",
         "graphMode": "area",
@@ -224,8 +280,17 @@ def _stat(title: str, description: str, unit: str, targets: list[dict], *, size:
         "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
         "textMode": "value_and_name",
     }
-    return _panel("stat", title, description, unit, targets, size=size, thresholds=thresholds,
-                  options=options, defaults={"mappings": mappings or [], **(defaults or {})})
+    return _panel(
+        "stat",
+        title,
+        description,
+        unit,
+        targets,
+        size=size,
+        thresholds=thresholds,
+        options=options,
+        defaults={"mappings": mappings or [], **(defaults or {})},
+    )
 
 
 def _state_timeline(title: str, description: str, targets: list[dict], *, size: tuple[int, int]) -> dict:
@@ -237,21 +302,53 @@ def _state_timeline(title: str, description: str, targets: list[dict], *, size: 
         "showValue": "never",
         "tooltip": {"mode": "single", "sort": "none"},
     }
-    return _panel("state-timeline", title, description, "none", targets, size=size,
-                  thresholds=_thresholds("green", (1, "yellow"), (2, "red")), options=options,
-                  custom={"fillOpacity": 80, "lineWidth": 0}, defaults={"mappings": HEALTH_MAPPINGS})
+    return _panel(
+        "state-timeline",
+        title,
+        description,
+        "none",
+        targets,
+        size=size,
+        thresholds=_thresholds("green", (1, "yellow"), (2, "red")),
+        options=options,
+        custom={"fillOpacity": 80, "lineWidth": 0},
+        defaults={"mappings": HEALTH_MAPPINGS},
+    )
 
 
-def _table(title: str, description: str, unit: str, expr: str, *, size: tuple[int, int],
-           hide: Iterable[str] = ("Time", "Value", "__name__"), thresholds: dict | None = None,
-           overrides: list | None = None) -> dict:
+def _table(
+    title: str,
+    description: str,
+    unit: str,
+    expr: str,
+    *,
+    size: tuple[int, int],
+    hide: Iterable[str] = ("Time", "Value", "__name__"),
+    thresholds: dict | None = None,
+    overrides: list | None = None,
+) -> dict:
     options = {"cellHeight": "sm", "footer": {"show": False}, "showHeader": True}
-    organize = {"id": "organize", "options": {
-        "excludeByName": {name: True for name in sorted(hide)}, "indexByName": {}, "renameByName": {},
-    }}
-    return _panel("table", title, description, unit, [_target(expr, table=True)], size=size,
-                  thresholds=thresholds, options=options, custom={"align": "auto"},
-                  overrides=overrides, transformations=[organize])
+    organize = {
+        "id": "organize",
+        "options": {
+            "excludeByName": {name: True for name in sorted(hide)},
+            "indexByName": {},
+            "renameByName": {},
+        },
+    }
+    return _panel(
+        "table",
+        title,
+        description,
+        unit,
+        [_target(expr, table=True)],
+        size=size,
+        thresholds=thresholds,
+        options=options,
+        custom={"align": "auto"},
+        overrides=overrides,
+        transformations=[organize],
+    )
 
 
 def _layout(panels: list[dict]) -> list[dict]:
@@ -270,14 +367,16 @@ def _layout(panels: list[dict]) -> list[dict]:
 
 # --- the two dashboards -----------------------------------------------------------------
 
-CHECKLIST_MAPPINGS = [{
-    "type": "value",
-    "options": {
-        "0": {"color": "green", "index": 0, "text": "\u2713"},
-        "1": {"color": "yellow", "index": 1, "text": "\u2717 warning"},
-        "2": {"color": "red", "index": 2, "text": "\u2717 danger"},
-    },
-}]
+CHECKLIST_MAPPINGS = [
+    {
+        "type": "value",
+        "options": {
+            "0": {"color": "green", "index": 0, "text": "\u2713"},
+            "1": {"color": "yellow", "index": 1, "text": "\u2717 warning"},
+            "2": {"color": "red", "index": 2, "text": "\u2717 danger"},
+        },
+    }
+]
 
 
 def _checklist_panels() -> list[dict]:
@@ -287,13 +386,18 @@ def _checklist_panels() -> list[dict]:
     panels = []
     for number, (name, checks, alerts) in enumerate(CHECKLIST_ITEMS, 1):
         selector = _selector("training_health_status", matchers=f'check=~"{"|".join(checks)}", component=""')
-        panels.append(_stat(
-            f"Daily checklist {number}: {name}",
-            f"Worst status of the {', '.join(checks)} check(s) over the selected ranks; "
-            f"its alerts: {', '.join(alerts)}.",
-            "none", _targets((f"max({selector})", name)), size=(3, 3),
-            thresholds=_thresholds("green", (1, "yellow"), (2, "red")), mappings=CHECKLIST_MAPPINGS,
-        ))
+        panels.append(
+            _stat(
+                f"Daily checklist {number}: {name}",
+                f"Worst status of the {', '.join(checks)} check(s) over the selected ranks; "
+                f"its alerts: {', '.join(alerts)}.",
+                "none",
+                _targets((f"max({selector})", name)),
+                size=(3, 3),
+                thresholds=_thresholds("green", (1, "yellow"), (2, "red")),
+                mappings=CHECKLIST_MAPPINGS,
+            )
+        )
     for panel in panels:
         panel["options"]["graphMode"] = "none"
         panel["options"]["textMode"] = "value"
@@ -317,97 +421,185 @@ def _overview_panels(t: Thresholds) -> list[dict]:
     loss_base = "orange" if profile.loss_warn_low is not None else "green"
     stalled = _seconds(t.alerts.stalled_after)
     return _checklist_panels() + [
-        _stat("Health", "Worst diagnosis over every check and the selected ranks: good, warning or danger.",
-              "none", _targets((f"max({_selector('training_health_status')})", "worst")), size=(6, 5),
-              thresholds=_thresholds("green", (1, "yellow"), (2, "red")), mappings=HEALTH_MAPPINGS),
-        _stat("Loss CV", f"Coefficient of variation (std / mean) of the loss over the last {t.windows.cv_steps} "
-              f"steps. Warning from {loss.cv_warning}, danger from {loss.cv_danger} (loss.cv_warning, loss.cv_danger).",
-              "none", _targets((_selector("training_loss_cv"), "rank {{rank}}")), size=(5, 5),
-              thresholds=_thresholds("green", (loss.cv_warning, "yellow"), (loss.cv_danger, "red")),
-              defaults={"decimals": 3}),
-        _stat("Loss trend", f"(previous mean - recent mean) / previous mean over two windows of "
-              f"{t.windows.trend_steps} steps; positive means the loss falls. Red below {loss.trend_rising} "
-              f"(rising), yellow up to {loss.trend_improving} (plateau), green above (learning).",
-              "percentunit", _targets((_selector("training_loss_trend_ratio"), "rank {{rank}}")), size=(5, 5),
-              thresholds=_thresholds("red", (loss.trend_rising, "yellow"), (loss.trend_improving, "green"))),
-        _stat("Since last step", f"Seconds since each rank last completed a step; red from "
-              f"{t.alerts.stalled_after} (alerts.stalled_after), when the stalled alert fires.",
-              "s", _targets((f"time() - {_selector('training_last_step_timestamp_seconds')}", "rank {{rank}}")),
-              size=(4, 5), thresholds=_thresholds("green", (stalled / 2, "yellow"), (stalled, "red"))),
-        _stat("Step", "The last observed optimizer step per rank.", METRICS["training_step"].unit,
-              _targets((_selector("training_step"), "rank {{rank}}")), size=(4, 5),
-              thresholds=_thresholds("blue"), defaults={"decimals": 0}),
-        _timeseries("Loss", "Training loss per step (gaps where it was not finite), evaluation loss and "
-                    f"multi-task components. Dashed lines: the {profile.name} profile's warning bounds "
-                    "(profiles.*.loss_warn_low / loss_warn_high).",
-                    METRICS["training_loss"].unit, _targets(
-                        (_selector("training_loss"), "train rank {{rank}}"),
-                        (_selector("training_eval_loss"), "eval rank {{rank}}"),
-                        (_selector("training_loss_component"), "{{component}} rank {{rank}}"),
-                    ), thresholds=_thresholds(loss_base, *loss_steps),
-                    threshold_style="dashed" if loss_steps else "off"),
-        _timeseries("Gradient norm", f"Global L2 gradient norm before clipping. Green band: healthy "
-                    f"{g.healthy_low}..{g.healthy_high} (gradients.healthy_low/high); red from {g.explosion}, "
-                    f"an explosion (gradients.explosion). Log scale.",
-                    METRICS["training_grad_norm"].unit,
-                    _targets((_selector("training_grad_norm"), "rank {{rank}}")),
-                    thresholds=_thresholds("blue", (g.healthy_low, "green"), (g.healthy_high, "yellow"),
-                                           (g.explosion, "red")),
-                    threshold_style="line+area", log_scale=True),
-        _state_timeline("Health per check", "Diagnosis of each check over time, worst over the selected "
-                        "ranks: good, warning or danger.",
-                        _targets((f"max by (check, component) ({_selector('training_health_status')})",
-                                  "{{check}} {{component}}")), size=(24, 8)),
-        _timeseries("Learning rate", f"Learning rate of each optimizer param group. Dashed: too small below "
-                    f"{lr.too_small}, too large above {lr.too_large} (learning_rate.too_small/too_large). Log scale.",
-                    METRICS["training_learning_rate"].unit,
-                    _targets((_selector("training_learning_rate"), "group {{param_group}} rank {{rank}}")),
-                    thresholds=_thresholds("orange", (lr.too_small, "green"), (lr.too_large, "orange")),
-                    threshold_style="dashed", log_scale=True),
-        _timeseries("Gradient clip coefficient", "Factor the last clip_grad_norm_ scaled the gradients by; "
-                    "1 means not clipped, lower means clipped harder.",
-                    METRICS["training_grad_clip_coefficient"].unit,
-                    _targets((_selector("training_grad_clip_coefficient"), "rank {{rank}}")),
-                    defaults={"min": 0, "max": 1}),
-        _timeseries("Loss scale (fp16)", "Loss scale of the fp16 GradScaler passed to observe(grad_scaler=...); "
-                    "it halves at each overflowing step (skipped) and grows back. Red below "
-                    f"{g.loss_scale_min} (gradients.loss_scale_min): nearly every step overflows. Log scale.",
-                    METRICS["training_grad_scale"].unit,
-                    _targets((_selector("training_grad_scale"), "rank {{rank}}")),
-                    thresholds=_thresholds("red", (g.loss_scale_min, "green")), threshold_style="dashed",
-                    log_scale=True),
-        _timeseries("Events", "Steps with a non-finite loss or gradient, loss spikes, gradient explosions and "
-                    "fp16 overflows, counted per rate interval (increase of the counters, so none is missed "
-                    "between scrapes).",
-                    "short", _targets(*[(f"sum by (rank) ({_counter('increase', metric)})",
-                                         f"{label} rank {{{{rank}}}}") for metric, label in events]),
-                    bars=True),
-        _timeseries("Exporter errors", "Errors inside lossbeat itself, by where they happened, per rate "
-                    "interval; training is never interrupted by them.",
-                    "short", _targets((f"sum by (where) ({_counter('increase', 'training_exporter_errors_total')})",
-                                       "{{where}}")), bars=True),
-        _timeseries("Steps per second", "Optimizer steps per second per rank.", "count:steps/s",
-                    _targets((f"sum by (job, run_id, rank) ({_counter('rate', 'training_steps_total')})",
-                              "{{job}} rank {{rank}}")), size=(8, 8)),
-        _timeseries("Tokens per second", "Tokens per second per rank, and in total per job.", "count:tok/s",
-                    _targets((f"sum by (job, run_id, rank) ({_counter('rate', 'training_tokens_total')})",
-                              "{{job}} rank {{rank}}"),
-                             (f"sum by (job, run_id) ({_counter('rate', 'training_tokens_total')})", "{{job}} total")),
-                    size=(8, 8)),
-        _timeseries("Step duration", "Wall time between the last two observed steps.",
-                    METRICS["training_step_duration_seconds"].unit,
-                    _targets((_selector("training_step_duration_seconds"), "rank {{rank}}")), size=(8, 8)),
-        _timeseries("Memory", "Device memory allocated by tensors and its peak (CUDA), or the process "
-                    "resident memory on CPU.", METRICS["training_memory_allocated_bytes"].unit, _targets(
-                        (_selector("training_memory_allocated_bytes"), "allocated {{device}} rank {{rank}}"),
-                        (_selector("training_memory_peak_bytes"), "peak {{device}} rank {{rank}}"),
-                    )),
-        _table("Firing alerts", "lossbeat alerts firing now (ALERTS from Prometheus' rule evaluation). "
-               "Job-wide alerts without a rank label show whatever rank is picked.", "none",
-               f'ALERTS{{alertstate="firing", alertname=~"Training.*", {ALERTS_FILTER}}}', size=(12, 8),
-               hide=("Time", "Value", "__name__", "alertstate")),
-        _table("Runs", "Metadata of the runs exporting to the selected job and ranks.", "none",
-               _selector("training_run_info"), size=(24, 5)),
+        _stat(
+            "Health",
+            "Worst diagnosis over every check and the selected ranks: good, warning or danger.",
+            "none",
+            _targets((f"max({_selector('training_health_status')})", "worst")),
+            size=(6, 5),
+            thresholds=_thresholds("green", (1, "yellow"), (2, "red")),
+            mappings=HEALTH_MAPPINGS,
+        ),
+        _stat(
+            "Loss CV",
+            f"Coefficient of variation (std / mean) of the loss over the last {t.windows.cv_steps} "
+            f"steps. Warning from {loss.cv_warning}, danger from {loss.cv_danger} (loss.cv_warning, loss.cv_danger).",
+            "none",
+            _targets((_selector("training_loss_cv"), "rank {{rank}}")),
+            size=(5, 5),
+            thresholds=_thresholds("green", (loss.cv_warning, "yellow"), (loss.cv_danger, "red")),
+            defaults={"decimals": 3},
+        ),
+        _stat(
+            "Loss trend",
+            f"(previous mean - recent mean) / previous mean over two windows of "
+            f"{t.windows.trend_steps} steps; positive means the loss falls. Red below {loss.trend_rising} "
+            f"(rising), yellow up to {loss.trend_improving} (plateau), green above (learning).",
+            "percentunit",
+            _targets((_selector("training_loss_trend_ratio"), "rank {{rank}}")),
+            size=(5, 5),
+            thresholds=_thresholds("red", (loss.trend_rising, "yellow"), (loss.trend_improving, "green")),
+        ),
+        _stat(
+            "Since last step",
+            f"Seconds since each rank last completed a step; red from "
+            f"{t.alerts.stalled_after} (alerts.stalled_after), when the stalled alert fires.",
+            "s",
+            _targets((f"time() - {_selector('training_last_step_timestamp_seconds')}", "rank {{rank}}")),
+            size=(4, 5),
+            thresholds=_thresholds("green", (stalled / 2, "yellow"), (stalled, "red")),
+        ),
+        _stat(
+            "Step",
+            "The last observed optimizer step per rank.",
+            METRICS["training_step"].unit,
+            _targets((_selector("training_step"), "rank {{rank}}")),
+            size=(4, 5),
+            thresholds=_thresholds("blue"),
+            defaults={"decimals": 0},
+        ),
+        _timeseries(
+            "Loss",
+            "Training loss per step (gaps where it was not finite), evaluation loss and "
+            f"multi-task components. Dashed lines: the {profile.name} profile's warning bounds "
+            "(profiles.*.loss_warn_low / loss_warn_high).",
+            METRICS["training_loss"].unit,
+            _targets(
+                (_selector("training_loss"), "train rank {{rank}}"),
+                (_selector("training_eval_loss"), "eval rank {{rank}}"),
+                (_selector("training_loss_component"), "{{component}} rank {{rank}}"),
+            ),
+            thresholds=_thresholds(loss_base, *loss_steps),
+            threshold_style="dashed" if loss_steps else "off",
+        ),
+        _timeseries(
+            "Gradient norm",
+            f"Global L2 gradient norm before clipping. Green band: healthy "
+            f"{g.healthy_low}..{g.healthy_high} (gradients.healthy_low/high); red from {g.explosion}, "
+            f"an explosion (gradients.explosion). Log scale.",
+            METRICS["training_grad_norm"].unit,
+            _targets((_selector("training_grad_norm"), "rank {{rank}}")),
+            thresholds=_thresholds("blue", (g.healthy_low, "green"), (g.healthy_high, "yellow"), (g.explosion, "red")),
+            threshold_style="line+area",
+            log_scale=True,
+        ),
+        _state_timeline(
+            "Health per check",
+            "Diagnosis of each check over time, worst over the selected ranks: good, warning or danger.",
+            _targets((f"max by (check, component) ({_selector('training_health_status')})", "{{check}} {{component}}")),
+            size=(24, 8),
+        ),
+        _timeseries(
+            "Learning rate",
+            f"Learning rate of each optimizer param group. Dashed: too small below "
+            f"{lr.too_small}, too large above {lr.too_large} (learning_rate.too_small/too_large). Log scale.",
+            METRICS["training_learning_rate"].unit,
+            _targets((_selector("training_learning_rate"), "group {{param_group}} rank {{rank}}")),
+            thresholds=_thresholds("orange", (lr.too_small, "green"), (lr.too_large, "orange")),
+            threshold_style="dashed",
+            log_scale=True,
+        ),
+        _timeseries(
+            "Gradient clip coefficient",
+            "Factor the last clip_grad_norm_ scaled the gradients by; 1 means not clipped, lower means clipped harder.",
+            METRICS["training_grad_clip_coefficient"].unit,
+            _targets((_selector("training_grad_clip_coefficient"), "rank {{rank}}")),
+            defaults={"min": 0, "max": 1},
+        ),
+        _timeseries(
+            "Loss scale (fp16)",
+            "Loss scale of the fp16 GradScaler passed to observe(grad_scaler=...); "
+            "it halves at each overflowing step (skipped) and grows back. Red below "
+            f"{g.loss_scale_min} (gradients.loss_scale_min): nearly every step overflows. Log scale.",
+            METRICS["training_grad_scale"].unit,
+            _targets((_selector("training_grad_scale"), "rank {{rank}}")),
+            thresholds=_thresholds("red", (g.loss_scale_min, "green")),
+            threshold_style="dashed",
+            log_scale=True,
+        ),
+        _timeseries(
+            "Events",
+            "Steps with a non-finite loss or gradient, loss spikes, gradient explosions and "
+            "fp16 overflows, counted per rate interval (increase of the counters, so none is missed "
+            "between scrapes).",
+            "short",
+            _targets(
+                *[
+                    (f"sum by (rank) ({_counter('increase', metric)})", f"{label} rank {{{{rank}}}}")
+                    for metric, label in events
+                ]
+            ),
+            bars=True,
+        ),
+        _timeseries(
+            "Exporter errors",
+            "Errors inside lossbeat itself, by where they happened, per rate "
+            "interval; training is never interrupted by them.",
+            "short",
+            _targets((f"sum by (where) ({_counter('increase', 'training_exporter_errors_total')})", "{{where}}")),
+            bars=True,
+        ),
+        _timeseries(
+            "Steps per second",
+            "Optimizer steps per second per rank.",
+            "count:steps/s",
+            _targets(
+                (f"sum by (job, run_id, rank) ({_counter('rate', 'training_steps_total')})", "{{job}} rank {{rank}}")
+            ),
+            size=(8, 8),
+        ),
+        _timeseries(
+            "Tokens per second",
+            "Tokens per second per rank, and in total per job.",
+            "count:tok/s",
+            _targets(
+                (f"sum by (job, run_id, rank) ({_counter('rate', 'training_tokens_total')})", "{{job}} rank {{rank}}"),
+                (f"sum by (job, run_id) ({_counter('rate', 'training_tokens_total')})", "{{job}} total"),
+            ),
+            size=(8, 8),
+        ),
+        _timeseries(
+            "Step duration",
+            "Wall time between the last two observed steps.",
+            METRICS["training_step_duration_seconds"].unit,
+            _targets((_selector("training_step_duration_seconds"), "rank {{rank}}")),
+            size=(8, 8),
+        ),
+        _timeseries(
+            "Memory",
+            "Device memory allocated by tensors and its peak (CUDA), or the process resident memory on CPU.",
+            METRICS["training_memory_allocated_bytes"].unit,
+            _targets(
+                (_selector("training_memory_allocated_bytes"), "allocated {{device}} rank {{rank}}"),
+                (_selector("training_memory_peak_bytes"), "peak {{device}} rank {{rank}}"),
+            ),
+        ),
+        _table(
+            "Firing alerts",
+            "lossbeat alerts firing now (ALERTS from Prometheus' rule evaluation). "
+            "Job-wide alerts without a rank label show whatever rank is picked.",
+            "none",
+            f'ALERTS{{alertstate="firing", alertname=~"Training.*", {ALERTS_FILTER}}}',
+            size=(12, 8),
+            hide=("Time", "Value", "__name__", "alertstate"),
+        ),
+        _table(
+            "Runs",
+            "Metadata of the runs exporting to the selected job and ranks.",
+            "none",
+            _selector("training_run_info"),
+            size=(24, 5),
+        ),
     ]
 
 
@@ -420,10 +612,16 @@ def _layers_panels(t: Thresholds) -> list[dict]:
         "calculate": False,
         "cellGap": 1,
         "color": {
-            "exponent": 0.5, "fill": "dark-orange", "mode": "scheme", "reverse": False, "scale": "linear",
-            "scheme": "Spectral", "steps": 64,
+            "exponent": 0.5,
+            "fill": "dark-orange",
+            "mode": "scheme",
+            "reverse": False,
+            "scale": "linear",
+            "scheme": "Spectral",
+            "steps": 64,
             # The colour scale spans exactly the healthy per-layer range: clipped at both ends.
-            "min": math.log10(g.layer_vanishing), "max": math.log10(g.layer_explosion),
+            "min": math.log10(g.layer_vanishing),
+            "max": math.log10(g.layer_explosion),
         },
         "exemplars": {"color": "rgba(255,0,255,0.7)"},
         "filterValues": {"le": 1e-9},
@@ -434,50 +632,102 @@ def _layers_panels(t: Thresholds) -> list[dict]:
         "yAxis": {"axisPlacement": "left", "reverse": True},
     }
     return [
-        _stat("Exploding layers", f"Layers whose gradient norm is above {g.layer_explosion} "
-              "(gradients.layer_explosion), over the selected ranks.", "none",
-              _targets((f"count({exploding})", "layers")), size=(8, 4),
-              thresholds=_thresholds("green", (1, "red")), defaults={"noValue": "0"}),
-        _stat("Vanishing layers", f"Layers whose gradient norm is below {g.layer_vanishing} "
-              "(gradients.layer_vanishing), over the selected ranks.", "none",
-              _targets((f"count({vanishing})", "layers")), size=(8, 4),
-              thresholds=_thresholds("green", (1, "orange")), defaults={"noValue": "0"}),
-        _stat("Layers monitored", "Layers reporting a gradient norm per rank.", "none",
-              _targets((f"count by (rank) ({norm})", "rank {{rank}}")), size=(8, 4),
-              thresholds=_thresholds("blue")),
-        _panel("heatmap", "Gradient norm per layer (log10)",
-               "log10 of each layer's gradient norm over time, the largest over the selected ranks; one "
-               f"row per layer. The colour scale runs from {g.layer_vanishing} (vanishing, "
-               f"log10 = {math.log10(g.layer_vanishing):g}) to {g.layer_explosion} (exploding, "
-               f"log10 = {math.log10(g.layer_explosion):g}): gradients.layer_vanishing / layer_explosion.",
-               "none", _targets((f"log10(max by (layer) ({norm}))", "{{layer}}")), size=(24, 12),
-               options=heatmap_options, custom={"hideFrom": {"legend": False, "tooltip": False, "viz": False},
-                                                "scaleDistribution": {"type": "linear"}}),
-        _timeseries("Top 10 layers by gradient norm", "The ten largest per-layer gradient norms at each "
-                    f"instant. Blue below {g.layer_vanishing} (vanishing), red above {g.layer_explosion} "
-                    "(exploding). Log scale.", METRICS["training_layer_grad_norm"].unit,
-                    _targets((f"topk(10, {norm})", "{{layer}} rank {{rank}}")), size=(16, 9),
-                    thresholds=layer_steps, threshold_style="dashed", log_scale=True),
-        _table("Layers outside the healthy range", f"Layers whose gradient norm is now above "
-               f"{g.layer_explosion} or below {g.layer_vanishing} (gradients.layer_explosion / layer_vanishing).",
-               "sci", f"{exploding} or {vanishing}", size=(8, 9), hide=("Time", "__name__"),
-               thresholds=layer_steps, overrides=[{
-                   "matcher": {"id": "byName", "options": "Value"},
-                   "properties": [
-                       {"id": "displayName", "value": "grad norm"},
-                       {"id": "custom.cellOptions", "value": {"type": "color-background"}},
-                   ],
-               }]),
-        _state_timeline("Layer health", "The per-layer gradient check of the diagnosis, per rank.",
-                        _targets((_selector("training_health_status", matchers='check="layer_grad_norm"'),
-                                  "rank {{rank}}")), size=(8, 7)),
-        _timeseries("Non-finite gradient steps", "Steps whose gradient norm was NaN or infinite, per rate "
-                    "interval.", "short",
-                    _targets((f"sum by (rank) ({_counter('increase', 'training_nonfinite_grad_total')})",
-                              "rank {{rank}}")), size=(8, 7), bars=True),
-        _table("First layer with a non-finite gradient", "The first layer, in the model's order, whose "
-               "gradient was last seen NaN or infinite: where to look first.", "none",
-               _selector("training_nonfinite_grad_first_layer_info"), size=(8, 7)),
+        _stat(
+            "Exploding layers",
+            f"Layers whose gradient norm is above {g.layer_explosion} "
+            "(gradients.layer_explosion), over the selected ranks.",
+            "none",
+            _targets((f"count({exploding})", "layers")),
+            size=(8, 4),
+            thresholds=_thresholds("green", (1, "red")),
+            defaults={"noValue": "0"},
+        ),
+        _stat(
+            "Vanishing layers",
+            f"Layers whose gradient norm is below {g.layer_vanishing} "
+            "(gradients.layer_vanishing), over the selected ranks.",
+            "none",
+            _targets((f"count({vanishing})", "layers")),
+            size=(8, 4),
+            thresholds=_thresholds("green", (1, "orange")),
+            defaults={"noValue": "0"},
+        ),
+        _stat(
+            "Layers monitored",
+            "Layers reporting a gradient norm per rank.",
+            "none",
+            _targets((f"count by (rank) ({norm})", "rank {{rank}}")),
+            size=(8, 4),
+            thresholds=_thresholds("blue"),
+        ),
+        _panel(
+            "heatmap",
+            "Gradient norm per layer (log10)",
+            "log10 of each layer's gradient norm over time, the largest over the selected ranks; one "
+            f"row per layer. The colour scale runs from {g.layer_vanishing} (vanishing, "
+            f"log10 = {math.log10(g.layer_vanishing):g}) to {g.layer_explosion} (exploding, "
+            f"log10 = {math.log10(g.layer_explosion):g}): gradients.layer_vanishing / layer_explosion.",
+            "none",
+            _targets((f"log10(max by (layer) ({norm}))", "{{layer}}")),
+            size=(24, 12),
+            options=heatmap_options,
+            custom={
+                "hideFrom": {"legend": False, "tooltip": False, "viz": False},
+                "scaleDistribution": {"type": "linear"},
+            },
+        ),
+        _timeseries(
+            "Top 10 layers by gradient norm",
+            "The ten largest per-layer gradient norms at each "
+            f"instant. Blue below {g.layer_vanishing} (vanishing), red above {g.layer_explosion} "
+            "(exploding). Log scale.",
+            METRICS["training_layer_grad_norm"].unit,
+            _targets((f"topk(10, {norm})", "{{layer}} rank {{rank}}")),
+            size=(16, 9),
+            thresholds=layer_steps,
+            threshold_style="dashed",
+            log_scale=True,
+        ),
+        _table(
+            "Layers outside the healthy range",
+            f"Layers whose gradient norm is now above "
+            f"{g.layer_explosion} or below {g.layer_vanishing} (gradients.layer_explosion / layer_vanishing).",
+            "sci",
+            f"{exploding} or {vanishing}",
+            size=(8, 9),
+            hide=("Time", "__name__"),
+            thresholds=layer_steps,
+            overrides=[
+                {
+                    "matcher": {"id": "byName", "options": "Value"},
+                    "properties": [
+                        {"id": "displayName", "value": "grad norm"},
+                        {"id": "custom.cellOptions", "value": {"type": "color-background"}},
+                    ],
+                }
+            ],
+        ),
+        _state_timeline(
+            "Layer health",
+            "The per-layer gradient check of the diagnosis, per rank.",
+            _targets((_selector("training_health_status", matchers='check="layer_grad_norm"'), "rank {{rank}}")),
+            size=(8, 7),
+        ),
+        _timeseries(
+            "Non-finite gradient steps",
+            "Steps whose gradient norm was NaN or infinite, per rate interval.",
+            "short",
+            _targets((f"sum by (rank) ({_counter('increase', 'training_nonfinite_grad_total')})", "rank {{rank}}")),
+            size=(8, 7),
+            bars=True,
+        ),
+        _table(
+            "First layer with a non-finite gradient",
+            "The first layer, in the model's order, whose gradient was last seen NaN or infinite: where to look first.",
+            "none",
+            _selector("training_nonfinite_grad_first_layer_info"),
+            size=(8, 7),
+        ),
     ]
 
 
@@ -488,81 +738,182 @@ def _cluster_panels(t: Thresholds) -> list[dict]:
     work = _selector("training_rank_work_seconds")
     aligned = _selector("training_grad_norm_aligned")
     heatmap_options = {
-        "calculate": False, "cellGap": 1,
-        "color": {"exponent": 0.5, "fill": "dark-orange", "mode": "scheme", "reverse": False, "scale": "linear",
-                  "scheme": "Oranges", "steps": 64},
-        "exemplars": {"color": "rgba(255,0,255,0.7)"}, "filterValues": {"le": 1e-9}, "legend": {"show": True},
-        "rowsFrame": {"layout": "auto"}, "showValue": "never",
+        "calculate": False,
+        "cellGap": 1,
+        "color": {
+            "exponent": 0.5,
+            "fill": "dark-orange",
+            "mode": "scheme",
+            "reverse": False,
+            "scale": "linear",
+            "scheme": "Oranges",
+            "steps": 64,
+        },
+        "exemplars": {"color": "rgba(255,0,255,0.7)"},
+        "filterValues": {"le": 1e-9},
+        "legend": {"show": True},
+        "rowsFrame": {"layout": "auto"},
+        "showValue": "never",
         "tooltip": {"mode": "single", "showColorScale": True, "yHistogram": False},
         "yAxis": {"axisPlacement": "left", "reverse": False},
     }
     return [
-        _timeseries("Ranks reporting", "Distinct ranks exporting metrics, against the world size they "
-                    "report (legend): fewer for the alerts' `for` fires TrainingRankDown.", "short",
-                    _targets((f"count by (job, run_id, world_size) (count by (job, run_id, rank, world_size) ({run_info}))",
-                              "{{job}}: reporting of world size {{world_size}}")), size=(8, 8)),
-        _table("Slowest ranks", f"The ten ranks with the longest own work per step (data wait + forward, "
-               f"host time, 5m mean; `work_time=True`). Above {_num(c.straggler_ratio)}x the job's median: "
-               "TrainingStraggler.", "s", f"topk(10, avg_over_time({work}[5m]))",
-               size=(8, 8), hide=("Time", "__name__")),
-        _timeseries("Gradient-norm agreement", "Each rank's global gradient norm at the last step that is a "
-                    "multiple of grad_norm_align_every, relative to the job's median at that step: data-parallel "
-                    f"replicas agree to float tolerance; above {_num(c.grad_norm_rtol)}: "
-                    "TrainingRankGradientMismatch.", "percentunit",
-                    _targets((f"abs({aligned} - on(job, run_id) group_left quantile by (job, run_id) (0.5, {aligned}))\n"
-                              f"  / on(job, run_id) group_left quantile by (job, run_id) (0.5, {aligned})",
-                              "rank {{rank}}")),
-                    size=(8, 8), thresholds=_thresholds("green", (c.grad_norm_rtol, "red")),
-                    threshold_style="dashed"),
-        _panel("heatmap", "Work time per rank", "Each rank's own work per step (training_rank_work_seconds: "
-               "data wait + forward on the host, no collectives), one row per rank: a straggler is a darker row.", "s",
-               _targets((f"avg by (rank) ({work})", "{{rank}}")), size=(24, 10), options=heatmap_options,
-               custom={"hideFrom": {"legend": False, "tooltip": False, "viz": False},
-                       "scaleDistribution": {"type": "linear"}}),
-        _timeseries("Loss by rank", "The 5m mean loss of every rank: data-parallel ranks see different shards "
-                    "of the same data, so their lines stay together.", "none",
-                    _targets((f"job_run_id_instance_rank:training_loss:avg_over_time5m{{{FILTER}}}", "rank {{rank}}")),
-                    size=(12, 8)),
-        _timeseries("Loss robust z-score by rank", "0.6745 x (a rank's 5m mean loss - the job's median) / MAD "
-                    f"across the ranks; beyond +-{_num(c.loss_spread_z)} (and {_num(100 * c.loss_spread_min_relative)}% "
-                    "from the median): TrainingLossRankSpread.", "none",
-                    _targets((f"job_run_id_instance_rank:training_loss:robust_z5m{{{FILTER}}}", "rank {{rank}}")), size=(12, 8),
-                    thresholds=_thresholds("red", (-c.loss_spread_z, "green"), (c.loss_spread_z, "red")),
-                    threshold_style="dashed"),
+        _timeseries(
+            "Ranks reporting",
+            "Distinct ranks exporting metrics, against the world size they "
+            "report (legend): fewer for the alerts' `for` fires TrainingRankDown.",
+            "short",
+            _targets(
+                (
+                    f"count by (job, run_id, world_size) (count by (job, run_id, rank, world_size) ({run_info}))",
+                    "{{job}}: reporting of world size {{world_size}}",
+                )
+            ),
+            size=(8, 8),
+        ),
+        _table(
+            "Slowest ranks",
+            f"The ten ranks with the longest own work per step (data wait + forward, "
+            f"host time, 5m mean; `work_time=True`). Above {_num(c.straggler_ratio)}x the job's median: "
+            "TrainingStraggler.",
+            "s",
+            f"topk(10, avg_over_time({work}[5m]))",
+            size=(8, 8),
+            hide=("Time", "__name__"),
+        ),
+        _timeseries(
+            "Gradient-norm agreement",
+            "Each rank's global gradient norm at the last step that is a "
+            "multiple of grad_norm_align_every, relative to the job's median at that step: data-parallel "
+            f"replicas agree to float tolerance; above {_num(c.grad_norm_rtol)}: "
+            "TrainingRankGradientMismatch.",
+            "percentunit",
+            _targets(
+                (
+                    f"abs({aligned} - on(job, run_id) group_left quantile by (job, run_id) (0.5, {aligned}))\n"
+                    f"  / on(job, run_id) group_left quantile by (job, run_id) (0.5, {aligned})",
+                    "rank {{rank}}",
+                )
+            ),
+            size=(8, 8),
+            thresholds=_thresholds("green", (c.grad_norm_rtol, "red")),
+            threshold_style="dashed",
+        ),
+        _panel(
+            "heatmap",
+            "Work time per rank",
+            "Each rank's own work per step (training_rank_work_seconds: "
+            "data wait + forward on the host, no collectives), one row per rank: a straggler is a darker row.",
+            "s",
+            _targets((f"avg by (rank) ({work})", "{{rank}}")),
+            size=(24, 10),
+            options=heatmap_options,
+            custom={
+                "hideFrom": {"legend": False, "tooltip": False, "viz": False},
+                "scaleDistribution": {"type": "linear"},
+            },
+        ),
+        _timeseries(
+            "Loss by rank",
+            "The 5m mean loss of every rank: data-parallel ranks see different shards "
+            "of the same data, so their lines stay together.",
+            "none",
+            _targets((f"job_run_id_instance_rank:training_loss:avg_over_time5m{{{FILTER}}}", "rank {{rank}}")),
+            size=(12, 8),
+        ),
+        _timeseries(
+            "Loss robust z-score by rank",
+            "0.6745 x (a rank's 5m mean loss - the job's median) / MAD "
+            f"across the ranks; beyond +-{_num(c.loss_spread_z)} (and {_num(100 * c.loss_spread_min_relative)}% "
+            "from the median): TrainingLossRankSpread.",
+            "none",
+            _targets((f"job_run_id_instance_rank:training_loss:robust_z5m{{{FILTER}}}", "rank {{rank}}")),
+            size=(12, 8),
+            thresholds=_thresholds("red", (-c.loss_spread_z, "green"), (c.loss_spread_z, "red")),
+            threshold_style="dashed",
+        ),
     ]
 
 
 def _variables() -> list[dict]:
     common = {"hide": 0, "skipUrlSync": False}
     return [
-        {**common, "name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-         "refresh": 1, "regex": "", "multi": False, "includeAll": False},
-        {**common, "name": "job", "label": "Job", "type": "query", "datasource": DATASOURCE,
-         "query": "label_values(training_steps_total, job)",
-         "definition": "label_values(training_steps_total, job)",
-         "refresh": 2, "regex": "", "sort": 1, "multi": False, "includeAll": False},
-        {**common, "name": "rank", "label": "Rank", "type": "query", "datasource": DATASOURCE,
-         "query": 'label_values(training_steps_total{job=~"$job"}, rank)',
-         "definition": 'label_values(training_steps_total{job=~"$job"}, rank)',
-         "refresh": 2, "regex": "", "sort": 3, "multi": True, "includeAll": True, "allValue": ".*",
-         "current": {"selected": True, "text": ["All"], "value": ["$__all"]}},
+        {
+            **common,
+            "name": "datasource",
+            "label": "Data source",
+            "type": "datasource",
+            "query": "prometheus",
+            "refresh": 1,
+            "regex": "",
+            "multi": False,
+            "includeAll": False,
+        },
+        {
+            **common,
+            "name": "job",
+            "label": "Job",
+            "type": "query",
+            "datasource": DATASOURCE,
+            "query": "label_values(training_steps_total, job)",
+            "definition": "label_values(training_steps_total, job)",
+            "refresh": 2,
+            "regex": "",
+            "sort": 1,
+            "multi": False,
+            "includeAll": False,
+        },
+        {
+            **common,
+            "name": "rank",
+            "label": "Rank",
+            "type": "query",
+            "datasource": DATASOURCE,
+            "query": 'label_values(training_steps_total{job=~"$job"}, rank)',
+            "definition": 'label_values(training_steps_total{job=~"$job"}, rank)',
+            "refresh": 2,
+            "regex": "",
+            "sort": 3,
+            "multi": True,
+            "includeAll": True,
+            "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        },
     ]
 
 
 def _dashboard(uid: str, title: str, description: str, panels: list[dict]) -> dict:
     return {
-        "annotations": {"list": [{
-            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
-            "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard",
-        }]},
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
         "description": description,
         "editable": True,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,
-        "links": [{
-            "asDropdown": False, "icon": "external link", "includeVars": True, "keepTime": True,
-            "tags": ["lossbeat"], "targetBlank": False, "title": "lossbeat", "tooltip": "", "type": "dashboards",
-        }],
+        "links": [
+            {
+                "asDropdown": False,
+                "icon": "external link",
+                "includeVars": True,
+                "keepTime": True,
+                "tags": ["lossbeat"],
+                "targetBlank": False,
+                "title": "lossbeat",
+                "tooltip": "",
+                "type": "dashboards",
+            }
+        ],
         "liveNow": False,
         "panels": _layout(panels),
         "refresh": "30s",
@@ -582,19 +933,32 @@ def _dashboard(uid: str, title: str, description: str, panels: list[dict]) -> di
 def build_dashboards(thresholds: Thresholds) -> dict[str, dict]:
     """The dashboards as Grafana JSON models, keyed by their file name under ``grafana/``."""
     if not isinstance(thresholds, Thresholds):
-        raise TypeError(f"thresholds: expected lossbeat.diagnosis.thresholds.Thresholds, got {type(thresholds).__name__}")
+        raise TypeError(
+            f"thresholds: expected lossbeat.diagnosis.thresholds.Thresholds, got {type(thresholds).__name__}"
+        )
     generated = f"Generated by `lossbeat dashboards` from the thresholds file ({thresholds.profile.name} profile)."
     return {
-        OVERVIEW_FILE: _dashboard("lossbeat-overview", "lossbeat / Overview",
-                                  f"Training health of PyTorch jobs: loss, gradients, learning rate, "
-                                  f"diagnosis, events, throughput. {generated}", _overview_panels(thresholds)),
-        CLUSTER_FILE: _dashboard("lossbeat-cluster", "lossbeat / Cluster",
-                                 f"The ranks of a job compared: ranks reporting against the world size, "
-                                 f"per-rank work time, the slowest ranks, loss by rank, gradient-norm agreement "
-                                 f"between replicas. {generated}", _cluster_panels(thresholds)),
-        LAYERS_FILE: _dashboard("lossbeat-layers", "lossbeat / Layers",
-                                f"Per-layer gradient norms: where gradients explode, vanish or turn "
-                                f"non-finite. {generated}", _layers_panels(thresholds)),
+        OVERVIEW_FILE: _dashboard(
+            "lossbeat-overview",
+            "lossbeat / Overview",
+            f"Training health of PyTorch jobs: loss, gradients, learning rate, "
+            f"diagnosis, events, throughput. {generated}",
+            _overview_panels(thresholds),
+        ),
+        CLUSTER_FILE: _dashboard(
+            "lossbeat-cluster",
+            "lossbeat / Cluster",
+            f"The ranks of a job compared: ranks reporting against the world size, "
+            f"per-rank work time, the slowest ranks, loss by rank, gradient-norm agreement "
+            f"between replicas. {generated}",
+            _cluster_panels(thresholds),
+        ),
+        LAYERS_FILE: _dashboard(
+            "lossbeat-layers",
+            "lossbeat / Layers",
+            f"Per-layer gradient norms: where gradients explode, vanish or turn non-finite. {generated}",
+            _layers_panels(thresholds),
+        ),
     }
 
 
@@ -605,11 +969,11 @@ def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
     """
     if not isinstance(dashboard, dict) or not isinstance(dashboard.get("panels"), list):
         raise TypeError("dashboard: expected a Grafana dashboard dict with a 'panels' list")
-    return [(panel["title"], target["expr"])
-            for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    return [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel.get("targets", [])]
 
 
 # --- files ----------------------------------------------------------------------------------
+
 
 def _json_text(dashboard: dict) -> str:
     return json.dumps(dashboard, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
@@ -618,7 +982,7 @@ def _json_text(dashboard: dict) -> str:
 def _configmap_text(dashboards: dict[str, dict]) -> str:
     lines = [
         "# Generated by `lossbeat dashboards` from exporter/lossbeat/thresholds.yaml; do not edit.",
-        "# Grafana's dashboard sidecar loads every ConfigMap labelled grafana_dashboard: \"1\".",
+        '# Grafana\'s dashboard sidecar loads every ConfigMap labelled grafana_dashboard: "1".',
         "apiVersion: v1",
         "kind: ConfigMap",
         "metadata:",
@@ -645,16 +1009,20 @@ def render_files(thresholds: Thresholds) -> dict[str, str]:
 
 # --- the command line -------------------------------------------------------------------------
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_generator_arguments(parser)
-    parser.add_argument("--root", type=Path, default=None,
-                        help="write grafana/ and deploy/ files in the repository's layout under ROOT")
+    parser.add_argument(
+        "--root", type=Path, default=None, help="write grafana/ and deploy/ files in the repository's layout under ROOT"
+    )
 
 
 def output_files(thresholds: Thresholds) -> dict[str, str]:
     """The files for an output folder: ``grafana/*.json`` and ``kubernetes/<the ConfigMap>``."""
-    return {path if path.startswith("grafana/") else f"kubernetes/{Path(path).name}": text
-            for path, text in render_files(thresholds).items()}
+    return {
+        path if path.startswith("grafana/") else f"kubernetes/{Path(path).name}": text
+        for path, text in render_files(thresholds).items()
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -668,5 +1036,6 @@ def run(args: argparse.Namespace) -> int:
         if root is None:
             return 2
         files = render_files(thresholds) if args.output_dir is None else output_files(thresholds)
-    return sync_files({root / rel: text for rel, text in files.items()}, check=args.check,
-                      command="lossbeat dashboards")
+    return sync_files(
+        {root / rel: text for rel, text in files.items()}, check=args.check, command="lossbeat dashboards"
+    )

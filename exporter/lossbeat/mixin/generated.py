@@ -16,8 +16,15 @@ from typing import Iterable, Mapping
 
 from lossbeat.diagnosis.thresholds import Thresholds, ThresholdsError, load_thresholds
 
-__all__ = ["sync_files", "add_generator_arguments", "thresholds_for", "with_runbook_base", "output_root",
-           "shipped_text", "SHIPPED_FILES"]
+__all__ = [
+    "sync_files",
+    "add_generator_arguments",
+    "thresholds_for",
+    "with_runbook_base",
+    "output_root",
+    "shipped_text",
+    "SHIPPED_FILES",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # Hand-written files the package carries (exporter/lossbeat/shipped/ links to them in the checkout).
@@ -33,19 +40,27 @@ def shipped_text(name: str) -> str:
 
 def add_generator_arguments(parser: argparse.ArgumentParser, *, checkout: bool = True) -> None:
     """The options the generators share (``lossbeat rules``, ``dashboards``, ``generate``)."""
-    parser.add_argument("--thresholds", metavar="PATH", type=Path,
-                        help="thresholds file overriding the packaged defaults")
-    parser.add_argument("--output-dir", metavar="DIR", type=Path,
-                        help="folder to write into (created if missing)")
-    parser.add_argument("--runbook-url-base", metavar="URL",
-                        help="where your copy of runbooks.md is served; each alert links URL#alertname "
-                             "(default: the thresholds' alerts.runbook_url)")
+    parser.add_argument(
+        "--thresholds", metavar="PATH", type=Path, help="thresholds file overriding the packaged defaults"
+    )
+    parser.add_argument("--output-dir", metavar="DIR", type=Path, help="folder to write into (created if missing)")
+    parser.add_argument(
+        "--runbook-url-base",
+        metavar="URL",
+        help="where your copy of runbooks.md is served; each alert links URL#alertname "
+        "(default: the thresholds' alerts.runbook_url)",
+    )
     if checkout:
-        parser.add_argument("--checkout", action="store_true",
-                            help=f"write the repository's checked-in files under {REPO_ROOT} "
-                                 "(what `make generate` runs)")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 with a diff when the files differ from what would be generated")
+        parser.add_argument(
+            "--checkout",
+            action="store_true",
+            help=f"write the repository's checked-in files under {REPO_ROOT} (what `make generate` runs)",
+        )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 with a diff when the files differ from what would be generated",
+    )
 
 
 def thresholds_for(args: argparse.Namespace, command: str) -> Thresholds | None:
@@ -88,8 +103,11 @@ def output_root(args: argparse.Namespace, command: str, checkout_root: Path = RE
             return None
         return checkout_root
     if args.output_dir is None:
-        print(f"{command}: pass --output-dir DIR (the folder to write into; the repository's "
-              "checked-in files: `make generate`)", file=sys.stderr)
+        print(
+            f"{command}: pass --output-dir DIR (the folder to write into; the repository's "
+            "checked-in files: `make generate`)",
+            file=sys.stderr,
+        )
         return None
     return args.output_dir
 
@@ -105,16 +123,23 @@ def sync_files(files: Mapping[Path, str], *, check: bool, command: str, stale: I
             current = path.read_text(encoding="utf-8") if path.is_file() else ""
             if current != text:
                 drift = True
-                sys.stdout.writelines(difflib.unified_diff(
-                    current.splitlines(keepends=True), text.splitlines(keepends=True),
-                    fromfile=f"{path} (checked in)", tofile=f"{path} (generated)",
-                ))
+                sys.stdout.writelines(
+                    difflib.unified_diff(
+                        current.splitlines(keepends=True),
+                        text.splitlines(keepends=True),
+                        fromfile=f"{path} (checked in)",
+                        tofile=f"{path} (generated)",
+                    )
+                )
         for path in stale:
             drift = True
             print(f"{path}: generated file no longer generated from the thresholds")
         if drift:
-            print(f"{command}: generated files are out of date; rerun without --check to rewrite them "
-                  "(this repository's: `make generate`)", file=sys.stderr)
+            print(
+                f"{command}: generated files are out of date; rerun without --check to rewrite them "
+                "(this repository's: `make generate`)",
+                file=sys.stderr,
+            )
             return 1
         print(f"{command}: {len(files)} generated files up to date", file=sys.stderr)
         return 0

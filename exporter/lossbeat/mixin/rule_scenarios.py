@@ -27,6 +27,7 @@ from lossbeat.mixin.rule_series import (
 
 __all__ = ["SCENARIO_FAMILIES", "JUDGED"]
 
+
 def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
     a = b.t.alerts
     nan = b.rule("TrainingLossNaN")
@@ -40,22 +41,36 @@ def _nonfinite(b: _Builder) -> dict[str, list[Scenario]]:
     loss_scale = lambda v: b.hold("training_grad_scale", _target(), v, int(scale_at // b.i) + 2)  # noqa: E731
     return {
         "TrainingLossNaN": [
-            Scenario("a non-finite loss step fires", [counter, loss_ok],
-                     [(at, nan.name, [Expect(nan, _target(), 1)])]),
-            Scenario("a NaN counted before the first scrape fires for the window, then stops",
-                     [early_nan, loss_ok],
-                     [(early_at, nan.name, [Expect(nan, _target(), 1)]),
-                      (early_last, nan.name, [Expect(nan, _target(), 1)]),
-                      (early_last + 2 * b.i, nan.name, [])]),
-            Scenario("a NaN loss fires at once", [loss_nan, b.hold("training_nonfinite_loss_total", _target(), 0, 8)],
-                     [(3 * b.i, nan.name, [Expect(nan, _target(), math.nan)])]),
-            Scenario("a finite loss is silent", [loss_ok, b.hold("training_nonfinite_loss_total", _target(), 0, 40)],
-                     [(at, nan.name, [])]),
+            Scenario("a non-finite loss step fires", [counter, loss_ok], [(at, nan.name, [Expect(nan, _target(), 1)])]),
+            Scenario(
+                "a NaN counted before the first scrape fires for the window, then stops",
+                [early_nan, loss_ok],
+                [
+                    (early_at, nan.name, [Expect(nan, _target(), 1)]),
+                    (early_last, nan.name, [Expect(nan, _target(), 1)]),
+                    (early_last + 2 * b.i, nan.name, []),
+                ],
+            ),
+            Scenario(
+                "a NaN loss fires at once",
+                [loss_nan, b.hold("training_nonfinite_loss_total", _target(), 0, 8)],
+                [(3 * b.i, nan.name, [Expect(nan, _target(), math.nan)])],
+            ),
+            Scenario(
+                "a finite loss is silent",
+                [loss_ok, b.hold("training_nonfinite_loss_total", _target(), 0, 40)],
+                [(at, nan.name, [])],
+            ),
         ],
         "TrainingLossScaleCollapsed": [
-            Scenario("a collapsed loss scale fires after its for", [loss_scale(scale_min * 0.5)],
-                     [(scale_at, scale.name, [Expect(scale, _target(), scale_min * 0.5)]),
-                      (scale_at - 2 * b.i, scale.name, [])]),
+            Scenario(
+                "a collapsed loss scale fires after its for",
+                [loss_scale(scale_min * 0.5)],
+                [
+                    (scale_at, scale.name, [Expect(scale, _target(), scale_min * 0.5)]),
+                    (scale_at - 2 * b.i, scale.name, []),
+                ],
+            ),
             Scenario("just above the minimum is silent", [loss_scale(scale_min * 1.01)], [(scale_at, scale.name, [])]),
             Scenario("a healthy loss scale is silent", [loss_scale(65536)], [(scale_at, scale.name, [])]),
         ],
@@ -77,34 +92,63 @@ def _gradients(b: _Builder) -> dict[str, list[Scenario]]:
     name = sustained.name
     out = {
         name: [
-            Scenario("a grad norm judged exploding fires after its for", [judged(2), norm(g.explosion * 1.5)],
-                     [(at, name, [Expect(sustained, _target(), g.explosion * 1.5)]),
-                      (at - 2 * b.i, name, [])]),
-            Scenario("a stable high grad norm at the run's own level is silent",
-                     [judged(0), norm(g.explosion * 1.8)], [(at, name, [])]),
+            Scenario(
+                "a grad norm judged exploding fires after its for",
+                [judged(2), norm(g.explosion * 1.5)],
+                [(at, name, [Expect(sustained, _target(), g.explosion * 1.5)]), (at - 2 * b.i, name, [])],
+            ),
+            Scenario(
+                "a stable high grad norm at the run's own level is silent",
+                [judged(0), norm(g.explosion * 1.8)],
+                [(at, name, [])],
+            ),
             Scenario("a vanishing warning is not an explosion", [judged(1)], [(at, name, [])]),
-            Scenario("enough explosion events fire at once", [burst],
-                     [(burst_at, name, [Expect(events, _target(), a.explosion_events)])]),
-            Scenario("one event fewer is a ticket, not a page", [few],
-                     [(burst_at, name, [Expect(isolated, _target(), a.explosion_events - 1)])]),
-            Scenario("one isolated explosion is a ticket", [one, judged(0)],
-                     [(one_at, name, [Expect(isolated, _target(), 1)])]),
-            Scenario("an explosion in a grad norm judged exploding pages only", [one, judged(2), norm(g.explosion * 1.5)],
-                     [(at, name, [Expect(sustained, _target(), g.explosion * 1.5)])]),
-            Scenario("no explosion event is silent", [b.hold("training_grad_explosions_total", _target(), 0, samples)],
-                     [(one_at, name, [])]),
+            Scenario(
+                "enough explosion events fire at once",
+                [burst],
+                [(burst_at, name, [Expect(events, _target(), a.explosion_events)])],
+            ),
+            Scenario(
+                "one event fewer is a ticket, not a page",
+                [few],
+                [(burst_at, name, [Expect(isolated, _target(), a.explosion_events - 1)])],
+            ),
+            Scenario(
+                "one isolated explosion is a ticket",
+                [one, judged(0)],
+                [(one_at, name, [Expect(isolated, _target(), 1)])],
+            ),
+            Scenario(
+                "an explosion in a grad norm judged exploding pages only",
+                [one, judged(2), norm(g.explosion * 1.5)],
+                [(at, name, [Expect(sustained, _target(), g.explosion * 1.5)])],
+            ),
+            Scenario(
+                "no explosion event is silent",
+                [b.hold("training_grad_explosions_total", _target(), 0, samples)],
+                [(one_at, name, [])],
+            ),
         ],
     }
     vanish = b.rule("TrainingGradientVanishing")
     at = b.after_for(a.vanishing_for)
     samples = int(at // b.i) + 2
     out[vanish.name] = [
-        Scenario("a vanishing grad norm fires", [b.hold("training_grad_norm", _target(), g.vanishing * 0.5, samples)],
-                 [(at, vanish.name, [Expect(vanish, _target(), g.vanishing * 0.5)])]),
-        Scenario("just above the threshold is silent",
-                 [b.hold("training_grad_norm", _target(), g.vanishing * 1.01, samples)], [(at, vanish.name, [])]),
-        Scenario("a healthy grad norm is silent",
-                 [b.hold("training_grad_norm", _target(), g.healthy_low, samples)], [(at, vanish.name, [])]),
+        Scenario(
+            "a vanishing grad norm fires",
+            [b.hold("training_grad_norm", _target(), g.vanishing * 0.5, samples)],
+            [(at, vanish.name, [Expect(vanish, _target(), g.vanishing * 0.5)])],
+        ),
+        Scenario(
+            "just above the threshold is silent",
+            [b.hold("training_grad_norm", _target(), g.vanishing * 1.01, samples)],
+            [(at, vanish.name, [])],
+        ),
+        Scenario(
+            "a healthy grad norm is silent",
+            [b.hold("training_grad_norm", _target(), g.healthy_low, samples)],
+            [(at, vanish.name, [])],
+        ),
     ]
     at = b.after_for(a.layer_for)
     samples = int(at // b.i) + 2
@@ -116,24 +160,37 @@ def _gradients(b: _Builder) -> dict[str, list[Scenario]]:
     ):
         rule = b.rule(alert_name)
         out[alert_name] = [
-            Scenario("fires for the bad layer only", [layer("blocks.0.attn", bad), layer("head", healthy_layer)],
-                     [(at, alert_name, [Expect(rule, _target(layer="blocks.0.attn"), bad)])]),
+            Scenario(
+                "fires for the bad layer only",
+                [layer("blocks.0.attn", bad), layer("head", healthy_layer)],
+                [(at, alert_name, [Expect(rule, _target(layer="blocks.0.attn"), bad)])],
+            ),
             Scenario("just inside the threshold is silent", [layer("blocks.0.attn", edge)], [(at, alert_name, [])]),
         ]
     return out
 
 
-def _judged(b: _Builder, alert: str, check: str, fires: float, silent: tuple[float, ...], for_: str,
-            component: str = "") -> list[Scenario]:
+def _judged(
+    b: _Builder, alert: str, check: str, fires: float, silent: tuple[float, ...], for_: str, component: str = ""
+) -> list[Scenario]:
     """An alert that reads the exporter's judged status of ``check``: fires at ``fires``, silent at the others."""
     rule = b.rule(alert)
     at = b.after_for(for_)
     samples = int(at // b.i) + 2
     labels = _target(check=check, component=component)
-    out = [Scenario(f"{check} judged {fires:g} fires after its for", [b.hold("training_health_status", labels, fires, samples)],
-                    [(at, alert, [Expect(rule, labels, fires)]), (at - 2 * b.i, alert, [])])]
-    out += [Scenario(f"{check} judged {v:g} is silent", [b.hold("training_health_status", labels, v, samples)],
-                     [(at, alert, [])]) for v in silent]
+    out = [
+        Scenario(
+            f"{check} judged {fires:g} fires after its for",
+            [b.hold("training_health_status", labels, fires, samples)],
+            [(at, alert, [Expect(rule, labels, fires)]), (at - 2 * b.i, alert, [])],
+        )
+    ]
+    out += [
+        Scenario(
+            f"{check} judged {v:g} is silent", [b.hold("training_health_status", labels, v, samples)], [(at, alert, [])]
+        )
+        for v in silent
+    ]
     return out
 
 
@@ -158,9 +215,14 @@ def _trend(b: _Builder) -> dict[str, list[Scenario]]:
     h_samples = int(h_at // b.i) + 2
     judged = lambda v: b.hold("training_health_status", _target(check="loss_spikes", component=""), v, h_samples)  # noqa: E731
     out[spikes.name] += [
-        Scenario("spikes judged harmful page after their for", [judged(2)],
-                 [(h_at, spikes.name, [Expect(harmful, _target(check="loss_spikes", component=""), 2)]),
-                  (h_at - 2 * b.i, spikes.name, [])]),
+        Scenario(
+            "spikes judged harmful page after their for",
+            [judged(2)],
+            [
+                (h_at, spikes.name, [Expect(harmful, _target(check="loss_spikes", component=""), 2)]),
+                (h_at - 2 * b.i, spikes.name, []),
+            ],
+        ),
         Scenario("isolated spikes (judged a warning) do not page", [judged(1)], [(h_at, spikes.name, [])]),
     ]
     return out
@@ -173,23 +235,47 @@ def _rl(b: _Builder) -> dict[str, list[Scenario]]:
     n = int(at // b.i) + 2
     signal = lambda name, v: b.hold("training_signal", _target(signal=name), v, n)  # noqa: E731
     hold = lambda metric, v, **labels: b.hold(metric, _target(**labels), v, n)  # noqa: E731
-    info = lambda profile: b.hold("training_profile_info", _target(profile=profile, source="detected",  # noqa: E731
-                                                                  fields="reward_std"), 1, n)
+    info = lambda profile: b.hold(
+        "training_profile_info",
+        _target(
+            profile=profile,
+            source="detected",  # noqa: E731
+            fields="reward_std",
+        ),
+        1,
+        n,
+    )
     name = rule.name
-    return {name: [
-        Scenario("reward_std at 0 fires after its for", [signal("reward_std", 0), signal("reward", 0.5)],
-                 [(at, name, [Expect(rule, _target(), 0)]), (at - 2 * b.i, name, [])]),
-        Scenario("every group without spread fires", [signal("frac_reward_zero_std", 1)],
-                 [(at, name, [Expect(rule, _target(), 1)])]),
-        Scenario("a zero loss with a zero grad norm in an RL run fires",
-                 [hold("training_grad_norm", 0), hold("training_loss", 0), info("rl")],
-                 [(at, name, [Expect(rule, _target(), 0)])]),
-        Scenario("a zero loss with a zero grad norm outside RL is not this alert",
-                 [hold("training_grad_norm", 0), hold("training_loss", 0), info("causal-lm")], [(at, name, [])]),
-        Scenario("a healthy spread is silent", [signal("reward_std", 0.3), signal("frac_reward_zero_std", rl.zero_std_fraction * 0.9)],
-                 [(at, name, [])]),
-        Scenario("just above the zero is silent", [signal("reward_std", rl.reward_std_zero * 2)], [(at, name, [])]),
-    ]}
+    return {
+        name: [
+            Scenario(
+                "reward_std at 0 fires after its for",
+                [signal("reward_std", 0), signal("reward", 0.5)],
+                [(at, name, [Expect(rule, _target(), 0)]), (at - 2 * b.i, name, [])],
+            ),
+            Scenario(
+                "every group without spread fires",
+                [signal("frac_reward_zero_std", 1)],
+                [(at, name, [Expect(rule, _target(), 1)])],
+            ),
+            Scenario(
+                "a zero loss with a zero grad norm in an RL run fires",
+                [hold("training_grad_norm", 0), hold("training_loss", 0), info("rl")],
+                [(at, name, [Expect(rule, _target(), 0)])],
+            ),
+            Scenario(
+                "a zero loss with a zero grad norm outside RL is not this alert",
+                [hold("training_grad_norm", 0), hold("training_loss", 0), info("causal-lm")],
+                [(at, name, [])],
+            ),
+            Scenario(
+                "a healthy spread is silent",
+                [signal("reward_std", 0.3), signal("frac_reward_zero_std", rl.zero_std_fraction * 0.9)],
+                [(at, name, [])],
+            ),
+            Scenario("just above the zero is silent", [signal("reward_std", rl.reward_std_zero * 2)], [(at, name, [])]),
+        ]
+    }
 
 
 def _out_of_range(b: _Builder) -> dict[str, list[Scenario]]:
@@ -211,8 +297,11 @@ def _overfitting(b: _Builder) -> dict[str, list[Scenario]]:
     blip = Series("training_eval_loss", _target(), [run(2.0, 2), run(2.4, 2), run(2.0, samples - 4)])
     return {
         rule.name: [
-            Scenario("judged overfitting fires with the eval loss", [eval_loss, status(1)],
-                     [(at, rule.name, [Expect(rule, _target(), 2.4)]), (at - 2 * b.i, rule.name, [])]),
+            Scenario(
+                "judged overfitting fires with the eval loss",
+                [eval_loss, status(1)],
+                [(at, rule.name, [Expect(rule, _target(), 2.4)]), (at - 2 * b.i, rule.name, [])],
+            ),
             Scenario("a one-evaluation blip is silent", [blip, status(0)], [(at, rule.name, [])]),
             Scenario("eval up without the judgment is silent", [eval_loss, status(0)], [(at, rule.name, [])]),
         ]
@@ -229,12 +318,21 @@ def _progress(b: _Builder) -> dict[str, list[Scenario]]:
     good_lr = b.t.learning_rate.too_small * 100
     out = {
         lr_rule.name: [
-            Scenario("a zero LR fires for its param group", [lr("0", 0), lr("1", good_lr), check(0)],
-                     [(at, lr_rule.name, [Expect(lr_rule, _target(param_group="0"), 0)])]),
-            Scenario("a NaN LR fires", [lr("0", math.nan)],
-                     [(at, lr_rule.name, [Expect(lr_rule, _target(param_group="0"), math.nan)])]),
-            Scenario("the exporter's LR check fires", [lr("0", good_lr), check(1)],
-                     [(at, lr_rule.name, [Expect(lr_rule, _target(param_group="0"), good_lr)])]),
+            Scenario(
+                "a zero LR fires for its param group",
+                [lr("0", 0), lr("1", good_lr), check(0)],
+                [(at, lr_rule.name, [Expect(lr_rule, _target(param_group="0"), 0)])],
+            ),
+            Scenario(
+                "a NaN LR fires",
+                [lr("0", math.nan)],
+                [(at, lr_rule.name, [Expect(lr_rule, _target(param_group="0"), math.nan)])],
+            ),
+            Scenario(
+                "the exporter's LR check fires",
+                [lr("0", good_lr), check(1)],
+                [(at, lr_rule.name, [Expect(lr_rule, _target(param_group="0"), good_lr)])],
+            ),
             Scenario("a healthy LR is silent", [lr("0", good_lr), check(0)], [(at, lr_rule.name, [])]),
         ]
     }
@@ -243,13 +341,18 @@ def _progress(b: _Builder) -> dict[str, list[Scenario]]:
     errors = b.rule("TrainingExporterErrors")
     failing, err_at = b.jump("training_exporter_errors_total", _target(where="observe"), a.event_window, 2)
     quiet = lambda where: b.hold("training_exporter_errors_total", _target(where=where), 0, 20)  # noqa: E731
-    early, early_at, _ = b.first_scrape("training_exporter_errors_total", _target(where="collect"), 1,
-                                        a.event_window)
+    early, early_at, _ = b.first_scrape("training_exporter_errors_total", _target(where="collect"), 1, a.event_window)
     out[errors.name] = [
-        Scenario("errors in observe() fire, naming where", [failing, quiet("collect")],
-                 [(err_at, errors.name, [Expect(errors, _target(where="observe"), 2)])]),
-        Scenario("errors counted before the first scrape fire", [early],
-                 [(early_at, errors.name, [Expect(errors, _target(where="collect"), 1)])]),
+        Scenario(
+            "errors in observe() fire, naming where",
+            [failing, quiet("collect")],
+            [(err_at, errors.name, [Expect(errors, _target(where="observe"), 2)])],
+        ),
+        Scenario(
+            "errors counted before the first scrape fire",
+            [early],
+            [(early_at, errors.name, [Expect(errors, _target(where="collect"), 1)])],
+        ),
         Scenario("no error is silent", [quiet("observe"), quiet("collect")], [(err_at, errors.name, [])]),
     ]
     return out
@@ -264,35 +367,67 @@ def _stalled(b: _Builder) -> dict[str, list[Scenario]]:
     # The exporter's age of its heartbeat at each scrape (its own clock), and the timestamp
     # on a node whose clock is an hour behind Prometheus' (the age must win: no page from skew).
     skew = 3600
-    frozen = [Series("training_heartbeat_age_seconds", _target(), [run(0, 2), ramp(b.i, b.i, samples - 2)]),
-              b.hold("training_last_heartbeat_timestamp_seconds", _target(), last - skew, samples)]
-    moving = [b.hold("training_heartbeat_age_seconds", _target(), 0, samples),
-              Series("training_last_heartbeat_timestamp_seconds", _target(), [ramp(-skew, b.i, samples)])]
-    legacy = [b.hold("training_last_heartbeat_timestamp_seconds", _target(), last, samples)]  # no age: an older exporter
+    frozen = [
+        Series("training_heartbeat_age_seconds", _target(), [run(0, 2), ramp(b.i, b.i, samples - 2)]),
+        b.hold("training_last_heartbeat_timestamp_seconds", _target(), last - skew, samples),
+    ]
+    moving = [
+        b.hold("training_heartbeat_age_seconds", _target(), 0, samples),
+        Series("training_last_heartbeat_timestamp_seconds", _target(), [ramp(-skew, b.i, samples)]),
+    ]
+    legacy = [
+        b.hold("training_last_heartbeat_timestamp_seconds", _target(), last, samples)
+    ]  # no age: an older exporter
 
     def in_phase(current: str) -> list[Series]:
-        return [b.hold("training_phase", _target(phase=p), 1 if p == current else 0, samples)
-                for p in ("train", "eval", "checkpoint")]
+        return [
+            b.hold("training_phase", _target(phase=p), 1 if p == current else 0, samples)
+            for p in ("train", "eval", "checkpoint")
+        ]
 
-    return {stalled.name: [
-        Scenario("no progress while training fires", [*frozen, *in_phase("train")],
-                 [(last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
-                  (last + limit, stalled.name, [])]),
-        Scenario("a job that keeps stepping on a node whose clock is an hour behind is silent",
-                 [*moving, *in_phase("train")], [(last + limit + b.i, stalled.name, [])]),
-        Scenario("an older exporter without the age: measured on Prometheus' clock",
-                 [*legacy, *in_phase("train")],
-                 [(last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
-                  (last + limit, stalled.name, [])]),
-        Scenario("an evaluation longer than stalled_after is silent, a hung one fires",
-                 [*frozen, *in_phase("eval")],
-                 [(last + limit + b.i, stalled.name, []),
-                  (last + phase_limit, stalled.name, []),
-                  (last + phase_limit + b.i, stalled.name,
-                   [Expect(stalled, _target(phase="eval"), phase_limit + b.i)])]),
-        Scenario("a long checkpoint is silent", [*frozen, *in_phase("checkpoint")],
-                 [(last + limit + b.i, stalled.name, []), (last + phase_limit, stalled.name, [])]),
-    ]}
+    return {
+        stalled.name: [
+            Scenario(
+                "no progress while training fires",
+                [*frozen, *in_phase("train")],
+                [
+                    (last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
+                    (last + limit, stalled.name, []),
+                ],
+            ),
+            Scenario(
+                "a job that keeps stepping on a node whose clock is an hour behind is silent",
+                [*moving, *in_phase("train")],
+                [(last + limit + b.i, stalled.name, [])],
+            ),
+            Scenario(
+                "an older exporter without the age: measured on Prometheus' clock",
+                [*legacy, *in_phase("train")],
+                [
+                    (last + limit + b.i, stalled.name, [Expect(stalled, _target(phase="train"), limit + b.i)]),
+                    (last + limit, stalled.name, []),
+                ],
+            ),
+            Scenario(
+                "an evaluation longer than stalled_after is silent, a hung one fires",
+                [*frozen, *in_phase("eval")],
+                [
+                    (last + limit + b.i, stalled.name, []),
+                    (last + phase_limit, stalled.name, []),
+                    (
+                        last + phase_limit + b.i,
+                        stalled.name,
+                        [Expect(stalled, _target(phase="eval"), phase_limit + b.i)],
+                    ),
+                ],
+            ),
+            Scenario(
+                "a long checkpoint is silent",
+                [*frozen, *in_phase("checkpoint")],
+                [(last + limit + b.i, stalled.name, []), (last + phase_limit, stalled.name, [])],
+            ),
+        ]
+    }
 
 
 def _exporter_down(b: _Builder) -> dict[str, list[Scenario]]:
@@ -304,8 +439,9 @@ def _exporter_down(b: _Builder) -> dict[str, list[Scenario]]:
     samples = int(fires // b.i) + 2
     target = {"job": JOB, "instance": INSTANCE}
     steps = Series("training_steps_total", _target(), [ramp(0, 10, up_for), "stale"])
-    info = Series("training_run_info", {**_target(), "run": "test", "profile": b.t.profile.name},
-                  [run(1, up_for), "stale"])
+    info = Series(
+        "training_run_info", {**_target(), "run": "test", "profile": b.t.profile.name}, [run(1, up_for), "stale"]
+    )
     running = Series("training_run_completed", _target(), [run(0, up_for), "stale"])
     finished = Series("training_run_completed", _target(), [run(0, up_for - 1), "1", "stale"])
     up_then_down = Series("up", target, [run(1, up_for), run(0, samples - up_for)])
@@ -314,28 +450,50 @@ def _exporter_down(b: _Builder) -> dict[str, list[Scenario]]:
     hours, past = 3 * 3600.0, duration_seconds(EXPORTER_SEEN_LOOKBACK) + 15 * b.i
     long_down = Series("up", target, [run(1, up_for), run(0, int(past // b.i) + 2 - up_for)])
     checks = lambda *expected: [(fires, down.name, list(expected)), (fires - 2 * b.i, down.name, [])]  # noqa: E731
-    return {down.name: [
-        Scenario("a crash with the target kept (up == 0) fires",
-                 [up_then_down, info, steps, running], checks(Expect(down, _target(), last_steps))),
-        Scenario("a crash whose target service discovery removed fires",
-                 [up_then_removed, info, steps, running], checks(Expect(down, _target(), last_steps))),
-        Scenario("a normal finish with the target kept is silent", [up_then_down, info, steps, finished],
-                 checks()),
-        Scenario("a normal finish whose target was removed is silent", [up_then_removed, info, steps, finished],
-                 checks()),
-        Scenario("a target that answers is silent",
-                 [b.hold("up", target, 1, samples), b.hold("training_steps_total", _target(), 5, samples),
-                  b.hold("training_run_completed", _target(), 0, samples)], checks()),
-        Scenario("other jobs' targets are not ours",
-                 [b.hold("up", {"job": "node", "instance": "n1:9100"}, 0, samples)], checks()),
-        # The lookback is state the lookback group carries from one evaluation to the next: it
-        # must hold for hours past the raw samples' window, and end with the lookback.
-        Scenario(f"a crash still fires hours later, and no more after {EXPORTER_SEEN_LOOKBACK}",
-                 [long_down, info, steps, running],
-                 [(hours, down.name, [Expect(down, _target(), last_steps)]), (past, down.name, [])]),
-        Scenario("a normal finish is still silent hours later", [long_down, info, steps, finished],
-                 [(hours, down.name, [])]),
-    ]}
+    return {
+        down.name: [
+            Scenario(
+                "a crash with the target kept (up == 0) fires",
+                [up_then_down, info, steps, running],
+                checks(Expect(down, _target(), last_steps)),
+            ),
+            Scenario(
+                "a crash whose target service discovery removed fires",
+                [up_then_removed, info, steps, running],
+                checks(Expect(down, _target(), last_steps)),
+            ),
+            Scenario("a normal finish with the target kept is silent", [up_then_down, info, steps, finished], checks()),
+            Scenario(
+                "a normal finish whose target was removed is silent", [up_then_removed, info, steps, finished], checks()
+            ),
+            Scenario(
+                "a target that answers is silent",
+                [
+                    b.hold("up", target, 1, samples),
+                    b.hold("training_steps_total", _target(), 5, samples),
+                    b.hold("training_run_completed", _target(), 0, samples),
+                ],
+                checks(),
+            ),
+            Scenario(
+                "other jobs' targets are not ours",
+                [b.hold("up", {"job": "node", "instance": "n1:9100"}, 0, samples)],
+                checks(),
+            ),
+            # The lookback is state the lookback group carries from one evaluation to the next: it
+            # must hold for hours past the raw samples' window, and end with the lookback.
+            Scenario(
+                f"a crash still fires hours later, and no more after {EXPORTER_SEEN_LOOKBACK}",
+                [long_down, info, steps, running],
+                [(hours, down.name, [Expect(down, _target(), last_steps)]), (past, down.name, [])],
+            ),
+            Scenario(
+                "a normal finish is still silent hours later",
+                [long_down, info, steps, finished],
+                [(hours, down.name, [])],
+            ),
+        ]
+    }
 
 
 def _concurrent_runs(b: _Builder) -> dict[str, list[Scenario]]:
@@ -346,16 +504,30 @@ def _concurrent_runs(b: _Builder) -> dict[str, list[Scenario]]:
     samples = int(at // b.i) + 2
 
     def judged(instance: str, status: float) -> Series:
-        return b.hold("training_health_status", _target(instance=instance, check="loss_range", component=""),
-                      status, samples)
+        return b.hold(
+            "training_health_status", _target(instance=instance, check="loss_range", component=""), status, samples
+        )
 
-    return {rule.name: [
-        Scenario("two healthy runs under one job are silent", [judged(INSTANCE, 0), judged(OTHER_INSTANCE, 0)],
-                 [(at, rule.name, [])]),
-        Scenario("a bad run next to a healthy one fires for itself alone",
-                 [judged(INSTANCE, 0), judged(OTHER_INSTANCE, 1)],
-                 [(at, rule.name, [Expect(rule, _target(instance=OTHER_INSTANCE, check="loss_range", component=""), 1)])]),
-    ]}
+    return {
+        rule.name: [
+            Scenario(
+                "two healthy runs under one job are silent",
+                [judged(INSTANCE, 0), judged(OTHER_INSTANCE, 0)],
+                [(at, rule.name, [])],
+            ),
+            Scenario(
+                "a bad run next to a healthy one fires for itself alone",
+                [judged(INSTANCE, 0), judged(OTHER_INSTANCE, 1)],
+                [
+                    (
+                        at,
+                        rule.name,
+                        [Expect(rule, _target(instance=OTHER_INSTANCE, check="loss_range", component=""), 1)],
+                    )
+                ],
+            ),
+        ]
+    }
 
 
 def _resources(b: _Builder) -> dict[str, list[Scenario]]:
@@ -371,12 +543,16 @@ def _resources(b: _Builder) -> dict[str, list[Scenario]]:
     n = int(at // b.i) + 2
     high, safe = limit * (m.near_limit + 0.02), limit * (m.near_limit - 0.05)
     out[near.name] = [
-        Scenario("a peak near the limit fires", [b.hold("training_memory_peak_bytes", dev, high, n),
-                                                   b.hold("training_memory_limit_bytes", dev, limit, n)],
-                 [(at, near.name, [Expect(near, dev, 100 * high / limit)])]),
-        Scenario("a peak with headroom is silent", [b.hold("training_memory_peak_bytes", dev, safe, n),
-                                                     b.hold("training_memory_limit_bytes", dev, limit, n)],
-                 [(at, near.name, [])]),
+        Scenario(
+            "a peak near the limit fires",
+            [b.hold("training_memory_peak_bytes", dev, high, n), b.hold("training_memory_limit_bytes", dev, limit, n)],
+            [(at, near.name, [Expect(near, dev, 100 * high / limit)])],
+        ),
+        Scenario(
+            "a peak with headroom is silent",
+            [b.hold("training_memory_peak_bytes", dev, safe, n), b.hold("training_memory_limit_bytes", dev, limit, n)],
+            [(at, near.name, [])],
+        ),
     ]
 
     growing = b.rule("TrainingMemoryGrowing")
@@ -387,14 +563,18 @@ def _resources(b: _Builder) -> dict[str, list[Scenario]]:
     steps = b.steps(m.window) + b.steps(m.growing_for) + 3
     leak = Series("training_memory_allocated_bytes", dev, [ramp(start, per_s * b.i, steps + 1)])
     flat = b.hold("training_memory_allocated_bytes", dev, start, steps + 1)
-    young = Series("training_memory_allocated_bytes", dev,
-                   [f"_x{b.steps(m.window)}", ramp(start, per_s * b.i, b.steps(m.growing_for) + 3)])
+    young = Series(
+        "training_memory_allocated_bytes",
+        dev,
+        [f"_x{b.steps(m.window)}", ramp(start, per_s * b.i, b.steps(m.growing_for) + 3)],
+    )
     lim = b.hold("training_memory_limit_bytes", dev, limit, steps + 1)
     at = (b.steps(m.window) + b.steps(m.growing_for) + 2) * b.i
     grown = 100 * per_s * duration_seconds(m.window) / limit
     out[growing.name] = [
-        Scenario("memory rising towards the limit fires", [leak, lim],
-                 [(at, growing.name, [Expect(growing, dev, grown)])]),
+        Scenario(
+            "memory rising towards the limit fires", [leak, lim], [(at, growing.name, [Expect(growing, dev, grown)])]
+        ),
         Scenario("flat memory is silent", [flat, lim], [(at, growing.name, [])]),
         Scenario("start-up allocation of a young run is silent", [young, lim], [(at, growing.name, [])]),
     ]
@@ -407,20 +587,31 @@ def _resources(b: _Builder) -> dict[str, list[Scenario]]:
     at = (before + after - 2) * b.i
 
     def steps_total(second_rate: float) -> Series:
-        return Series("training_steps_total", _target(),
-                      [ramp(0, rate * b.i, before), ramp(rate * b.i * before, second_rate * b.i, after)])
+        return Series(
+            "training_steps_total",
+            _target(),
+            [ramp(0, rate * b.i, before), ramp(rate * b.i * before, second_rate * b.i, after)],
+        )
 
     def phase(current: str) -> list[Series]:
-        return [b.hold("training_phase", _target(phase=p), 1 if p == current else 0, before + after + 1)
-                for p in ("train", "eval", "checkpoint")]
+        return [
+            b.hold("training_phase", _target(phase=p), 1 if p == current else 0, before + after + 1)
+            for p in ("train", "eval", "checkpoint")
+        ]
 
     out[dropped.name] = [
-        Scenario("a run slowed to a quarter fires", [steps_total(slow), *phase("train")],
-                 [(at, dropped.name, [Expect(dropped, _target(), slow)])]),
+        Scenario(
+            "a run slowed to a quarter fires",
+            [steps_total(slow), *phase("train")],
+            [(at, dropped.name, [Expect(dropped, _target(), slow)])],
+        ),
         Scenario("a steady run is silent", [steps_total(rate), *phase("train")], [(at, dropped.name, [])]),
         Scenario("a long evaluation is silent", [steps_total(slow), *phase("eval")], [(at, dropped.name, [])]),
-        Scenario("a stopped run is TrainingStalled's, silent here", [steps_total(0), *phase("train")],
-                 [(at, dropped.name, [])]),
+        Scenario(
+            "a stopped run is TrainingStalled's, silent here",
+            [steps_total(0), *phase("train")],
+            [(at, dropped.name, [])],
+        ),
     ]
     return out
 
@@ -436,7 +627,21 @@ JUDGED = {
 }
 
 
-SCENARIO_FAMILIES = (_nonfinite, gradient_nonfinite, _gradients, _trend, _rl, _out_of_range, _concurrent_runs, _overfitting, _progress,
-                     _resources, cross_rank, ranks_discovered, concurrent_cross_rank, ranks_finishing,
-                     guard_scenarios)
+SCENARIO_FAMILIES = (
+    _nonfinite,
+    gradient_nonfinite,
+    _gradients,
+    _trend,
+    _rl,
+    _out_of_range,
+    _concurrent_runs,
+    _overfitting,
+    _progress,
+    _resources,
+    cross_rank,
+    ranks_discovered,
+    concurrent_cross_rank,
+    ranks_finishing,
+    guard_scenarios,
+)
 """Every family of scenarios, in the order the test documents list them."""

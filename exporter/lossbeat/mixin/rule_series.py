@@ -127,13 +127,12 @@ class _Builder:
     def after_for(self, duration: str, start: float = 0) -> float:
         return start + duration_seconds(duration) + self.i
 
-    def first_scrape(self, metric: str, labels: dict, value: float, window: str,
-                     absent: int = 3) -> tuple[Series, float, float]:
+    def first_scrape(
+        self, metric: str, labels: dict, value: float, window: str, absent: int = 3
+    ) -> tuple[Series, float, float]:
         """A counter whose first sample, after ``absent`` intervals, is already ``value``
         (events before the first scrape); the first eval time and the last one inside ``window``."""
         n = self.steps(window)
         series = Series(metric, labels, [f"_x{absent}", run(value, n + 4)])
         first = absent * self.i
         return series, first, first + (n - 1) * self.i
-
-

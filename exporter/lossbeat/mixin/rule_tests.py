@@ -52,8 +52,9 @@ def _replayed_shapes(t: Thresholds) -> list[tuple[str, list[tuple[dict[str, floa
 
         def record(step, _judge=judge, _replay=replay):
             findings = _judge(step)
-            samples.append(({f.check: float(f.status) for f in findings if not f.component},
-                            _replay.a.counters["grad_explosions"]))
+            samples.append(
+                ({f.check: float(f.status) for f in findings if not f.component}, _replay.a.counters["grad_explosions"])
+            )
             return findings
 
         replay.diagnose = record
@@ -83,12 +84,14 @@ def _healthy(b: _Builder) -> list[Scenario]:
         # At most _HEALTHY_SAMPLES scrapes (promtool evaluates every rule at each): the worst status
         # and the last counter value of each stretch of judgments, so nothing raised is lost.
         chunk = -(-len(samples) // _HEALTHY_SAMPLES)
-        parts = [samples[i:i + chunk] for i in range(0, len(samples), chunk)]
+        parts = [samples[i : i + chunk] for i in range(0, len(samples), chunk)]
         samples = [({c: max(p[0].get(c, 0.0) for p in part) for c in part[0][0]}, part[-1][1]) for part in parts]
         end = (len(samples) - 1) * b.i
-        series = [Series("training_grad_explosions_total", _target(), _rle([float(n) for _, n in samples])),
-                  Series("training_grad_norm", _target(), [run(1.0, len(samples))]),
-                  Series("training_eval_loss", _target(), [run(1.0, len(samples))])]
+        series = [
+            Series("training_grad_explosions_total", _target(), _rle([float(n) for _, n in samples])),
+            Series("training_grad_norm", _target(), [run(1.0, len(samples))]),
+            Series("training_eval_loss", _target(), [run(1.0, len(samples))]),
+        ]
         silent = []
         for check in dict.fromkeys(check for check, _ in JUDGED.values()):
             statuses = [s.get(check, 0.0) for s, _ in samples]
@@ -103,12 +106,33 @@ def _healthy(b: _Builder) -> list[Scenario]:
 def _interval(t: Thresholds) -> int:
     """The largest step (<= 60s) that divides every duration the tests use."""
     a = t.alerts
-    durations = [a.event_window, a.explosion_for, a.vanishing_for, a.layer_for, a.diverging_for,
-                 a.plateau_for, a.volatile_for, a.spikes_window, a.out_of_range_for, a.overfitting_for,
-                 a.learning_rate_for, a.stalled_after, a.stalled_phase_after, a.exporter_down_for,
-                 a.loss_scale_for, t.memory.near_limit_for, t.memory.growing_for, t.memory.window,
-                 t.throughput.baseline, t.throughput.for_, t.throughput.rate_window,
-                 a.rank_down_for, a.loss_spread_for, a.straggler_for, a.grad_mismatch_for]
+    durations = [
+        a.event_window,
+        a.explosion_for,
+        a.vanishing_for,
+        a.layer_for,
+        a.diverging_for,
+        a.plateau_for,
+        a.volatile_for,
+        a.spikes_window,
+        a.out_of_range_for,
+        a.overfitting_for,
+        a.learning_rate_for,
+        a.stalled_after,
+        a.stalled_phase_after,
+        a.exporter_down_for,
+        a.loss_scale_for,
+        t.memory.near_limit_for,
+        t.memory.growing_for,
+        t.memory.window,
+        t.throughput.baseline,
+        t.throughput.for_,
+        t.throughput.rate_window,
+        a.rank_down_for,
+        a.loss_spread_for,
+        a.straggler_for,
+        a.grad_mismatch_for,
+    ]
     seconds = [duration_seconds(d) for d in durations]
     if any(s != int(s) or s < 1 for s in seconds):
         raise ValueError("alerts: rule tests need durations of whole seconds")
@@ -146,12 +170,14 @@ def rule_test_documents(thresholds: Thresholds, rule_file: str = "../rules.yml")
             for when, name, expects in scenario.checks:
                 alerts = [_expected(e, runbook) for e in expects]
                 checks.append({"eval_time": _duration_text(when), "alertname": name, "exp_alerts": alerts})
-            tests.append({
-                "name": scenario.name,
-                "interval": _duration_text(interval),
-                "input_series": [s.to_doc() for s in scenario.series],
-                "alert_rule_test": checks,
-            })
+            tests.append(
+                {
+                    "name": scenario.name,
+                    "interval": _duration_text(interval),
+                    "input_series": [s.to_doc() for s in scenario.series],
+                    "alert_rule_test": checks,
+                }
+            )
         documents[file_name] = {
             "rule_files": [rule_file],
             "evaluation_interval": _duration_text(interval),

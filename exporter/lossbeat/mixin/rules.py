@@ -17,8 +17,16 @@ from pathlib import Path
 import yaml
 
 from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
-from lossbeat.mixin.alert_rules import (SLOW, SUMMARY_GROUP, AlertRule, alert_rules, event_records,
-                                        group_intervals, recording_rules, rule_groups)
+from lossbeat.mixin.alert_rules import (
+    SLOW,
+    SUMMARY_GROUP,
+    AlertRule,
+    alert_rules,
+    event_records,
+    group_intervals,
+    recording_rules,
+    rule_groups,
+)
 from lossbeat.mixin.rule_tests import rule_test_documents
 from lossbeat.mixin.stages import STAGES, stage_groups
 from lossbeat.diagnosis.thresholds import Thresholds
@@ -67,8 +75,9 @@ _Dumper.add_representer(str, _represent_str)
 
 
 def _dump(document) -> str:
-    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=4096, allow_unicode=True,
-                     default_flow_style=False)
+    return yaml.dump(
+        document, Dumper=_Dumper, sort_keys=False, width=4096, allow_unicode=True, default_flow_style=False
+    )
 
 
 def build_rule_groups(thresholds: Thresholds) -> list[dict]:
@@ -83,8 +92,10 @@ def render_rules(thresholds: Thresholds) -> str:
 
 def render_stage_rules(thresholds: Thresholds, stage: str) -> str:
     """``alerting/rules-shard.yml`` or ``alerting/rules-global.yml``."""
-    what = {"shard": "every shard of a sharded set-up: each rank's own rules",
-            "global": "the global evaluator of a sharded set-up: the rules across the ranks of a job"}[stage]
+    what = {
+        "shard": "every shard of a sharded set-up: each rank's own rules",
+        "global": "the global evaluator of a sharded set-up: the rules across the ranks of a job",
+    }[stage]
     return HEADER + f"# For {what} (deploy/sharding/README.md).\n" + _dump({"groups": stage_groups(thresholds, stage)})
 
 
@@ -130,19 +141,20 @@ def render_alert_table(thresholds: Thresholds) -> str:
         condition = "; ".join(c for c in conditions if c).replace("|", "\\|")
         action = rule.action.replace("|", "\\|")
         severity = ", ".join(s for s in _SEVERITIES if s in severities[name])  # a trigger may be a ticket
-        lines.append(
-            f"| `{name}` | {severity} | {condition} | {action} ([runbook]({runbooks}#{name.lower()})) |"
-        )
+        lines.append(f"| `{name}` | {severity} | {condition} | {action} ([runbook]({runbooks}#{name.lower()})) |")
     names = ", ".join(f"`{r.record}`" for r in recording_rules() + event_records(thresholds))
     lines += ["", f"Recording rules shared by alerts and dashboards: {names}."]
     intervals = group_intervals(thresholds)
     slow = [r for r in alert_rules(thresholds) if r.group.endswith(SLOW)]
     tickets = ", ".join(f"`{n}`" for n in dict.fromkeys(r.name for r in slow))
     dashboards = ", ".join(f"`{r.record}`" for r in recording_rules() if r.group in intervals)
-    lines += ["", f"Judged every {intervals[slow[0].group]}, not at every evaluation (groups `lossbeat.*{SLOW}`: "
-                  "warnings that hold 10 minutes or more before they fire, and the exporter's errors over "
-                  f"their window): {tickets}. Recorded every {intervals[SUMMARY_GROUP]} "
-                  f"(groups `{SUMMARY_GROUP}*`: read by dashboards only): {dashboards}."]
+    lines += [
+        "",
+        f"Judged every {intervals[slow[0].group]}, not at every evaluation (groups `lossbeat.*{SLOW}`: "
+        "warnings that hold 10 minutes or more before they fire, and the exporter's errors over "
+        f"their window): {tickets}. Recorded every {intervals[SUMMARY_GROUP]} "
+        f"(groups `{SUMMARY_GROUP}*`: read by dashboards only): {dashboards}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -165,10 +177,14 @@ def generated_files(thresholds: Thresholds) -> dict[str, str]:
 def output_files(thresholds: Thresholds) -> dict[str, str]:
     """The files for an output folder, keyed by their path in it: ``rules.yml``, ``tests/*.yml``
     (their ``rule_files: [../rules.yml]`` holds there too), ``kubernetes/prometheusrule.yaml``."""
-    renamed = {RULES_PATH: "rules.yml", PROMETHEUS_RULE_PATH: "kubernetes/prometheusrule.yaml",
-               **{path: posixpath.basename(path) for path in STAGE_PATHS.values()}}
-    return {renamed.get(path, path.removeprefix("alerting/")): text
-            for path, text in generated_files(thresholds).items()}
+    renamed = {
+        RULES_PATH: "rules.yml",
+        PROMETHEUS_RULE_PATH: "kubernetes/prometheusrule.yaml",
+        **{path: posixpath.basename(path) for path in STAGE_PATHS.values()},
+    }
+    return {
+        renamed.get(path, path.removeprefix("alerting/")): text for path, text in generated_files(thresholds).items()
+    }
 
 
 def _stale_tests(root: Path, expected: dict[str, str]) -> list[str]:

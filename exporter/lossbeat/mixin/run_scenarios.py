@@ -5,8 +5,7 @@ finished are not down."""
 from __future__ import annotations
 
 from lossbeat.mixin.alert_rules import JOB_RANK, RANK_DISCOVERY_GRACE, duration_seconds
-from lossbeat.mixin.rule_series import (JOB, INSTANCE, OTHER_INSTANCE, Expect, Scenario, Series, _Builder, _target,
-                                        run)
+from lossbeat.mixin.rule_series import JOB, INSTANCE, OTHER_INSTANCE, Expect, Scenario, Series, _Builder, _target, run
 
 __all__ = ["concurrent_cross_rank", "ranks_discovered", "ranks_finishing"]
 
@@ -20,8 +19,11 @@ def concurrent_cross_rank(b: _Builder) -> dict[str, list[Scenario]]:
     samples = int(at // b.i) + 2
 
     def per_rank(metric: str, value_of, **extra: str) -> list[Series]:
-        return [b.hold(metric, _target(str(r), instance, run_id=run_id, **extra), value_of(run_id), samples)
-                for run_id, instances in runs.items() for r, instance in enumerate(instances)]
+        return [
+            b.hold(metric, _target(str(r), instance, run_id=run_id, **extra), value_of(run_id), samples)
+            for run_id, instances in runs.items()
+            for r, instance in enumerate(instances)
+        ]
 
     info = per_rank("training_run_info", lambda _: 1, run="test", profile=b.t.profile.name, world_size="2")
     # Each run's replicas agree; the runs differ (another learning rate, another seed).
@@ -29,11 +31,18 @@ def concurrent_cross_rank(b: _Builder) -> dict[str, list[Scenario]]:
     norms += per_rank("training_grad_norm_aligned_step", lambda _: 200)
     # The second run's model is larger: its ranks are slower, each as slow as the other.
     base = 10 * c.straggler_min_seconds / (c.straggler_ratio - 1)
-    work = per_rank("training_rank_work_seconds",
-                    lambda run_id: base if run_id == "101" else base * c.straggler_ratio * 2)
+    work = per_rank(
+        "training_rank_work_seconds", lambda run_id: base if run_id == "101" else base * c.straggler_ratio * 2
+    )
     name = "two healthy 2-rank runs under one job label (run_id 101, 102) are silent"
-    return {rule: [Scenario(name, series, [(at, rule, [])])] for rule, series in (
-        ("TrainingRankDown", info), ("TrainingRankGradientMismatch", norms), ("TrainingStraggler", work))}
+    return {
+        rule: [Scenario(name, series, [(at, rule, [])])]
+        for rule, series in (
+            ("TrainingRankDown", info),
+            ("TrainingRankGradientMismatch", norms),
+            ("TrainingStraggler", work),
+        )
+    }
 
 
 def ranks_finishing(b: _Builder) -> dict[str, list[Scenario]]:
@@ -49,22 +58,31 @@ def ranks_finishing(b: _Builder) -> dict[str, list[Scenario]]:
         """``ends``: None (still running), "completed" or "crashed" after ``up_for`` intervals."""
         labels = {**_target(r), "run": "test", "profile": b.t.profile.name, "world_size": "4"}
         if ends is None:
-            return [Series("training_run_info", labels, [run(1, samples)]),
-                    b.hold("training_run_completed", _target(r), 0, samples)]
+            return [
+                Series("training_run_info", labels, [run(1, samples)]),
+                b.hold("training_run_completed", _target(r), 0, samples),
+            ]
         last = "1" if ends == "completed" else "0"
-        return [Series("training_run_info", labels, [run(1, up_for), "stale"]),
-                Series("training_run_completed", _target(r), [run(0, up_for - 1), last, "stale"])]
+        return [
+            Series("training_run_info", labels, [run(1, up_for), "stale"]),
+            Series("training_run_completed", _target(r), [run(0, up_for - 1), last, "stale"]),
+        ]
 
     job_rank = lambda r: {k: v for k, v in _target(r).items() if k in JOB_RANK}  # noqa: E731
-    return {down.name: [
-        Scenario("ranks that completed while rank 0 goes on are silent",
-                 [*rank("0", None), *rank("1", "completed"), *rank("2", "completed"), *rank("3", "completed")],
-                 [(fires, down.name, [])]),
-        Scenario("a rank gone without its marker next to completed ones fires, named",
-                 [*rank("0", None), *rank("1", "completed"), *rank("2", "completed"), *rank("3", "crashed")],
-                 [(fires, down.name, [Expect(down, {**job_rank("3"), "world_size": "4"}, 3)])]),
-    ]}
-
+    return {
+        down.name: [
+            Scenario(
+                "ranks that completed while rank 0 goes on are silent",
+                [*rank("0", None), *rank("1", "completed"), *rank("2", "completed"), *rank("3", "completed")],
+                [(fires, down.name, [])],
+            ),
+            Scenario(
+                "a rank gone without its marker next to completed ones fires, named",
+                [*rank("0", None), *rank("1", "completed"), *rank("2", "completed"), *rank("3", "crashed")],
+                [(fires, down.name, [Expect(down, {**job_rank("3"), "world_size": "4"}, 3)])],
+            ),
+        ]
+    }
 
 
 def ranks_discovered(b: _Builder) -> dict[str, list[Scenario]]:
@@ -85,12 +103,18 @@ def ranks_discovered(b: _Builder) -> dict[str, list[Scenario]]:
         return Series("training_run_info", labels, ([f"_x{first}"] if first else []) + [run(1, samples - first)])
 
     unknown = Expect(down, {"job": JOB, "rank": "unknown", "world_size": "4"}, 3)
-    return {down.name: [
-        Scenario("a healthy run whose last rank is first scraped late is silent",
-                 [info("0"), info("1"), info("2"), info("3", first=late)],
-                 [((late - 1) * b.i, down.name, []), (late * b.i, down.name, []), (fires, down.name, [])]),
-        # Counted per run: no instance to name.
-        Scenario("a rank that never reported fires as unknown, after the discovery grace",
-                 [info("0"), info("1"), info("2")],
-                 [(fires - 2 * b.i, down.name, []), (fires, down.name, [unknown])]),
-    ]}
+    return {
+        down.name: [
+            Scenario(
+                "a healthy run whose last rank is first scraped late is silent",
+                [info("0"), info("1"), info("2"), info("3", first=late)],
+                [((late - 1) * b.i, down.name, []), (late * b.i, down.name, []), (fires, down.name, [])],
+            ),
+            # Counted per run: no instance to name.
+            Scenario(
+                "a rank that never reported fires as unknown, after the discovery grace",
+                [info("0"), info("1"), info("2")],
+                [(fires - 2 * b.i, down.name, []), (fires, down.name, [unknown])],
+            ),
+        ]
+    }

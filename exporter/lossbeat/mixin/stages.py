@@ -23,8 +23,16 @@ import re
 from lossbeat.diagnosis.thresholds import Thresholds, load_thresholds
 from lossbeat.mixin.alert_rules import SHARD, RecordingRule, all_records, rule_groups
 
-__all__ = ["STAGES", "CROSS_RANK_GROUP", "GLOBAL_SUFFIX", "stage_groups", "stage_of", "stage_of_record",
-           "series_names", "forwarded_names"]
+__all__ = [
+    "STAGES",
+    "CROSS_RANK_GROUP",
+    "GLOBAL_SUFFIX",
+    "stage_groups",
+    "stage_of",
+    "stage_of_record",
+    "series_names",
+    "forwarded_names",
+]
 
 STAGES = ("shard", "global")
 CROSS_RANK_GROUP = "lossbeat.cross_rank"
@@ -60,14 +68,17 @@ def stage_groups(thresholds: Thresholds, stage: str) -> list[dict]:
     records = {r.record: r for r in all_records(thresholds)}
     out = []
     for group in rule_groups(thresholds):
-        stages = [stage_of(records[r["record"]], records) if "record" in r
-                  else ("global" if group["name"] == CROSS_RANK_GROUP else "shard") for r in group["rules"]]
+        stages = [
+            stage_of(records[r["record"]], records)
+            if "record" in r
+            else ("global" if group["name"] == CROSS_RANK_GROUP else "shard")
+            for r in group["rules"]
+        ]
         rules = [r for r, s in zip(group["rules"], stages) if s == stage]
         if not rules:
             continue
         name = group["name"] + (GLOBAL_SUFFIX if stage == "global" and "shard" in stages else "")
-        out.append({"name": name, **({"interval": group["interval"]} if "interval" in group else {}),
-                    "rules": rules})
+        out.append({"name": name, **({"interval": group["interval"]} if "interval" in group else {}), "rules": rules})
     return out
 
 

@@ -8,4 +8,13 @@ from lossbeat.monitor.null import NullMonitor, PhaseScope
 from lossbeat.monitor.report import Report
 from lossbeat.monitor.start import start_exporter
 
-__all__ = ["DEFAULT_PORT", "Monitor", "MonitorConfig", "NullMonitor", "PhaseScope", "Report", "start_exporter", "TrainingHalted"]
+__all__ = [
+    "DEFAULT_PORT",
+    "Monitor",
+    "MonitorConfig",
+    "NullMonitor",
+    "PhaseScope",
+    "Report",
+    "start_exporter",
+    "TrainingHalted",
+]

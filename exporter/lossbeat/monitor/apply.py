@@ -31,8 +31,17 @@ after it finite). The page goes to that rank's TrainingLossNaN; this one is inhi
 class StepApplier:
     """Called with each step, in order, once its values are on the host (the transfer's lock held)."""
 
-    def __init__(self, state: MonitorState, history: History, cross_rank: Any, vitals: Vitals,
-                 judgment: Judgment, log: RateLimitedLog, guard: Any, profile: Any = None) -> None:
+    def __init__(
+        self,
+        state: MonitorState,
+        history: History,
+        cross_rank: Any,
+        vitals: Vitals,
+        judgment: Judgment,
+        log: RateLimitedLog,
+        guard: Any,
+        profile: Any = None,
+    ) -> None:
         self.state, self.history, self.cross_rank, self.vitals = state, history, cross_rank, vitals
         self.profile = profile  # a ProfileChoice: the names observe(metrics=...) was given choose it
         self.guard = guard
@@ -54,7 +63,9 @@ class StepApplier:
         else:
             lrs = {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "lr"} if record.has_lrs else None
         components = (
-            {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "component"} if record.has_components else None
+            {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "component"}
+            if record.has_components
+            else None
         )
         layers = v.get("layers")
         if lr_max is not None:
@@ -80,9 +91,7 @@ class StepApplier:
         layer_nonfinite = layer_norms is not None and not all(map(math.isfinite, layer_norms.values()))
         # Under fp16 loss scaling an overflowing step is skipped by the scaler: routine, not a
         # fault, and no gradient sample. A scale collapsing is the fault (the nonfinite check).
-        overflow = "grad_scale" in v and (
-            layer_nonfinite or (grad_norm is not None and not math.isfinite(grad_norm))
-        )
+        overflow = "grad_scale" in v and (layer_nonfinite or (grad_norm is not None and not math.isfinite(grad_norm)))
         if overflow:
             grad_norm = layer_norms = None
             layer_nonfinite = False
@@ -153,11 +162,16 @@ class StepApplier:
             self._nonfinite_run = True
             if origin is not None:
                 self.log(
-                    "nonfinite_grad", logging.WARNING,
-                    "lossbeat: non-finite gradient at step %d; it starts at layer %s", record.step, origin,
+                    "nonfinite_grad",
+                    logging.WARNING,
+                    "lossbeat: non-finite gradient at step %d; it starts at layer %s",
+                    record.step,
+                    origin,
                 )
             else:
-                self.log("nonfinite_grad", logging.WARNING, "lossbeat: non-finite gradient norm at step %d", record.step)
+                self.log(
+                    "nonfinite_grad", logging.WARNING, "lossbeat: non-finite gradient norm at step %d", record.step
+                )
         else:
             self._nonfinite_run = False
         if overflow:
@@ -172,8 +186,12 @@ class StepApplier:
             if layer_norms:
                 top = max((x for x in layer_norms.items() if math.isfinite(x[1])), key=lambda x: x[1], default=None)
                 self.log(
-                    "explosion", logging.WARNING, "lossbeat: gradient norm %.4g at step %d; largest layer: %s",
-                    grad_norm, record.step, top[0] if top else "-",
+                    "explosion",
+                    logging.WARNING,
+                    "lossbeat: gradient norm %.4g at step %d; largest layer: %s",
+                    grad_norm,
+                    record.step,
+                    top[0] if top else "-",
                 )
         if record.duration is not None and s.phase[0] == "train":
             self.vitals.add_step_time(record.duration, True)

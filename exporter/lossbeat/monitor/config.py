@@ -155,11 +155,13 @@ class MonitorConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if (
-            isinstance(self.linger_seconds, bool) or not isinstance(self.linger_seconds, numbers.Real)
+            isinstance(self.linger_seconds, bool)
+            or not isinstance(self.linger_seconds, numbers.Real)
             or not 0 <= self.linger_seconds <= MAX_LINGER_S
         ):
-            raise ValueError(f"linger_seconds: expected a number of seconds in 0..{MAX_LINGER_S:g}, "
-                             f"got {self.linger_seconds!r}")
+            raise ValueError(
+                f"linger_seconds: expected a number of seconds in 0..{MAX_LINGER_S:g}, got {self.linger_seconds!r}"
+            )
         if (self.certfile is None) != (self.keyfile is None):
             raise ValueError("certfile, keyfile: give both or neither")
         for name in ("defer_device_reads", "reduce_shards", "log_status_changes", "port_per_local_rank"):
@@ -180,8 +182,10 @@ class MonitorConfig:
         if not isinstance(self.strict_port, bool):
             raise TypeError(f"strict_port: expected True or False, got {self.strict_port!r}")
         if self.grad_norm_align_every is not None and (
-                isinstance(self.grad_norm_align_every, bool) or not isinstance(self.grad_norm_align_every, int)
-                or self.grad_norm_align_every < 0):
+            isinstance(self.grad_norm_align_every, bool)
+            or not isinstance(self.grad_norm_align_every, int)
+            or self.grad_norm_align_every < 0
+        ):
             raise ValueError(f"grad_norm_align_every: expected an int >= 0 or None, got {self.grad_norm_align_every!r}")
         self.pipeline_group = _process_group("pipeline_group", self.pipeline_group)
         if self.guard not in ("off", "skip", "stop"):
@@ -192,8 +196,9 @@ class MonitorConfig:
             raise ValueError(f"guard_schedule: expected 'advance' or 'hold', got {self.guard_schedule!r}")
         if not isinstance(self.work_time, bool):
             raise TypeError(f"work_time: expected True or False, got {self.work_time!r}")
-        if self.file_sd_dir is not None and (not isinstance(self.file_sd_dir, (str, os.PathLike))
-                                             or not str(self.file_sd_dir)):
+        if self.file_sd_dir is not None and (
+            not isinstance(self.file_sd_dir, (str, os.PathLike)) or not str(self.file_sd_dir)
+        ):
             raise TypeError(f"file_sd_dir: expected a folder path or None, got {self.file_sd_dir!r}")
 
     def exports_layers(self, rank: int) -> bool:
@@ -237,8 +242,11 @@ def _process_group(name: str, value: Any) -> Any:
 
         if isinstance(value, DeviceMesh):
             if value.ndim != 1:
-                raise TypeError(f"{name}: expected a 1-D DeviceMesh (the pipeline dimension, e.g. mesh['pp']), "
-                                f"got a {value.ndim}-D one")
+                raise TypeError(
+                    f"{name}: expected a 1-D DeviceMesh (the pipeline dimension, e.g. mesh['pp']), "
+                    f"got a {value.ndim}-D one"
+                )
             return value.get_group()
-    raise TypeError(f"{name}: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, "
-                    f"got {type(value).__name__}")
+    raise TypeError(
+        f"{name}: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got {type(value).__name__}"
+    )

@@ -59,18 +59,32 @@ class Monitor:
     builds one without an HTTP server (e.g. for tests with their own registry).
     """
 
-    def __init__(self, config: MonitorConfig | None = None, *, registry: CollectorRegistry | None = None,
-                 serve: bool = True, rank_context: RankContext | None = None) -> None:
+    def __init__(
+        self,
+        config: MonitorConfig | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+        serve: bool = True,
+        rank_context: RankContext | None = None,
+    ) -> None:
         self.config = config = config or MonitorConfig()
         if not isinstance(config, MonitorConfig):
             raise TypeError(f"config: expected a MonitorConfig, got {type(config).__name__}")
         self.thresholds = config.load_thresholds()
         self.rank_context = ctx = rank_context or RankContext.detect()
-        self.state = MonitorState(str(ctx.rank), {
-            "run": config.run_name, "profile": self.thresholds.profile.name, "world_size": str(ctx.world_size),
-            "local_rank": str(ctx.local_rank), "feed": config.feed, "version": __version__,
-            "torch_version": loaded.torch_version(),  # binds torch's names if torch is loaded
-        }, identity.run_identity(config.run_id, ctx.world_size))
+        self.state = MonitorState(
+            str(ctx.rank),
+            {
+                "run": config.run_name,
+                "profile": self.thresholds.profile.name,
+                "world_size": str(ctx.world_size),
+                "local_rank": str(ctx.local_rank),
+                "feed": config.feed,
+                "version": __version__,
+                "torch_version": loaded.torch_version(),  # binds torch's names if torch is loaded
+            },
+            identity.run_identity(config.run_id, ctx.world_size),
+        )
         self._log = RateLimitedLog()
         self._judge = Judge(self.thresholds)  # the same judgment `lossbeat analyze` replays
         self._history = history = self._judge.history
@@ -78,19 +92,33 @@ class Monitor:
         vitals = Vitals(self.thresholds, config.lr_schedule)
         self._judgment = Judgment(self.state, self._judge, vitals, config.log_status_changes, self._log)
         align = config.grad_norm_align_every  # None: decided from the first model (pure DDP only)
-        self._cross_rank = CrossRankSignals(self.state.rank, 0 if align is None and not config.reduce_shards
-                                            else align, config.work_time)
+        self._cross_rank = CrossRankSignals(
+            self.state.rank, 0 if align is None and not config.reduce_shards else align, config.work_time
+        )
         self._meter = GradientMeter(
-            layer_depth=config.layer_depth, max_layers=config.max_layers, layer_every=config.layer_every,
-            reduce_shards=config.reduce_shards, pipeline_group=config.pipeline_group,
+            layer_depth=config.layer_depth,
+            max_layers=config.max_layers,
+            layer_every=config.layer_every,
+            reduce_shards=config.reduce_shards,
+            pipeline_group=config.pipeline_group,
             exports_layers=config.exports_layers(ctx.rank),
-            on_error=lambda where, error: _gradient_error(self.state, self._log, where, error))
-        self._guard = make_guard(config.guard, config.guard_spikes, config.guard_schedule, self.thresholds,
-                                 history, self.state, config.defer_device_reads)
+            on_error=lambda where, error: _gradient_error(self.state, self._log, where, error),
+        )
+        self._guard = make_guard(
+            config.guard,
+            config.guard_spikes,
+            config.guard_schedule,
+            self.thresholds,
+            history,
+            self.state,
+            config.defer_device_reads,
+        )
         self._transfer = DeviceTransfer(
-            StepApplier(self.state, history, self._cross_rank, vitals, self._judgment, self._log, self._guard,
-                        self._profile),
-            config.defer_device_reads)
+            StepApplier(
+                self.state, history, self._cross_rank, vitals, self._judgment, self._log, self._guard, self._profile
+            ),
+            config.defer_device_reads,
+        )
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._transfer.drain_at_scrape)
         self.registry.register(self._collector)
@@ -102,12 +130,22 @@ class Monitor:
         self._registration: Registration | None = None
         if serve:
             port = config.port + (ctx.local_rank if config.port and config.port_per_local_rank else 0)
-            self._server = MetricsServer(self.registry, port, config.addr, web_config=config.load_web_config(),
-                                         strict_port=config.strict_port,
-                                         status=StatusSource(self.state, self._transfer.drain_at_scrape))
+            self._server = MetricsServer(
+                self.registry,
+                port,
+                config.addr,
+                web_config=config.load_web_config(),
+                strict_port=config.strict_port,
+                status=StatusSource(self.state, self._transfer.drain_at_scrape),
+            )
             self._registration = register(
-                config.file_sd_dir, addr=config.addr, port=self._server.port, rank=ctx.rank,
-                job=config.run_name, on_error=lambda: self.state.count_error("register"))
+                config.file_sd_dir,
+                addr=config.addr,
+                port=self._server.port,
+                rank=ctx.rank,
+                job=config.run_name,
+                on_error=lambda: self.state.count_error("register"),
+            )
             # A script that ends without close() (or a framework callback that only flushes)
             # still says "completed" at exit, unless an uncaught exception ends it.
             lifecycle.watch_uncaught_exceptions()
@@ -140,10 +178,21 @@ class Monitor:
         """The findings of the last diagnosis."""
         return self._judgment.findings
 
-    def observe(self, step: int, *, loss: Any = None, optimizer: Any = None, learning_rate: Any = None,
-                grad_norm: Any = None, model: torch.nn.Module | None = None, tokens: Any = None,
-                losses: Mapping[str, Any] | None = None, epoch: float | None = None,
-                grad_scaler: Any = None, metrics: Mapping[str, Any] | None = None) -> None:
+    def observe(
+        self,
+        step: int,
+        *,
+        loss: Any = None,
+        optimizer: Any = None,
+        learning_rate: Any = None,
+        grad_norm: Any = None,
+        model: torch.nn.Module | None = None,
+        tokens: Any = None,
+        losses: Mapping[str, Any] | None = None,
+        epoch: float | None = None,
+        grad_scaler: Any = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> None:
         """Record one optimizer step. Call after ``backward()`` and before ``zero_grad()``.
 
         ``loss`` and ``grad_norm`` may be floats or 0-d tensors on any device; ``model`` adds
@@ -172,16 +221,33 @@ class Monitor:
             raise RuntimeError("observe: this monitor is closed")
         if type(step) is not int:
             step = inputs.check_step(step)
-        if (type(loss) is float and (grad_norm is None or type(grad_norm) is float)
-                and (learning_rate is None or type(learning_rate) is float) and optimizer is None
-                and model is None and tokens is None and losses is None and epoch is None
-                and grad_scaler is None and metrics is None):
+        if (
+            type(loss) is float
+            and (grad_norm is None or type(grad_norm) is float)
+            and (learning_rate is None or type(learning_rate) is float)
+            and optimizer is None
+            and model is None
+            and tokens is None
+            and losses is None
+            and epoch is None
+            and grad_scaler is None
+            and metrics is None
+        ):
             self._steps.floats(step, loss, grad_norm, learning_rate)
             return
         inputs.refuse_graph_capture("observe")
         values, anomalies = inputs.step_values(
-            loss=loss, optimizer=optimizer, learning_rate=learning_rate, grad_norm=grad_norm, tokens=tokens,
-            losses=losses, grad_scaler=grad_scaler, metrics=metrics, model=model, seen=self._profile.names_seen)
+            loss=loss,
+            optimizer=optimizer,
+            learning_rate=learning_rate,
+            grad_norm=grad_norm,
+            tokens=tokens,
+            losses=losses,
+            grad_scaler=grad_scaler,
+            metrics=metrics,
+            model=model,
+            seen=self._profile.names_seen,
+        )
         if epoch is not None:
             epoch = inputs.check_epoch(epoch)
         if anomalies:
@@ -264,8 +330,9 @@ class Monitor:
         inputs.refuse_graph_capture("clip_grad_norm_")
         return self._meter.clip(model, float(max_norm))
 
-    def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None,
-                          step: int | None = None) -> torch.Tensor | None:
+    def measure_gradients(
+        self, model: torch.nn.Module, *, grad_scaler: Any = None, step: int | None = None
+    ) -> torch.Tensor | None:
         """Measure ``model``'s gradients now; the next ``observe(model=model)`` reports these norms.
 
         For a loop or framework that changes the gradients between backward and ``observe``
@@ -278,8 +345,9 @@ class Monitor:
         """
         inputs.check_model(model)
         inputs.refuse_graph_capture("measure_gradients")
-        return self._meter.measure_ahead(model, inputs.loss_scale(grad_scaler),
-                                         None if step is None else inputs.check_step(step))
+        return self._meter.measure_ahead(
+            model, inputs.loss_scale(grad_scaler), None if step is None else inputs.check_step(step)
+        )
 
     def flush(self) -> None:
         """Process every step still waiting for its device values (waits for them)."""
@@ -328,8 +396,9 @@ class Monitor:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         # SystemExit(0) leaving the block is a normal end; SystemExit(1) or an exception is not.
-        self.close(completed=exc_type is None or (
-            isinstance(exc, SystemExit) and not lifecycle.failure_status(exc.code)))
+        self.close(
+            completed=exc_type is None or (isinstance(exc, SystemExit) and not lifecycle.failure_status(exc.code))
+        )
 
     def _close_at_exit(self) -> None:
         try:
@@ -343,13 +412,23 @@ def _gradient_error(state: MonitorState, log: RateLimitedLog, where: str, error:
     if isinstance(error, (ShardedMeasurementError, ShardHandshakeError)):  # usage or store: say it, no traceback
         log(type(error).__name__, logging.ERROR, "lossbeat: %s(): %s", where, error)
     else:
-        log("gradients", logging.ERROR, "lossbeat: error measuring gradients in %s(); their "
-            "norms are skipped, the step and training go on", where, exc_info=True)
+        log(
+            "gradients",
+            logging.ERROR,
+            "lossbeat: error measuring gradients in %s(); their norms are skipped, the step and training go on",
+            where,
+            exc_info=True,
+        )
 
 
 def _count_anomalies(state: MonitorState, log: RateLimitedLog, anomalies: list[str]) -> None:
     """Per-step data that was not one value (observed as its mean): counted and logged, never raised."""
     for name in anomalies:
         state.count_error("input")
-        log("input", logging.WARNING, "lossbeat: %s: expected one value, got a tensor of several "
-            "(pass e.g. loss.mean()); observed as its mean (an empty one: skipped)", name)
+        log(
+            "input",
+            logging.WARNING,
+            "lossbeat: %s: expected one value, got a tensor of several "
+            "(pass e.g. loss.mean()); observed as its mean (an empty one: skipped)",
+            name,
+        )

@@ -53,8 +53,10 @@ class TrainingHalted(RuntimeError):
     def __init__(self, step: int, reason: str, values: dict[str, float], consecutive: int) -> None:
         self.step, self.reason, self.values, self.consecutive = step, reason, values, consecutive
         shown = ", ".join(f"{k} {v:.6g}" for k, v in values.items())
-        super().__init__(f"lossbeat guard stopped the run at step {step}: {reason} ({shown}); "
-                         f"{consecutive} bad step(s) in a row, none applied")
+        super().__init__(
+            f"lossbeat guard stopped the run at step {step}: {reason} ({shown}); "
+            f"{consecutive} bad step(s) in a row, none applied"
+        )
 
 
 class Guard:
@@ -63,8 +65,16 @@ class Guard:
 
     decides = True
 
-    def __init__(self, mode: str, spikes: bool, hold_schedule: bool, thresholds: Thresholds, history: History,
-                 state: MonitorState, defer: bool) -> None:
+    def __init__(
+        self,
+        mode: str,
+        spikes: bool,
+        hold_schedule: bool,
+        thresholds: Thresholds,
+        history: History,
+        state: MonitorState,
+        defer: bool,
+    ) -> None:
         self.mode, self.spikes, self.hold_schedule = mode, spikes, hold_schedule
         self.max_consecutive = thresholds.guard.max_consecutive
         self.history, self.state = history, state
@@ -105,8 +115,14 @@ class Guard:
 
     # --- the applier: the flags on the host -------------------------------------------------
 
-    def record(self, flags: list[float] | tuple[float, ...], index: float, step: int,
-               loss: float | None, grad_norm: float | None) -> bool:
+    def record(
+        self,
+        flags: list[float] | tuple[float, ...],
+        index: float,
+        step: int,
+        loss: float | None,
+        grad_norm: float | None,
+    ) -> bool:
         """Count one step's decision; returns whether it was skipped."""
         index = int(index)
         self._host = (index, tuple(flags))
@@ -209,8 +225,7 @@ def _as_tensor(x: Any, device: Any) -> Any:
     return torch.tensor(float(x), device=device)
 
 
-def _device_flags(loss: Any, grad: Any, scaled: bool, explosion_limit: float, spike_limit: float,
-                  device: Any) -> Any:
+def _device_flags(loss: Any, grad: Any, scaled: bool, explosion_limit: float, spike_limit: float, device: Any) -> Any:
     import torch
 
     false = torch.zeros((), dtype=torch.bool, device=device)
@@ -317,8 +332,9 @@ class NoGuard:
             scheduler.step()
 
 
-def make_guard(mode: str, spikes: bool, schedule: str, thresholds: Thresholds, history: History,
-               state: MonitorState, defer: bool) -> Guard | NoGuard:
+def make_guard(
+    mode: str, spikes: bool, schedule: str, thresholds: Thresholds, history: History, state: MonitorState, defer: bool
+) -> Guard | NoGuard:
     state.guard_mode = mode
     if mode == "off":
         return NoGuard()

@@ -50,8 +50,10 @@ def run_identity(configured: str = "", world_size: int = 1) -> str:
         return shared
     if world_size == 1:
         return uuid.uuid4().hex[:12]
-    log.warning("lossbeat: no run identity (set LOSSBEAT_RUN_ID, or run under Slurm or torchrun): "
-                "concurrent runs of one job name will be compared with each other")
+    log.warning(
+        "lossbeat: no run identity (set LOSSBEAT_RUN_ID, or run under Slurm or torchrun): "
+        "concurrent runs of one job name will be compared with each other"
+    )
     return ""
 
 

@@ -11,8 +11,21 @@ from typing import Any, Mapping
 from lossbeat.diagnosis.profiles import signal_kind
 from lossbeat.monitor import loaded
 
-__all__ = ["FIRST_LR", "step_values", "scalar", "per_step", "real_to_float", "loss_scale", "refuse_graph_capture", "learning_rates", "components", "signals",
-           "check_step", "check_model", "check_epoch"]
+__all__ = [
+    "FIRST_LR",
+    "step_values",
+    "scalar",
+    "per_step",
+    "real_to_float",
+    "loss_scale",
+    "refuse_graph_capture",
+    "learning_rates",
+    "components",
+    "signals",
+    "check_step",
+    "check_model",
+    "check_epoch",
+]
 
 FIRST_LR = ("lr", "0")
 """The values' key of the first param group's learning rate, or of the one given without an optimizer."""
@@ -22,9 +35,19 @@ MAX_FIELDS = 64
 """Names of ``observe(metrics=...)`` remembered per run for the profile detection."""
 
 
-def step_values(*, loss: Any, optimizer: Any, learning_rate: Any, grad_norm: Any, tokens: Any,
-                losses: Mapping[str, Any] | None, grad_scaler: Any, metrics: Mapping[str, Any] | None,
-                model: Any, seen: set[str]) -> tuple[dict[Any, Any], list[str]]:
+def step_values(
+    *,
+    loss: Any,
+    optimizer: Any,
+    learning_rate: Any,
+    grad_norm: Any,
+    tokens: Any,
+    losses: Mapping[str, Any] | None,
+    grad_scaler: Any,
+    metrics: Mapping[str, Any] | None,
+    model: Any,
+    seen: set[str],
+) -> tuple[dict[Any, Any], list[str]]:
     """One ``observe`` call's values, validated, and the names of its per-step data that was not
     one value (reduced to its mean: counted by the caller, never raised). ``seen``: the
     ``metrics`` names already given (the profile detection's); the new ones are ``values["fields"]``.
@@ -34,7 +57,8 @@ def step_values(*, loss: Any, optimizer: Any, learning_rate: Any, grad_norm: Any
     anomalies: list[str] = []
     values: dict[Any, Any] = {  # loss None: no loss on this rank
         "loss": loss if type(loss) is float or _plain_0d(loss) else per_step("loss", loss, anomalies),
-        "grad_norm": grad_norm if type(grad_norm) is float or _plain_0d(grad_norm)
+        "grad_norm": grad_norm
+        if type(grad_norm) is float or _plain_0d(grad_norm)
         else scalar("grad_norm", grad_norm, optional=True),
     }
     if tokens is not None:
@@ -61,8 +85,13 @@ def _plain_0d(value: Any) -> bool:
     """A 0-d float tensor holding a value that needs nothing done to it (what a loss or a clip's norm
     is, detached): what :func:`scalar` would return as it is, found with a few metadata reads.
     False for any tensor until torch's names are bound (:func:`scalar` binds them, and does the same)."""
-    return (type(value) is loaded.Tensor and value.dtype in loaded.FLOAT_DTYPES and value.dim() == 0
-            and not value.requires_grad and not value.is_meta)
+    return (
+        type(value) is loaded.Tensor
+        and value.dtype in loaded.FLOAT_DTYPES
+        and value.dim() == 0
+        and not value.requires_grad
+        and not value.is_meta
+    )
 
 
 def check_step(step: Any) -> int:
@@ -124,8 +153,9 @@ def components(losses: Mapping[str, Any] | None, anomalies: list[str] | None = N
     return out
 
 
-def signals(metrics: Mapping[str, Any] | None, seen: set[str], anomalies: list[str] | None = None
-            ) -> tuple[dict[Any, Any], tuple[str, ...]]:
+def signals(
+    metrics: Mapping[str, Any] | None, seen: set[str], anomalies: list[str] | None = None
+) -> tuple[dict[Any, Any], tuple[str, ...]]:
     """``({("signal", canonical name): value}, names not in ``seen``)`` from ``observe(metrics=...)``.
 
     Every name counts for the profile detection (bounded: at most MAX_FIELDS names per run are
@@ -161,8 +191,14 @@ def per_step(name: str, value: Any, anomalies: list[str] | None) -> Any:
     if type(value) is float or value is None:
         return value
     torch = loaded.refresh()  # not a float: maybe a tensor (then torch is loaded)
-    if (torch is not None and isinstance(value, torch.Tensor) and value.numel() != 1 and not value.is_meta
-            and not value.is_complex() and value.dtype != torch.bool):
+    if (
+        torch is not None
+        and isinstance(value, torch.Tensor)
+        and value.numel() != 1
+        and not value.is_meta
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    ):
         if anomalies is not None:
             anomalies.append(name)
         if value.numel() == 0:

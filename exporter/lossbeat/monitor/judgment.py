@@ -21,8 +21,9 @@ log = logging.getLogger("lossbeat")
 class Judgment:
     """Judges the run every ``diagnose_every`` steps and after each evaluation."""
 
-    def __init__(self, state: MonitorState, judge: Judge, vitals: Vitals, log_status_changes: bool,
-                 log_limited: RateLimitedLog) -> None:
+    def __init__(
+        self, state: MonitorState, judge: Judge, vitals: Vitals, log_status_changes: bool, log_limited: RateLimitedLog
+    ) -> None:
         self.state, self.judge, self.vitals = state, judge, vitals
         self.log_status_changes = log_status_changes
         self.log = log_limited
@@ -99,8 +100,14 @@ def log_change(change: StatusChange) -> None:
     never shows GOOD -> WARNING twice in a row). Written above an active tqdm bar, not onto it."""
     f = change.finding
     message = "lossbeat: %s %s -> %s at step %s: %s%s"
-    args = (change.where, change.previous.name, f.status.name, change.step, f.message,
-            f"; fix: {f.fix}" if f.fix and f.status else "")
+    args = (
+        change.where,
+        change.previous.name,
+        f.status.name,
+        change.step,
+        f.message,
+        f"; fix: {f.fix}" if f.fix and f.status else "",
+    )
     tqdm = sys.modules.get("tqdm")
     bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
     if bars:

@@ -44,6 +44,7 @@ def watch_uncaught_exceptions() -> None:
     ``raise SystemExit(1)`` or ``exit`` imported before lossbeat is not seen."""
     previous = sys.excepthook
     if not getattr(previous, "_lossbeat", False):
+
         def hook(exc_type, exc, tb):
             process.uncaught_exception_seen = True
             previous(exc_type, exc, tb)
@@ -52,6 +53,7 @@ def watch_uncaught_exceptions() -> None:
         sys.excepthook = hook
     exit_ = sys.exit
     if not getattr(exit_, "_lossbeat", False):
+
         def exit_with_status(status: Any = None) -> None:
             if failure_status(status):
                 process.uncaught_exception_seen = True
@@ -78,16 +80,23 @@ def linger(scrapers: Any, since: float, limit_s: float, poll_s: float = 0.05) ->
         return 0.0
     started = time.monotonic()
     deadline = started + min(float(limit_s), 2 * max(waiting.values()) + 1)  # each has scraped again by then
-    log.info("lossbeat: run completed; serving /metrics until %d scraper(s) read the completion marker "
-             "(at most %.1fs)", len(waiting), deadline - started)
+    log.info(
+        "lossbeat: run completed; serving /metrics until %d scraper(s) read the completion marker (at most %.1fs)",
+        len(waiting),
+        deadline - started,
+    )
     while True:
         unseen = scrapers.unseen(since, waiting)
         if not unseen or time.monotonic() >= deadline:
             break
         time.sleep(poll_s)
     if unseen:
-        log.warning("lossbeat: %d scraper(s) did not read the completion marker within %.1fs: %s",
-                    len(unseen), deadline - started, ", ".join(f"{a} ({ua})" for a, ua in unseen))
+        log.warning(
+            "lossbeat: %d scraper(s) did not read the completion marker within %.1fs: %s",
+            len(unseen),
+            deadline - started,
+            ", ".join(f"{a} ({ua})" for a, ua in unseen),
+        )
     else:
         time.sleep(poll_s)  # the last answer is on its way out of the socket
     return time.monotonic() - started

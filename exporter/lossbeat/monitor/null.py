@@ -15,7 +15,6 @@ if TYPE_CHECKING:
 __all__ = ["NullMonitor", "PhaseScope"]
 
 
-
 class PhaseScope:
     """What :meth:`Monitor.phase` returns: the phase is already set; leaving the ``with``
     block restores the one before."""
@@ -67,8 +66,9 @@ class NullMonitor:
 
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
-    def measure_gradients(self, model: torch.nn.Module, *, grad_scaler: Any = None,
-                          step: int | None = None) -> torch.Tensor | None:
+    def measure_gradients(
+        self, model: torch.nn.Module, *, grad_scaler: Any = None, step: int | None = None
+    ) -> torch.Tensor | None:
         return None
 
     def flush(self) -> None:

@@ -18,8 +18,12 @@ log = logging.getLogger("lossbeat")
 
 
 def start_exporter(
-    port: int = DEFAULT_PORT, *, addr: str = "0.0.0.0", enabled: bool = True,
-    rank_context: RankContext | None = None, **settings: Any
+    port: int = DEFAULT_PORT,
+    *,
+    addr: str = "0.0.0.0",
+    enabled: bool = True,
+    rank_context: RankContext | None = None,
+    **settings: Any,
 ) -> Monitor | NullMonitor:
     """Serve /metrics on ``port + LOCAL_RANK`` and return the process's :class:`Monitor`.
 
@@ -39,13 +43,19 @@ def start_exporter(
     with process.lock:
         running = process.running
         if running is not None and not running.closed:
-            ignored = [name for name in ("port", "addr", *settings)
-                       if getattr(running.config, name) != getattr(config, name)]
+            ignored = [
+                name for name in ("port", "addr", *settings) if getattr(running.config, name) != getattr(config, name)
+            ]
             if ignored:
-                log.warning("lossbeat: an exporter is already running (port %s); start_exporter() returns it "
-                            "and ignores these settings of this call: %s", running.port,
-                            ", ".join(f"{name}={getattr(config, name)!r} (running: {getattr(running.config, name)!r})"
-                                      for name in ignored))
+                log.warning(
+                    "lossbeat: an exporter is already running (port %s); start_exporter() returns it "
+                    "and ignores these settings of this call: %s",
+                    running.port,
+                    ", ".join(
+                        f"{name}={getattr(config, name)!r} (running: {getattr(running.config, name)!r})"
+                        for name in ignored
+                    ),
+                )
             return running
         process.running = Monitor(config, rank_context=rank_context)
         return process.running

@@ -21,8 +21,15 @@ __all__ = ["StepPath"]
 class StepPath:
     """From ``observe()``'s validated values to the submitted record; owns the step timer."""
 
-    def __init__(self, state: MonitorState, log: RateLimitedLog, meter: GradientMeter, guard: Any,
-                 transfer: DeviceTransfer, cross_rank: Any) -> None:
+    def __init__(
+        self,
+        state: MonitorState,
+        log: RateLimitedLog,
+        meter: GradientMeter,
+        guard: Any,
+        transfer: DeviceTransfer,
+        cross_rank: Any,
+    ) -> None:
         self.state, self.log = state, log
         self.meter, self.guard, self.transfer, self.cross_rank = meter, guard, transfer, cross_rank
         self.last_perf: float | None = None
@@ -70,8 +77,9 @@ class StepPath:
         except Exception:
             self._failed()
 
-    def _submit(self, step: int, now: float, duration: float | None, epoch: float | None,
-                values: dict[Any, Any], model: Any) -> None:
+    def _submit(
+        self, step: int, now: float, duration: float | None, epoch: float | None, values: dict[Any, Any], model: Any
+    ) -> None:
         transfer, meter = self.transfer, self.meter
         if transfer.pending:  # drain: the steps whose values arrived since (never any on CPU)
             transfer.drain(block=False)
@@ -91,8 +99,9 @@ class StepPath:
         except Exception:  # gradients we cannot measure: the step's loss and LR still count
             values.pop("layers", None)
             self.state.count_error("observe")
-            self.log("error", logging.ERROR, "lossbeat: cannot measure the gradients; training continues",
-                     exc_info=True)
+            self.log(
+                "error", logging.ERROR, "lossbeat: cannot measure the gradients; training continues", exc_info=True
+            )
             return []
 
     def _failed(self) -> None:  # the training loop must go on: count, log, continue

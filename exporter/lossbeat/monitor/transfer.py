@@ -29,13 +29,36 @@ class PendingStep:
 
     A plain class with slots: one is built per observed step."""
 
-    __slots__ = ("step", "wall_time", "duration", "epoch", "host", "layout", "packed", "event", "layer_names",
-                 "has_lrs", "has_components", "has_signals")
+    __slots__ = (
+        "step",
+        "wall_time",
+        "duration",
+        "epoch",
+        "host",
+        "layout",
+        "packed",
+        "event",
+        "layer_names",
+        "has_lrs",
+        "has_components",
+        "has_signals",
+    )
 
-    def __init__(self, step: int, wall_time: float, duration: float | None, epoch: float | None,
-                 host: dict[Any, Any], layout: list[tuple[Any, int]], packed: Any = None,
-                 event: Any = None, layer_names: list[str] | None = None, has_lrs: int = 0,
-                 has_components: bool = False, has_signals: bool = False) -> None:
+    def __init__(
+        self,
+        step: int,
+        wall_time: float,
+        duration: float | None,
+        epoch: float | None,
+        host: dict[Any, Any],
+        layout: list[tuple[Any, int]],
+        packed: Any = None,
+        event: Any = None,
+        layer_names: list[str] | None = None,
+        has_lrs: int = 0,
+        has_components: bool = False,
+        has_signals: bool = False,
+    ) -> None:
         self.step, self.wall_time, self.duration, self.epoch = step, wall_time, duration, epoch
         self.host = host
         """Values already on the host (Python floats)."""
@@ -152,8 +175,16 @@ class DeviceTransfer:
         """Times ``observe()`` waited for a deferred device copy (more than ``MAX_PENDING``
         steps in flight); 0 while the device keeps up. Waits in ``flush()`` are not counted."""
 
-    def submit(self, step: int, wall: float, duration: float | None, epoch: float | None,
-               values: dict[Any, Any], layer_names: list[str], now: float | None = None) -> None:
+    def submit(
+        self,
+        step: int,
+        wall: float,
+        duration: float | None,
+        epoch: float | None,
+        values: dict[Any, Any],
+        layer_names: list[str],
+        now: float | None = None,
+    ) -> None:
         """Pack ``values`` (floats and tensors) into one record and start its host copy.
 
         ``now``: ``time.perf_counter()`` at the call, when the caller has read it already."""
@@ -181,7 +212,8 @@ class DeviceTransfer:
                 continue
             # Not a float: a tensor (inputs bound torch's names on seeing one; else bound here) or a host value.
             if not isinstance(value, loaded.Tensor) and (
-                    loaded.torch is not None or loaded.refresh() is None or not isinstance(value, loaded.Tensor)):
+                loaded.torch is not None or loaded.refresh() is None or not isinstance(value, loaded.Tensor)
+            ):
                 host[key] = value
                 continue
             if value.is_cpu:
@@ -205,8 +237,9 @@ class DeviceTransfer:
             self.host_transfers += 1
             _read_cpu(cpu_parts, host, zero_d)
 
-        record = PendingStep(step, wall, duration, epoch, host, layout, None, None, layer_names,
-                             has_lrs, has_components, has_signals)
+        record = PendingStep(
+            step, wall, duration, epoch, host, layout, None, None, layer_names, has_lrs, has_components, has_signals
+        )
         if not device_parts:
             self._apply_or_queue(record, now)
             return
@@ -224,13 +257,15 @@ class DeviceTransfer:
             self.last_submit = now
             self._drain_locked(block=False, may_wait=True)
 
-    def submit_host(self, step: int, wall: float, duration: float | None, host: dict[Any, Any], has_lrs: int,
-                    now: float) -> None:
+    def submit_host(
+        self, step: int, wall: float, duration: float | None, host: dict[Any, Any], has_lrs: int, now: float
+    ) -> None:
         """:meth:`submit` of a step whose values are all host floats already (``host``: ``"loss"``,
         ``"grad_norm"``, ``("lr", "0")``), without the scan of its values: applied now, or queued
         behind the steps in flight."""
-        self._apply_or_queue(PendingStep(step, wall, duration, None, host, _NO_PARTS, None, None, _NO_PARTS, has_lrs),
-                             now)
+        self._apply_or_queue(
+            PendingStep(step, wall, duration, None, host, _NO_PARTS, None, None, _NO_PARTS, has_lrs), now
+        )
 
     def _apply_or_queue(self, record: PendingStep, now: float) -> None:
         """A record with its values on the host: applied now when nothing is in flight before it

@@ -26,8 +26,13 @@ def scraped_targets(active_targets: list[dict]) -> list[dict]:
     for target in active_targets:
         labels = target.get("labels") or {}
         if labels.get("instance"):
-            out.append({"instance": labels["instance"], "job": labels.get("job", ""),
-                        "scheme": urllib.parse.urlsplit(target.get("scrapeUrl", "")).scheme or "http"})
+            out.append(
+                {
+                    "instance": labels["instance"],
+                    "job": labels.get("job", ""),
+                    "scheme": urllib.parse.urlsplit(target.get("scrapeUrl", "")).scheme or "http",
+                }
+            )
     return out
 
 
@@ -37,8 +42,12 @@ def _text(value: object) -> str:
     return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
-def alert_lines(prometheus_alerts: list[dict], alertmanager_alerts: list[dict],
-                notifications: list[dict] | None, targets: list[dict] = ()) -> list[str]:
+def alert_lines(
+    prometheus_alerts: list[dict],
+    alertmanager_alerts: list[dict],
+    notifications: list[dict] | None,
+    targets: list[dict] = (),
+) -> list[str]:
     """One line per alert Prometheus holds: its state, the receiver Alertmanager routed it to,
     and whether that receiver got the notification (``paged: TrainingLossNaN``); with
     ``notifications`` None (no local receiver) delivery is unknown. Each line ends with the
@@ -54,8 +63,10 @@ def alert_lines(prometheus_alerts: list[dict], alertmanager_alerts: list[dict],
     for alert in sorted(prometheus_alerts, key=lambda a: (a["state"] != "firing", a["labels"]["alertname"])):
         labels = alert["labels"]
         pages = " ".join(status_links(labels, list(targets)))
-        name, where = _text(labels["alertname"]), " ".join(
-            f"{k}={_text(labels[k])}" for k in ("job", "rank", "instance") if k in labels)
+        name, where = (
+            _text(labels["alertname"]),
+            " ".join(f"{k}={_text(labels[k])}" for k in ("job", "rank", "instance") if k in labels),
+        )
         if pages:
             where += f"  page {pages}"
         head = f"  alert  {name:30} {alert['state']:8}"
@@ -69,8 +80,9 @@ def alert_lines(prometheus_alerts: list[dict], alertmanager_alerts: list[dict],
         receivers = [r["name"] for r in am.get("receivers", [])]
         state = am.get("status", {}).get("state", "active")
         if state != "active":
-            lines.append(f"{head} receiver {','.join(receivers):8} {state}: inhibited or silenced, "
-                         f"no notification  {where}")
+            lines.append(
+                f"{head} receiver {','.join(receivers):8} {state}: inhibited or silenced, no notification  {where}"
+            )
             continue
         for receiver in receivers:
             got = delivered.get((_key(labels), receiver))
@@ -81,8 +93,10 @@ def alert_lines(prometheus_alerts: list[dict], alertmanager_alerts: list[dict],
                 at = time.strftime("%H:%M:%S", time.localtime(got[1]))
                 lines.append(f"{head} receiver {receiver:8} {verb}: {name} at {at}  {where}")
             else:
-                lines.append(f"{head} receiver {receiver:8} not delivered yet (Alertmanager waits its "
-                             f"group_wait; see alertmanager.log)  {where}")
+                lines.append(
+                    f"{head} receiver {receiver:8} not delivered yet (Alertmanager waits its "
+                    f"group_wait; see alertmanager.log)  {where}"
+                )
     return lines
 
 

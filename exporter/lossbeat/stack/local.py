@@ -77,6 +77,7 @@ class PortInUseError(RuntimeError):
 
 def _port_free(port: int) -> bool:
     import socket
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         # As the servers do: a port in TIME_WAIT is free, one with a listener is not.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -101,8 +102,9 @@ def find_binary(server: str) -> str:
     raise MissingBinaryError(f"{server} is not installed; {INSTALL_HINT}")
 
 
-def write_targets_file(path: Path, targets: Iterable[str], job: str = DEFAULT_JOB,
-                       labels: dict[str, str] | None = None) -> None:
+def write_targets_file(
+    path: Path, targets: Iterable[str], job: str = DEFAULT_JOB, labels: dict[str, str] | None = None
+) -> None:
     """Write a Prometheus file_sd targets file atomically (Prometheus watches it)."""
     group = {"targets": list(targets), "labels": {"job": job, **(labels or {})}}
     write_target_groups(path, [group] if group["targets"] else [])
@@ -113,8 +115,14 @@ def write_target_groups(path: Path, groups: list[dict]) -> None:
     write_atomic(Path(path), json.dumps(groups, indent=2))
 
 
-def render_prometheus_config(*, targets_file: Path, rule_files: Sequence[Path], alertmanagers: Sequence[str],
-                             scrape_interval: str = "5s", evaluation_interval: str | None = None) -> dict:
+def render_prometheus_config(
+    *,
+    targets_file: Path,
+    rule_files: Sequence[Path],
+    alertmanagers: Sequence[str],
+    scrape_interval: str = "5s",
+    evaluation_interval: str | None = None,
+) -> dict:
     """The Prometheus configuration as a dict: one file_sd scrape job, rules, Alertmanagers.
 
     The scrape job's own name is a fallback: every target group sets its ``job`` label.
@@ -127,11 +135,13 @@ def render_prometheus_config(*, targets_file: Path, rule_files: Sequence[Path], 
         },
         "rule_files": [str(p) for p in rule_files],
         "alerting": {"alertmanagers": [{"static_configs": [{"targets": list(alertmanagers)}]}]},
-        "scrape_configs": [{
-            "job_name": DEFAULT_JOB,
-            # Short refresh as a fallback where inotify is unavailable.
-            "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "5s"}],
-        }],
+        "scrape_configs": [
+            {
+                "job_name": DEFAULT_JOB,
+                # Short refresh as a fallback where inotify is unavailable.
+                "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "5s"}],
+            }
+        ],
     }
 
 
@@ -236,23 +246,30 @@ class Stack:
         self.workdir = private_dir(Path(self.workdir))
         for server in ("prometheus", "alertmanager"):
             self.binaries[server] = find_binary(server)
-        ports = {"prometheus": self.prometheus_port, "alertmanager": self.alertmanager_port,
-                 "receiver": self.receiver_port}
+        ports = {
+            "prometheus": self.prometheus_port,
+            "alertmanager": self.alertmanager_port,
+            "receiver": self.receiver_port,
+        }
         for server, port in ports.items():
             if port is not None and not _port_free(port):
-                raise PortInUseError(f"port {port} ({server}) is in use on 127.0.0.1; "
-                                     f"pass --{server}-port with a free one")
+                raise PortInUseError(
+                    f"port {port} ({server}) is in use on 127.0.0.1; pass --{server}-port with a free one"
+                )
         missing = [p for p in (*self.rule_files, self.alertmanager_config) if p and not Path(p).is_file()]
         if missing:
-            raise FileNotFoundError(f"missing {', '.join(map(str, missing))}; "
-                                    "write them with `lossbeat generate --output-dir DIR`")
+            raise FileNotFoundError(
+                f"missing {', '.join(map(str, missing))}; write them with `lossbeat generate --output-dir DIR`"
+            )
         rule_files = [Path(p).resolve() for p in self.rule_files] or [self._generate_rules()]
         am_config = self._alertmanager_config()
         self.set_targets(self.targets)
         config = render_prometheus_config(
-            targets_file=self.targets_file, rule_files=rule_files,
+            targets_file=self.targets_file,
+            rule_files=rule_files,
             alertmanagers=[f"127.0.0.1:{self.alertmanager_port}", *self.extra_alertmanagers],
-            scrape_interval=self.scrape_interval, evaluation_interval=self.evaluation_interval,
+            scrape_interval=self.scrape_interval,
+            evaluation_interval=self.evaluation_interval,
         )
         (self.workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
         try:
@@ -261,22 +278,36 @@ class Stack:
                 runbooks = self.workdir / "runbooks.md"
                 runbooks.write_text(shipped_text("runbooks.md"), encoding="utf-8")
                 # Run as a file in isolated mode: stdlib only, without importing lossbeat (and torch).
-                self._spawn("receiver", ["-I", str(Path(__file__).with_name("webhook.py")),
-                                         f"--port={self.receiver_port}", f"--log={self.notifications_file}",
-                                         f"--runbooks={runbooks}", f"--targets={self.targets_file}"])
-            self._spawn("alertmanager", [
-                f"--config.file={am_config}",
-                f"--storage.path={self.workdir / 'alertmanager-data'}",
-                f"--web.listen-address=127.0.0.1:{self.alertmanager_port}",
-                "--cluster.listen-address=",  # no gossip port: a single local instance
-            ])
-            self._spawn("prometheus", [
-                f"--config.file={self.workdir / 'prometheus.yml'}",
-                f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
-                f"--web.listen-address=127.0.0.1:{self.prometheus_port}",
-                "--web.enable-lifecycle",
-                "--storage.tsdb.retention.time=1d",
-            ])
+                self._spawn(
+                    "receiver",
+                    [
+                        "-I",
+                        str(Path(__file__).with_name("webhook.py")),
+                        f"--port={self.receiver_port}",
+                        f"--log={self.notifications_file}",
+                        f"--runbooks={runbooks}",
+                        f"--targets={self.targets_file}",
+                    ],
+                )
+            self._spawn(
+                "alertmanager",
+                [
+                    f"--config.file={am_config}",
+                    f"--storage.path={self.workdir / 'alertmanager-data'}",
+                    f"--web.listen-address=127.0.0.1:{self.alertmanager_port}",
+                    "--cluster.listen-address=",  # no gossip port: a single local instance
+                ],
+            )
+            self._spawn(
+                "prometheus",
+                [
+                    f"--config.file={self.workdir / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
+                    f"--web.listen-address=127.0.0.1:{self.prometheus_port}",
+                    "--web.enable-lifecycle",
+                    "--storage.tsdb.retention.time=1d",
+                ],
+            )
             self._save_state()
             self._wait_ready(timeout)
         except BaseException:
@@ -297,8 +328,11 @@ class Stack:
         shipped receiver address sent to this stack's receiver."""
         if self.alertmanager_config is not None and self.receiver_port is None:
             return Path(self.alertmanager_config).resolve()
-        text = (Path(self.alertmanager_config).read_text(encoding="utf-8") if self.alertmanager_config
-                else shipped_text("alertmanager.yml"))
+        text = (
+            Path(self.alertmanager_config).read_text(encoding="utf-8")
+            if self.alertmanager_config
+            else shipped_text("alertmanager.yml")
+        )
         config = yaml.safe_load(text)
         if self.receiver_port is not None:
             for receiver in config.get("receivers") or []:
@@ -335,8 +369,9 @@ class Stack:
         log = open(self.workdir / f"{server}.log", "ab")
         with log:
             # Own session: a Ctrl-C meant for the shell does not reach a detached stack.
-            proc = subprocess.Popen([self.binaries[server], *args], stdout=log, stderr=log,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                [self.binaries[server], *args], stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         self.pids[server] = proc.pid
 
     def _wait_ready(self, timeout: float) -> None:
@@ -348,8 +383,10 @@ class Stack:
         while pending:
             for server, url in list(pending.items()):
                 if not self.running().get(server):
-                    raise RuntimeError(f"{server} exited on start: {self.log_tail(server, 1) or '(no output)'} "
-                                       f"(log: {self.workdir / (server + '.log')})")
+                    raise RuntimeError(
+                        f"{server} exited on start: {self.log_tail(server, 1) or '(no output)'} "
+                        f"(log: {self.workdir / (server + '.log')})"
+                    )
                 if _http_ok(f"{url}/-/ready"):
                     del pending[server]
             if pending and time.monotonic() > deadline:
@@ -358,8 +395,10 @@ class Stack:
 
     def _save_state(self) -> None:
         state = {
-            "pids": self.pids, "binaries": self.binaries,
-            "prometheus_url": self.prometheus_url, "alertmanager_url": self.alertmanager_url,
+            "pids": self.pids,
+            "binaries": self.binaries,
+            "prometheus_url": self.prometheus_url,
+            "alertmanager_url": self.alertmanager_url,
             "receiver_url": self.receiver_url,
         }
         self.state_file.write_text(json.dumps(state, indent=2), encoding="utf-8")
@@ -373,40 +412,67 @@ class Stack:
         state = json.loads(path.read_text(encoding="utf-8"))
         ports = [int(state[f"{s}_url"].rsplit(":", 1)[1]) for s in ("prometheus", "alertmanager")]
         receiver = state.get("receiver_url")
-        return cls(workdir=Path(workdir), prometheus_port=ports[0], alertmanager_port=ports[1],
-                   receiver_port=int(receiver.rsplit(":", 1)[1]) if receiver else None,
-                   pids={k: int(v) for k, v in state["pids"].items()}, binaries=state["binaries"])
+        return cls(
+            workdir=Path(workdir),
+            prometheus_port=ports[0],
+            alertmanager_port=ports[1],
+            receiver_port=int(receiver.rsplit(":", 1)[1]) if receiver else None,
+            pids={k: int(v) for k, v in state["pids"].items()},
+            binaries=state["binaries"],
+        )
 
 
 # --- the command line ----------------------------------------------------------------
 
 DEFAULT_DIR = default_dir()
 # What `up` may delete in --dir from an earlier stack; anything else there is left alone.
-_STACK_FILES = ("prometheus-data", "alertmanager-data", "prometheus.log", "alertmanager.log", "receiver.log",
-                "prometheus.yml", "alertmanager.yml", "rules.yml", "runbooks.md", "targets.json", "targets.tmp",
-                "notifications.jsonl", "state.json")
+_STACK_FILES = (
+    "prometheus-data",
+    "alertmanager-data",
+    "prometheus.log",
+    "alertmanager.log",
+    "receiver.log",
+    "prometheus.yml",
+    "alertmanager.yml",
+    "rules.yml",
+    "runbooks.md",
+    "targets.json",
+    "targets.tmp",
+    "notifications.jsonl",
+    "state.json",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("up", "down", "status"))
-    parser.add_argument("--dir", type=Path, default=DEFAULT_DIR,
-                        help=f"config, data, logs and state (default {DEFAULT_DIR})")
+    parser.add_argument(
+        "--dir", type=Path, default=DEFAULT_DIR, help=f"config, data, logs and state (default {DEFAULT_DIR})"
+    )
     parser.add_argument("--prometheus-port", type=int, default=9090)
     parser.add_argument("--alertmanager-port", type=int, default=9093)
-    parser.add_argument("--receiver-port", type=int, default=5001,
-                        help="the local webhook receiver for pages and tickets (default %(default)s; "
-                             "0: run none)")
-    parser.add_argument("--targets", default=DEFAULT_TARGET,
-                        help="comma-separated exporter host:port list (default %(default)s; "
-                             "each local rank listens on 8470 + LOCAL_RANK)")
+    parser.add_argument(
+        "--receiver-port",
+        type=int,
+        default=5001,
+        help="the local webhook receiver for pages and tickets (default %(default)s; 0: run none)",
+    )
+    parser.add_argument(
+        "--targets",
+        default=DEFAULT_TARGET,
+        help="comma-separated exporter host:port list (default %(default)s; "
+        "each local rank listens on 8470 + LOCAL_RANK)",
+    )
     parser.add_argument("--job-name", default=DEFAULT_JOB, help="the job label of the targets")
     parser.add_argument("--scrape-interval", default="5s", help="scrape and rule evaluation interval")
-    parser.add_argument("--rules", type=Path, action="append",
-                        help="rules file (repeatable; default: generated from the thresholds)")
-    parser.add_argument("--thresholds", type=Path,
-                        help="thresholds file the rules are generated from (default: the packaged one)")
-    parser.add_argument("--alertmanager-config", type=Path,
-                        help="Alertmanager configuration (default: the packaged alertmanager.yml)")
+    parser.add_argument(
+        "--rules", type=Path, action="append", help="rules file (repeatable; default: generated from the thresholds)"
+    )
+    parser.add_argument(
+        "--thresholds", type=Path, help="thresholds file the rules are generated from (default: the packaged one)"
+    )
+    parser.add_argument(
+        "--alertmanager-config", type=Path, help="Alertmanager configuration (default: the packaged alertmanager.yml)"
+    )
     parser.add_argument("--foreground", action="store_true", help="wait; Ctrl-C stops everything")
 
 
@@ -425,17 +491,21 @@ def _clear(workdir: Path) -> None:
 def _up(args: argparse.Namespace) -> int:
     previous = Stack.from_state(args.dir)
     if previous and any(previous.running().values()):
-        print(f"stack already running ({previous.prometheus_url}); `lossbeat stack down` first",
-              file=sys.stderr)
+        print(f"stack already running ({previous.prometheus_url}); `lossbeat stack down` first", file=sys.stderr)
         return 1
     _clear(args.dir)  # stale data from a stack that is gone
-    stack = Stack(workdir=args.dir, prometheus_port=args.prometheus_port,
-                  alertmanager_port=args.alertmanager_port,
-                  targets=[t.strip() for t in args.targets.split(",") if t.strip()],
-                  job=args.job_name, scrape_interval=args.scrape_interval,
-                  rule_files=args.rules or (), thresholds=args.thresholds,
-                  alertmanager_config=args.alertmanager_config,
-                  receiver_port=args.receiver_port or None)
+    stack = Stack(
+        workdir=args.dir,
+        prometheus_port=args.prometheus_port,
+        alertmanager_port=args.alertmanager_port,
+        targets=[t.strip() for t in args.targets.split(",") if t.strip()],
+        job=args.job_name,
+        scrape_interval=args.scrape_interval,
+        rule_files=args.rules or (),
+        thresholds=args.thresholds,
+        alertmanager_config=args.alertmanager_config,
+        receiver_port=args.receiver_port or None,
+    )
     try:
         stack.start()
     except MissingBinaryError as exc:
@@ -447,15 +517,21 @@ def _up(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
         print(f"lossbeat stack: {exc}", file=sys.stderr)
         return 1
-    print(f"Prometheus:   {stack.prometheus_url}  (targets: {', '.join(stack.targets)}; "
-          f"edit {stack.targets_file} to change them)")
+    print(
+        f"Prometheus:   {stack.prometheus_url}  (targets: {', '.join(stack.targets)}; "
+        f"edit {stack.targets_file} to change them)"
+    )
     print(f"              alerts: {stack.prometheus_url}/classic/alerts")
-    print(f"Alertmanager: {stack.alertmanager_url}  (no web UI in Debian's package: "
-          f"amtool --alertmanager.url={stack.alertmanager_url} alert query)")
+    print(
+        f"Alertmanager: {stack.alertmanager_url}  (no web UI in Debian's package: "
+        f"amtool --alertmanager.url={stack.alertmanager_url} alert query)"
+    )
     if stack.receiver_url:
-        print(f"Receiver:     {stack.receiver_url}  (pages and tickets land in {stack.notifications_file}; "
-              f"shown, linked to each rank's status page, at {stack.receiver_url}/; "
-              f"runbooks at {stack.receiver_url}/runbooks)")
+        print(
+            f"Receiver:     {stack.receiver_url}  (pages and tickets land in {stack.notifications_file}; "
+            f"shown, linked to each rank's status page, at {stack.receiver_url}/; "
+            f"runbooks at {stack.receiver_url}/runbooks)"
+        )
     print(f"Logs and data: {stack.workdir}")
     where = "" if args.dir == DEFAULT_DIR else f" --dir {args.dir}"
     print(f"Firing alerts and their notifications: lossbeat stack status{where}")

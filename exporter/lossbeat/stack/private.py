@@ -38,14 +38,19 @@ def private_dir(path: Path, *, create: bool = True) -> Path:
             raise
         return path
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise UnsafeDirError(f"{path} is {'a symlink' if stat.S_ISLNK(info.st_mode) else 'not a directory'}; "
-                             "pass --dir with a folder of your own")
+        raise UnsafeDirError(
+            f"{path} is {'a symlink' if stat.S_ISLNK(info.st_mode) else 'not a directory'}; "
+            "pass --dir with a folder of your own"
+        )
     if info.st_uid != os.getuid():
-        raise UnsafeDirError(f"{path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); "
-                             "pass --dir with a folder of your own")
+        raise UnsafeDirError(
+            f"{path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); pass --dir with a folder of your own"
+        )
     if info.st_mode & 0o022:
-        raise UnsafeDirError(f"{path} is writable by others (mode {stat.S_IMODE(info.st_mode):o}); "
-                             f"chmod 700 {path} or pass --dir with a folder of your own")
+        raise UnsafeDirError(
+            f"{path} is writable by others (mode {stat.S_IMODE(info.st_mode):o}); "
+            f"chmod 700 {path} or pass --dir with a folder of your own"
+        )
     return path
 
 

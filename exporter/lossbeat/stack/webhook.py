@@ -26,8 +26,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-__all__ = ["read_notifications", "read_targets", "status_links", "notifications_html", "runbooks_html",
-           "serve", "main"]
+__all__ = ["read_notifications", "read_targets", "status_links", "notifications_html", "runbooks_html", "serve", "main"]
 
 MAX_BODY = 4 << 20  # Alertmanager batches stay far below this; anything larger is refused
 PAGE_NOTIFICATIONS = 200  # the page shows the newest ones; the log keeps them all
@@ -67,8 +66,13 @@ def read_targets(path: Path | None) -> list[dict]:
             continue
         labels = group.get("labels") or {}
         for target in group.get("targets") or []:
-            out.append({"instance": str(target), "job": str(labels.get("job", "")),
-                        "scheme": str(labels.get("__scheme__", "http"))})
+            out.append(
+                {
+                    "instance": str(target),
+                    "job": str(labels.get("job", "")),
+                    "scheme": str(labels.get("__scheme__", "http")),
+                }
+            )
     return out
 
 
@@ -104,29 +108,32 @@ def notifications_html(notifications: list[dict], targets: list[dict] = ()) -> s
         for alert in note.get("alerts") or []:
             labels = {str(k): str(v) for k, v in (alert.get("labels") or {}).items()}
             notes = {str(k): str(v) for k, v in (alert.get("annotations") or {}).items()}
-            pages = " ".join(f'<a class=page href="{esc(url)}">{esc(url)}</a>'
-                             for url in status_links(labels, targets)) or "<span class=none>no page known</span>"
+            pages = (
+                " ".join(f'<a class=page href="{esc(url)}">{esc(url)}</a>' for url in status_links(labels, targets))
+                or "<span class=none>no page known</span>"
+            )
             runbook = notes.get("runbook_url", "")
-            runbook = (f'<a href="{esc(runbook)}">runbook</a>'
-                       if re.match(r"^https?://", runbook) else esc(runbook))
-            others = " ".join(f"<code>{esc(k)}={esc(v)}</code>" for k, v in sorted(labels.items())
-                              if k != "alertname")
+            runbook = f'<a href="{esc(runbook)}">runbook</a>' if re.match(r"^https?://", runbook) else esc(runbook)
+            others = " ".join(f"<code>{esc(k)}={esc(v)}</code>" for k, v in sorted(labels.items()) if k != "alertname")
             rows.append(
                 f"<tr class={'firing' if alert.get('status') == 'firing' else 'resolved'}>"
                 f"<td>{esc(at)}</td><td>{esc(str(note.get('receiver') or note.get('path') or ''))}</td>"
                 f"<td>{esc(str(alert.get('status') or ''))}</td><td><b>{esc(labels.get('alertname', ''))}</b>"
-                f"<br>{others}</td><td>{esc(notes.get('summary', ''))}</td><td>{pages}</td><td>{runbook}</td></tr>")
+                f"<br>{others}</td><td>{esc(notes.get('summary', ''))}</td><td>{pages}</td><td>{runbook}</td></tr>"
+            )
     body = "\n".join(rows) or "<tr><td colspan=7>no notification yet</td></tr>"
-    return ("<!doctype html><html lang=en><head><meta charset=utf-8><meta http-equiv=refresh content=5>"
-            "<title>lossbeat notifications</title><style>body{font-family:sans-serif;margin:1em}"
-            "table{border-collapse:collapse}td,th{border-bottom:1px solid #ccc;padding:.3em .6em;"
-            "text-align:left;vertical-align:top}tr.firing td:nth-child(3){color:#b00;font-weight:bold}"
-            "code{font-size:.85em;margin-right:.4em}.none{color:#888}</style></head><body>"
-            "<h1>Notifications</h1><p>What Alertmanager sent to this receiver, newest first "
-            f"(the last {PAGE_NOTIFICATIONS}); each alert links to the status page of its rank. "
-            "<a href=/notifications>JSON</a> · <a href=/runbooks>runbooks</a></p>"
-            "<table><tr><th>received</th><th>receiver</th><th>status</th><th>alert</th><th>summary</th>"
-            f"<th>status page</th><th>runbook</th></tr>\n{body}</table></body></html>\n")
+    return (
+        "<!doctype html><html lang=en><head><meta charset=utf-8><meta http-equiv=refresh content=5>"
+        "<title>lossbeat notifications</title><style>body{font-family:sans-serif;margin:1em}"
+        "table{border-collapse:collapse}td,th{border-bottom:1px solid #ccc;padding:.3em .6em;"
+        "text-align:left;vertical-align:top}tr.firing td:nth-child(3){color:#b00;font-weight:bold}"
+        "code{font-size:.85em;margin-right:.4em}.none{color:#888}</style></head><body>"
+        "<h1>Notifications</h1><p>What Alertmanager sent to this receiver, newest first "
+        f"(the last {PAGE_NOTIFICATIONS}); each alert links to the status page of its rank. "
+        "<a href=/notifications>JSON</a> · <a href=/runbooks>runbooks</a></p>"
+        "<table><tr><th>received</th><th>receiver</th><th>status</th><th>alert</th><th>summary</th>"
+        f"<th>status page</th><th>runbook</th></tr>\n{body}</table></body></html>\n"
+    )
 
 
 def runbooks_html(markdown: str) -> str:
@@ -140,9 +147,10 @@ def runbooks_html(markdown: str) -> str:
             body.append(f'<h{level} id="{html.escape(anchor)}">{html.escape(text)}</h{level}>')
         else:
             body.append(html.escape(line))
-    return ("<!doctype html><meta charset=utf-8><title>lossbeat runbooks</title>"
-            "<body style='font-family:sans-serif;white-space:pre-wrap;max-width:60em'>"
-            + "\n".join(body) + "</body>\n")
+    return (
+        "<!doctype html><meta charset=utf-8><title>lossbeat runbooks</title>"
+        "<body style='font-family:sans-serif;white-space:pre-wrap;max-width:60em'>" + "\n".join(body) + "</body>\n"
+    )
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -163,9 +171,15 @@ class _Handler(BaseHTTPRequestHandler):
             "path": self.path,
             "receiver": payload.get("receiver"),
             "status": payload.get("status"),
-            "alerts": [{"labels": a.get("labels", {}), "annotations": a.get("annotations", {}),
-                        "status": a.get("status"), "startsAt": a.get("startsAt")}
-                       for a in payload.get("alerts", [])],
+            "alerts": [
+                {
+                    "labels": a.get("labels", {}),
+                    "annotations": a.get("annotations", {}),
+                    "status": a.get("status"),
+                    "startsAt": a.get("startsAt"),
+                }
+                for a in payload.get("alerts", [])
+            ],
         }
         with self.server.lock, open(self.server.log, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record, sort_keys=True) + "\n")
@@ -204,8 +218,7 @@ class _Server(ThreadingHTTPServer):
         self.targets = targets
 
 
-def serve(port: int, log: Path, addr: str = "127.0.0.1", runbooks: str = "",
-          targets: Path | None = None) -> _Server:
+def serve(port: int, log: Path, addr: str = "127.0.0.1", runbooks: str = "", targets: Path | None = None) -> _Server:
     """Bind the receiver (not yet serving); raises OSError when the port is taken. ``targets``:
     the stack's file_sd targets file, read at each request of the page (the job's ranks)."""
     return _Server((addr, port), log, runbooks_html(runbooks) if runbooks else "", targets)
@@ -220,11 +233,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", type=Path, help="the stack's file_sd targets file (the job's ranks)")
     args = parser.parse_args(argv)
     try:
-        server = serve(args.port, args.log, args.addr,
-                       args.runbooks.read_text(encoding="utf-8") if args.runbooks else "", args.targets)
+        server = serve(
+            args.port,
+            args.log,
+            args.addr,
+            args.runbooks.read_text(encoding="utf-8") if args.runbooks else "",
+            args.targets,
+        )
     except OSError as exc:
-        print(f"lossbeat webhook receiver: cannot listen on {args.addr}:{args.port} ({exc.strerror or exc})",
-              file=sys.stderr)
+        print(
+            f"lossbeat webhook receiver: cannot listen on {args.addr}:{args.port} ({exc.strerror or exc})",
+            file=sys.stderr,
+        )
         return 1
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     try:

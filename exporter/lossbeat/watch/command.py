@@ -39,8 +39,7 @@ from lossbeat.watch.events import records as event_records
 from lossbeat.watch.follow import Follower
 from lossbeat.watch.ranks import RANK_FIELD, assign_ranks
 
-__all__ = ["Watcher", "MonitorFeed", "add_arguments", "make_watchers", "follow", "run", "EXIT_COMPLETED",
-           "EXIT_IDLE"]
+__all__ = ["Watcher", "MonitorFeed", "add_arguments", "make_watchers", "follow", "run", "EXIT_COMPLETED", "EXIT_IDLE"]
 
 EXIT_COMPLETED = 0
 EXIT_IDLE = 3
@@ -83,8 +82,10 @@ class MonitorFeed:
             self.monitor.observe_eval(step, loss)
 
     def new_run(self, step: int) -> None:
-        _log.warning("lossbeat watch: the step went back to %d: a new run in the same log (a restart); "
-                     "its metrics start again", step)
+        _log.warning(
+            "lossbeat watch: the step went back to %d: a new run in the same log (a restart); its metrics start again",
+            step,
+        )
         port = self.monitor.port  # the new run's monitor serves where the last one did (also when 0 was asked)
         self.monitor.close(completed=False)
         self.monitor = self._make(port)
@@ -111,9 +112,17 @@ class Watcher:
     """Follows ``path`` and feeds each record to a Monitor until the log says the run ended,
     ``idle_timeout`` seconds pass without a new byte, or :meth:`stop` is called (another thread)."""
 
-    def __init__(self, path: str | os.PathLike, config: MonitorConfig, *, fmt: str | None = None,
-                 from_start: bool = True, idle_timeout: float | None = None, poll_interval: float = 0.05,
-                 rank_context: RankContext | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        config: MonitorConfig,
+        *,
+        fmt: str | None = None,
+        from_start: bool = True,
+        idle_timeout: float | None = None,
+        poll_interval: float = 0.05,
+        rank_context: RankContext | None = None,
+    ) -> None:
         if fmt is not None and fmt not in FORMATS:
             raise ValueError(f"fmt: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
         if fmt is not None and fmt != "tensorboard":
@@ -180,8 +189,9 @@ class Watcher:
                 lines, reset = follower.poll()
                 if reset:
                     self._pending, self._reset = lines, True
-                    _log.warning("lossbeat watch: %s was rotated or truncated: reading it again from its start",
-                                 self.path)
+                    _log.warning(
+                        "lossbeat watch: %s was rotated or truncated: reading it again from its start", self.path
+                    )
                     return
             if lines:
                 self._last_data = time.monotonic()
@@ -223,7 +233,6 @@ class Watcher:
         self.monitor.close(completed=self.ended == "completed")
         return self.ended
 
-
     def _follow_events(self) -> None:
         """A TensorBoard run directory or event file: scalars grouped by step, fed as they arrive."""
         follower = EventFollower(self.path)
@@ -253,32 +262,72 @@ class Watcher:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", metavar="PATH",
-                        help="the log file or TensorBoard run directory to follow (it may not exist yet); several: "
-                        f"the ranks of one job (rank{{N}} in each name, else their order), or one path with "
-                        f"{RANK_FIELD} expanded over --world-size")
-    parser.add_argument("--format", dest="fmt", choices=sorted([*LIVE_FORMATS, "tensorboard"]),
-                        help="the log's format (default: detected from its first records)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port of /metrics (default {DEFAULT_PORT}; "
-                        "+ each log's rank, or LOCAL_RANK, as the in-process exporter)")
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="the log file or TensorBoard run directory to follow (it may not exist yet); several: "
+        f"the ranks of one job (rank{{N}} in each name, else their order), or one path with "
+        f"{RANK_FIELD} expanded over --world-size",
+    )
+    parser.add_argument(
+        "--format",
+        dest="fmt",
+        choices=sorted([*LIVE_FORMATS, "tensorboard"]),
+        help="the log's format (default: detected from its first records)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port of /metrics (default {DEFAULT_PORT}; + each log's rank, or LOCAL_RANK, as the in-process exporter)",
+    )
     parser.add_argument("--addr", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
-    parser.add_argument("--job", default=None, help="run name in training_run_info (default: the file's name; "
-                        "several ranks: the first one's, its rank number as {rank})")
+    parser.add_argument(
+        "--job",
+        default=None,
+        help="run name in training_run_info (default: the file's name; "
+        "several ranks: the first one's, its rank number as {rank})",
+    )
     parser.add_argument("--profile", default=None, help="task profile (causal-lm, classification, ...)")
     parser.add_argument("--thresholds", default=None, help="a thresholds YAML overlaid on the defaults")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--from-start", dest="from_start", action="store_true", default=True,
-                       help="replay what the file holds, then follow (the default: the whole run is judged)")
+    where.add_argument(
+        "--from-start",
+        dest="from_start",
+        action="store_true",
+        default=True,
+        help="replay what the file holds, then follow (the default: the whole run is judged)",
+    )
     where.add_argument("--tail", dest="from_start", action="store_false", help="start at the end of the file")
-    parser.add_argument("--idle-timeout", type=float, default=None, metavar="S",
-                        help="exit (code 3) after S seconds without a new byte (default: follow forever)")
-    parser.add_argument("--rank", type=int, default=None,
-                        help="the rank this one log is (with --world-size; default: from the environment)")
-    parser.add_argument("--world-size", type=int, default=None, metavar="N",
-                        help="the job's number of ranks, which every rank reports (with --rank, or to expand "
-                        f"{RANK_FIELD}; several logs: default their number)")
-    parser.add_argument("--linger", type=float, default=90.0, metavar="S",
-                        help="at completion, keep /metrics up at most S seconds for a last scrape (default 90)")
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="exit (code 3) after S seconds without a new byte (default: follow forever)",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="the rank this one log is (with --world-size; default: from the environment)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the job's number of ranks, which every rank reports (with --rank, or to expand "
+        f"{RANK_FIELD}; several logs: default their number)",
+    )
+    parser.add_argument(
+        "--linger",
+        type=float,
+        default=90.0,
+        metavar="S",
+        help="at completion, keep /metrics up at most S seconds for a last scrape (default 90)",
+    )
     parser.add_argument("--poll-interval", type=float, default=0.05, metavar="S", help="seconds between reads")
 
 
@@ -291,12 +340,27 @@ def make_watchers(args: argparse.Namespace) -> list[Watcher]:
         # the ranks followed here are one run: one identity (the environment's, else a fresh one)
         run_id = identity.run_identity() if len(logs) > 1 else ""
         for log in logs:
-            config = MonitorConfig(port=args.port, addr=args.addr, run_name=run_name, profile=args.profile,
-                                   thresholds=args.thresholds, linger_seconds=args.linger, run_id=run_id)
+            config = MonitorConfig(
+                port=args.port,
+                addr=args.addr,
+                run_name=run_name,
+                profile=args.profile,
+                thresholds=args.thresholds,
+                linger_seconds=args.linger,
+                run_id=run_id,
+            )
             ctx = RankContext(log.rank, log.rank, log.world_size, "log") if log.rank >= 0 else None
-            watchers.append(Watcher(log.path, config, fmt=args.fmt, from_start=args.from_start,
-                                    idle_timeout=args.idle_timeout, poll_interval=args.poll_interval,
-                                    rank_context=ctx))
+            watchers.append(
+                Watcher(
+                    log.path,
+                    config,
+                    fmt=args.fmt,
+                    from_start=args.from_start,
+                    idle_timeout=args.idle_timeout,
+                    poll_interval=args.poll_interval,
+                    rank_context=ctx,
+                )
+            )
     except BaseException:
         for watcher in watchers:
             watcher.monitor.close(completed=False)
@@ -319,8 +383,9 @@ def follow(watchers: list[Watcher]) -> list[object]:
     if len(watchers) == 1:
         watch(0)
         return ended
-    threads = [threading.Thread(target=watch, args=(i,), name=f"lossbeat-watch-{i}", daemon=True)
-               for i in range(len(watchers))]
+    threads = [
+        threading.Thread(target=watch, args=(i,), name=f"lossbeat-watch-{i}", daemon=True) for i in range(len(watchers))
+    ]
     for thread in threads:
         thread.start()
     try:
@@ -353,8 +418,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"lossbeat watch: {who}{why}", file=sys.stderr)
             continue
         b = watcher.builder
-        print(f"lossbeat watch: {who}{why}" + (f" ({watcher.feed.completed})" if watcher.feed.completed else "")
-              + (f"; {b.counts.summary()}" if b else ""), file=sys.stderr)
+        print(
+            f"lossbeat watch: {who}{why}"
+            + (f" ({watcher.feed.completed})" if watcher.feed.completed else "")
+            + (f"; {b.counts.summary()}" if b else ""),
+            file=sys.stderr,
+        )
     errors = [why for why in ended if isinstance(why, Exception)]
     for error in errors:
         if not isinstance(error, LogFormatError):

@@ -31,8 +31,10 @@ class EventFollower:
             from tensorboard.compat.proto import event_pb2
             from tensorboard.util import tensor_util
         except ImportError:
-            raise LogFormatError(f"{path}: following TensorBoard events needs the tensorboard package "
-                                 "(pip install 'lossbeat[tensorboard]')") from None
+            raise LogFormatError(
+                f"{path}: following TensorBoard events needs the tensorboard package "
+                "(pip install 'lossbeat[tensorboard]')"
+            ) from None
         self._mods = (data_compat, dataclass_compat, RawEventFileLoader, event_pb2, tensor_util)
         self.path = path
         self.file: str | None = None

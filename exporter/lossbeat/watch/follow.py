@@ -120,7 +120,7 @@ class Follower:
         if not data:
             return []
         if len(self._head) < _HEAD_BYTES and self.offset == len(self._head):
-            self._head += data[:_HEAD_BYTES - len(self._head)]
+            self._head += data[: _HEAD_BYTES - len(self._head)]
         self.offset += len(data)
         try:
             self.last_growth = os.fstat(self._fh.fileno()).st_mtime

@@ -47,8 +47,10 @@ def assign_ranks(paths: Sequence[str], rank: int | None = None, world_size: int 
         if rank < 0:
             raise ValueError(f"--rank: expected a rank >= 0, got {rank}")
         if world_size is None:
-            raise ValueError("--world-size: needed with --rank (every rank's watcher reports the job's "
-                             "world size, which TrainingRankDown compares the ranks reporting with)")
+            raise ValueError(
+                "--world-size: needed with --rank (every rank's watcher reports the job's "
+                "world size, which TrainingRankDown compares the ranks reporting with)"
+            )
         if rank >= world_size:
             raise ValueError(f"--rank: {rank} is not below --world-size {world_size}")
         return [RankedLog(paths[0], rank, world_size)]
