@@ -4,7 +4,7 @@
 
 A speed-up of the hot path or of the diagnosis must leave every judgment as it was. This
 replays each run of ``python -m lossbeat.analyze.evaluation`` (the real logs of
-``../shared/data/real-logs``, the healthy shapes and the synthetic faults; not the demo, which
+``tests/data/real-logs``, the healthy shapes and the synthetic faults; not the demo, which
 trains for minutes) two ways on each side, in one process (``benchmarks/observe_ab.py``'s
 side-by-side import):
 

@@ -93,19 +93,11 @@ def sample_value(samples: dict, name: str, **labels: str) -> float:
     return value
 
 
-def find_real_logs() -> Path:
-    """``shared/data/real-logs`` beside the checkout (or above a worktree), or $LOSSBEAT_REAL_LOGS."""
-    if os.environ.get("LOSSBEAT_REAL_LOGS"):
-        return Path(os.environ["LOSSBEAT_REAL_LOGS"])
-    here = Path(__file__).resolve()
-    return next(
-        (p / "shared/data/real-logs" for p in here.parents if (p / "shared/data/real-logs").is_dir()),
-        here.parents[1].parent / "shared/data/real-logs",
-    )
-
-
-REAL_LOGS = find_real_logs()
-"""The corpus of real training logs (shared/data/real-logs/SOURCES.md says what each shows)."""
+CORPORA = Path(__file__).resolve().parent / "data" / "real-logs"
+"""The corpora of real training logs the tests own: one folder a set, each with a SOURCES.md
+(repository, path, commit and blob of every file) and, where one exists, its ground truth."""
+REAL_LOGS = CORPORA / "real-logs"
+"""The first set (its SOURCES.md says what each file shows)."""
 
 
 # --- Under xdist (tests/module_order.py): each module, or group of modules, to one test process,

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 
-from conftest import REAL_LOGS, require_module
+from conftest import CORPORA, require_module
 from lossbeat.logs import LogFormatError, detect_format, parse_log
 
 
@@ -314,7 +313,6 @@ def test_key_value_records_name_the_loss_read(tmp_path):
 
 # --- every real log, read in full --------------------------------------------------------------------
 
-CORPORA = REAL_LOGS.parent
 _NOT_LOGS = {"SOURCES.md", "RESULTS.md", "truth.json", "groundtruth.py", "groundtruth_stats.json"}
 
 # train records with a loss value, eval records, runs: from real-logs/SOURCES.md ("logged steps") and
@@ -372,7 +370,6 @@ def _real_logs() -> list[str]:
     return found
 
 
-@pytest.mark.skipif(not REAL_LOGS.is_dir(), reason="the shared real-log corpus is not beside this checkout")
 def test_every_real_log_with_a_known_count_is_known_here():
     known = {**KNOWN, **_truth()}
     files = _real_logs()
@@ -380,8 +377,7 @@ def test_every_real_log_with_a_known_count_is_known_here():
     assert not [f for f in files if f not in known], "a real log without a known record count: add its count"
 
 
-@pytest.mark.skipif(not REAL_LOGS.is_dir(), reason="the shared real-log corpus is not beside this checkout")
-@pytest.mark.parametrize("name", _real_logs() if REAL_LOGS.is_dir() else [])
+@pytest.mark.parametrize("name", _real_logs())
 def test_every_real_log_is_read_in_full(name):
     path = CORPORA / name
     if path.is_dir():

@@ -1,4 +1,4 @@
-"""The log parsers on the real corpus (../shared/data/real-logs, see its SOURCES.md) and on small edge cases."""
+"""The log parsers on the real corpus (tests/data/real-logs, see its SOURCES.md) and on small edge cases."""
 
 from __future__ import annotations
 

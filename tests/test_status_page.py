@@ -18,7 +18,7 @@ from lossbeat.exposition.metrics import HEALTH_CHECKS
 from lossbeat.exposition.state import LAYER_HISTORY_STEPS, RECENT_STEPS
 from lossbeat.exposition.status import _quantise, heatmap_matrix, level_norm, page_html
 
-from conftest import require, require_binary, require_module
+from conftest import require_binary, require_module
 
 EVIL = "<script>alert(1)</script>"
 
@@ -305,11 +305,10 @@ def static_page(tmp_path_factory):
     import contextlib
     import io
 
-    from conftest import find_real_logs
+    from conftest import REAL_LOGS
     from lossbeat.analyze import add_arguments, run
 
-    log = find_real_logs() / "hf-t5-small-summarization-gradspike-trainer_state.json"
-    require(log.exists(), f"{log} not here (the real logs of ../shared/data)")
+    log = REAL_LOGS / "hf-t5-small-summarization-gradspike-trainer_state.json"
     out = tmp_path_factory.mktemp("html") / "run.html"
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from conftest import require
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.analyze.replay import replay
@@ -152,7 +151,6 @@ def test_a_real_log_fed_to_a_monitor_with_its_signals_gives_the_findings_analyze
     from lossbeat.logs import parse_log
 
     path = DATA / "real-logs-3" / name
-    require(path.is_file(), f"the real log {path} (../shared/data) is needed")
     log = parse_log(path)
     (offline,) = judge_log(log, T).runs
     live = _live(log, offline.profile, learning_rates=True)

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import require
 from lossbeat.logs import parse_log
 from lossbeat.logs.live import LiveBuilder, live_parser
 from lossbeat.logs.source import Source
 from lossbeat.monitor import MonitorConfig
 from lossbeat.watch import EXIT_COMPLETED, EXIT_IDLE, Follower, Watcher
 
-REAL = Path("/work/shared/data")
+from conftest import CORPORA as REAL
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -285,7 +285,6 @@ def test_follower_bounds_an_endless_line(tmp_path):
 )
 def test_live_parsers_read_real_logs_as_the_offline_ones(name, fmt):
     path = REAL / name
-    require(path.exists(), f"{path} not here (the real logs of ../shared/data)")
     offline = parse_log(path)
     got: list = []
 
@@ -358,7 +357,6 @@ def test_real_hf_printed_log_written_in_odd_chunks_is_read_whole(tmp_path):
     # the real printed output of an HF Trainer run (string values, progress bars drawn with \r),
     # written in 1777-byte pieces that cut lines (and multi-byte characters) anywhere
     real = REAL / "real-logs-2/hf-stdout-llama3.2-3b-lora-jcommonsenseqa-string-values-train_log.txt"
-    require(real.exists(), f"{real} not here (the real logs of ../shared/data)")
     data = real.read_bytes()
     offline = parse_log(real)
     log = tmp_path / "train.log"

@@ -3,7 +3,7 @@
 Two tables, written into ``docs/analyze.md`` between the evaluation markers:
 
 * **False alarms** on healthy runs: every real public log of
-  ``../shared/data/real-logs`` (their SOURCES.md says what each shows), the
+  ``tests/data/real-logs`` (their SOURCES.md says what each shows), the
   healthy ``lossbeat demo`` model, and synthetic healthy shapes (fast early
   drop, slow late descent, noisy small batch, high stable grad norm, cosine to
   zero, logging every step and every 100 steps). Target: no danger, no page,
@@ -50,13 +50,10 @@ __all__ = [
 
 BEGIN, END = "<!-- evaluation:begin -->", "<!-- evaluation:end -->"
 REPO = Path(__file__).resolve().parents[3]
-DEFAULT_LOGS = next(
-    (p / "shared" / "data" / "real-logs" for p in REPO.parents if (p / "shared" / "data" / "real-logs").is_dir()),
-    REPO.parent / "shared" / "data" / "real-logs",
-)
-"""``../shared/data/real-logs`` from the repository (or from a folder above a worktree)."""
-DATA = DEFAULT_LOGS.parent
-"""``../shared/data``: folders of real logs, some with a ``truth.json``."""
+DATA = REPO / "tests" / "data" / "real-logs"
+"""The checkout's corpora of real logs (``tests/data/real-logs``), some with a ``truth.json``."""
+DEFAULT_LOGS = DATA / "real-logs"
+"""The first corpus; its SOURCES.md says what each file shows."""
 DOC = REPO / "docs" / "analyze.md"
 PAGING_CHECKS = ("grad_norm", "loss_trend", "nonfinite")
 """Checks whose danger pages (critical alerts: explosion, diverging, NaN)."""

@@ -203,7 +203,7 @@ def score_dir(directory: Path, thresholds: Thresholds | None = None) -> list[Fil
 
 
 def truth_dirs(base: Path) -> list[Path]:
-    """The folders under ``base`` (``../shared/data``) with a ground truth (:func:`truth_file`)."""
+    """The folders under ``base`` (``tests/data/real-logs``) with a ground truth (:func:`truth_file`)."""
     return sorted(p for p in base.iterdir() if p.is_dir() and truth_file(p) is not None) if base.is_dir() else []
 
 
