@@ -561,7 +561,17 @@ def _resources(b: _Builder) -> dict[str, list[Scenario]]:
     # Fast enough that the growth over the window and the projection both cross.
     per_s = max(1.2 * m.growth_fraction * limit / window, 1.2 * (limit - start) / (window + horizon + 3600))
     steps = b.steps(m.window) + b.steps(m.growing_for) + 3
-    leak = Series("training_memory_allocated_bytes", dev, [ramp(start, per_s * b.i, steps + 1)])
+    at = (b.steps(m.window) + b.steps(m.growing_for) + 2) * b.i
+    # No sample exactly one window before the evaluation: Prometheus 2 counts a sample on a range's
+    # left edge and Prometheus 3 does not, so without the gap the growth read at `at` differs by
+    # one interval between the two. With it, both see the same samples.
+    edge = at // b.i - b.steps(m.window)
+    d = per_s * b.i
+    leak = Series(
+        "training_memory_allocated_bytes",
+        dev,
+        [ramp(start, d, edge), "_", ramp(start + d * (edge + 1), d, steps + 1 - (edge + 1))],
+    )
     flat = b.hold("training_memory_allocated_bytes", dev, start, steps + 1)
     young = Series(
         "training_memory_allocated_bytes",
@@ -569,8 +579,7 @@ def _resources(b: _Builder) -> dict[str, list[Scenario]]:
         [f"_x{b.steps(m.window)}", ramp(start, per_s * b.i, b.steps(m.growing_for) + 3)],
     )
     lim = b.hold("training_memory_limit_bytes", dev, limit, steps + 1)
-    at = (b.steps(m.window) + b.steps(m.growing_for) + 2) * b.i
-    grown = 100 * per_s * duration_seconds(m.window) / limit
+    grown = 100 * per_s * (duration_seconds(m.window) - b.i) / limit
     out[growing.name] = [
         Scenario(
             "memory rising towards the limit fires", [leak, lim], [(at, growing.name, [Expect(growing, dev, grown)])]
