@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: demo test generate docs screenshots
+.PHONY: demo test test-prometheus3 generate docs screenshots
 
 demo:
 	scripts/setup.sh
@@ -17,6 +17,14 @@ TEST_WORKERS ?= 4
 test:
 	scripts/setup.sh --servers
 	env -u PYTHONDONTWRITEBYTECODE $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
+
+# The tests that run a real Prometheus, Alertmanager, promtool or amtool (marker `servers`), again on
+# the Prometheus 3 LTS line and a current Alertmanager (Debian unstable's packages, unpacked into a
+# folder by scripts/prometheus3.sh; `make test` runs them on the system's, Debian stable's).
+test-prometheus3:
+	scripts/setup.sh --servers
+	PATH="$$(scripts/prometheus3.sh):$$PATH" LOSSBEAT_EXPECT_PROMETHEUS=3 env -u PYTHONDONTWRITEBYTECODE \
+	  $(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m servers $(PYTEST_ARGS)
 
 # Regenerate every checked-in generated file from the thresholds file: the one command
 # that writes into the checkout (users write into a folder: lossbeat generate --output-dir DIR).

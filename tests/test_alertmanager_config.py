@@ -16,6 +16,8 @@ from lossbeat.mixin.alert_rules import JOB, LOSS_DERIVED_ALERTS, TARGET, alert_r
 from lossbeat.diagnosis.thresholds import load_thresholds
 from conftest import free_ports, require_binary
 
+pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "alerting" / "alertmanager.yml"
 # Every loss-derived alert (plateau and overfitting included: issue 9's stale plateau under a NaN

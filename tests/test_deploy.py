@@ -126,6 +126,7 @@ def test_compose_grafana_is_provisioned_with_the_datasource_and_every_dashboard(
     assert "http://prometheus:9090" in urls
 
 
+@pytest.mark.servers
 def test_compose_prometheus_config_passes_promtool_with_its_mounts(tmp_path):
     """Map every container path in prometheus.yml to its mounted host file, then promtool it."""
     service = _compose()["services"]["prometheus"]
@@ -157,6 +158,7 @@ def test_compose_prometheus_config_passes_promtool_with_its_mounts(tmp_path):
     _promtool_check_config(path)
 
 
+@pytest.mark.servers
 def test_local_prometheus_example_passes_promtool():
     _promtool_check_config(DEPLOY / "local" / "prometheus.yml")
     config = yaml.safe_load((DEPLOY / "local" / "prometheus.yml").read_text())
@@ -326,6 +328,7 @@ def test_file_sd_generator_lists_every_rank_of_every_node(tmp_path):
     assert not list(out.parent.glob("*.tmp"))
 
 
+@pytest.mark.servers
 def test_file_sd_output_is_read_by_a_real_prometheus(tmp_path):
     """promtool's sd check reads the generated file as Prometheus would."""
     sd = tmp_path / "lossbeat-7.json"

@@ -138,6 +138,7 @@ def test_rules_check_alone_reads_the_checkout_and_writes_nothing():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.servers
 def test_generated_set_passes_promtool_and_amtool(tmp_path, thresholds_file):
     promtool = require_binary("promtool")
     amtool = require_binary("amtool", install="apt-get install prometheus-alertmanager")

@@ -8,6 +8,7 @@ import subprocess
 import urllib.request
 
 import torch
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
@@ -37,6 +38,7 @@ def labels_of(text: str, parse=text_string_to_metric_families) -> dict[str, set[
     return out
 
 
+@pytest.mark.servers
 def test_nasty_label_values_are_escaped_and_parse_back(tmp_path):
     model = nasty_model()
     optimizer = torch.optim.SGD(

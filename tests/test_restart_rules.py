@@ -7,9 +7,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import require_binary
+
+pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
 
 RULES = Path(__file__).resolve().parent.parent / "alerting" / "rules.yml"
 SERIES = 'job="train",instance="127.0.0.1:8470",rank="0"'

@@ -28,6 +28,8 @@ from lossbeat.diagnosis.thresholds import load_thresholds
 from conftest import require_binary
 from promtool_runs import changed_rule_tests
 
+pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
+
 REPO = Path(__file__).resolve().parents[1]
 RULES_FILE = REPO / "alerting" / "rules.yml"
 TESTS_DIR = REPO / "alerting" / "tests"

@@ -2,6 +2,7 @@
 
 import subprocess
 
+import pytest
 import yaml
 
 from conftest import require_binary
@@ -9,6 +10,8 @@ from lossbeat.mixin.stages import forwarded_names, stage_groups
 from lossbeat.diagnosis.thresholds import load_thresholds
 
 from e2e.test_sharded import SHARDING, SHARDS, hashmod_shard
+
+pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
 
 
 def _load(name: str) -> dict:

@@ -26,6 +26,8 @@ from lossbeat.stack.webhook import notifications_html, read_notifications, read_
 from conftest import require_binary
 from e2e.e2e_harness import Prometheus, free_port, wait_until
 
+pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
+
 RULES = """\
 groups:
 - name: stack-test

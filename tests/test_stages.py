@@ -3,6 +3,7 @@ stage cannot compute from what it holds, and promtool accepts both files."""
 
 import subprocess
 
+import pytest
 import yaml
 
 from conftest import require_binary
@@ -12,6 +13,8 @@ from lossbeat.mixin.alert_rules import lookback_rules, recording_rules, rule_gro
 from lossbeat.mixin.rule_tests import rule_test_documents
 from lossbeat.mixin.stages import STAGES, stage_groups, stage_of_record
 from test_rules import _names_in
+
+pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
 
 
 def _rules(groups: list[dict]) -> list[dict]:

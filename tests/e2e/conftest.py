@@ -29,6 +29,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.servers)
 
 
 @pytest.fixture(scope="session")
