@@ -32,6 +32,7 @@ generate:
 	$(PYTHON) -m lossbeat rules --checkout
 	$(PYTHON) -m lossbeat dashboards --checkout
 	$(PYTHON) -c "from lossbeat.exposition.metrics import update_reference_doc; update_reference_doc('docs/metrics.md')"
+	$(PYTHON) -c "from lossbeat.cli import reference_markdown; open('docs/cli.md', 'w').write(reference_markdown())"
 
 # The evaluation tables of docs/analyze.md (false alarms and detection; trains the demo model).
 docs:

@@ -54,7 +54,7 @@ def add_generator_arguments(parser: argparse.ArgumentParser, *, checkout: bool =
         parser.add_argument(
             "--checkout",
             action="store_true",
-            help=f"write the repository's checked-in files under {REPO_ROOT} (what `make generate` runs)",
+            help="write the checked-in files of the checkout this package was installed from (what `make generate` runs)",
         )
     parser.add_argument(
         "--check",

@@ -446,7 +446,10 @@ _STACK_FILES = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("up", "down", "status"))
     parser.add_argument(
-        "--dir", type=Path, default=DEFAULT_DIR, help=f"config, data, logs and state (default {DEFAULT_DIR})"
+        "--dir",
+        type=Path,
+        default=DEFAULT_DIR,
+        help="config, data, logs and state (default: $XDG_RUNTIME_DIR/lossbeat-stack, else <tmp>/lossbeat-stack-<uid>)",
     )
     parser.add_argument("--prometheus-port", type=int, default=9090)
     parser.add_argument("--alertmanager-port", type=int, default=9093)
