@@ -1,7 +1,7 @@
 """Installed, not cloned: the wheel in a fresh virtual environment, used from an empty folder.
 
 Builds the wheel from this working tree, installs it (not editable) into a new venv that reuses
-the system's torch, then, in an empty folder and with nothing of the repository on the path:
+the running interpreter's torch (system or virtualenv), reports its version, analyzes a real log, then, in an empty folder and with nothing of the repository on the path:
 generates the full set for a custom thresholds file and checks it with promtool and amtool,
 starts the local stack, pages with `lossbeat demo --fault nan`, sees the page in
 `lossbeat stack status`, and stops the stack.
@@ -40,6 +40,17 @@ def _run(args: list[str], cwd: Path, env: dict, timeout: float = 300) -> subproc
     return result
 
 
+def _site_packages() -> list[str]:
+    """The folders this interpreter imports installed packages from (system or virtualenv)."""
+    import site
+    import sysconfig
+
+    found = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        found.append(site.getusersitepackages())
+    return [p for p in dict.fromkeys(found) if Path(p).is_dir()]
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> tuple[Path, dict]:
     """(the venv's bin folder, an environment without this checkout on the path)."""
@@ -69,9 +80,17 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     (wheel,) = (root / "dist").glob("lossbeat-*.whl")
     venv = root / "venv"
     # --without-pip: no ensurepip needed (Debian splits it into python3-venv); this pip installs into it.
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], cwd=root, env=env)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=root, env=env)
     bin_dir = venv / "bin"
-    # --no-deps: torch, numpy, prometheus-client and PyYAML come from the system site-packages.
+    # torch, numpy, prometheus-client and PyYAML are those of the interpreter running the tests,
+    # wherever it keeps them: --system-site-packages would reach the base interpreter's, which
+    # from inside a virtualenv is not where they are. A .pth file only adds the folders to the
+    # path (their own .pth files, such as this checkout's editable install, are not run).
+    purelib = _run(
+        [str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root, env
+    ).stdout.strip()
+    Path(purelib, "tests-site-packages.pth").write_text("\n".join(_site_packages()) + "\n", encoding="utf-8")
+    # --no-deps: torch, numpy, prometheus-client and PyYAML come from the folders the .pth file adds.
     _run(
         [
             sys.executable,
@@ -114,6 +133,23 @@ def test_the_wheel_not_the_checkout_is_imported(installed, tmp_path):
         env,
     )
     assert page.stdout == (REPO / "exporter/lossbeat/exposition/status_page.html").read_text()
+
+
+def test_the_installed_command_reports_its_version_and_analyzes_a_log(installed, tmp_path):
+    from lossbeat import __version__
+
+    bin_dir, env = installed
+    lossbeat = str(bin_dir / "lossbeat")
+    assert _run([lossbeat, "--version"], tmp_path, env).stdout.strip() == f"lossbeat {__version__}"
+    # A real run whose loss is NaN from its first step (tests/data/real-logs/real-logs-2/SOURCES.md),
+    # copied into the empty folder: a DANGER exits 1, and the report names the NaN.
+    log = tmp_path / "metrics.csv"
+    shutil.copy(REPO / "tests/data/real-logs/real-logs-2/lightning-timeseries-gan-nan-from-step0-metrics.csv", log)
+    result = subprocess.run(
+        [lossbeat, "analyze", log.name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "DANG nonfinite" in result.stdout and "320 non-finite loss values" in result.stdout
 
 
 def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
