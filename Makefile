@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: demo test test-prometheus3 generate docs screenshots
+.PHONY: demo test test-prometheus3 test-report generate docs screenshots
 
 demo:
 	scripts/setup.sh
@@ -25,6 +25,16 @@ test-prometheus3:
 	scripts/setup.sh --servers
 	PATH="$$(scripts/prometheus3.sh):$$PATH" LOSSBEAT_EXPECT_PROMETHEUS=3 env -u PYTHONDONTWRITEBYTECODE \
 	  $(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m servers $(PYTEST_ARGS)
+
+# docs/tests.md's measured part: both runs above, with JUnit files, then the page written from them.
+# A failing run still writes its counts; the target then fails.
+server_versions = Prometheus $$($(1)prometheus --version 2>&1 | awk 'NR==1{print $$3}'), Alertmanager $$($(1)amtool --version 2>&1 | awk 'NR==1{print $$3}')
+test-report:
+	-$(MAKE) test PYTEST_ARGS="--junitxml=out/junit.xml $(PYTEST_ARGS)"
+	-$(MAKE) test-prometheus3 PYTEST_ARGS="--junitxml=out/junit-prometheus3.xml $(PYTEST_ARGS)"
+	$(PYTHON) scripts/test_report.py --write docs/tests.md \
+	  "$(call server_versions,)=out/junit.xml" \
+	  "$(call server_versions,$$(scripts/prometheus3.sh)/)=out/junit-prometheus3.xml"
 
 # Regenerate every checked-in generated file from the thresholds file: the one command
 # that writes into the checkout (users write into a folder: lossbeat generate --output-dir DIR).
