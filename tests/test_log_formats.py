@@ -316,7 +316,7 @@ def test_key_value_records_name_the_loss_read(tmp_path):
 _NOT_LOGS = {"SOURCES.md", "RESULTS.md", "truth.json", "groundtruth.py", "groundtruth_stats.json"}
 
 # train records with a loss value, eval records, runs: from real-logs/SOURCES.md ("logged steps") and
-# real-logs-3/SOURCES.md (the record counts of each row); real-logs-2 has them in truth.json.
+# real-logs-3/SOURCES.md (the record counts of each row); real-logs-2 and -4 have them in truth.json.
 KNOWN = {
     "real-logs/hf-tinyllama-1.1b-chat-lora-sft-trainer_state.json": (186, 14, 1),
     "real-logs/hf-tinyllama-1.1b-chat-v1.0-dpo-trainer_state.json": (291, None, 1),
@@ -350,14 +350,13 @@ KNOWN = {
 
 
 def _truth() -> dict[str, tuple[int, int | None, int]]:
-    path = CORPORA / "real-logs-2" / "truth.json"
-    if not path.is_file():
-        return {}
+    """The record counts of every corpus with a truth.json (real-logs-2, real-logs-4)."""
     known = {}
-    for entry in json.loads(path.read_text()):
-        name = entry["file"].split("/")[0]
-        # truth.json counts the primary eval series: the first run's (nanochat's base-stage val bpb)
-        known[f"real-logs-2/{name}"] = (entry["records"], entry["eval_records"], entry.get("segments", 1))
+    for path in sorted(CORPORA.glob("real-logs*/truth.json")):
+        for entry in json.loads(path.read_text()):
+            name = entry["file"].split("/")[0]
+            # truth.json counts the primary eval series: the first run's (nanochat's base-stage val bpb)
+            known[f"{path.parent.name}/{name}"] = (entry["records"], entry["eval_records"], entry.get("segments", 1))
     return known
 
 
