@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -239,3 +240,46 @@ def test_a_tensor_after_torch_is_imported_is_read_in_the_one_host_read(floats_th
     assert tensors["steps"] == 32 and tensors["loss"] == 0.25 and tensors["grad_norm"] == 2.0
     assert tensors["reads"] == 1  # loss, grad norm, LR and the component's mean: one read
     assert tensors["errors"] == {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0, "input": 1}  # [1, 3]
+
+
+def documented_modules() -> set[str]:
+    """The modules docs/architecture.md's tree of rooms names, as paths relative to the package."""
+    text = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    tree = text[text.index("```\nexporter/lossbeat/\n") :]
+    tree = tree[: tree.index("\n```", 4)]
+    room, named = "", set()
+    for line in tree.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip())
+        if indent not in (2, 4):  # a description's second line
+            continue
+        first_column = re.split(r"\s{2,}", line.strip())[0]
+        if first_column.endswith("/"):
+            room = first_column
+            continue
+        if indent == 2:
+            room = ""
+        named.update(room + name for name in re.findall(r"\b\w+\.py\b", first_column))
+    return named
+
+
+def test_every_module_is_named_in_the_architecture_doc():
+    modules = {
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "__init__.py" or path.parent == PACKAGE
+    }
+    documented = documented_modules()
+    assert sorted(modules - documented) == [], "add these to docs/architecture.md's tree of rooms"
+    assert sorted(documented - modules) == [], "docs/architecture.md names modules that do not exist"
+
+
+def test_type_checkers_see_every_public_name_where_it_lives():
+    """The lazy names of ``lossbeat/__init__.py`` are imported under TYPE_CHECKING from the module
+    they load from, and the package says it is typed (py.typed)."""
+    import lossbeat
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
+    (guard,) = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    seen = {alias.name: node.module for node in guard.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert seen == lossbeat._HOME and sorted(seen) == sorted(lossbeat.__all__)
+    assert (PACKAGE / "py.typed").is_file()
