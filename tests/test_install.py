@@ -116,6 +116,7 @@ def test_the_wheel_not_the_checkout_is_imported(installed, tmp_path):
     path = Path(where.stdout.strip()).resolve()
     assert path.is_relative_to((bin_dir.parent / "lib").resolve()), path
     assert not path.is_relative_to(REPO.resolve())
+    assert (path.parent / "py.typed").is_file()  # type checkers read the installed package's annotations
     shipped = path.parent / "shipped"
     for name in ("alertmanager.yml", "runbooks.md"):
         assert (shipped / name).is_file() and not (shipped / name).is_symlink(), name

@@ -11,9 +11,21 @@ The public names load on first use (PEP 562), so the torch-free rooms (``lossbea
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lossbeat._version import __version__
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from lossbeat.diagnosis.thresholds import Thresholds, ThresholdsError, load_thresholds
+    from lossbeat.monitor import (
+        DEFAULT_PORT,
+        Monitor,
+        MonitorConfig,
+        NullMonitor,
+        Report,
+        TrainingHalted,
+        start_exporter,
+    )
 
 __all__ = [
     "start_exporter",
@@ -28,7 +40,7 @@ __all__ = [
     "TrainingHalted",
 ]
 
-_HOME = {
+_HOME = {  # keep in step with the TYPE_CHECKING imports above
     "start_exporter": "lossbeat.monitor",
     "Monitor": "lossbeat.monitor",
     "MonitorConfig": "lossbeat.monitor",
