@@ -254,9 +254,19 @@ def _count(test: Callable[[str], object], lines: list[str]) -> int:
     return n
 
 
-def detect_format(path: str | os.PathLike) -> str:
-    """The format of a log file (or a directory of TensorBoard event files); raises :class:`LogFormatError`."""
+def detect_format(path: str | os.PathLike, column_map: str | dict[str, str] | None = None) -> str:
+    """The format of a log file (or a directory of TensorBoard event files, an MLflow or W&B run);
+    raises :class:`LogFormatError`. With a ``column_map``, a text file of no known format is a table
+    (CSV, JSON lines or a printout) whose columns the map names."""
     path = os.fspath(path)
+    if parse_column_map(column_map) and os.path.isfile(path):
+        src = open_source(path)
+        try:
+            return _detect(src)
+        except LogFormatError:
+            if src.encoding is None:
+                raise
+            return _map_format(src)
     if os.path.isdir(path):
         if event_files(path):
             return "tensorboard"

@@ -293,6 +293,10 @@ class RecordBuilder:
             if isinstance(name, str):
                 self.fields.setdefault(name)
 
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        """A record's other named values (a table's columns): offline their names are in :attr:`fields`;
+        the live builder hands them to the Monitor, whose profile detection reads their names."""
+
     def signal(self, step: int, name: str, value: float | None) -> None:
         """A named signal beside the loss at ``step`` (the latest of a step kept)."""
         if value is None:

@@ -48,6 +48,7 @@ _SB3_STEP = (SB3_STEP, "time/iterations", "train/n_updates")
 _D2_TRAIN = ("total_loss",)
 _D2_STEP = ("iteration",)
 _RL_NAMESPACES = ("train/", "rollout/")
+_MAX_METRICS = 64
 
 
 class TableReader:
@@ -73,6 +74,8 @@ class TableReader:
         self._kw = {k: v for k, v in (("train", train), ("step", step)) if v is not None}
         self.extra = extra
         self.strict = strict
+        self.live = hasattr(out, "sink")
+        """A live reader (``lossbeat watch``): the row's other values go to the Monitor as metrics."""
         self.cols: Columns | None = None
         self.names: dict[str, None] = {}
         self.signals: set[str] = set()
@@ -161,6 +164,15 @@ class TableReader:
                     out.signal(step, name, value)
         if self.extra is not None:
             self.extra(row, step, out)
+        if self.live:
+            values = {}
+            for name, raw in list(row.items())[:_MAX_METRICS]:
+                value, ok = parse_number(raw)
+                if ok and value is not None and name not in (cols.loss, cols.eval, cols.step):
+                    values[name] = value
+                    if name.startswith(_RL_NAMESPACES):
+                        values[name.split("/", 1)[1]] = value
+            out.metrics(step, values)
         used = False
         if cols.loss is not None and row.get(cols.loss) not in (None, ""):
             out.train(
@@ -180,6 +192,8 @@ class TableReader:
     def finish(self) -> None:
         """The notes: the columns read and not read; a refusal when nothing names a loss."""
         out = self.out
+        if self.live:
+            return  # a followed file ends in a reset or a stop: its notes are not printed
         if self.cols is None or (self.cols.loss is None and self.cols.eval is None):
             names = list(self.names)
             shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
