@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require_module
 from test_watch import Writer, scrape, start, value, wait_for
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
@@ -114,3 +115,44 @@ def test_a_csv_without_a_loss_name_is_watched_with_map(tmp_path):
     w.stop()
     t.join(20)
     out.close()
+
+
+def test_a_real_ppo_run_followed_while_stable_baselines3_writes_it(tmp_path):
+    sb3 = require_module("stable_baselines3")
+    torch = require_module("torch")
+    from stable_baselines3.common.logger import configure
+
+    log = tmp_path / "progress.csv"
+    w, t, result = start(log, idle_timeout=60)
+    torch.manual_seed(0)
+    model = sb3.PPO("MlpPolicy", "CartPole-v1", n_steps=32, batch_size=32, n_epochs=1, seed=0, device="cpu")
+    model.set_logger(configure(str(tmp_path), ["csv"]))
+    model.learn(32 * 8)  # 8 dumps: the first without train/* keys, then the file rewritten with them
+    model.logger.close()
+    wait_for(records_are(w, 7), "the updates logged")
+    m = scrape(w.monitor.port)
+    assert w.builder.counts.train == 7 and w.builder.runs == 1
+    assert value(m, "training_step") == 32 * 8
+    assert signal(m, "reward") is not None and w.monitor._judge.thresholds.profile.name == "rl"
+    w.stop()
+    t.join(20)
+
+
+def test_a_real_mlflow_run_followed_while_mlflow_writes_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow = require_module("mlflow")
+    store = tmp_path / "mlruns"
+    mlflow.set_tracking_uri(store.as_uri())
+    mlflow.set_experiment("watched")
+    w, t, result = start(store, idle_timeout=60)
+    with mlflow.start_run():
+        for step in range(1, 11):
+            loss = 2.0 / step if step < 10 else float("nan")
+            mlflow.log_metrics({"loss": loss, "learning_rate": 1e-3, "reward": step / 10}, step=step)
+            if step == 3:
+                wait_for(records_are(w, 2), "the first steps")
+    t.join(30)
+    assert result == ["completed"]
+    assert w.builder.counts.train == 10
+    assert w.monitor.state.completed
+    assert w.feed.completed == "the MLflow run's status is FINISHED"

@@ -53,6 +53,7 @@ def follow_mlflow(w) -> None:
     reader: TableReader | None = None
     followers: dict[str, Follower] = {}
     pending: dict[int, dict[str, str]] = {}
+    finishing = False
     while not (w._stop or w._idle()):
         latest = _latest_run(w.path)
         if latest is None:
@@ -91,8 +92,11 @@ def follow_mlflow(w) -> None:
         if feed.replaying:
             feed.end_replay(os.path.getmtime(run) if os.path.exists(run) else None)
         status = run_status(run)
-        if status == "FINISHED":
+        if status == "FINISHED" and finishing:
             builder.complete("the MLflow run's status is FINISHED")
+        elif status == "FINISHED":
+            finishing = True  # one more poll: lines written just before the status changed are read first
+            continue
         elif status in ("FAILED", "KILLED"):
             _log.warning("lossbeat watch: the MLflow run ended %s", status)
             w._stop = True
