@@ -156,3 +156,15 @@ def test_a_real_mlflow_run_followed_while_mlflow_writes_it(tmp_path, monkeypatch
     assert w.builder.counts.train == 10
     assert w.monitor.state.completed
     assert w.feed.completed == "the MLflow run's status is FINISHED"
+
+
+def test_map_naming_a_column_the_followed_file_lacks_ends_the_watch_in_one_line(tmp_path, capsys):
+    from lossbeat.cli import main
+
+    log = tmp_path / "metrics.csv"
+    log.write_text("it,loss\n1,2.0\n2,1.9\n")
+    args = ["watch", str(log), "--port", "0", "--addr", "127.0.0.1", "--linger", "0", "--idle-timeout", "5"]
+    assert main(args + ["--map", "step=zz"]) == 2
+    assert "--map names columns the file does not have: step=zz" in capsys.readouterr().err
+    assert main(args + ["--map", "los=it"]) == 2
+    assert "lossbeat watch: --map: unknown role 'los'" in capsys.readouterr().err

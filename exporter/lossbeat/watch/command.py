@@ -240,6 +240,8 @@ class Watcher:
                     source = Source(self.path, 0, b"", "utf-8", "", lines=self._lines())
                     try:
                         parser(source, self.builder)
+                    except LogFormatError:
+                        raise  # the file cannot be read as asked (--map names a column it lacks): not a line's fault
                     except Exception:  # a line the parser chokes on: counted, the watch goes on
                         self.monitor.state.count_error("input")
                         _log.exception("lossbeat watch: cannot parse a line of %s; reading on", self.path)
