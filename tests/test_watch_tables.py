@@ -168,3 +168,44 @@ def test_map_naming_a_column_the_followed_file_lacks_ends_the_watch_in_one_line(
     assert "--map names columns the file does not have: step=zz" in capsys.readouterr().err
     assert main(args + ["--map", "los=it"]) == 2
     assert "lossbeat watch: --map: unknown role 'los'" in capsys.readouterr().err
+
+
+PRINTOUT = "".join(
+    f"epoch {1 + i // 10} | step {i} | train_loss {3 / i:.4f} | lr 3.0e-04 | grad_norm {1 + i / 50:.3f}\n"
+    for i in range(1, 31)
+)
+JSONL = "".join(
+    f'{{"it": {i}, "train": {{"loss": {3 / i:.4f}, "lr": 0.001}}, "val_loss": {2 / i:.4f}}}\n' for i in range(1, 21)
+)
+
+
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("metrics.json", (FORMATS / "detectron2-diverging" / "metrics.json").read_text()),
+        ("train.log", PRINTOUT),
+        ("log.jsonl", JSONL),
+    ],
+    ids=["detectron2", "printout", "jsonl"],
+)
+def test_table_formats_written_line_by_line_are_read_as_offline(tmp_path, name, text):
+    from lossbeat.logs import parse_log
+
+    full = tmp_path / "full" / name
+    full.parent.mkdir()
+    full.write_text(text)
+    offline = parse_log(full)
+    log = tmp_path / name
+    out = Writer(log)
+    w, t, result = start(log, idle_timeout=30)
+    for line in text.splitlines(keepends=True):
+        out.write(line)
+    wait_for(records_are(w, offline.counts.train), "every record")
+    m = scrape(w.monitor.port)
+    last = offline.train[-1]
+    assert w.format == offline.format and w.builder.counts.train == offline.counts.train
+    assert w.builder.counts.evals == offline.counts.evals
+    assert value(m, "training_step") == last.step and value(m, "training_loss") == pytest.approx(last.loss)
+    w.stop()
+    t.join(20)
+    out.close()
