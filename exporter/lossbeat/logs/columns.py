@@ -14,7 +14,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from lossbeat.diagnosis.profiles import is_signal
 from lossbeat.logs.csv_logs import choose_loss_column
 from lossbeat.logs.records import LogFormatError
 
@@ -165,9 +164,3 @@ def choose_columns(
     taken = {cols.loss, cols.eval, cols.step, cols.epoch}
     cols.other_losses = [c for c in cols.other_losses if c not in taken]
     return cols
-
-
-def signal_columns(names: Iterable[str], cols: Columns) -> list[str]:
-    """The columns that are named signals (reward, reward_std, kl, eval_accuracy...), not taken by a role."""
-    taken = {getattr(cols, r) for r in ROLES}
-    return [n for n in names if n not in taken and is_signal(n)]

@@ -17,7 +17,16 @@ import re
 from lossbeat.logs.records import LogFormatError, RecordBuilder
 from lossbeat.logs.tables import TableReader
 
-__all__ = ["is_mlflow", "parse_mlflow", "mlflow_runs", "metric_files", "read_metric_line", "run_status", "STEP_KEY"]
+__all__ = [
+    "is_mlflow",
+    "parse_mlflow",
+    "mlflow_runs",
+    "metric_files",
+    "read_metric_line",
+    "run_status",
+    "run_start",
+    "STEP_KEY",
+]
 
 STEP_KEY = "mlflow step"
 """The row key of the step MLflow stores beside each value (not a metric name: it has a space)."""
@@ -81,6 +90,12 @@ def _meta(run: str) -> str:
         return ""
 
 
+def run_start(run: str) -> int:
+    """The run's start time (ms) from its ``meta.yaml``; 0 when unknown."""
+    m = _META_START.search(_meta(run))
+    return int(m.group(1)) if m else 0
+
+
 def run_status(run: str) -> str | None:
     """The run's status from its ``meta.yaml`` (FINISHED, RUNNING, FAILED, KILLED), or None."""
     m = _META_STATUS.search(_meta(run))
@@ -121,7 +136,7 @@ def _read_run(run: str, out: RecordBuilder) -> None:
     for name, file in files.items():
         points: list[tuple[str, int | None]] = []
         with open(file, encoding="utf-8", errors="replace") as fh:
-            for n, line in enumerate(fh, 1):
+            for line in fh:
                 out.counts.read += 1
                 got = read_metric_line(line)
                 if got is None:
@@ -155,12 +170,7 @@ def parse_mlflow(path: str, out: RecordBuilder) -> None:
     runs = mlflow_runs(path)
     if not runs:
         raise LogFormatError(f"{path}: no MLflow run (a folder with meta.yaml and metrics/) here")
-
-    def start(run: str) -> int:
-        m = _META_START.search(_meta(run))
-        return int(m.group(1)) if m else 0
-
-    runs.sort(key=start)
+    runs.sort(key=run_start)
     empty = []
     for run in runs:
         if not metric_files(run):

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from lossbeat.diagnosis.profiles import is_signal
 from lossbeat.logs.columns import Columns, choose_columns, names_a_loss
+from lossbeat.logs.json_logs import load_json
 from lossbeat.logs.records import LogFormatError, RecordBuilder
 from lossbeat.logs.source import Source, iter_lines, parse_number, text_lines
 
@@ -297,8 +298,6 @@ def _flat(entry: Mapping, prefix: str = "", into: dict | None = None, depth: int
 def _json_rows(src: Source, out: RecordBuilder, reader: TableReader) -> None:
     out.counts.unit = "lines"
     if src.lines is None and src.head.lstrip().startswith("["):
-        from lossbeat.logs.json_logs import load_json
-
         doc = load_json(src)
         if not isinstance(doc, list):
             raise LogFormatError(f"{src.path}: a JSON list was expected")

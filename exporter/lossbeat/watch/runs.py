@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+
 from lossbeat.logs.live import LiveBuilder
-from lossbeat.logs.mlflow_store import STEP_KEY, metric_files, mlflow_runs, read_metric_line, run_status
-from lossbeat.logs.mlflow_store import _META_START, _meta
+from lossbeat.logs.mlflow_store import STEP_KEY, metric_files, mlflow_runs, read_metric_line, run_start, run_status
 from lossbeat.logs.tables import TableReader
 from lossbeat.logs.wandb_run import WandbRows, wandb_file
 from lossbeat.watch.follow import Follower
@@ -35,12 +35,7 @@ _CHUNK = 1 << 20
 
 def _latest_run(path: str) -> str | None:
     runs = mlflow_runs(path)
-
-    def start(run: str) -> int:
-        m = _META_START.search(_meta(run))
-        return int(m.group(1)) if m else 0
-
-    return max(runs, key=start) if runs else None
+    return max(runs, key=run_start) if runs else None
 
 
 def follow_mlflow(w) -> None:
