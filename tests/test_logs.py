@@ -314,6 +314,13 @@ def test_formats_list_is_complete():
         "torchtitan",
         "kv-stdout",
         "tensorboard",
+        "mlflow",
+        "wandb",
+        "sb3",
+        "detectron2",
+        "csv",
+        "jsonl",
+        "printout",
     }
 
 

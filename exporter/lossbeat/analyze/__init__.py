@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lossbeat.diagnosis import Status
-from lossbeat.logs import FORMATS, LogFormatError, ParsedLog, parse_log
+from lossbeat.logs import COLUMN_FORMATS, FORMATS, LogFormatError, ParsedLog, parse_log
+from lossbeat.logs.columns import parse_column_map
 from lossbeat.diagnosis.thresholds import Thresholds, ThresholdsError, load_thresholds
 from lossbeat.analyze.replay import Analysis, WorstFinding, replay
 from lossbeat.analyze.report import file_to_dict, format_file
@@ -104,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="log files (or a directory of TensorBoard event files): " + ", ".join(FORMATS),
     )
     parser.add_argument("--format", choices=FORMATS, help="skip auto-detection")
+    parser.add_argument(
+        "--map",
+        metavar="ROLE=COL,...",
+        help="the columns of a table (CSV, JSON lines, printed key value records, MLflow, W&B, sb3, "
+        "detectron2): loss=COL,step=COL,lr=COL,grad_norm=COL,eval=COL,epoch=COL override the choice by name",
+    )
     parser.add_argument("--thresholds", metavar="F", help="thresholds YAML overlaid on the packaged defaults")
     parser.add_argument(
         "--profile",
@@ -147,7 +154,7 @@ def _error(message: str) -> None:
 def _analyse(path: str, args: argparse.Namespace, thresholds: Thresholds) -> FileAnalysis | None:
     """One file, or None after a one-line error on stderr: never a traceback for a bad file."""
     try:
-        log = parse_log(path, args.format)
+        log = parse_log(path, args.format, column_map=getattr(args, "map", None))
     except LogFormatError as exc:
         _error(str(exc))
         return None
@@ -169,6 +176,16 @@ def run(args: argparse.Namespace) -> int:
         thresholds = load_thresholds(args.thresholds, profile=args.profile)
     except ThresholdsError as exc:
         _error(str(exc))
+        return EXIT_UNREADABLE
+    try:
+        parse_column_map(getattr(args, "map", None))
+    except ValueError as exc:
+        _error(str(exc))
+        return EXIT_UNREADABLE
+    if getattr(args, "map", None) and args.format and args.format not in COLUMN_FORMATS:
+        _error(
+            f"--map: the {args.format} reader chooses its own columns (--map applies to {', '.join(COLUMN_FORMATS)})"
+        )
         return EXIT_UNREADABLE
     gate = _FAIL_ON[getattr(args, "fail_on", "danger")]
     unreadable = failed = False

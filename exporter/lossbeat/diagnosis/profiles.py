@@ -37,7 +37,7 @@ MAX_SIGNALS = 16
 
 # Canonical signal -> the names logs give it (TRL, LLaMA-Factory, the HF Trainer, Lightning).
 SIGNALS: dict[str, tuple[str, ...]] = {
-    "reward": ("reward", "rewards/mean", "env/reward_mean", "objective/scores"),
+    "reward": ("reward", "rewards/mean", "env/reward_mean", "objective/scores", "rollout/ep_rew_mean"),
     "reward_std": ("reward_std", "rewards/std", "env/reward_std"),
     "frac_reward_zero_std": ("frac_reward_zero_std", "zero_std_ratio"),
     "kl": ("kl", "objective/kl"),
@@ -47,6 +47,7 @@ SIGNALS: dict[str, tuple[str, ...]] = {
     "eval_f1": ("eval_f1", "val_f1"),
     "eval_wer": ("eval_wer", "val_wer"),
     "eval_cer": ("eval_cer", "val_cer"),
+    "entropy": ("entropy", "policy_entropy", "train/entropy"),
 }
 _ALIAS = {alias: name for name, aliases in SIGNALS.items() for alias in aliases}
 

@@ -176,7 +176,7 @@ _SPECS = [
     MetricSpec(
         "training_signal",
         "gauge",
-        "Named signals of the task beside the loss, as passed to observe(metrics=...) or observe_eval(metrics=...): reward, reward_std, frac_reward_zero_std, kl (RL), margins, preference_accuracy (preference), eval_accuracy, eval_f1, eval_wer, eval_cer; each under its canonical name (TRL's rewards/std is reward_std).",
+        "Named signals of the task beside the loss, as passed to observe(metrics=...) or observe_eval(metrics=...): reward, reward_std, frac_reward_zero_std, kl (RL), margins, preference_accuracy (preference), eval_accuracy, eval_f1, eval_wer, eval_cer, entropy (the policy's, RL); each under its canonical name (TRL's rewards/std is reward_std, stable-baselines3's rollout/ep_rew_mean is reward).",
         ("signal",),
         unit="none",
     ),

@@ -96,6 +96,15 @@ class LiveBuilder(RecordBuilder):
         self.counts.evals += 1
         self.sink.eval(step, loss, group)
 
+    def signal(self, step: int, name: str, value: float | None) -> None:
+        """Handed on with the step's record (nothing kept: bounded)."""
+        if value is not None and hasattr(self.sink, "metrics"):
+            self.sink.metrics(step, {name: value})
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        if values and hasattr(self.sink, "metrics"):
+            self.sink.metrics(step, values)
+
     def complete(self, why: str) -> None:
         if self.completed is None:
             self.completed = why

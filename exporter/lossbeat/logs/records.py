@@ -30,7 +30,7 @@ _MIN_STEPS_BEFORE_RESTART = 3
 (a step logged twice by two ranks at the start is a repeat, not a restart)."""
 
 
-_SINGULAR = {"lines": "line", "entries": "entry", "rows": "row", "events": "event"}
+_SINGULAR = {"lines": "line", "entries": "entry", "rows": "row", "events": "event", "records": "record"}
 
 
 class LogFormatError(ValueError):
@@ -209,6 +209,10 @@ class RecordBuilder:
         self.fields: dict[str, None] = {}
         self.where = ""
         """Where the parser is (e.g. 'line 12'), for notes and examples; set by the parser."""
+        self.column_map: dict[str, str] = {}
+        """``--map``: role -> column, for the readers that choose columns by name (:mod:`lossbeat.logs.columns`)."""
+        self.table_state: dict = {}
+        """What a table reader keeps across re-reads of a followed file (a CSV rewritten with a wider header)."""
 
     # --- counting ---------------------------------------------------------------------------
 
@@ -240,6 +244,11 @@ class RecordBuilder:
         if not self._runs:
             self._runs.append(_Run(self.where or "the start"))
         return self._runs[-1]
+
+    def new_run(self, start: str) -> None:
+        """The records that follow are another run's (a reader of several runs: MLflow's, W&B's)."""
+        if self._runs and (self._runs[-1].by_step or self._runs[-1].evals):
+            self._runs.append(_Run(start))
 
     def _maybe_restart(self, step: int) -> _Run:
         run = self._current()
@@ -283,6 +292,10 @@ class RecordBuilder:
                 return
             if isinstance(name, str):
                 self.fields.setdefault(name)
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        """A record's other named values (a table's columns): offline their names are in :attr:`fields`;
+        the live builder hands them to the Monitor, whose profile detection reads their names."""
 
     def signal(self, step: int, name: str, value: float | None) -> None:
         """A named signal beside the loss at ``step`` (the latest of a step kept)."""

@@ -79,8 +79,8 @@ def open_source(path: str) -> Source:
     if stat.S_ISDIR(st.st_mode):
         raise _fail(
             path,
-            "is a directory, not a log file (a directory is read only when it holds "
-            f"TensorBoard event files){_known_inside(path)}",
+            "is a directory, not a log file (a directory is read when it holds TensorBoard "
+            f"event files, an MLflow run or a W&B run){_known_inside(path)}",
         )
     for test, kind in _KINDS:
         if test(st.st_mode):  # opening a FIFO would block until a writer comes
@@ -101,7 +101,7 @@ def open_source(path: str) -> Source:
     return Source(path, st.st_size, head, encoding, text)
 
 
-_KNOWN_NAMES = ("trainer_state.json", "trainer_log.jsonl", "metrics.csv", "main.log")
+_KNOWN_NAMES = ("trainer_state.json", "trainer_log.jsonl", "metrics.csv", "main.log", "progress.csv", "metrics.json")
 
 
 def _known_inside(directory: str) -> str:

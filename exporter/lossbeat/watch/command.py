@@ -28,7 +28,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from lossbeat.logs import FORMATS, LogFormatError, detect_format
+from lossbeat.logs import COLUMN_FORMATS, FORMATS, LogFormatError, detect_format
+from lossbeat.logs.columns import parse_column_map
 from lossbeat.logs.live import LIVE_FORMATS, LiveBuilder, live_parser
 from lossbeat.logs.source import SNIFF_BYTES, Source
 from lossbeat.monitor import Monitor, MonitorConfig, identity
@@ -38,6 +39,7 @@ from lossbeat.watch.events import EventFollower
 from lossbeat.watch.events import records as event_records
 from lossbeat.watch.follow import Follower
 from lossbeat.watch.ranks import RANK_FIELD, assign_ranks
+from lossbeat.watch.runs import follow_mlflow, follow_wandb
 
 __all__ = ["Watcher", "MonitorFeed", "add_arguments", "make_watchers", "follow", "run", "EXIT_COMPLETED", "EXIT_IDLE"]
 
@@ -57,6 +59,8 @@ class MonitorFeed:
         self.completed: str | None = None
         self.eval_group: str | None = None
         self.records = 0
+        self._metrics: dict[str, float] = {}
+        """Named values of the next record (a table's columns, signals): observe's ``metrics``."""
         self._last_read: tuple[float, int] | None = None
         """(perf_counter, step) of the last live record read."""
 
@@ -71,8 +75,14 @@ class MonitorFeed:
             last_time, last_step = self._last_read
             m._steps.last_perf = now - (now - last_time) / (step - last_step)
         self._last_read = None if self.replaying else (now, step)
-        m.observe(step, loss=loss, grad_norm=grad_norm, learning_rate=learning_rate, epoch=epoch)
+        metrics, self._metrics = self._metrics or None, {}
+        m.observe(step, loss=loss, grad_norm=grad_norm, learning_rate=learning_rate, epoch=epoch, metrics=metrics)
         self.records += 1
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        """Values of the record that follows (its signals name the task and feed the RL checks)."""
+        if len(self._metrics) < 64:
+            self._metrics.update(values)
 
     def eval(self, step, loss, group) -> None:
         # observe_eval has one eval loss: the log's first (or unnamed) eval set
@@ -122,10 +132,16 @@ class Watcher:
         idle_timeout: float | None = None,
         poll_interval: float = 0.05,
         rank_context: RankContext | None = None,
+        column_map: str | dict[str, str] | None = None,
     ) -> None:
         if fmt is not None and fmt not in FORMATS:
             raise ValueError(f"fmt: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
-        if fmt is not None and fmt != "tensorboard":
+        self.column_map = parse_column_map(column_map)
+        if self.column_map and fmt is not None and fmt not in COLUMN_FORMATS:
+            raise ValueError(
+                f"--map: the {fmt} reader chooses its own columns (--map applies to {', '.join(COLUMN_FORMATS)})"
+            )
+        if fmt is not None and fmt not in _RUN_FORMATS:
             try:
                 live_parser(fmt)
             except LogFormatError as exc:  # a format that cannot be followed: a usage error
@@ -168,7 +184,7 @@ class Watcher:
         """The file's format once it exists and holds a record of a known one (None: idle or stopped)."""
         while not self._stop and not self._idle():
             try:
-                return detect_format(self.path)
+                return detect_format(self.path, self.column_map)
             except LogFormatError as exc:
                 size = os.path.getsize(self.path) if os.path.isfile(self.path) else 0
                 if size >= SNIFF_BYTES or "compressed" in str(exc) or "binary" in str(exc):
@@ -208,19 +224,24 @@ class Watcher:
         """Watch until the run ends; returns why ('completed', 'idle' or 'stopped') and closes the monitor."""
         try:
             fmt = self.format or self._wait_for_format()
-            if fmt == "tensorboard":
+            if fmt is not None and self.column_map and fmt not in COLUMN_FORMATS:
+                fmt = "jsonl" if fmt in ("llamafactory", "detectron2") else "csv" if fmt == "lightning" else "printout"
+            if fmt in _RUN_FORMATS:
                 self.format = fmt
-                self._follow_events()
+                _RUN_FORMATS[fmt](self)
             elif fmt is not None:
                 parser = live_parser(fmt)
                 self.format = fmt
                 _log.info("lossbeat watch: following %s (%s) on port %s", self.path, fmt, self.monitor.port)
                 self.builder = LiveBuilder(self.path, fmt, self.feed)
+                self.builder.column_map = self.column_map
                 while not (self.feed.completed or self._stop or self._idle()):
                     self._reset = False
                     source = Source(self.path, 0, b"", "utf-8", "", lines=self._lines())
                     try:
                         parser(source, self.builder)
+                    except LogFormatError:
+                        raise  # the file cannot be read as asked (--map names a column it lacks): not a line's fault
                     except Exception:  # a line the parser chokes on: counted, the watch goes on
                         self.monitor.state.count_error("input")
                         _log.exception("lossbeat watch: cannot parse a line of %s; reading on", self.path)
@@ -273,8 +294,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format",
         dest="fmt",
-        choices=sorted([*LIVE_FORMATS, "tensorboard"]),
+        choices=sorted([*LIVE_FORMATS, *_RUN_FORMATS]),
         help="the log's format (default: detected from its first records)",
+    )
+    parser.add_argument(
+        "--map",
+        metavar="ROLE=COL,...",
+        help="the columns of a table (CSV, JSON lines, printout, MLflow, W&B, sb3, detectron2): "
+        "loss=COL,step=COL,lr=COL,grad_norm=COL,eval=COL,epoch=COL override the choice by name",
     )
     parser.add_argument(
         "--port",
@@ -359,6 +386,7 @@ def make_watchers(args: argparse.Namespace) -> list[Watcher]:
                     idle_timeout=args.idle_timeout,
                     poll_interval=args.poll_interval,
                     rank_context=ctx,
+                    column_map=getattr(args, "map", None),
                 )
             )
     except BaseException:
@@ -437,3 +465,7 @@ def _run_name(path: str, ranks: bool) -> str:
     """The default run name: the log's file name; for the ranks of a job, with ``{rank}`` for the number."""
     name = os.path.basename(os.path.normpath(path))
     return re.sub(r"(?i)(rank[-_]?)\d+", r"\1{rank}", name) if ranks and RANK_FIELD not in name else name
+
+
+_RUN_FORMATS = {"tensorboard": Watcher._follow_events, "mlflow": follow_mlflow, "wandb": follow_wandb}
+"""The formats followed by a reader of their own (a directory of files, a binary record log)."""

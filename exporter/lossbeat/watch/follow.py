@@ -20,8 +20,9 @@ __all__ = ["Follower", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 1 << 20
 """Bytes read per call: a long backlog is replayed in bounded pieces."""
-_HEAD_BYTES = 64
-"""The file's first bytes, kept to see it rewritten from its start (truncated, then grown past the offset)."""
+_HEAD_BYTES = 4096
+"""The file's first bytes, kept to see it rewritten from its start (truncated, then grown past the offset;
+a CSV rewritten whole with a wider header, as stable-baselines3 does: its header line is in them)."""
 _SPLIT = re.compile(rb"\r\n|\r|\n")  # as iter_lines: \n, \r\n and progress bars' bare \r
 
 
@@ -107,7 +108,7 @@ class Follower:
         return self._read(), reset
 
     def _same_start(self) -> bool:
-        """Whether the file still begins with the bytes read from its start (a cheap 64-byte read)."""
+        """Whether the file still begins with the bytes read from its start (one small read)."""
         if not self._head:
             return True
         try:

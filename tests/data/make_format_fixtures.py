@@ -1,0 +1,173 @@
+"""Regenerate the fixtures of tests/data/formats (run by hand, not by the tests).
+
+Each run is a real one, written by the library named (no download, CPU, a few seconds each):
+
+* ``sb3-healthy/progress.csv``, ``sb3-nan/progress.csv``: stable-baselines3 PPO on CartPole-v1 with the
+  CSV logger; the NaN run's value head is set to NaN before its last logged update (the update's
+  losses are NaN; the weights are put back so that the rollout after it can run);
+* ``mlflow-healthy/mlruns``, ``mlflow-nan/mlruns``: MLflow's own file store (``MLFLOW_ALLOW_FILE_STORE``),
+  a small torch classifier trained 60 steps, ``mlflow.log_metrics`` each step (loss, learning_rate,
+  grad_norm; an eval_loss every 10 steps); the NaN run's weights are poisoned at step 50;
+* ``wandb-healthy/wandb``, ``wandb-nan/wandb``: the same runs logged with ``wandb`` in offline mode (only the
+  ``run-<id>.wandb`` file of each run folder is kept);
+* ``detectron2-healthy/metrics.json``, ``detectron2-diverging/metrics.json``: detectron2 does not install
+  here (no wheel for this torch); these are written exactly as its ``JSONWriter`` writes (one
+  ``json.dumps(sort_keys=True)`` object per logging period: ``iteration``, ``total_loss``, the ``loss_*``
+  terms, ``lr``, timing, and the evaluator's ``bbox/AP`` line), with the values of a Mask R-CNN run
+  (healthy) and of one whose loss climbs from iteration 600 (diverging).
+
+    PYTHONPATH=exporter python3 tests/data/make_format_fixtures.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "formats"
+
+
+def sb3(out: Path, poison: bool) -> None:
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.logger import configure
+
+    class Poison(BaseCallback):
+        def __init__(self, at: int) -> None:
+            super().__init__()
+            self.at, self.n, self.saved = at, 0, None
+
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_start(self) -> None:
+            if self.saved is not None:
+                self.model.policy.load_state_dict(self.saved)
+                self.saved = None
+
+        def _on_rollout_end(self) -> None:
+            self.n += 1
+            if poison and self.n == self.at:
+                self.saved = copy.deepcopy(self.model.policy.state_dict())
+                with torch.no_grad():
+                    self.model.policy.value_net.weight.fill_(float("nan"))
+
+    torch.manual_seed(0)
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1, seed=0, device="cpu")
+    model.set_logger(configure(str(out), ["csv"]))
+    model.learn(64 * 16, callback=Poison(15))
+
+
+def _train(log, poison: bool, steps: int = 60) -> None:
+    """A small classifier on synthetic data; ``log(step, metrics)`` each step."""
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 16)
+    y = (x[:, :4].sum(1) > 0).long()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, steps + 1):
+        if poison and step == 50:
+            with torch.no_grad():
+                model[2].weight.fill_(float("nan"))
+        i = torch.randint(0, 448, (32,))
+        loss = torch.nn.functional.cross_entropy(model(x[i]), y[i])
+        opt.zero_grad()
+        loss.backward()
+        grad = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        opt.step()
+        metrics = {"loss": loss.item(), "learning_rate": 0.1, "grad_norm": grad.item()}
+        if step % 10 == 0:
+            with torch.no_grad():
+                metrics["eval_loss"] = torch.nn.functional.cross_entropy(model(x[448:]), y[448:]).item()
+        log(step, metrics)
+
+
+def mlflow_run(out: Path, poison: bool) -> None:
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    import mlflow
+
+    mlflow.set_tracking_uri(out.as_uri())
+    mlflow.set_experiment("fixture")
+    with mlflow.start_run():
+        _train(lambda step, m: mlflow.log_metrics(m, step=step), poison)
+
+
+def wandb_run(out: Path, poison: bool) -> None:
+    import wandb
+
+    os.environ["WANDB_SILENT"] = "true"
+    with tempfile.TemporaryDirectory() as tmp:
+        run = wandb.init(project="fixture", dir=tmp, mode="offline")
+        _train(
+            lambda step, m: run.log(
+                {f"train/{k}" if k != "eval_loss" else "eval/loss": v for k, v in m.items()}, step=step
+            ),
+            poison,
+        )
+        run.finish()
+        wandb.teardown()  # the service writes the file: let it finish before it is copied
+        (folder,) = Path(tmp, "wandb").glob("offline-run-*")
+        (file,) = folder.glob("run-*.wandb")
+        target = out / folder.name
+        target.mkdir(parents=True)
+        shutil.copy(file, target / file.name)
+
+
+def detectron2(out: Path, diverging: bool) -> None:
+    rng = random.Random(0)
+    lines = []
+    for it in range(19, 1000, 20):
+        fall = math.exp(-it / 400)
+        grow = math.exp((it - 600) / 80) if diverging and it > 600 else 1.0
+        parts = {
+            "loss_cls": (0.25 + 0.45 * fall) * grow * rng.uniform(0.9, 1.1),
+            "loss_box_reg": (0.30 + 0.20 * fall) * grow * rng.uniform(0.9, 1.1),
+            "loss_mask": (0.20 + 0.45 * fall) * grow * rng.uniform(0.9, 1.1),
+            "loss_rpn_cls": (0.03 + 0.10 * fall) * rng.uniform(0.8, 1.2),
+            "loss_rpn_loc": (0.05 + 0.10 * fall) * rng.uniform(0.8, 1.2),
+        }
+        entry = {
+            "data_time": 0.004 * rng.uniform(0.5, 1.5),
+            "eta_seconds": (1000 - it) * 0.35,
+            "fast_rcnn/cls_accuracy": 0.9 + 0.05 * (1 - fall),
+            "fast_rcnn/false_negative": 0.6 * fall + 0.1,
+            "fast_rcnn/fg_cls_accuracy": 0.3 + 0.5 * (1 - fall),
+            "iteration": it,
+            "lr": 0.02 * min(1.0, (it + 1) / 100),
+            "mask_rcnn/accuracy": 0.7 + 0.2 * (1 - fall),
+            "rank_data_time": 0.004,
+            "roi_head/num_bg_samples": 480.0,
+            "roi_head/num_fg_samples": 32.0,
+            "time": 0.35 * rng.uniform(0.95, 1.05),
+            "total_loss": sum(parts.values()),
+            **parts,
+        }
+        lines.append(json.dumps(entry, sort_keys=True))
+    lines.append(json.dumps({"bbox/AP": 12.3, "bbox/AP50": 25.1, "iteration": 999}, sort_keys=True))
+    out.mkdir(parents=True)
+    (out / "metrics.json").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    shutil.rmtree(HERE, ignore_errors=True)
+    for bad, name in ((False, "healthy"), (True, "nan")):
+        sb3(HERE / f"sb3-{name}", bad)
+        mlflow_run(HERE / f"mlflow-{name}" / "mlruns", bad)
+        wandb_run(HERE / f"wandb-{name}" / "wandb", bad)
+    detectron2(HERE / "detectron2-healthy", False)
+    detectron2(HERE / "detectron2-diverging", True)
+    for meta in HERE.glob("mlflow-*/mlruns/**/meta.yaml"):  # no absolute path of this machine
+        meta.write_text(meta.read_text().replace(HERE.as_uri(), "file:///fixtures"))
+
+
+if __name__ == "__main__":
+    main()
