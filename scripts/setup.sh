@@ -20,8 +20,28 @@ installed_here() {
 if ! installed_here || ! "$PY" -c "import prometheus_client, yaml, numpy" 2>/dev/null; then
   "$PY" -m pip install -q -e .
 fi
-if [ "${1:-}" = "--servers" ] && ! "$PY" -c "import pytest, xdist, jsonschema, transformers, lightning, matplotlib, tensorboard, hypothesis, bcrypt, cryptography, kubernetes_validate, cloudcoil.models.prometheus_operator, selenium" 2>/dev/null; then
+# Every distribution the `test` extra of pyproject.toml names is installed (read from the file, so the
+# list never drifts; Python 3.10 has no tomllib and installs every time).
+test_extra_installed() {
+  "$PY" - <<'PYCODE' 2>/dev/null
+import importlib.metadata, re, sys, tomllib
+extra = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]
+for requirement in extra:
+    importlib.metadata.distribution(re.split(r"[<>=!~;\[ ]", requirement)[0])
+PYCODE
+}
+if [ "${1:-}" = "--servers" ] && ! test_extra_installed; then
   "$PY" -m pip install -q -e ".[test]"
+fi
+# The pretraining frameworks (tests/test_pretrain_integrations.py), without their declared deps:
+# torchtitan's pull a CUDA stack and wandb/datasets, and those of OLMo-core and cached-path pin
+# filelock<4 and rich<14; --no-deps keeps torch the CPU wheel. Then the pure-python packages
+# their imports need (none depends on torch; checked with pip's metadata).
+if [ "${1:-}" = "--servers" ] && ! "$PY" -c "import olmo_core, torchtitan, cached_path" 2>/dev/null; then
+  "$PY" -m pip install -q --no-deps "ai2-olmo-core==3.0.0" "torchtitan==0.3.0" "cached-path==1.8.10" \
+    "dataclass-extensions==0.5.0" "bettermap==1.3.1" "spmd_types==0.2.3" "tyro==1.0.17" "einops==0.8.2" \
+    "torchdata==0.11.0" "torch_checkpointing==0.1.1"
+  "$PY" -m pip install -q dill docstring_parser typeguard google-cloud-storage boto3 huggingface_hub
 fi
 
 if [ "${1:-}" = "--servers" ]; then
