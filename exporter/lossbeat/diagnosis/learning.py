@@ -52,7 +52,7 @@ _FIX_CHANCE = (
 
 def chance_level(mean: float, se: float) -> int | None:
     """K when ``mean`` is ln K for a small K within ``_CHANCE_Z`` standard errors ``se``."""
-    if not mean > 0:
+    if not 0 < mean <= math.log(_MAX_CLASSES) + 1.0:  # exp() of a larger loss is no class count (and overflows)
         return None
     k = round(math.exp(mean))
     if not 2 <= k <= _MAX_CLASSES:

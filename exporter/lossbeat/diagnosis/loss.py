@@ -30,6 +30,7 @@ NONFINITE = "cannot judge: the latest loss is not finite"
 _CHANCE_PROFILES = frozenset({"classification", "preference"})
 _CHANCE_TOLERANCE = 0.005  # relative distance to ln K that reads as "exactly" chance
 _MAX_CLASSES = 100
+_MAX_CLASSES_LOSS = math.log(_MAX_CLASSES) + 1.0
 
 
 class Trend(NamedTuple):
@@ -136,7 +137,7 @@ def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
 
 def uniform_classes(loss: float) -> int | None:
     """K when ``loss`` is ln K for a small K (chance level of a K-way prediction), else None."""
-    if not loss > 0:
+    if not 0 < loss <= _MAX_CLASSES_LOSS:  # exp() of a larger loss is no class count (and overflows)
         return None
     k = round(math.exp(loss))
     if 2 <= k <= _MAX_CLASSES and abs(loss - math.log(k)) <= _CHANCE_TOLERANCE * math.log(k):
@@ -148,7 +149,11 @@ def _start(series, profile: Profile) -> str:
     initial = series.initial
     if not math.isfinite(initial):
         return ""
-    if profile.loss_good is not None and initial > profile.loss_good[1]:
+    # A vocabulary explains the start only where the numbers fit one: above ln of any plausible
+    # vocabulary (loss_init_high) the loss lives on another scale (regression, a summed loss), and
+    # exp() of it says nothing (and overflows above ~709).
+    plausible = profile.loss_init_high is not None and initial <= profile.loss_init_high
+    if profile.loss_good is not None and initial > profile.loss_good[1] and plausible:
         size = math.exp(initial)
         return (
             f"initial loss {initial:.4g} = ln {size:,.0f}: a uniform prediction over about {size:,.0f} tokens "
