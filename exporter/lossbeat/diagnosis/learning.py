@@ -320,8 +320,9 @@ def _never(loss, now: float) -> Finding:
     )
 
 
-def check_learning(history, trend, t: Thresholds) -> Finding:
-    """Whether the run learns (see the module)."""
+def check_learning(history, trend, t: Thresholds, regression=None) -> Finding:
+    """Whether the run learns (see the module). ``regression``: the run settled well above its
+    best (:meth:`RunMemory.regressed`): it learned, then lost it, and is never said to be learning."""
     profile = t.profile
     loss = history.loss
     if loss.nonfinite_run:
@@ -385,4 +386,44 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         return _never(loss, mean)
     if did is None:
         return Finding.unknown(CHECK)
-    return Finding(CHECK, GOOD, f"the loss fell from {loss.initial:.4g} to {mean:.4g}")
+    # The level now: the tail's mean, or its median where one spike lifts the mean above the start;
+    # both at or above the start is a run back where it began.
+    now = mean if mean < loss.initial else median(tail)
+    lost = _lost(history, loss, now, regression)
+    if lost is not None:
+        return lost
+    return Finding(CHECK, GOOD, f"the loss fell from {loss.initial:.4g} to {now:.4g}")
+
+
+def _lost(history, loss, level: float, regression) -> Finding | None:
+    """A run that learned and lost it (settled well above its best), or one whose loss is back at or
+    above its first: never said to have fallen. ``level``: the loss level of the latest records."""
+    if regression is not None:
+        return Finding(
+            CHECK,
+            WARNING,
+            f"the loss fell from {loss.initial:.4g} to {regression.best:.4g} (step {regression.best_step}) and lost "
+            f"much of it: {level:.4g} now, {regression.above * 100:.0f}% above its best",
+            regression.fix(),
+        )
+    if level < loss.initial:
+        return None
+    memory, t = history.memory, history.thresholds
+    scale = max(abs(loss.initial), t.profile.volatility_floor or 0.0)
+    if memory.best_step is not None and loss.initial - memory.best > t.loss.regress_max * scale:
+        # It fell far below its start (by as much as a regression is measured in) and is back.
+        return Finding(
+            CHECK,
+            WARNING,
+            f"the loss fell from {loss.initial:.4g} to {memory.best:.4g} (step {memory.best_step}) and lost "
+            f"much of it: back at {level:.4g}, at or above its start",
+            "go back to the checkpoint of its best loss; lower the learning rate and clip gradients",
+        )
+    return Finding(
+        CHECK,
+        WARNING,
+        f"the loss is not below its start: {level:.4g} now against {loss.initial:.4g} at first"
+        + (f" (its best {memory.best:.4g}, step {memory.best_step})" if memory.best_step is not None else ""),
+        "check the learning rate (too large: the loss rises or jumps around its start; too small: it does "
+        "not move), that the optimizer holds the model's parameters, and that the labels match the inputs",
+    )

@@ -276,8 +276,12 @@ def check_loss_trend(
     component: str = "",
     held: Status = GOOD,
     learned: bool | None = None,
+    regression=None,
 ) -> Finding:
     """Layer 2: is the loss still falling, flat, or rising, over windows in steps?
+
+    ``regression``: the run settled well above its best (:meth:`RunMemory.regressed`): a danger
+    whatever the latest windows say (falling from an explosion's peak is no recovery).
 
     ``learned``: whether the loss ever fell from its start (:func:`lossbeat.diagnosis.learning.learned`);
     a flat end of a decayed schedule is expected only for a run that learned something first.
@@ -290,6 +294,13 @@ def check_loss_trend(
         return Finding.unknown(check, NONFINITE, component)
     if not profile.trend:
         return Finding.unknown(check, f"profile {profile.name}: this loss is not meant to fall", component)
+    if regression is not None:
+        now = (
+            f"; {_moved(-trend.ratio * 100)} over the last {trend.window_steps:.0f} steps, not back at its best"
+            if trend.known
+            else ""
+        )
+        return Finding(check, DANGER, f"{regression.describe()}{now}", regression.fix(), component)
     if not trend.known:
         return Finding.unknown(check, component=component)
     pct, span = trend.ratio * 100, f"{trend.window_steps:.0f} steps"
@@ -480,8 +491,12 @@ def check_overfitting(
     learned: bool | None = None,
     metric: tuple | None = None,
     held: Status = GOOD,
+    regression=None,
 ) -> Finding:
     """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
+
+    ``regression``: the training loss itself settled well above its best
+    (:meth:`RunMemory.regressed`): an eval loss rising with it is that blow-up, not overfitting.
 
     ``learned`` False (the training loss never fell below its start): an eval loss rising there is
     not overfitting, the run never learned (the ``learning`` check says so). ``metric``: the eval
@@ -504,6 +519,14 @@ def check_overfitting(
             check,
             GOOD,
             f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
+            component=component,
+        )
+    if above and regression is not None:
+        return Finding(
+            check,
+            GOOD,
+            f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but the training "
+            f"loss itself blew up ({regression.above * 100:.0f}% above its best): not overfitting (see loss_trend)",
             component=component,
         )
     if above >= t.evals and not trend.rising:
