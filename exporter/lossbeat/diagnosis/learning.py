@@ -91,6 +91,15 @@ def learned(history, t: Thresholds) -> bool | None:
     fall = initial - best
     se = noise * math.sqrt(1.0 + 1.0 / n_best) if math.isfinite(noise) else 0.0
     series.fell_once = fall > t.loss.plateau_max_fall * max(abs(initial), floor) and fall > t.loss.fall_min_z * se
+    if not series.fell_once and math.isfinite(noise):
+        # The first record alone is one noisy value: a loss whose per-record noise is a third of its
+        # level (SFT on small batches of variable length) cannot fall "significantly" below one record.
+        # The mean of the run's first window (as wide as the best one) is measured as the best is.
+        n_first, first = s.window(s.first_step - 1, s.first_step + width)
+        if n_first >= t.windows.trend_min_records and s.last_step - s.first_step > 2 * width:
+            fall = first - best
+            se = noise * math.sqrt(1.0 / n_first + 1.0 / n_best)
+            series.fell_once = fall > t.loss.plateau_max_fall * max(abs(first), floor) and fall > t.loss.fall_min_z * se
     return series.fell_once
 
 
