@@ -409,3 +409,21 @@ def test_plot_many_non_finite_steps_are_one_band(tmp_path, defaults):
     assert len(magenta) == 1  # 300 consecutive NaN records: one band, not 300 lines
     assert magenta[0].get_x() == pytest.approx(2010)
     assert any(label.startswith("non-finite (loss 300") for label in ax.get_legend_handles_labels()[1])
+
+
+def test_a_run_that_diverged_never_reads_as_learning(defaults, capsys):
+    """real-logs-2's LSTM: the loss fell from 3.36 to about 0.37, then diverged to about 12. Every
+    check tells that story: no "fell from 3.355 to 11.93", no overfitting for an eval loss that rose
+    with the train loss, and lossbeat analyze exits 1."""
+    path = CORPUS.parent / "real-logs-2" / "lightning-lstm-hydrology-regression-divergence-metrics.csv"
+    a = analyze_file(path, defaults)
+    trend = _final(a, "loss_trend")
+    assert trend.status is Status.DANGER and "above its best 0.2" in trend.message, trend.message
+    learning = _final(a, "learning")
+    assert learning.status is not Status.GOOD and "lost much of it" in learning.message, learning.message
+    assert _final(a, "overfitting").status is Status.GOOD
+    from lossbeat.cli import build_parser
+
+    args = build_parser().parse_args(["analyze", str(path)])
+    assert args._run(args) == 1
+    capsys.readouterr()
