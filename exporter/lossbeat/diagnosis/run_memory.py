@@ -21,7 +21,7 @@ it is, and the checkpoint to return to. Every value is a float or an int: O(1) m
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 from lossbeat.diagnosis.window import median
 
@@ -113,11 +113,39 @@ class RunMemory:
             self.event_step, self.event_kind, self.event_before, self.event_noise = step, kind, before, noise
             self.event_records = records
 
+    def restore(self, t, train: Iterable[tuple[int, float]], evals: Iterable[tuple[int, float]] = ()) -> int:
+        """What a resumed run's log or callback gives of its earlier steps (``(step, loss)`` in step
+        order, and ``(step, eval loss)``): the first loss, the best smoothed level (the median of
+        each ``loss.spike_min_steps`` consecutive finite records, as :meth:`update` takes it) and the
+        best eval loss, with their steps. Read once, O(records); nothing of them is kept. Returns
+        the finite train losses read."""
+        n = t.loss.spike_min_steps
+        window: list[float] = []
+        read = 0
+        for step, loss in train:
+            if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+                continue
+            read += 1
+            if math.isnan(self.first):
+                self.first = float(loss)
+            window.append(float(loss))
+            if len(window) > n:
+                del window[0]
+            if len(window) >= min(n, t.windows.trend_min_records):
+                level = median(window)
+                if level < self.best:
+                    self.best, self.best_step = level, int(step)
+        for step, loss in evals:
+            if isinstance(loss, (int, float)) and math.isfinite(loss) and loss < self.best_eval:
+                self.best_eval, self.best_eval_step = float(loss), int(step)
+        return read
+
     def update(self, history) -> None:
         """Read the run at a diagnosis: the best levels, a learning-rate jump, recovery. O(cv_steps)."""
         t = history.thresholds
         loss = history.loss
-        self.first = loss.initial
+        if math.isnan(self.first):  # restored from a resumed run's earlier steps, or this run's first
+            self.first = loss.initial
         for group, track in history.evals.items():
             if not group and track.best < self.best_eval:
                 self.best_eval, self.best_eval_step = track.best, track.best_step
