@@ -119,6 +119,17 @@ def test_lr_high_fault_that_settles_far_above_its_best_ends_in_danger():
     for check in ("loss_spikes", "grad_explosions"):
         assert findings[check].status is Status.DANGER and "never came back" in findings[check].message
     assert "diverging" in report.pattern and report.worst is Status.DANGER
+    from lossbeat.analyze.checklist import from_findings
+    from lossbeat.exposition.status import checklist
+
+    items = {item.number: item.ok for item in from_findings(report.findings)}
+    assert items[2] is False and items[5] is False  # loss still falling; LR following its schedule
+    page = {i["number"]: i["status"] for i in checklist(tuple(_as_row(f) for f in report.findings))}
+    assert page[2] == "danger" and page[5] == "danger"  # the status page's checklist agrees
+
+
+def _as_row(f):
+    return (f.check, f.component, int(f.status), f.message, f.fix, f.known)
 
 
 def test_plateau_fault_flags_the_learning_rate_and_the_trend():

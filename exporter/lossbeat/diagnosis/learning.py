@@ -418,6 +418,8 @@ def _lost(history, loss, level: float, regression) -> Finding | None:
     if level < loss.initial:
         return None
     memory, t = history.memory, history.thresholds
+    if loss.span < t.loss.range_after_steps // 5:  # as for "never learned": too early to tell either way
+        return Finding.unknown(CHECK, f"the loss is not below its start yet ({level:.4g} against {loss.initial:.4g})")
     scale = max(abs(loss.initial), t.profile.volatility_floor or 0.0)
     if memory.best_step is not None and loss.initial - memory.best > t.loss.regress_max * scale:
         # It fell far below its start (by as much as a regression is measured in) and is back.

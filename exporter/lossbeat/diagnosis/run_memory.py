@@ -170,7 +170,8 @@ class RunMemory:
             back = self.event_before + max(t.events.worse_after * abs(self.event_before), tolerance)
             if level <= back:
                 self.event_step, self.event_kind = None, ""
-        if level > self.best + max(t.loss.regress_max * abs(self.best), tolerance):
+        scale = max(abs(self.best), t.profile.volatility_floor or 0.0)  # as regressed() measures it
+        if level > self.best + max(t.loss.regress_max * scale, tolerance):
             if self.left_best_step is None:
                 self.left_best_step, self.left_best_records = loss.summary.last_step, loss.records
         else:
