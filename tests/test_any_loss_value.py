@@ -21,9 +21,12 @@ from lossbeat import Monitor, MonitorConfig
 from lossbeat.diagnosis import Judge
 from lossbeat.diagnosis.thresholds import load_thresholds
 
-settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# Its own settings (not a registered profile, which would change other modules' counts).
+EXAMPLES = settings(
+    max_examples=400 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 PROFILES = sorted(load_thresholds().profiles)
 
@@ -74,6 +77,7 @@ def _drive(judge: Judge, losses: list[float]) -> None:
 def test_every_check_judges_any_loss_series_offline(profile):
     t = load_thresholds(profile=profile)
 
+    @EXAMPLES
     @given(losses=loss_series())
     def check(losses):
         judge = Judge(t)
@@ -86,6 +90,7 @@ def test_every_check_judges_any_loss_series_offline(profile):
 
 
 def test_the_live_diagnosis_never_errs_on_any_loss_series():
+    @EXAMPLES
     @given(losses=loss_series())
     def check(losses):
         m = Monitor(MonitorConfig(port=0, log_status_changes=False), serve=False, registry=CollectorRegistry())
