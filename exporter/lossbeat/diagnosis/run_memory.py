@@ -21,11 +21,12 @@ it is, and the checkpoint to return to. Every value is a float or an int: O(1) m
 from __future__ import annotations
 
 import math
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from lossbeat.diagnosis.window import median
 
-__all__ = ["RunMemory", "Regression"]
+__all__ = ["Regression", "RunMemory"]
 
 _MEDIAN_SE = 1.25  # the standard error of a median of n records: about 1.25 sigma / sqrt(n)
 
