@@ -117,3 +117,21 @@ def test_a_loss_starting_above_any_vocabulary_is_judged_without_vocabulary_words
     findings, _ = judge.judge(300)
     text = " ".join(f.message for f in findings)
     assert "tokens" not in text and "uniform prediction" not in text, text
+
+
+def _range_after(profile: str | None) -> str:
+    m = Monitor(
+        MonitorConfig(port=0, log_status_changes=False, profile=profile), serve=False, registry=CollectorRegistry()
+    )
+    for step in range(700):  # a regression on raw units, flat at 23.7
+        m.observe(step, loss=23.74 + 0.1 * ((7 * step) % 5 - 2), grad_norm=1.0, learning_rate=1e-3)
+    return next(f for f in m.report().findings if f.check == "loss_range").message
+
+
+def test_an_unknown_task_is_judged_as_unknown():
+    """No task named or detected: the causal-LM range is a guess, and the finding says so; a task
+    named causal-lm is judged in its terms."""
+    unnamed = _range_after(None)
+    assert "no task was named or detected" in unnamed and "tokens" not in unnamed, unnamed
+    named = _range_after("causal-lm")
+    assert "no task was named" not in named and "above" in named, named

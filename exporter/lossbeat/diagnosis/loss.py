@@ -200,7 +200,7 @@ def check_loss_range(
             check,
             WARNING,
             f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, more than a uniform prediction over "
-            f"any plausible vocabulary or class count (now {mean:.4g})",
+            f"any plausible vocabulary or class count (now {mean:.4g})" + _unnamed(t),
             "check the initialisation, the labels (ignored index, shifted targets) and the loss reduction "
             "(a sum instead of a mean, or a missing division by the accumulation steps)",
             component,
@@ -249,7 +249,7 @@ def check_loss_range(
             check,
             WARNING,
             f"mean loss {mean:.4g} is above {profile.loss_warn_high:g} for a {profile.name} task "
-            f"after {series.span} steps",
+            f"after {series.span} steps" + _unnamed(t),
             "check the learning rate, the labels and the loss reduction; a loss this high often means the model is not learning",
             component,
         )
@@ -264,6 +264,16 @@ def check_loss_range(
     if profile.loss_good is not None and profile.loss_good[0] <= mean <= profile.loss_good[1]:
         return Finding(check, GOOD, f"mean loss {mean:.4g} is in the usual range", component=component)
     return Finding(check, GOOD, f"mean loss {mean:.4g}", component=component)
+
+
+def _unnamed(t: Thresholds) -> str:
+    """For a task nobody named or the fields did not show: the range is the default profile's guess."""
+    if getattr(t, "profile_named", True):
+        return ""
+    return (
+        f"; no task was named or detected, so this is the {t.profile.name} range: if this loss is another "
+        "kind (a regression on raw units, a summed loss), name its profile"
+    )
 
 
 def check_loss_trend(
