@@ -96,9 +96,12 @@ def learned(history, t: Thresholds) -> bool | None:
         # level (SFT on small batches of variable length) cannot fall "significantly" below one record.
         # The mean of the run's first window (as wide as the best one) is measured as the best is.
         n_first, first = s.window(s.first_step - 1, s.first_step + width)
-        if n_first >= t.windows.trend_min_records and s.last_step - s.first_step > 2 * width:
+        # Against full windows only (about as many records as the first): a partial one at the start
+        # is a piece of the first window itself, lower by chance or by a loss that rose after it.
+        n_full, best = s.best(width, max(t.windows.trend_min_records, int(0.8 * n_first)), s.last_step)
+        if n_first >= t.windows.trend_min_records and n_full and s.last_step - s.first_step > 2 * width:
             fall = first - best
-            se = noise * math.sqrt(1.0 / n_first + 1.0 / n_best)
+            se = noise * math.sqrt(1.0 / n_first + 1.0 / n_full)
             series.fell_once = fall > t.loss.plateau_max_fall * max(abs(first), floor) and fall > t.loss.fall_min_z * se
     return series.fell_once
 
