@@ -108,7 +108,12 @@ def test_nanogpt_single_step_loss_spike(defaults):
 
 def test_whisper_tr_degradation_after_best_checkpoint(defaults):
     a = analyze_file(_corpus("hf-whisper-large-v3-tr-lora-earlystop-trainer_state.json"), defaults)
-    assert a.reached("overfitting") and a.worst[("overfitting", "")].step == 775  # evals at 500 and 750
+    # The train loss itself climbs from its best (about 0.12-0.14 by step 200) to about 0.3 as the LR
+    # warms up: the run settled well above its best, named with the best's step; the eval loss
+    # stays above its best (step 250) to the end: overfitting once the train loss came back down.
+    worst = a.worst[("loss_trend", "")].finding
+    assert worst.status is Status.DANGER and "above its best 0.13" in worst.message and "(step 200)" in worst.message
+    assert _final(a, "overfitting").status is Status.WARNING
 
 
 def test_documented_misses(defaults):
@@ -404,3 +409,21 @@ def test_plot_many_non_finite_steps_are_one_band(tmp_path, defaults):
     assert len(magenta) == 1  # 300 consecutive NaN records: one band, not 300 lines
     assert magenta[0].get_x() == pytest.approx(2010)
     assert any(label.startswith("non-finite (loss 300") for label in ax.get_legend_handles_labels()[1])
+
+
+def test_a_run_that_diverged_never_reads_as_learning(defaults, capsys):
+    """real-logs-2's LSTM: the loss fell from 3.36 to about 0.37, then diverged to about 12. Every
+    check tells that story: no "fell from 3.355 to 11.93", no overfitting for an eval loss that rose
+    with the train loss, and lossbeat analyze exits 1."""
+    path = CORPUS.parent / "real-logs-2" / "lightning-lstm-hydrology-regression-divergence-metrics.csv"
+    a = analyze_file(path, defaults)
+    trend = _final(a, "loss_trend")
+    assert trend.status is Status.DANGER and "above its best 0.2" in trend.message, trend.message
+    learning = _final(a, "learning")
+    assert learning.status is not Status.GOOD and "lost much of it" in learning.message, learning.message
+    assert _final(a, "overfitting").status is Status.GOOD
+    from lossbeat.cli import build_parser
+
+    args = build_parser().parse_args(["analyze", str(path)])
+    assert args._run(args) == 1
+    capsys.readouterr()

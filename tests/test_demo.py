@@ -96,9 +96,40 @@ def test_lr_high_fault_makes_the_loss_volatile():
     report, health = run_demo("--steps", "200", "--fault", "lr-high", "--fault-step", "100")
     findings = {f.check: f for f in report.findings}
     # LR 0.3: the loss jumps to ~18 and settles near 4.5, far above the best level it had reached.
-    assert findings["learning_rate"].status is Status.WARNING
-    assert "rising" in findings["learning_rate"].message or "volatile" in findings["learning_rate"].message
+    assert findings["learning_rate"].status is Status.DANGER
+    assert "jumped" in findings["learning_rate"].message and "at step 100" in findings["learning_rate"].message
     assert health[("loss_trend", "")] == Status.DANGER and "best" in findings["loss_trend"].message
+
+
+def test_lr_high_fault_that_settles_far_above_its_best_ends_in_danger():
+    """LR x100 at step 300: the loss explodes, then settles near the model's starting loss, far above
+    the best it had reached. The end of the run is judged against that best and the level before
+    the jump, never against the explosion's peak: every check tells the same story."""
+    report, health = run_demo("--steps", "600", "--fault", "lr-high", "--fault-step", "300")
+    findings = {f.check: f for f in report.findings}
+    trend = findings["loss_trend"]
+    assert health[("loss_trend", "")] == Status.DANGER, trend.message
+    assert "above its best" in trend.message and "went wrong at step 300" in trend.message
+    assert "checkpoint saved before step 300" in trend.fix
+    lr = findings["learning_rate"]
+    assert lr.status is Status.DANGER and "jumped" in lr.message and "at step 300" in lr.message
+    assert findings["overfitting"].status is Status.GOOD  # the train loss blew up with the eval loss
+    learning = findings["learning"]
+    assert learning.status is not Status.GOOD and "lost much of it" in learning.message
+    for check in ("loss_spikes", "grad_explosions"):
+        assert findings[check].status is Status.DANGER and "never came back" in findings[check].message
+    assert "diverging" in report.pattern and report.worst is Status.DANGER
+    from lossbeat.analyze.checklist import from_findings
+    from lossbeat.exposition.status import checklist
+
+    items = {item.number: item.ok for item in from_findings(report.findings)}
+    assert items[2] is False and items[5] is False  # loss still falling; LR following its schedule
+    page = {i["number"]: i["status"] for i in checklist(tuple(_as_row(f) for f in report.findings))}
+    assert page[2] == "danger" and page[5] == "danger"  # the status page's checklist agrees
+
+
+def _as_row(f):
+    return (f.check, f.component, int(f.status), f.message, f.fix, f.known)
 
 
 def test_plateau_fault_flags_the_learning_rate_and_the_trend():

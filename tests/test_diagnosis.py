@@ -343,6 +343,7 @@ def test_a_jump_that_settles_at_a_worse_level_is_rising():
     n = noise(15, 0.02)
     a = run(range(1600), lambda s: (2.0 if s < 1000 else 3.0 + 5.0 * math.exp(-(s - 1000) / 30)) + n())
     f = final(a, "loss_trend")
-    assert f.status is Status.DANGER and "50% above the best level 1.99" in f.message
+    assert f.status is Status.DANGER and "% above its best 1.99" in f.message, f.message
+    assert "went wrong at step 1000" in f.message, f.message
     healthy_run = run(range(1600), lambda s: 2.0 + math.exp(-s / 300) + n())
     assert not healthy_run.reached("loss_trend", Status.DANGER)

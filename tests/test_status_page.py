@@ -347,3 +347,30 @@ def test_analyze_html_in_a_real_browser(static_page, browser):
     assert [r.get_attribute("data-check") for r in rows] == [f["check"] for f in doc["findings"]]
     assert browser.find_elements(By.CSS_SELECTOR, "#chart-loss path")
     assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")] == []
+
+
+def test_the_heatmap_keeps_the_window_around_the_first_non_finite_step(served):
+    """The latest window moves on; the moment that matters stays: the per-layer norms of the steps
+    around the first non-finite loss, next to the latest ones."""
+    monitor, model = served
+    train(monitor, model, 40, nan_at=(30,))
+    train(monitor, model, LAYER_HISTORY_STEPS + 40, start=40)
+    doc, _ = status(monitor.port)
+    first = doc["layers_first_event"]
+    assert first["step"] == 30 and first["names"] == doc["layers"]["names"]
+    assert first["steps"] == list(range(5, 56))  # 25 steps on each side of it
+    assert len(heatmap_matrix(first)[0]) == 51
+    assert doc["layers"]["steps"][0] > 55  # the latest window alone no longer holds it
+
+
+def test_a_nan_loss_is_shown_as_not_judged_never_good(served):
+    monitor, model = served
+    train(monitor, model, 30)
+    train(monitor, model, 10, start=30, nan_at=range(30, 40))
+    doc, _ = status(monitor.port)
+    statuses = {f["check"]: f["status"] for f in doc["findings"]}
+    for check in ("loss_range", "loss_trend", "loss_volatility", "learning"):
+        assert statuses[check] == "unknown", (check, statuses[check])
+    items = {i["number"]: i["status"] for i in doc["checklist"]}
+    assert items[1] != "good" and items[2] != "good" and items[3] != "good"
+    assert doc["current"]["loss"] == "NaN"

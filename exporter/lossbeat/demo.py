@@ -241,6 +241,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--linger", type=float, default=0.0, help="keep serving /metrics this many seconds after training"
     )
+    parser.add_argument(
+        "--metrics-csv",
+        metavar="FILE",
+        help="also write the run's per-step loss, grad norm and LR, and its eval losses, to FILE as a "
+        "Lightning metrics.csv (for lossbeat analyze)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--guard",
@@ -322,6 +328,9 @@ def run(args: argparse.Namespace) -> int:
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     progress = Progress(args.steps, not args.no_progress and sys.stderr.isatty())
     pace = Pace(args.step_time)
+    metrics = open(args.metrics_csv, "w", encoding="utf-8") if args.metrics_csv else None
+    if metrics is not None:
+        metrics.write("step,train_loss,grad_norm,lr-AdamW,val_loss\n")
     try:
         for step in range(args.steps):
             if stop["now"]:
@@ -370,14 +379,19 @@ def run(args: argparse.Namespace) -> int:
             elif "nan" not in faults or bool(torch.isfinite(grad_norm)):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if metrics is not None:  # the demo's own reads (a host sync), only when asked for
+                metrics.write(f"{step},{float(loss.detach())!r},{float(grad_norm)!r},{lr!r},\n")
             if progress.enabled:
                 progress.update(step, float(loss.detach()), lr, float(grad_norm), force=step == args.steps - 1)
 
             if args.eval_every and (step + 1) % args.eval_every == 0:
                 with torch.no_grad(), monitor.phase("eval"):
                     model.eval()
-                    monitor.observe_eval(step, model(*held_out))
+                    eval_loss = model(*held_out)
+                    monitor.observe_eval(step, eval_loss)
                     model.train()
+                if metrics is not None:
+                    metrics.write(f"{step},,,,{float(eval_loss)!r}\n")
             if "leak" in active:
                 leaked.append(torch.ones(LEAK_BYTES_PER_STEP // 4))  # filled: the pages are resident
             step_started = time.perf_counter() - step_started
@@ -397,6 +411,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
         signal.signal(signal.SIGTERM, previous_handler)
+        if metrics is not None:
+            metrics.close()
     print(monitor.report(), flush=True)
     if args.linger > 0:
         print(f"lossbeat demo: serving /metrics for {args.linger:g} more seconds", flush=True)

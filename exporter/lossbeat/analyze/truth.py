@@ -79,7 +79,9 @@ def categories(analyses, status: Status = Status.WARNING) -> set[str]:
             elif check in ("learning_rate", "warmup"):
                 found.add("lr_problem")
             elif check == "learning":
-                found.add("divergence" if "saturated" in f.message else "no_learning")
+                # A run that learned and lost it diverged; the rest of the check's words say it never learned.
+                lost = "lost much of it" in f.message
+                found.add("divergence" if "saturated" in f.message or lost else "no_learning")
             elif check == "loss_range":
                 low = "below" in f.message and "suspiciously low" in f.message
                 found.add("overfitting" if low else "loss_range")

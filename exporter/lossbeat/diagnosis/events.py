@@ -93,11 +93,18 @@ def _steps(steps: list[int], total: int) -> str:
     return f"step{'s' if len(steps) > 1 else ''} {shown}" + (", ..." if total > len(steps[:_FIRST]) else "")
 
 
-def check_events(history, check: str) -> Finding:
-    """The finding for one kind of event (``loss_spikes`` or ``grad_explosions``)."""
+def check_events(history, check: str, regression=None) -> Finding:
+    """The finding for one kind of event (``loss_spikes`` or ``grad_explosions``).
+
+    ``regression``: the run settled well above its best (:meth:`RunMemory.regressed`). Events are
+    absorbed only once the loss is back at its level before the first of them (the run memory's
+    open event): never against a level the events themselves raised."""
     track: EventTrack = history.events[check]
     what = EVENT_CHECKS[check]
     t = history.thresholds
+    unrecovered = _unrecovered(history, what, regression)
+    if unrecovered is not None:
+        return unrecovered
     if not track.total:
         # A rank that never had the series (a pipeline stage before the last has no loss) has
         # nothing to judge: unknown, as the other loss checks say, not "no spikes".
@@ -165,6 +172,42 @@ def check_events(history, check: str) -> Finding:
         WARNING,
         f"{len(recent)} {kind} {what}(s) in the last {held} records ({_steps(steps, len(steps))}; "
         f"{track.total} so far); the run goes on{back}",
+        fix,
+    )
+
+
+def _unrecovered(history, what: str, regression) -> Finding | None:
+    """A danger (the run settled well above its best since) or a warning while the loss is not back
+    at its level before the earliest event of this kind it has not recovered from, once the windows
+    after it have passed (the time a recovery takes)."""
+    memory = history.memory
+    step, last = memory.event_step, history.loss.summary.last_step
+    track = history.events[next(c for c, w in EVENT_CHECKS.items() if w == what)]
+    latest = track.recent.back(0).step if len(track.recent) else None
+    # Events of this kind since the open one (its own, or the jump or explosion that started them).
+    if step is None or latest is None or latest < step or last is None or not history.thresholds.profile.trend:
+        return None
+    # Judged once the records after it fill the windows a recovery is read from (as _measure_after).
+    if history.loss.records - memory.event_records < history.thresholds.windows.cv_steps * _AFTER_WINDOWS:
+        return None
+    fix = (
+        "go back to a checkpoint from before the first of them; clip gradients (max_norm 1.0), lower the "
+        "learning rate, and inspect the batches of those steps"
+    )
+    counted = f"{track.total} {what}(s) ({_steps(track.first_steps, track.total)})"
+    if regression is not None:
+        return Finding(
+            "loss_spikes" if what == "loss spike" else "grad_explosions",
+            DANGER,
+            f"{counted}; the loss never came back to its level before the {memory.event_kind} at step {step} "
+            f"({memory.event_before:.4g}): {regression.describe()}",
+            fix,
+        )
+    return Finding(
+        "loss_spikes" if what == "loss spike" else "grad_explosions",
+        WARNING,
+        f"{counted}; the loss is not yet back at its level before the {memory.event_kind} at step {step} "
+        f"({memory.event_before:.4g})",
         fix,
     )
 

@@ -13,6 +13,7 @@ import math
 from typing import Mapping
 
 from lossbeat.diagnosis.events import EVENT_CHECKS, EventTrack
+from lossbeat.diagnosis.run_memory import RunMemory
 from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
 from lossbeat.diagnosis.series import GradBaseline, LearningRateSchedule, LossSeries
 from lossbeat.diagnosis.thresholds import Thresholds
@@ -124,6 +125,8 @@ class History:
         """1.0 for each of the last records that had a non-finite loss or gradient, else 0.0."""
         self.events = {check: EventTrack() for check in EVENT_CHECKS}
         """The loss spikes and explosions counted, with their steps (:mod:`lossbeat.diagnosis.events`)."""
+        self.memory = RunMemory()
+        """The run's best levels and the earliest event it has not recovered from."""
         self.resets = 0
         """Times the windows were reset (the step went backwards)."""
         self._held: list[tuple[int, float, float | None, float | None]] = []
@@ -177,6 +180,7 @@ class History:
         self.nonfinite_recent.clear()
         for track in self.events.values():
             track.clear()
+        self.memory.clear()
 
     def _level_before(self, pushed: bool) -> tuple[float, int]:
         """The loss level before this record's event: the median of the ``windows.cv_steps``
@@ -211,9 +215,11 @@ class History:
             events.spike = self.loss.push(step, loss)
             pushed = not events.nonfinite_loss
             if events.spike:
+                before, n_before = self._level_before(pushed)
                 self.events["loss_spikes"].push(
-                    self.steps_seen, step, *self._level_before(pushed), self.loss.noise, self.loss.records
+                    self.steps_seen, step, before, n_before, self.loss.noise, self.loss.records
                 )
+                self.memory.note_event("loss spike", step, before, self.loss.noise, self.loss.records - pushed)
 
         if grad_norm is not None:
             self.grad_records += 1
@@ -224,8 +230,12 @@ class History:
                 if grad_norm != 0.0:  # no gradient (an RL step without advantage) is not a level
                     events.explosion = self.grad.push(step, grad_norm)
                     if events.explosion:
+                        before, n_before = self._level_before(pushed)
                         self.events["grad_explosions"].push(
-                            self.steps_seen, step, *self._level_before(pushed), self.loss.noise, self.loss.records
+                            self.steps_seen, step, before, n_before, self.loss.noise, self.loss.records
+                        )
+                        self.memory.note_event(
+                            "gradient-norm explosion", step, before, self.loss.noise, self.loss.records - pushed
                         )
             else:
                 events.nonfinite_grad = True
@@ -234,6 +244,14 @@ class History:
             self.lr.push(step, learning_rate)
 
         if events.nonfinite_loss or events.nonfinite_grad:
+            if self.memory.event_step is None:
+                self.memory.note_event(
+                    "non-finite loss" if events.nonfinite_loss else "non-finite gradient",
+                    step,
+                    self._level_before(pushed)[0],
+                    self.loss.noise,
+                    self.loss.records - pushed,
+                )
             self.nonfinite_seen += 1
             self.last_nonfinite_at = self.steps_seen
         self.nonfinite_recent.push(1.0 if events.nonfinite_loss or events.nonfinite_grad else 0.0)

@@ -52,7 +52,7 @@ _FIX_CHANCE = (
 
 def chance_level(mean: float, se: float) -> int | None:
     """K when ``mean`` is ln K for a small K within ``_CHANCE_Z`` standard errors ``se``."""
-    if not mean > 0:
+    if not 0 < mean <= math.log(_MAX_CLASSES) + 1.0:  # exp() of a larger loss is no class count (and overflows)
         return None
     k = round(math.exp(mean))
     if not 2 <= k <= _MAX_CLASSES:
@@ -91,6 +91,18 @@ def learned(history, t: Thresholds) -> bool | None:
     fall = initial - best
     se = noise * math.sqrt(1.0 + 1.0 / n_best) if math.isfinite(noise) else 0.0
     series.fell_once = fall > t.loss.plateau_max_fall * max(abs(initial), floor) and fall > t.loss.fall_min_z * se
+    if not series.fell_once and math.isfinite(noise):
+        # The first record alone is one noisy value: a loss whose per-record noise is a third of its
+        # level (SFT on small batches of variable length) cannot fall "significantly" below one record.
+        # The mean of the run's first window (as wide as the best one) is measured as the best is.
+        n_first, first = s.window(s.first_step - 1, s.first_step + width)
+        # Against full windows only (about as many records as the first): a partial one at the start
+        # is a piece of the first window itself, lower by chance or by a loss that rose after it.
+        n_full, best = s.best(width, max(t.windows.trend_min_records, int(0.8 * n_first)), s.last_step)
+        if n_first >= t.windows.trend_min_records and n_full and s.last_step - s.first_step > 2 * width:
+            fall = first - best
+            se = noise * math.sqrt(1.0 / n_first + 1.0 / n_full)
+            series.fell_once = fall > t.loss.plateau_max_fall * max(abs(first), floor) and fall > t.loss.fall_min_z * se
     return series.fell_once
 
 
@@ -320,8 +332,9 @@ def _never(loss, now: float) -> Finding:
     )
 
 
-def check_learning(history, trend, t: Thresholds) -> Finding:
-    """Whether the run learns (see the module)."""
+def check_learning(history, trend, t: Thresholds, regression=None) -> Finding:
+    """Whether the run learns (see the module). ``regression``: the run settled well above its
+    best (:meth:`RunMemory.regressed`): it learned, then lost it, and is never said to be learning."""
     profile = t.profile
     loss = history.loss
     if loss.nonfinite_run:
@@ -385,4 +398,46 @@ def check_learning(history, trend, t: Thresholds) -> Finding:
         return _never(loss, mean)
     if did is None:
         return Finding.unknown(CHECK)
-    return Finding(CHECK, GOOD, f"the loss fell from {loss.initial:.4g} to {mean:.4g}")
+    # The level now: the tail's mean, or its median where one spike lifts the mean above the start;
+    # both at or above the start is a run back where it began.
+    now = mean if mean < loss.initial else median(tail)
+    lost = _lost(history, loss, now, regression)
+    if lost is not None:
+        return lost
+    return Finding(CHECK, GOOD, f"the loss fell from {loss.initial:.4g} to {now:.4g}")
+
+
+def _lost(history, loss, level: float, regression) -> Finding | None:
+    """A run that learned and lost it (settled well above its best), or one whose loss is back at or
+    above its first: never said to have fallen. ``level``: the loss level of the latest records."""
+    if regression is not None:
+        return Finding(
+            CHECK,
+            WARNING,
+            f"the loss fell from {loss.initial:.4g} to {regression.best:.4g} (step {regression.best_step}) and lost "
+            f"much of it: {level:.4g} now, {regression.above * 100:.0f}% above its best",
+            regression.fix(),
+        )
+    if level < loss.initial:
+        return None
+    memory, t = history.memory, history.thresholds
+    if loss.span < t.loss.range_after_steps // 5:  # as for "never learned": too early to tell either way
+        return Finding.unknown(CHECK, f"the loss is not below its start yet ({level:.4g} against {loss.initial:.4g})")
+    scale = max(abs(loss.initial), t.profile.volatility_floor or 0.0)
+    if memory.best_step is not None and loss.initial - memory.best > t.loss.regress_max * scale:
+        # It fell far below its start (by as much as a regression is measured in) and is back.
+        return Finding(
+            CHECK,
+            WARNING,
+            f"the loss fell from {loss.initial:.4g} to {memory.best:.4g} (step {memory.best_step}) and lost "
+            f"much of it: back at {level:.4g}, at or above its start",
+            "go back to the checkpoint of its best loss; lower the learning rate and clip gradients",
+        )
+    return Finding(
+        CHECK,
+        WARNING,
+        f"the loss is not below its start: {level:.4g} now against {loss.initial:.4g} at first"
+        + (f" (its best {memory.best:.4g}, step {memory.best_step})" if memory.best_step is not None else ""),
+        "check the learning rate (too large: the loss rises or jumps around its start; too small: it does "
+        "not move), that the optimizer holds the model's parameters, and that the labels match the inputs",
+    )

@@ -12,7 +12,7 @@ __all__ = ["check_learning_rate", "check_warmup"]
 
 
 def check_learning_rate(
-    schedule, trend: Trend, cv: float, t: LearningRateThresholds, learned: bool | None = None
+    schedule, trend: Trend, cv: float, t: LearningRateThresholds, learned: bool | None = None, regression=None
 ) -> Finding:
     """``schedule``: a :class:`LearningRateSchedule` (the largest LR across param groups per step).
 
@@ -28,6 +28,9 @@ def check_learning_rate(
     lr = recent[-1]
     if not math.isfinite(lr):
         return Finding(check, DANGER, f"learning rate is {lr}", "check the scheduler and the optimizer state")
+    jumped = _jumped(schedule, trend, regression)
+    if jumped is not None:
+        return jumped
     ended = schedule.ended
     if len(recent) >= 5 and recent[-5:].count(0) == 5:  # each of the last 5 == 0
         if ended:
@@ -75,6 +78,28 @@ def check_learning_rate(
             "the learning rate looks too large: lower it (e.g. 3-10x) or lengthen the warmup",
         )
     return Finding(check, GOOD, f"learning rate {lr:.3g}")
+
+
+def _jumped(schedule, trend: Trend, regression) -> Finding | None:
+    """A learning rate that jumped 10x or more mid-run, with the loss gone bad since (settled well
+    above its best, or rising): the jump is the cause to name first."""
+    step = schedule.jump_step
+    if step is None:
+        return None
+    if regression is not None and regression.went_wrong >= step:
+        bad = f"since then {regression.describe()}"
+    elif regression is None and trend.known and trend.rising:
+        bad = f"the loss is rising since ({trend.recent:.4g} over the last {trend.window_steps:.0f} steps)"
+    else:
+        return None
+    return Finding(
+        "learning_rate",
+        DANGER,
+        f"the learning rate jumped {schedule.jump_to / schedule.jump_from:.0f}x at step {step} "
+        f"({schedule.jump_from:.3g} -> {schedule.jump_to:.3g}) and {bad}",
+        "restore the learning rate schedule (a scheduler stepped with the wrong count, a resumed run that lost "
+        "its scheduler state, a param group's LR set by hand) and go back to a checkpoint from before the jump",
+    )
 
 
 def check_warmup(series, profile: Profile, t: LearningRateThresholds) -> Finding:

@@ -30,6 +30,7 @@ NONFINITE = "cannot judge: the latest loss is not finite"
 _CHANCE_PROFILES = frozenset({"classification", "preference"})
 _CHANCE_TOLERANCE = 0.005  # relative distance to ln K that reads as "exactly" chance
 _MAX_CLASSES = 100
+_MAX_CLASSES_LOSS = math.log(_MAX_CLASSES) + 1.0
 
 
 class Trend(NamedTuple):
@@ -136,7 +137,7 @@ def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
 
 def uniform_classes(loss: float) -> int | None:
     """K when ``loss`` is ln K for a small K (chance level of a K-way prediction), else None."""
-    if not loss > 0:
+    if not 0 < loss <= _MAX_CLASSES_LOSS:  # exp() of a larger loss is no class count (and overflows)
         return None
     k = round(math.exp(loss))
     if 2 <= k <= _MAX_CLASSES and abs(loss - math.log(k)) <= _CHANCE_TOLERANCE * math.log(k):
@@ -148,7 +149,11 @@ def _start(series, profile: Profile) -> str:
     initial = series.initial
     if not math.isfinite(initial):
         return ""
-    if profile.loss_good is not None and initial > profile.loss_good[1]:
+    # A vocabulary explains the start only where the numbers fit one: above ln of any plausible
+    # vocabulary (loss_init_high) the loss lives on another scale (regression, a summed loss), and
+    # exp() of it says nothing (and overflows above ~709).
+    plausible = profile.loss_init_high is not None and initial <= profile.loss_init_high
+    if profile.loss_good is not None and initial > profile.loss_good[1] and plausible:
         size = math.exp(initial)
         return (
             f"initial loss {initial:.4g} = ln {size:,.0f}: a uniform prediction over about {size:,.0f} tokens "
@@ -195,7 +200,7 @@ def check_loss_range(
             check,
             WARNING,
             f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, more than a uniform prediction over "
-            f"any plausible vocabulary or class count (now {mean:.4g})",
+            f"any plausible vocabulary or class count (now {mean:.4g})" + _unnamed(t),
             "check the initialisation, the labels (ignored index, shifted targets) and the loss reduction "
             "(a sum instead of a mean, or a missing division by the accumulation steps)",
             component,
@@ -244,7 +249,7 @@ def check_loss_range(
             check,
             WARNING,
             f"mean loss {mean:.4g} is above {profile.loss_warn_high:g} for a {profile.name} task "
-            f"after {series.span} steps",
+            f"after {series.span} steps" + _unnamed(t),
             "check the learning rate, the labels and the loss reduction; a loss this high often means the model is not learning",
             component,
         )
@@ -261,6 +266,16 @@ def check_loss_range(
     return Finding(check, GOOD, f"mean loss {mean:.4g}", component=component)
 
 
+def _unnamed(t: Thresholds) -> str:
+    """For a task nobody named or the fields did not show: the range is the default profile's guess."""
+    if getattr(t, "profile_named", True):
+        return ""
+    return (
+        f"; no task was named or detected, so this is the {t.profile.name} range: if this loss is another "
+        "kind (a regression on raw units, a summed loss), name its profile"
+    )
+
+
 def check_loss_trend(
     trend: Trend,
     series,
@@ -271,8 +286,12 @@ def check_loss_trend(
     component: str = "",
     held: Status = GOOD,
     learned: bool | None = None,
+    regression=None,
 ) -> Finding:
     """Layer 2: is the loss still falling, flat, or rising, over windows in steps?
+
+    ``regression``: the run settled well above its best (:meth:`RunMemory.regressed`): a danger
+    whatever the latest windows say (falling from an explosion's peak is no recovery).
 
     ``learned``: whether the loss ever fell from its start (:func:`lossbeat.diagnosis.learning.learned`);
     a flat end of a decayed schedule is expected only for a run that learned something first.
@@ -285,6 +304,13 @@ def check_loss_trend(
         return Finding.unknown(check, NONFINITE, component)
     if not profile.trend:
         return Finding.unknown(check, f"profile {profile.name}: this loss is not meant to fall", component)
+    if regression is not None:
+        now = (
+            f"; {_moved(-trend.ratio * 100)} over the last {trend.window_steps:.0f} steps, not back at its best"
+            if trend.known
+            else ""
+        )
+        return Finding(check, DANGER, f"{regression.describe()}{now}", regression.fix(), component)
     if not trend.known:
         return Finding.unknown(check, component=component)
     pct, span = trend.ratio * 100, f"{trend.window_steps:.0f} steps"
@@ -475,8 +501,12 @@ def check_overfitting(
     learned: bool | None = None,
     metric: tuple | None = None,
     held: Status = GOOD,
+    regression=None,
 ) -> Finding:
     """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
+
+    ``regression``: the training loss itself settled well above its best
+    (:meth:`RunMemory.regressed`): an eval loss rising with it is that blow-up, not overfitting.
 
     ``learned`` False (the training loss never fell below its start): an eval loss rising there is
     not overfitting, the run never learned (the ``learning`` check says so). ``metric``: the eval
@@ -499,6 +529,14 @@ def check_overfitting(
             check,
             GOOD,
             f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but {why}",
+            component=component,
+        )
+    if above and regression is not None:
+        return Finding(
+            check,
+            GOOD,
+            f"eval loss {track.latest:.4g} is {rise * 100:.0f}% above its best {track.best:.4g}, but the training "
+            f"loss itself blew up ({regression.above * 100:.0f}% above its best): not overfitting (see loss_trend)",
             component=component,
         )
     if above >= t.evals and not trend.rising:

@@ -41,6 +41,9 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     schedule = history.lr
     ended = schedule.ended
     did_learn = learned(history, t)
+    memory = history.memory
+    memory.update(history)
+    regression = memory.regressed(history)
     findings = [
         check_loss_range(loss, profile, t, trend, learned=did_learn),
         check_loss_trend(
@@ -52,6 +55,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
             schedule.fraction_of_peak,
             held=held.get(("loss_trend", ""), GOOD),
             learned=did_learn,
+            regression=regression,
         ),
         _hides_trend(
             check_loss_volatility(
@@ -67,7 +71,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
         ),
         check_grad_norm(history.grad, t.gradients),
         check_layer_grad_norms(history.layer_norms, t.gradients),
-        check_learning_rate(schedule, trend, cv, t.learning_rate, learned=did_learn),
+        check_learning_rate(schedule, trend, cv, t.learning_rate, learned=did_learn, regression=regression),
         check_warmup(loss, profile, t.learning_rate),
         check_overfitting(
             history.evals.get(""),
@@ -76,17 +80,24 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
             learned=did_learn,
             metric=_eval_metric(history),
             held=held.get(("overfitting", ""), GOOD),
+            regression=regression,
         ),
         _nonfinite(history),
-        check_events(history, "loss_spikes"),
-        check_events(history, "grad_explosions"),
-        check_learning(history, trend, t),
+        check_events(history, "loss_spikes", regression),
+        check_events(history, "grad_explosions", regression),
+        check_learning(history, trend, t, regression),
     ]
     for group, track in history.evals.items():
         if group:
             findings.append(
                 check_overfitting(
-                    track, trend, t.overfitting, group, learned=did_learn, held=held.get(("overfitting", group), GOOD)
+                    track,
+                    trend,
+                    t.overfitting,
+                    group,
+                    learned=did_learn,
+                    held=held.get(("overfitting", group), GOOD),
+                    regression=regression,
                 )
             )
     component_profile = t.profiles.get("multi-task", profile) if profile.name == "multi-task" else profile

@@ -17,6 +17,8 @@ __all__ = ["LossSeries", "GradBaseline", "LearningRateSchedule"]
 _INITIAL_RECORDS = 1  # the initial loss is the first finite record (the article's 'first loss')
 _RECENT_GRADS = 5  # the "recent" grad-norm level is the median of this many records
 _EARLY_NOISE_RECORDS = 8
+_JUMP = 10.0  # an LR this many times the one before in one record: a jump (the article's 10x LR sweep step)
+_STEADY = 3  # records of an LR moving less than 2x each before a jump (not a warmup's first records)
 _ZERO_INFLATED = 0.1  # more than this fraction of exact zeros: noise from the non-zero records
 
 
@@ -353,6 +355,13 @@ class LearningRateSchedule:
         self.first_step: int | None = None
         self.below_half_at: int | None = None
         self.decayed_at: int | None = None
+        self.jump_step: int | None = None
+        """The step of the latest jump: an LR ``_JUMP`` x the one before and above the peak before,
+        after ``_STEADY`` records that moved less than 2x each (a warmup climbs, a restart returns
+        to its peak: neither is a jump)."""
+        self.jump_from = self.jump_to = math.nan
+        self._previous = math.nan
+        self._steady = 0
 
     def push(self, step: int, lr: float) -> None:
         self.extend((step,), (lr,))
@@ -362,11 +371,16 @@ class LearningRateSchedule:
         self.recent.extend(lrs)
         peak, first, below, decayed = self.peak, self.first_step, self.below_half_at, self.decayed_at
         fraction = self.t.learning_rate.decayed_fraction
+        previous, steady = self._previous, self._steady
         for step, lr in zip(steps, lrs):
             if not math.isfinite(lr):
                 continue
             if first is None:
                 first = step
+            if previous > 0 and lr >= _JUMP * previous and lr > peak and steady >= _STEADY:
+                self.jump_step, self.jump_from, self.jump_to = step, previous, lr
+            steady = steady + 1 if previous > 0 and 0.5 * previous <= lr <= 2.0 * previous else 0
+            previous = lr
             if lr > peak:
                 peak = lr
             if lr >= 0.5 * peak:  # (re)starts: a warm restart begins a new decay
@@ -377,6 +391,7 @@ class LearningRateSchedule:
             if decayed is None and lr <= fraction * peak:
                 decayed = step
         self.peak, self.first_step, self.below_half_at, self.decayed_at = peak, first, below, decayed
+        self._previous, self._steady = previous, steady
 
     @property
     def ended(self) -> bool:

@@ -306,11 +306,14 @@ class Thresholds:
     class_prior: ClassPriorThresholds
     source: str = field(default="<package>", compare=False)
     """Where the values came from (for error messages and the run info)."""
+    profile_named: bool = field(default=True, compare=False)
+    """Whether the task was named (a profile given, set in a thresholds file, or detected from the
+    fields): False for the packaged default alone, where the task is unknown."""
 
     def with_profile(self, name: str) -> "Thresholds":
         if name not in self.profiles:
             raise ThresholdsError(f"profile: unknown profile {name!r}; known: {', '.join(sorted(self.profiles))}")
-        return dataclasses.replace(self, profile=self.profiles[name])
+        return dataclasses.replace(self, profile=self.profiles[name], profile_named=True)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -600,6 +603,8 @@ def load_thresholds(path: str | os.PathLike | None = None, *, profile: str | Non
             raise ThresholdsError(f"{source}: expected a mapping at the top level")
         doc = _merge(doc, user)
     result = parse_thresholds(doc, source)
+    if profile is None and not (path is not None and "profile" in user):
+        result = dataclasses.replace(result, profile_named=False)  # the packaged default: no task named
     if profile is not None:
         if not isinstance(profile, str):
             raise TypeError(f"profile: expected a profile name, got {type(profile).__name__}")

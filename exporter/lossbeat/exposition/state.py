@@ -14,11 +14,13 @@ from typing import Any
 
 from lossbeat.exposition.metrics import HEALTH_CHECKS
 
-__all__ = ["MonitorState", "Ring", "RECENT_STEPS", "LAYER_HISTORY_STEPS", "EVALS_KEPT"]
+__all__ = ["MonitorState", "Ring", "RECENT_STEPS", "LAYER_HISTORY_STEPS", "LAYER_FIRST_EVENT_STEPS", "EVALS_KEPT"]
 
 RECENT_STEPS = 500
 """Steps kept for the status page's curves: (step, loss, grad norm, baseline, LR), ~100 B each (50 KB)."""
 LAYER_HISTORY_STEPS = 100
+LAYER_FIRST_EVENT_STEPS = 25
+"""Steps kept on each side of the first non-finite or exploding step (the heatmap's moment that matters)."""
 """Measured steps kept for the status page's per-layer heatmap: references to the per-step layer
 dicts the state swaps in anyway (no copy): ~60 KB a step at 1,000 layers (6 MB), 4 KB at 64."""
 EVALS_KEPT = 200
@@ -119,6 +121,12 @@ class MonitorState:
         """(step, eval loss) per evaluation."""
         self.layer_history = Ring(LAYER_HISTORY_STEPS)
         """(step, {layer: norm}) per step with per-layer norms: the dict the state already holds."""
+        self.layer_first_event: tuple[tuple[int, Any], ...] = ()
+        """The per-layer norms around the run's first non-finite or exploding step (LAYER_FIRST_EVENT_STEPS
+        before it, it, and as many after): kept while the latest window moves on; swapped whole."""
+        self.layer_first_event_step: int | None = None
+        self.layer_first_event_left = 0
+        """Steps after the first event still to be added to ``layer_first_event``."""
 
     @property
     def findings(self) -> tuple[tuple[str, str, int, str, str, bool], ...]:

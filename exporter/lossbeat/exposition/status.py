@@ -165,6 +165,7 @@ def status_document(
     recent = s.recent.snapshot()
     evals = s.evals.snapshot()
     layers = s.layer_history.snapshot()
+    first_event = s.layer_first_event  # swapped whole
     findings = s.findings  # swapped whole
     pattern, since = s.pattern
     info = s.run_info
@@ -218,6 +219,12 @@ def status_document(
         },
         "eval": {"step": [e[0] for e in evals], "loss": [_point(e[1]) for e in evals]},
         "layers": (heatmap or _HeatmapCache()).build(layers),
+        # The window around the first non-finite or exploding step, once the latest one moved past it.
+        "layers_first_event": (
+            {"step": s.layer_first_event_step, **_HeatmapCache().build(first_event)}
+            if first_event and (not layers or first_event[0][0] < layers[0][0])
+            else None
+        ),
     }
 
 

@@ -210,6 +210,7 @@ class LossbeatCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         self._remove_hook()
         phase_quietly(self._start(args), "train")  # after an evaluate() or a train() before this one
+        _restore_resumed(self._start(args), state)
         self._training = True
         self._names_passed, self._logged = set(), None
         # fp16: accelerate's optimizer carries the GradScaler; the norms measured at the end of
@@ -459,3 +460,18 @@ def _completes_step() -> bool:
     if GradientState is None:
         return True
     return bool(getattr(GradientState(), "sync_gradients", True))
+
+
+def _restore_resumed(monitor, state) -> None:
+    """A run resumed from a checkpoint: its earlier losses (``state.log_history``, restored by the
+    Trainer with the checkpoint) give the run memory its best levels, so a resume that lost its
+    scheduler state and settles above them is judged against the run's best, not its own start."""
+    history = getattr(state, "log_history", None)
+    if not getattr(state, "global_step", 0) or not history:
+        return
+    entries = [e for e in history if isinstance(e, dict) and isinstance(e.get("step"), int)]
+    train = [(e["step"], e["loss"]) for e in entries if isinstance(e.get("loss"), (int, float))]
+    evals = [(e["step"], e["eval_loss"]) for e in entries if isinstance(e.get("eval_loss"), (int, float))]
+    memory = getattr(getattr(monitor, "history", None), "memory", None)  # None: a rank that judges nothing
+    if memory is not None:
+        memory.restore(monitor.thresholds, train, evals)

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from lossbeat.diagnosis import History
 from lossbeat.diagnosis.vitals import Vitals
-from lossbeat.exposition.state import MonitorState
+from lossbeat.exposition.state import LAYER_FIRST_EVENT_STEPS, MonitorState
 from lossbeat.monitor.inputs import FIRST_LR
 from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.ratelog import RateLimitedLog
@@ -142,6 +142,13 @@ class StepApplier:
         s.recent.append((record.step, loss, grad_norm, s.grad_norm_baseline, lr_max))
         if layer_norms is not None:
             s.layer_history.append((record.step, layer_norms))
+            if s.layer_first_event_left:
+                s.layer_first_event = (*s.layer_first_event, (record.step, layer_norms))
+                s.layer_first_event_left -= 1
+            elif s.layer_first_event_step is None and (
+                layer_nonfinite or events.explosion or events.nonfinite_grad or events.nonfinite_loss
+            ):
+                _keep_first_event(s, record.step)
 
         s.steps_total += 1
         if "tokens" in v and math.isfinite(v["tokens"]):
@@ -224,3 +231,11 @@ def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float | None, seve
         if several_ranks:
             return FROM_ANOTHER_RANK
     return bad[-1]
+
+
+def _keep_first_event(s, step: int) -> None:
+    """Freeze the per-layer window around the run's first non-finite or exploding step: the steps
+    before it now, the ones after it as they come (the latest window soon moves past it)."""
+    s.layer_first_event_step = step
+    s.layer_first_event = tuple(s.layer_history.snapshot()[-(LAYER_FIRST_EVENT_STEPS + 1) :])
+    s.layer_first_event_left = LAYER_FIRST_EVENT_STEPS

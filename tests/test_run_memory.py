@@ -1,0 +1,74 @@
+"""The run memory: a resumed run is judged against the best its earlier steps reached."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from lossbeat import Monitor, MonitorConfig
+from lossbeat.diagnosis import Status
+from prometheus_client import CollectorRegistry
+
+
+def _monitor() -> Monitor:
+    return Monitor(MonitorConfig(port=0, log_status_changes=False), serve=False, registry=CollectorRegistry())
+
+
+def _resume(monitor: Monitor, start: int, steps: int, level: float) -> None:
+    noise = random.Random(1)
+    for step in range(start, start + steps):
+        monitor.observe(step, loss=level + noise.gauss(0, 0.02), grad_norm=0.5, learning_rate=1e-3)
+
+
+EARLIER = [(step, 1.0 + 3.0 * math.exp(-step / 150) + random.Random(step).gauss(0, 0.02)) for step in range(1000)]
+
+
+def test_a_resumed_run_settled_above_its_earlier_best_is_a_danger():
+    """Resumed at step 1000 (its log gives steps 0-999, best about 1.0), the run settles at 2.0: the
+    level a resume that lost its optimizer or scheduler state can land at. Judged against its
+    own start alone it is a flat loss; against the run's best it went wrong at the resume."""
+    restored = _monitor()
+    read = restored.history.memory.restore(restored.thresholds, EARLIER, [(999, 1.1)])
+    assert read == 1000
+    _resume(restored, 1000, 400, 2.0)
+    trend = next(f for f in restored.report().findings if f.check == "loss_trend")
+    memory = restored.history.memory
+    assert 0.95 < memory.best < 1.05 and memory.best_step < 1000  # the best is one before the resume
+    assert trend.status is Status.DANGER, trend.message
+    assert f"above its best {memory.best:.4g} (step {memory.best_step})" in trend.message
+    assert restored.history.memory.best_eval == 1.1 and restored.history.memory.best_eval_step == 999
+
+    alone = _monitor()  # the same resumed steps with no earlier ones: nothing to compare with
+    _resume(alone, 1000, 400, 2.0)
+    assert next(f for f in alone.report().findings if f.check == "loss_trend").status is not Status.DANGER
+
+
+def test_restoring_is_bounded_and_skips_what_is_not_a_loss():
+    monitor = _monitor()
+    memory = monitor.history.memory
+    read = memory.restore(monitor.thresholds, [(0, math.nan), (1, "x"), (2, math.inf), *EARLIER[:50]])
+    assert read == 50 and memory.first == EARLIER[0][1]
+    assert not any(isinstance(getattr(memory, slot), (list, dict, tuple)) for slot in memory.__slots__)
+
+
+def test_the_hf_callback_restores_the_memory_at_a_resume():
+    """A Trainer resumed from a checkpoint restores state.log_history (the earlier logged steps)
+    before on_train_begin: the callback gives them to the run memory."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from lossbeat.integrations.hf import LossbeatCallback
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    monitor = _monitor()
+    callback = LossbeatCallback(monitor)
+    args = TrainingArguments(output_dir="/tmp/lossbeat-hf-resume", report_to=[], use_cpu=True)
+    state = TrainerState()
+    state.global_step = 1000
+    state.log_history = [{"step": s, "loss": x, "learning_rate": 1e-3} for s, x in EARLIER[9::10]] + [
+        {"step": 1000, "eval_loss": 1.2}
+    ]
+    callback.on_train_begin(args, state, TrainerControl())
+    memory = monitor.history.memory
+    assert memory.best_step is not None and memory.best_step < 1000 and 0.95 < memory.best < 1.1
+    assert memory.best_eval == 1.2 and memory.first == EARLIER[9][1]
