@@ -10,6 +10,7 @@ import math
 from lossbeat.mixin.alert_rules import EXPORTER_SEEN_LOOKBACK, duration_seconds
 from lossbeat.mixin.cross_rank_scenarios import cross_rank
 from lossbeat.mixin.event_scenarios import gradient_nonfinite
+from lossbeat.mixin.gap_scenarios import gap_scenarios
 from lossbeat.mixin.guard_scenarios import guard_scenarios
 from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_discovered, ranks_finishing
 from lossbeat.mixin.rule_series import (
@@ -643,5 +644,6 @@ SCENARIO_FAMILIES = (
     concurrent_cross_rank,
     ranks_finishing,
     guard_scenarios,
+    gap_scenarios,
 )
 """Every family of scenarios, in the order the test documents list them."""
