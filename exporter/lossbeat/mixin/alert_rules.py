@@ -436,7 +436,8 @@ SEEN_AT = f"{level(TARGET)}:training_steps:last_seen_timestamp_seconds"
 COMPLETED_LAST = f"{level(TARGET)}:training_run_completed:last"
 """Each rank's last completion marker, kept as long as STEPS_LAST."""
 INFO_SEEN_AT = f"{level(JOB_RANK + ('world_size',))}:training_run:last_seen_timestamp_seconds"
-"""When each rank last reported ``training_run_info``, kept RANK_SEEN_LOOKBACK."""
+"""When each rank last reported ``training_run_info``, kept RANK_SEEN_LOOKBACK, and a completed rank while
+another rank of its run still reports."""
 EVENT_COUNTERS = (
     "training_nonfinite_loss_total",
     "training_nonfinite_grad_total",
@@ -508,7 +509,11 @@ def lookback_rules() -> list[RecordingRule]:
         RecordingRule(
             INFO_SEEN_AT,
             f"group by ({jr}, world_size) (last_over_time(training_run_info[{SEEN_WINDOW}])) * 0 + time()\n"
-            f"or\n{INFO_SEEN_AT} > time() - {number(info_for)}",
+            f"or\n{INFO_SEEN_AT} > time() - {number(info_for)}\n"
+            # A rank that completed stays seen while a rank of its run reports: rank 0's wrap-up
+            # (a final save, push_to_hub, an evaluation) may outlast the lookback.
+            f"or\n({INFO_SEEN_AT} and on({jr}) {COMPLETED_LAST} == 1 and on(job, run_id) "
+            f"group by (job, run_id) (training_run_info))",
             JOB_RANK + ("world_size",),
             LOOKBACK_GROUP,
         ),
@@ -1092,6 +1097,10 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
                 f"({STEPS_LAST} or max by ({', '.join(TARGET)}) (last_over_time(training_steps_total[{SEEN_WINDOW}])))\n"
                 f"unless {ON_TARGET}\n"
                 "  training_steps_total\n"
+                # The same rank of the same run reporting again from another instance: the run
+                # was requeued or restarted elsewhere (Slurm keeps the job id, torchrun its run id).
+                "unless on(job, run_id, rank)\n"
+                "  group by (job, run_id, rank) (training_steps_total)\n"
                 f"unless {ON_TARGET}\n"
                 f"  {_completed()}\n"
             ),
@@ -1105,7 +1114,8 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
             ),
             condition=(
                 f"a rank's lossbeat metrics vanished (target down or removed) for {a.exporter_down_for} "
-                f"without its completion marker; looks back {EXPORTER_SEEN_LOOKBACK}"
+                f"without its completion marker, and the rank reports from no other instance (a requeue); "
+                f"looks back {EXPORTER_SEEN_LOOKBACK}"
             ),
             action="check whether the process crashed (OOM? exit code?) or was killed; check the network",
             keeps=TARGET,
