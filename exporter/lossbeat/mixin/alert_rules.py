@@ -612,6 +612,9 @@ class Events:
     counter: str
     window: str
     group: str
+    counted: bool = True
+    """Its alerts compare the count with a threshold (an ``increase()`` record, 0 included); else
+    they only ask whether there was any event (no record but the nonzero one per series)."""
 
     @property
     def metric(self) -> str:
@@ -623,8 +626,9 @@ class Events:
 
     @property
     def growth(self) -> str:
-        """The counter's value less its last non-zero value remembered before ``window``; its
-        whole value where none is remembered (a new series, or one that was zero)."""
+        """The counter's value less its last non-zero value remembered before ``window``, or its
+        whole value where none is remembered (a new series, or one that was zero): only where
+        that is above 0 (a series per counter that grew, none for the healthy ranks)."""
         return f"{level(TARGET)}:{self.metric}:growth{self.window}"
 
     @property
@@ -636,17 +640,21 @@ class Events:
         """The events counted within ``window``, as a vector (0 included): the larger of
         ``increase()`` (which sees a counter reset) and the growth (which sees the events before a
         new series' first scrape, and those a gap across the window's start hid)."""
+        assert self.counted, self.counter
         return f"({self.increase} > {self.growth} or {self.growth} or {self.increase})"
 
     def records(self) -> list[RecordingRule]:
         c, w = self.counter, self.window
         before = f"last_over_time({event_memory(c)}[{EVENT_BRIDGE}] offset {w})"
+        increase = self.increase if self.counted else f"increase({c}[{w}])"
+        growth = f"({c} - {before}) > 0\nor\n({c} > 0 unless {before})"
         return [
-            RecordingRule(self.increase, f"increase({c}[{w}])", TARGET, self.group, per_series=True),
-            RecordingRule(self.growth, f"{c} - {before}\nor\n{c}", TARGET, self.group, per_series=True),
-            RecordingRule(
-                self.nonzero, f"{self.increase} > 0 or {self.growth} > 0", TARGET, self.group, per_series=True
+            *(
+                [RecordingRule(self.increase, f"increase({c}[{w}])", TARGET, self.group, per_series=True)]
+                * self.counted
             ),
+            RecordingRule(self.growth, growth, TARGET, self.group, per_series=True),
+            RecordingRule(self.nonzero, f"{increase} > 0 or {self.growth} > 0", TARGET, self.group, per_series=True),
         ]
 
 
@@ -656,8 +664,8 @@ def _events(t: Thresholds) -> dict[str, Events]:
         "nonfinite_loss": Events("training_nonfinite_loss_total", w, NONFINITE_GROUP),
         "nonfinite_grad": Events("training_nonfinite_grad_total", w, NONFINITE_GROUP),
         "grad_explosions": Events("training_grad_explosions_total", w, GRADIENTS_GROUP),
-        "exporter_errors": Events("training_exporter_errors_total", w, "lossbeat.liveness" + SLOW),
-        "skipped": Events("training_skipped_steps_total", t.alerts.guard_window, "lossbeat.guard"),
+        "exporter_errors": Events("training_exporter_errors_total", w, "lossbeat.liveness" + SLOW, counted=False),
+        "skipped": Events("training_skipped_steps_total", t.alerts.guard_window, "lossbeat.guard", counted=False),
     }
 
 
