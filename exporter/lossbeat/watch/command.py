@@ -54,9 +54,11 @@ _log = logging.getLogger("lossbeat.watch")
 class MonitorFeed:
     """The :class:`~lossbeat.logs.live.LiveSink` that feeds a Monitor; a new run in the log gets a new Monitor."""
 
-    def __init__(self, make_monitor: Callable[[int | None], Monitor]) -> None:
+    def __init__(self, make_monitor: Callable[[int | None], Monitor], backlog: bool = True) -> None:
         self._make = make_monitor
         self._replayed = threading.Event()
+        if not backlog:  # nothing to replay (no log yet, or --tail): served from the start, as before
+            self._replayed.set()
         self.reading = False
         """The backlog's replay has begun (a scrape waits for its end, at most REPLAY_SCRAPE_WAIT)."""
         self.monitor = self._gated(make_monitor(None))
@@ -72,9 +74,10 @@ class MonitorFeed:
         """Serve ``monitor``'s run series from the end of the backlog's replay: before it, they
         would show the counters at 0, or climbing again from 0, which Prometheus reads as a
         reset and new events (a restarted watcher re-paging old NaNs). A scrape during the
-        replay waits for its end, at most :data:`REPLAY_SCRAPE_WAIT` seconds; before the end
-        (or before the log exists) it gets no run series: a gap, after which the counters come
-        back at their values, which the rules read as no new event."""
+        replay waits for its end, at most :data:`REPLAY_SCRAPE_WAIT` seconds; before the end it
+        gets no run series: a gap, after which the counters come back at their values, which
+        the rules read as no new event. A watcher with nothing to replay (the log not written
+        yet, ``--tail``) serves from the start."""
         collector = monitor._collector
         collect = collector.collect
 
@@ -182,7 +185,11 @@ class Watcher:
         self.poll_interval = poll_interval
         self.follower = Follower(self.path, from_start=from_start)
         self._rank_context = rank_context or RankContext.from_env()
-        self.feed = MonitorFeed(self._new_monitor)
+        # A log that holds a backlog to replay: its run series are served once it is replayed.
+        backlog = (
+            from_start and os.path.exists(self.path) and (os.path.isdir(self.path) or os.path.getsize(self.path) > 0)
+        )
+        self.feed = MonitorFeed(self._new_monitor, backlog)
         self.builder: LiveBuilder | None = None
         self.end = end
         self.exit_status: int | None = None
