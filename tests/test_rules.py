@@ -438,7 +438,7 @@ def test_metric_name_scan_finds_the_series():
     assert {"job_run_id_instance_rank:training_nonfinite_grad:nonzero_events5m", first_layer} <= _names_in(expr)
     assert {"training_nonfinite_grad_first_layer_info"} <= _names_in(records[first_layer])
     assert {"training_nonfinite_grad_total"} <= _names_in(
-        records["job_run_id_instance_rank:training_nonfinite_grad:total_if_new5m"]
+        records["job_run_id_instance_rank:training_nonfinite_grad:growth5m"]
     )
     expr = alerts_by_name(checked_in_rules(), "TrainingOverfitting")[0]["expr"]
     assert {"training_eval_loss", "training_health_status"} <= _names_in(expr)
@@ -486,7 +486,9 @@ def test_every_per_rank_aggregation_and_join_keeps_the_run_identity():
         assert "rank" not in rule.keeps or "instance" in rule.keeps, rule.name
         for labels in re.findall(r"\b(?:on|by)\s*\(([^)]*)\)", rule.expr):
             names = {n.strip() for n in labels.split(",")}
-            assert "rank" not in names or "instance" in names, f"{rule.name}: joins on ({labels})"
+            # Without instance, the run identity tells concurrent runs apart (a requeued rank is
+            # the same rank of the same run on another instance).
+            assert "rank" not in names or "instance" in names or "run_id" in names, f"{rule.name}: joins on ({labels})"
 
 
 def test_prometheus_rule_carries_the_same_groups():

@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The subcommand is the first argument (the top-level parser has no options but --help and --version).
     command = [argv[0]] if argv and argv[0] in SUBCOMMANDS else []
+    # What follows a lone "--" is a command line a subcommand runs (``lossbeat watch LOG -- CMD ...``).
+    argv, after = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = build_parser(command).parse_args(argv)
+    args.command_line = after
     return int(args._run(args) or 0)
 
 

@@ -4,7 +4,8 @@ The line formats' parsers read a :class:`~lossbeat.logs.source.Source` whose ``l
 from a followed file; a :class:`LiveBuilder` stands in for the :class:`RecordBuilder` and
 passes each record to a sink at once instead of keeping it, so memory stays bounded however
 long the run. A record is final when handed on: a step logged again (two ranks, a repeat) is
-skipped, not revised. The step going back to the start is a new run (the same test as the
+skipped, not revised; a step further back (a run resumed from a checkpoint, appending its redo)
+is followed. The step going back to the start is a new run (the same test as the
 offline split). Two formats need a live parser of their own: the HF Trainer's printed dicts,
 whose steps the offline parser derives after reading the whole file, and LLaMA-Factory's
 ``trainer_log.jsonl``, whose ``total_steps`` says when the run ends. The others end the run
@@ -21,7 +22,10 @@ from lossbeat.logs.records import _MIN_STEPS_BEFORE_RESTART, LogFormatError, Rec
 from lossbeat.logs.source import Source, iter_lines, text_lines
 from lossbeat.logs.text_logs import _HF_EVAL, HF_DICT, _dict_items, _py_number
 
-__all__ = ["LiveSink", "LiveBuilder", "live_parser", "LIVE_FORMATS"]
+__all__ = ["LiveSink", "LiveBuilder", "live_parser", "LIVE_FORMATS", "RESUME_INTERVALS"]
+
+RESUME_INTERVALS = 2
+"""A step further back than this many logging intervals (and not to the start) is a resume."""
 
 
 class LiveSink(Protocol):
@@ -35,6 +39,10 @@ class LiveSink(Protocol):
 
     def new_run(self, step: int) -> None:
         """The step went back to the start: the records that follow are another run's."""
+
+    def resume(self, step: int, last: int) -> None:
+        """The step went back from ``last`` to ``step``, not to the start: a run resumed from a
+        checkpoint, whose records follow."""
 
     def complete(self, why: str) -> None:
         """The log says the run ended (the HF Trainer's final summary, the last of total_steps,
@@ -55,6 +63,8 @@ class LiveBuilder(RecordBuilder):
         self.hf_records = 0
         self.hf_epoch: float | None = None
         self.last_step: int | None = None
+        self.resumes = 0
+        """Times the step went back to resume from a checkpoint (see :meth:`_resumes`)."""
 
     @property
     def full(self) -> bool:
@@ -67,6 +77,22 @@ class LiveBuilder(RecordBuilder):
         self._run = _Run(self.where or f"step {step}")
         self.last_step = None
         self.sink.new_run(step)
+        return True
+
+    def _resumes(self, step: int) -> bool:
+        """True when ``step`` goes back by more than :data:`RESUME_INTERVALS` logging intervals
+        without going back to the start: a run resumed from a checkpoint appending its redo to
+        the same log (LLaMA-Factory's ``trainer_log.jsonl``, ``tee -a``). Its records are fed:
+        the redo is the run's progress (its heartbeat, its faults), not a repeat. A step logged
+        again or a little behind (two ranks appending to one file) is still a repeat."""
+        interval = max(1, self._run.first_gap)
+        if step >= self.last_step - RESUME_INTERVALS * interval:
+            return False
+        self.resumes += 1
+        last, self.last_step = self.last_step, None
+        resume = getattr(self.sink, "resume", None)  # a sink of its own may not follow resumes
+        if resume is not None:
+            resume(step, last)
         return True
 
     def _add(self, step: int) -> None:
@@ -85,8 +111,9 @@ class LiveBuilder(RecordBuilder):
         epoch: float | None = None,
     ) -> None:
         if not self._goes_back(step) and self.last_step is not None and step <= self.last_step:
-            self.skip("repeated or earlier steps (a live record is final: the first one kept)")
-            return
+            if not self._resumes(step):
+                self.skip("repeated or earlier steps (a live record is final: the first one kept)")
+                return
         self._add(step)
         self.counts.train += 1
         self.sink.train(step, loss, grad_norm, learning_rate, epoch)

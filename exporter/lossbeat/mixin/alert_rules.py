@@ -39,7 +39,6 @@ __all__ = [
     "ON_TARGET",
     "LOSS_AVG_5M",
     "LOSS_COMPONENT_AVG_5M",
-    "new_events",
 ]
 
 RECORDING_GROUP = "lossbeat.recording"
@@ -181,16 +180,6 @@ LOSS_AVG_5M = f"{level(TARGET)}:training_loss:avg_over_time5m"
 """Per-rank 5m mean of the training loss (recording rule)."""
 LOSS_COMPONENT_AVG_5M = f"{level(TARGET + ('component',))}:training_loss_component:avg_over_time5m"
 """Per-rank 5m mean of each loss component (recording rule)."""
-
-
-def new_events(counter: str, window: str) -> str:
-    """Events a counter counted within ``window``, as a vector (> 0 only).
-
-    ``increase()`` needs two samples: the events a run counted before its first
-    scrape (a NaN at step 1) would never show. The second branch takes a series
-    that did not exist ``window`` ago at its face value.
-    """
-    return f"(increase({counter}[{window}]) > 0 or ({counter} unless {counter} offset {window}) > 0)"
 
 
 JOB = ("job", "run_id")
@@ -447,7 +436,57 @@ SEEN_AT = f"{level(TARGET)}:training_steps:last_seen_timestamp_seconds"
 COMPLETED_LAST = f"{level(TARGET)}:training_run_completed:last"
 """Each rank's last completion marker, kept as long as STEPS_LAST."""
 INFO_SEEN_AT = f"{level(JOB_RANK + ('world_size',))}:training_run:last_seen_timestamp_seconds"
-"""When each rank last reported ``training_run_info``, kept RANK_SEEN_LOOKBACK."""
+"""When each rank last reported ``training_run_info``, kept RANK_SEEN_LOOKBACK, and a completed rank while
+another rank of its run still reports."""
+EVENT_COUNTERS = (
+    "training_nonfinite_loss_total",
+    "training_nonfinite_grad_total",
+    "training_grad_explosions_total",
+    "training_exporter_errors_total",
+    "training_skipped_steps_total",
+)
+"""The counters of events that alert once per event: each is remembered across gaps."""
+EVENT_MEMORY = "7d"
+"""How long a rank's event counters are remembered after it last showed any event: a counter
+that comes back within it (a scrape gap, a target unreachable for hours, a suspended job) at the
+value it had is no new event."""
+EVENT_BRIDGE = "1h"
+"""How far back an event record looks for the value remembered before its window: a Prometheus
+down (restarted, upgraded) for up to this long still finds it."""
+EVENTS_SEEN_AT = f"{level(TARGET)}:training_run:events_last_seen_timestamp_seconds"
+"""When each rank last showed a non-zero event counter, kept EVENT_MEMORY."""
+
+
+def event_memory(counter: str) -> str:
+    """The record holding ``counter``'s last non-zero value per series, kept while the rank's
+    events are remembered (:data:`EVENT_MEMORY`) and its series is not back at zero."""
+    return f"{level(TARGET)}:{counter.removesuffix('_total')}:last_nonzero"
+
+
+def event_memory_rules() -> list[RecordingRule]:
+    """The event counters' memory, carried by the lookback group like the other long lookbacks
+    (instant reads of its own previous sample, O(1) per rank): one series per counter series
+    that was ever non-zero, none for the healthy ranks."""
+    t = _by(TARGET)
+    now = [f"last_over_time({c}[{SEEN_WINDOW}])" for c in EVENT_COUNTERS]
+    keep = number(duration_seconds(EVENT_MEMORY))
+    seen = RecordingRule(
+        EVENTS_SEEN_AT,
+        f"group by ({t}) ({' or '.join(f'{n} > 0' for n in now)}) * 0 + time()\nor\n{EVENTS_SEEN_AT} > time() - {keep}",
+        TARGET,
+        LOOKBACK_GROUP,
+    )
+    memories = [
+        RecordingRule(
+            event_memory(c),
+            f"{n} > 0\nor\n({event_memory(c)} and on({t}) {EVENTS_SEEN_AT} unless {n})",
+            TARGET,
+            LOOKBACK_GROUP,
+            per_series=True,
+        )
+        for c, n in zip(EVENT_COUNTERS, now)
+    ]
+    return [seen, *memories]
 
 
 def lookback_rules() -> list[RecordingRule]:
@@ -470,7 +509,11 @@ def lookback_rules() -> list[RecordingRule]:
         RecordingRule(
             INFO_SEEN_AT,
             f"group by ({jr}, world_size) (last_over_time(training_run_info[{SEEN_WINDOW}])) * 0 + time()\n"
-            f"or\n{INFO_SEEN_AT} > time() - {number(info_for)}",
+            f"or\n{INFO_SEEN_AT} > time() - {number(info_for)}\n"
+            # A rank that completed stays seen while a rank of its run reports: rank 0's wrap-up
+            # (a final save, push_to_hub, an evaluation) may outlast the lookback.
+            f"or\n({INFO_SEEN_AT} and on({jr}) {COMPLETED_LAST} == 1 and on(job, run_id) "
+            f"group by (job, run_id) (training_run_info))",
             JOB_RANK + ("world_size",),
             LOOKBACK_GROUP,
         ),
@@ -482,6 +525,7 @@ def lookback_rules() -> list[RecordingRule]:
             TARGET,
             LOOKBACK_GROUP,
         ),
+        *event_memory_rules(),
     ]
 
 
@@ -554,15 +598,23 @@ def _nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
 
 @dataclass(frozen=True)
 class Events:
-    """An event counter read by several alerts of one group: its ``increase()``, its young series
-    and the ranks with events (normally none) recorded once per evaluation, first in the group,
-    where each alert computed them again (TrainingGradientNonFinite's three rules read the
-    counter sixteen times). The alerts read the records of the same evaluation: no delay, and
-    every label of the counter's series kept."""
+    """An event counter read by several alerts of one group: its ``increase()``, its growth since
+    the value remembered before the window, and the ranks with events (normally none) recorded
+    once per evaluation, first in the group, where each alert computed them again
+    (TrainingGradientNonFinite's three rules read the counter sixteen times). The alerts read the
+    records of the same evaluation: no delay, and every label of the counter's series kept.
+
+    An event is an increase of the counter's value, judged against its own history: a series that
+    comes back after a gap of any length (a failed scrape, a target unreachable for hours, a
+    Prometheus restart) at the value it had is no new event. Only a series never seen before is
+    taken at its face value (a new run's first events, counted before its first scrape)."""
 
     counter: str
     window: str
     group: str
+    counted: bool = True
+    """Its alerts compare the count with a threshold (an ``increase()`` record, 0 included); else
+    they only ask whether there was any event (no record but the nonzero one per series)."""
 
     @property
     def metric(self) -> str:
@@ -573,29 +625,36 @@ class Events:
         return f"{level(TARGET)}:{self.metric}:increase{self.window}"
 
     @property
-    def young(self) -> str:
-        """The counter's value where its series did not exist ``window`` ago (else no series)."""
-        return f"{level(TARGET)}:{self.metric}:total_if_new{self.window}"
+    def growth(self) -> str:
+        """The counter's value less its last non-zero value remembered before ``window``, or its
+        whole value where none is remembered (a new series, or one that was zero): only where
+        that is above 0 (a series per counter that grew, none for the healthy ranks)."""
+        return f"{level(TARGET)}:{self.metric}:growth{self.window}"
 
     @property
     def nonzero(self) -> str:
-        """:func:`new_events`: the series with events within ``window`` (only those)."""
+        """The series with events within ``window`` (only those)."""
         return f"{level(TARGET)}:{self.metric}:nonzero_events{self.window}"
 
     def count(self) -> str:
-        """The events counted within ``window``, as a vector (0 included): a series that did not
-        exist ``window`` ago at its face value (its events before the first scrape too, which
-        ``increase()`` misses), a longer one by ``increase()``."""
-        return f"({self.young} or {self.increase})"
+        """The events counted within ``window``, as a vector (0 included): the larger of
+        ``increase()`` (which sees a counter reset) and the growth (which sees the events before a
+        new series' first scrape, and those a gap across the window's start hid)."""
+        assert self.counted, self.counter
+        return f"({self.increase} > {self.growth} or {self.growth} or {self.increase})"
 
     def records(self) -> list[RecordingRule]:
         c, w = self.counter, self.window
+        before = f"last_over_time({event_memory(c)}[{EVENT_BRIDGE}] offset {w})"
+        increase = self.increase if self.counted else f"increase({c}[{w}])"
+        growth = f"({c} - {before}) > 0\nor\n({c} > 0 unless {before})"
         return [
-            RecordingRule(self.increase, f"increase({c}[{w}])", TARGET, self.group, per_series=True),
-            RecordingRule(self.young, f"{c} unless {c} offset {w}", TARGET, self.group, per_series=True),
-            RecordingRule(
-                self.nonzero, f"{self.increase} > 0 or {self.young} > 0", TARGET, self.group, per_series=True
+            *(
+                [RecordingRule(self.increase, f"increase({c}[{w}])", TARGET, self.group, per_series=True)]
+                * self.counted
             ),
+            RecordingRule(self.growth, growth, TARGET, self.group, per_series=True),
+            RecordingRule(self.nonzero, f"{increase} > 0 or {self.growth} > 0", TARGET, self.group, per_series=True),
         ]
 
 
@@ -605,6 +664,8 @@ def _events(t: Thresholds) -> dict[str, Events]:
         "nonfinite_loss": Events("training_nonfinite_loss_total", w, NONFINITE_GROUP),
         "nonfinite_grad": Events("training_nonfinite_grad_total", w, NONFINITE_GROUP),
         "grad_explosions": Events("training_grad_explosions_total", w, GRADIENTS_GROUP),
+        "exporter_errors": Events("training_exporter_errors_total", w, "lossbeat.liveness" + SLOW, counted=False),
+        "skipped": Events("training_skipped_steps_total", t.alerts.guard_window, "lossbeat.guard", counted=False),
     }
 
 
@@ -626,7 +687,14 @@ def event_records(t: Thresholds) -> list[RecordingRule]:
         TARGET + ("layer",),
         NONFINITE_GROUP,
     )
-    return [*events["nonfinite_loss"].records(), *grad.records(), first_layer, *events["grad_explosions"].records()]
+    return [
+        *events["nonfinite_loss"].records(),
+        *grad.records(),
+        first_layer,
+        *events["grad_explosions"].records(),
+        *events["exporter_errors"].records(),
+        *events["skipped"].records(),
+    ]
 
 
 def all_records(t: Thresholds) -> list[RecordingRule]:
@@ -1037,6 +1105,10 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
                 f"({STEPS_LAST} or max by ({', '.join(TARGET)}) (last_over_time(training_steps_total[{SEEN_WINDOW}])))\n"
                 f"unless {ON_TARGET}\n"
                 "  training_steps_total\n"
+                # The same rank of the same run reporting again from another instance: the run
+                # was requeued or restarted elsewhere (Slurm keeps the job id, torchrun its run id).
+                "unless on(job, run_id, rank)\n"
+                "  group by (job, run_id, rank) (training_steps_total)\n"
                 f"unless {ON_TARGET}\n"
                 f"  {_completed()}\n"
             ),
@@ -1050,7 +1122,8 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
             ),
             condition=(
                 f"a rank's lossbeat metrics vanished (target down or removed) for {a.exporter_down_for} "
-                f"without its completion marker; looks back {EXPORTER_SEEN_LOOKBACK}"
+                f"without its completion marker, and the rank reports from no other instance (a requeue); "
+                f"looks back {EXPORTER_SEEN_LOOKBACK}"
             ),
             action="check whether the process crashed (OOM? exit code?) or was killed; check the network",
             keeps=TARGET,
@@ -1059,7 +1132,7 @@ def _progress_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingExporterErrors",
             group="lossbeat.liveness",
             severity="warning",
-            expr=f"{new_events('training_exporter_errors_total', a.event_window)}\n",
+            expr=f"{_events(t)['exporter_errors'].nonzero}\n",
             summary="lossbeat itself failed while training went on",
             description=(
                 f"The lossbeat exporter of {WHO} counted {VALUE} errors in {{{{ $labels.where }}}} within "
@@ -1335,7 +1408,7 @@ def _guard_alerts(t: Thresholds) -> list[AlertRule]:
             name="TrainingStepsSkipped",
             group="lossbeat.guard",
             severity="warning",
-            expr=new_events(skipped, a.guard_window) + "\n",
+            expr=f"{_events(t)['skipped'].nonzero}\n",
             summary="The optimizer guard skipped steps",
             description=(
                 f"{WHO_CAP}: the optimizer guard kept {VALUE} step(s) from the optimizer in the last "
@@ -1455,6 +1528,8 @@ def rule_groups(thresholds: Thresholds) -> list[dict]:
         SUMMARY_GROUP: [],
         CHECKS_SUMMARY_GROUP: [],
     }
+    for alert in alerts:  # the groups in the alerts' order, whichever holds records
+        groups.setdefault(alert.group, [])
     for record in all_records(thresholds):
         groups.setdefault(record.group, []).append({"record": record.record, "expr": record.expr})
     for alert in alerts:

@@ -10,6 +10,7 @@ import math
 from lossbeat.mixin.alert_rules import EXPORTER_SEEN_LOOKBACK, duration_seconds
 from lossbeat.mixin.cross_rank_scenarios import cross_rank
 from lossbeat.mixin.event_scenarios import gradient_nonfinite
+from lossbeat.mixin.gap_scenarios import gap_scenarios
 from lossbeat.mixin.guard_scenarios import guard_scenarios
 from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_discovered, ranks_finishing
 from lossbeat.mixin.rule_series import (
@@ -492,8 +493,35 @@ def _exporter_down(b: _Builder) -> dict[str, list[Scenario]]:
                 [long_down, info, steps, finished],
                 [(hours, down.name, [])],
             ),
+            Scenario(
+                "a rank requeued onto another instance under the same run_id: its old instance's down "
+                "resolves once it reports again",
+                _requeued(b, up_for, back := int(fires // b.i) + 3),
+                [
+                    (fires, down.name, [Expect(down, _target(run_id="4242"), last_steps)]),
+                    ((back + 2) * b.i, down.name, []),
+                ],
+            ),
         ]
     }
+
+
+def _requeued(b: _Builder, up_for: int, back: int) -> list[Series]:
+    """Rank 0 of run 4242 preempted after ``up_for`` intervals (no marker), and the same rank of
+    the same run reporting from another node from interval ``back`` on (Slurm keeps the job id
+    across a requeue, torchrun its run id across an elastic restart)."""
+    old, new = _target(run_id="4242"), _target(instance=OTHER_INSTANCE, run_id="4242")
+    info = {"run": "test", "profile": b.t.profile.name}
+    return [
+        Series("up", {"job": JOB, "instance": INSTANCE}, [run(1, up_for), "stale"]),
+        Series("training_steps_total", old, [ramp(0, 10, up_for), "stale"]),
+        Series("training_run_info", {**old, **info}, [run(1, up_for), "stale"]),
+        Series("training_run_completed", old, [run(0, up_for), "stale"]),
+        Series("up", {"job": JOB, "instance": OTHER_INSTANCE}, [f"_x{back}", run(1, 6)]),
+        Series("training_steps_total", new, [f"_x{back}", ramp(0, 10, 6)]),
+        Series("training_run_info", {**new, **info}, [f"_x{back}", run(1, 6)]),
+        Series("training_run_completed", new, [f"_x{back}", run(0, 6)]),
+    ]
 
 
 def _concurrent_runs(b: _Builder) -> dict[str, list[Scenario]]:
@@ -652,5 +680,6 @@ SCENARIO_FAMILIES = (
     concurrent_cross_rank,
     ranks_finishing,
     guard_scenarios,
+    gap_scenarios,
 )
 """Every family of scenarios, in the order the test documents list them."""

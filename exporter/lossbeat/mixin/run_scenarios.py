@@ -4,7 +4,7 @@ finished are not down."""
 
 from __future__ import annotations
 
-from lossbeat.mixin.alert_rules import JOB_RANK, RANK_DISCOVERY_GRACE, duration_seconds
+from lossbeat.mixin.alert_rules import JOB_RANK, RANK_DISCOVERY_GRACE, RANK_SEEN_LOOKBACK, duration_seconds
 from lossbeat.mixin.rule_series import JOB, INSTANCE, OTHER_INSTANCE, Expect, Scenario, Series, _Builder, _target, run
 
 __all__ = ["concurrent_cross_rank", "ranks_discovered", "ranks_finishing"]
@@ -54,13 +54,13 @@ def ranks_finishing(b: _Builder) -> dict[str, list[Scenario]]:
     fires = b.after_for(a.rank_down_for, start=up_for * b.i)
     samples = int(fires // b.i) + 2
 
-    def rank(r: str, ends: str | None) -> list[Series]:
+    def rank(r: str, ends: str | None, n: int = samples) -> list[Series]:
         """``ends``: None (still running), "completed" or "crashed" after ``up_for`` intervals."""
         labels = {**_target(r), "run": "test", "profile": b.t.profile.name, "world_size": "4"}
         if ends is None:
             return [
-                Series("training_run_info", labels, [run(1, samples)]),
-                b.hold("training_run_completed", _target(r), 0, samples),
+                Series("training_run_info", labels, [run(1, n)]),
+                b.hold("training_run_completed", _target(r), 0, n),
             ]
         last = "1" if ends == "completed" else "0"
         return [
@@ -69,6 +69,11 @@ def ranks_finishing(b: _Builder) -> dict[str, list[Scenario]]:
         ]
 
     job_rank = lambda r: {k: v for k, v in _target(r).items() if k in JOB_RANK}  # noqa: E731
+    # Rank 0's wrap-up (a final save, push_to_hub, an evaluation) outlasting the lookback that
+    # remembers the ranks seen: the completed ones stay present while a rank of their run reports.
+    long_at = 2 * duration_seconds(RANK_SEEN_LOOKBACK)
+    long_n = int(long_at // b.i) + 2
+    wrap_up = [*rank("0", None, long_n), *(x for r in "123" for x in rank(r, "completed"))]
     return {
         down.name: [
             Scenario(
@@ -80,6 +85,11 @@ def ranks_finishing(b: _Builder) -> dict[str, list[Scenario]]:
                 "a rank gone without its marker next to completed ones fires, named",
                 [*rank("0", None), *rank("1", "completed"), *rank("2", "completed"), *rank("3", "crashed")],
                 [(fires, down.name, [Expect(down, {**job_rank("3"), "world_size": "4"}, 3)])],
+            ),
+            Scenario(
+                f"ranks that completed while rank 0's wrap-up lasts twice {RANK_SEEN_LOOKBACK} are silent",
+                wrap_up,
+                [(t, down.name, []) for t in (fires, long_at / 2 + fires, long_at)],
             ),
         ]
     }

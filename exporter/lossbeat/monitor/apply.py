@@ -15,7 +15,12 @@ from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.ratelog import RateLimitedLog
 from lossbeat.monitor.transfer import PendingStep
 
-__all__ = ["StepApplier", "derive_gauges", "ALL_LAYERS", "FROM_ANOTHER_RANK"]
+__all__ = ["StepApplier", "derive_gauges", "ALL_LAYERS", "FROM_ANOTHER_RANK", "WARMUP_OVERFLOWS"]
+
+WARMUP_OVERFLOWS = 16
+"""The most non-finite gradient norms at a run's start read as a GradScaler's warm-up: its
+default scale, 2**16, halved 16 times is 1; a real fp16 run needs a handful (4-5 measured with
+an HF Trainer)."""
 
 
 ALL_LAYERS = "all layers"
@@ -48,6 +53,26 @@ class StepApplier:
         self.judgment, self.log = judgment, log
         self.due = judgment.judge.due  # whether a record is judged (one call a step, not two)
         self._nonfinite_run = False  # the last applied step had a non-finite gradient
+        self._warmup = 0
+        """Non-finite gradient norms taken for a GradScaler's warm-up; -1 once a norm was finite."""
+
+    def _warmup_overflow(self, grad_norm: float | None, loss: float | None, known: bool) -> bool:
+        """Whether a non-finite gradient norm is a GradScaler's warm-up where nothing else tells
+        (a watched log, ``observe(grad_norm=...)`` without ``grad_scaler=`` or per-layer norms):
+        the scaler starts at 2**16 and halves at each overflow until the gradients fit, so an
+        fp16 run logs a few non-finite norms with a finite loss before its first finite one. At
+        most :data:`WARMUP_OVERFLOWS` of them, at the run's start, are counted as the scaler's
+        overflows (no fault); more, or any later, are non-finite gradients."""
+        if grad_norm is None and not known:
+            return False  # nothing to tell from
+        if known or math.isfinite(grad_norm) or loss is None or not math.isfinite(loss):
+            self._warmup = -1
+            return False
+        if self._warmup >= WARMUP_OVERFLOWS:
+            self._warmup = -1
+            return False
+        self._warmup += 1
+        return True
 
     def at_read(self) -> None:
         """What a scrape computes itself (the transfer's lock held): the derived gauges."""
@@ -92,6 +117,8 @@ class StepApplier:
         # Under fp16 loss scaling an overflowing step is skipped by the scaler: routine, not a
         # fault, and no gradient sample. A scale collapsing is the fault (the nonfinite check).
         overflow = "grad_scale" in v and (layer_nonfinite or (grad_norm is not None and not math.isfinite(grad_norm)))
+        if self._warmup >= 0:
+            overflow = self._warmup_overflow(grad_norm, loss, layers is not None or "grad_scale" in v) or overflow
         if overflow:
             grad_norm = layer_norms = None
             layer_nonfinite = False

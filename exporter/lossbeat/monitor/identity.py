@@ -27,16 +27,17 @@ import uuid
 
 from lossbeat.monitor import loaded
 
-__all__ = ["ENV_RUN_ID", "run_identity"]
+__all__ = ["ENV_RUN_ID", "run_identity", "environment_identity"]
 
 log = logging.getLogger("lossbeat")
 ENV_RUN_ID = "LOSSBEAT_RUN_ID"
 _STORE_KEY = "lossbeat/run_id"
 
 
-def run_identity(configured: str = "", world_size: int = 1) -> str:
-    """The run identity of this process (see the module's docstring for the order)."""
-    for value in (configured, os.environ.get(ENV_RUN_ID), os.environ.get("SLURM_JOB_ID")):
+def environment_identity() -> str:
+    """The run identity the environment gives (``LOSSBEAT_RUN_ID``, the Slurm job, torchrun's
+    run, the rendezvous address), or ``""``."""
+    for value in (os.environ.get(ENV_RUN_ID), os.environ.get("SLURM_JOB_ID")):
         if value:
             return value
     elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -45,6 +46,14 @@ def run_identity(configured: str = "", world_size: int = 1) -> str:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if addr and port:
         return f"{addr}:{port}"
+    return ""
+
+
+def run_identity(configured: str = "", world_size: int = 1) -> str:
+    """The run identity of this process (see the module's docstring for the order)."""
+    found = configured or environment_identity()
+    if found:
+        return found
     shared = _from_store()
     if shared:
         return shared

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -35,6 +37,7 @@ from lossbeat.logs.source import SNIFF_BYTES, Source
 from lossbeat.monitor import Monitor, MonitorConfig, identity
 from lossbeat.monitor.config import DEFAULT_PORT
 from lossbeat.exposition.server import RankContext
+from lossbeat.watch.end import RunEnd
 from lossbeat.watch.events import EventFollower
 from lossbeat.watch.events import records as event_records
 from lossbeat.watch.follow import Follower
@@ -45,15 +48,22 @@ __all__ = ["Watcher", "MonitorFeed", "add_arguments", "make_watchers", "follow",
 
 EXIT_COMPLETED = 0
 EXIT_IDLE = 3
+REPLAY_SCRAPE_WAIT = 5.0
+"""Seconds a scrape waits for the backlog's replay to end (under Prometheus's 10 s scrape timeout)."""
 _log = logging.getLogger("lossbeat.watch")
 
 
 class MonitorFeed:
     """The :class:`~lossbeat.logs.live.LiveSink` that feeds a Monitor; a new run in the log gets a new Monitor."""
 
-    def __init__(self, make_monitor: Callable[[int | None], Monitor]) -> None:
+    def __init__(self, make_monitor: Callable[[int | None], Monitor], backlog: bool = True) -> None:
         self._make = make_monitor
-        self.monitor = make_monitor(None)
+        self._replayed = threading.Event()
+        if not backlog:  # nothing to replay (no log yet, or --tail): served from the start, as before
+            self._replayed.set()
+        self.reading = False
+        """The backlog's replay has begun (a scrape waits for its end, at most REPLAY_SCRAPE_WAIT)."""
+        self.monitor = self._gated(make_monitor(None))
         self.replaying = True
         """Records of the backlog (what the file held at start): no step times, stamped at the file's mtime."""
         self.completed: str | None = None
@@ -63,6 +73,37 @@ class MonitorFeed:
         """Named values of the next record (a table's columns, signals): observe's ``metrics``."""
         self._last_read: tuple[float, int] | None = None
         """(perf_counter, step) of the last live record read."""
+
+    def _gated(self, monitor: Monitor) -> Monitor:
+        """Serve ``monitor``'s run series from the end of the backlog's replay: before it, they
+        would show the counters at 0, or climbing again from 0, which Prometheus reads as a
+        reset and new events (a restarted watcher re-paging old NaNs). A scrape during the
+        replay waits for its end, at most :data:`REPLAY_SCRAPE_WAIT` seconds; before the end it
+        gets no run series: a gap, after which the counters come back at their values, which
+        the rules read as no new event. A watcher with nothing to replay (the log not written
+        yet, ``--tail``) serves from the start."""
+        collector = monitor._collector
+        collect = collector.collect
+
+        def gated():
+            if not self._replayed.is_set() and not (self.reading and self._replayed.wait(REPLAY_SCRAPE_WAIT)):
+                return iter(())
+            return collect()
+
+        collector.collect = gated
+        return monitor
+
+    def release_scrapes(self) -> None:
+        self._replayed.set()
+
+    def resume(self, step: int, last: int) -> None:
+        _log.warning(
+            "lossbeat watch: the step went back from %d to %d: a run resumed from a checkpoint, appending to its "
+            "log; its records are followed",
+            last,
+            step,
+        )
+        self._last_read = None
 
     def train(self, step, loss, grad_norm, learning_rate, epoch) -> None:
         m = self.monitor
@@ -98,18 +139,20 @@ class MonitorFeed:
         )
         port = self.monitor.port  # the new run's monitor serves where the last one did (also when 0 was asked)
         self.monitor.close(completed=False)
-        self.monitor = self._make(port)
+        self.monitor = self._gated(self._make(port))
         self.eval_group = None
         self._last_read = None
 
     def complete(self, why: str) -> None:
         self.completed = why
+        self.release_scrapes()  # the completion marker must be read
 
     def end_replay(self, last_growth: float | None) -> None:
         """The backlog is read: the heartbeat is the time the file last grew, not the time of the replay."""
         self.replaying = False
         m = self.monitor
         m.flush()
+        self.release_scrapes()
         if last_growth is not None:
             state = m.state
             # the state's own fields, as observe() sets them: the last record's time is the log's
@@ -133,6 +176,7 @@ class Watcher:
         poll_interval: float = 0.05,
         rank_context: RankContext | None = None,
         column_map: str | dict[str, str] | None = None,
+        end: RunEnd | None = None,
     ) -> None:
         if fmt is not None and fmt not in FORMATS:
             raise ValueError(f"fmt: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
@@ -157,10 +201,18 @@ class Watcher:
         self.poll_interval = poll_interval
         self.follower = Follower(self.path, from_start=from_start)
         self._rank_context = rank_context or RankContext.from_env()
-        self.feed = MonitorFeed(self._new_monitor)
+        # A log that holds a backlog to replay: its run series are served once it is replayed.
+        backlog = (
+            from_start and os.path.exists(self.path) and (os.path.isdir(self.path) or os.path.getsize(self.path) > 0)
+        )
+        self.feed = MonitorFeed(self._new_monitor, backlog)
         self.builder: LiveBuilder | None = None
+        self.end = end
+        self.exit_status: int | None = None
+        """The training step's exit status, once ``end`` told it."""
         self.ended: str | None = None
-        """Why watching ended: 'completed', 'idle' or 'stopped'."""
+        """Why watching ended: 'completed', 'failed' (the training step's status was not 0),
+        'idle' or 'stopped'."""
         self._stop = False
         self._last_data = time.monotonic()
         self._pending: list[str] = []
@@ -180,12 +232,29 @@ class Watcher:
     def _idle(self) -> bool:
         return self.idle_timeout is not None and time.monotonic() - self._last_data > self.idle_timeout
 
+    def _done(self) -> bool:
+        return bool(self.feed.completed) or self._stop or self._idle() or self.exit_status is not None
+
+    def _step_ended(self) -> bool:
+        """Whether the training step ended (its status read), once the log is read to its end:
+        an exit status 0 completes the run, any other closes it as not completed."""
+        if self.end is None or self.exit_status is not None:
+            return self.exit_status is not None
+        status = self.end.status()
+        if status is None:
+            return False
+        self.exit_status = status
+        return True
+
     def _wait_for_format(self) -> str | None:
         """The file's format once it exists and holds a record of a known one (None: idle or stopped)."""
         while not self._stop and not self._idle():
+            ended = self.end is not None and self._step_ended()
             try:
                 return detect_format(self.path, self.column_map)
             except LogFormatError as exc:
+                if ended:
+                    return None  # the training step ended without a log of a known format
                 size = os.path.getsize(self.path) if os.path.isfile(self.path) else 0
                 if size >= SNIFF_BYTES or "compressed" in str(exc) or "binary" in str(exc):
                     raise  # the head is all there is to sniff: no format will turn up
@@ -202,7 +271,9 @@ class Watcher:
             else:
                 if self._stop or self._idle():
                     return
+                ended = self._step_ended() if self.end is not None else False
                 lines, reset = follower.poll()
+                feed.reading = feed.reading or bool(lines)
                 if reset:
                     self._pending, self._reset = lines, True
                     _log.warning(
@@ -218,6 +289,8 @@ class Watcher:
             if feed.replaying and follower.opened and follower.offset >= (follower.replay_until or 0):
                 feed.end_replay(follower.last_growth)
             if not lines:
+                if ended:
+                    return  # the step ended and the log is read to its end
                 time.sleep(self.poll_interval)
 
     def run(self) -> str:
@@ -235,7 +308,7 @@ class Watcher:
                 _log.info("lossbeat watch: following %s (%s) on port %s", self.path, fmt, self.monitor.port)
                 self.builder = LiveBuilder(self.path, fmt, self.feed)
                 self.builder.column_map = self.column_map
-                while not (self.feed.completed or self._stop or self._idle()):
+                while not self._done():
                     self._reset = False
                     source = Source(self.path, 0, b"", "utf-8", "", lines=self._lines())
                     try:
@@ -247,10 +320,17 @@ class Watcher:
                         _log.exception("lossbeat watch: cannot parse a line of %s; reading on", self.path)
         except BaseException:
             self.follower.close()
+            self.feed.release_scrapes()
             self.monitor.close(completed=False)
             raise
         self.follower.close()
-        self.ended = "completed" if self.feed.completed else ("stopped" if self._stop else "idle")
+        self.feed.release_scrapes()
+        if self.exit_status == 0 and not self.feed.completed:  # the log read to its end, no end marker
+            self.feed.complete("the training step exited 0")
+        if self.feed.completed:
+            self.ended = "completed"
+        else:
+            self.ended = "failed" if self.exit_status is not None else ("stopped" if self._stop else "idle")
         self.monitor.close(completed=self.ended == "completed")
         return self.ended
 
@@ -356,16 +436,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="at completion, keep /metrics up at most S seconds for a last scrape (default 90)",
     )
     parser.add_argument("--poll-interval", type=float, default=0.05, metavar="S", help="seconds between reads")
+    parser.add_argument(
+        "--pid",
+        type=int,
+        default=None,
+        help="the training process: the run ends when it does (its exit status cannot be read by another "
+        "process: with --end-file, else closed as not completed)",
+    )
+    parser.add_argument(
+        "--end-file",
+        default=None,
+        metavar="F",
+        help="a file the launcher writes when the training step exited, holding its exit status "
+        "(0: the run completed, once the log is read to its end)",
+    )
 
 
-def make_watchers(args: argparse.Namespace) -> list[Watcher]:
+def log_run_id(paths: list[str]) -> str:
+    """The run identity of the logs followed, where the environment gives none: the host and
+    the logs' absolute paths, so a watcher restarted on the same logs (a sidecar restarted, an
+    OOM kill) serves the same run's series, and its replay brings them back at their values (no
+    new events), where a fresh identity made every old event new."""
+    key = "\0".join([socket.gethostname(), *(os.path.abspath(p) for p in paths)])
+    return "log-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def make_watchers(args: argparse.Namespace, end: RunEnd | None = None) -> list[Watcher]:
     """One Watcher per log (each serving at once); raises ValueError or TypeError naming the argument."""
     watchers: list[Watcher] = []
     try:
         logs = assign_ranks(args.paths, args.rank, args.world_size)
         run_name = args.job or _run_name(args.paths[0], len(logs) > 1)
-        # the ranks followed here are one run: one identity (the environment's, else a fresh one)
-        run_id = identity.run_identity() if len(logs) > 1 else ""
+        # the ranks followed here are one run: one identity (the environment's, else the logs')
+        run_id = identity.environment_identity() or log_run_id(args.paths)
         for log in logs:
             config = MonitorConfig(
                 port=args.port,
@@ -387,6 +490,7 @@ def make_watchers(args: argparse.Namespace) -> list[Watcher]:
                     poll_interval=args.poll_interval,
                     rank_context=ctx,
                     column_map=getattr(args, "map", None),
+                    end=end,
                 )
             )
     except BaseException:
@@ -431,8 +535,14 @@ def follow(watchers: list[Watcher]) -> list[object]:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    command = getattr(args, "command_line", None) or None
     try:
-        watchers = make_watchers(args)
+        end = RunEnd(command, getattr(args, "pid", None), getattr(args, "end_file", None))
+    except OSError as exc:
+        print(f"lossbeat watch: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        watchers = make_watchers(args, end if end.watched else None)
     except (TypeError, ValueError) as exc:
         print(f"lossbeat watch: {exc}", file=sys.stderr)
         return 2
@@ -440,6 +550,21 @@ def run(args: argparse.Namespace) -> int:
         ended = follow(watchers)
     except KeyboardInterrupt:
         return 130
+    if end.child is not None:  # the command's status is the step's: the caller (sbatch) sees it
+        code = end.child.wait()
+        _report(watchers, ended)
+        return code if code >= 0 else 128 - code
+    _report(watchers, ended)
+    errors = [why for why in ended if isinstance(why, Exception)]
+    for error in errors:
+        if not isinstance(error, LogFormatError):
+            raise error  # not the log's fault: a bug, shown whole
+    if errors:
+        return 2
+    return EXIT_COMPLETED if all(why == "completed" for why in ended) else EXIT_IDLE
+
+
+def _report(watchers: list[Watcher], ended: list[object]) -> None:
     for watcher, why in zip(watchers, ended):
         who = f"rank {watcher.monitor.state.rank} ({watcher.path}): " if len(watchers) > 1 else ""
         if isinstance(why, BaseException):
@@ -452,13 +577,6 @@ def run(args: argparse.Namespace) -> int:
             + (f"; {b.counts.summary()}" if b else ""),
             file=sys.stderr,
         )
-    errors = [why for why in ended if isinstance(why, Exception)]
-    for error in errors:
-        if not isinstance(error, LogFormatError):
-            raise error  # not the log's fault: a bug, shown whole
-    if errors:
-        return 2
-    return EXIT_COMPLETED if all(why == "completed" for why in ended) else EXIT_IDLE
 
 
 def _run_name(path: str, ranks: bool) -> str:
