@@ -11,6 +11,7 @@ from lossbeat.mixin.alert_rules import EXPORTER_SEEN_LOOKBACK, duration_seconds
 from lossbeat.mixin.cross_rank_scenarios import cross_rank
 from lossbeat.mixin.event_scenarios import gradient_nonfinite
 from lossbeat.mixin.guard_scenarios import guard_scenarios
+from lossbeat.mixin.moe_rl_scenarios import moe_rl_scenarios
 from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_discovered, ranks_finishing
 from lossbeat.mixin.rule_series import (
     INSTANCE,
@@ -643,5 +644,6 @@ SCENARIO_FAMILIES = (
     concurrent_cross_rank,
     ranks_finishing,
     guard_scenarios,
+    moe_rl_scenarios,
 )
 """Every family of scenarios, in the order the test documents list them."""
