@@ -47,10 +47,27 @@ class ExpertLoadMeter:
         self._experts_t: torch.Tensor | None = None
         self.dropped = 0
         """Layers left out (beyond ``MAX_MOE_LAYERS``) at the last step."""
+        self._dtype: torch.dtype | None = None
+        """The layers' dtype when the last checked step took the fast path's shape (else None: checked every step)."""
 
     def measure(self, step: int, expert_load: Mapping[str, Any]) -> tuple[tuple[str, ...], torch.Tensor] | None:
         """``(layer names, [imbalance of each layer..., dead experts of each layer...])`` on the
         loads' device, without a host read; None when no layer has experts."""
+        names = tuple(expert_load)
+        if names == self.names and len(names) <= MAX_MOE_LAYERS:
+            # The usual step: the same layers as the last one, each a tensor of as many experts on
+            # one device: one stack, no per-layer check (a layer that changed makes it raise).
+            try:
+                with torch.no_grad():
+                    x = torch.stack(list(expert_load.values()))
+            except (TypeError, RuntimeError):
+                x = None
+            if x is not None and x.dim() == 2 and x.dtype == self._dtype and x.device == self._last_seen.device:
+                return names, self._reduce(step, x.to(torch.float32), None)
+        return self._measure_checked(step, expert_load)
+
+    def _measure_checked(self, step: int, expert_load: Mapping[str, Any]):
+        """A new set of layers (or a changed one): each layer checked, padded when their experts differ."""
         items = list(expert_load.items())
         self.dropped = max(0, len(items) - MAX_MOE_LAYERS)
         names = tuple(str(name) for name, _ in items[:MAX_MOE_LAYERS])
@@ -60,23 +77,35 @@ class ExpertLoadMeter:
         device = loads[0].device
         loads = [x if x.device == device else x.to(device, non_blocking=True) for x in loads]
         sizes = [x.numel() for x in loads]  # metadata: no host read
-        # One [layers, experts] tensor; a layer with fewer experts is padded with -1 (never a max,
-        # never counted: masked below).
-        x = torch.nn.utils.rnn.pad_sequence(loads, batch_first=True, padding_value=-1.0)
+        with torch.no_grad():
+            # One [layers, experts] tensor; a layer with fewer experts is padded with -1 (never a
+            # max, never counted: masked below).
+            x = torch.nn.utils.rnn.pad_sequence(loads, batch_first=True, padding_value=-1.0).to(torch.float32)
         if names != self.names or sizes != self.experts or self._last_seen is None or self._last_seen.shape != x.shape:
             # A new set of layers (the first step, or the caller's changed): its window starts now.
             self.names, self.experts = names, sizes
             self._last_seen = torch.full(x.shape, step, dtype=torch.int64, device=device)
             self._experts_t = torch.tensor(sizes, dtype=torch.float32, device=device)
-        valid = x >= 0
-        total = torch.where(valid, x, 0.0).sum(dim=1)
-        mean = total / self._experts_t
-        # max / mean; a layer that routed no token this step has no imbalance (NaN, not exported as a value).
-        imbalance = torch.where(mean > 0, x.amax(dim=1) / mean.clamp_min(1e-30), torch.nan)
-        seen = self._last_seen
-        seen.copy_(torch.where(x > 0, step, seen))  # in place: the same memory every step
-        dead = ((step - seen >= self.window) & valid).sum(dim=1)
-        return names, torch.cat([imbalance, dead.to(torch.float32)]).detach()
+        uniform = len(set(sizes)) == 1 and len(names) == len(expert_load)
+        given = {v.dtype if isinstance(v, torch.Tensor) else None for v in expert_load.values()}
+        self._dtype = given.pop() if uniform and len(given) == 1 and None not in given else None
+        return names, self._reduce(step, x, None if uniform else x >= 0)
+
+    def _reduce(self, step: int, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """Imbalance and dead experts of each layer of ``x`` ([layers, experts] float32; ``valid``:
+        the experts that exist, when the layers' counts differ): a dozen kernels, any size."""
+        with torch.no_grad():
+            if valid is None:
+                mean = x.sum(dim=1) / self._experts_t
+            else:
+                mean = torch.where(valid, x, 0.0).sum(dim=1) / self._experts_t
+            # max / mean; a layer that routed no token this step reads 0 / 0: NaN, no imbalance.
+            imbalance = x.amax(dim=1) / mean
+            seen = self._last_seen
+            seen.masked_fill_(x > 0, step)  # in place: the same memory every step
+            stale = seen <= step - self.window
+            dead = (stale if valid is None else stale & valid).sum(dim=1)
+            return torch.cat([imbalance, dead.to(torch.float32)])
 
 
 def _as_vector(name: str, value: Any) -> torch.Tensor:
