@@ -189,3 +189,35 @@ def test_expert_load_takes_sequences_and_refuses_what_is_not_counts():
         monitor.observe(1, loss=1.0, expert_load=[1, 2])
     with pytest.raises(TypeError, match=r"expert_load\['l0'\]"):
         monitor.observe(1, loss=1.0, expert_load={"l0": torch.ones(2, 2)})
+
+
+def _counted_steps(layers: int, experts: int, dtype: torch.dtype, steps: int = 10):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.counting import StepCounts, count_host_reads
+
+    monitor = Monitor(MonitorConfig(log_status_changes=False), serve=False)
+    gen = torch.Generator().manual_seed(0)
+    loads = [
+        {f"layers.{i}.mlp": torch.randint(0, 50, (experts,), generator=gen).to(dtype) for i in range(layers)}
+        for _ in range(steps + 2)
+    ]
+    loss = torch.tensor(2.0)
+    monitor.observe(0, loss=loss, expert_load=loads[0])  # the first step checks each layer and sets up the window
+    counts = StepCounts()
+    with count_host_reads(counts):
+        for step in range(1, steps + 1):
+            monitor.observe(step, loss=loss, expert_load=loads[step])
+        monitor.flush()
+    return counts, monitor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_64_layers_of_128_experts_read_the_host_once_per_step_in_a_fixed_number_of_ops(dtype):
+    counts, monitor = _counted_steps(64, 128, dtype)
+    assert counts.host_reads == 10 and counts.device_waits == 0
+    assert len(_series(monitor, "training_moe_load_imbalance")) == 64  # per layer, never per expert
+    few, _ = _counted_steps(4, 128, dtype)
+    assert counts.ops - counts.view_ops == few.ops - few.view_ops  # no kernel per layer or per expert
