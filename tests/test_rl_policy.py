@@ -178,14 +178,15 @@ def test_analyze_finds_the_collapse_in_trl_trainer_state_json(healthy, collapsed
         ("entropy", "entropy"),  # TRL GRPO
         ("objective/entropy", "entropy"),  # TRL PPO
         ("actor/entropy", "entropy"),  # verl
-        ("policy_entropy", "entropy"),  # OpenRLHF
+        ("entropy/mean", "entropy"),  # prime-rl
         ("kl", "kl"),
         ("objective/kl", "kl"),
         ("actor/kl_loss", "kl"),  # verl, use_kl_loss
         ("actor/ppo_kl", "policy_kl"),  # verl: the old and new policy, not the reference
         ("clip_ratio/region_mean", "clip_ratio"),
         ("actor/pg_clipfrac", "clip_ratio"),
-        ("mismatch_kl", "mismatch_kl"),  # prime-rl: trainer vs inference engine
+        ("mismatch_kl/mean", "mismatch_kl"),  # prime-rl: trainer vs inference engine
+        ("vllm_kl", "mismatch_kl"),  # OpenRLHF
         ("frac_reward_zero_std", "frac_reward_zero_std"),
     ],
 )

@@ -42,7 +42,15 @@ SIGNALS: dict[str, tuple[str, ...]] = {
     "frac_reward_zero_std": ("frac_reward_zero_std", "zero_std_ratio"),
     "kl": ("kl", "objective/kl", "actor/kl_loss", "actor/reward_kl_penalty"),
     # The policy's entropy and its step-to-step change (TRL, verl, OpenRLHF, prime-rl; docs/diagnosis.md).
-    "entropy": ("entropy", "actor/entropy", "objective/entropy", "policy/entropy_avg", "policy_entropy"),
+    "entropy": (
+        "entropy",
+        "actor/entropy",
+        "objective/entropy",
+        "policy/entropy_avg",
+        "policy_entropy",
+        "entropy/mean",
+        "entropy/all/mean",
+    ),
     "policy_kl": ("actor/ppo_kl", "ppo_kl", "policy/approxkl_avg", "approx_kl"),
     "clip_ratio": (
         "clip_ratio",
@@ -51,7 +59,7 @@ SIGNALS: dict[str, tuple[str, ...]] = {
         "policy/clipfrac_avg",
         "ppo_clip_ratio",
     ),
-    "mismatch_kl": ("mismatch_kl", "mismatch/mismatch_kl", "mismatch_kl/mean"),
+    "mismatch_kl": ("mismatch_kl", "mismatch/mismatch_kl", "mismatch_kl/mean", "mismatch_kl/all/mean", "vllm_kl"),
     "margins": ("rewards/margins",),
     "preference_accuracy": ("rewards/accuracies",),
     "eval_accuracy": ("eval_accuracy", "val_acc", "val_accuracy", "eval_acc"),
@@ -111,6 +119,8 @@ _RL = frozenset(
         "actor/pg_clipfrac",
         "ppo_kl",
         "mismatch_kl",
+        "mismatch_kl/mean",
+        "vllm_kl",
         # Actor-critic (PPO) logs name the policy's and the value head's losses apart
         # (DeepSpeed-Chat, OpenRLHF, CleanRL, stable-baselines): no supervised run does.
         "act_loss",
@@ -200,7 +210,17 @@ def detect_profile(fields: Iterable[str]) -> Detection:
         actor_critic
         or any(
             f in ("reward_std", "frac_reward_zero_std", "zero_std_ratio", "env/reward_std", "objective/kl", "kl")
-            or f in ("actor/entropy", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "ppo_kl", "mismatch_kl")
+            or f
+            in (
+                "actor/entropy",
+                "actor/kl_loss",
+                "actor/ppo_kl",
+                "actor/pg_clipfrac",
+                "ppo_kl",
+                "mismatch_kl",
+                "vllm_kl",
+            )
+            or f == "mismatch_kl/mean"
             for f in rl
         )
         or (rl and any(f.startswith(_RL_PREFIXES) for f in rl))
