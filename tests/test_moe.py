@@ -6,6 +6,7 @@ from a Hugging Face MoE model's ``router_logits`` and from hooks on its routers 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ import torch.nn.functional as F
 from prometheus_client import generate_latest
 
 from lossbeat import Monitor, MonitorConfig, load_thresholds
+from lossbeat.exposition.status import status_document
 from lossbeat.integrations.moe import RouterHooks, expert_load_from_router_logits
+from conftest import require_binary
 from paging import pages, scrape_series
 
 VOCAB, DIM, EXPERTS, TOP_K, LAYERS = 32, 16, 8, 2, 2
@@ -136,6 +139,18 @@ def test_a_collapsed_router_is_named_and_paged_for_its_layer_only(tmp_path):
     assert "layer layers.1.router collapsed" in finding.message and "6 of 8 experts dead" in finding.message
     body = generate_latest(monitor.registry).decode()
     assert 'training_health_status{check="moe_router",component="",rank="0"' in body
+    checked = subprocess.run(
+        [require_binary("promtool"), "check", "metrics"], input=body, capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr  # names, units, help: clean
+    # The status page lists the collapsed layer first.
+    routers = status_document(monitor.state)["routers"]
+    assert routers["layers"] == 2 and routers["worst"][0] == {
+        "layer": "layers.1.router",
+        "imbalance": 4.0,
+        "dead": 6,
+        "experts": EXPERTS,
+    }
     labels = {"rank": "0", "run_id": monitor.state.run_id, "layer": "layers.1.router"}
     pages(tmp_path, body, "TrainingMoERouterCollapse", load_thresholds().moe.for_, ("training_moe_",), [(labels, 4.0)])
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from lossbeat.analyze.checklist import ITEMS as CHECKLIST_ITEMS
 from lossbeat.diagnosis.patterns import PATTERNS
+from lossbeat.exposition.moe import status_sections
 
 if TYPE_CHECKING:
     from lossbeat.exposition.state import MonitorState
@@ -218,6 +219,7 @@ def status_document(
         },
         "eval": {"step": [e[0] for e in evals], "loss": [_point(e[1]) for e in evals]},
         "layers": (heatmap or _HeatmapCache()).build(layers),
+        **status_sections(s),  # MoE routers, RL policy: when the run has them
     }
 
 
