@@ -18,6 +18,7 @@ from lossbeat import Monitor, MonitorConfig, load_thresholds
 from lossbeat.diagnosis import History
 from lossbeat.diagnosis.profiles import detect_profile, signal_kind
 from lossbeat.diagnosis.rl import check_rl_entropy, check_rl_kl
+from lossbeat.exposition.status import status_document
 from paging import pages
 
 STEPS = 14
@@ -148,6 +149,8 @@ def test_trl_grpo_collapsed_policy_is_named_and_paged(collapsed, tmp_path):
     assert kl.status.name == "DANGER" and f"above {t.rl_policy.kl_bound:g}" in kl.message, kl
     last = [r for r in logs if "entropy" in r][-1]
     assert last["entropy"] < t.rl_policy.entropy_collapse_fraction * logs[0]["entropy"]
+    policy = status_document(monitor.state)["policy"]  # the status page's RL section
+    assert policy["entropy"] == monitor.state.signals["entropy"] and policy["kl"] > t.rl_policy.kl_bound
     body = generate_latest(monitor.registry).decode()
     target = {"rank": "0", "run_id": monitor.state.run_id}
     pages(
@@ -231,3 +234,31 @@ def test_kl_explodes_past_its_bound_or_by_orders_of_magnitude():
     assert check_rl_kl(h, t).status.name == "DANGER"  # x300
     h, t = _history(steady, kl=[0.5] * 8 + [1.5] * 32)
     assert check_rl_kl(h, t).status.name == "DANGER"  # past the bound
+
+
+def _verl_console(path, collapse_at: int | None) -> None:
+    """verl's console logger: one ``step:N - key:value - ...`` line per step."""
+    lines = []
+    for step in range(1, 61):
+        bad = collapse_at is not None and step >= collapse_at
+        entropy, kl = (0.03, 2.5) if bad else (1.2 - 0.002 * step, 0.001 + 0.0001 * step)
+        lines.append(
+            f"(TaskRunner pid=1234) step:{step} - actor/entropy:{entropy + 0.001 * (step % 3):.4f} - "
+            f"actor/kl_loss:{kl:.4f} - actor/pg_loss:{0.001 * (step % 5 - 2):.4f} - actor/pg_clipfrac:0.002 - "
+            f"actor/ppo_kl:0.0001 - actor/grad_norm:0.{40 + step % 7} - critic/score/mean:{0.25 + 0.001 * (step % 2):.3f}"
+        )
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def test_analyze_reads_verl_console_logs_names(tmp_path):
+    from lossbeat.analyze import analyze_file
+
+    bad, good = tmp_path / "verl-collapsed.log", tmp_path / "verl-healthy.log"
+    _verl_console(bad, collapse_at=12)
+    _verl_console(good, collapse_at=None)
+    collapsed = analyze_file(bad)
+    assert collapsed.profile == "rl"
+    assert collapsed.reached("rl_entropy", status=collapsed.status.DANGER)
+    assert collapsed.reached("rl_kl", status=collapsed.status.DANGER)
+    healthy = analyze_file(good)
+    assert not healthy.reached("rl_entropy") and not healthy.reached("rl_kl")
