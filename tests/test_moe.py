@@ -70,7 +70,7 @@ def _collapse(model: TinyMoE, layer: int) -> None:
     router.requires_grad_(False)
 
 
-def _train(collapse_layer: int | None = None) -> tuple[Monitor, RouterHooks]:
+def _train(collapse_layer: int | None = None, monitor: Monitor | None = None) -> tuple[Monitor, RouterHooks]:
     torch.manual_seed(0)
     model = TinyMoE()
     if collapse_layer is not None:
@@ -79,7 +79,7 @@ def _train(collapse_layer: int | None = None) -> tuple[Monitor, RouterHooks]:
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     t = load_thresholds()
     t = dataclasses.replace(t, moe=dataclasses.replace(t.moe, dead_window_steps=WINDOW))
-    monitor = Monitor(MonitorConfig(thresholds=t), serve=False)
+    monitor = monitor or Monitor(MonitorConfig(thresholds=t), serve=False)
     gen = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         tokens = torch.randint(0, VOCAB, (256,), generator=gen)
