@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 
 from benchmarks.counting import StepCounts, count_host_reads
 from lossbeat.diagnosis.moe import check_moe_router
+from lossbeat.exposition.moe import moe_families
 from lossbeat.monitor import Monitor, MonitorConfig
 
 __all__ = ["measure", "LAYERS", "EXPERTS"]
@@ -84,6 +85,10 @@ def measure(steps: int = 200, device: str = "cpu", repeats: int = 3) -> dict:
     for _ in range(20):
         generate_latest(monitor.registry)
     scrape_ms = (time.perf_counter() - start) / 20 * 1e3
+    start = time.perf_counter()
+    for _ in range(100):
+        list(moe_families(monitor.state))
+    render_us = (time.perf_counter() - start) / 100 * 1e6
     base = _run(20, None, device)[2]
     start = time.perf_counter()
     for _ in range(20):
@@ -105,6 +110,7 @@ def measure(steps: int = 200, device: str = "cpu", repeats: int = 3) -> dict:
         "observe_us_without": statistics.median(base_us),
         "moe_router_check_us": judge_us,
         "moe_series_per_rank": moe_series,
+        "moe_families_us": render_us,
         "scrape_ms_with_moe": scrape_ms,
         "scrape_ms_without": scrape_ms_without,
         "window_bytes": window.numel() * window.element_size(),
