@@ -236,3 +236,18 @@ def test_64_layers_of_128_experts_read_the_host_once_per_step_in_a_fixed_number_
     assert len(_series(monitor, "training_moe_load_imbalance")) == 64  # per layer, never per expert
     few, _ = _counted_steps(4, 128, dtype)
     assert counts.ops - counts.view_ops == few.ops - few.view_ops  # no kernel per layer or per expert
+
+
+def test_a_failed_expert_load_measurement_is_counted_and_the_step_goes_on(monkeypatch):
+    from lossbeat.measure.experts import ExpertLoadMeter
+
+    monitor = Monitor(MonitorConfig(), serve=False)
+    monitor.observe(0, loss=1.0, expert_load={"l0": [1, 2]})
+
+    def broken(self, step, expert_load):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(ExpertLoadMeter, "measure", broken)
+    monitor.observe(1, loss=1.0, expert_load={"l0": [1, 2]})
+    monitor.flush()
+    assert monitor.state.steps_total == 2 and monitor.state.errors["observe"] == 1

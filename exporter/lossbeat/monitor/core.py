@@ -126,7 +126,7 @@ class Monitor:
         self._cross_rank_collector = CrossRankCollector(self._cross_rank, self.state.run_id)
         self.registry.register(self._cross_rank_collector)
         self._steps = StepPath(self.state, self._log, self._meter, self._guard, self._transfer, self._cross_rank)
-        self._experts = ExpertLoads(self.thresholds.moe.dead_window_steps)
+        self._experts = ExpertLoads(self.thresholds.moe.dead_window_steps, lambda: self.state.count_error("observe"))
         self.closed = False
         self._server: MetricsServer | None = None
         self._registration: Registration | None = None

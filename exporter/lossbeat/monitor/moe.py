@@ -5,6 +5,7 @@ state and to the router check's track (:mod:`lossbeat.diagnosis.moe`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 from lossbeat.diagnosis.moe import MoETrack
@@ -20,9 +21,13 @@ EXPERT_SIZES = "expert_sizes"
 class ExpertLoads:
     """The monitor's router measurement: nothing until the first ``expert_load``."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, on_error: Any = None) -> None:
         self.window = window
+        self.on_error = on_error
+        """Called on each failed measurement (the monitor counts it: training_exporter_errors_total{where="observe"})."""
         self.meter: Any = None
+        self.errors = 0
+        """Steps whose expert load could not be measured (logged; the step itself is observed)."""
 
     def add(self, step: int, expert_load: Mapping[str, Any], values: dict[Any, Any]) -> None:
         """Measure ``expert_load`` into ``values`` (device work only: no host read here)."""
@@ -35,7 +40,17 @@ class ExpertLoads:
             from lossbeat.measure.experts import ExpertLoadMeter
 
             self.meter = ExpertLoadMeter(self.window)
-        measured = self.meter.measure(step, expert_load)
+        try:
+            measured = self.meter.measure(step, expert_load)
+        except TypeError:  # a wrong type or shape: the caller's mistake, said at once
+            raise
+        except Exception:  # anything else must not stop the run: counted, logged, the step goes on
+            self.errors += 1
+            if self.on_error is not None:
+                self.on_error()
+            if self.errors == 1 or self.errors % 100 == 0:
+                logging.getLogger("lossbeat").exception("lossbeat: error measuring expert_load (step %d)", step)
+            return
         if measured is not None:
             values[EXPERT_LAYERS], values[EXPERTS] = measured
             values[EXPERT_SIZES] = self.meter.experts
