@@ -48,6 +48,9 @@ ALERTS = {  # the contract: name -> severity
     "TrainingLossVolatile": "warning",
     "TrainingLossSpikes": ("critical", "warning"),  # spikes judged harmful page, a burst is a ticket
     "TrainingRLSignalCollapsed": "critical",
+    "TrainingMoERouterCollapse": "critical",
+    "TrainingRLEntropyCollapse": "critical",
+    "TrainingRLKLExploded": "critical",
     "TrainingLossOutOfRange": "warning",
     "TrainingOverfitting": "warning",
     "TrainingLearningRateSuspect": "warning",

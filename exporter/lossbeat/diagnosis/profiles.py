@@ -37,10 +37,36 @@ MAX_SIGNALS = 16
 
 # Canonical signal -> the names logs give it (TRL, LLaMA-Factory, the HF Trainer, Lightning).
 SIGNALS: dict[str, tuple[str, ...]] = {
-    "reward": ("reward", "rewards/mean", "env/reward_mean", "objective/scores", "rollout/ep_rew_mean"),
+    "reward": (
+        "reward",
+        "rewards/mean",
+        "env/reward_mean",
+        "objective/scores",
+        "rollout/ep_rew_mean",
+        "critic/score/mean",
+    ),
     "reward_std": ("reward_std", "rewards/std", "env/reward_std"),
     "frac_reward_zero_std": ("frac_reward_zero_std", "zero_std_ratio"),
-    "kl": ("kl", "objective/kl"),
+    "kl": ("kl", "objective/kl", "actor/kl_loss", "actor/reward_kl_penalty"),
+    # The policy's entropy and its step-to-step change (TRL, verl, OpenRLHF, prime-rl; docs/diagnosis.md).
+    "entropy": (
+        "entropy",
+        "actor/entropy",
+        "objective/entropy",
+        "policy/entropy_avg",
+        "policy_entropy",
+        "entropy/mean",
+        "entropy/all/mean",
+    ),
+    "policy_kl": ("actor/ppo_kl", "ppo_kl", "policy/approxkl_avg", "approx_kl"),
+    "clip_ratio": (
+        "clip_ratio",
+        "clip_ratio/region_mean",
+        "actor/pg_clipfrac",
+        "policy/clipfrac_avg",
+        "ppo_clip_ratio",
+    ),
+    "mismatch_kl": ("mismatch_kl", "mismatch/mismatch_kl", "mismatch_kl/mean", "mismatch_kl/all/mean", "vllm_kl"),
     "margins": ("rewards/margins",),
     "preference_accuracy": ("rewards/accuracies",),
     "eval_accuracy": ("eval_accuracy", "val_acc", "val_accuracy", "eval_acc"),
@@ -94,6 +120,15 @@ _RL = frozenset(
         "env/reward_std",
         "objective/scores",
         "advantages",
+        "critic/score/mean",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac",
+        "ppo_kl",
+        "mismatch_kl",
+        "mismatch_kl/mean",
+        "vllm_kl",
         # Actor-critic (PPO) logs name the policy's and the value head's losses apart
         # (DeepSpeed-Chat, OpenRLHF, CleanRL, stable-baselines): no supervised run does.
         "act_loss",
@@ -183,6 +218,17 @@ def detect_profile(fields: Iterable[str]) -> Detection:
         actor_critic
         or any(
             f in ("reward_std", "frac_reward_zero_std", "zero_std_ratio", "env/reward_std", "objective/kl", "kl")
+            or f
+            in (
+                "actor/entropy",
+                "actor/kl_loss",
+                "actor/ppo_kl",
+                "actor/pg_clipfrac",
+                "ppo_kl",
+                "mismatch_kl",
+                "vllm_kl",
+            )
+            or f == "mismatch_kl/mean"
             for f in rl
         )
         or (rl and any(f.startswith(_RL_PREFIXES) for f in rl))

@@ -11,6 +11,8 @@ from lossbeat.diagnosis.history import History
 from lossbeat.diagnosis.learning import check_learning, learned
 from lossbeat.diagnosis.events import check_events
 from lossbeat.diagnosis.learning_rate import check_learning_rate, check_warmup
+from lossbeat.diagnosis.moe import is_router_loss
+from lossbeat.diagnosis.rl import router_and_policy
 from lossbeat.diagnosis.loss import (
     check_loss_range,
     check_loss_trend,
@@ -87,6 +89,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
         check_events(history, "grad_explosions", regression),
         check_learning(history, trend, t, regression),
     ]
+    findings += router_and_policy(history, t)  # MoE routers, an RL policy's entropy and KL
     for group, track in history.evals.items():
         if group:
             findings.append(
@@ -102,6 +105,8 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
             )
     component_profile = t.profiles.get("multi-task", profile) if profile.name == "multi-task" else profile
     for name, series in history.components.items():
+        if is_router_loss(name):  # a router's aux / z-loss: exported, not judged as a loss
+            continue
         c_trend = trend_of(series, t, component_profile.volatility_floor)
         findings.append(check_loss_range(series, component_profile, t, c_trend, name))
         findings.append(

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import yaml
 
 from lossbeat.diagnosis.events import EventThresholds
+from lossbeat.diagnosis.policy_thresholds import MoEThresholds, RLPolicyThresholds, parse_policy
 from lossbeat.diagnosis.profiles import ClassPriorThresholds, RLThresholds
 
 __all__ = ["Thresholds", "Profile", "ThresholdsError", "load_thresholds", "DEFAULT_PATH"]
@@ -304,6 +305,8 @@ class Thresholds:
     events: EventThresholds
     rl: RLThresholds
     class_prior: ClassPriorThresholds
+    moe: MoEThresholds
+    rl_policy: RLPolicyThresholds
     source: str = field(default="<package>", compare=False)
     """Where the values came from (for error messages and the run info)."""
     profile_named: bool = field(default=True, compare=False)
@@ -571,6 +574,7 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         events=_build(EventThresholds, _section(doc, "events"), "events"),
         rl=_build(RLThresholds, _section(doc, "rl"), "rl"),
         class_prior=_build(ClassPriorThresholds, _section(doc, "class_prior"), "class_prior"),
+        **parse_policy(doc, _section, _number, _durations, ThresholdsError),
         source=source,
     )
 

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from lossbeat.diagnosis.patterns import PATTERNS
 from lossbeat.measure.memory import read_memory
 from lossbeat.exposition.metrics import METRICS, PHASES, RUN_ID_LABEL, SKIP_REASONS, with_run_id
+from lossbeat.exposition.moe import moe_families
 from lossbeat.exposition.render import LayerFamily, LayerLines
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ class MonitorCollector(Collector):
                 "training_layer_grad_norm", METRICS["training_layer_grad_norm"].help, self._layer_lines, layers
             )
 
+        yield from moe_families(s)
         if s.health:
             g = _gauge("training_health_status", ("check", "component"))
             for (check, component), status in s.health.items():

@@ -186,6 +186,22 @@ _SPECS = [
         "Layers none of whose parameters had a gradient at the last per-layer measurement (unused this step); they are left out of training_layer_grad_norm.",
         unit="none",
     ),
+    # Mixture-of-experts routers (observe(expert_load=...)): per layer, never per expert.
+    MetricSpec(
+        "training_moe_load_imbalance",
+        "gauge",
+        "Tokens routed to the busiest expert of each MoE layer over the mean per expert, at the last step observed with expert_load (1 = uniform; E/k = every token on the same k of E experts); NaN when the layer routed no token.",
+        ("layer",),
+        unit="none",
+    ),
+    MetricSpec(
+        "training_moe_dead_experts",
+        "gauge",
+        "Experts of each MoE layer that got no token over the last moe.dead_window_steps observed steps.",
+        ("layer",),
+        unit="none",
+    ),
+    MetricSpec("training_moe_experts", "gauge", "Experts of each MoE layer.", ("layer",), unit="none"),
     # --- info ---------------------------------------------------------------------
     MetricSpec(
         "training_run",
@@ -292,6 +308,9 @@ HEALTH_CHECKS = (
     "memory",
     "throughput",
     "lr_schedule",
+    "moe_router",
+    "rl_entropy",
+    "rl_kl",
 )
 """Values of the ``check`` label of ``training_health_status``."""
 

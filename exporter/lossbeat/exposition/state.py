@@ -84,6 +84,8 @@ class MonitorState:
         """The training_profile info labels (profile, source, fields): swapped whole."""
         self.learning_rates: dict[str, float] = {}
         self.layer_norms: dict[str, float] = {}
+        self.moe: tuple | None = None
+        """(MoE layer names, imbalances, dead experts, experts per layer) of the last expert load: swapped whole."""
         self.health: dict[tuple[str, str], int] = {(check, ""): 0 for check in HEALTH_CHECKS}
         self.first_nonfinite_layer: str | None = None
         self.layers_without_grad: int | None = None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from lossbeat.analyze.checklist import ITEMS as CHECKLIST_ITEMS
 from lossbeat.diagnosis.patterns import PATTERNS
+from lossbeat.exposition.moe import status_sections
 
 if TYPE_CHECKING:
     from lossbeat.exposition.state import MonitorState
@@ -225,6 +226,7 @@ def status_document(
             if first_event and (not layers or first_event[0][0] < layers[0][0])
             else None
         ),
+        **status_sections(s),  # MoE routers, RL policy: when the run has them
     }
 
 

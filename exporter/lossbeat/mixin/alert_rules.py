@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from lossbeat.diagnosis.thresholds import Thresholds
+from lossbeat.mixin.moe_rl_rules import moe_rl_alerts
 
 __all__ = [
     "AlertRule",
@@ -1495,6 +1496,7 @@ def alert_rules(thresholds: Thresholds) -> list[AlertRule]:
         + _gradient_alerts(thresholds)
         + _loss_alerts(thresholds)
         + _rl_alerts(thresholds)
+        + [AlertRule(**spec) for spec in moe_rl_alerts(thresholds)]  # MoE routers, RL entropy and KL
         + _progress_alerts(thresholds)
         + _resource_alerts(thresholds)
         + _cluster_alerts(thresholds)

@@ -22,6 +22,7 @@ from typing import Iterable
 
 from lossbeat.analyze.checklist import ITEMS as CHECKLIST_ITEMS
 from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
+from lossbeat.mixin.moe_rl_dashboard import OPTIONAL_METRICS as MOE_RL_METRICS, moe_rl_panels
 from lossbeat.exposition.metrics import METRICS
 from lossbeat.diagnosis.thresholds import Thresholds
 
@@ -73,7 +74,7 @@ _QUIET_PANELS = frozenset(
 )
 # Series only some runs export: loss components (multi-task runs), the rank work time
 # (work_time=True).
-_OPTIONAL_METRICS = ("training_loss_component{", "training_rank_work_seconds{")
+_OPTIONAL_METRICS = ("training_loss_component{", "training_rank_work_seconds{") + MOE_RL_METRICS
 
 
 def may_be_empty(title: str, expr: str) -> bool:
@@ -943,7 +944,8 @@ def build_dashboards(thresholds: Thresholds) -> dict[str, dict]:
             "lossbeat / Overview",
             f"Training health of PyTorch jobs: loss, gradients, learning rate, "
             f"diagnosis, events, throughput. {generated}",
-            _overview_panels(thresholds),
+            _overview_panels(thresholds)
+            + moe_rl_panels(thresholds, _panel, _timeseries, _targets, _selector, _thresholds),  # MoE, RL policy
         ),
         CLUSTER_FILE: _dashboard(
             "lossbeat-cluster",

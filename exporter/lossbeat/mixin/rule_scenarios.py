@@ -12,6 +12,7 @@ from lossbeat.mixin.cross_rank_scenarios import cross_rank
 from lossbeat.mixin.event_scenarios import gradient_nonfinite
 from lossbeat.mixin.gap_scenarios import gap_scenarios
 from lossbeat.mixin.guard_scenarios import guard_scenarios
+from lossbeat.mixin.moe_rl_scenarios import moe_rl_scenarios
 from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_discovered, ranks_finishing
 from lossbeat.mixin.rule_series import (
     INSTANCE,
@@ -681,5 +682,6 @@ SCENARIO_FAMILIES = (
     ranks_finishing,
     guard_scenarios,
     gap_scenarios,
+    moe_rl_scenarios,
 )
 """Every family of scenarios, in the order the test documents list them."""

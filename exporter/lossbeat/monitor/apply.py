@@ -12,6 +12,7 @@ from lossbeat.diagnosis.vitals import Vitals
 from lossbeat.exposition.state import LAYER_FIRST_EVENT_STEPS, MonitorState
 from lossbeat.monitor.inputs import FIRST_LR
 from lossbeat.monitor.judgment import Judgment
+from lossbeat.monitor.moe import apply_experts
 from lossbeat.monitor.ratelog import RateLimitedLog
 from lossbeat.monitor.transfer import PendingStep
 
@@ -137,6 +138,8 @@ class StepApplier:
             self.cross_rank.record(record.step, grad_norm)
         if "fields" in v and self.profile is not None:
             self.profile.seen(v["fields"])
+        if "experts" in v:  # observe(expert_load=...): the routers' per-layer statistics
+            apply_experts(s, self.history, v, record.step)
         if record.has_signals:
             signals = {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "signal"}
             for name, x in signals.items():

@@ -39,6 +39,7 @@ from lossbeat.monitor.apply import StepApplier
 from lossbeat.monitor.config import DEFAULT_PORT, MonitorConfig
 from lossbeat.monitor.guard import make_guard
 from lossbeat.monitor.judgment import Judgment
+from lossbeat.monitor.moe import ExpertLoads
 from lossbeat.monitor.null import NullMonitor, PhaseScope
 from lossbeat.monitor.profile import ProfileChoice
 from lossbeat.monitor.ratelog import RateLimitedLog
@@ -125,6 +126,7 @@ class Monitor:
         self._cross_rank_collector = CrossRankCollector(self._cross_rank, self.state.run_id)
         self.registry.register(self._cross_rank_collector)
         self._steps = StepPath(self.state, self._log, self._meter, self._guard, self._transfer, self._cross_rank)
+        self._experts = ExpertLoads(self.thresholds.moe.dead_window_steps, lambda: self.state.count_error("observe"))
         self.closed = False
         self._server: MetricsServer | None = None
         self._registration: Registration | None = None
@@ -192,6 +194,7 @@ class Monitor:
         epoch: float | None = None,
         grad_scaler: Any = None,
         metrics: Mapping[str, Any] | None = None,
+        expert_load: Mapping[str, Any] | None = None,
     ) -> None:
         """Record one optimizer step. Call after ``backward()`` and before ``zero_grad()``.
 
@@ -210,6 +213,12 @@ class Monitor:
         ``metrics``: the task's named values (``{"reward_std": s}`` for GRPO, ``{"rewards/margins": m}``
         for DPO): their names choose the profile (``training_profile_info``; ``MonitorConfig.profile``
         wins); known ones are judged and exported as ``training_signal{signal=...}``.
+
+        ``expert_load``: a mixture-of-experts model's routing, ``{layer name: tokens per expert}`` (a
+        1-d tensor or a sequence per MoE layer; :mod:`lossbeat.integrations.moe` fills it from a
+        model's ``router_logits`` or from hooks on its routers). Reduced on the device to each
+        layer's load imbalance and dead experts, read in the step's one host transfer, exported per
+        layer (``training_moe_*``) and judged (the ``moe_router`` check, TrainingMoERouterCollapse).
 
         Wrong types raise ``TypeError``; NaN, Inf and other anomalies in the values are
         counted and exported, never raised. A loss (or component) tensor of several values is
@@ -232,6 +241,7 @@ class Monitor:
             and epoch is None
             and grad_scaler is None
             and metrics is None
+            and expert_load is None
         ):
             self._steps.floats(step, loss, grad_norm, learning_rate)
             return
@@ -248,6 +258,8 @@ class Monitor:
             model=model,
             seen=self._profile.names_seen,
         )
+        if expert_load is not None:
+            self._experts.add(step, expert_load, values)  # device work; read with the step's values
         if epoch is not None:
             epoch = inputs.check_epoch(epoch)
         if anomalies:

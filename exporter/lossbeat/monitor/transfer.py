@@ -96,7 +96,7 @@ def start_host_copy(packed: Any) -> tuple[Any, Any]:
 
 
 _NO_PARTS: Any = ()  # a record's layout and layer names when it has neither (shared, never written)
-_VECTORS = ("layers", "guard")  # vectors; every other key is one value
+_VECTORS = ("layers", "guard", "experts")  # vectors; every other key is one value
 
 
 def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:
