@@ -35,6 +35,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,9 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """A GPT-style decoder; module paths read ``blocks.N.attn.qkv`` and so on."""
 
+    training_step: int
+    """The step being trained, set by the training loop (the fault hooks read it)."""
+
     def __init__(self, size: ModelSize = ModelSize(), noise_head: bool = False) -> None:
         super().__init__()
         self.size = size
@@ -121,6 +125,7 @@ class TinyLM(nn.Module):
 
     def losses(self, tokens: torch.Tensor, targets: torch.Tensor, noisy: torch.Tensor) -> dict[str, torch.Tensor]:
         """The multi-task losses: next-token ``lm`` and per-token ``noise`` detection."""
+        assert self.noise_head is not None, "losses() needs TinyLM(noise_head=True)"
         h = self.hidden(tokens)
         logits = self.head(h)
         return {
@@ -348,7 +353,8 @@ def run(args: argparse.Namespace) -> int:
 
             tokens, targets, noisy = corpus.batch_with_noise(args.batch_size)
             components = model.losses(tokens, targets, noisy) if args.multi_task else None
-            loss = sum(components.values()) if components else model(tokens, targets)
+            # cast: sum() of tensors is a tensor; its type counts the int start it never returns here
+            loss = cast(torch.Tensor, sum(components.values())) if components else model(tokens, targets)
             if "nan" in active and (args.guard == "off" or step == fault_step):
                 loss = loss * float("nan")
                 components = {name: value * float("nan") for name, value in components.items()} if components else None

@@ -462,6 +462,7 @@ def _where(check: str, component: str) -> str:
 
 def verdict(run: Run, t: Thresholds) -> Verdict:
     a = run.analysis
+    assert a is not None, "verdict() of a run not analysed yet"
     v = Verdict(changes=a.status_changes)
     for (check, component), w in a.worst.items():
         name = f"{_where(check, component)}@{w.step}"
@@ -562,6 +563,7 @@ def render(runs: list[Run], t: Thresholds | None = None) -> str:
     ]
     for r in healthy:
         v = verdicts[id(r)]
+        assert r.analysis is not None  # every run was analysed before its verdict
         agreed = [w for w in v.warnings if w.split("@")[0].split("[")[0] in r.agreed]
         lines.append(
             f"| {r.name} | {r.profile or t.profile.name} | {r.analysis.train_records} | {_cell(v.dangers)} | "
@@ -579,6 +581,7 @@ def render(runs: list[Run], t: Thresholds | None = None) -> str:
     ]
     for r in faults:
         v = verdicts[id(r)]
+        assert r.analysis is not None  # every run was analysed before its verdict
         onset = r.onset if r.onset is not None else r.analysis.first_step
         delay = "-" if v.caught_step is None or onset is None else str(v.caught_step - onset)
         lines.append(

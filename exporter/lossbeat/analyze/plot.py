@@ -244,9 +244,9 @@ def draw(log: ParsedLog, analyses: list[Analysis], thresholds: Thresholds, runs:
         if grad_ax is not None:
             gpts = _finite((r.step, r.grad_norm) for r in run.train)
             if gpts:
-                gx, gy = zip(*gpts)
-                all_grad += gy
-                grad_ax.plot(gx, gy, lw=0.8, color=c_train, label=f"{tag}grad norm")
+                grad_steps, grad_norms = zip(*gpts)
+                all_grad += grad_norms
+                grad_ax.plot(grad_steps, grad_norms, lw=0.8, color=c_train, label=f"{tag}grad norm")
         if lr_ax is not None:
             lpts = _finite((r.step, r.learning_rate) for r in run.train)
             if lpts:

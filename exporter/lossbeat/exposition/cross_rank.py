@@ -3,7 +3,7 @@ step-aligned grad norm and the rank's work time, compared across the ranks of a 
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -13,10 +13,21 @@ from lossbeat.exposition.metrics import METRICS, with_run_id
 __all__ = ["CrossRankCollector"]
 
 
+class Signals(Protocol):
+    """What the collector reads of :class:`lossbeat.measure.cross_rank.CrossRankSignals` (torch-free)."""
+
+    @property
+    def rank(self) -> str: ...
+    @property
+    def aligned(self) -> tuple[float, float] | None: ...
+    @property
+    def work_mean(self) -> float | None: ...
+
+
 class CrossRankCollector(Collector):
     """Reads the signals' last values (each assigned whole by the training thread): no lock."""
 
-    def __init__(self, signals, run_id: str = "") -> None:
+    def __init__(self, signals: Signals, run_id: str = "") -> None:
         self.signals = signals
         self.run_id = run_id
 

@@ -25,7 +25,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -37,6 +37,9 @@ from lossbeat.exposition.render import bake
 from lossbeat.exposition.scrapers import Scrapers, scraper_key
 from lossbeat.exposition.status import STATUS_PATH, StatusSource, page_html
 from lossbeat.exposition.webconfig import TLSServerConfig, WebConfig, WebConfigError, require_bcrypt
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIApplication  # wsgiref.types is Python 3.11+
 
 __all__ = ["make_app", "start_server", "METRICS_PATH", "HEALTH_PATH"]
 
@@ -112,13 +115,14 @@ class _SharedRenders:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
-        self._locks: dict[tuple, threading.Lock] = collections.defaultdict(threading.Lock)
-        self._latest: dict[tuple, tuple[float, Response]] = {}
+        self._locks: dict[tuple[str, bool], threading.Lock] = collections.defaultdict(threading.Lock)
+        self._latest: dict[tuple[str, bool], tuple[float, Response]] = {}
 
     def get(self, accept: str | None, accept_encoding: str | None, arrived: float) -> tuple[float, Response]:
         """(the monotonic start of the render, the response) for a scrape that arrived at ``arrived``."""
         # By what is served, not by the raw headers: a handful of keys whatever clients send.
-        key = (choose_encoder(accept)[1], gzip_accepted(accept_encoding))
+        # (prometheus_client reads a missing header, None, as "".)
+        key = (choose_encoder(accept or "")[1], gzip_accepted(accept_encoding or ""))
         with self._locks[key]:  # one render per format at a time; the others wait for it
             latest = self._latest.get(key)
             if latest is not None and latest[0] >= arrived:
@@ -134,7 +138,7 @@ def make_app(
     web_config: WebConfig | None = None,
     scrapers: Scrapers | None = None,
     status: StatusSource | None = None,
-) -> Callable:
+) -> WSGIApplication:
     """The WSGI application serving ``registry`` by the exporter conventions above (and
     ``status`` at ``/`` and ``/status.json``); basic auth guards every path alike. Each scrape
     of /metrics is recorded in ``scrapers`` (who scraped, when, which render it was sent)."""
@@ -186,7 +190,7 @@ def make_app(
                 scrapers.record(scraper_key(environ), arrived, rendered)
         return status, list(headers) + [("Vary", "Accept, Accept-Encoding")], body
 
-    def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         try:
             status, headers, body = route(environ)
         except Exception:  # a collector of the user's registry, say: a 500, never a dead server
@@ -246,7 +250,9 @@ class _Server(ThreadingWSGIServer):
     # SYN dropped and retries after 1, 3, 7... seconds (scrapes timing out under load).
     request_queue_size = 128
 
-    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+    def process_request_thread(  # type: ignore[override]  # TCP: a socket, never UDP's (data, socket) pair
+        self, request: socket.socket, client_address: Any
+    ) -> None:
         if self.tls is not None:
             try:
                 request.settimeout(_HANDSHAKE_TIMEOUT_S)
@@ -264,7 +270,7 @@ class _Server(ThreadingWSGIServer):
 def _address_family(addr: str, port: int) -> tuple[socket.AddressFamily, str]:
     infos = socket.getaddrinfo(addr or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, sockaddr = infos[0]
-    return family, sockaddr[0]
+    return family, str(sockaddr[0])  # a str already for AF_INET and AF_INET6, the only families asked
 
 
 def start_server(

@@ -9,6 +9,9 @@ The collector that renders them lives in :mod:`lossbeat.exposition.collector`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from prometheus_client.metrics_core import Metric
 
 __all__ = ["MetricSpec", "METRICS", "HEALTH_CHECKS", "PHASES", "PREFIX", "RUN_ID_LABEL", "with_run_id", "SKIP_REASONS"]
 
@@ -20,7 +23,7 @@ RUN_ID_LABEL = "run_id"
 """The run identity on every series: the rules compare ranks only within one (job, run_id)."""
 
 
-def with_run_id(families, run_id: str):
+def with_run_id(families: Iterable[Metric], run_id: str) -> Iterator[Metric]:
     """``families`` (prometheus_client metric families) with ``run_id`` added to every sample."""
     for family in families:
         if not getattr(family, "labelled_run_id", False):  # a LayerFamily's lines carry it already

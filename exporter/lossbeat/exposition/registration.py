@@ -187,10 +187,10 @@ def _name_is_comparable(owner: Owner, mine: Owner) -> bool:
     )
 
 
-def prune_own_namespace(directory: str | os.PathLike) -> list[Path]:
+def prune_own_namespace(directory: str | os.PathLike[str]) -> list[Path]:
     """Remove the entries of dead processes of this host, boot and PID namespace, judged from
     the file names alone (no entry is opened). What a rank runs when it registers."""
-    removed = []
+    removed: list[Path] = []
     try:
         names = os.listdir(directory)
     except OSError:
@@ -244,7 +244,7 @@ class Registration:
     removed by :func:`prune` (by the next rank registering on this host and namespace, or by
     ``lossbeat targets prune --slurm-job-id`` in the job's trap or epilog)."""
 
-    def __init__(self, directory: str | os.PathLike, target: str, labels: dict[str, str], rank: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], target: str, labels: dict[str, str], rank: int) -> None:
         self.directory = Path(directory)
         self.owner = Owner.current()
         self.path = _entry_path(self.directory, self.owner, target.rsplit(":", 1)[-1])
@@ -288,7 +288,7 @@ def _target_host(addr: str) -> str:
 
 
 def register(
-    directory: str | os.PathLike | None,
+    directory: str | os.PathLike[str] | None,
     *,
     addr: str,
     port: int,
@@ -344,9 +344,9 @@ def _read_entry(path: Path) -> str:
     return data.decode("utf-8")
 
 
-def read_entries(directory: str | os.PathLike) -> list[tuple[Path, Owner | None, dict]]:
+def read_entries(directory: str | os.PathLike[str]) -> list[tuple[Path, Owner | None, dict[str, str]]]:
     """(path, owner or None when unreadable, labels) of every lossbeat entry in ``directory``."""
-    out = []
+    out: list[tuple[Path, Owner | None, dict[str, str]]] = []
     for path in sorted(Path(directory).glob(f"{PREFIX}*.json")):
         try:
             groups = json.loads(_read_entry(path))
@@ -369,7 +369,7 @@ def read_entries(directory: str | os.PathLike) -> list[tuple[Path, Owner | None,
     return out
 
 
-def prune(directory: str | os.PathLike, *, slurm_job_id: str | None = None) -> list[Path]:
+def prune(directory: str | os.PathLike[str], *, slurm_job_id: str | None = None) -> list[Path]:
     """Remove entries whose process is gone: dead or reused pids of this host, boot and PID
     namespace, leftover temporary files, and with ``slurm_job_id`` every entry of that
     (finished) job. Entries whose liveness is unknowable here (other hosts, other containers
@@ -414,7 +414,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pruning.add_argument("--slurm-job-id", help="also remove every entry of this finished Slurm job (any host)")
 
 
-def _describe(entries: Iterable[tuple[Path, Owner | None, dict]]) -> Iterable[str]:
+def _describe(entries: Iterable[tuple[Path, Owner | None, dict[str, str]]]) -> Iterable[str]:
     states = {True: "alive", False: "dead", None: "unknowable here (other host, boot or PID namespace)"}
     for path, owner, labels in entries:
         if owner is None:

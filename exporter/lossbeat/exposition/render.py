@@ -12,7 +12,7 @@ and :func:`bake` writes the value after it. Anything that renders a registry the
 from __future__ import annotations
 
 import gzip
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client.exposition import _bake_output, choose_encoder, gzip_accepted
 from prometheus_client.metrics_core import Metric
@@ -20,6 +20,12 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 __all__ = ["LayerFamily", "LayerLines", "bake"]
+
+# prometheus_client leaves these two untyped: their signatures, as this module calls them.
+_float_to_go: Callable[[float], str] = floatToGoString
+_bake_ordinary: Callable[
+    [Any, str | None, str | None, Mapping[str, Any], bool], tuple[str, list[tuple[str, str]], bytes]
+] = _bake_output
 
 _MAX_CACHED = 8192  # layer names whose line prefix is kept (a regrouping brings new ones)
 
@@ -68,7 +74,7 @@ class LayerFamily(Metric):
         self._samples: list[Sample] | None = None
 
     @property
-    def samples(self) -> list[Sample]:  # type: ignore[override]
+    def samples(self) -> list[Sample]:
         if self._samples is None:
             labels = self._lines.labels
             self._samples = [Sample(self.name, labels(k), v, None, None) for k, v in self._values.items()]
@@ -85,7 +91,7 @@ class LayerFamily(Metric):
         if openmetrics:
             help_text = help_text.replace('"', r"\"")
         head = f"# HELP {self.name} {help_text}\n# TYPE {self.name} gauge\n"
-        return head + "".join([f"{prefix(k)}{floatToGoString(v)}\n" for k, v in self._values.items()])
+        return head + "".join([f"{prefix(k)}{_float_to_go(v)}\n" for k, v in self._values.items()])
 
 
 class _Families:
@@ -104,11 +110,15 @@ def bake(
     """(status, headers, body) of a /metrics response, as prometheus_client's ``_bake_output``
     answers it, with each :class:`LayerFamily` written from its cached lines."""
     if params and "name[]" in params:  # a filtered scrape: rare, the ordinary path
-        return _bake_output(registry, accept, accept_encoding, params, False)
-    encoder, content_type = choose_encoder(accept)
-    families, layers = [], []
+        return _bake_ordinary(registry, accept, accept_encoding, params, False)
+    encoder, content_type = choose_encoder(accept or "")  # what prometheus_client does with None
+    families: list[Metric] = []
+    layers: list[LayerFamily] = []
     for family in registry.collect():
-        (layers if isinstance(family, LayerFamily) else families).append(family)
+        if isinstance(family, LayerFamily):
+            layers.append(family)
+        else:
+            families.append(family)
     output = encoder(_Families(families))
     if layers:
         openmetrics = content_type.startswith("application/openmetrics-text")
@@ -116,7 +126,7 @@ def bake(
         end = b"# EOF\n"
         output = output[: -len(end)] + extra + end if output.endswith(end) else output + extra
     headers = [("Content-Type", content_type)]
-    if gzip_accepted(accept_encoding):
+    if gzip_accepted(accept_encoding or ""):
         output = gzip.compress(output)
         headers.append(("Content-Encoding", "gzip"))
     return "200 OK", headers, output

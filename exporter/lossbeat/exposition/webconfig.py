@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import ssl
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -123,12 +123,12 @@ class WebConfig:
     @classmethod
     def from_tls_files(cls, certfile: str, keyfile: str) -> "WebConfig":
         """The settings of MonitorConfig's certfile/keyfile: TLS, no client authentication."""
-        config = cls(TLSServerConfig(str(certfile), str(keyfile)), source="certfile/keyfile")
-        config.tls.ssl_context()  # fail now, naming the files, not at the first scrape
-        return config
+        tls = TLSServerConfig(str(certfile), str(keyfile))
+        tls.ssl_context()  # fail now, naming the files, not at the first scrape
+        return cls(tls, source="certfile/keyfile")
 
 
-def load_web_config(path: str | os.PathLike) -> WebConfig:
+def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
     """Read and validate a web configuration file (exporter-toolkit format)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"web_config: expected a path, got {type(path).__name__}")
@@ -207,7 +207,7 @@ def require_bcrypt() -> Any:
     return bcrypt
 
 
-def _tls(doc: Any, directory: str, fail) -> TLSServerConfig:
+def _tls(doc: Any, directory: str, fail: Callable[[str, str], WebConfigError]) -> TLSServerConfig:
     if not isinstance(doc, Mapping):
         raise fail("tls_server_config", "expected a mapping")
     for key in doc:
@@ -260,7 +260,9 @@ def _tls(doc: Any, directory: str, fail) -> TLSServerConfig:
     return config
 
 
-def _no_unknown(doc: Mapping, known: set[str], prefix: str, fail) -> None:
+def _no_unknown(
+    doc: Mapping[object, object], known: set[str], prefix: str, fail: Callable[[str, str], WebConfigError]
+) -> None:
     unknown = sorted(str(k) for k in doc if k not in known)
     if unknown:
         raise fail(f"{prefix}{unknown[0]}", f"unknown key (known: {', '.join(sorted(known))})")

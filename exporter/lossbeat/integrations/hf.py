@@ -363,8 +363,10 @@ class LossbeatCallback(TrainerCallback):
             if scaler is not None and hasattr(inner, "register_step_post_hook")
             else None
         )
+        monitor = self._monitor
+        assert monitor is not None  # the guard is patched in once training has begun
         try:
-            self._monitor.step(inner, grad_scaler=scaler, scheduler=gate)
+            monitor.step(inner, grad_scaler=scaler, scheduler=gate)
         except BaseException:  # TrainingHalted (or a failing step) leaves train(): no on_train_end follows
             self._unguard()
             raise

@@ -166,7 +166,9 @@ class LossbeatCallback(Callback):
         step = trainer.global_step + 1
         # "16-mixed" precision's GradScaler (None otherwise): an overflow it skips is no fault.
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-        self.monitor.observe(
+        monitor = self._monitor
+        assert monitor is not None  # set up by setup("fit"), before any batch
+        monitor.observe(
             step,
             loss=self._loss_sum,
             model=pl_module,
@@ -186,7 +188,9 @@ class LossbeatCallback(Callback):
             return  # accumulating, or observed with gradients
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self.monitor.observe(
+            monitor = self._monitor
+            assert monitor is not None  # set up by setup("fit"), before any batch
+            monitor.observe(
                 step,
                 loss=loss,
                 optimizer=trainer.optimizers[0] if trainer.optimizers else None,
@@ -197,12 +201,13 @@ class LossbeatCallback(Callback):
         self._loss_sum = None
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or self._monitor is None:  # None: trainer.validate() outside a fit
+        monitor = self._monitor
+        if trainer.sanity_checking or monitor is None:  # None: trainer.validate() outside a fit
             return
         logged = trainer.callback_metrics
         found = eval_loss_from(logged, self.eval_key, prefix="val_")
         if found is not None:
-            self.monitor.observe_eval(
+            monitor.observe_eval(
                 trainer.global_step,
                 found[1],
                 metrics=task_metrics(logged, self._names_passed, evaluation=True, skip=found[0]),
@@ -250,7 +255,8 @@ class LossbeatCallback(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         monitor = self._monitor
-        if monitor is not None and getattr(monitor, "state", None) is not None and monitor.state.phase[0] != "train":
+        state = getattr(monitor, "state", None)  # None for a NullMonitor, or before setup
+        if state is not None and state.phase[0] != "train":
             phase_quietly(monitor, "train")  # after a checkpoint (no hook follows the write)
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -260,6 +266,7 @@ class LossbeatCallback(Callback):
         monitor = self._monitor
         if guard_mode(monitor) == "off":
             return
+        assert monitor is not None and not isinstance(monitor, NullMonitor)  # guard_mode() found its config
         _check_schedule("on", monitor.config.guard_schedule)
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         if scaler is not None:  # "16-mixed": Lightning runs scaler.step(optimizer) and scaler.update()
@@ -299,8 +306,10 @@ class LossbeatCallback(Callback):
                 patch.original(**kwargs)  # a step nothing decided on (no loss seen): as Lightning's
                 return loss
             self._decided = None
+            monitor = self._monitor
+            assert monitor is not None  # the guard is patched in by on_train_start, after setup
             with patch.unpatched():
-                self.monitor.step(optimizer)
+                monitor.step(optimizer)
             return loss
 
         return step
@@ -310,8 +319,10 @@ class LossbeatCallback(Callback):
         if self._decided is not optimizer or args or kwargs:
             return step.original(optimizer, *args, **kwargs)
         self._decided = None
+        monitor = self._monitor
+        assert monitor is not None  # the guard is patched in by on_train_start, after setup
         with step.unpatched(), update.unpatched():
-            self.monitor.step(optimizer, grad_scaler=step.obj)  # runs scaler.step and scaler.update
+            monitor.step(optimizer, grad_scaler=step.obj)  # runs scaler.step and scaler.update
         self._updated = True
         return None
 

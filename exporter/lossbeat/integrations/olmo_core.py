@@ -149,7 +149,7 @@ class LossbeatCallback(Callback):
             return
         loss = metrics.get(TRAIN_CE_LOSS_METRIC)
         if loss is not None and step > self._observed_at:
-            self._observe(step, float(loss), metrics)
+            self._observe(monitor, step, float(loss), metrics)
         found = self._eval_loss(metrics)
         if found is not None:
             monitor.observe_eval(step, found)
@@ -158,8 +158,9 @@ class LossbeatCallback(Callback):
     def on_error(self, exc: BaseException) -> None:
         self._failed = True
         match = _NONFINITE_STOP.match(str(exc)) if isinstance(exc, RuntimeError) else None
-        if match is not None and self._monitor is not None and int(match.group(2)) > self._observed_at:
-            self._observe(int(match.group(2)), float(match.group(1)), {})
+        monitor = self._monitor
+        if match is not None and monitor is not None and int(match.group(2)) > self._observed_at:
+            self._observe(monitor, int(match.group(2)), float(match.group(1)), {})
 
     def post_train(self) -> None:
         flush_quietly(self._monitor)
@@ -173,7 +174,7 @@ class LossbeatCallback(Callback):
         else:
             monitor.close(completed=not self._failed)  # errors are counted, never raised
 
-    def _observe(self, step: int, loss: float, metrics: Dict[str, float]) -> None:
+    def _observe(self, monitor: Monitor | NullMonitor, step: int, loss: float, metrics: Dict[str, float]) -> None:
         lrs = sorted((int(m.group(1)), v) for k, v in metrics.items() if (m := _LR_KEY.match(k)))
         optimizer = None if lrs else getattr(self._trainer_module(), "optim", None)
         tokens = None
@@ -183,7 +184,7 @@ class LossbeatCallback(Callback):
                 tokens = total - self._tokens_seen
             self._tokens_seen = total
         grad_norm = metrics.get(OPTIM_GRAD_NORM_METRIC)
-        self._monitor.observe(
+        monitor.observe(
             step,
             loss=loss,
             grad_norm=grad_norm,

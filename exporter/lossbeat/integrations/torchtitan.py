@@ -105,6 +105,8 @@ class LossbeatMetricsProcessor(MetricsProcessor):
     heartbeat (``phase("train")``, no sync): TrainingStalled sees a live run between log steps.
     """
 
+    logger: BaseLogger  # set by MetricsProcessor (torchtitan ships no types)
+
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
         lossbeat_enabled: bool = True

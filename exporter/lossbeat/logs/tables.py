@@ -81,7 +81,7 @@ class TableReader:
         self.names: dict[str, None] = {}
         self.signals: set[str] = set()
         self.rows = 0
-        self._offset = 0
+        self._offset: float = 0  # grows by an epoch's largest step (a float, -inf before any)
         self._epoch_max = -math.inf
         self._last_raw: float | None = None
         self._last_epoch: float | None = None

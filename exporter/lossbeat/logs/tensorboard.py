@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import os
 import re
+from typing import Any, Callable, Collection, Iterator
 
 from lossbeat.logs.records import LogFormatError, RecordBuilder
 
@@ -36,7 +37,7 @@ def event_files(directory: str) -> list[str]:
     return [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]
 
 
-def _loader():
+def _loader() -> Callable[[str], Iterator[tuple[Any, int]]] | None:
     """A generator of ``(event, bytes consumed so far)`` for one file, or None without tensorboard.
 
     TensorBoard's own pieces, as its ``EventFileLoader`` chains them, with the byte count kept so
@@ -49,8 +50,9 @@ def _loader():
     except ImportError:
         return None
 
-    def events(path: str):
-        consumed, metadata = 0, {}
+    def events(path: str) -> Iterator[tuple[Any, int]]:  # Any: a tensorboard Event (protobuf, untyped)
+        consumed = 0
+        metadata: dict[str, Any] = {}
         for raw in RawEventFileLoader(path).Load():
             consumed += len(raw) + 16  # TFRecord framing: length (8), its CRC (4), data, data CRC (4)
             event = data_compat.migrate_event(event_pb2.Event.FromString(raw))
@@ -66,7 +68,7 @@ def _tensor_util():
     return tensor_util
 
 
-def _pick(tags: dict[str, int], names: tuple[str, ...], prefix: str | None = None) -> str | None:
+def _pick(tags: Collection[str], names: tuple[str, ...], prefix: str | None = None) -> str | None:
     hit = next((n for n in names if n in tags), None)
     if hit is None and prefix:
         hit = next((t for t in tags if t.startswith(prefix)), None)
@@ -141,7 +143,9 @@ def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
         out.note(f"tags not read: {', '.join(unused[:12])}{', ...' if len(unused) > 12 else ''}")
     if train is None:
         out.note("no train-loss tag found")
-    merged = [(a, s, v, None) for a, s, v in ordered.get(train, [])] if train else []
+    merged: list[tuple[int, int, float, str | None]] = (
+        [(a, s, v, None) for a, s, v in ordered.get(train, [])] if train else []
+    )
     merged += [(a, s, v, group) for tag, group in evals.items() for a, s, v in ordered[tag]]
     merged.sort(key=lambda item: item[0])
     lr_steps = sorted(latest[lr]) if lr else []
@@ -150,7 +154,7 @@ def parse_tensorboard(paths: list[str], out: RecordBuilder) -> None:
         if group is None:
             # the LR holds until its next value (a LearningRateMonitor may log at other steps)
             i = bisect.bisect_right(lr_steps, step)
-            rate = latest[lr][lr_steps[i - 1]] if i else None
+            rate = latest[lr][lr_steps[i - 1]] if i and lr else None  # i > 0: there are LR steps, so lr
             out.train(
                 step, value, latest[grad].get(step) if grad else None, rate, latest[epoch].get(step) if epoch else None
             )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterator
+from typing import Any, Iterator, Literal
 
 from lossbeat.logs.records import LogFormatError, RecordBuilder
 from lossbeat.logs.tables import TableReader
@@ -140,8 +140,10 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
             raise ValueError("varint too long")
 
 
-def _fields(buf: bytes) -> Iterator[tuple[int, int, object]]:
+# Any: the wire type says which (an int for a varint, wire 0; bytes otherwise), and every caller checks it.
+def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
     """(field number, wire type, value) of a protobuf message: ints for varints, bytes otherwise."""
+    value: int | bytes
     pos = 0
     while pos < len(buf):
         key, pos = _varint(buf, pos)
@@ -180,12 +182,16 @@ def _item(buf: bytes) -> tuple[str, object] | None:
     return (name, value) if name else None
 
 
-def decode_record(buf: bytes) -> tuple[str, object] | None:
+History = tuple[dict[str, object], int | None]
+"""A history record: (row, step)."""
+
+
+def decode_record(buf: bytes) -> tuple[Literal["history"], History] | tuple[Literal["exit"], int] | None:
     """('history', (row, step)) or ('exit', exit code) for the records read; None for the others."""
     for number, wire, raw in _fields(buf):
         if number == _HISTORY and wire == 2:
             row: dict[str, object] = {}
-            step = None
+            step: int | None = None
             for n, w, sub in _fields(raw):
                 if n == 1 and w == 2 and len(row) < _MAX_ROW_KEYS:
                     item = _item(sub)
@@ -222,13 +228,12 @@ class WandbRows:
             if decoded is None:
                 out.skip("records other than history (config, summary, system metrics, output)")
                 continue
-            kind, value = decoded
-            if kind == "exit":
-                self.exit = value
-                if value == 0:
+            if decoded[0] == "exit":
+                self.exit = decoded[1]
+                if decoded[1] == 0:
                     out.complete("the W&B run exited with code 0")
                 continue
-            row, step = value
+            row, step = decoded[1]
             self.history += 1
             if step is not None and "_step" not in row:
                 row["_step"] = step

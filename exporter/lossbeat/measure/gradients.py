@@ -115,7 +115,9 @@ def _fsdp1_groups(model: torch.nn.Module) -> dict[int, tuple[Any, ...]]:
             continue
         flat = getattr(getattr(module, "_handle", None), "flat_param", None)
         group = module.process_group
-        if flat is None or module.sharding_strategy == ShardingStrategy.NO_SHARD or group.size() < 2:
+        if flat is None or module.sharding_strategy == ShardingStrategy.NO_SHARD:
+            continue
+        if group.size() < 2:  # type: ignore[union-attr]  # typed Optional; a wrapped module always has one
             continue
         for param in getattr(flat, "_params", None) or [flat]:
             out[id(param)] = (group,)
@@ -148,13 +150,13 @@ def _wrapper_levels(model: torch.nn.Module) -> int:
 
     levels = 0
     while True:
-        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile (dropped anyway)
-            model = model._orig_mod
+        if isinstance(orig := getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile (dropped anyway)
+            model = orig
         elif (
             isinstance(model, (DistributedDataParallel, DataParallel)) or type(model).__name__ == "DeepSpeedEngine"
-        ) and isinstance(getattr(model, "module", None), torch.nn.Module):
+        ) and isinstance(inner := getattr(model, "module", None), torch.nn.Module):
             levels += 1
-            model = model.module
+            model = inner
         else:
             return levels
 
@@ -295,7 +297,8 @@ class LayerGrouping:
             if dtensors:
                 local = getattr(g, "_local_tensor", None)  # by attribute: to_local() is a dispatch
                 if local is not None:
-                    if g._spec.placements != expected[i]:  # first seen before its gradient, or changed
+                    # the placements first seen before its gradient, or changed:
+                    if g._spec.placements != expected[i]:  # type: ignore[attr-defined]  # a DTensor (by attribute)
                         self._layout([getattr(q.grad, "placements", None) for q in self.params])
                         expected = self._grad_placements
                     g = local
@@ -422,6 +425,7 @@ def _norms(grouping: LayerGrouping, grads: list[torch.Tensor]) -> list[torch.Ten
         kind = "sparse" if g.layout != torch.strided else ("float32" if g.dtype in _FLOAT32_NORM else g.dtype)
         by_kind.setdefault(kind, []).append(i)
     out: list[Any] = [None] * len(grads)
+    norms: Sequence[torch.Tensor]
     for kind, positions in by_kind.items():
         if kind == "sparse":
             norms = [_sparse_norm(grads[i]) for i in positions]

@@ -186,6 +186,7 @@ class GradientMeter:
         try:
             due = self.layers_due()
             per_layer = due and self.exports_layers
+            norms: GradientNorms | None  # None: no parameter has a gradient this step
             if measured is not None and measured[0] is model:
                 norms, coefficient = measured[1], measured[2]
             else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.mixin.moe_rl_rules import moe_rl_alerts
@@ -717,6 +718,15 @@ _FIRST_LAYER = (
 )
 
 
+class _SharedFields(TypedDict):
+    """The :class:`AlertRule` fields that one alert's variants (by trigger) share."""
+
+    name: str
+    group: str
+    action: str
+    keeps: tuple[str, ...]
+
+
 def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
     """Non-finite gradient norms: repeated or judged ongoing page, one the run went on from is a
     ticket (what an fp16 overflow skip looks like), as the exporter's ``nonfinite`` finding says."""
@@ -724,7 +734,7 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
     events = _events(t)["nonfinite_grad"]
     new, count = events.nonzero, events.count()
     judged = f"{_status('nonfinite')} == 2"
-    rule = dict(
+    rule = _SharedFields(
         name="TrainingGradientNonFinite",
         group="lossbeat.nonfinite",
         action="inspect the named layer; lower the LR, clip gradients, use bf16 or loss scaling",

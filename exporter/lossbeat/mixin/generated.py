@@ -35,7 +35,7 @@ def shipped_text(name: str) -> str:
     """The text of a hand-written file shipped in the package: ``alertmanager.yml`` or ``runbooks.md``."""
     if name not in SHIPPED_FILES:
         raise ValueError(f"name: expected one of {', '.join(SHIPPED_FILES)}, got {name!r}")
-    return resources.files("lossbeat").joinpath("shipped", name).read_text(encoding="utf-8")
+    return resources.files("lossbeat").joinpath("shipped").joinpath(name).read_text(encoding="utf-8")
 
 
 def add_generator_arguments(parser: argparse.ArgumentParser, *, checkout: bool = True) -> None:

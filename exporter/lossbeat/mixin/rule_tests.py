@@ -57,7 +57,7 @@ def _replayed_shapes(t: Thresholds) -> list[tuple[str, list[tuple[dict[str, floa
             )
             return findings
 
-        replay.diagnose = record
+        replay.diagnose = record  # type: ignore[method-assign]  # this replay's only: recorded as it judges
         for item in _merged(shape.log.train, shape.log.evals):
             replay.train(item) if isinstance(item, TrainRecord) else replay.eval(item)
         shapes.append((shape.name, samples))

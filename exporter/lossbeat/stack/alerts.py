@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import time
 import urllib.parse
+from typing import Any, Sequence
 
-from lossbeat.stack.webhook import status_links
+from lossbeat.stack.webhook import Target, status_links
 
 __all__ = ["alert_lines", "scraped_targets"]
 
 # What a delivered notification means to a user, by receiver name (the shipped alertmanager.yml's).
 _DELIVERED = {"page": "paged", "ticket": "ticketed"}
+_LabelKey = tuple[tuple[str, Any], ...]  # an alert's labels, sorted: its identity
 
 
-def scraped_targets(active_targets: list[dict]) -> list[dict]:
+def scraped_targets(active_targets: list[dict[str, Any]]) -> list[Target]:
     """Prometheus's ``activeTargets`` (``/api/v1/targets``) as ``[{"instance", "job", "scheme"}]``:
     the scheme of each one's scrape URL (``https`` when scraped over TLS)."""
-    out = []
+    out: list[Target] = []
     for target in active_targets:
         labels = target.get("labels") or {}
         if labels.get("instance"):
@@ -43,10 +45,10 @@ def _text(value: object) -> str:
 
 
 def alert_lines(
-    prometheus_alerts: list[dict],
-    alertmanager_alerts: list[dict],
-    notifications: list[dict] | None,
-    targets: list[dict] = (),
+    prometheus_alerts: list[dict[str, Any]],
+    alertmanager_alerts: list[dict[str, Any]],
+    notifications: list[dict[str, Any]] | None,
+    targets: Sequence[Target] = (),
 ) -> list[str]:
     """One line per alert Prometheus holds: its state, the receiver Alertmanager routed it to,
     and whether that receiver got the notification (``paged: TrainingLossNaN``); with
@@ -54,7 +56,7 @@ def alert_lines(
     status page(s) of the alert's rank (``page http://127.0.0.1:8470/``; ``targets`` as
     :func:`scraped_targets` gives them), or none when no rank is known."""
     routed = {_key(a["labels"]): a for a in alertmanager_alerts}
-    delivered: dict[tuple, tuple[str, float]] = {}
+    delivered: dict[tuple[_LabelKey, str | None], tuple[str | None, float]] = {}
     for note in notifications or ():
         for alert in note.get("alerts", []):
             if alert.get("status") == "firing":
@@ -100,5 +102,5 @@ def alert_lines(
     return lines
 
 
-def _key(labels: dict) -> tuple:
+def _key(labels: dict[str, Any]) -> _LabelKey:
     return tuple(sorted(labels.items()))

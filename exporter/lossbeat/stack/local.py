@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import yaml
 
@@ -563,7 +563,7 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _get_json(url: str) -> object:
+def _get_json(url: str) -> Any:  # Any: the servers' JSON, read by key where it is used
     with urllib.request.urlopen(url, timeout=5) as resp:
         return json.load(resp)
 

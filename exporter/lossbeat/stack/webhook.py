@@ -25,6 +25,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any, Sequence, TypedDict
 
 __all__ = ["read_notifications", "read_targets", "status_links", "notifications_html", "runbooks_html", "serve", "main"]
 
@@ -35,13 +36,21 @@ PAGE_NOTIFICATIONS = 200  # the page shows the newest ones; the log keeps them a
 _ADDRESS = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.\-]{0,252})|\[[0-9A-Fa-f:.%a-zA-Z]{2,60}\]):[0-9]{1,5}$")
 
 
-def read_notifications(log: Path) -> list[dict]:
+class Target(TypedDict):
+    """One scraped rank, as :func:`read_targets` and ``stack.alerts.scraped_targets`` give it."""
+
+    instance: str
+    job: str
+    scheme: str
+
+
+def read_notifications(log: Path) -> list[dict[str, Any]]:
     """The notifications recorded in ``log``, oldest first (a torn last line is skipped)."""
     try:
         lines = Path(log).read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         return []
-    out = []
+    out: list[dict[str, Any]] = []
     for line in lines:
         try:
             out.append(json.loads(line))
@@ -50,7 +59,7 @@ def read_notifications(log: Path) -> list[dict]:
     return out
 
 
-def read_targets(path: Path | None) -> list[dict]:
+def read_targets(path: Path | None) -> list[Target]:
     """The file_sd target groups in ``path`` (``[{"targets": [...], "labels": {...}}]``) as
     ``[{"instance", "job", "scheme"}]``; a group's ``__scheme__`` label (``https``: scraped over
     TLS) sets its scheme. Nothing when the file is absent or unreadable."""
@@ -60,7 +69,7 @@ def read_targets(path: Path | None) -> list[dict]:
         groups = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
-    out = []
+    out: list[Target] = []
     for group in groups if isinstance(groups, list) else []:
         if not isinstance(group, dict):
             continue
@@ -76,7 +85,7 @@ def read_targets(path: Path | None) -> list[dict]:
     return out
 
 
-def status_links(labels: dict, targets: list[dict] = ()) -> list[str]:
+def status_links(labels: dict[str, Any], targets: Sequence[Target] = ()) -> list[str]:
     """The status pages an alert points at: ``<scheme>://<instance>/`` of the rank it fired on
     (``https`` where ``targets`` say that instance is scraped over TLS), or, for an alert
     without an ``instance`` (a job-level one), the pages of the job's ranks in ``targets``
@@ -97,7 +106,7 @@ def status_links(labels: dict, targets: list[dict] = ()) -> list[str]:
     return links
 
 
-def notifications_html(notifications: list[dict], targets: list[dict] = ()) -> str:
+def notifications_html(notifications: list[dict[str, Any]], targets: Sequence[Target] = ()) -> str:
     """The page of notifications, newest first: one row per alert, its labels, summary, runbook
     and a link to the status page of its rank (:func:`status_links`). Every string that came
     with an alert (label, annotation) is escaped; links are only ``http(s)://`` ones."""

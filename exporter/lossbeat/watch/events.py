@@ -13,7 +13,7 @@ ended: it completes the run, and its mean ``train_loss`` is no step's loss.
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 from lossbeat.logs.records import LogFormatError
 from lossbeat.logs.tensorboard import _EPOCH, _EVAL, _GRAD, _LR, _TRAIN, event_files
@@ -39,8 +39,8 @@ class EventFollower:
         self.path = path
         self.file: str | None = None
         self.files_seen = 0
-        self._loader = None
-        self._metadata: dict = {}
+        self._loader: Any = None  # tensorboard's RawEventFileLoader (untyped) of the open file
+        self._metadata: dict[str, Any] = {}
 
     def _files(self) -> list[str]:
         if os.path.isdir(self.path):

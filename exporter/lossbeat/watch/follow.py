@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import BinaryIO
 
 from lossbeat.logs.source import MAX_LINE_CHARS
 
@@ -38,7 +39,7 @@ class Follower:
     def __init__(self, path: str | os.PathLike, *, from_start: bool = True) -> None:
         self.path = os.fspath(path)
         self.from_start = from_start
-        self._fh = None
+        self._fh: BinaryIO | None = None
         self._inode: tuple[int, int] | None = None
         self.offset = 0
         """Bytes of the current file consumed (whole lines plus the held partial line)."""
@@ -111,20 +112,23 @@ class Follower:
         """Whether the file still begins with the bytes read from its start (one small read)."""
         if not self._head:
             return True
+        assert self._fh is not None  # poll() reads only an open file
         try:
             return os.pread(self._fh.fileno(), len(self._head), 0) == self._head
         except OSError:
             return True
 
     def _read(self) -> list[str]:
-        data = self._fh.read(CHUNK_BYTES)
+        fh = self._fh
+        assert fh is not None  # poll() reads only an open file
+        data = fh.read(CHUNK_BYTES)
         if not data:
             return []
         if len(self._head) < _HEAD_BYTES and self.offset == len(self._head):
             self._head += data[: _HEAD_BYTES - len(self._head)]
         self.offset += len(data)
         try:
-            self.last_growth = os.fstat(self._fh.fileno()).st_mtime
+            self.last_growth = os.fstat(fh.fileno()).st_mtime
         except OSError:
             pass
         parts = _SPLIT.split(self._partial + data)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import BinaryIO
 
 from lossbeat.logs.live import LiveBuilder
 from lossbeat.logs.mlflow_store import STEP_KEY, metric_files, mlflow_runs, read_metric_line, run_start, run_status
@@ -65,6 +66,7 @@ def follow_mlflow(w) -> None:
         for name, file in metric_files(run).items():
             if name not in followers:
                 followers[name] = Follower(file, from_start=w.follower.from_start)
+        assert reader is not None  # set with the run, above
         got = False
         for name, follower in followers.items():
             lines, _ = follower.poll()
@@ -109,7 +111,7 @@ def follow_wandb(w) -> None:
     builder.column_map = w.column_map
     _log.info("lossbeat watch: following %s (wandb) on port %s", w.path, w.monitor.port)
     file: str | None = None
-    fh = None
+    fh: BinaryIO | None = None
     rows: WandbRows | None = None
     try:
         while not (w._stop or w._idle()):
@@ -121,6 +123,7 @@ def follow_wandb(w) -> None:
                 fh = open(file, "rb")
                 rows = WandbRows(builder)  # from the start, --tail or not: the framing is read from there
                 builder.counts.unit = "records"
+            assert rows is not None and file is not None  # both set when fh was opened
             data = fh.read(_CHUNK)
             if data:
                 w._last_data = time.monotonic()
