@@ -57,6 +57,7 @@ SIGNALS: dict[str, tuple[str, ...]] = {
         "policy_entropy",
         "entropy/mean",
         "entropy/all/mean",
+        "train/entropy",  # stable-baselines3's progress.csv (negated train/entropy_loss)
     ),
     "policy_kl": ("actor/ppo_kl", "ppo_kl", "policy/approxkl_avg", "approx_kl"),
     "clip_ratio": (
@@ -73,7 +74,6 @@ SIGNALS: dict[str, tuple[str, ...]] = {
     "eval_f1": ("eval_f1", "val_f1"),
     "eval_wer": ("eval_wer", "val_wer"),
     "eval_cer": ("eval_cer", "val_cer"),
-    "entropy": ("entropy", "policy_entropy", "train/entropy"),
 }
 _ALIAS = {alias: name for name, aliases in SIGNALS.items() for alias in aliases}
 
