@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: demo test test-prometheus3 test-report generate docs screenshots
+.PHONY: demo test test-prometheus3 test-report lint generate docs screenshots
 
 demo:
 	scripts/setup.sh
@@ -25,6 +25,13 @@ test-prometheus3:
 	scripts/setup.sh --servers
 	PATH="$$(scripts/prometheus3.sh):$$PATH" LOSSBEAT_EXPECT_PROMETHEUS=3 env -u PYTHONDONTWRITEBYTECODE \
 	  $(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m servers $(PYTEST_ARGS)
+
+# ruff (lint and format) and mypy, configured in pyproject.toml; the lint extra installs them.
+lint:
+	$(PYTHON) -m pip install -q -e ".[lint]"
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
 
 # docs/tests.md's measured part: both runs above, with JUnit files, then the page written from them.
 # A failing run still writes its counts; the target then fails.

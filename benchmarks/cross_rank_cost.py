@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/cross_rank_cost.py`
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.models import MODEL_SPECS, build_workload  # noqa: E402
-from benchmarks.overhead import measure_overhead  # noqa: E402
-from benchmarks.variants import LossbeatVariant, Variant  # noqa: E402
+from benchmarks.models import MODEL_SPECS, build_workload
+from benchmarks.overhead import measure_overhead
+from benchmarks.variants import LossbeatVariant, Variant
 
 
 def variants() -> list[Variant]:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from lossbeat.measure.gradients import LayerGrouping, compute_grad_norms  # noqa: E402
+from lossbeat.measure.gradients import LayerGrouping, compute_grad_norms
 
 
 def main() -> None:

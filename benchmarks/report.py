@@ -123,7 +123,7 @@ def _overhead_table(device: str, models: dict) -> list[str]:
             "| per-step paired median |",
             "| --- | ---: | ---: | ---: | ---: | ---: |",
         ]
-        for name, r in m["variants"].items():
+        for _name, r in m["variants"].items():
             if not r["available"]:
                 lines.append(f"| {r['title']} | {r['reason']} | | | | |")
                 continue

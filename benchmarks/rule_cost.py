@@ -41,13 +41,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.scale import (
-    JOB,
+from benchmarks.scale import (  # noqa: E402 (after the sys.path entry that makes it importable)
     RankFarm,
     Server,
     Setup,
     SetupFiles,
-    _log,  # noqa: E402
+    _log,
     real_expositions,
 )
 

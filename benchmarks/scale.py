@@ -276,7 +276,7 @@ class RankFarm:
             proc.start()
             self._workers.append((first, min(per, ranks - first), proc, parent))
         self.ports: list[int] = [0] * ranks
-        for first, count, proc, conn in self._workers:
+        for *_, conn in self._workers:
             if not conn.poll(300):
                 raise RuntimeError("the synthetic ranks did not start")
             for rank, port in conn.recv().items():
@@ -321,8 +321,9 @@ class Server:
     def __init__(
         self, workdir: Path, name: str, config: dict, flags: tuple[str, ...] = (), data: Path | None = None
     ) -> None:
-        from lossbeat.stack.local import find_binary
         import yaml
+
+        from lossbeat.stack.local import find_binary
 
         self.name = name
         self.port = _free_port()
@@ -402,7 +403,7 @@ class SetupFiles:
     sharding: Path = SHARDING
 
     @classmethod
-    def at_commit(cls, commit: str, into: Path) -> "SetupFiles":
+    def at_commit(cls, commit: str, into: Path) -> SetupFiles:
         """The rule files and deploy/sharding configs of ``commit``, written under ``into``."""
         into.mkdir(parents=True, exist_ok=True)
         (into / "sharding").mkdir(exist_ok=True)

@@ -2,8 +2,14 @@
 T = 2 s, offset T/2; each trial closes at a random moment; counts the replicas whose last scrape
 did not read training_run_completed 1."""
 
-import http.client, random, sys, threading, time
+import http.client
+import random
+import sys
+import threading
+import time
+
 from prometheus_client.parser import text_string_to_metric_families
+
 from lossbeat.monitor import Monitor, MonitorConfig
 
 

@@ -77,7 +77,7 @@ def shoot(fault: str, driver: webdriver.Chrome) -> Path:
             try:
                 driver.get(f"http://127.0.0.1:{port}/")
                 break
-            except Exception:  # noqa: BLE001 - not serving yet
+            except Exception:
                 time.sleep(1)
         while time.monotonic() < deadline:
             text = driver.find_element(By.ID, "run-step").text

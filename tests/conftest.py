@@ -40,7 +40,7 @@ def require_module(name: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError as e:
         require(False, f"{name} not importable ({e}); pip install -e .[test]")
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable") from e
 
 
 def free_ports(count: int = 1) -> int:

@@ -11,10 +11,10 @@ import time
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from worker_exit import finish
 
 from lossbeat import start_exporter
 from lossbeat.demo import ModelSize, SyntheticCorpus, TinyLM
-from worker_exit import finish
 
 
 def main() -> None:

@@ -9,9 +9,8 @@ monitor measured and a reference computed from the full (gathered) gradients.
 """
 
 import argparse
-import math
-
 import contextlib
+import math
 import warnings
 
 import torch
@@ -19,10 +18,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from worker_exit import finish, write_result
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.demo import Block, ModelSize, SyntheticCorpus, TinyLM
-from worker_exit import finish, write_result
 
 
 def reference_norms(model: torch.nn.Module) -> tuple[float, dict[str, float]]:

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from worker_exit import finish, write_result
 
 from lossbeat import Monitor, MonitorConfig
-from worker_exit import finish, write_result
 
 FAULTS = {30: "local_loss_nan", 40: "grad_nan_before_allreduce", 50: "spike_one_rank"}
 """Step -> the fault injected there, each on one rank only (the last, the first, the last)."""

@@ -9,10 +9,10 @@ import argparse
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from worker_exit import finish, write_result
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.integrations.hf import LossbeatCallback
-from worker_exit import finish, write_result
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -15,15 +15,15 @@ import warnings
 import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from fsdp_worker import reference_norms
+from hf_ddp_worker import Tokens, tiny_gpt2
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from worker_exit import finish, write_result
 
-from fsdp_worker import reference_norms
-from hf_ddp_worker import Tokens, tiny_gpt2
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.integrations.hf import LossbeatCallback
-from worker_exit import finish, write_result
 
 
 def exported(monitor: Monitor) -> dict:

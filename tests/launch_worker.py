@@ -22,9 +22,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from worker_exit import finish
 
 from lossbeat import start_exporter
-from worker_exit import finish
 
 
 def train(folder: pathlib.Path, port: int, steps: int) -> None:

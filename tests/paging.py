@@ -9,9 +9,9 @@ import subprocess
 from pathlib import Path
 
 import yaml
+from conftest import require_binary
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import require_binary
 from lossbeat import load_thresholds
 from lossbeat.mixin.alert_rules import duration_seconds
 from lossbeat.mixin.rule_series import Expect, _Builder, _expected

@@ -26,10 +26,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from worker_exit import finish, observe_alone, write_result
 
 import lossbeat.measure.gradients
 from lossbeat import Monitor, MonitorConfig
-from worker_exit import finish, observe_alone, write_result
 
 WIDTH, BATCH, STAGES = 16, 8, 2
 

@@ -48,7 +48,7 @@ def scraper(port: int, until: float, interval: float, out: dict, lock: threading
         latencies.append(time.monotonic() - start)
         try:
             families = list(text_string_to_metric_families(body.decode()))
-        except Exception as exc:  # noqa: BLE001 (any parse failure is the finding)
+        except Exception as exc:
             parse_errors += 1
             failures.append(f"parse: {exc}")
             continue

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from lossbeat.mixin.alert_rules import JOB, LOSS_DERIVED_ALERTS, TARGET, alert_rules
-from lossbeat.diagnosis.thresholds import load_thresholds
 from conftest import free_ports, require_binary
+
+from lossbeat.diagnosis.thresholds import load_thresholds
+from lossbeat.mixin.alert_rules import JOB, LOSS_DERIVED_ALERTS, TARGET, alert_rules
 
 pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
 
@@ -161,7 +161,9 @@ def alertmanager(tmp_path):
                 break
             except OSError:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"alertmanager did not start: {process.stderr.read().decode()[-2000:]}")
+                    raise RuntimeError(
+                        f"alertmanager did not start: {process.stderr.read().decode()[-2000:]}"
+                    ) from None
                 time.sleep(0.1)
         yield port
     finally:

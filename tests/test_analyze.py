@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REAL_LOGS, require_module
+
 from lossbeat.analyze import analyze_file, analyze_runs
 from lossbeat.cli import main
 from lossbeat.diagnosis import Status

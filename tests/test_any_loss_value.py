@@ -15,10 +15,11 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.diagnosis import Judge
 from lossbeat.diagnosis.thresholds import load_thresholds
-from prometheus_client import CollectorRegistry
 
 # Its own settings (not a registered profile, which would change other modules' counts).
 EXAMPLES = settings(

@@ -14,14 +14,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import variants as variants_module  # noqa: E402
-from benchmarks.counting import StepCounts, count_host_reads  # noqa: E402
-from benchmarks.models import TINY_SPEC, build_workload  # noqa: E402
-from benchmarks.observe_cost import measure_memory, measure_observe_us  # noqa: E402
-from benchmarks.overhead import count_variants, measure_overhead  # noqa: E402
-from benchmarks.render import measure_render  # noqa: E402
-from benchmarks.report import render_markdown, targets  # noqa: E402
-from benchmarks.run import environment  # noqa: E402
+from benchmarks import variants as variants_module
+from benchmarks.counting import StepCounts, count_host_reads
+from benchmarks.models import TINY_SPEC, build_workload
+from benchmarks.observe_cost import measure_memory, measure_observe_us
+from benchmarks.overhead import count_variants, measure_overhead
+from benchmarks.render import measure_render
+from benchmarks.report import render_markdown, targets
+from benchmarks.run import environment
 
 LOSSBEAT = ("lossbeat_scalars", "lossbeat_layers_every_step", "lossbeat_layers_every_10", "lossbeat_clip")
 

@@ -13,9 +13,9 @@ import time
 import urllib.request
 
 import torch
+from conftest import require_module
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import require_module
 from lossbeat.monitor import Monitor, MonitorConfig
 
 

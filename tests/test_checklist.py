@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from conftest import REAL_LOGS
+
 from lossbeat.analyze.checklist import ITEMS, from_findings
 from lossbeat.diagnosis import Finding, Status
 

@@ -16,8 +16,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from conftest import free_ports, require
 
 from lossbeat.cli import main
+from lossbeat.diagnosis.thresholds import load_thresholds
+from lossbeat.exposition.metrics import METRICS
 from lossbeat.mixin.dashboards import (
     build_dashboards,
     expand_query,
@@ -25,10 +28,7 @@ from lossbeat.mixin.dashboards import (
     panel_queries,
     render_files,
 )
-from lossbeat.exposition.metrics import METRICS
 from lossbeat.stack.local import MissingBinaryError, find_binary, stop_pid
-from lossbeat.diagnosis.thresholds import load_thresholds
-from conftest import free_ports, require
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "grafana/schema/lossbeat-dashboard.schema.json").read_text(encoding="utf-8"))
@@ -325,7 +325,7 @@ def _recording_rules() -> set[str]:
 
 def test_every_query_names_exposed_metrics_and_filters_job_and_rank(dashboards):
     allowed = {f"{n}_info" if s.kind == "info" else n for n, s in METRICS.items()} | {"ALERTS"} | _recording_rules()
-    for name, title, expr in _all_queries(dashboards):
+    for _name, title, expr in _all_queries(dashboards):
         selectors = SELECTOR.findall(expr)
         assert selectors, f"{title}: no selector in {expr}"
         for metric, matchers in selectors:
@@ -349,7 +349,7 @@ def test_counters_only_through_rate_or_increase(dashboards):
     assert _bare_counters('training_steps_total{job=~"$job"}') == ["training_steps_total"]
     assert _bare_counters('rate(training_steps_total{job=~"$job"}[5m])') == ["training_steps_total"]
     counters_seen = set()
-    for name, title, expr in _all_queries(dashboards):
+    for _name, title, expr in _all_queries(dashboards):
         assert _bare_counters(expr) == [], f"{title}: {expr}"
         counters_seen |= {c for c in COUNTERS if c in expr}
     assert {"training_steps_total", "training_tokens_total", "training_grad_explosions_total"} <= counters_seen

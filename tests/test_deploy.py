@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -194,7 +194,7 @@ def test_kustomization_lists_every_manifest_and_they_exist():
     assert kinds == ["ConfigMap", "Job", "PodMonitor", "PrometheusRule", "Service"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _operator_schema(kind: str) -> dict:
     """The JSON schema of a prometheus-operator kind, with unknown fields forbidden."""
     try:

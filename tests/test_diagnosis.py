@@ -19,8 +19,8 @@ from lossbeat.diagnosis import (
     diagnose,
     uniform_classes,
 )
-from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
 from lossbeat.diagnosis.thresholds import load_thresholds
+from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
 
 T = load_thresholds()
 

@@ -9,9 +9,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import free_ports, require_module
+from prometheus_client.parser import text_string_to_metric_families
 from torchrun_jobs import Job, SharedJobs
 
 WORKER = Path(__file__).with_name("ddp_worker.py")

@@ -3,11 +3,10 @@ and clients that must get nothing. Real servers, real sockets, real handshakes."
 
 from __future__ import annotations
 
-import re
-
 import base64
 import gzip
 import http.client
+import re
 import socket
 import ssl
 import sys
@@ -15,13 +14,12 @@ import threading
 
 import pytest
 import yaml
+from conftest import require_module
 from prometheus_client.parser import text_string_to_metric_families
+from tls_certs import make_certs
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.exposition.webconfig import WebConfigError, load_web_config
-
-from conftest import require_module
-from tls_certs import make_certs
 
 
 def request(port, method="GET", path="/metrics", headers=None, context=None, timeout=10):

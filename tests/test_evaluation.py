@@ -5,8 +5,6 @@ import math
 import pytest
 
 from lossbeat import Monitor, MonitorConfig
-from lossbeat.analyze.replay import replay
-from lossbeat.diagnosis import Status
 from lossbeat.analyze.evaluation import (
     BEGIN,
     END,
@@ -17,6 +15,8 @@ from lossbeat.analyze.evaluation import (
     update_doc,
     verdict,
 )
+from lossbeat.analyze.replay import replay
+from lossbeat.diagnosis import Status
 from lossbeat.diagnosis.thresholds import load_thresholds
 from lossbeat.diagnosis.vitals import LIVE_ONLY_CHECKS
 

@@ -15,9 +15,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from conftest import require
 import torch
+from conftest import require
 from prometheus_client.parser import text_string_to_metric_families
 
 from lossbeat import Monitor, MonitorConfig

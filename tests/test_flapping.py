@@ -10,7 +10,6 @@ import random
 
 import pytest
 
-from lossbeat.analyze import judge_log
 from lossbeat.analyze.replay import replay
 from lossbeat.analyze.truth import flapping
 from lossbeat.diagnosis import Judge, Status

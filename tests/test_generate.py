@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from lossbeat.mixin.bundle import bundle_files
-from lossbeat.cli import main
-from lossbeat.diagnosis.thresholds import load_thresholds
-
 from conftest import require_binary
 from promtool_runs import changed_rule_tests
+
+from lossbeat.cli import main
+from lossbeat.diagnosis.thresholds import load_thresholds
+from lossbeat.mixin.bundle import bundle_files
 
 REPO = Path(__file__).resolve().parents[1]
 RUNBOOKS = REPO / "docs" / "runbooks.md"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from torchrun_jobs import Job, SharedJobs
 
 # The worker's faults: a NaN in one rank's local loss (step 30), a NaN in one rank's gradient

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from conftest import require_module
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import require_module
 from lossbeat.monitor import Monitor, MonitorConfig, TrainingHalted
 
 NAN_AT = 3  # the optimizer step (1-based, as the monitor numbers them) whose loss is NaN

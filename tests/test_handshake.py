@@ -18,11 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lossbeat.measure import handshake
 from lossbeat.measure.handshake import ABSENT, LATE, REDUCE, decode_ranks, encode_ranks, meet
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.handshake import CountingStore  # noqa: E402
+from benchmarks.handshake import CountingStore
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import require, require_binary
-from promtool_runs import changed_rule_tests
 from e2e.e2e_harness import free_port
+from promtool_runs import changed_rule_tests
 
 REPO = Path(__file__).resolve().parents[1]
 # What a copy of the working tree leaves out: VCS data, build outputs, caches, local results.
@@ -264,7 +263,7 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
                     break
             assert demo.poll() is None, f"the demo exited early: {demo.stderr.read()[-2000:]}"
             time.sleep(1)
-        line = next((l for l in status.splitlines() if "paged: TrainingLossNaN" in l), None)
+        line = next((row for row in status.splitlines() if "paged: TrainingLossNaN" in row), None)
         assert line, f"no page arrived within 240 s:\n{status}\n{(stack_dir / 'alertmanager.log').read_text()[-2000:]}"
         assert "firing" in line and "receiver page" in line
         assert (stack_dir / "notifications.jsonl").read_text().count("TrainingLossNaN") >= 1
@@ -293,6 +292,6 @@ def test_from_an_empty_folder_generate_check_and_page(installed, tmp_path):
         )
     assert down.returncode == 0, down.stderr
     ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
-    assert not [l for l in ps.splitlines() if str(stack_dir) in l and " Z" not in l], "stack processes survived"
+    assert not [row for row in ps.splitlines() if str(stack_dir) in row and " Z" not in row], "stack processes survived"
     # The folder holds what the user asked for, and the stack folder it named: nothing else.
     assert sorted(p.name for p in work.iterdir()) == ["monitoring", "my-thresholds.yaml", "stack"]

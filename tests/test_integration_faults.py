@@ -14,10 +14,10 @@ import threading
 
 import pytest
 import torch
+from conftest import require_module
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import require_module
 from lossbeat import start_exporter
 from lossbeat.monitor import Monitor, MonitorConfig
 

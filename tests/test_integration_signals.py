@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import registry_samples, require_module, sample_value
+
 from lossbeat.integrations._common import task_metrics
 from lossbeat.monitor import Monitor, MonitorConfig
 
@@ -74,14 +74,17 @@ def _hf_trainer(tmp_path, extra_logs, *, custom_loss: bool, compute_metrics=None
 def test_hf_trainer_grpo_like_logs_detect_rl_and_export_the_collapsed_reward_spread(tmp_path):
     """A custom compute_loss (as GRPO's) leaves the callback observing logged records: each with its
     reward, reward_std, frac_reward_zero_std and kl."""
-    rl = lambda step: {
-        "reward": 0.25 + 0.01 * step,
-        "reward_std": 0.0,
-        "frac_reward_zero_std": 1.0,  # noqa: E731
-        "kl": 0.002 * step,
-        "completions/mean_length": 64.0,
-        "clip_ratio/region_mean": 0.0,
-    }
+
+    def rl(step):
+        return {
+            "reward": 0.25 + 0.01 * step,
+            "reward_std": 0.0,
+            "frac_reward_zero_std": 1.0,
+            "kl": 0.002 * step,
+            "completions/mean_length": 64.0,
+            "clip_ratio/region_mean": 0.0,
+        }
+
     monitor, callback, logged, _ = _hf_trainer(tmp_path, rl, custom_loss=True)
     s = registry_samples(monitor)
     assert callback.observed_steps == 0 and sample_value(s, "training_steps_total") == len(logged) == 6
@@ -107,13 +110,15 @@ def test_hf_trainer_per_step_passes_dpo_logs_with_the_next_step_and_eval_metrics
         logits = logits[0] if isinstance(logits, tuple) else logits
         return {"accuracy": float((logits[:, :-1].argmax(-1) == labels[:, 1:]).mean())}
 
-    dpo = lambda step: {
-        "rewards/chosen": 0.1 * step,
-        "rewards/rejected": -0.1 * step,  # noqa: E731
-        "rewards/margins": 0.2 * step,
-        "rewards/accuracies": 0.5 + 0.05 * step,
-        "logps/chosen": -40.0,
-    }
+    def dpo(step):
+        return {
+            "rewards/chosen": 0.1 * step,
+            "rewards/rejected": -0.1 * step,
+            "rewards/margins": 0.2 * step,
+            "rewards/accuracies": 0.5 + 0.05 * step,
+            "logps/chosen": -40.0,
+        }
+
     monitor, callback, logged, evals = _hf_trainer(tmp_path, dpo, custom_loss=False, compute_metrics=accuracy)
     s = registry_samples(monitor)
     assert callback.observed_steps == 6

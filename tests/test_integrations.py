@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
-
 import math
+import re
 
 import pytest
 import torch
-
 from conftest import registry_samples, require_module, sample_value
+
 from lossbeat.monitor import Monitor, MonitorConfig
 
 
@@ -128,7 +127,7 @@ def test_hf_fp16_scaler_is_passed_and_unscales_when_the_trainer_does_not_clip():
     state, control = TrainerState(), TrainerControl()
     callback.on_train_begin(args, state, control, model=model)
     x = torch.randn(16, 8)
-    for step, poison in enumerate((False, True)):
+    for _step, poison in enumerate((False, True)):
         callback.on_step_begin(args, state, control)
         loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
         callback._loss_sum, callback._micro_batches = loss.detach(), 1  # what the forward hook keeps

@@ -7,8 +7,9 @@ from __future__ import annotations
 import subprocess
 import urllib.request
 
-import torch
 import pytest
+import torch
+from conftest import require_binary
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,8 +17,6 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from lossbeat import Monitor, MonitorConfig
-
-from conftest import require_binary
 
 NASTY = ['say "hi"', "back\\slash", "new\nline", "tab\there", "слой_层_🔥", "trailing\\", '\\"\\n', "} { =,", ""]
 

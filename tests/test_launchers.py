@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pickle
-
 import pytest
-
-from lossbeat.exposition.server import MetricsServer, RankContext
 from conftest import free_ports, require_module
 from test_distributed import scrape
+
+from lossbeat.exposition.server import MetricsServer, RankContext
 
 WORKER = str(Path(__file__).with_name("launch_worker.py"))
 LIGHTNING_WORKER = str(Path(__file__).with_name("lightning_launch_worker.py"))

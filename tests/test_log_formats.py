@@ -12,8 +12,8 @@ import math
 from pathlib import Path
 
 import pytest
-
 from conftest import CORPORA, require_module
+
 from lossbeat.logs import LogFormatError, detect_format, parse_log
 
 

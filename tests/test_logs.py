@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REAL_LOGS, require_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REAL_LOGS, require_module
 from lossbeat.logs import FORMATS, LogFormatError, detect_format, parse_log
 
 CORPUS = REAL_LOGS

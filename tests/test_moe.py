@@ -11,13 +11,13 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import require_binary
+from paging import pages, scrape_series
 from prometheus_client import generate_latest
 
 from lossbeat import Monitor, MonitorConfig, load_thresholds
 from lossbeat.exposition.status import status_document
 from lossbeat.integrations.moe import RouterHooks, expert_load_from_router_logits
-from conftest import require_binary
-from paging import pages, scrape_series
 
 VOCAB, DIM, EXPERTS, TOP_K, LAYERS = 32, 16, 8, 2, 2
 STEPS = 120

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 import math
 import re
 import shutil
 import subprocess
+import sys
 import tracemalloc
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import require, require_module
 from prometheus_client import CollectorRegistry
-from torch import nn
 from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lossbeat
@@ -25,8 +26,6 @@ from lossbeat import Monitor, MonitorConfig, NullMonitor, start_exporter
 from lossbeat.demo import ModelSize, SyntheticCorpus, TinyLM
 from lossbeat.diagnosis import Status
 from lossbeat.exposition.metrics import HEALTH_CHECKS, METRICS
-
-from conftest import require, require_module
 
 SIZE = ModelSize(vocab=32, context=16, width=32, layers=2, heads=2)
 

@@ -3,10 +3,10 @@
 import json
 
 from lossbeat import Monitor, MonitorConfig
-from lossbeat.mixin.dashboards import build_dashboards
 from lossbeat.diagnosis import Status
-from lossbeat.mixin.rules import render_rules
 from lossbeat.diagnosis.thresholds import load_thresholds
+from lossbeat.mixin.dashboards import build_dashboards
+from lossbeat.mixin.rules import render_rules
 
 
 def test_one_threshold_change_reaches_diagnosis_rules_and_dashboards(tmp_path):

@@ -16,8 +16,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import registry_samples, require_module, sample_value
+
 from lossbeat.monitor import Monitor, MonitorConfig
 
 

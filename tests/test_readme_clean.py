@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import require, require_module
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import require, require_binary
+
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.exposition import registration as registration_module
 from lossbeat.exposition.registration import (
@@ -25,8 +25,8 @@ from lossbeat.exposition.registration import (
     Owner,
     boot_id,
     pid_namespace,
-    prune,
     process_start_ticks,
+    prune,
     read_entries,
     register,
 )

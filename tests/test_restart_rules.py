@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import require_binary
 
 pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)

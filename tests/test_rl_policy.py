@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import require_module
+from paging import pages
 from prometheus_client import generate_latest
 
-from conftest import require_module
 from lossbeat import Monitor, MonitorConfig, load_thresholds
 from lossbeat.diagnosis import History
 from lossbeat.diagnosis.profiles import detect_profile, signal_kind
 from lossbeat.diagnosis.rl import check_rl_entropy, check_rl_kl
 from lossbeat.exposition.status import status_document
-from paging import pages
 
 STEPS = 14
 MIN_RECORDS = 8  # rl_policy.min_records for these short runs

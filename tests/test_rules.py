@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import require_binary
+from promtool_runs import changed_rule_tests
 
+from lossbeat.diagnosis.thresholds import load_thresholds
+from lossbeat.exposition.metrics import METRICS
 from lossbeat.mixin import rules
 from lossbeat.mixin.alert_rules import (
     LOOKBACK_GROUP,
@@ -21,12 +25,8 @@ from lossbeat.mixin.alert_rules import (
     lookback_rules,
     recording_rules,
 )
-from lossbeat.exposition.metrics import METRICS
-from lossbeat.mixin.stages import series_names
 from lossbeat.mixin.rule_tests import render_template, rule_test_documents
-from lossbeat.diagnosis.thresholds import load_thresholds
-from conftest import require_binary
-from promtool_runs import changed_rule_tests
+from lossbeat.mixin.stages import series_names
 
 pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
 

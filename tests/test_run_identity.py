@@ -9,8 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lossbeat.monitor import Monitor, MonitorConfig
-from lossbeat.monitor import identity
+from lossbeat.monitor import Monitor, MonitorConfig, identity
 from lossbeat.monitor.identity import run_identity
 
 _ENV = ("LOSSBEAT_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")

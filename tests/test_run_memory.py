@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import random
 
+from prometheus_client import CollectorRegistry
+
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.diagnosis import Status
-from prometheus_client import CollectorRegistry
 
 
 def _monitor() -> Monitor:
@@ -57,8 +58,9 @@ def test_the_hf_callback_restores_the_memory_at_a_resume():
     import pytest
 
     pytest.importorskip("transformers")
-    from lossbeat.integrations.hf import LossbeatCallback
     from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from lossbeat.integrations.hf import LossbeatCallback
 
     monitor = _monitor()
     callback = LossbeatCallback(monitor)

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import require_binary
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,6 @@ import re
 import subprocess
 
 import pytest
-
 from conftest import require_binary
 
 pytestmark = pytest.mark.servers

@@ -4,12 +4,11 @@ import subprocess
 
 import pytest
 import yaml
-
 from conftest import require_binary
-from lossbeat.mixin.stages import forwarded_names, stage_groups
-from lossbeat.diagnosis.thresholds import load_thresholds
-
 from e2e.test_sharded import SHARDING, SHARDS, hashmod_shard
+
+from lossbeat.diagnosis.thresholds import load_thresholds
+from lossbeat.mixin.stages import forwarded_names, stage_groups
 
 pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
 

@@ -3,28 +3,26 @@ start, report and stop real Prometheus and Alertmanager processes by PID."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import stat
-import tempfile
 import subprocess
 import sys
+import tempfile
 import threading
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
-
-import json
-import socket
-import urllib.error
-import urllib.request
+from conftest import require_binary
+from e2e.e2e_harness import Prometheus, free_port, wait_until
 
 from lossbeat.stack.local import Stack, alert_lines, render_prometheus_config, write_target_groups, write_targets_file
 from lossbeat.stack.webhook import notifications_html, read_notifications, read_targets, serve, status_links
-
-from conftest import require_binary
-from e2e.e2e_harness import Prometheus, free_port, wait_until
 
 pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
 
@@ -56,7 +54,7 @@ def exporter():
     """A real HTTP endpoint serving one metric in the exposition format."""
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             body = b'# TYPE training_step gauge\ntraining_step{rank="0"} 42\n'
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")

@@ -5,14 +5,14 @@ import subprocess
 
 import pytest
 import yaml
-
 from conftest import require_binary
+from test_rules import _names_in
+
 from lossbeat.diagnosis.thresholds import load_thresholds
 from lossbeat.mixin import rules
 from lossbeat.mixin.alert_rules import lookback_rules, recording_rules, rule_groups
 from lossbeat.mixin.rule_tests import rule_test_documents
 from lossbeat.mixin.stages import STAGES, stage_groups, stage_of_record
-from test_rules import _names_in
 
 pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make test-prometheus3)
 

@@ -12,13 +12,12 @@ import re
 import pytest
 import torch
 import yaml
+from conftest import require_binary, require_module
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.exposition.metrics import HEALTH_CHECKS
 from lossbeat.exposition.state import LAYER_HISTORY_STEPS, RECENT_STEPS
 from lossbeat.exposition.status import _quantise, heatmap_matrix, level_norm, page_html
-
-from conftest import require_binary, require_module
 
 EVIL = "<script>alert(1)</script>"
 
@@ -308,6 +307,7 @@ def static_page(tmp_path_factory):
     import io
 
     from conftest import REAL_LOGS
+
     from lossbeat.analyze import add_arguments, run
 
     log = REAL_LOGS / "hf-t5-small-summarization-gradspike-trainer_state.json"

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import require_module
+
 from lossbeat.analyze import analyze_runs
 from lossbeat.diagnosis import Status
 from lossbeat.logs import LogFormatError, detect_format, parse_log

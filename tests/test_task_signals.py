@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.analyze.replay import replay
 from lossbeat.diagnosis import Status
@@ -154,9 +153,8 @@ def test_a_real_log_fed_to_a_monitor_with_its_signals_gives_the_findings_analyze
     log = parse_log(path)
     (offline,) = judge_log(log, T).runs
     live = _live(log, offline.profile, learning_rates=True)
-    shared = lambda findings: sorted(
-        (f.check, f.component, f.status, f.message)  # noqa: E731
-        for f in findings
-        if f.check not in LIVE_ONLY_CHECKS
-    )
+
+    def shared(findings):
+        return sorted((f.check, f.component, f.status, f.message) for f in findings if f.check not in LIVE_ONLY_CHECKS)
+
     assert shared(live) == shared(offline.findings)

@@ -189,8 +189,9 @@ def test_a_run_that_never_fell_is_no_progress_even_with_an_expected_flat_end():
 
 
 def test_analyze_names_the_pattern_and_its_first_step():
-    from lossbeat.analyze import analyze_file
     from conftest import REAL_LOGS as logs
+
+    from lossbeat.analyze import analyze_file
 
     overfit = analyze_file(logs / "hf-whisper-large-v2-ja-overfit-trainer_state.json")
     assert overfit.pattern.name == "overfitting" and overfit.pattern_since is not None
@@ -256,8 +257,8 @@ def test_monitor_catches_a_real_memory_leak_and_a_clean_run_is_silent(tmp_path):
 
 
 def test_monitor_exports_memory_limit_and_pattern(tmp_path):
-    from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
 
     monitor = _monitor(tmp_path, "windows:\n  diagnose_every: 5\n")
     _train(monitor, 400)

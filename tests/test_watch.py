@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import CORPORA as REAL
 from prometheus_client.parser import text_string_to_metric_families
 
 from lossbeat.logs import parse_log
@@ -20,8 +21,6 @@ from lossbeat.logs.live import LiveBuilder, live_parser
 from lossbeat.logs.source import Source
 from lossbeat.monitor import MonitorConfig
 from lossbeat.watch import EXIT_COMPLETED, EXIT_IDLE, Follower, Watcher
-
-from conftest import CORPORA as REAL
 
 ROOT = Path(__file__).resolve().parents[1]
 

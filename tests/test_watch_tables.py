@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import require_module
 from test_watch import Writer, scrape, start, value, wait_for
 

@@ -87,7 +87,7 @@ def run_job(folder: Path, job: Job) -> dict[str, dict]:
         attempt += 1
         job_dir = folder / f"job-{attempt}"
         rc, launched, log = _run_once(job_dir, job.ranks, left)
-        ended = "stalled: no progress in %.0f s, killed" % STALL_S if rc is None else f"exit code {rc}"
+        ended = f"stalled: no progress in {STALL_S:.0f} s, killed" if rc is None else f"exit code {rc}"
         first_start = min((p.stat().st_mtime for p in job_dir.glob("*/started.*")), default=launched)
         not_started, failed = [], False
         for name, worker, args in left:

@@ -30,10 +30,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from worker_exit import finish, observe_alone, write_result
 
 import lossbeat.measure.gradients
 from lossbeat import Monitor, MonitorConfig
-from worker_exit import finish, observe_alone, write_result
 
 WIDTH, SEQ = 16, 8
 

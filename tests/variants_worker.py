@@ -32,9 +32,9 @@ import time
 import traceback
 
 import torch.distributed as dist
+from worker_exit import finish, write_result
 
 import lossbeat.measure.gradients
-from worker_exit import finish, write_result
 
 
 def reset_shared_state(handshake_timeout: float) -> None:

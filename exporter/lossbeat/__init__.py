@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lossbeat._version import __version__
+from lossbeat._version import __version__ as __version__  # re-exported
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from lossbeat.diagnosis.thresholds import Thresholds, ThresholdsError, load_thresholds

@@ -31,7 +31,7 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser(commands: "Iterable[str] | None" = None) -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The ``lossbeat`` parser. Only the subcommands in ``commands`` (all when None) import
     their module and take their arguments; the others are listed, for ``--help``. ``main``
     imports only the one it runs: ``lossbeat rules`` never pays for torch (``demo`` does)."""

@@ -273,7 +273,7 @@ def _faults(text: str) -> tuple[str, ...]:
     return faults
 
 
-def _scale_gradients_from(model: "TinyLM", layer: str, factor: float, start: int, once: bool = False) -> None:
+def _scale_gradients_from(model: TinyLM, layer: str, factor: float, start: int, once: bool = False) -> None:
     for p in model.get_submodule(layer).parameters():
         p.register_hook(
             lambda g, _m=model: g * factor if (_m.training_step == start if once else _m.training_step >= start) else g

@@ -22,9 +22,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, for worker_exit
 
-from lossbeat import start_exporter  # noqa: E402
-from lossbeat.demo import ModelSize, SyntheticCorpus, TinyLM  # noqa: E402
-from worker_exit import finish  # noqa: E402
+from worker_exit import finish
+
+from lossbeat import start_exporter
+from lossbeat.demo import ModelSize, SyntheticCorpus, TinyLM
 
 
 def main() -> None:

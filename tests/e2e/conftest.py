@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import require_binary
+
 from lossbeat.diagnosis.thresholds import load_thresholds
 from lossbeat.mixin.rules import render_rules, render_stage_rules
 from lossbeat.mixin.stages import STAGES

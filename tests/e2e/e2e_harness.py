@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import free_ports
+from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "free_port",
@@ -72,7 +71,7 @@ class WebhookReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 now = time.time()
                 payload = json.loads(body)
@@ -177,7 +176,7 @@ class DemoRun:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "DemoRun":
+    def start(self) -> DemoRun:
         cmd = [sys.executable, "-m", "lossbeat", "demo", "--port", str(self.port), "--no-progress", *self.args]
         log = open(self.log_path, "wb")
         with log:

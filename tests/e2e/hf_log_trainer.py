@@ -26,7 +26,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, for hf_ddp_worker
-from hf_ddp_worker import Tokens, tiny_gpt2  # noqa: E402
+from hf_ddp_worker import Tokens, tiny_gpt2
 
 
 class Paced(TrainerCallback):

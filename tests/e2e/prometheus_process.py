@@ -57,7 +57,7 @@ class PrometheusProcess:
                 stdin=subprocess.DEVNULL,
             )
 
-    def wait_ready(self, timeout: float = 60) -> "PrometheusProcess":
+    def wait_ready(self, timeout: float = 60) -> PrometheusProcess:
         def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.log_tail()}")

@@ -6,8 +6,8 @@ that stays empty here would stay empty for users."""
 
 from __future__ import annotations
 
-from lossbeat.mixin.dashboards import build_dashboards, expand_query, panel_queries
 from lossbeat.diagnosis.thresholds import load_thresholds
+from lossbeat.mixin.dashboards import build_dashboards, expand_query, panel_queries
 
 from .e2e_harness import exporter_samples, wait_until
 

@@ -17,8 +17,8 @@ import time
 import pytest
 import yaml
 
-from .stack_config import E2E_THRESHOLDS, SHIPPED_ALERTMANAGER, retimed_alertmanager_config
 from .e2e_harness import AlertmanagerProcess, alertmanager_alerts, wait_for_page, wait_until
+from .stack_config import E2E_THRESHOLDS, SHIPPED_ALERTMANAGER, retimed_alertmanager_config
 
 SYMPTOM = "TrainingLearningRateSuspect"
 

@@ -135,7 +135,7 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
             layout[(job, rank)] = (port_for_shard(rank_shard, taken), rank_shard)
     procs = {}
     try:
-        for (job, rank), (port, shard) in layout.items():
+        for (job, rank), (port, _) in layout.items():
             fault = ("--fault", "nan", "--fault-step", "40") if rank == 0 else ()
             procs[(job, rank)] = start_rank(work, job, rank, 2, port, e2e_thresholds, *fault)
         write_target_groups(
@@ -168,7 +168,9 @@ def test_a_fault_on_either_shard_pages_once_and_rank_down_counts_across_shards(s
         for shard in range(SHARDS):
             job = f"sharded-nan-s{shard}"
             wait_until(
-                lambda: [d for d in receiver.received(alertname="TrainingLossNaN", job=job) if d.path == "/page"],
+                lambda job=job: [
+                    d for d in receiver.received(alertname="TrainingLossNaN", job=job) if d.path == "/page"
+                ],
                 120,
                 f"TrainingLossNaN of {job} (shard {shard}) paged",
             )

@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 import yaml
-
 from conftest import require_binary, require_module
-from lossbeat import Monitor, MonitorConfig
 from tls_certs import make_certs
+
+from lossbeat import Monitor, MonitorConfig
 
 from .e2e_harness import Prometheus, free_port, terminate, wait_until
 

@@ -22,14 +22,14 @@ import threading
 import time
 from pathlib import Path
 
-
 from conftest import require_module
+
 from lossbeat.exposition.server import RankContext
 from lossbeat.logs.tensorboard import event_files
 from lossbeat.monitor import MonitorConfig
 from lossbeat.stack.local import write_target_groups
 
-from .e2e_harness import free_port, terminate, wait_for_page, wait_until
+from .e2e_harness import free_port, terminate, wait_for_page
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("hf_log_trainer.py")

@@ -19,13 +19,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lossbeat.diagnosis import Status
-from lossbeat.logs import COLUMN_FORMATS, FORMATS, LogFormatError, ParsedLog, parse_log
-from lossbeat.logs.columns import parse_column_map
-from lossbeat.diagnosis.thresholds import Thresholds, ThresholdsError, load_thresholds
 from lossbeat.analyze.replay import Analysis, WorstFinding, replay
 from lossbeat.analyze.report import file_to_dict, format_file
+from lossbeat.diagnosis import Status
 from lossbeat.diagnosis.profiles import Detection, detect_profile
+from lossbeat.diagnosis.thresholds import Thresholds, ThresholdsError, load_thresholds
+from lossbeat.logs import COLUMN_FORMATS, FORMATS, LogFormatError, ParsedLog, parse_log
+from lossbeat.logs.columns import parse_column_map
 
 __all__ = [
     "Analysis",
@@ -161,12 +161,12 @@ def _analyse(path: str, args: argparse.Namespace, thresholds: Thresholds) -> Fil
     except MemoryError:
         _error(f"{path}: out of memory while reading")
         return None
-    except Exception as exc:  # noqa: BLE001 - a reader bug must still end in one line naming the file
+    except Exception as exc:
         _error(f"{path}: could not read ({type(exc).__name__}: {exc}); please report this")
         return None
     try:
         return judge_log(log, thresholds, given=getattr(args, "profile", None) is not None)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         _error(f"{path}: analysis failed ({type(exc).__name__}: {exc}); please report this")
         return None
 

@@ -30,9 +30,9 @@ from typing import Callable
 from lossbeat.analyze.replay import Analysis, replay
 from lossbeat.analyze.truth import FLAPPING_ENTRIES, flapping, render_truth, score_dir, truth_dirs
 from lossbeat.diagnosis import Status
-from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord, parse_log
 from lossbeat.diagnosis.thresholds import Thresholds, load_thresholds
 from lossbeat.diagnosis.vitals import LIVE_ONLY_CHECKS
+from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord, parse_log
 
 __all__ = [
     "Run",

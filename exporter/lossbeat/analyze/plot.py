@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 import os
 
-from lossbeat.diagnosis import Status
-from lossbeat.logs import ParsedLog
-from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.analyze.replay import Analysis
+from lossbeat.diagnosis import Status
+from lossbeat.diagnosis.thresholds import Thresholds
+from lossbeat.logs import ParsedLog
 
 __all__ = ["plot_file", "plot_run", "draw", "MANY_EVENTS"]
 

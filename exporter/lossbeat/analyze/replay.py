@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from lossbeat.diagnosis import Finding, Judge, Status, StatusChange
 from lossbeat.diagnosis.patterns import Pattern, PatternTracker
-from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
 from lossbeat.diagnosis.thresholds import Thresholds
+from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
 
 __all__ = ["Analysis", "WorstFinding", "replay", "EVENT_KINDS"]
 

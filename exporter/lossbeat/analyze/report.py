@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lossbeat.analyze.replay import EVENT_KINDS, Analysis
 from lossbeat.diagnosis import Finding, Status
 from lossbeat.logs import ParsedLog
-from lossbeat.analyze.replay import EVENT_KINDS, Analysis
 
 __all__ = ["format_text", "to_dict", "format_file", "file_to_dict"]
 

@@ -39,5 +39,5 @@ class Finding(NamedTuple):
     """False when there was not enough data to judge (status is then GOOD)."""
 
     @classmethod
-    def unknown(cls, check: str, message: str = "not enough data yet", component: str = "") -> "Finding":
+    def unknown(cls, check: str, message: str = "not enough data yet", component: str = "") -> Finding:
         return cls(check, GOOD, message, "", component, False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from lossbeat.diagnosis.thresholds import GradientThresholds
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
+from lossbeat.diagnosis.thresholds import GradientThresholds
 from lossbeat.diagnosis.window import median as _median
 
 __all__ = ["check_grad_norm", "check_layer_grad_norms"]

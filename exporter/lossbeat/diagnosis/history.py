@@ -13,8 +13,8 @@ import math
 from typing import Mapping
 
 from lossbeat.diagnosis.events import EVENT_CHECKS, EventTrack
-from lossbeat.diagnosis.run_memory import RunMemory
 from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
+from lossbeat.diagnosis.run_memory import RunMemory
 from lossbeat.diagnosis.series import GradBaseline, LearningRateSchedule, LossSeries
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.diagnosis.window import Ring, median, robust_noise

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.diagnosis.findings import DANGER, GOOD, Finding, Status
 from lossbeat.diagnosis.history import History
 from lossbeat.diagnosis.run import diagnose
+from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = ["Judge", "StatusChange"]
 

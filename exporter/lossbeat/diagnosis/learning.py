@@ -169,7 +169,7 @@ def _nothing_trained(history, profile: Profile) -> Finding | None:
 
 
 def _eval_chance(history) -> tuple[int, float] | None:
-    for group, track in history.evals.items():
+    for _group, track in history.evals.items():
         values = track.recent.last(len(track.recent))
         if len(values) < 2:
             continue

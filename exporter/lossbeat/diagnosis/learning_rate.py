@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from lossbeat.diagnosis.thresholds import LearningRateThresholds, Profile
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 from lossbeat.diagnosis.loss import Trend
+from lossbeat.diagnosis.thresholds import LearningRateThresholds, Profile
 
 __all__ = ["check_learning_rate", "check_warmup"]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding, Status
 from lossbeat.diagnosis.thresholds import LossThresholds, OverfittingThresholds, Profile, Thresholds
 from lossbeat.diagnosis.window import fsum
-from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding, Status
 
 __all__ = [
     "Trend",

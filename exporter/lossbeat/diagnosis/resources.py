@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 from lossbeat.diagnosis.thresholds import MemoryThresholds, ThroughputThresholds
 from lossbeat.diagnosis.window import Ring, median  # the same float as statistics.median, a tenth of its cost
-from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 
 __all__ = ["check_memory", "ThroughputTracker"]
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+from lossbeat.diagnosis.events import check_events
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding, Status
 from lossbeat.diagnosis.gradients import check_grad_norm, check_layer_grad_norms
 from lossbeat.diagnosis.history import History
 from lossbeat.diagnosis.learning import check_learning, learned
-from lossbeat.diagnosis.events import check_events
 from lossbeat.diagnosis.learning_rate import check_learning_rate, check_warmup
-from lossbeat.diagnosis.moe import is_router_loss
-from lossbeat.diagnosis.rl import router_and_policy
 from lossbeat.diagnosis.loss import (
     check_loss_range,
     check_loss_trend,
@@ -21,6 +19,8 @@ from lossbeat.diagnosis.loss import (
     robust_cv,
     trend_of,
 )
+from lossbeat.diagnosis.moe import is_router_loss
+from lossbeat.diagnosis.rl import router_and_policy
 
 __all__ = ["diagnose"]
 

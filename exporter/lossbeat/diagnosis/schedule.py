@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lossbeat.diagnosis.thresholds import ScheduleThresholds
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
+from lossbeat.diagnosis.thresholds import ScheduleThresholds
 
 __all__ = ["LRSchedule", "ScheduleTracker"]
 

@@ -313,7 +313,7 @@ class Thresholds:
     """Whether the task was named (a profile given, set in a thresholds file, or detected from the
     fields): False for the packaged default alone, where the task is unknown."""
 
-    def with_profile(self, name: str) -> "Thresholds":
+    def with_profile(self, name: str) -> Thresholds:
         if name not in self.profiles:
             raise ThresholdsError(f"profile: unknown profile {name!r}; known: {', '.join(sorted(self.profiles))}")
         return dataclasses.replace(self, profile=self.profiles[name], profile_named=True)

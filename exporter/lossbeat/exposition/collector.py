@@ -16,10 +16,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from lossbeat.diagnosis.patterns import PATTERNS
-from lossbeat.measure.memory import read_memory
 from lossbeat.exposition.metrics import METRICS, PHASES, RUN_ID_LABEL, SKIP_REASONS, with_run_id
 from lossbeat.exposition.moe import moe_families
 from lossbeat.exposition.render import LayerFamily, LayerLines
+from lossbeat.measure.memory import read_memory
 
 if TYPE_CHECKING:
     from lossbeat.exposition.state import MonitorState
@@ -39,7 +39,7 @@ def _counter(name: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
 
 
 class MonitorCollector(Collector):
-    def __init__(self, state: "MonitorState", before_scrape: Callable[[], None] | None = None) -> None:
+    def __init__(self, state: MonitorState, before_scrape: Callable[[], None] | None = None) -> None:
         self._state = state
         self._before_scrape = before_scrape
         """Applies device values that arrived since the training thread last looked (never waits)."""
@@ -63,7 +63,7 @@ class MonitorCollector(Collector):
         families.append(self._errors(s))
         yield from with_run_id(families, s.run_id)
 
-    def _families(self, s: "MonitorState") -> Iterator[Metric]:
+    def _families(self, s: MonitorState) -> Iterator[Metric]:
         rank = s.rank
         scalars = (
             ("training_loss", s.loss),
@@ -162,7 +162,7 @@ class MonitorCollector(Collector):
                 g.add_metric([rank], value)
                 yield g
 
-    def _progress(self, s: "MonitorState") -> Iterator[Metric]:
+    def _progress(self, s: MonitorState) -> Iterator[Metric]:
         """Heartbeat, phase, time per phase and the completion marker (liveness alerts)."""
         beats = [t for t in (s.last_step_time, s.last_activity_time) if t is not None]
         if beats:
@@ -185,7 +185,7 @@ class MonitorCollector(Collector):
         done.add_metric([s.rank], 1.0 if s.completed else 0.0)
         yield done
 
-    def _pattern(self, s: "MonitorState") -> Iterator[Metric]:
+    def _pattern(self, s: MonitorState) -> Iterator[Metric]:
         current, since = s.pattern  # swapped whole
         if current is None:
             return
@@ -198,7 +198,7 @@ class MonitorCollector(Collector):
             g.add_metric([s.rank], float(since))
             yield g
 
-    def _memory(self, s: "MonitorState") -> Iterator[Metric]:
+    def _memory(self, s: MonitorState) -> Iterator[Metric]:
         if not s.measures_memory:  # this process is not the one that trains (lossbeat watch)
             return
         reading = read_memory(s.cuda_device)
@@ -212,7 +212,7 @@ class MonitorCollector(Collector):
                 g.add_metric([s.rank, reading.device], value)
                 yield g
 
-    def _errors(self, s: "MonitorState") -> Metric:
+    def _errors(self, s: MonitorState) -> Metric:
         c = _counter("training_exporter_errors_total", ("where",))
         for where, count in sorted(s.errors.items()):
             c.add_metric([s.rank, where], count)

@@ -212,7 +212,7 @@ def make_app(
 class _QuietHandler(WSGIRequestHandler):
     timeout = _REQUEST_TIMEOUT_S  # a client stalling mid-request frees its thread after this
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # scrapes are not log lines in the training log
 
 

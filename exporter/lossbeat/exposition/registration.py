@@ -36,8 +36,8 @@ import atexit
 import json
 import logging
 import os
-import stat
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -87,7 +87,7 @@ class Owner:
     """The inode of the writer's PID namespace (/proc/self/ns/pid), or None."""
 
     @classmethod
-    def current(cls) -> "Owner":
+    def current(cls) -> Owner:
         return cls(socket.gethostname(), os.getpid(), process_start_ticks(os.getpid()), boot_id(), pid_namespace())
 
     def comparable(self) -> bool:

@@ -69,7 +69,7 @@ class RankContext:
                 raise ValueError(f"{name}: expected an int >= {1 if name == 'world_size' else 0}, got {value!r}")
 
     @classmethod
-    def detect(cls) -> "RankContext":
+    def detect(cls) -> RankContext:
         """From the initialised default process group (rank, world size) when there is one, else
         from the launcher's variables (:meth:`from_env`).
 
@@ -97,7 +97,7 @@ class RankContext:
         return cls(rank, _local_rank_from_store(dist, rank), world_size, "process group")
 
     @classmethod
-    def from_env(cls) -> "RankContext":
+    def from_env(cls) -> RankContext:
         """From the launcher's variables: torchrun (RANK, LOCAL_RANK, WORLD_SIZE), Open MPI
         (OMPI_COMM_WORLD_*), MPICH/Intel MPI (PMI_RANK, MPI_LOCALRANKID, PMI_SIZE), Slurm
         (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS), or Lightning's launcher (LOCAL_RANK,
@@ -141,7 +141,7 @@ def _local_rank_from_store(dist: Any, rank: int) -> int:
         store.wait(keys, datetime.timedelta(seconds=_HOST_WAIT_S))
         hosts = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
         return sum(1 for h in hosts if h.decode() == host)
-    except Exception as exc:  # noqa: BLE001 - a store without the API, or lower ranks without a monitor
+    except Exception as exc:
         log.warning(
             "lossbeat: no local rank from the launcher or the process group's store (%s); "
             "using the global rank %d; pass rank_context=RankContext(...) to start_exporter to choose",
@@ -224,7 +224,7 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-_serving: "weakref.WeakSet[MetricsServer]" = weakref.WeakSet()
+_serving: weakref.WeakSet[MetricsServer] = weakref.WeakSet()
 
 
 def _close_inherited_sockets() -> None:

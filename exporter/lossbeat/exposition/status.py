@@ -158,9 +158,7 @@ class _HeatmapCache:
         }
 
 
-def status_document(
-    s: "MonitorState", now: float | None = None, heatmap: _HeatmapCache | None = None
-) -> dict[str, Any]:
+def status_document(s: MonitorState, now: float | None = None, heatmap: _HeatmapCache | None = None) -> dict[str, Any]:
     """What ``/status.json`` serves: plain, JSON-safe data from the state (read, never written)."""
     now = time.time() if now is None else now
     recent = s.recent.snapshot()
@@ -242,7 +240,7 @@ class StatusSource:
     ``before``: applies device values that arrived since the training thread last looked
     (the collector's ``before_scrape``; never waits)."""
 
-    def __init__(self, state: "MonitorState", before: Callable[[], None] | None = None) -> None:
+    def __init__(self, state: MonitorState, before: Callable[[], None] | None = None) -> None:
         self.state = state
         self._before = before
         self._heatmap = _HeatmapCache()

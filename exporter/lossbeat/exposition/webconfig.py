@@ -121,7 +121,7 @@ class WebConfig:
     """Where the settings came from, for messages."""
 
     @classmethod
-    def from_tls_files(cls, certfile: str, keyfile: str) -> "WebConfig":
+    def from_tls_files(cls, certfile: str, keyfile: str) -> WebConfig:
         """The settings of MonitorConfig's certfile/keyfile: TLS, no client authentication."""
         tls = TLSServerConfig(str(certfile), str(keyfile))
         tls.ssl_context()  # fail now, naming the files, not at the first scrape

@@ -10,8 +10,8 @@ from typing import Any, Mapping
 import torch
 
 from lossbeat.diagnosis.profiles import is_signal
-from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
 from lossbeat.exposition.server import RankContext
+from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
 
 __all__ = [
     "check_monitor",
@@ -75,7 +75,7 @@ def flush_quietly(monitor: Monitor | NullMonitor | None) -> None:
         return
     try:
         monitor.flush()
-    except Exception:  # noqa: BLE001 - e.g. a device error surfacing at the last deferred read
+    except Exception:
         state = getattr(monitor, "state", None)
         if state is not None:
             state.count_error("observe")
@@ -90,7 +90,7 @@ def phase_quietly(monitor: Monitor | NullMonitor | None, name: str) -> None:
         return
     try:
         monitor.phase(name)
-    except Exception:  # noqa: BLE001
+    except Exception:
         state = getattr(monitor, "state", None)
         if state is not None:
             state.count_error("observe")

@@ -14,7 +14,6 @@ try:  # the Trainer marks, in accelerate's shared state, the micro-batch that co
 except ImportError:  # pragma: no cover - the Trainer itself needs accelerate
     GradientState = None
 
-from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import (
     AfterBackward,
@@ -28,6 +27,7 @@ from lossbeat.integrations._common import (
     uses_deepspeed,
 )
 from lossbeat.integrations._guard import Patch, ScheduleGate, guard_mode, settings_guard
+from lossbeat.monitor import Monitor, NullMonitor
 
 __all__ = ["LossbeatCallback"]
 

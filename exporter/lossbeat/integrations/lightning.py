@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lossbeat.monitor import Monitor, NullMonitor
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import (
     check_monitor,
@@ -19,6 +18,7 @@ from lossbeat.integrations._common import (
     task_metrics,
 )
 from lossbeat.integrations._guard import Patch, guard_mode, settings_guard
+from lossbeat.monitor import Monitor, NullMonitor
 
 __all__ = ["LossbeatCallback"]
 

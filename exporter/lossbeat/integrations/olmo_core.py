@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from typing import Any, ClassVar, Dict, Optional
+from typing import Any, ClassVar
 
 import torch
 from olmo_core.distributed.utils import get_local_rank, get_rank, get_world_size
@@ -92,7 +92,7 @@ class LossbeatCallback(Callback):
     priority: ClassVar[int] = 10
 
     def __init__(
-        self, monitor: Monitor | NullMonitor | None = None, *, eval_key: Optional[str] = None, **settings: Any
+        self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None, **settings: Any
     ) -> None:
         check_monitor(monitor, settings)
         self._monitor = monitor
@@ -104,7 +104,7 @@ class LossbeatCallback(Callback):
         self._tokens_seen: float | None = None
         self._failed = False
 
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "LossbeatCallback":
+    def __deepcopy__(self, memo: dict[int, Any]) -> LossbeatCallback:
         # TrainerConfig.with_callback() deep-copies its callbacks: the copy feeds the same
         # monitor (a process's exporter, never copied) and has its own settings.
         copied = copy.copy(self)
@@ -122,7 +122,7 @@ class LossbeatCallback(Callback):
             self._monitor = rank_monitor(self._given, self._given_in_pid, self._settings, ranks)
         phase_quietly(self._monitor, "train")
 
-    def pre_step(self, batch: Dict[str, Any]) -> None:
+    def pre_step(self, batch: dict[str, Any]) -> None:
         phase_quietly(self._monitor, "train")
 
     def pre_optim_step(self) -> None:
@@ -141,7 +141,7 @@ class LossbeatCallback(Callback):
     def post_checkpoint_saved(self, path: Any) -> None:
         phase_quietly(self._monitor, "train")  # a heartbeat after a (possibly long) save
 
-    def log_metrics(self, step: int, metrics: Dict[str, float]) -> None:
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         # The values here are plain floats: the trainer moved them to the host and reduced them
         # across ranks before this hook (Trainer._log_metrics), so reading them costs no sync.
         monitor = self._monitor
@@ -174,7 +174,7 @@ class LossbeatCallback(Callback):
         else:
             monitor.close(completed=not self._failed)  # errors are counted, never raised
 
-    def _observe(self, monitor: Monitor | NullMonitor, step: int, loss: float, metrics: Dict[str, float]) -> None:
+    def _observe(self, monitor: Monitor | NullMonitor, step: int, loss: float, metrics: dict[str, float]) -> None:
         lrs = sorted((int(m.group(1)), v) for k, v in metrics.items() if (m := _LR_KEY.match(k)))
         optimizer = None if lrs else getattr(self._trainer_module(), "optim", None)
         tokens = None
@@ -198,7 +198,7 @@ class LossbeatCallback(Callback):
     def _trainer_module(self) -> Any:
         return getattr(self._trainer, "train_module", None)
 
-    def _eval_loss(self, metrics: Dict[str, float]) -> float | None:
+    def _eval_loss(self, metrics: dict[str, float]) -> float | None:
         if self.eval_key is not None:
             value = metrics.get(self.eval_key)
         else:

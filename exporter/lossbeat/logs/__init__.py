@@ -48,6 +48,7 @@ from typing import Callable
 from lossbeat.logs.columns import parse_column_map
 from lossbeat.logs.csv_logs import is_lightning_header, parse_lightning
 from lossbeat.logs.json_logs import load_json, parse_hf_state, parse_llamafactory, parse_megatron_golden
+from lossbeat.logs.mlflow_store import is_mlflow, parse_mlflow
 from lossbeat.logs.records import (
     DEFAULT_MAX_RECORDS,
     EvalRecord,
@@ -71,7 +72,6 @@ from lossbeat.logs.stdout_logs import (
     parse_olmo,
     parse_torchtitan,
 )
-from lossbeat.logs.mlflow_store import is_mlflow, parse_mlflow
 from lossbeat.logs.tables import (
     is_printout,
     parse_csv_table,
@@ -82,7 +82,6 @@ from lossbeat.logs.tables import (
     table_kind,
 )
 from lossbeat.logs.tensorboard import event_files, is_event_file, parse_tensorboard
-from lossbeat.logs.wandb_run import is_wandb, parse_wandb
 from lossbeat.logs.text_logs import (
     HF_DICT_START,
     LLMC_STDOUT,
@@ -95,6 +94,7 @@ from lossbeat.logs.text_logs import (
     parse_megatron_log,
     parse_nanogpt,
 )
+from lossbeat.logs.wandb_run import is_wandb, parse_wandb
 
 __all__ = [
     "TrainRecord",

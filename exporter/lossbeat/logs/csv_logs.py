@@ -115,7 +115,7 @@ def parse_lightning(src: Source, out: RecordBuilder) -> None:
             out.skip("rows without a step")
             continue
 
-        def value(col: str | None) -> float | None:
+        def value(col: str | None, row: dict[str, str] = row) -> float | None:
             if not col:
                 return None
             v, ok = parse_number(row.get(col))

@@ -132,7 +132,7 @@ class ParsedLog:
     """For the whole file."""
     segment: int = 0
     """Index of this run in the file."""
-    segments: list["ParsedLog"] = field(default_factory=list)
+    segments: list[ParsedLog] = field(default_factory=list)
     """Every run in the file, in order (one element for a one-run file); empty on a segment itself."""
     derived_steps: bool = False
     """True when the log prints no step and the steps were derived (see the notes)."""
@@ -153,7 +153,7 @@ class ParsedLog:
         return sorted({e.group for e in self.evals})
 
     @property
-    def runs(self) -> list["ParsedLog"]:
+    def runs(self) -> list[ParsedLog]:
         """The runs to analyse: ``segments``, or this log itself when it is a segment."""
         return self.segments or [self]
 

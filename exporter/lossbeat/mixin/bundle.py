@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.mixin import dashboards, rules
 from lossbeat.mixin.generated import add_generator_arguments, shipped_text, sync_files, thresholds_for
-from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = ["bundle_files", "add_arguments", "run"]
 

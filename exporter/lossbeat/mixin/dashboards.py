@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Iterable
 
 from lossbeat.analyze.checklist import ITEMS as CHECKLIST_ITEMS
-from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
-from lossbeat.mixin.moe_rl_dashboard import OPTIONAL_METRICS as MOE_RL_METRICS, moe_rl_panels
-from lossbeat.exposition.metrics import METRICS
 from lossbeat.diagnosis.thresholds import Thresholds
+from lossbeat.exposition.metrics import METRICS
+from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
+from lossbeat.mixin.moe_rl_dashboard import OPTIONAL_METRICS as MOE_RL_METRICS
+from lossbeat.mixin.moe_rl_dashboard import moe_rl_panels
 
 __all__ = [
     "build_dashboards",

@@ -95,7 +95,10 @@ def gap_scenarios(b: _Builder) -> dict[str, list[Scenario]]:
     counter comes back at the value it had; events counted during a gap page once when it comes back."""
     out: dict[str, list[Scenario]] = {}
     for k in _kinds(b):
-        fired = lambda value, kind=k: [Expect(kind.rule, kind.expect_labels, value)]
+
+        def fired(value, kind=k):
+            return [Expect(kind.rule, kind.expect_labels, value)]
+
         for what, seconds in GAPS:
             series, at, back, last = _with_gap(b, k, seconds, k.events)
             checks = [(at, k.rule.name, fired(k.events))]

@@ -13,7 +13,6 @@ from lossbeat.mixin.event_scenarios import gradient_nonfinite
 from lossbeat.mixin.gap_scenarios import gap_scenarios
 from lossbeat.mixin.guard_scenarios import guard_scenarios
 from lossbeat.mixin.moe_rl_scenarios import moe_rl_scenarios
-from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_discovered, ranks_finishing
 from lossbeat.mixin.rule_series import (
     INSTANCE,
     JOB,
@@ -26,6 +25,7 @@ from lossbeat.mixin.rule_series import (
     ramp,
     run,
 )
+from lossbeat.mixin.run_scenarios import concurrent_cross_rank, ranks_discovered, ranks_finishing
 
 __all__ = ["SCENARIO_FAMILIES", "JUDGED"]
 
@@ -237,16 +237,19 @@ def _rl(b: _Builder) -> dict[str, list[Scenario]]:
     n = int(at // b.i) + 2
     signal = lambda name, v: b.hold("training_signal", _target(signal=name), v, n)  # noqa: E731
     hold = lambda metric, v, **labels: b.hold(metric, _target(**labels), v, n)  # noqa: E731
-    info = lambda profile: b.hold(
-        "training_profile_info",
-        _target(
-            profile=profile,
-            source="detected",  # noqa: E731
-            fields="reward_std",
-        ),
-        1,
-        n,
-    )
+
+    def info(profile):
+        return b.hold(
+            "training_profile_info",
+            _target(
+                profile=profile,
+                source="detected",
+                fields="reward_std",
+            ),
+            1,
+            n,
+        )
+
     name = rule.name
     return {
         name: [

@@ -40,8 +40,8 @@ def _replayed_shapes(t: Thresholds) -> list[tuple[str, list[tuple[dict[str, floa
     key = repr(t)  # frozen dataclasses: the repr is every field, nested ones included
     if key in _REPLAYED:
         return _REPLAYED[key]
-    from lossbeat.analyze.replay import _merged, _Replay  # the live judgment, offline
     from lossbeat.analyze.evaluation import healthy_shapes
+    from lossbeat.analyze.replay import _merged, _Replay  # the live judgment, offline
     from lossbeat.logs import TrainRecord
 
     shapes = []
@@ -50,9 +50,9 @@ def _replayed_shapes(t: Thresholds) -> list[tuple[str, list[tuple[dict[str, floa
         samples: list[tuple[dict[str, float], int]] = []
         judge = replay.diagnose
 
-        def record(step, _judge=judge, _replay=replay):
+        def record(step, _judge=judge, _replay=replay, _samples=samples):
             findings = _judge(step)
-            samples.append(
+            _samples.append(
                 ({f.check: float(f.status) for f in findings if not f.component}, _replay.a.counters["grad_explosions"])
             )
             return findings

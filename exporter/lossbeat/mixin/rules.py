@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
+from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.mixin.alert_rules import (
     SLOW,
     SUMMARY_GROUP,
@@ -27,9 +27,9 @@ from lossbeat.mixin.alert_rules import (
     recording_rules,
     rule_groups,
 )
+from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
 from lossbeat.mixin.rule_tests import rule_test_documents
 from lossbeat.mixin.stages import STAGES, stage_groups
-from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = [
     "build_rule_groups",

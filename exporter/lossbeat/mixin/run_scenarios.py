@@ -5,7 +5,7 @@ finished are not down."""
 from __future__ import annotations
 
 from lossbeat.mixin.alert_rules import JOB_RANK, RANK_DISCOVERY_GRACE, RANK_SEEN_LOOKBACK, duration_seconds
-from lossbeat.mixin.rule_series import JOB, INSTANCE, OTHER_INSTANCE, Expect, Scenario, Series, _Builder, _target, run
+from lossbeat.mixin.rule_series import INSTANCE, JOB, OTHER_INSTANCE, Expect, Scenario, Series, _Builder, _target, run
 
 __all__ = ["concurrent_cross_rank", "ranks_discovered", "ranks_finishing"]
 

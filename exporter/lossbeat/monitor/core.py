@@ -403,7 +403,7 @@ class Monitor:
                 self.registry.unregister(collector)
         lifecycle.process.forget(self)
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:

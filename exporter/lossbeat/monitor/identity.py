@@ -74,6 +74,6 @@ def _from_store() -> str:
             return ""
         store = dist.distributed_c10d._get_default_store()
         return store.compare_set(_STORE_KEY, "", uuid.uuid4().hex[:12]).decode()
-    except Exception as exc:  # noqa: BLE001 - a store without compare_set: no shared id from it
+    except Exception as exc:
         log.debug("lossbeat: no run identity from the process group's store (%s)", exc)
         return ""

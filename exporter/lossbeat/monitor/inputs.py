@@ -128,7 +128,7 @@ def learning_rates(optimizer: Any, learning_rate: Any) -> dict[Any, Any]:
             label = str(group.get("name", i)) if isinstance(group, Mapping) else str(i)
             lr = group.get("lr") if isinstance(group, Mapping) else None
             if lr is not None:
-                out[("lr", label)] = scalar("optimizer.param_groups[%d]['lr']" % i, lr)
+                out[("lr", label)] = scalar(f"optimizer.param_groups[{i}]['lr']", lr)
     if learning_rate is not None:
         out[("lr", "0" if not out else "explicit")] = scalar("learning_rate", learning_rate)
     return out

@@ -23,7 +23,7 @@ class PhaseScope:
         self._monitor = monitor
         self.previous = previous
 
-    def __enter__(self) -> "PhaseScope":
+    def __enter__(self) -> PhaseScope:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -44,7 +44,7 @@ class NullMonitor:
     def observe_eval(self, step: int, eval_loss: Any, **kwargs: Any) -> None:
         pass
 
-    def phase(self, name: str) -> "PhaseScope":
+    def phase(self, name: str) -> PhaseScope:
         if name not in PHASES:
             raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {name!r}")
         return PhaseScope(None, name)
@@ -80,7 +80,7 @@ class NullMonitor:
     def close(self, *, completed: bool = True) -> None:
         pass
 
-    def __enter__(self) -> "NullMonitor":
+    def __enter__(self) -> NullMonitor:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -23,4 +23,4 @@ class RateLimitedLog:
         n = self._counts.get(key, 0)
         self._counts[key] = n + 1
         if n % self.every == 0:
-            log.log(level, msg + (" (repeated %d times)" % n if n else ""), *args, exc_info=exc_info)
+            log.log(level, msg + (f" (repeated {n} times)" if n else ""), *args, exc_info=exc_info)

@@ -33,12 +33,12 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from lossbeat.mixin import rules as rules_module
-from lossbeat.mixin.generated import shipped_text, with_runbook_base
 from lossbeat.diagnosis.thresholds import ThresholdsError, load_thresholds
 from lossbeat.exposition.registration import write_atomic
-from lossbeat.stack.private import UnsafeDirError, default_dir, private_dir
+from lossbeat.mixin import rules as rules_module
+from lossbeat.mixin.generated import shipped_text, with_runbook_base
 from lossbeat.stack.alerts import alert_lines, scraped_targets
+from lossbeat.stack.private import UnsafeDirError, default_dir, private_dir
 from lossbeat.stack.webhook import read_notifications
 
 __all__ = [
@@ -354,7 +354,7 @@ class Stack:
     def running(self) -> dict[str, bool]:
         return {s: _is_our_process(pid, self.binaries.get(s, s)) for s, pid in self.pids.items()}
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         self.start()
         return self
 
@@ -404,7 +404,7 @@ class Stack:
         self.state_file.write_text(json.dumps(state, indent=2), encoding="utf-8")
 
     @classmethod
-    def from_state(cls, workdir: Path) -> "Stack | None":
+    def from_state(cls, workdir: Path) -> Stack | None:
         """The stack a previous ``stack up`` left in ``workdir``, or None."""
         path = Path(workdir) / "state.json"
         if not path.exists():

@@ -163,9 +163,9 @@ def runbooks_html(markdown: str) -> str:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: "_Server"
+    server: _Server
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         if length <= 0 or length > MAX_BODY:
             self._reply(413 if length > MAX_BODY else 400, b"bad length\n")
@@ -194,7 +194,7 @@ class _Handler(BaseHTTPRequestHandler):
             fh.write(json.dumps(record, sort_keys=True) + "\n")
         self._reply(200, b"ok\n")
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         if self.path == "/-/ready":
             self._reply(200, b"ready\n")
         elif self.path in ("/", "/index.html"):

@@ -30,13 +30,13 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from lossbeat.exposition.server import RankContext
 from lossbeat.logs import COLUMN_FORMATS, FORMATS, LogFormatError, detect_format
 from lossbeat.logs.columns import parse_column_map
 from lossbeat.logs.live import LIVE_FORMATS, LiveBuilder, live_parser
 from lossbeat.logs.source import SNIFF_BYTES, Source
 from lossbeat.monitor import Monitor, MonitorConfig, identity
 from lossbeat.monitor.config import DEFAULT_PORT
-from lossbeat.exposition.server import RankContext
 from lossbeat.watch.end import RunEnd
 from lossbeat.watch.events import EventFollower
 from lossbeat.watch.events import records as event_records
@@ -509,7 +509,7 @@ def follow(watchers: list[Watcher]) -> list[object]:
     def watch(i: int) -> None:
         try:
             ended[i] = watchers[i].run()
-        except Exception as exc:  # noqa: BLE001 - reported by the caller; the other ranks' watch goes on
+        except Exception as exc:
             ended[i] = exc
 
     if len(watchers) == 1:
