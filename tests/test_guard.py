@@ -147,9 +147,9 @@ def test_the_device_path_masks_the_update_exactly(monkeypatch):
         g = monitor._guard
         real_step = g.step
 
-        def device_step(opt, scaler=None, sched=None, _g=g, _real=real_step):
+        def device_step(opt, scaler=None, sched=None, closure=None, _g=g, _real=real_step):
             _g._host = None  # as if the step's flags were still on their way from the device
-            return _real(opt, scaler, sched)
+            return _real(opt, scaler, sched, closure)
 
         monkeypatch.setattr(g, "step", device_step)
         _, snaps = _train(monitor, model, optimizer, 12, fault_at=0)  # a bad first step: fresh state kept fresh

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import torch
 
 from lossbeat.diagnosis.profiles import is_signal
-from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
+from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, TrainingHalted, start_exporter
 from lossbeat.exposition.server import RankContext
 
 __all__ = [
@@ -75,6 +75,8 @@ def flush_quietly(monitor: Monitor | NullMonitor | None) -> None:
         return
     try:
         monitor.flush()
+    except TrainingHalted:  # the guard stopped the run at one of its last steps: the stop asked for
+        raise
     except Exception:  # noqa: BLE001 - e.g. a device error surfacing at the last deferred read
         state = getattr(monitor, "state", None)
         if state is not None:

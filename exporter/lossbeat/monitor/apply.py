@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from lossbeat.diagnosis import History
 from lossbeat.diagnosis.vitals import Vitals
 from lossbeat.exposition.state import MonitorState
+from lossbeat.monitor.guard import PARKED, SKIPPED
 from lossbeat.monitor.inputs import FIRST_LR
 from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.ratelog import RateLimitedLog
@@ -55,6 +56,14 @@ class StepApplier:
 
     def __call__(self, record: PendingStep) -> None:
         s, v = self.state, record.host
+        skipped = False
+        if "guard" in v:  # first: a bad step whose Monitor.step may still come waits, untouched, in the guard
+            verdict = self.guard.record(
+                v["guard"], v["guard_index"], record.step, v.get("loss"), v.get("grad_norm"), record
+            )
+            if verdict == PARKED:
+                return
+            skipped = verdict == SKIPPED
         loss = v.get("loss")  # None: a rank without a loss this step (a pipeline stage before the last)
         grad_norm = v.get("grad_norm")
         lr_max = v.get(FIRST_LR) if record.has_lrs == 1 else None  # one LR (the usual): no scan of the values
@@ -98,8 +107,7 @@ class StepApplier:
         if "grad_scale" in v:
             s.grad_scale = self.history.grad_scale = v["grad_scale"]
 
-        if "guard" in v and self.guard.record(v["guard"], v["guard_index"], record.step, loss, grad_norm):
-            # Kept from the optimizer: counted as a skip, not as a fault the model took in.
+        if skipped:  # withheld by Monitor.step: counted as a skip, not as a fault the model took in
             events = self.history.add_step(record.step, None, None, lr_max, components)
             layer_nonfinite = False
         else:  # the usual record's windows are written in a batch (History.defer), its events now
