@@ -259,7 +259,8 @@ class Monitor:
     def step(self, optimizer: Any, *, grad_scaler: Any = None, scheduler: Any = None, closure: Any = None) -> Any:
         """Apply the observed step: ``optimizer.step()``, unless the guard keeps it from the optimizer.
 
-        Call it in place of ``optimizer.step()``, after ``observe``; every optimizer stepped
+        Call it in place of ``optimizer.step()``, after ``observe``; ``optimizer`` may be a list of
+        them (several optimizers sharing a GradScaler must be stepped together). Every optimizer stepped
         before the next ``observe`` shares that step's decision (several optimizers are skipped or
         applied together). A step no ``observe`` decided is decided from its gradients (non-finite
         values) and counted (``training_guard_undecided_steps_total``). With ``grad_scaler`` it
@@ -270,11 +271,15 @@ class Monitor:
         on every rank when the guard stops the run; ValueError at the first step of an optimizer
         the guard cannot withhold (LBFGS).
         """
-        if getattr(optimizer, "param_groups", None) is None or not callable(getattr(optimizer, "step", None)):
-            raise TypeError(f"optimizer: expected a torch optimizer, got {type(optimizer).__name__}")
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for one in optimizers:
+            if getattr(one, "param_groups", None) is None or not callable(getattr(one, "step", None)):
+                raise TypeError(f"optimizer: expected a torch optimizer (or a list of them), got {type(one).__name__}")
+        if not optimizers or (closure is not None and len(optimizers) > 1):
+            raise ValueError("optimizer: expected one optimizer with a closure, or one or more without")
         if closure is not None and not callable(closure):
             raise TypeError(f"closure: expected a callable, got {type(closure).__name__}")
-        return self._guard.step(optimizer, grad_scaler, scheduler, closure)
+        return self._guard.step(optimizers, grad_scaler, scheduler, closure)
 
     def observe_eval(self, step: int, eval_loss: Any, *, metrics: Mapping[str, Any] | None = None) -> None:
         """Record an evaluation loss (feeds ``training_eval_loss`` and the overfitting check).

@@ -232,16 +232,16 @@ class Guard:
 
     # --- Monitor.step(): apply the decision ---------------------------------------------------
 
-    def step(self, optimizer: Any, grad_scaler: Any = None, scheduler: Any = None, closure: Any = None) -> Any:
-        """Apply the training step's decision to ``optimizer`` (every optimizer stepped before the
+    def step(self, optimizers: list[Any], grad_scaler: Any = None, scheduler: Any = None, closure: Any = None) -> Any:
+        """Apply the training step's decision to ``optimizers`` (every optimizer stepped before the
         next ``observe`` shares it); a step without one is decided from its gradients."""
         grad_scaler = skipping.active_scaler(grad_scaler)
-        key = id(optimizer)
-        if key not in self._optimizers:  # refused at its first step, before anything is applied
-            skipping.refuse_optimizer(optimizer)
-            if grad_scaler is not None and not skipping.scaler_skippable(grad_scaler):
-                raise ValueError("grad_scaler: expected a torch.amp.GradScaler, whose skip the guard goes through")
-            self._optimizers[key] = optimizer
+        for optimizer in optimizers:
+            if id(optimizer) not in self._optimizers:  # refused at its first step, before anything is applied
+                skipping.refuse_optimizer(optimizer)
+                if grad_scaler is not None and not skipping.scaler_skippable(grad_scaler):
+                    raise ValueError("grad_scaler: expected a torch.amp.GradScaler, whose skip the guard goes through")
+                self._optimizers[id(optimizer)] = optimizer
         out = None
         if closure is not None:  # what the optimizer would do first: forward and backward (and observe)
             import torch  # an optimizer: torch is loaded
@@ -249,11 +249,16 @@ class Guard:
             with torch.enable_grad():
                 out = closure()
         current = self._current
-        if current is None or key in self._stepped:
-            current = self._undecided(optimizer, grad_scaler)
-        self._stepped.add(key)
+        if current is None or any(id(o) in self._stepped for o in optimizers):
+            current = self._undecided(grad_scaler)
+        elif grad_scaler is not None and self._stepped:
+            raise ValueError(
+                "grad_scaler: several optimizers share one GradScaler, which must update once per step: "
+                "step them together, monitor.step([optimizer_a, optimizer_b], grad_scaler=scaler)"
+            )
+        self._stepped.update(id(o) for o in optimizers)
         index, flags = current
-        applied = self._apply_decision(optimizer, grad_scaler, index, flags)
+        applied = self._apply_decision(optimizers, grad_scaler, index, flags)
         if index != _UNDECIDED and index not in self._used:
             self._mark_used(index)
         if scheduler is not None:
@@ -265,18 +270,25 @@ class Guard:
         self._raise_if_halted()
         return out
 
-    def _apply_decision(self, optimizer: Any, grad_scaler: Any, index: int, flags: Any) -> bool | None:
+    def _apply_decision(self, optimizers: list[Any], grad_scaler: Any, index: int, flags: Any) -> bool | None:
         host = self._host
         if index == _UNDECIDED or (host is not None and host[0] == index):  # on the host: a Python branch
             bad = flags if index == _UNDECIDED else any(f > 0 for f in host[1])  # type: ignore[index]
             if not bad:
-                skipping.plain_step(optimizer, grad_scaler)
+                skipping.plain_step(optimizers, grad_scaler)
             elif grad_scaler is not None:
                 import torch  # a GradScaler: torch is loaded
 
-                skipping.skip_with_scaler(optimizer, grad_scaler, torch.ones((), dtype=torch.bool))
+                skipping.skip_with_scaler(optimizers, grad_scaler, torch.ones((), dtype=torch.bool))
             return not bad
-        return self._device_step(optimizer, grad_scaler, flags.amax() > 0)
+        bad = flags.amax() > 0
+        if grad_scaler is not None:
+            skipping.skip_with_scaler(optimizers, grad_scaler, bad)
+            return None
+        applied: bool | None = None
+        for optimizer in optimizers:
+            applied = self._device_step(optimizer, bad)
+        return applied
 
     def _mark_used(self, index: int) -> None:
         """The first Monitor.step of decision ``index``: a bad record parked for it is now a skip."""
@@ -287,7 +299,7 @@ class Guard:
                 self._parked = None
                 self._apply(parked[1])
 
-    def _undecided(self, optimizer: Any, grad_scaler: Any) -> tuple[int, Any]:
+    def _undecided(self, grad_scaler: Any) -> tuple[int, Any]:
         """A training step observe() did not decide (not called for it, or it failed): decided now
         from the gradients of every optimizer the guard has seen, non-finite values only, and shared
         by the optimizers stepped after it. Under a GradScaler its own overflow check skips them."""
@@ -310,11 +322,8 @@ class Guard:
             self.state.guard_consecutive_skips = 0
         return self._current
 
-    def _device_step(self, optimizer: Any, grad_scaler: Any, bad: torch.Tensor) -> bool | None:
+    def _device_step(self, optimizer: Any, bad: torch.Tensor) -> bool | None:
         """Skip on the device where the optimizer allows it; returns None when it did (unknown here)."""
-        if grad_scaler is not None:
-            skipping.skip_with_scaler(optimizer, grad_scaler, bad)
-            return None
         strategy = self._strategies.get(id(optimizer))
         if strategy is None:
             strategy = self._strategies[id(optimizer)] = skipping.strategy(optimizer, bad.device)
@@ -407,8 +416,8 @@ class NoGuard:
     def pending_halt(self) -> None:
         return None
 
-    def step(self, optimizer: Any, grad_scaler: Any = None, scheduler: Any = None, closure: Any = None) -> Any:
-        out = skipping.plain_step(optimizer, grad_scaler, closure)
+    def step(self, optimizers: list[Any], grad_scaler: Any = None, scheduler: Any = None, closure: Any = None) -> Any:
+        out = skipping.plain_step(optimizers, grad_scaler, closure)
         if scheduler is not None:
             scheduler.step()
         return out

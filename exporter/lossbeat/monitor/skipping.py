@@ -42,12 +42,17 @@ def refuse_optimizer(optimizer: Any) -> None:
         )
 
 
-def plain_step(optimizer: Any, grad_scaler: Any, closure: Any = None) -> Any:
+def plain_step(optimizers: list[Any], grad_scaler: Any, closure: Any = None) -> Any:
+    """``optimizer.step()`` of each (with a scaler: ``scaler.step`` of each, then one ``update``)."""
+    out = None
+    for optimizer in optimizers:
+        if grad_scaler is not None:
+            out = grad_scaler.step(optimizer) if closure is None else grad_scaler.step(optimizer, closure)
+        else:
+            out = optimizer.step() if closure is None else optimizer.step(closure)
     if grad_scaler is not None:
-        out = grad_scaler.step(optimizer) if closure is None else grad_scaler.step(optimizer, closure)
         grad_scaler.update()
-        return out
-    return optimizer.step() if closure is None else optimizer.step(closure)
+    return out
 
 
 def scaler_skippable(scaler: Any) -> bool:
@@ -55,23 +60,28 @@ def scaler_skippable(scaler: Any) -> bool:
     return all(hasattr(scaler, name) for name in ("_per_optimizer_states", "_scale", "_growth_tracker"))
 
 
-def skip_with_scaler(optimizer: Any, scaler: Any, bad: Any) -> None:
+def skip_with_scaler(optimizers: list[Any], scaler: Any, bad: Any) -> None:
     """Skip through the scaler's own overflow path, then put its scale back where the scaler
     itself found no overflow: a guard skip leaves the scaler as if the step never happened.
     Reads GradScaler's private ``_per_optimizer_states``, ``_scale`` and ``_growth_tracker``."""
     import torch
 
-    state = scaler._per_optimizer_states[id(optimizer)]
-    if not state["found_inf_per_device"]:
-        scaler.unscale_(optimizer)  # what scaler.step would do first; records found_inf per device
-    found = list(state["found_inf_per_device"].values())
-    overflow = torch.stack([f.to(bad.device) for f in found]).amax() > 0
-    for f in found:
-        f.copy_(torch.maximum(f, bad.to(f.device, f.dtype)))  # the scaler now skips this step
+    overflows = []
+    for optimizer in optimizers:
+        state = scaler._per_optimizer_states[id(optimizer)]
+        if not state["found_inf_per_device"]:
+            scaler.unscale_(optimizer)  # what scaler.step would do first; records found_inf per device
+        found = list(state["found_inf_per_device"].values())
+        if found:  # stacked (a copy) before the flags below are written
+            overflows.append(torch.stack([f.to(bad.device) for f in found]).amax())
+        for f in found:
+            f.copy_(torch.maximum(f, bad.to(f.device, f.dtype)))  # the scaler now skips this step
+    overflow = torch.stack(overflows).amax() > 0 if overflows else torch.zeros((), dtype=torch.bool, device=bad.device)
     scale, growth = scaler._scale.clone(), scaler._growth_tracker.clone()
-    scaler.step(optimizer)
+    for optimizer in optimizers:
+        scaler.step(optimizer)
     scaler.update()
-    ours = (bad & ~overflow).to(scale.device)
+    ours = (bad & ~overflow.to(bad.device)).to(scale.device)
     scaler._scale.copy_(torch.where(ours, scale, scaler._scale))
     scaler._growth_tracker.copy_(torch.where(ours, growth, scaler._growth_tracker))
 
