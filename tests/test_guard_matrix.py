@@ -213,14 +213,19 @@ def test_lbfgs_is_refused_at_its_first_step_naming_the_optimizer():
 
 
 def test_two_optimizers_on_one_scaler_stepped_apart_are_refused_naming_the_scaler():
+    """Both unscaled, then stepped one by one: the scaler's update after the first would make the
+    second's step unscale its gradients again. Refused before anything is applied."""
     model = _model()
     opt_a, opt_b = OPTIMIZERS["two-optimizers"](model)
     scaler = _scaler("enabled")
     monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
     x, y = _batch(0)
     scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    scaler.unscale_(opt_a)
+    scaler.unscale_(opt_b)
     monitor.observe(0, loss=1.0, model=model)
-    monitor.step(opt_a, grad_scaler=scaler)
-    with pytest.raises(ValueError, match="grad_scaler: several optimizers"):
-        monitor.step(opt_b, grad_scaler=scaler)
+    before = _snapshot(model, [opt_a, opt_b])
+    with pytest.raises(ValueError, match="grad_scaler: another optimizer"):
+        monitor.step(opt_a, grad_scaler=scaler)
+    assert _same(before, _snapshot(model, [opt_a, opt_b]))
     monitor.close()

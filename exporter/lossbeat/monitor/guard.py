@@ -248,14 +248,15 @@ class Guard:
 
             with torch.enable_grad():
                 out = closure()
+        if grad_scaler is not None and skipping.unscaled_elsewhere(grad_scaler, optimizers):
+            raise ValueError(
+                "grad_scaler: another optimizer unscaled by this GradScaler waits for its step, and the "
+                "update after this one would unscale it twice: step them together, "
+                "monitor.step([optimizer_a, optimizer_b], grad_scaler=scaler)"
+            )
         current = self._current
         if current is None or any(id(o) in self._stepped for o in optimizers):
             current = self._undecided(grad_scaler)
-        elif grad_scaler is not None and self._stepped:
-            raise ValueError(
-                "grad_scaler: several optimizers share one GradScaler, which must update once per step: "
-                "step them together, monitor.step([optimizer_a, optimizer_b], grad_scaler=scaler)"
-            )
         self._stepped.update(id(o) for o in optimizers)
         index, flags = current
         applied = self._apply_decision(optimizers, grad_scaler, index, flags)

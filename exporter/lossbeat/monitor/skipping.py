@@ -19,6 +19,7 @@ __all__ = [
     "nonfinite_gradients",
     "refuse_optimizer",
     "active_scaler",
+    "unscaled_elsewhere",
 ]
 
 
@@ -58,6 +59,16 @@ def plain_step(optimizers: list[Any], grad_scaler: Any, closure: Any = None) -> 
 def scaler_skippable(scaler: Any) -> bool:
     """Whether this GradScaler exposes the private state a device-side guard skip goes through."""
     return all(hasattr(scaler, name) for name in ("_per_optimizer_states", "_scale", "_growth_tracker"))
+
+
+def unscaled_elsewhere(scaler: Any, optimizers: list[Any]) -> bool:
+    """Whether an optimizer other than ``optimizers`` was unscaled by ``scaler`` and not stepped yet
+    (GradScaler's private per-optimizer stage): an update now would forget it was unscaled."""
+    ours = {id(o) for o in optimizers}
+    states = getattr(scaler, "_per_optimizer_states", {})
+    return any(
+        key not in ours and getattr(state.get("stage"), "name", "") == "UNSCALED" for key, state in states.items()
+    )
 
 
 def skip_with_scaler(optimizers: list[Any], scaler: Any, bad: Any) -> None:
