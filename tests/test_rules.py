@@ -61,6 +61,7 @@ ALERTS = {  # the contract: name -> severity
     "TrainingRankGradientMismatch": "critical",
     "TrainingStepsSkipped": "warning",
     "TrainingSkippingRepeatedly": "critical",
+    "TrainingGradNormLevelChanged": "warning",
     "TrainingHalted": "critical",
 }
 

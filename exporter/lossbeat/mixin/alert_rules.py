@@ -1362,6 +1362,22 @@ def _guard_alerts(t: Thresholds) -> list[AlertRule]:
             keeps=TARGET,
         ),
         AlertRule(
+            name="TrainingGradNormLevelChanged",
+            group="lossbeat.guard",
+            severity="warning",
+            expr=new_events("training_guard_level_changes_total", a.guard_window) + "\n",
+            summary="The optimizer guard accepted a new gradient-norm level",
+            description=(
+                f"{WHO_CAP}: the pre-clip gradient norm settled at a new level with a healthy loss, and "
+                f"after {g.accept_level_after} skipped steps in a row the optimizer guard took it as the "
+                f"run's baseline ({VALUE} time(s) in the last {a.guard_window}); training goes on. Expected after unfreezing layers, a change of loss "
+                "reduction, data mix or sequence length; otherwise the gradients grew for a reason to find."
+            ),
+            condition=f"a new gradient-norm level accepted within {a.guard_window}",
+            action="check that something changed the gradient scale on purpose at that step (the run's log says which)",
+            keeps=TARGET,
+        ),
+        AlertRule(
             name="TrainingHalted",
             group="lossbeat.guard",
             severity="critical",
