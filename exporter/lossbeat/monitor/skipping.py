@@ -154,12 +154,22 @@ def nonfinite_gradients(optimizers: Any) -> bool:
         for p in group["params"]
         if p.grad is not None
     ]
-    if not grads:
-        return False
-    norms = torch._foreach_norm([g.detach() for g in grads])
-    devices = {n.device for n in norms}
-    if len(devices) > 1:
-        first = next(iter(devices))
-        norms = [n.to(first) for n in norms]
-    # host sync: the one read of a step observe() did not decide (its only transfer)
-    return not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    device = grads[0].device if grads else torch.device("cpu")
+    if distributed and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    bad = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        local = _to_local(grads)
+        norms = [n.to(device).float() for n in torch._foreach_norm(local)]
+        bad = (~torch.isfinite(torch.stack(norms))).any().to(torch.float32)
+    if distributed:  # every rank decides the same: a MAX of one flag (sharded gradients differ by rank)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad > 0)  # host sync: the one read of a step observe() did not decide (its only transfer)
+
+
+def _to_local(grads: list[Any]) -> list[Any]:
+    """Each gradient as a plain tensor: a DTensor's local shard (FSDP2, tensor parallel)."""
+    return [g.to_local().detach() if hasattr(g, "to_local") else g.detach() for g in grads]
