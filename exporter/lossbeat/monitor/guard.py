@@ -3,23 +3,33 @@
 ``observe`` decides on the device: a step is bad when its loss or grad norm is non-finite,
 when its grad norm departs from the run's baseline as an explosion event does, or (opt-in)
 when its loss spikes. The three flags are MAX-reduced over the world, so every rank skips the
-same steps, and travel to the host with the step's one transfer, where they are counted.
-``Monitor.step(optimizer)`` then applies the step, or not:
+same steps, and travel to the host with the step's one transfer. ``Monitor.step(optimizer)``
+applies that decision to every optimizer stepped before the next ``observe``
+(:mod:`~lossbeat.monitor.skipping` withholds the update):
 
 - flags already on the host (CPU runs, float inputs): a Python branch, no extra read;
 - with a GradScaler: the flag joins the scaler's own ``found_inf`` (on the device), so the
-  scaler skips the step as an overflow; its scale and growth tracker are put back afterwards,
-  so a guard skip leaves the scaler as it was;
+  scaler skips the step as an overflow; its scale and growth tracker are put back afterwards;
 - fused optimizers: ``found_inf`` (the fused kernels skip the update and the step count);
 - SGD, and Adam/AdamW whose step counters live on the device (capturable, or CPU): the update
-  is masked, parameters and optimizer state restored with ``torch.where`` (a copy of both
-  is held for the step: memory);
+  is masked, parameters and optimizer state restored with ``torch.where``;
 - any other optimizer on CUDA: one host read of the decision (documented, counted).
 
-A stop (``guard="stop"`` on a bad step, or more than ``guard.max_consecutive`` skips in a row)
-raises :class:`TrainingHalted` from ``Monitor.step`` on every rank at the same step: at once
-when the flags are on the host, else ``MAX_PENDING`` steps after the bad one, when every rank
-has its flags on the host without waiting for the device.
+A ``Monitor.step`` with no decision for it (``observe`` not called for the step, or failed) is
+decided from the gradients (non-finite values, MAX-reduced over the ranks, one host read).
+
+A skip is counted once both are known, in whichever order they come: the flags on the host
+(``record``, from the step's applier) and a ``Monitor.step`` that withheld the update. On CPU
+the flags come first: a bad step's record waits in the guard (untouched) for its
+``Monitor.step``, or for the next decision, which records it as a step the model took in.
+
+A run of explosion skips with a healthy loss is a new level, not a fault: after
+``guard.accept_level_after`` of them their norms become the baseline. A stop (``guard="stop"``
+on a bad step, or more than ``guard.max_consecutive`` skips in a row) raises
+:class:`TrainingHalted` from ``Monitor.step`` on every rank at the same step: at once when the
+flags are on the host, else ``MAX_PENDING`` steps after the bad one, when every rank has its
+flags on the host without waiting for the device (a stop among the last steps: at ``flush``
+or ``close``).
 
 Floats without a process group decide in Python: torch is used only where a tensor, a process
 group or a GradScaler is, so torch is loaded (:mod:`~lossbeat.monitor.loaded`).
