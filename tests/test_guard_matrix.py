@@ -8,6 +8,8 @@ TrainingHalted at the bad step with nothing of it applied."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,4 +230,37 @@ def test_two_optimizers_on_one_scaler_stepped_apart_are_refused_naming_the_scale
     with pytest.raises(ValueError, match="grad_scaler: another optimizer"):
         monitor.step(opt_a, grad_scaler=scaler)
     assert _same(before, _snapshot(model, [opt_a, opt_b]))
+    monitor.close()
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_guarded_step_reads_the_host_at_most_once(path, monkeypatch):
+    """Two optimizers, a NaN at an observed and at an unobserved step: the observed steps' one read
+    is the monitor's transfer (the guard's flags ride it); an unobserved step's is its decision."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.counting import StepCounts, count_host_reads
+
+    model = _model()
+    # SGD: its step reads nothing itself (CPU Adam reads its step counters), so every read is lossbeat's
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model[0], model[2])]
+    monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
+    if path == "device":
+        _device_path(monitor, monkeypatch)
+    reads = {}
+    for step in range(12):
+        for o in optimizers:
+            o.zero_grad()
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(model(x), y) * (math.nan if step in (4, 7) else 1.0)
+        loss.backward()
+        grad_norm = monitor.clip_grad_norm_(model, 1.0)
+        counts = StepCounts()
+        with count_host_reads(counts):
+            if step % 2 == 0:
+                monitor.observe(step, loss=loss, grad_norm=grad_norm, model=model)
+            for o in optimizers:
+                monitor.step(o)
+        reads[step] = counts.host_reads
+    assert reads == {step: 1 for step in range(12)}
+    assert monitor.state.skipped_steps == {"nonfinite": 2} and monitor.state.guard_undecided_steps == 6
     monitor.close()
