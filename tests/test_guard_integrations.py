@@ -246,8 +246,8 @@ def _tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
 
 
-@pytest.mark.parametrize("mode", ["skip", "stop"])
-def test_trl_reward_trainer_guard_acts_on_the_loss_its_compute_loss_backpropagates(tmp_path, mode):
+@pytest.mark.parametrize("mode,accumulation", [("skip", 1), ("stop", 1), ("skip", 2)])
+def test_trl_reward_trainer_guard_acts_on_the_loss_its_compute_loss_backpropagates(tmp_path, mode, accumulation):
     """TRL's RewardTrainer computes its loss in compute_loss from the model's logits (the model
     returns no loss): the guard still skips the NaN step, bitwise, and training goes on; or stops."""
     require_module("trl")
@@ -285,6 +285,7 @@ def test_trl_reward_trainer_guard_acts_on_the_loss_its_compute_loss_backpropagat
         output_dir=str(tmp_path),
         max_steps=6,
         per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulation,
         logging_steps=1,
         learning_rate=1e-3,
         max_grad_norm=1.0,
