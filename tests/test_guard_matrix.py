@@ -264,3 +264,25 @@ def test_a_guarded_step_reads_the_host_at_most_once(path, monkeypatch):
     assert reads == {step: 1 for step in range(12)}
     assert monitor.state.skipped_steps == {"nonfinite": 2} and monitor.state.guard_undecided_steps == 6
     monitor.close()
+
+
+def test_stop_at_an_unobserved_step_raises_at_once_even_where_halts_wait_for_the_device():
+    """The decision of a step observe() did not see is on the host on every rank when it is made:
+    the stop is raised at that step, not MAX_PENDING decisions later."""
+    model = _model()
+    (optimizer,) = OPTIMIZERS["adamw"](model)
+    monitor = Monitor(MonitorConfig(port=0, guard="stop"), serve=False)
+    monitor._guard.lag = lambda: 4  # as on CUDA with deferred reads
+    with pytest.raises(TrainingHalted, match="nonfinite"):
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            x, y = _batch(step)
+            loss = nn.functional.mse_loss(model(x), y) * (math.nan if step == BAD else 1.0)
+            loss.backward()
+            if step != BAD:
+                monitor.observe(step, loss=loss, model=model)
+            before = _snapshot(model, [optimizer])
+            monitor.step(optimizer)
+    assert step == BAD and _same(before, _snapshot(model, [optimizer]))
+    assert monitor.state.halted and monitor.state.guard_undecided_steps == 1
+    monitor.close(completed=False)

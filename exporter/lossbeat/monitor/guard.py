@@ -326,8 +326,9 @@ class Guard:
             self.host_reads += 1
             bad = skipping.nonfinite_gradients(self._optimizers.values())  # host sync: counted above
         self._current = (_UNDECIDED, bad)
-        if bad:
-            self._count(-1, "nonfinite", -1 if self.state.step is None else int(self.state.step) + 1, None, None)
+        if bad:  # on the host on every rank already: a halt is raised at once
+            step = -1 if self.state.step is None else int(self.state.step) + 1
+            self._count(self.decisions - 1 - self.lag(), "nonfinite", step, None, None)
         else:
             self._consecutive = 0
             self.state.guard_consecutive_skips = 0
