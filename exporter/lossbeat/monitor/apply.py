@@ -34,6 +34,7 @@ class StepApplier:
 
     def __init__(
         self,
+        *,
         state: MonitorState,
         history: History,
         cross_rank: Any,

@@ -105,20 +105,25 @@ class Monitor:
             on_error=lambda where, error: _gradient_error(self.state, self._log, where, error),
         )
         self._guard = make_guard(
-            config.guard,
-            config.guard_spikes,
-            config.guard_schedule,
-            self.thresholds,
-            history,
-            self.state,
-            config.defer_device_reads,
+            mode=config.guard,
+            spikes=config.guard_spikes,
+            schedule=config.guard_schedule,
+            thresholds=self.thresholds,
+            history=history,
+            state=self.state,
+            defer=config.defer_device_reads,
         )
-        self._transfer = DeviceTransfer(
-            StepApplier(
-                self.state, history, self._cross_rank, vitals, self._judgment, self._log, self._guard, self._profile
-            ),
-            config.defer_device_reads,
+        applier = StepApplier(
+            state=self.state,
+            history=history,
+            cross_rank=self._cross_rank,
+            vitals=vitals,
+            judgment=self._judgment,
+            log=self._log,
+            guard=self._guard,
+            profile=self._profile,
         )
+        self._transfer = DeviceTransfer(applier, config.defer_device_reads)
         self._guard.attach(self._transfer.lock, self._transfer.apply)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._transfer.drain_at_scrape)

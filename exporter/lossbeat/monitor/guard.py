@@ -89,6 +89,7 @@ class Guard:
 
     def __init__(
         self,
+        *,
         mode: str,
         spikes: bool,
         hold_schedule: bool,
@@ -436,9 +437,24 @@ class NoGuard:
 
 
 def make_guard(
-    mode: str, spikes: bool, schedule: str, thresholds: Thresholds, history: History, state: MonitorState, defer: bool
+    *,
+    mode: str,
+    spikes: bool,
+    schedule: str,
+    thresholds: Thresholds,
+    history: History,
+    state: MonitorState,
+    defer: bool,
 ) -> Guard | NoGuard:
     state.guard_mode = mode
     if mode == "off":
         return NoGuard()
-    return Guard(mode, spikes, schedule == "hold", thresholds, history, state, defer)
+    return Guard(
+        mode=mode,
+        spikes=spikes,
+        hold_schedule=schedule == "hold",
+        thresholds=thresholds,
+        history=history,
+        state=state,
+        defer=defer,
+    )
