@@ -286,3 +286,23 @@ def test_stop_at_an_unobserved_step_raises_at_once_even_where_halts_wait_for_the
     assert step == BAD and _same(before, _snapshot(model, [optimizer]))
     assert monitor.state.halted and monitor.state.guard_undecided_steps == 1
     monitor.close(completed=False)
+
+
+def test_the_guard_does_not_keep_a_finished_runs_optimizer_alive():
+    """A sweep trains several models in one process under one monitor: the guard remembers the
+    optimizers it stepped (for steps observe() did not decide) without keeping them alive."""
+    import gc
+    import weakref
+
+    monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
+    model = _model()
+    (optimizer,) = OPTIMIZERS["adamw"](model)
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    monitor.observe(0, loss=1.0, model=model)
+    monitor.step(optimizer)
+    gone = weakref.ref(optimizer)
+    del optimizer
+    gc.collect()
+    assert gone() is None
+    monitor.close()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from lossbeat.diagnosis import History
@@ -112,7 +113,8 @@ class Guard:
         self._apply: Callable[[Any], None] | None = None  # the step applier, once attached
         self._current: tuple[int, Any] | None = None  # (decision index, flags) of the training step
         self._stepped: set[int] = set()  # the optimizers Monitor.step applied the current decision to
-        self._optimizers: dict[int, Any] = {}  # every optimizer stepped through the guard
+        # every optimizer stepped through the guard, not kept alive by it (a sweep's finished runs)
+        self._optimizers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._used: set[int] = set()  # decisions Monitor.step applied (withheld or not)
         self._host: tuple[int, tuple[float, ...]] | None = None  # the latest flags that reached the host
         self._parked: tuple[int, Any] | None = None  # a bad step's record awaiting its Monitor.step
@@ -325,7 +327,7 @@ class Guard:
         bad = False
         if grad_scaler is None:
             self.host_reads += 1
-            bad = skipping.nonfinite_gradients(self._optimizers.values())  # host sync: counted above
+            bad = skipping.nonfinite_gradients(list(self._optimizers.values()))  # host sync: counted above
         self._current = (_UNDECIDED, bad)
         if bad:  # on the host on every rank already: a halt is raised at once
             step = -1 if self.state.step is None else int(self.state.step) + 1
