@@ -121,7 +121,7 @@ class Guard:
         self._halt: tuple[int, TrainingHalted] | None = None  # (decision index to raise at, error)
         self._consecutive = 0
         self._level: list[tuple[int, float]] = []  # explosions in a row with a healthy loss: (step, norm)
-        self._strategies: dict[int, str] = {}
+        self._strategies: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # by optimizer
 
     def attach(self, lock: Any, apply: Callable[[Any], None]) -> None:
         """The transfer's lock and the step applier: a parked record is applied under the lock."""
@@ -339,9 +339,9 @@ class Guard:
 
     def _device_step(self, optimizer: Any, bad: torch.Tensor) -> bool | None:
         """Skip on the device where the optimizer allows it; returns None when it did (unknown here)."""
-        strategy = self._strategies.get(id(optimizer))
+        strategy = self._strategies.get(optimizer)  # not by id: a later optimizer may reuse a freed one's
         if strategy is None:
-            strategy = self._strategies[id(optimizer)] = skipping.strategy(optimizer, bad.device)
+            strategy = self._strategies[optimizer] = skipping.strategy(optimizer, bad.device)
         if strategy == "found_inf":
             skipping.found_inf_step(optimizer, bad)
             return None
