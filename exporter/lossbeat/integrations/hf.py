@@ -192,6 +192,7 @@ class LossbeatCallback(TrainerCallback):
         self._epoch_at_step_begin = 0.0
         self._step_patch: Patch | None = None  # the optimizer's guarded step (guard="skip"/"stop")
         self._loss_patches: list[Patch] = []  # the Trainer's training_step and compute_loss, for the loss
+        self._step_loss_sum: torch.Tensor | None = None  # training_step's losses this step
         self._decided = False  # on_pre_optimizer_step observed the step the optimizer applies next
         self._training = False  # between on_train_begin and on_train_end: evaluations return to "train"
         self._names_passed: set[str] = set()  # logged names given to the monitor (each once; signals always)
@@ -221,16 +222,16 @@ class LossbeatCallback(TrainerCallback):
         self._measure_pre_clip = bool(args.max_grad_norm) and not uses_deepspeed(model, optimizer)
         self._steps_in_epoch = _batches_per_epoch(train_dataloader, state, args)
         self._model = model if isinstance(model, torch.nn.Module) else None
+        if self.per_step and self._model is not None:
+            self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
         trainer = _find_trainer() if self.per_step else None
         if trainer is not None:
-            # The loss the Trainer backpropagates: training_step's return (compute_loss's, after the
-            # accumulation scaling), whatever computes it (TRL's trainers, a custom compute_loss).
+            # A model that returns no loss (TRL's trainers, any custom compute_loss): the loss the
+            # Trainer backpropagates, training_step's return, and compute_loss's for the pre-clip norms.
             self._loss_patches = [
                 Patch(trainer, "training_step", self._captured_training_step),
                 Patch(trainer, "compute_loss", self._captured_compute_loss),
             ]
-        elif self.per_step and self._model is not None:
-            self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
         # Across devices, num_items_in_batch counts every rank's tokens: the Trainer then
         # multiplies each rank's loss by the process count, and so does this callback.
         self._share_scale = float(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1.0
@@ -247,14 +248,15 @@ class LossbeatCallback(TrainerCallback):
         self._epoch_at_step_begin = float(state.epoch or 0.0)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self._loss_sum is None:
+        if self._loss_sum is None and self._step_loss_sum is None:
             return
         # A model given num_items_in_batch returns its micro-batch's share of the step's
         # loss (the shares add up); otherwise each micro-batch loss is a mean. Under
         # DataParallel each micro-batch gives one loss per device, which the Trainer averages.
         replicas = max(1, len(self._devices))
-        if self._loss_patches:  # training_step's losses: the step's loss is their sum, as the Trainer logs it
-            loss = self._loss_sum
+        if self._loss_sum is None:  # the model returned no loss: training_step's, summed as the Trainer logs it
+            loss = self._step_loss_sum
+        elif self._shares:
             loss = self._loss_sum * (self._share_scale / replicas)
         else:
             loss = self._loss_sum / self._micro_batches
@@ -405,8 +407,8 @@ class LossbeatCallback(TrainerCallback):
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             value = loss.detach().to(torch.float32, copy=True).reshape(())  # no host sync
             with self._lock:
-                self._loss_sum = value if self._loss_sum is None else self._loss_sum + value.to(self._loss_sum.device)
-                self._micro_batches += 1
+                total = self._step_loss_sum
+                self._step_loss_sum = value if total is None else total + value.to(total.device)
         return loss
 
     def _captured_compute_loss(self, *args: Any, **kwargs: Any) -> Any:
@@ -454,7 +456,7 @@ class LossbeatCallback(TrainerCallback):
 
     def _reset(self) -> None:
         with self._lock:
-            self._loss_sum = None
+            self._loss_sum = self._step_loss_sum = None
             self._micro_batches = 0
             self._devices = set()
             self._watched = False
