@@ -13,14 +13,19 @@ from worker_exit import finish, write_result
 
 from lossbeat import Monitor, MonitorConfig
 
-FAULTS = {30: "local_loss_nan", 40: "grad_nan_before_allreduce", 50: "spike_one_rank"}
-"""Step -> the fault injected there, each on one rank only (the last, the first, the last)."""
+FAULTS = {30: "local_loss_nan", 40: "grad_nan_before_allreduce", 45: "local_loss_nan", 50: "spike_one_rank"}
+"""Step -> the fault injected there, each on one rank only (the last, the first, the last, the last)."""
+UNOBSERVED = 45
+"""With ``--observe even``: odd steps are not observed, so this fault's step has no decision from
+observe() and monitor.step decides it from the gradients (without it, the fault is not injected)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp")
+    parser.add_argument("--optimizers", choices=("one", "two"), default="one")
+    parser.add_argument("--observe", choices=("every", "even"), default="every")
     return parser.parse_args(argv)
 
 
@@ -38,33 +43,46 @@ def run(args: argparse.Namespace) -> dict:
 
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
         wrapped = model
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    if args.optimizers == "two":  # e.g. Muon for matrices and AdamW for the rest: one decision for both
+        optimizers = [
+            torch.optim.AdamW(model[0].parameters(), lr=1e-2),
+            torch.optim.SGD(model[2].parameters(), lr=1e-2, momentum=0.9),
+        ]
+    else:
+        optimizers = [torch.optim.AdamW(wrapped.parameters(), lr=1e-2)]
+    faults = {s: f for s, f in FAULTS.items() if s != UNOBSERVED or args.observe == "even"}
     monitor = Monitor(MonitorConfig(port=0, guard="skip", guard_spikes=True, grad_norm_align_every=0), serve=False)
     state = {"step": 0}
     if rank == 0:
         # A NaN born in this rank's backward, before the gradients are averaged (DDP) or reduced (FSDP).
         def poison(module, inputs, output):
-            if FAULTS.get(state["step"]) == "grad_nan_before_allreduce":
+            if faults.get(state["step"]) == "grad_nan_before_allreduce":
                 output.register_hook(lambda g: g * math.nan)
 
         model[2].register_forward_hook(poison)
-    skipped_at, losses = [], []
-    for step in range(max(FAULTS) + 10):
+    skipped_at, losses, unchanged = [], [], []
+    for step in range(max(faults) + 10):
         state["step"] = step
         g = torch.Generator().manual_seed(100 * step + rank)
         x = torch.randn(16, 8, generator=g)
         y = x.sum(dim=1, keepdim=True) * 0.1
         loss = nn.functional.mse_loss(wrapped(x), y)
-        if rank == world - 1 and FAULTS.get(step) == "local_loss_nan":
+        if rank == world - 1 and faults.get(step) == "local_loss_nan":
             loss = loss * math.nan
-        if rank == world - 1 and FAULTS.get(step) == "spike_one_rank":
+        if rank == world - 1 and faults.get(step) == "spike_one_rank":
             loss = loss * 1e4
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
         before = sum(monitor.state.skipped_steps.values())
-        monitor.observe(step, loss=loss, grad_norm=grad_norm, optimizer=optimizer)
-        monitor.step(optimizer)
+        if args.observe == "every" or step % 2 == 0:
+            monitor.observe(step, loss=loss, grad_norm=grad_norm, optimizer=optimizers[0])
+        snapshot = _snapshot(model, optimizers) if step in faults else None
+        for optimizer in optimizers:
+            monitor.step(optimizer)
+        if snapshot is not None:
+            unchanged.append(all(torch.equal(a, b) for a, b in zip(snapshot, _snapshot(model, optimizers))))
         if sum(monitor.state.skipped_steps.values()) > before:
             skipped_at.append(step)
         losses.append(float(loss.detach()))
@@ -74,6 +92,8 @@ def run(args: argparse.Namespace) -> dict:
     dist.all_gather(gathered, flat)
     result = {
         "skipped_at": skipped_at,
+        "unchanged_at_faults": unchanged,
+        "undecided": monitor.state.guard_undecided_steps,
         "skipped": dict(monitor.state.skipped_steps),
         "params_equal_across_ranks": all(torch.equal(gathered[0], g) for g in gathered),
         "params_finite": bool(torch.isfinite(flat).all()),
@@ -83,6 +103,16 @@ def run(args: argparse.Namespace) -> dict:
     }
     monitor.close()
     return result
+
+
+def _snapshot(model: nn.Module, optimizers: list) -> list[torch.Tensor]:
+    """This rank's parameters and optimizer state tensors (local shards under FSDP2), cloned."""
+    local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa: E731
+    out = [local(p) for p in model.parameters()]
+    for optimizer in optimizers:
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            out.extend(local(v) for _, v in sorted(optimizer.state.get(p, {}).items()) if torch.is_tensor(v))
+    return out
 
 
 def main() -> None:

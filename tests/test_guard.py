@@ -147,9 +147,9 @@ def test_the_device_path_masks_the_update_exactly(monkeypatch):
         g = monitor._guard
         real_step = g.step
 
-        def device_step(opt, scaler=None, sched=None, _g=g, _real=real_step):
+        def device_step(opt, scaler=None, sched=None, closure=None, _g=g, _real=real_step):
             _g._host = None  # as if the step's flags were still on their way from the device
-            return _real(opt, scaler, sched)
+            return _real(opt, scaler, sched, closure)
 
         monkeypatch.setattr(g, "step", device_step)
         _, snaps = _train(monitor, model, optimizer, 12, fault_at=0)  # a bad first step: fresh state kept fresh
@@ -292,3 +292,104 @@ def test_the_demo_survives_one_nan_batch_with_the_guard(tmp_path):
     events = out.stdout.strip().splitlines()[-1]
     assert "skipped_steps 1" in events and "nonfinite_loss 0" in events and "nonfinite_grad 0" in events, events
     assert "ok   nonfinite" in out.stdout
+
+
+class _Unfreezing(nn.Module):
+    """A head trained from the start, and a branch on large-scale features frozen (at zero)
+    until it is unfrozen: once it trains, the pre-clip grad norm settles far higher for good."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head, self.side = nn.Linear(8, 1), nn.Linear(8, 1)
+        nn.init.zeros_(self.side.weight)
+        nn.init.zeros_(self.side.bias)
+        self.side.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(x) + self.side(x * 100.0)
+
+
+def _noisy_batch(step: int):
+    x, y = _batch(step)
+    return x, y + 0.3 * torch.randn(y.shape, generator=torch.Generator().manual_seed(step))
+
+
+def _unfreezing_run(monitor, steps, unfreeze_at, loss_factor_after=1.0):
+    model = _Unfreezing()
+    optimizer = torch.optim.AdamW(
+        [{"params": model.head.parameters()}, {"params": model.side.parameters(), "lr": 1e-4}], lr=1e-2
+    )
+    applied_after, losses = 0, []
+    for step in range(steps):
+        if step == unfreeze_at:
+            model.side.requires_grad_(True)
+        x, y = _noisy_batch(step)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y) * (loss_factor_after if step >= unfreeze_at else 1.0)
+        loss.backward()
+        grad_norm = monitor.clip_grad_norm_(model, 1.0)
+        before = _snapshot(model, optimizer)
+        monitor.observe(step, loss=loss, grad_norm=grad_norm, model=model)
+        monitor.step(optimizer)
+        if step >= unfreeze_at and not _equal(before, _snapshot(model, optimizer)):
+            applied_after += 1
+        losses.append(float(loss.detach()))
+    return applied_after, losses
+
+
+def test_a_lasting_new_grad_norm_level_with_a_healthy_loss_becomes_the_baseline():
+    t = lossbeat.load_thresholds()
+    monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
+    steps, unfreeze_at = 140, 60
+    applied_after, losses = _unfreezing_run(monitor, steps, unfreeze_at)  # no TrainingHalted
+    accepted = t.guard.accept_level_after
+    assert monitor.state.skipped_steps == {"explosion": accepted}
+    assert monitor.state.guard_level_changes == 1
+    assert applied_after == steps - unfreeze_at - accepted  # every step after the new level's acceptance
+    assert monitor.history.grad.median > 10  # the new level (~30; ~0.3 before the branch trained)
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-20:]) / 20 < 1.5 * sum(losses[unfreeze_at - 20 : unfreeze_at]) / 20  # it trains on
+    text = "\n".join(f"{s.name} {s.value}" for m in monitor.registry.collect() for s in m.samples)
+    assert "training_guard_level_changes_total 1" in text.splitlines()
+    monitor.close()
+
+
+def test_a_new_grad_norm_level_with_a_loss_gone_bad_keeps_skipping_and_stops():
+    t = lossbeat.load_thresholds()
+    monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
+    with pytest.raises(TrainingHalted) as info:
+        _unfreezing_run(monitor, 140, 60, loss_factor_after=1e4)
+    assert info.value.reason == "explosion" and info.value.step == 60 + t.guard.max_consecutive
+    assert monitor.state.guard_level_changes == 0
+    monitor.close(completed=False)
+
+
+def test_stop_at_one_of_the_last_steps_of_a_deferred_run_still_stops_it():
+    """With deferred device reads (CUDA) a halt is raised MAX_PENDING decisions after its bad step,
+    so every rank raises at the same one: a bad step among the last ones halts at flush()/close(),
+    and the run does not read as completed."""
+    for end in ("flush", "close"):
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        monitor = Monitor(MonitorConfig(port=0, guard="stop"), serve=False)
+        monitor._guard.lag = lambda: guard_module.MAX_PENDING  # as on CUDA with deferred reads
+        _, snaps = _train(monitor, model, optimizer, 10, fault_at=8)  # no raise from the last steps' monitor.step
+        assert _equal(snaps[8], snaps[8.5])
+        with pytest.raises(TrainingHalted, match="at step 8: nonfinite"):
+            getattr(monitor, end)()
+        assert monitor.state.halted
+        if end == "flush":
+            monitor.close(completed=False)
+        assert not monitor.state.completed
+
+
+def test_a_disabled_grad_scaler_is_no_scaler():
+    """nanoGPT's GradScaler(enabled=False) in a bf16/fp32 run: the skip works and nothing raises."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
+    _, snaps = _train(monitor, model, optimizer, 10, fault_at=4, scaler=torch.amp.GradScaler("cpu", enabled=False))
+    assert _equal(snaps[4], snaps[4.5]) and not _equal(snaps[5], snaps[5.5])
+    assert monitor.state.skipped_steps == {"nonfinite": 1}
+    monitor.close()

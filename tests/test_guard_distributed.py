@@ -11,9 +11,17 @@ FAULT_STEPS = [30, 40, 50]
 
 # The 2-rank variants in one torchrun job (torchrun_jobs.py); one alone:
 # python -m torch.distributed.run --standalone --nproc-per-node N tests/guard_worker.py --wrap W --dir DIR
+TWO_EVEN = ["--optimizers", "two", "--observe", "even"]
 JOBS = {
     "guard-2-ranks": Job(
-        2, {"guard-2-ddp": ("guard_worker", ["--wrap", "ddp"]), "guard-2-fsdp2": ("guard_worker", ["--wrap", "fsdp2"])}
+        2,
+        {
+            "guard-2-ddp": ("guard_worker", ["--wrap", "ddp"]),
+            "guard-2-fsdp2": ("guard_worker", ["--wrap", "fsdp2"]),
+            # Two optimizers sharing each step's decision; odd steps not observed (decided from the gradients).
+            "guard-2-ddp-two-even": ("guard_worker", ["--wrap", "ddp", *TWO_EVEN]),
+            "guard-2-fsdp2-two-even": ("guard_worker", ["--wrap", "fsdp2", *TWO_EVEN]),
+        },
     ),
     "guard-4-ranks": Job(4, {"guard-4-ddp": ("guard_worker", ["--wrap", "ddp"])}),
 }
@@ -24,15 +32,21 @@ def jobs(tmp_path_factory):
     return SharedJobs(JOBS, tmp_path_factory)
 
 
-@pytest.mark.parametrize("ranks,wrap", [(2, "ddp"), (4, "ddp"), (2, "fsdp2")])
-def test_every_rank_skips_the_same_steps_and_stays_equal(jobs, ranks, wrap):
-    results = jobs.results(f"guard-{ranks}-{wrap}")
+@pytest.mark.parametrize(
+    "ranks,wrap,variant",
+    [(2, "ddp", ""), (4, "ddp", ""), (2, "fsdp2", ""), (2, "ddp", "-two-even"), (2, "fsdp2", "-two-even")],
+)
+def test_every_rank_skips_the_same_steps_and_stays_equal(jobs, ranks, wrap, variant):
+    results = jobs.results(f"guard-{ranks}-{wrap}{variant}")
     assert [r["world"] for r in results] == [ranks] * ranks
+    expected = sorted(FAULT_STEPS + ([45] if variant else []))  # 45: a NaN at a step observe() did not see
     for r in results:
-        assert r["skipped_at"] == FAULT_STEPS, r  # the same steps on every rank, the faulty one or not
+        assert r["skipped_at"] == expected, r  # the same steps on every rank, the faulty one or not
+        assert r["unchanged_at_faults"] == [True] * len(expected), r  # parameters and optimizer state bitwise
+        assert r["undecided"] == (30 if variant else 0), r  # the odd steps of 60
         assert r["params_equal_across_ranks"] and r["params_finite"] and r["last_loss_finite"], r
     # The flags are reduced: every rank counts the same reasons. The x1e4 loss is a spike, and
     # its gradients, averaged into every rank's, explode (the first reason set is counted).
     assert all(r["skipped"] == results[0]["skipped"] for r in results)
-    assert results[0]["skipped"]["nonfinite"] == 2
-    assert sum(results[0]["skipped"].values()) == 3
+    assert results[0]["skipped"]["nonfinite"] == 2 + bool(variant)
+    assert sum(results[0]["skipped"].values()) == 3 + bool(variant)

@@ -233,6 +233,97 @@ def test_hf_guard_refuses_the_log_fallback():
         LossbeatCallback(per_step=False, guard="skip")
 
 
+def _tiny_tokenizer():
+    """A word-level tokenizer built in memory (no download)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{f"w{i}": i + 3 for i in range(29)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
+
+
+@pytest.mark.parametrize("mode,accumulation", [("skip", 1), ("stop", 1), ("skip", 2)])
+def test_trl_reward_trainer_guard_acts_on_the_loss_its_compute_loss_backpropagates(tmp_path, mode, accumulation):
+    """TRL's RewardTrainer computes its loss in compute_loss from the model's logits (the model
+    returns no loss): the guard still skips the NaN step, bitwise, and training goes on; or stops."""
+    require_module("trl")
+    from datasets import Dataset
+    from transformers import GPT2Config, GPT2ForSequenceClassification, TrainerCallback
+    from trl import RewardConfig, RewardTrainer
+
+    from lossbeat.integrations.hf import LossbeatCallback
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=32, n_positions=16, num_labels=1, pad_token_id=0)
+    model = GPT2ForSequenceClassification(config)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 32, (2, 6), generator=g).tolist() for _ in range(48)]
+    data = Dataset.from_dict({"chosen_ids": [r[0] for r in rows], "rejected_ids": [r[1] for r in rows]})
+
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.before, self.after = {}, {}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            poison["on"] = state.global_step + 1 == NAN_AT
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.before[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
+
+        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.after[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
+
+    poison = {"on": False}
+    model.score.register_forward_hook(lambda m, i, out: out * math.nan if poison["on"] and m.training else None)
+    monitor = Monitor(MonitorConfig(port=0, guard=mode), serve=False)
+    recorder = Recorder()
+    args = RewardConfig(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulation,
+        logging_steps=1,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        center_rewards_coefficient=None,
+    )
+    trainer = RewardTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        processing_class=_tiny_tokenizer(),
+        callbacks=[LossbeatCallback(monitor), recorder],
+    )
+    if mode == "stop":
+        with pytest.raises(TrainingHalted, match=f"at step {NAN_AT}: nonfinite"):
+            trainer.train()
+        # what a user's `except TrainingHalted` would save: the last good state
+        recorder.after[NAN_AT] = _snapshot(trainer.optimizer.optimizer, list(model.parameters()))
+    else:
+        trainer.train()
+    _assert_bitwise_equal(recorder.before[NAN_AT], recorder.after[NAN_AT])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    monitor.flush()
+    assert monitor.state.skipped_steps == {"nonfinite": 1}
+    assert monitor.state.nonfinite_loss_total == 0 and monitor.state.guard_undecided_steps == 0
+    if mode == "skip":
+        assert monitor.state.steps_total == 6
+        later = NAN_AT + 1  # the step after the skip trained
+        assert not torch.equal(recorder.before[later][0][0], recorder.after[later][0][0])
+        logged = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        assert monitor.state.loss == pytest.approx(logged[-1], rel=1e-3)  # the loss the Trainer backpropagated
+    monitor.close(completed=mode == "skip")
+
+
 # --- Lightning ------------------------------------------------------------------------
 
 

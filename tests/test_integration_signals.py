@@ -72,8 +72,8 @@ def _hf_trainer(tmp_path, extra_logs, *, custom_loss: bool, compute_metrics=None
 
 
 def test_hf_trainer_grpo_like_logs_detect_rl_and_export_the_collapsed_reward_spread(tmp_path):
-    """A custom compute_loss (as GRPO's) leaves the callback observing logged records: each with its
-    reward, reward_std, frac_reward_zero_std and kl."""
+    """A custom compute_loss (as GRPO's): the callback observes each step from the loss the Trainer
+    backpropagates; each log's reward, reward_std, frac_reward_zero_std and kl go with the next step."""
 
     def rl(step):
         return {
@@ -87,16 +87,17 @@ def test_hf_trainer_grpo_like_logs_detect_rl_and_export_the_collapsed_reward_spr
 
     monitor, callback, logged, _ = _hf_trainer(tmp_path, rl, custom_loss=True)
     s = registry_samples(monitor)
-    assert callback.observed_steps == 0 and sample_value(s, "training_steps_total") == len(logged) == 6
+    assert callback.observed_steps == 6 and sample_value(s, "training_steps_total") == len(logged) == 6
+    assert sample_value(s, "training_loss") == pytest.approx(logged[-1]["loss"], rel=1e-3)
     info = _profile(s)
     assert info["profile"] == "rl" and info["source"] == "detected"
     assert info["fields"].split(",")[:2] == ["reward", "reward_std"]
-    last = logged[-1]
+    last = logged[-2]  # the log of step 5 went with step 6's observe; step 6's has no step after it
     assert sample_value(s, "training_signal", signal="reward") == pytest.approx(last["reward"])
     assert sample_value(s, "training_signal", signal="reward_std") == 0.0
     assert sample_value(s, "training_signal", signal="frac_reward_zero_std") == 1.0
     assert sample_value(s, "training_signal", signal="kl") == pytest.approx(last["kl"])
-    assert monitor.history.signals["reward"].count == 6
+    assert monitor.history.signals["reward"].count == 5
     assert monitor._judge.thresholds.profile.name == "rl"
     monitor.close()
 

@@ -156,6 +156,8 @@ def test_every_metric_is_exported_with_its_value(monitor):
             "training_grad_norm_aligned_step",
             "training_skipped_steps_total",
             "training_guard_consecutive_skips",
+            "training_guard_undecided_steps_total",
+            "training_guard_level_changes_total",
             "training_halted",
             "training_signal",
         ) or name.startswith("training_moe_"):  # with observe(expert_load=...): tests/test_moe.py

@@ -278,3 +278,19 @@ def test_torchtitan_placeholder_loss_of_a_pipeline_stage_is_no_loss():
     assert "training_loss" not in samples or not samples["training_loss"]
     assert sample_value(samples, "training_grad_norm") == pytest.approx(0.7)
     monitor.close()
+
+
+@pytest.mark.parametrize("framework", ["olmo_core", "torchtitan"])
+def test_a_callback_that_cannot_apply_the_guard_refuses_it_naming_the_argument(framework):
+    """These callbacks see the trainer's metrics, never its optimizer step: guard= would be a no-op."""
+    require_module(framework)
+    import importlib
+
+    module = importlib.import_module(f"lossbeat.integrations.{framework}")
+    callback = module.LossbeatCallback if framework == "olmo_core" else module.LossbeatLogger
+    with pytest.raises(ValueError, match="guard: the .* callback .* guard='skip' would never withhold"):
+        callback(guard="skip", port=0)
+    monitor = Monitor(MonitorConfig(port=0, guard="stop"), serve=False)
+    with pytest.raises(ValueError, match="guard="):
+        callback(monitor)
+    monitor.close()

@@ -66,6 +66,7 @@ ALERTS = {  # the contract: name -> severity
     "TrainingRankGradientMismatch": "critical",
     "TrainingStepsSkipped": "warning",
     "TrainingSkippingRepeatedly": "critical",
+    "TrainingGradNormLevelChanged": "warning",
     "TrainingHalted": "critical",
 }
 

@@ -282,6 +282,8 @@ class GuardThresholds:
     """Skips in a row after which ``guard="skip"`` stops the run (a fault that persists is not one bad batch)."""
     page_skips: int
     """Skips within ``alerts.guard_window`` that page (TrainingSkippingRepeatedly); fewer are a ticket."""
+    accept_level_after: int
+    """Explosions skipped in a row with a healthy loss after which their gradient-norm level becomes the baseline."""
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,13 @@ class MonitorCollector(Collector):
                 c.add_metric([rank, reason], skipped.get(reason, 0))
             yield c
             for name, value in (
+                ("training_guard_undecided_steps_total", s.guard_undecided_steps),
+                ("training_guard_level_changes_total", s.guard_level_changes),
+            ):
+                c = _counter(name)
+                c.add_metric([rank], value)
+                yield c
+            for name, value in (
                 ("training_guard_consecutive_skips", s.guard_consecutive_skips),
                 ("training_halted", 1.0 if s.halted else 0.0),
             ):

@@ -259,6 +259,16 @@ _SPECS = [
         unit="none",
     ),
     MetricSpec(
+        "training_guard_undecided_steps_total",
+        "counter",
+        "Optimizer steps taken through monitor.step with no decision from observe() for them (observe not called, or it failed): the guard decided them from their gradients, non-finite values only.",
+    ),
+    MetricSpec(
+        "training_guard_level_changes_total",
+        "counter",
+        "Times the optimizer guard accepted a lasting new gradient-norm level with a healthy loss as the run's baseline, after guard.accept_level_after skipped steps.",
+    ),
+    MetricSpec(
         "training_halted",
         "gauge",
         "1 once the optimizer guard stopped the run (TrainingHalted raised on every rank), else 0.",

@@ -102,6 +102,10 @@ class MonitorState:
         self.skipped_steps: dict[str, int] = {}
         """Steps the guard kept from the optimizer, by reason: swapped whole."""
         self.guard_consecutive_skips = 0
+        self.guard_undecided_steps = 0
+        """Optimizer steps Monitor.step took with no decision from observe(): decided from their gradients."""
+        self.guard_level_changes = 0
+        """Times a lasting new gradient-norm level with a healthy loss was accepted as the baseline."""
         self.halted = False
         """The guard stopped the run (TrainingHalted raised)."""
         self.errors: dict[str, int] = {"observe": 0, "gradients": 0, "collect": 0, "diagnose": 0}

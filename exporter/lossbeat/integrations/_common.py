@@ -11,7 +11,7 @@ import torch
 
 from lossbeat.diagnosis.profiles import is_signal
 from lossbeat.exposition.server import RankContext
-from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, start_exporter
+from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, TrainingHalted, start_exporter
 
 __all__ = [
     "check_monitor",
@@ -75,7 +75,9 @@ def flush_quietly(monitor: Monitor | NullMonitor | None) -> None:
         return
     try:
         monitor.flush()
-    except Exception:
+    except TrainingHalted:  # the guard stopped the run at one of its last steps: the stop asked for
+        raise
+    except Exception:  # e.g. a device error surfacing at the last deferred read
         state = getattr(monitor, "state", None)
         if state is not None:
             state.count_error("observe")

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from lossbeat.monitor import Monitor, NullMonitor
 
-__all__ = ["guard_mode", "settings_guard", "Patch", "ScheduleGate"]
+__all__ = ["guard_mode", "settings_guard", "refuse_guard", "Patch", "ScheduleGate"]
 
 _ABSENT = object()
 
@@ -30,6 +30,18 @@ def settings_guard(monitor: Monitor | NullMonitor | None, settings: Mapping[str,
     if settings.get("enabled") is False:
         return "off", "advance"
     return settings.get("guard", "off"), settings.get("guard_schedule", "advance")
+
+
+def refuse_guard(
+    monitor: Monitor | NullMonitor | None, settings: Mapping[str, Any], callback: str, instead: str
+) -> None:
+    """Raise at once for a guard that ``callback`` cannot apply (it never sees the optimizer step)."""
+    guard = settings_guard(monitor, settings)[0]
+    if guard != "off":
+        raise ValueError(
+            f"guard: the {callback} callback observes the trainer's metrics but does not step its optimizer, "
+            f"so guard={guard!r} would never withhold a step; use guard='off' ({instead})"
+        )
 
 
 class Patch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any
 
@@ -190,6 +191,8 @@ class LossbeatCallback(TrainerCallback):
         self._steps_in_epoch: float | None = None  # micro-batches per epoch, as the Trainer counts them
         self._epoch_at_step_begin = 0.0
         self._step_patch: Patch | None = None  # the optimizer's guarded step (guard="skip"/"stop")
+        self._loss_patches: list[Patch] = []  # the Trainer's training_step and compute_loss, for the loss
+        self._step_loss_sum: torch.Tensor | None = None  # training_step's losses this step
         self._decided = False  # on_pre_optimizer_step observed the step the optimizer applies next
         self._training = False  # between on_train_begin and on_train_end: evaluations return to "train"
         self._names_passed: set[str] = set()  # logged names given to the monitor (each once; signals always)
@@ -222,6 +225,14 @@ class LossbeatCallback(TrainerCallback):
         self._model = model if isinstance(model, torch.nn.Module) else None
         if self.per_step and self._model is not None:
             self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+        trainer = _find_trainer() if self.per_step else None
+        if trainer is not None:
+            # A model that returns no loss (TRL's trainers, any custom compute_loss): the loss the
+            # Trainer backpropagates, training_step's return, and compute_loss's for the pre-clip norms.
+            self._loss_patches = [
+                Patch(trainer, "training_step", self._captured_training_step),
+                Patch(trainer, "compute_loss", self._captured_compute_loss),
+            ]
         # Across devices, num_items_in_batch counts every rank's tokens: the Trainer then
         # multiplies each rank's loss by the process count, and so does this callback.
         self._share_scale = float(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1.0
@@ -238,13 +249,15 @@ class LossbeatCallback(TrainerCallback):
         self._epoch_at_step_begin = float(state.epoch or 0.0)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self._loss_sum is None:
+        if self._loss_sum is None and self._step_loss_sum is None:
             return
         # A model given num_items_in_batch returns its micro-batch's share of the step's
         # loss (the shares add up); otherwise each micro-batch loss is a mean. Under
         # DataParallel each micro-batch gives one loss per device, which the Trainer averages.
         replicas = max(1, len(self._devices))
-        if self._shares:
+        if self._loss_sum is None:  # the model returned no loss: training_step's, summed as the Trainer logs it
+            loss = self._step_loss_sum
+        elif self._shares:
             loss = self._loss_sum * (self._share_scale / replicas)
         else:
             loss = self._loss_sum / self._micro_batches
@@ -349,9 +362,7 @@ class LossbeatCallback(TrainerCallback):
         ``on_pre_optimizer_step`` goes through ``Monitor.step``; any other is accelerate's own."""
         patch = self._step_patch
         assert patch is not None
-        decided, self._decided = self._decided, False
-        if closure is not None or not decided:
-            return patch.original() if closure is None else patch.original(closure)
+        self._decided = False  # a step nothing decided on is decided from its gradients by Monitor.step
         accelerated = patch.obj
         inner = getattr(accelerated, "optimizer", accelerated)  # the torch optimizer: the guard's strategies know it
         scaler = getattr(accelerated, "scaler", None)
@@ -366,7 +377,7 @@ class LossbeatCallback(TrainerCallback):
         monitor = self._monitor
         assert monitor is not None  # the guard is patched in once training has begun
         try:
-            monitor.step(inner, grad_scaler=scaler, scheduler=gate)
+            out = monitor.step(inner, grad_scaler=scaler, scheduler=gate, closure=closure)
         except BaseException:  # TrainingHalted (or a failing step) leaves train(): no on_train_end follows
             self._unguard()
             raise
@@ -378,7 +389,7 @@ class LossbeatCallback(TrainerCallback):
             # accelerate's own record of a skipped step (private; its step would have set it):
             # the Trainer and accelerate's scheduler wrapper hold the LR schedule for it.
             accelerated._is_overflow = not took
-        return None
+        return out
 
     def _unguard(self) -> None:
         if self._step_patch is not None:
@@ -393,6 +404,27 @@ class LossbeatCallback(TrainerCallback):
             self._monitor = rank_monitor(self._given, self._given_in_pid, self._settings, ranks)
             self._started_in = os.getpid()  # a forked child that trains again starts its own
         return self._monitor
+
+    def _captured_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        loss = self._loss_patches[0].original(*args, **kwargs)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            value = loss.detach().to(torch.float32, copy=True).reshape(())  # no host sync
+            with self._lock:
+                total = self._step_loss_sum
+                self._step_loss_sum = value if total is None else total + value.to(total.device)
+        return loss
+
+    def _captured_compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        """The loss before backward: where the gradients' pre-clip norms are measured from."""
+        out = self._loss_patches[1].original(*args, **kwargs)
+        loss = out[0] if isinstance(out, tuple) else out
+        if isinstance(loss, torch.Tensor) and self._model is not None and torch.is_grad_enabled():
+            with self._lock:
+                if self._measure_pre_clip and self._after_backward is not None and not self._watched:
+                    if _completes_step():
+                        self._watched = True
+                        self._after_backward.watch(loss, self._model)
+        return out
 
     def _capture_loss(self, module: torch.nn.Module, inputs: Any, kwargs: dict, output: Any) -> None:
         if not module.training or not torch.is_grad_enabled():
@@ -427,12 +459,15 @@ class LossbeatCallback(TrainerCallback):
 
     def _reset(self) -> None:
         with self._lock:
-            self._loss_sum = None
+            self._loss_sum = self._step_loss_sum = None
             self._micro_batches = 0
             self._devices = set()
             self._watched = False
 
     def _remove_hook(self) -> None:
+        for patch in reversed(self._loss_patches):
+            patch.restore()
+        self._loss_patches = []
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -477,3 +512,21 @@ def _restore_resumed(monitor, state) -> None:
     memory = getattr(getattr(monitor, "history", None), "memory", None)  # None: a rank that judges nothing
     if memory is not None:
         memory.restore(monitor.thresholds, train, evals)
+
+
+def _find_trainer() -> Any:
+    """The Trainer whose ``train()`` calls this ``on_train_begin``: a few frames up the stack
+    (the Trainer passes callbacks no reference to itself). None when not found."""
+    try:
+        from transformers import Trainer
+    except ImportError:  # pragma: no cover - the callback needs transformers
+        return None
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None

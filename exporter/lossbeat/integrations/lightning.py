@@ -302,10 +302,10 @@ class LossbeatCallback(Callback):
                 with torch.enable_grad():  # then on_before_optimizer_step decides, then Lightning clips
                     loss = closure()
             patch = next(p for p in self._patches if p.obj is optimizer)
-            if self._decided is not optimizer or kwargs:
-                patch.original(**kwargs)  # a step nothing decided on (no loss seen): as Lightning's
+            if kwargs:  # arguments the guard does not know: the optimizer's own step
+                patch.original(**kwargs)
                 return loss
-            self._decided = None
+            self._decided = None  # a step nothing decided on is decided from its gradients by Monitor.step
             monitor = self._monitor
             assert monitor is not None  # the guard is patched in by on_train_start, after setup
             with patch.unpatched():
@@ -316,7 +316,7 @@ class LossbeatCallback(Callback):
 
     def _guarded_scaler_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         step, update = self._patches
-        if self._decided is not optimizer or args or kwargs:
+        if args or kwargs:  # arguments the guard does not know: the scaler's own step
             return step.original(optimizer, *args, **kwargs)
         self._decided = None
         monitor = self._monitor

@@ -14,6 +14,7 @@ from olmo_core.train.common import OPTIM_GRAD_NORM_METRIC, TRAIN_CE_LOSS_METRIC
 
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import check_monitor, flush_quietly, phase_quietly, rank_monitor
+from lossbeat.integrations._guard import refuse_guard
 from lossbeat.monitor import Monitor, NullMonitor
 
 __all__ = ["LossbeatCallback"]
@@ -95,6 +96,7 @@ class LossbeatCallback(Callback):
         self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None, **settings: Any
     ) -> None:
         check_monitor(monitor, settings)
+        refuse_guard(monitor, settings, "OLMo-core", "OLMo-core's own SkipStepAdamW/SkipStepLion skip spikes")
         self._monitor = monitor
         self._given = monitor
         self._given_in_pid = os.getpid()

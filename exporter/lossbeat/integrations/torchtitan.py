@@ -12,6 +12,7 @@ from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsPr
 
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import check_monitor, flush_quietly, phase_quietly, rank_monitor
+from lossbeat.integrations._guard import refuse_guard
 from lossbeat.monitor import Monitor, NullMonitor
 
 __all__ = ["LossbeatLogger", "LossbeatMetricsProcessor"]
@@ -51,6 +52,7 @@ class LossbeatLogger(BaseLogger):
 
     def __init__(self, monitor: Monitor | NullMonitor | None = None, **settings: Any) -> None:
         check_monitor(monitor, settings)
+        refuse_guard(monitor, settings, "torchtitan", "the monitor still pages on NaNs and explosions")
         self._owned = monitor is None
         self.monitor = rank_monitor(monitor, os.getpid(), settings, RankContext.detect())
         self._observed_at = 0

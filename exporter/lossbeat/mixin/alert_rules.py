@@ -446,6 +446,7 @@ EVENT_COUNTERS = (
     "training_grad_explosions_total",
     "training_exporter_errors_total",
     "training_skipped_steps_total",
+    "training_guard_level_changes_total",
 )
 """The counters of events that alert once per event: each is remembered across gaps."""
 EVENT_MEMORY = "7d"
@@ -668,6 +669,9 @@ def _events(t: Thresholds) -> dict[str, Events]:
         "grad_explosions": Events("training_grad_explosions_total", w, GRADIENTS_GROUP),
         "exporter_errors": Events("training_exporter_errors_total", w, "lossbeat.liveness" + SLOW, counted=False),
         "skipped": Events("training_skipped_steps_total", t.alerts.guard_window, "lossbeat.guard", counted=False),
+        "level_changes": Events(
+            "training_guard_level_changes_total", t.alerts.guard_window, "lossbeat.guard", counted=False
+        ),
     }
 
 
@@ -696,6 +700,7 @@ def event_records(t: Thresholds) -> list[RecordingRule]:
         *events["grad_explosions"].records(),
         *events["exporter_errors"].records(),
         *events["skipped"].records(),
+        *events["level_changes"].records(),
     ]
 
 
@@ -1443,6 +1448,22 @@ def _guard_alerts(t: Thresholds) -> list[AlertRule]:
             ),
             condition=f"more than {g.page_skips} skipped steps within {a.guard_window}",
             action="roll back to the last good checkpoint; lower the LR, check the data stream",
+            keeps=TARGET,
+        ),
+        AlertRule(
+            name="TrainingGradNormLevelChanged",
+            group="lossbeat.guard",
+            severity="warning",
+            expr=f"{_events(t)['level_changes'].nonzero}\n",
+            summary="The optimizer guard accepted a new gradient-norm level",
+            description=(
+                f"{WHO_CAP}: the pre-clip gradient norm settled at a new level with a healthy loss, and "
+                f"after {g.accept_level_after} skipped steps in a row the optimizer guard took it as the "
+                f"run's baseline ({VALUE} time(s) in the last {a.guard_window}); training goes on. Expected after unfreezing layers, a change of loss "
+                "reduction, data mix or sequence length; otherwise the gradients grew for a reason to find."
+            ),
+            condition=f"a new gradient-norm level accepted within {a.guard_window}",
+            action="check that something changed the gradient scale on purpose at that step (the run's log says which)",
             keeps=TARGET,
         ),
         AlertRule(

@@ -19,6 +19,8 @@ def guard_scenarios(b: _Builder) -> dict[str, list[Scenario]]:
         b.rule("TrainingHalted"),
     )
     nan = b.rule("TrainingLossNaN")
+    level = b.rule("TrainingGradNormLevelChanged")
+    changed, changed_at = b.jump("training_guard_level_changes_total", _target(), a.guard_window, 1)
     one, at = b.jump("training_skipped_steps_total", _target(reason="nonfinite"), a.guard_window, 1)
     many, many_at = b.jump(
         "training_skipped_steps_total", _target(reason="explosion"), a.guard_window, g.page_skips + 1
@@ -64,6 +66,18 @@ def guard_scenarios(b: _Builder) -> dict[str, list[Scenario]]:
                 "a guarded run that never stopped is silent",
                 [b.hold("training_halted", _target(), 0, 10)],
                 [(5 * b.i, halted.name, [])],
+            ),
+        ],
+        level.name: [
+            Scenario(
+                "an accepted new level is a ticket",
+                [changed],
+                [(changed_at, level.name, [Expect(level, _target(), 1)])],
+            ),
+            Scenario(
+                "no new level is silent",
+                [b.hold("training_guard_level_changes_total", _target(), 0, n)],
+                [(at, level.name, [])],
             ),
         ],
         nan.name: [

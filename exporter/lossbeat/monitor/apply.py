@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from lossbeat.diagnosis import History
 from lossbeat.diagnosis.vitals import Vitals
 from lossbeat.exposition.state import LAYER_FIRST_EVENT_STEPS, MonitorState
+from lossbeat.monitor.guard import PARKED, SKIPPED
 from lossbeat.monitor.inputs import FIRST_LR
 from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.moe import apply_experts
@@ -39,6 +40,7 @@ class StepApplier:
 
     def __init__(
         self,
+        *,
         state: MonitorState,
         history: History,
         cross_rank: Any,
@@ -81,39 +83,26 @@ class StepApplier:
 
     def __call__(self, record: PendingStep) -> None:
         s, v = self.state, record.host
+        skipped = False
+        if "guard" in v:  # first: a bad step whose Monitor.step may still come waits, untouched, in the guard
+            verdict = self.guard.record(
+                v["guard"], v["guard_index"], record.step, v.get("loss"), v.get("grad_norm"), record
+            )
+            if verdict == PARKED:
+                return
+            skipped = verdict == SKIPPED
         loss = v.get("loss")  # None: a rank without a loss this step (a pipeline stage before the last)
         grad_norm = v.get("grad_norm")
         lr_max = v.get(FIRST_LR) if record.has_lrs == 1 else None  # one LR (the usual): no scan of the values
         if lr_max is not None:
-            lrs = {"0": lr_max}
+            lrs: dict[str, float] | None = {"0": lr_max}
         else:
-            lrs = {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "lr"} if record.has_lrs else None
-        components = (
-            {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "component"}
-            if record.has_components
-            else None
-        )
+            lrs, lr_max = _learning_rates(v) if record.has_lrs else (None, None)
+        components = _named(v, "component") if record.has_components else None
         layers = v.get("layers")
-        if lr_max is not None:
-            pass
-        elif not lrs:
-            lr_max = None
-        elif len(lrs) == 1:
-            (lr_max,) = lrs.values()
-        else:
-            lr_max = max(lrs.values())
-            if any(math.isnan(x) for x in lrs.values()):
-                lr_max = math.nan
-
         layer_norms = without_grad = None
         if layers is not None:
-            # -1: no parameter of the layer had a gradient this step (unused head, unrouted
-            # expert): omitted, not a zero norm, and counted apart.
-            if -1.0 in layers:  # a C-level scan; the filter only when some layer had no gradient
-                layer_norms = {name: x for name, x in zip(record.layer_names, layers) if not x < 0}
-            else:
-                layer_norms = dict(zip(record.layer_names, layers))
-            without_grad = len(layers) - len(layer_norms)
+            layer_norms, without_grad = _layer_norms(record.layer_names, layers)
         layer_nonfinite = layer_norms is not None and not all(map(math.isfinite, layer_norms.values()))
         # Under fp16 loss scaling an overflowing step is skipped by the scaler: routine, not a
         # fault, and no gradient sample. A scale collapsing is the fault (the nonfinite check).
@@ -126,8 +115,7 @@ class StepApplier:
         if "grad_scale" in v:
             s.grad_scale = self.history.grad_scale = v["grad_scale"]
 
-        if "guard" in v and self.guard.record(v["guard"], v["guard_index"], record.step, loss, grad_norm):
-            # Kept from the optimizer: counted as a skip, not as a fault the model took in.
+        if skipped:  # withheld by Monitor.step: counted as a skip, not as a fault the model took in
             events = self.history.add_step(record.step, None, None, lr_max, components)
             layer_nonfinite = False
         else:  # the usual record's windows are written in a batch (History.defer), its events now
@@ -141,10 +129,7 @@ class StepApplier:
         if "experts" in v:  # observe(expert_load=...): the routers' per-layer statistics
             apply_experts(s, self.history, v, record.step)
         if record.has_signals:
-            signals = {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == "signal"}
-            for name, x in signals.items():
-                self.history.add_signal(name, x, record.step)
-            s.signals = {**s.signals, **{k: (x if math.isfinite(x) else math.nan) for k, x in signals.items()}}
+            self._signals(record.step, _named(v, "signal"))
         if loss is not None:
             s.loss = loss if math.isfinite(loss) else math.nan
         if grad_norm is not None:
@@ -183,10 +168,45 @@ class StepApplier:
         s.steps_total += 1
         if "tokens" in v and math.isfinite(v["tokens"]):
             s.tokens_total += max(v["tokens"], 0.0)
+        if (
+            events.nonfinite_loss
+            or events.nonfinite_grad
+            or layer_nonfinite
+            or overflow
+            or events.spike
+            or events.explosion
+        ):
+            self._count_events(record.step, events, loss, grad_norm, layer_norms, layer_nonfinite, overflow)
+        else:
+            self._nonfinite_run = False
+        if record.duration is not None and s.phase[0] == "train":
+            self.vitals.add_step_time(record.duration, True)
+        if self.due(record.step):  # every diagnose_every steps, as `lossbeat analyze` judges
+            self.judgment.diagnose(record.step)
+
+    def _signals(self, step: int, signals: dict[str, float]) -> None:
+        """The task's named values (``observe(metrics=...)``): into their windows and the state."""
+        for name, x in signals.items():
+            self.history.add_signal(name, x, step)
+        s = self.state
+        s.signals = {**s.signals, **{k: (x if math.isfinite(x) else math.nan) for k, x in signals.items()}}
+
+    def _count_events(
+        self,
+        step: int,
+        events: Any,
+        loss: float | None,
+        grad_norm: float | None,
+        layer_norms: dict[str, float] | None,
+        layer_nonfinite: bool,
+        overflow: bool,
+    ) -> None:
+        """A step with an event: its counters, the step it happened at, and a rate-limited log line."""
+        s = self.state
         if events.nonfinite_loss:
             s.nonfinite_loss_total += 1
-            s.event_steps = {**s.event_steps, "nonfinite_loss": record.step}
-            self.log("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, record.step)
+            s.event_steps = {**s.event_steps, "nonfinite_loss": step}
+            self.log("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, step)
         if events.nonfinite_grad or layer_nonfinite:
             if layer_nonfinite:
                 origin = _nonfinite_origin(layer_norms, loss, s.run_info.get("world_size", "1") != "1")
@@ -195,31 +215,29 @@ class StepApplier:
             # Set before the counter moves: a scrape in between sees the new count with its layer.
             s.first_nonfinite_layer = origin
             s.nonfinite_grad_total += 1
-            s.event_steps = {**s.event_steps, "nonfinite_grad": record.step}
+            s.event_steps = {**s.event_steps, "nonfinite_grad": step}
             self._nonfinite_run = True
             if origin is not None:
                 self.log(
                     "nonfinite_grad",
                     logging.WARNING,
                     "lossbeat: non-finite gradient at step %d; it starts at layer %s",
-                    record.step,
+                    step,
                     origin,
                 )
             else:
-                self.log(
-                    "nonfinite_grad", logging.WARNING, "lossbeat: non-finite gradient norm at step %d", record.step
-                )
+                self.log("nonfinite_grad", logging.WARNING, "lossbeat: non-finite gradient norm at step %d", step)
         else:
             self._nonfinite_run = False
         if overflow:
             s.grad_scaler_overflows_total += 1
-            s.event_steps = {**s.event_steps, "grad_scaler_overflows": record.step}
+            s.event_steps = {**s.event_steps, "grad_scaler_overflows": step}
         if events.spike:
             s.loss_spikes_total += 1
-            s.event_steps = {**s.event_steps, "loss_spikes": record.step}
+            s.event_steps = {**s.event_steps, "loss_spikes": step}
         if events.explosion:
             s.grad_explosions_total += 1
-            s.event_steps = {**s.event_steps, "grad_explosions": record.step}
+            s.event_steps = {**s.event_steps, "grad_explosions": step}
             if layer_norms:
                 top = max((x for x in layer_norms.items() if math.isfinite(x[1])), key=lambda x: x[1], default=None)
                 self.log(
@@ -227,13 +245,9 @@ class StepApplier:
                     logging.WARNING,
                     "lossbeat: gradient norm %.4g at step %d; largest layer: %s",
                     grad_norm,
-                    record.step,
+                    step,
                     top[0] if top else "-",
                 )
-        if record.duration is not None and s.phase[0] == "train":
-            self.vitals.add_step_time(record.duration, True)
-        if self.due(record.step):  # every diagnose_every steps, as `lossbeat analyze` judges
-            self.judgment.diagnose(record.step)
 
 
 def derive_gauges(state: MonitorState, history: History) -> None:
@@ -244,6 +258,33 @@ def derive_gauges(state: MonitorState, history: History) -> None:
     cv, trend = history.loss.cv(), history.loss.trend_ratio()
     state.loss_cv = None if math.isnan(cv) else cv
     state.loss_trend_ratio = None if math.isnan(trend) else trend
+
+
+def _named(v: Mapping[Any, float], kind: str) -> dict[str, float]:
+    """The values of one kind of ``(kind, name)`` key: ``"lr"``, ``"component"``, ``"signal"``."""
+    return {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == kind}
+
+
+def _learning_rates(v: Mapping[Any, float]) -> tuple[dict[str, float] | None, float | None]:
+    """Every param group's learning rate, and the largest (NaN when any is NaN)."""
+    lrs = _named(v, "lr")
+    if not lrs:
+        return None, None
+    if len(lrs) == 1:
+        (lr_max,) = lrs.values()
+        return lrs, lr_max
+    lr_max = max(lrs.values())
+    return lrs, math.nan if any(math.isnan(x) for x in lrs.values()) else lr_max
+
+
+def _layer_norms(names: list[str], layers: list[float]) -> tuple[dict[str, float], int]:
+    """Per-layer norms by name, and how many layers had no gradient: -1 (no parameter of the layer
+    had a gradient this step: an unused head, an unrouted expert) is omitted, not a zero norm."""
+    if -1.0 in layers:  # a C-level scan; the filter only when some layer had no gradient
+        norms = {name: x for name, x in zip(names, layers) if not x < 0}
+    else:
+        norms = dict(zip(names, layers))
+    return norms, len(layers) - len(norms)
 
 
 def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float | None, several_ranks: bool = False) -> str:

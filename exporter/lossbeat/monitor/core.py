@@ -106,20 +106,26 @@ class Monitor:
             on_error=lambda where, error: _gradient_error(self.state, self._log, where, error),
         )
         self._guard = make_guard(
-            config.guard,
-            config.guard_spikes,
-            config.guard_schedule,
-            self.thresholds,
-            history,
-            self.state,
-            config.defer_device_reads,
+            mode=config.guard,
+            spikes=config.guard_spikes,
+            schedule=config.guard_schedule,
+            thresholds=self.thresholds,
+            history=history,
+            state=self.state,
+            defer=config.defer_device_reads,
         )
-        self._transfer = DeviceTransfer(
-            StepApplier(
-                self.state, history, self._cross_rank, vitals, self._judgment, self._log, self._guard, self._profile
-            ),
-            config.defer_device_reads,
+        applier = StepApplier(
+            state=self.state,
+            history=history,
+            cross_rank=self._cross_rank,
+            vitals=vitals,
+            judgment=self._judgment,
+            log=self._log,
+            guard=self._guard,
+            profile=self._profile,
         )
+        self._transfer = DeviceTransfer(applier, config.defer_device_reads)
+        self._guard.attach(self._transfer.lock, self._transfer.apply)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = MonitorCollector(self.state, before_scrape=self._transfer.drain_at_scrape)
         self.registry.register(self._collector)
@@ -267,17 +273,30 @@ class Monitor:
 
         self._steps.submit(step, epoch, values, model)
 
-    def step(self, optimizer: Any, *, grad_scaler: Any = None, scheduler: Any = None) -> None:
+    def step(self, optimizer: Any, *, grad_scaler: Any = None, scheduler: Any = None, closure: Any = None) -> Any:
         """Apply the observed step: ``optimizer.step()``, unless the guard keeps it from the optimizer.
 
-        Call it in place of ``optimizer.step()``, after ``observe``. With ``grad_scaler`` it
-        runs ``grad_scaler.step(optimizer)`` and ``grad_scaler.update()`` (call neither yourself);
-        ``scheduler`` is stepped after it (``guard_schedule`` says what a skip does to it). Raises
-        :class:`~lossbeat.monitor.guard.TrainingHalted` on every rank when the guard stops the run.
+        Call it in place of ``optimizer.step()``, after ``observe``; ``optimizer`` may be a list of
+        them (several optimizers sharing a GradScaler must be stepped together). Every optimizer stepped
+        before the next ``observe`` shares that step's decision (several optimizers are skipped or
+        applied together). A step no ``observe`` decided is decided from its gradients (non-finite
+        values) and counted (``training_guard_undecided_steps_total``). With ``grad_scaler`` it
+        runs ``grad_scaler.step(optimizer)`` and ``grad_scaler.update()`` (call neither yourself; a
+        disabled scaler is none); ``scheduler`` is stepped after it (``guard_schedule`` says what a
+        skip does to it). ``closure``: run first, as ``optimizer.step(closure)`` would (it may call
+        ``observe``); its result is returned. Raises :class:`~lossbeat.monitor.guard.TrainingHalted`
+        on every rank when the guard stops the run; ValueError at the first step of an optimizer
+        the guard cannot withhold (LBFGS).
         """
-        if getattr(optimizer, "param_groups", None) is None or not callable(getattr(optimizer, "step", None)):
-            raise TypeError(f"optimizer: expected a torch optimizer, got {type(optimizer).__name__}")
-        self._guard.step(optimizer, grad_scaler, scheduler)
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for one in optimizers:
+            if getattr(one, "param_groups", None) is None or not callable(getattr(one, "step", None)):
+                raise TypeError(f"optimizer: expected a torch optimizer (or a list of them), got {type(one).__name__}")
+        if not optimizers or (closure is not None and len(optimizers) > 1):
+            raise ValueError("optimizer: expected one optimizer with a closure, or one or more without")
+        if closure is not None and not callable(closure):
+            raise TypeError(f"closure: expected a callable, got {type(closure).__name__}")
+        return self._guard.step(optimizers, grad_scaler, scheduler, closure)
 
     def observe_eval(self, step: int, eval_loss: Any, *, metrics: Mapping[str, Any] | None = None) -> None:
         """Record an evaluation loss (feeds ``training_eval_loss`` and the overfitting check).
@@ -362,8 +381,17 @@ class Monitor:
         )
 
     def flush(self) -> None:
-        """Process every step still waiting for its device values (waits for them)."""
+        """Process every step still waiting for its device values (waits for them). Raises
+        :class:`~lossbeat.monitor.guard.TrainingHalted` when the guard stopped the run at a step
+        among the last ones, whose halt was not raised yet."""
         self._transfer.drain(block=True)
+        self._raise_pending_halt()
+
+    def _raise_pending_halt(self) -> None:
+        halt = self._guard.pending_halt()
+        if halt is not None:
+            self.state.halted = True
+            raise halt
 
     def report(self) -> Report:
         """Run the diagnosis now and return the end-of-run report."""
@@ -383,11 +411,14 @@ class Monitor:
         if self._server is not None:
             atexit.unregister(self._close_at_exit)
         try:
-            self.flush()
+            self._guard.settle()
+            self._transfer.drain(block=True)
         except Exception:
             self.state.count_error("observe")
+        halt = self._guard.pending_halt()  # a stop among the last steps: the run did not complete
         self.closed = True
-        self.state.completed = completed
+        self.state.halted = self.state.halted or halt is not None
+        self.state.completed = completed and not self.state.halted
         if completed or self.state.halted:  # a halted run lingers too: Prometheus reads training_halted
             if self._server is not None:  # until each scraper has read it
                 lifecycle.linger(self._server.scrapers, time.monotonic(), self.config.linger_seconds)
@@ -402,6 +433,8 @@ class Monitor:
             with contextlib.suppress(KeyError):
                 self.registry.unregister(collector)
         lifecycle.process.forget(self)
+        if halt is not None and completed:  # the stop the user asked for, not raised by a step yet
+            raise halt
 
     def __enter__(self) -> Monitor:
         return self

@@ -3,23 +3,33 @@
 ``observe`` decides on the device: a step is bad when its loss or grad norm is non-finite,
 when its grad norm departs from the run's baseline as an explosion event does, or (opt-in)
 when its loss spikes. The three flags are MAX-reduced over the world, so every rank skips the
-same steps, and travel to the host with the step's one transfer, where they are counted.
-``Monitor.step(optimizer)`` then applies the step, or not:
+same steps, and travel to the host with the step's one transfer. ``Monitor.step(optimizer)``
+applies that decision to every optimizer stepped before the next ``observe``
+(:mod:`~lossbeat.monitor.skipping` withholds the update):
 
 - flags already on the host (CPU runs, float inputs): a Python branch, no extra read;
 - with a GradScaler: the flag joins the scaler's own ``found_inf`` (on the device), so the
-  scaler skips the step as an overflow; its scale and growth tracker are put back afterwards,
-  so a guard skip leaves the scaler as it was;
+  scaler skips the step as an overflow; its scale and growth tracker are put back afterwards;
 - fused optimizers: ``found_inf`` (the fused kernels skip the update and the step count);
 - SGD, and Adam/AdamW whose step counters live on the device (capturable, or CPU): the update
-  is masked, parameters and optimizer state restored with ``torch.where`` (a copy of both
-  is held for the step: memory);
+  is masked, parameters and optimizer state restored with ``torch.where``;
 - any other optimizer on CUDA: one host read of the decision (documented, counted).
 
-A stop (``guard="stop"`` on a bad step, or more than ``guard.max_consecutive`` skips in a row)
-raises :class:`TrainingHalted` from ``Monitor.step`` on every rank at the same step: at once
-when the flags are on the host, else ``MAX_PENDING`` steps after the bad one, when every rank
-has its flags on the host without waiting for the device.
+A ``Monitor.step`` with no decision for it (``observe`` not called for the step, or failed) is
+decided from the gradients (non-finite values, MAX-reduced over the ranks, one host read).
+
+A skip is counted once both are known, in whichever order they come: the flags on the host
+(``record``, from the step's applier) and a ``Monitor.step`` that withheld the update. On CPU
+the flags come first: a bad step's record waits in the guard (untouched) for its
+``Monitor.step``, or for the next decision, which records it as a step the model took in.
+
+A run of explosion skips with a healthy loss is a new level, not a fault: after
+``guard.accept_level_after`` of them their norms become the baseline. A stop (``guard="stop"``
+on a bad step, or more than ``guard.max_consecutive`` skips in a row) raises
+:class:`TrainingHalted` from ``Monitor.step`` on every rank at the same step: at once when the
+flags are on the host, else ``MAX_PENDING`` steps after the bad one, when every rank has its
+flags on the host without waiting for the device (a stop among the last steps: at ``flush``
+or ``close``).
 
 Floats without a process group decide in Python: torch is used only where a tensor, a process
 group or a GradScaler is, so torch is loaded (:mod:`~lossbeat.monitor.loaded`).
@@ -27,14 +37,17 @@ group or a GradScaler is, so torch is loaded (:mod:`~lossbeat.monitor.loaded`).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
 
 from lossbeat.diagnosis import History
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.exposition.metrics import SKIP_REASONS
 from lossbeat.exposition.state import MonitorState
-from lossbeat.monitor import loaded
+from lossbeat.monitor import loaded, skipping
 from lossbeat.monitor.transfer import MAX_PENDING
 
 if TYPE_CHECKING:
@@ -59,14 +72,25 @@ class TrainingHalted(RuntimeError):
         )
 
 
+APPLIED, SKIPPED, PARKED = "applied", "skipped", "parked"
+"""What :meth:`Guard.record` says of a step whose flags reached the host: the model took it in
+(or nothing withheld it), ``Monitor.step`` withheld it, or it is bad and its ``Monitor.step``
+may still come (the record waits in the guard until it does, or the next decision)."""
+_UNDECIDED = -1  # the index of a decision taken in Monitor.step from the gradients themselves
+_log = logging.getLogger("lossbeat")
+
+
 class Guard:
-    """The decision per step (``decide``, from ``observe``), its application (``step``), and the
-    host-side count of what it did (``record``, from the step's applier)."""
+    """The decision per step (``decide``, from ``observe``), its application to every optimizer
+    stepped before the next decision (``step``), and the host-side count of what it withheld
+    (``record``, from the step's applier). A skip is counted only once both are known: the
+    flags on the host, and a ``Monitor.step`` that withheld the update."""
 
     decides = True
 
     def __init__(
         self,
+        *,
         mode: str,
         spikes: bool,
         hold_schedule: bool,
@@ -77,22 +101,37 @@ class Guard:
     ) -> None:
         self.mode, self.spikes, self.hold_schedule = mode, spikes, hold_schedule
         self.max_consecutive = thresholds.guard.max_consecutive
+        self.accept_level_after = thresholds.guard.accept_level_after
         self.history, self.state = history, state
         self.defer = defer
         """Device values read a step late (``defer_device_reads``): on CUDA, a halt waits MAX_PENDING steps."""
         self.decisions = 0
         self.host_reads = 0
-        """Host reads of a device decision (an optimizer the device cannot skip for): 0 on CPU."""
-        self._pending: tuple[int, Any] | None = None  # (decision index, flags) awaiting step()
+        """Host reads of a decision (an optimizer the device cannot skip for, a step observe() did
+        not decide): 0 on CPU for observed steps."""
+        self._lock: Any = contextlib.nullcontext()  # the transfer's lock, once attached
+        self._apply: Callable[[Any], None] | None = None  # the step applier, once attached
+        self._current: tuple[int, Any] | None = None  # (decision index, flags) of the training step
+        self._stepped: set[int] = set()  # the optimizers Monitor.step applied the current decision to
+        # every optimizer stepped through the guard, not kept alive by it (a sweep's finished runs)
+        self._optimizers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._used: set[int] = set()  # decisions Monitor.step applied (withheld or not)
         self._host: tuple[int, tuple[float, ...]] | None = None  # the latest flags that reached the host
+        self._parked: tuple[int, Any] | None = None  # a bad step's record awaiting its Monitor.step
         self._halt: tuple[int, TrainingHalted] | None = None  # (decision index to raise at, error)
         self._consecutive = 0
-        self._strategies: dict[int, str] = {}
+        self._level: list[tuple[int, float]] = []  # explosions in a row with a healthy loss: (step, norm)
+        self._strategies: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # by optimizer
+
+    def attach(self, lock: Any, apply: Callable[[Any], None]) -> None:
+        """The transfer's lock and the step applier: a parked record is applied under the lock."""
+        self._lock, self._apply = lock, apply
 
     # --- observe(): the decision, on the device -------------------------------------------
 
     def decide(self, values: dict[Any, Any]) -> None:
         """Adds ``values["guard"]`` (3 flags) and ``values["guard_index"]`` for the step's transfer."""
+        self.settle()
         loss, grad = values.get("loss"), values.get("grad_norm")
         scaled = values.get("grad_scale") is not None  # overflowing grads are the scaler's to skip
         explosion_limit = self.history.grad.event_limit()
@@ -108,10 +147,21 @@ class Guard:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         else:
             flags = _host_flags(loss, grad, scaled, explosion_limit, spike_limit)
-        self._pending = (self.decisions, flags)
+        self._current, self._stepped = (self.decisions, flags), set()
+        if len(self._used) > 4 * MAX_PENDING:  # only the decisions whose flags may still be in flight
+            self._used = {i for i in self._used if i >= self.decisions - 2 * MAX_PENDING}
         values["guard"] = flags
         values["guard_index"] = float(self.decisions)
         self.decisions += 1
+
+    def settle(self) -> None:
+        """The training step is over (the next is being observed, or the run ends): a bad step
+        that no ``Monitor.step`` withheld is recorded as what it was, a step the model took in."""
+        with self._lock:
+            self._current = None
+            parked, self._parked = self._parked, None
+            if parked is not None and self._apply is not None:
+                self._apply(parked[1])
 
     # --- the applier: the flags on the host -------------------------------------------------
 
@@ -122,24 +172,70 @@ class Guard:
         step: int,
         loss: float | None,
         grad_norm: float | None,
-    ) -> bool:
-        """Count one step's decision; returns whether it was skipped."""
+        pending: Any = None,
+    ) -> str:
+        """One step's flags on the host (the transfer's lock held): ``APPLIED``, ``SKIPPED`` (counted
+        now), or ``PARKED`` (``pending``, the record, waits for its Monitor.step or the next decision)."""
         index = int(index)
         self._host = (index, tuple(flags))
         bad = next((reason for reason, f in zip(REASONS, flags) if f > 0), None)
-        if bad is None:
-            self._consecutive = 0
-            self.state.guard_consecutive_skips = 0
-            return False
+        if bad is not None and index in self._used:  # Monitor.step withheld it already, on the device
+            self._count(index, bad, step, loss, grad_norm)
+            return SKIPPED
+        current = self._current
+        if bad is not None and pending is not None and current is not None and current[0] == index:
+            self._parked = (index, pending)
+            return PARKED
+        self._consecutive = 0  # applied, or never stepped through the guard: the model took it in
+        self.state.guard_consecutive_skips = 0
+        self._level.clear()
+        return APPLIED
+
+    def _count(self, at: int, reason: str, step: int, loss: float | None, grad_norm: float | None) -> None:
+        """One withheld step: counted, and judged for a new level or a halt."""
         self._consecutive += 1
         skipped = dict(self.state.skipped_steps)
-        skipped[bad] = skipped.get(bad, 0) + 1
+        skipped[reason] = skipped.get(reason, 0) + 1
         self.state.skipped_steps = skipped  # swapped whole: a scrape sees all or nothing
         self.state.guard_consecutive_skips = self._consecutive
-        if self._halt is None and (self.mode == "stop" or self._consecutive > self.max_consecutive):
+        # An explosion whose loss stays finite and below the spike limit may be a new level
+        # (layers unfrozen, a summed loss, a new data mix): after accept_level_after of them in a
+        # row it becomes the baseline. Only a non-finite value or a bad loss leads to a stop.
+        healthy = (
+            reason == "explosion"
+            and grad_norm is not None
+            and math.isfinite(grad_norm)
+            and (loss is None or (math.isfinite(loss) and not loss > self.history.loss.spike_limit()))
+        )
+        if not healthy:
+            self._level.clear()
+        else:
+            self._level.append((step, grad_norm))  # type: ignore[arg-type]
+            if len(self._level) >= self.accept_level_after:
+                self._accept_level(step)
+                return
+        if self._halt is None and not healthy and (self.mode == "stop" or self._consecutive > self.max_consecutive):
             values = {k: v for k, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
-            self._halt = (index + self.lag(), TrainingHalted(step, bad, values, self._consecutive))
-        return True
+            self._halt = (at + self.lag(), TrainingHalted(step, reason, values, self._consecutive))
+
+    def _accept_level(self, step: int) -> None:
+        """The skipped norms become the baseline: explosions are judged again against the new level
+        once ``windows.baseline_min_records`` norms of it are in."""
+        steps, norms = zip(*self._level)
+        self.history.flush()  # the records held back for a batch enter before the new level
+        self.history.grad.clear()
+        self.history.grad.extend(steps, norms)
+        self._level.clear()
+        self._consecutive = 0
+        self.state.guard_consecutive_skips = 0
+        self.state.guard_level_changes += 1
+        _log.warning(
+            "lossbeat: the gradient norm stayed at a new level (%.4g) with a healthy loss for %d steps "
+            "up to step %d: accepted as the run's baseline",
+            sorted(norms)[len(norms) // 2],
+            len(norms),
+            step,
+        )
 
     def lag(self) -> int:
         """Decisions between a bad step and its halt: every rank has its flags on the host by then
@@ -149,24 +245,36 @@ class Guard:
 
     # --- Monitor.step(): apply the decision ---------------------------------------------------
 
-    def step(self, optimizer: Any, grad_scaler: Any = None, scheduler: Any = None) -> None:
-        pending, self._pending = self._pending, None
-        if self.mode == "off" or pending is None:
-            _plain_step(optimizer, grad_scaler)
-            applied: bool | None = True
-        else:
-            index, flags = pending
-            host = self._host
-            if host is not None and host[0] == index:  # on the host already: a Python branch
-                applied = not any(f > 0 for f in host[1])
-                if applied:
-                    _plain_step(optimizer, grad_scaler)
-                elif grad_scaler is not None:
-                    import torch  # a GradScaler: torch is loaded
+    def step(self, optimizers: list[Any], grad_scaler: Any = None, scheduler: Any = None, closure: Any = None) -> Any:
+        """Apply the training step's decision to ``optimizers`` (every optimizer stepped before the
+        next ``observe`` shares it); a step without one is decided from its gradients."""
+        grad_scaler = skipping.active_scaler(grad_scaler)
+        for optimizer in optimizers:
+            if id(optimizer) not in self._optimizers:  # refused at its first step, before anything is applied
+                skipping.refuse_optimizer(optimizer)
+                if grad_scaler is not None and not skipping.scaler_skippable(grad_scaler):
+                    raise ValueError("grad_scaler: expected a torch.amp.GradScaler, whose skip the guard goes through")
+                self._optimizers[id(optimizer)] = optimizer
+        out = None
+        if closure is not None:  # what the optimizer would do first: forward and backward (and observe)
+            import torch  # an optimizer: torch is loaded
 
-                    _skip_with_scaler(optimizer, grad_scaler, torch.ones((), dtype=torch.bool))
-            else:
-                applied = self._device_step(optimizer, grad_scaler, flags.amax() > 0)
+            with torch.enable_grad():
+                out = closure()
+        if grad_scaler is not None and skipping.unscaled_elsewhere(grad_scaler, optimizers):
+            raise ValueError(
+                "grad_scaler: another optimizer unscaled by this GradScaler waits for its step, and the "
+                "update after this one would unscale it twice: step them together, "
+                "monitor.step([optimizer_a, optimizer_b], grad_scaler=scaler)"
+            )
+        current = self._current
+        if current is None or any(id(o) in self._stepped for o in optimizers):
+            current = self._undecided(grad_scaler)
+        self._stepped.update(id(o) for o in optimizers)
+        index, flags = current
+        applied = self._apply_decision(optimizers, grad_scaler, index, flags)
+        if index != _UNDECIDED and index not in self._used:
+            self._mark_used(index)
         if scheduler is not None:
             if applied is None and self.hold_schedule:
                 self.host_reads += 1
@@ -174,26 +282,71 @@ class Guard:
             if applied or not self.hold_schedule:
                 scheduler.step()
         self._raise_if_halted()
+        return out
 
-    def _device_step(self, optimizer: Any, grad_scaler: Any, bad: torch.Tensor) -> bool | None:
-        """Skip on the device where the optimizer allows it; returns None when it did (unknown here)."""
-        import torch  # flags on the device: torch is loaded
+    def _apply_decision(self, optimizers: list[Any], grad_scaler: Any, index: int, flags: Any) -> bool | None:
+        host = self._host
+        if index == _UNDECIDED or (host is not None and host[0] == index):  # on the host: a Python branch
+            bad = flags if index == _UNDECIDED else any(f > 0 for f in host[1])  # type: ignore[index]
+            if not bad:
+                skipping.plain_step(optimizers, grad_scaler)
+            elif grad_scaler is not None:
+                import torch  # a GradScaler: torch is loaded
 
-        if grad_scaler is not None and grad_scaler.is_enabled():
-            _skip_with_scaler(optimizer, grad_scaler, bad)
+                skipping.skip_with_scaler(optimizers, grad_scaler, torch.ones((), dtype=torch.bool))
+            return not bad
+        bad = flags.amax() > 0
+        if grad_scaler is not None:
+            skipping.skip_with_scaler(optimizers, grad_scaler, bad)
             return None
-        strategy = self._strategies.get(id(optimizer))
+        applied: bool | None = None
+        for optimizer in optimizers:
+            applied = self._device_step(optimizer, bad)
+        return applied
+
+    def _mark_used(self, index: int) -> None:
+        """The first Monitor.step of decision ``index``: a bad record parked for it is now a skip."""
+        with self._lock:
+            self._used.add(index)
+            parked = self._parked
+            if parked is not None and parked[0] == index and self._apply is not None:
+                self._parked = None
+                self._apply(parked[1])
+
+    def _undecided(self, grad_scaler: Any) -> tuple[int, Any]:
+        """A training step observe() did not decide (not called for it, or it failed): decided now
+        from the gradients of every optimizer the guard has seen, non-finite values only, and shared
+        by the optimizers stepped after it. Under a GradScaler its own overflow check skips them."""
+        self.state.guard_undecided_steps += 1
+        if self.state.guard_undecided_steps == 1:
+            _log.warning(
+                "lossbeat: Monitor.step() without a decision from observe() for this step (observe "
+                "not called, or it failed): the guard decides it from the gradients (non-finite only)"
+            )
+        self._stepped = set()
+        bad = False
+        if grad_scaler is None:
+            self.host_reads += 1
+            bad = skipping.nonfinite_gradients(list(self._optimizers.values()))  # host sync: counted above
+        self._current = (_UNDECIDED, bad)
+        if bad:  # on the host on every rank already: a halt is raised at once
+            step = -1 if self.state.step is None else int(self.state.step) + 1
+            self._count(self.decisions - 1 - self.lag(), "nonfinite", step, None, None)
+        else:
+            self._consecutive = 0
+            self.state.guard_consecutive_skips = 0
+        return self._current
+
+    def _device_step(self, optimizer: Any, bad: torch.Tensor) -> bool | None:
+        """Skip on the device where the optimizer allows it; returns None when it did (unknown here)."""
+        strategy = self._strategies.get(optimizer)  # not by id: a later optimizer may reuse a freed one's
         if strategy is None:
-            strategy = self._strategies[id(optimizer)] = _strategy(optimizer, bad.device)
+            strategy = self._strategies[optimizer] = skipping.strategy(optimizer, bad.device)
         if strategy == "found_inf":
-            optimizer.grad_scale, optimizer.found_inf = None, bad.to(torch.float32)
-            try:
-                optimizer.step()  # the fused kernels skip the update and the step count where found_inf
-            finally:
-                del optimizer.grad_scale, optimizer.found_inf
+            skipping.found_inf_step(optimizer, bad)
             return None
         if strategy == "mask":
-            _masked_step(optimizer, bad)
+            skipping.masked_step(optimizer, bad)
             return None
         self.host_reads += 1
         if bool(bad):  # host sync: an optimizer the device cannot skip for (documented)
@@ -206,6 +359,11 @@ class Guard:
         if halt is not None and self.decisions - 1 >= halt[0]:
             self.state.halted = True
             raise halt[1]
+
+    def pending_halt(self) -> TrainingHalted | None:
+        """A halt decided but not raised yet (a bad step among the last ones of a deferred run)."""
+        halt = self._halt
+        return halt[1] if halt is not None and not self.state.halted else None
 
 
 def _collective_device() -> Any:
@@ -252,68 +410,6 @@ def _host_flags(loss: Any, grad: Any, scaled: bool, explosion_limit: float, spik
     return (float(nonfinite), float(explosion), float(spike))
 
 
-def _plain_step(optimizer: Any, grad_scaler: Any) -> None:
-    if grad_scaler is not None:
-        grad_scaler.step(optimizer)
-        grad_scaler.update()
-    else:
-        optimizer.step()
-
-
-def _skip_with_scaler(optimizer: Any, scaler: Any, bad: Any) -> None:
-    """Skip through the scaler's own overflow path, then put its scale back where the scaler
-    itself found no overflow: a guard skip leaves the scaler as if the step never happened.
-    Reads GradScaler's private ``_per_optimizer_states``, ``_scale`` and ``_growth_tracker``."""
-    import torch
-
-    state = scaler._per_optimizer_states[id(optimizer)]
-    if not state["found_inf_per_device"]:
-        scaler.unscale_(optimizer)  # what scaler.step would do first; records found_inf per device
-    found = list(state["found_inf_per_device"].values())
-    overflow = torch.stack([f.to(bad.device) for f in found]).amax() > 0
-    for f in found:
-        f.copy_(torch.maximum(f, bad.to(f.device, f.dtype)))  # the scaler now skips this step
-    scale, growth = scaler._scale.clone(), scaler._growth_tracker.clone()
-    scaler.step(optimizer)
-    scaler.update()
-    ours = (bad & ~overflow).to(scale.device)
-    scaler._scale.copy_(torch.where(ours, scale, scaler._scale))
-    scaler._growth_tracker.copy_(torch.where(ours, growth, scaler._growth_tracker))
-
-
-def _strategy(optimizer: Any, device: Any) -> str:
-    import torch
-
-    defaults = getattr(optimizer, "defaults", {})
-    if defaults.get("fused"):
-        return "found_inf"
-    if isinstance(optimizer, torch.optim.SGD):
-        return "mask"
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and (
-        defaults.get("capturable") or device.type == "cpu"
-    ):
-        return "mask"  # their step counters live with the decision: restorable on the device
-    return "read"
-
-
-def _masked_step(optimizer: Any, bad: Any) -> None:
-    """Step, then restore every parameter and state tensor where ``bad`` (no host read). State
-    created by this step (a first step) is zeroed where bad: Adam's and SGD's fresh state."""
-    import torch
-
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    before = [(p, {k: v for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)}) for p in params]
-    saved = [(p.detach().clone(), {k: v.clone() for k, v in st.items()}) for p, st in before]
-    optimizer.step()
-    for (p, _), (p_old, st_old) in zip(before, saved):
-        p.data.copy_(torch.where(bad, p_old, p.data))
-        for k, v in optimizer.state[p].items():
-            if not isinstance(v, torch.Tensor):
-                continue
-            old = st_old.get(k)
-            v.copy_(torch.where(bad.to(v.device), old if old is not None else torch.zeros_like(v), v))
-
-
 class NoGuard:
     """``guard="off"``: ``step`` is ``optimizer.step()`` exactly (with a scaler: its step and update)."""
 
@@ -323,19 +419,44 @@ class NoGuard:
     def decide(self, values: dict[Any, Any]) -> None:
         pass
 
-    def record(self, *args: Any) -> bool:
-        return False
+    def record(self, *args: Any) -> str:
+        return APPLIED
 
-    def step(self, optimizer: Any, grad_scaler: Any = None, scheduler: Any = None) -> None:
-        _plain_step(optimizer, grad_scaler)
+    def settle(self) -> None:
+        pass
+
+    def attach(self, lock: Any, apply: Any) -> None:
+        pass
+
+    def pending_halt(self) -> None:
+        return None
+
+    def step(self, optimizers: list[Any], grad_scaler: Any = None, scheduler: Any = None, closure: Any = None) -> Any:
+        out = skipping.plain_step(optimizers, grad_scaler, closure)
         if scheduler is not None:
             scheduler.step()
+        return out
 
 
 def make_guard(
-    mode: str, spikes: bool, schedule: str, thresholds: Thresholds, history: History, state: MonitorState, defer: bool
+    *,
+    mode: str,
+    spikes: bool,
+    schedule: str,
+    thresholds: Thresholds,
+    history: History,
+    state: MonitorState,
+    defer: bool,
 ) -> Guard | NoGuard:
     state.guard_mode = mode
     if mode == "off":
         return NoGuard()
-    return Guard(mode, spikes, schedule == "hold", thresholds, history, state, defer)
+    return Guard(
+        mode=mode,
+        spikes=spikes,
+        hold_schedule=schedule == "hold",
+        thresholds=thresholds,
+        history=history,
+        state=state,
+        defer=defer,
+    )

@@ -52,14 +52,19 @@ class NullMonitor:
     def heartbeat(self) -> None:
         pass
 
-    def step(self, optimizer: Any, *, grad_scaler: Any = None, scheduler: Any = None) -> None:
+    def step(self, optimizer: Any, *, grad_scaler: Any = None, scheduler: Any = None, closure: Any = None) -> Any:
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        out = None
+        for one in optimizers:
+            if grad_scaler is not None:
+                out = grad_scaler.step(one) if closure is None else grad_scaler.step(one, closure)
+            else:
+                out = one.step() if closure is None else one.step(closure)
         if grad_scaler is not None:
-            grad_scaler.step(optimizer)
             grad_scaler.update()
-        else:
-            optimizer.step()
         if scheduler is not None:
             scheduler.step()
+        return out
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         import torch  # a model: torch is loaded (a NullMonitor never imports it before)

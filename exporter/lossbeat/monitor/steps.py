@@ -105,5 +105,6 @@ class StepPath:
             return []
 
     def _failed(self) -> None:  # the training loop must go on: count, log, continue
+        self.guard.settle()  # no decision for this step: Monitor.step decides it from its gradients
         self.state.count_error("observe")
         self.log("error", logging.ERROR, "lossbeat: error in observe(); training continues", exc_info=True)
