@@ -7,12 +7,17 @@ import os
 import random
 import shutil
 import socket
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# tests/workers/ holds scripts that import their siblings by plain name (worker_exit), as Python
+# finds them when it runs one; a test that imports a worker (workers.hf_ddp_worker) needs the same.
+sys.path.append(str(Path(__file__).resolve().parent / "workers"))
 
 
 def require(condition: bool, reason: str) -> None:
@@ -100,12 +105,12 @@ REAL_LOGS = CORPORA / "real-logs"
 """The first set (its SOURCES.md says what each file shows)."""
 
 
-# --- Under xdist (tests/module_order.py): each module, or group of modules, to one test process,
+# --- Under xdist (tests/helpers/module_order.py): each module, or group of modules, to one test process,
 # the longest first. Every process sorts its collection the same way; the controller hands out the units.
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        import module_order
+        from helpers import module_order
 
         indices = module_order.order([item.nodeid for item in items], module_order.load())
         items[:] = [items[i] for i in indices]
@@ -115,7 +120,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "load":  # xdist's default with -n; another --dist is xdist's own
         return None
-    import module_order
+    from helpers import module_order
 
     return module_order.make_scheduler(config, log)
 

@@ -123,8 +123,8 @@ def test_a_slow_lightning_validation_is_in_the_eval_phase_and_heartbeats():
 def test_a_slow_hf_evaluation_is_in_the_eval_phase_and_heartbeats(tmp_path):
     require_module("transformers")
     require_module("accelerate")
-    from hf_ddp_worker import Tokens, tiny_gpt2
     from transformers import Trainer, TrainerCallback, TrainingArguments
+    from workers.hf_ddp_worker import Tokens, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback
 
@@ -185,8 +185,8 @@ def test_an_hf_save_at_the_end_of_an_epoch_runs_in_the_checkpoint_phase(tmp_path
     and ``train`` once it is written; before, the save ran in ``train`` with no heartbeat."""
     require_module("transformers")
     require_module("accelerate")
-    from hf_ddp_worker import Tokens, tiny_gpt2
     from transformers import Trainer, TrainerCallback, TrainingArguments
+    from workers.hf_ddp_worker import Tokens, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback
 

@@ -10,27 +10,21 @@ import math
 import random
 
 import pytest
+from helpers.synthetic_logs import synthetic_log
 
 from lossbeat.analyze.replay import replay
 from lossbeat.diagnosis import Status
 from lossbeat.diagnosis.prior import eval_set_size, prior_entropy
 from lossbeat.diagnosis.thresholds import load_thresholds
-from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
 
 T = load_thresholds().with_profile("classification")
 EVAL_STEPS = (50, 100, 150, 200)
 
 
 def _log(losses, evals, accuracies, f1s=None):
-    log = ParsedLog("test", "synthetic", fields=("loss", "eval_loss", "eval_accuracy") + (("eval_f1",) if f1s else ()))
-    for i, v in enumerate(losses):
-        log.train.append(TrainRecord(i + 1, v, 1.0, 1e-5))
-    for step, value in zip(EVAL_STEPS, evals):
-        log.evals.append(EvalRecord(step, value))
-    log.signals = {"eval_accuracy": list(zip(EVAL_STEPS, accuracies))}
-    if f1s:
-        log.signals["eval_f1"] = list(zip(EVAL_STEPS, f1s))
-    return log
+    signals = {"eval_accuracy": zip(EVAL_STEPS, accuracies), **({"eval_f1": zip(EVAL_STEPS, f1s)} if f1s else {})}
+    fields = ("loss", "eval_loss", "eval_accuracy") + (("eval_f1",) if f1s else ())
+    return synthetic_log(losses, [1.0] * len(losses), signals, dict(zip(EVAL_STEPS, evals)), fields, step0=1, lr=1e-5)
 
 
 def _train(end: float, seed: int = 0, noise: float = 0.03):

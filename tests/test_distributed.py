@@ -5,15 +5,14 @@ import math
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from conftest import free_ports, require_module
-from prometheus_client.parser import text_string_to_metric_families
-from torchrun_jobs import Job, SharedJobs
+from helpers.scrape import scrape as scrape_series
+from helpers.torchrun_jobs import Job, SharedJobs
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
+WORKER = Path(__file__).resolve().parent / "workers" / "ddp_worker.py"
 
 
 def free_port_pair() -> int:
@@ -22,13 +21,7 @@ def free_port_pair() -> int:
 
 def scrape(port):
     """{sample name: [(labels, value)]}, the labels without ``run_id`` (test_run_identity.py tests it)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = {k: v for k, v in s.labels.items() if k != "run_id"}
-            out.setdefault(s.name, []).append((labels, s.value))
-    return out
+    return scrape_series(port, drop=("run_id",))
 
 
 def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):

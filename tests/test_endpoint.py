@@ -15,8 +15,8 @@ import threading
 import pytest
 import yaml
 from conftest import require_module
+from helpers.tls_certs import make_certs
 from prometheus_client.parser import text_string_to_metric_families
-from tls_certs import make_certs
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.exposition.webconfig import WebConfigError, load_web_config

@@ -17,20 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import require
-from prometheus_client.parser import text_string_to_metric_families
+from helpers.scrape import flat, metrics_text
 
 from lossbeat import Monitor, MonitorConfig
 
-WORKER = Path(__file__).with_name("signal_worker.py")
+WORKER = Path(__file__).resolve().parent / "workers" / "signal_worker.py"
 
 
 def scrape(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {
-        s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("rank", "run_id")): s.value
-        for f in text_string_to_metric_families(body)
-        for s in f.samples
-    }
+    return flat(metrics_text(port))
 
 
 def small_model() -> torch.nn.Module:
@@ -58,8 +53,8 @@ def test_a_collector_that_raises_is_counted_logged_once_and_the_scrape_still_ans
         with caplog.at_level(logging.ERROR, logger="lossbeat"):
             for _ in range(5):
                 samples = scrape(m.port)
-                assert samples["training_exporter_errors_total|where=collect"] > 0
-        assert samples["training_exporter_errors_total|where=collect"] == 5
+                assert samples['training_exporter_errors_total{where="collect"}'] > 0
+        assert samples['training_exporter_errors_total{where="collect"}'] == 5
         assert len([r for r in caplog.records if "rendering metrics" in r.getMessage()]) == 1
         m.state.health = {}
         train_steps(m, small_model(), range(5, 10))  # training went on all along

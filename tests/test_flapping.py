@@ -9,25 +9,15 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers.synthetic_logs import synthetic_log as _log
 
 from lossbeat.analyze.replay import replay
 from lossbeat.analyze.truth import flapping
 from lossbeat.diagnosis import Judge, Status
 from lossbeat.diagnosis.profiles import detect_profile
 from lossbeat.diagnosis.thresholds import load_thresholds
-from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
 
 T = load_thresholds()
-
-
-def _log(losses, every=1, evals=None, fields=(), step0=None):
-    log = ParsedLog("test", "synthetic", fields=tuple(fields))
-    first = every if step0 is None else step0
-    for i, v in enumerate(losses):
-        log.train.append(TrainRecord(first + i * every, v, None, None))
-    for step, value in sorted((evals or {}).items()):
-        log.evals.append(EvalRecord(step, value))
-    return log
 
 
 @pytest.mark.parametrize(

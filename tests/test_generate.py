@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import require_binary
-from promtool_runs import changed_rule_tests
+from helpers.promtool_runs import changed_rule_tests
 
 from lossbeat.cli import main
 from lossbeat.diagnosis.thresholds import load_thresholds

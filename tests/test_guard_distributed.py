@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from torchrun_jobs import Job, SharedJobs
+from helpers.torchrun_jobs import Job, SharedJobs
 
 # The worker's faults: a NaN in one rank's local loss (step 30), a NaN in one rank's gradient
 # before the all-reduce (40), and a x1e4 loss on one rank only (50).
 FAULT_STEPS = [30, 40, 50]
 
 # The 2-rank variants in one torchrun job (torchrun_jobs.py); one alone:
-# python -m torch.distributed.run --standalone --nproc-per-node N tests/guard_worker.py --wrap W --dir DIR
+# python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/guard_worker.py --wrap W --dir DIR
 TWO_EVEN = ["--optimizers", "two", "--observe", "even"]
 JOBS = {
     "guard-2-ranks": Job(

@@ -50,8 +50,8 @@ def _assert_bitwise_equal(before, after) -> None:
 def _hf_trainer(tmp_path, guard: str, steps: int = 6):
     require_module("transformers")
     require_module("accelerate")
-    from hf_ddp_worker import Tokens
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from workers.hf_ddp_worker import Tokens
 
     from lossbeat.integrations.hf import LossbeatCallback
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import require, require_binary
 from e2e.e2e_harness import free_port
-from promtool_runs import changed_rule_tests
+from helpers.promtool_runs import changed_rule_tests
 
 REPO = Path(__file__).resolve().parents[1]
 # What a copy of the working tree leaves out: VCS data, build outputs, caches, local results.

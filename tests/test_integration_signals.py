@@ -21,8 +21,8 @@ def _hf_trainer(tmp_path, extra_logs, *, custom_loss: bool, compute_metrics=None
     metrics; ``custom_loss``: its own ``compute_loss`` (no model loss: the callback's fallback mode)."""
     require_module("transformers")
     require_module("accelerate")
-    from hf_ddp_worker import Tokens, tiny_gpt2
     from transformers import Trainer, TrainingArguments
+    from workers.hf_ddp_worker import Tokens, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback
 

@@ -22,8 +22,8 @@ def _layers(samples: dict) -> dict[str, float]:
 def _hf_run(tmp_path, *, per_step: bool, max_grad_norm: float = 0.05):
     require_module("transformers")
     require_module("accelerate")
-    from hf_ddp_worker import Tokens, tiny_gpt2  # imports transformers: only once it is known present
     from transformers import Trainer, TrainingArguments
+    from workers.hf_ddp_worker import Tokens, tiny_gpt2  # imports transformers: only once it is known present
 
     from lossbeat.integrations.hf import LossbeatCallback
 
@@ -328,8 +328,8 @@ def test_hf_fp16_with_clipping_measures_before_the_clip_and_exports_each_steps_e
     The exported epoch is the one the Trainer gives each step, across epoch ends."""
     require_module("transformers")
     require_module("accelerate")
-    from hf_ddp_worker import Tokens, tiny_gpt2
     from transformers import Trainer, TrainerCallback, TrainingArguments
+    from workers.hf_ddp_worker import Tokens, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback
 
@@ -408,8 +408,8 @@ def test_a_failing_flush_at_train_end_is_counted_not_raised_into_the_trainer(tmp
     assert monitor.state.errors["observe"] == 1
 
     require_module("transformers")
-    from hf_ddp_worker import Tokens, tiny_gpt2
     from transformers import Trainer, TrainingArguments
+    from workers.hf_ddp_worker import Tokens, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback as HFCallback
 
@@ -434,8 +434,8 @@ def test_hf_callback_starts_its_exporter_when_training_begins_with_the_trainers_
     require_module("transformers")
     import urllib.request
 
-    from hf_ddp_worker import Tokens, tiny_gpt2
     from transformers import Trainer, TrainingArguments
+    from workers.hf_ddp_worker import Tokens, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback
 

@@ -19,8 +19,8 @@ from test_distributed import scrape
 
 from lossbeat.exposition.server import MetricsServer, RankContext
 
-WORKER = str(Path(__file__).with_name("launch_worker.py"))
-LIGHTNING_WORKER = str(Path(__file__).with_name("lightning_launch_worker.py"))
+WORKER = str(Path(__file__).resolve().parent / "workers" / "launch_worker.py")
+LIGHTNING_WORKER = str(Path(__file__).resolve().parent / "workers" / "lightning_launch_worker.py")
 LAUNCHER_VARIABLES = (
     "RANK",
     "LOCAL_RANK",

@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+from helpers.synthetic_logs import synthetic_log as _log
 
 from lossbeat.analyze import judge_log
 from lossbeat.analyze.evaluation import DATA
@@ -15,19 +16,8 @@ from lossbeat.analyze.truth import score_dir, totals
 from lossbeat.diagnosis import History, Status
 from lossbeat.diagnosis.profiles import detect_profile
 from lossbeat.diagnosis.thresholds import load_thresholds
-from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
 
 T = load_thresholds()
-
-
-def _log(losses, grads=None, signals=None, evals=None, fields=(), step0=1):
-    log = ParsedLog("test", "synthetic", fields=tuple(fields))
-    for i, v in enumerate(losses):
-        log.train.append(TrainRecord(step0 + i, v, None if grads is None else grads[i], None))
-    for step, value in (evals or {}).items():
-        log.evals.append(EvalRecord(step, value))
-    log.signals = {k: list(v) for k, v in (signals or {}).items()}
-    return log
 
 
 def _final(a, check):

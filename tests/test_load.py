@@ -25,7 +25,7 @@ import torch
 
 from lossbeat import Monitor, MonitorConfig
 
-SCRAPERS = Path(__file__).with_name("scrapers.py")
+SCRAPERS = Path(__file__).resolve().parent / "workers" / "scrapers.py"
 
 
 def _phase(monitor: Monitor, model, optimizer, data, step0: int, done) -> dict:

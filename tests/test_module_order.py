@@ -1,12 +1,12 @@
-"""The order xdist's processes take the suite in (tests/module_order.py): units longest first."""
+"""The order xdist's processes take the suite in (tests/helpers/module_order.py): units longest first."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import module_order
-from module_order import GROUPS, UNLISTED_S, order, refreshed, unit_of
+from helpers import module_order
+from helpers.module_order import GROUPS, UNLISTED_S, order, refreshed, unit_of
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import require_binary
-from paging import pages, scrape_series
+from helpers.paging import pages, scrape_series
 from prometheus_client import generate_latest
 
 from lossbeat import Monitor, MonitorConfig, load_thresholds

@@ -10,12 +10,12 @@ import shutil
 import subprocess
 import sys
 import tracemalloc
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import require, require_module
+from helpers.scrape import metrics_text
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
@@ -28,11 +28,6 @@ from lossbeat.diagnosis import Status
 from lossbeat.exposition.metrics import HEALTH_CHECKS, METRICS
 
 SIZE = ModelSize(vocab=32, context=16, width=32, layers=2, heads=2)
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return response.read().decode()
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -101,7 +96,7 @@ def test_every_metric_is_exported_with_its_value(monitor):
         last_grad_norm = grad_norm.item()
         trainer.step()
     monitor.observe_eval(59, 1.25)
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
 
     assert value(parsed, "training_loss") == pytest.approx(losses[-1], rel=1e-6)
     assert value(parsed, "training_eval_loss") == 1.25
@@ -177,10 +172,10 @@ def test_a_nan_counts_once_per_bad_step_and_names_the_first_bad_layer(monitor, c
             monitor.observe(step, loss=loss, optimizer=trainer.optimizer, model=trainer.model)
             trainer.optimizer.zero_grad(set_to_none=True)  # no update: keep the model finite
             if step == 20:
-                parsed = samples(scrape(monitor.port))
+                parsed = samples(metrics_text(monitor.port))
                 assert value(parsed, "training_nonfinite_loss_total") == 1
                 assert math.isnan(value(parsed, "training_loss"))
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     assert value(parsed, "training_nonfinite_loss_total") == 3
     assert value(parsed, "training_nonfinite_grad_total") == 3
     assert value(parsed, "training_nonfinite_grad_first_layer_info", layer="blocks.1.mlp.fc") == 1
@@ -223,7 +218,9 @@ class Chain(nn.Module):
 
 def _origin(monitor):
     infos = [
-        dict(k[1])["layer"] for k in samples(scrape(monitor.port)) if k[0] == "training_nonfinite_grad_first_layer_info"
+        dict(k[1])["layer"]
+        for k in samples(metrics_text(monitor.port))
+        if k[0] == "training_nonfinite_grad_first_layer_info"
     ]
     return infos[0] if infos else None
 
@@ -278,7 +275,7 @@ def test_layers_without_a_gradient_are_left_out_and_counted(monitor):
         loss, _ = trainer.backward()
         monitor.observe(step, loss=loss, optimizer=trainer.optimizer, model=trainer.model)
         trainer.step()
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     layers = {dict(k[1])["layer"] for k in parsed if k[0] == "training_layer_grad_norm"}
     assert "unused_head" not in layers and "blocks.0.attn.qkv" in layers
     assert value(parsed, "training_layers_without_grad") == 1
@@ -295,7 +292,7 @@ def test_an_exploding_layer_counts_and_tops_the_layer_norms(monitor):
         grad_norm = monitor.clip_grad_norm_(trainer.model, 1.0)
         monitor.observe(step, loss=loss, optimizer=trainer.optimizer, grad_norm=grad_norm, model=trainer.model)
         trainer.step()
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     assert value(parsed, "training_grad_explosions_total") == 5
     assert value(parsed, "training_grad_norm") > 10
     layers = {dict(k[1])["layer"]: v for k, v in parsed.items() if k[0] == "training_layer_grad_norm"}
@@ -356,14 +353,14 @@ def test_data_anomalies_are_counted_never_raised(monitor):
     trainer.model.head.requires_grad_(False)  # a frozen layer
     loss, _ = trainer.backward()
     monitor.observe(4, loss=loss, model=trainer.model)
-    layers = {dict(k[1])["layer"] for k in samples(scrape(monitor.port)) if k[0] == "training_layer_grad_norm"}
+    layers = {dict(k[1])["layer"] for k in samples(metrics_text(monitor.port)) if k[0] == "training_layer_grad_norm"}
     assert "head" not in layers and "blocks.0.attn.qkv" in layers
     trainer.optimizer.zero_grad(set_to_none=True)
     monitor.observe(5, loss=2.0, model=trainer.model)  # no parameter has a gradient
     half = TinyLM(SIZE).to(torch.bfloat16)
     half(*trainer.corpus.batch(2)).backward()
     monitor.observe(6, loss=torch.tensor(2.0, dtype=torch.bfloat16), model=half)
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     assert value(parsed, "training_steps_total") == 6
     assert value(parsed, "training_nonfinite_loss_total") == 2
     assert value(parsed, "training_nonfinite_grad_total") == 1
@@ -397,7 +394,7 @@ def _amp_run(monitor, steps, overflow_steps, scaler):
 def test_loss_scaler_overflows_are_counted_apart_from_non_finite_gradients(monitor):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     scales = _amp_run(monitor, 15, {3, 11}, scaler)
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     assert value(parsed, "training_grad_scaler_overflows_total") == 2
     assert value(parsed, "training_nonfinite_grad_total") == 0  # routine under loss scaling: no page
     assert ("training_nonfinite_grad_first_layer_info", (("layer", "blocks.1.mlp.fc"),)) not in parsed
@@ -434,7 +431,7 @@ def test_an_internal_error_is_counted_and_training_goes_on(monitor, monkeypatch)
     monitor.observe(0, loss=1.0)  # must not raise
     monkeypatch.undo()
     monitor.observe(1, loss=1.0)
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     assert value(parsed, "training_exporter_errors_total", where="observe") == 1
     assert value(parsed, "training_steps_total") == 1
 
@@ -539,7 +536,7 @@ def test_a_failed_measurement_is_counted_not_raised(monitor, monkeypatch):
     assert monitor.measure_gradients(trainer.model) is None
     monkeypatch.undo()
     monitor.observe(0, loss=loss, model=trainer.model)
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     assert value(parsed, "training_exporter_errors_total", where="gradients") == 1
     assert value(parsed, "training_grad_norm") > 0  # observe measured the gradients itself
 
@@ -550,7 +547,7 @@ def test_a_failing_gradient_measurement_still_records_the_step(monitor, monkeypa
     loss, tokens = trainer.backward()
     monkeypatch.setattr("lossbeat.measure.gradients.compute_grad_norms", lambda *a, **k: 1 / 0)
     monitor.observe(7, loss=loss, optimizer=trainer.optimizer, model=trainer.model, tokens=tokens)
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     assert value(parsed, "training_steps_total") == 1 and value(parsed, "training_step") == 7
     assert value(parsed, "training_loss") == pytest.approx(loss.item(), rel=1e-6)
     assert value(parsed, "training_learning_rate", param_group="0") == 3e-3
@@ -574,7 +571,7 @@ def test_models_with_fp64_complex_and_sparse_gradients_are_observed_and_clipped(
             reference = dense_reference(model)
             returned = monitor.clip_grad_norm_(model, 1e-3)
             monitor.observe(step, loss=loss, model=model, grad_norm=returned)
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     assert value(parsed, "training_steps_total") == 3
     assert sum(v for (name, _), v in parsed.items() if name == "training_exporter_errors_total") == 0
     total = math.sqrt(sum(v * v for v in reference.values()))
@@ -720,7 +717,7 @@ def test_start_exporter_twice_returns_the_running_monitor():
         assert second is first
         assert isinstance(first.port, int) and first.port > 0
         first.observe(0, loss=1.0)
-        assert "training_steps_total" in scrape(first.port)
+        assert "training_steps_total" in metrics_text(first.port)
     finally:
         first.close()
     third = start_exporter(0, addr="127.0.0.1")
@@ -742,7 +739,7 @@ def test_port_follows_local_rank(monkeypatch):
     with Monitor(MonitorConfig(port=base - 1, addr="127.0.0.1")) as m:
         assert m.port == base
         m.observe(0, loss=1.0)
-        text = scrape(m.port)
+        text = metrics_text(m.port)
     assert re.search(r'training_steps_total\{rank="5",run_id="[^"]*"\} 1\.0', text)
     assert 'world_size="8"' in text and 'local_rank="1"' in text
     assert probe.closed
@@ -787,7 +784,7 @@ def test_exposition_passes_promtool_check_metrics(monitor):
         )
         trainer.optimizer.zero_grad(set_to_none=True)
     monitor.observe_eval(24, 1.0)
-    text = scrape(monitor.port)
+    text = metrics_text(monitor.port)
     result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0 and result.stdout.strip() == "" and result.stderr.strip() == "", (
         result.stdout + result.stderr
@@ -923,14 +920,14 @@ def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(mo
             )
         )
     events[0].done = True
-    parsed = samples(scrape(monitor.port))  # the loop has just observed: the scrape leaves it be
+    parsed = samples(metrics_text(monitor.port))  # the loop has just observed: the scrape leaves it be
     assert value(parsed, "training_steps_total") == 1
     monkeypatch.setattr(monitor_module, "SCRAPE_DRAIN_AFTER_S", 0.0)  # the loop is away (evaluating)
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     assert value(parsed, "training_steps_total") == 2 and value(parsed, "training_nonfinite_loss_total") == 1
     assert not events[1].waited and len(monitor._transfer.pending) == 1  # still in flight: not waited for
     events[1].done = True
-    parsed = samples(scrape(monitor.port))
+    parsed = samples(metrics_text(monitor.port))
     assert value(parsed, "training_steps_total") == 3 and value(parsed, "training_loss") == 2.0
 
 

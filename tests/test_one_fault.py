@@ -11,7 +11,7 @@ from pathlib import Path
 
 from lossbeat.monitor.apply import ALL_LAYERS, FROM_ANOTHER_RANK, _nonfinite_origin
 
-WORKER = Path(__file__).with_name("ddp_nan_worker.py")
+WORKER = Path(__file__).resolve().parent / "workers" / "ddp_nan_worker.py"
 
 
 def test_a_nan_on_one_ddp_rank_is_named_as_coming_from_another_rank_on_the_others(tmp_path):

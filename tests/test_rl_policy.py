@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 from conftest import require_module
-from paging import pages
+from helpers.paging import pages
 from prometheus_client import generate_latest
 
 from lossbeat import Monitor, MonitorConfig, load_thresholds

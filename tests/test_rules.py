@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import require_binary
-from promtool_runs import changed_rule_tests
+from helpers.promtool_runs import changed_rule_tests
 
 from lossbeat.diagnosis.thresholds import load_thresholds
 from lossbeat.exposition.metrics import METRICS

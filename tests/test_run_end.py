@@ -6,39 +6,18 @@ Real monitors serving real HTTP, scraped by a thread that plays Prometheus.
 
 from __future__ import annotations
 
-import http.client
 import threading
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from helpers.scrape import flat, metrics_text
 
 from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor
 
 
-def samples(text: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in ("rank", "run_id"))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
 def scrape(port: int, source: str | None = None) -> dict[str, float]:
     """One scrape, from the loopback address ``source`` when given (one HA replica each)."""
-    if source is None:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-            return samples(response.read().decode())
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
-    try:
-        connection.request(
-            "GET", "/metrics", headers={"User-Agent": "Prometheus/2.45.3", "X-Prometheus-Scrape-Timeout-Seconds": "10"}
-        )
-        return samples(connection.getresponse().read().decode())
-    finally:
-        connection.close()
+    return flat(metrics_text(port, source=source))
 
 
 class Scraper:
@@ -192,7 +171,7 @@ def test_phase_sets_at_once_and_restores_as_a_context_manager():
     monitor.phase("eval")  # a framework hook: validation starts ...
     assert state.phase[0] == "eval"
     monitor.phase("train")  # ... and ends
-    values = samples(_render(monitor))
+    values = flat(_render(monitor))
     assert values['training_phase{phase="train"}'] == 1
     assert values['training_phase{phase="eval"}'] == 0
     assert values['training_phase_seconds_total{phase="checkpoint"}'] >= 0.2
@@ -207,9 +186,9 @@ def test_phase_sets_at_once_and_restores_as_a_context_manager():
 
 def test_heartbeat_follows_steps_evaluations_phases_and_heartbeat_calls():
     monitor = Monitor(MonitorConfig(), serve=False)
-    assert "training_last_heartbeat_timestamp_seconds" not in samples(_render(monitor))  # no sign yet
+    assert "training_last_heartbeat_timestamp_seconds" not in flat(_render(monitor))  # no sign yet
     monitor.observe(1, loss=2.0)
-    beat = lambda: samples(_render(monitor))["training_last_heartbeat_timestamp_seconds"]  # noqa: E731
+    beat = lambda: flat(_render(monitor))["training_last_heartbeat_timestamp_seconds"]  # noqa: E731
     first = beat()
     assert first == monitor.state.last_step_time
     for sign in (lambda: monitor.observe_eval(1, 1.5), lambda: monitor.phase("checkpoint"), monitor.heartbeat):
@@ -217,7 +196,7 @@ def test_heartbeat_follows_steps_evaluations_phases_and_heartbeat_calls():
         before = beat()
         sign()
         assert beat() > before
-    assert samples(_render(monitor))["training_last_step_timestamp_seconds"] == first  # steps unchanged
+    assert flat(_render(monitor))["training_last_step_timestamp_seconds"] == first  # steps unchanged
 
 
 def _render(monitor: Monitor) -> str:

@@ -19,7 +19,7 @@ import torch
 
 from lossbeat import Monitor, MonitorConfig
 
-SCRAPERS = Path(__file__).with_name("scrapers.py")
+SCRAPERS = Path(__file__).resolve().parent / "workers" / "scrapers.py"
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 

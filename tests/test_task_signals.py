@@ -7,24 +7,15 @@ import math
 import random
 
 import pytest
+from helpers.synthetic_logs import synthetic_log as _log
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.analyze.replay import replay
 from lossbeat.diagnosis import Status
 from lossbeat.diagnosis.thresholds import load_thresholds
-from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
+from lossbeat.logs import ParsedLog, TrainRecord
 
 T = load_thresholds()
-
-
-def _log(losses, grads=None, signals=None, evals=None):
-    log = ParsedLog("test", "synthetic")
-    for i, v in enumerate(losses):
-        log.train.append(TrainRecord(i + 1, v, None if grads is None else grads[i], None))
-    for step, value in (evals or {}).items():
-        log.evals.append(EvalRecord(step, value))
-    log.signals = {k: list(v) for k, v in (signals or {}).items()}
-    return log
 
 
 def _final(findings, check="learning"):

@@ -9,12 +9,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from conftest import CORPORA as REAL
-from prometheus_client.parser import text_string_to_metric_families
+from helpers.scrape import scrape
 
 from lossbeat.logs import parse_log
 from lossbeat.logs.live import LiveBuilder, live_parser
@@ -23,16 +22,6 @@ from lossbeat.monitor import MonitorConfig
 from lossbeat.watch import EXIT_COMPLETED, EXIT_IDLE, Follower, Watcher
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def scrape(port: int) -> dict[str, list[tuple[dict, float]]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        body = resp.read().decode()
-    out: dict[str, list[tuple[dict, float]]] = {}
-    for family in text_string_to_metric_families(body):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
 
 
 def value(metrics: dict, name: str) -> float | None:

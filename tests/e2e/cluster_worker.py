@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, for worker_exit
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "workers"))  # for worker_exit
 
 from worker_exit import finish
 

@@ -25,7 +25,7 @@ import time
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, for hf_ddp_worker
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "workers"))  # for hf_ddp_worker
 from hf_ddp_worker import Tokens, tiny_gpt2
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 from conftest import require_binary, require_module
-from tls_certs import make_certs
+from helpers.tls_certs import make_certs
 
 from lossbeat import Monitor, MonitorConfig
 

@@ -12,7 +12,7 @@ every xdist process computes the same one.
 Refresh the file from a run's ``LOSSBEAT_TEST_CPU`` log (docs/tests.md)::
 
     LOSSBEAT_TEST_CPU=/tmp/cpu.jsonl make test
-    python3 tests/module_order.py /tmp/cpu.jsonl
+    python3 tests/helpers/module_order.py /tmp/cpu.jsonl
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-DURATIONS = Path(__file__).with_name("durations.json")
+DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
 LISTED_FROM_S = 1.0
 """Tests shorter than this are left out of the file (most of the suite: they count UNLISTED_S)."""
 UNLISTED_S = 0.15
@@ -101,7 +101,7 @@ def refreshed(cpu_logs: list[Path]) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python3 tests/module_order.py LOSSBEAT_TEST_CPU_FILE...", file=sys.stderr)
+        print("usage: python3 tests/helpers/module_order.py LOSSBEAT_TEST_CPU_FILE...", file=sys.stderr)
         return 2
     durations = refreshed([Path(p) for p in argv])
     DURATIONS.write_text(json.dumps(durations, indent=0, sort_keys=True) + "\n", encoding="utf-8")

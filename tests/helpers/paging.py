@@ -16,7 +16,7 @@ from lossbeat import load_thresholds
 from lossbeat.mixin.alert_rules import duration_seconds
 from lossbeat.mixin.rule_series import Expect, _Builder, _expected
 
-RULES = Path(__file__).resolve().parent.parent / "alerting" / "rules.yml"
+RULES = Path(__file__).resolve().parents[2] / "alerting" / "rules.yml"
 TARGET = {"job": "train", "instance": "127.0.0.1:8470"}
 INTERVAL = 30
 

@@ -1,7 +1,7 @@
 """Torchrun jobs that several tests share: the variants of one world size run in one job.
 
 Every rank of a torchrun job pays its imports (torch 3-4 CPU-s, the Trainer 7-10 more) and
-the launcher its start-up: tests/variants_worker.py runs the variants of a job one after the
+the launcher its start-up: tests/workers/variants_worker.py runs the variants of a job one after the
 other in the same ranks, and :class:`SharedJobs` runs each job once a session (the first test
 that needs one starts it) and gives each test its own variant's results, or fails it with
 that variant's own error. A variant that raises ends its job; the variants after it run in
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-RUNNER = Path(__file__).with_name("variants_worker.py")
+RUNNER = Path(__file__).resolve().parents[1] / "workers" / "variants_worker.py"
 STALL_S = 300.0
 """A job is stopped when no variant started or finished for this long (a job of its own had 300 s)."""
 

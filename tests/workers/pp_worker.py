@@ -17,11 +17,11 @@ it must fail fast with a clear message instead of waiting in the collective alon
 
 import argparse
 import math
-import urllib.request
+import pathlib
+import sys
 
 import torch
 import torch.distributed as dist
-from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -30,6 +30,9 @@ from worker_exit import finish, observe_alone, write_result
 
 import lossbeat.measure.gradients
 from lossbeat import Monitor, MonitorConfig
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: the one scrape helper
+from helpers.scrape import scrape
 
 WIDTH, BATCH, STAGES = 16, 8, 2
 
@@ -61,15 +64,6 @@ def full_grads(module) -> dict[str, torch.Tensor]:
         name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
         for name, p in module.named_parameters()
     }
-
-
-def scrape(port: int) -> dict[str, list]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    out: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
 
 
 def one_value(metrics, name):

@@ -2,7 +2,7 @@
 Python work does not share the trainer's interpreter lock). Prints one JSON summary:
 scrapes, failures, parse errors, counters seen going backwards, latency percentiles.
 
-    python tests/scrapers.py PORT N SECONDS [INTERVAL] [--each COUNT] [--final]
+    python tests/workers/scrapers.py PORT N SECONDS [INTERVAL] [--each COUNT] [--final]
 
 INTERVAL: seconds between one scraper's scrapes (default 0: back to back, a stress test).
 --each COUNT: each scraper stops after COUNT scrapes (or SECONDS, whichever comes first).

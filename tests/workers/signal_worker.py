@@ -1,6 +1,6 @@
 """A training script that test_faults.py interrupts with SIGINT or SIGTERM mid-step.
 
-    python tests/signal_worker.py with|exit-handler
+    python tests/workers/signal_worker.py with|exit-handler
 
 Prints ``READY <port>`` once serving, and ``CLOSED <observed> <applied> <pending>`` after
 the monitor's with-block has closed it (however the loop ended), after ``CLOSE_SECONDS <s>``,

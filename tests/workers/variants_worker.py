@@ -6,7 +6,7 @@ starts this job and reads what it writes). ``--spec FILE`` is JSON:
 ``{"dir": DIR, "variants": [[name, worker module, [args, ...]], ...]}``. For each
 variant in order, each rank calls ``<worker>.run(<worker>.parse_args([*args, "--dir", DIR/name]))``,
 as the worker's own ``main()`` does alone (``python -m torch.distributed.run ...
-tests/fsdp_worker.py --wrap fsdp1 --dir D`` still runs one variant), and writes:
+tests/workers/fsdp_worker.py --wrap fsdp1 --dir D`` still runs one variant), and writes:
 
 - ``DIR/name/started.<rank>`` when it begins;
 - ``DIR/name/result.<rank>.json``: the rank's result, and on rank 0 ``DIR/name/seconds``

@@ -1,0 +1,2 @@
+"""What the tests share: scraping, paging through a real stack, promtool runs, torchrun jobs,
+certificates, the order xdist takes the suite in, and synthetic logs."""
