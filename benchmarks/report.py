@@ -102,7 +102,7 @@ def targets(results: dict) -> list[dict]:
     return rows
 
 
-# Issue 21's targets for the step's own cost (benchmarks/observe_cost.py).
+# The budget for the step's own cost (benchmarks/observe_cost.py).
 OBSERVE_US = {"float": 15, "tensor_0d": 25}
 HEAP_LEFT_BYTES = 100
 RENDER_MS = 5
