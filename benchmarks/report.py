@@ -13,10 +13,6 @@ def _f(value: Any, fmt: str = ".2f", none: str = "-") -> str:
     return none if value is None else format(value, fmt)
 
 
-def _overhead(result: dict, key: str) -> float | None:
-    return result[key] if result.get("available") else None
-
-
 def targets(results: dict) -> list[dict]:
     """Each target: what, the measured value, pass/miss (None when not measured)."""
     rows = []
