@@ -108,10 +108,12 @@ _DECISION_LINK = re.compile(r"docs/decisions\.md#([\w-]+)")
 
 
 def _sources() -> list[Path]:
-    """The code, tests, scripts and thresholds the repository ships or runs."""
-    files = [*(REPO / "exporter").rglob("*.py"), *(REPO / "tests").glob("*.py"), *(REPO / "scripts").rglob("*.py")]
-    files += [*(REPO / "benchmarks").glob("*.py"), REPO / "exporter" / "lossbeat" / "thresholds.yaml"]
-    return sorted(files)
+    """The code, tests, scripts, thresholds and deployment files the repository ships or runs
+    (not the dated logs: benchmarks' notes and results, the changelog, the real logs' data)."""
+    text = {".py", ".yaml", ".yml", ".sbatch", ".md", ".html", ".sh", ""}
+    files = [p for top in ("exporter", "scripts", "deploy", ".ci") for p in (REPO / top).rglob("*")]
+    files += [*(REPO / "tests").rglob("*.py"), *(REPO / "benchmarks").glob("*.py"), REPO / "Makefile"]
+    return sorted(p for p in files if p.is_file() and p.suffix in text and "__pycache__" not in p.parts)
 
 
 def test_no_reference_to_an_issue_or_review_label():
