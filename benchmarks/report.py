@@ -13,10 +13,6 @@ def _f(value: Any, fmt: str = ".2f", none: str = "-") -> str:
     return none if value is None else format(value, fmt)
 
 
-def _overhead(result: dict, key: str) -> float | None:
-    return result[key] if result.get("available") else None
-
-
 def targets(results: dict) -> list[dict]:
     """Each target: what, the measured value, pass/miss (None when not measured)."""
     rows = []
@@ -102,7 +98,7 @@ def targets(results: dict) -> list[dict]:
     return rows
 
 
-# Issue 21's targets for the step's own cost (benchmarks/observe_cost.py).
+# The budget for the step's own cost (benchmarks/observe_cost.py).
 OBSERVE_US = {"float": 15, "tensor_0d": 25}
 HEAP_LEFT_BYTES = 100
 RENDER_MS = 5

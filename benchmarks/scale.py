@@ -789,7 +789,7 @@ def report(results: list[dict]) -> str:
         load = r["load_average_1m"]
         setup = f"{r['shards']} shards + global" if r["shards"] else "one Prometheus"
         if r.get("rules"):
-            setup += " (rules before issue 21)"
+            setup += " (full-lookback rules)"
         if r.get("label"):
             setup += f" ({r['label']})"
         rows.append(

@@ -1,4 +1,4 @@
-"""What on-call receives from two long situations, measured on real components (issue 19).
+"""What on-call receives from two long situations, measured on real components.
 
 A real Prometheus with the shipped production rules (``alerting/rules.yml``: default
 thresholds, ``TrainingRankDown`` after 2 m, ``TrainingStalled`` after 10 m in training and 1 h in

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.servers  # also run against the Prometheus 3 line (make
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "alerting" / "alertmanager.yml"
-# Every loss-derived alert (plateau and overfitting included: issue 9's stale plateau under a NaN
-# loss), and the gradient alert a NaN loss makes non-finite too.
+# Every loss-derived alert (plateau and overfitting included: their last judgment stays
+# exported, stale, while the loss is NaN), and the gradient alert a NaN loss makes non-finite too.
 INHIBITED_BY_NAN = set(LOSS_DERIVED_ALERTS) | {"TrainingGradientNonFinite"}
 assert {"TrainingLossPlateau", "TrainingOverfitting", "TrainingLossDiverging"} <= INHIBITED_BY_NAN
 

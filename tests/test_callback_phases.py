@@ -1,4 +1,4 @@
-"""The phases the framework callbacks know about (issue 19): a slow validation in a real
+"""The phases the framework callbacks know about: a slow validation in a real
 Lightning fit and a slow evaluation in a real HF Trainer run, sampled over HTTP while they run.
 Each evaluation batch must show ``training_phase{phase="eval"} 1`` and a fresh heartbeat, so
 a long validation pages TrainingStalled only past ``stalled_phase_after``; training resumes in

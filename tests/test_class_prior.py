@@ -1,4 +1,5 @@
-"""A binary classifier that predicts its class prior is named, and a WARNING at the end (issue 18 §2).
+"""A binary classifier that predicts its class prior is named, and a WARNING at the end
+(docs/decisions.md#a-run-that-never-learned-is-at-least-a-warning).
 
 Its chance level is the entropy of its class prior H(a), not ln 2: a constant predictor at the
 majority share a has accuracy a, log loss H(a) and positive-class F1 2a/(1+a) (0 when the

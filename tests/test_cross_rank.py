@@ -105,7 +105,7 @@ def test_work_time_counts_data_wait_and_forward_but_not_the_collective(monkeypat
 
 
 def test_work_time_is_host_time_and_the_straggler_alert_says_so(monkeypatch):
-    """What TrainingStraggler measures (issue 19): the host's time. A host-side wait that only
+    """What TrainingStraggler measures: the host's time. A host-side wait that only
     this rank does after observe() (rank 0 reading ``loss.item()`` to log, which under CUDA
     waits for the device) is charged to its work; the alert, its action and the metric's help
     say it is host time and that a slow GPU does not show (before, they sent on-call to look

@@ -370,7 +370,7 @@ def test_deploy_readme_covers_the_ways_to_scrape():
         assert needle in text, f"deploy/README.md does not mention {needle}"
 
 
-# --- the end of a run: finished or died (issue 13, item 7) ------------------------------
+# --- the end of a run: finished or died --------------------------------------------------
 
 
 def _run_sbatch(tmp_path: Path, srun_body: str, *, terminate_after: float | None = None) -> tuple[int, Path]:

@@ -99,3 +99,39 @@ def test_every_monitor_setting_is_documented():
     documented = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
     missing = [f.name for f in dataclasses.fields(MonitorConfig) if f.name not in documented]
     assert not missing, f"docs/configuration.md does not document MonitorConfig.{missing}"
+
+
+# A label that only an issue tracker or a review resolves ("issue N §n", "review Mn", "(Mn)"):
+# the reason itself belongs beside the code, or in docs/decisions.md.
+_LABEL = re.compile(r"issue [0-9]+|review [A-Z]?[0-9]+|\((M|C|m)[0-9]+\)", flags=re.I)
+_DECISION_LINK = re.compile(r"docs/decisions\.md#([\w-]+)")
+
+
+def _sources() -> list[Path]:
+    """The code, tests, scripts, thresholds and deployment files the repository ships or runs
+    (not the dated logs: benchmarks' notes and results, the changelog, the real logs' data)."""
+    text = {".py", ".yaml", ".yml", ".sbatch", ".md", ".html", ".sh", ""}
+    files = [p for top in ("exporter", "scripts", "deploy", ".ci") for p in (REPO / top).rglob("*")]
+    files += [*(REPO / "tests").rglob("*.py"), *(REPO / "benchmarks").glob("*.py"), REPO / "Makefile"]
+    return sorted(p for p in files if p.is_file() and p.suffix in text and "__pycache__" not in p.parts)
+
+
+def test_no_reference_to_an_issue_or_review_label():
+    found = [
+        f"{path.relative_to(REPO).as_posix()}:{number}: {line.strip()}"
+        for path in _sources()
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if _LABEL.search(line)
+    ]
+    assert not found, "say the reason, or link docs/decisions.md:\n" + "\n".join(found)
+
+
+def test_every_link_into_the_decisions_names_an_entry():
+    anchors = github_anchors((REPO / "docs" / "decisions.md").read_text(encoding="utf-8"))
+    broken = [
+        f"{path.relative_to(REPO).as_posix()}: #{anchor}"
+        for path in _sources()
+        for anchor in _DECISION_LINK.findall(path.read_text(encoding="utf-8"))
+        if anchor not in anchors
+    ]
+    assert not broken, broken

@@ -1,4 +1,4 @@
-"""Issue 18, the causes of flapping and of runs read as good that never learned, each on a short
+"""The causes of flapping and of runs read as good that never learned, each on a short
 synthetic series: a plateau needs a small fall (not a fall the windows lack the power to see), is
 left for a fall that lasts, a high loss still falling by the fall's size, overfitting beyond the
 evaluations' own noise, regression named from its error metrics, short sparse runs judged before

@@ -1,4 +1,4 @@
-"""Integrations and per-step data that must not break the run (issue 19): the HF callback under
+"""Integrations and per-step data that must not break the run: the HF callback under
 nn.DataParallel (its forward hook in every replica's thread) and under DeepSpeed ZeRO (the
 engine's norm), DDP layer names without `module.`, observe() counting per-step anomalies instead
 of raising, and a second start_exporter() naming the settings it ignores."""

@@ -1,5 +1,5 @@
 """The callbacks pass what the trainers log (TRL's reward, reward_std, kl, rewards/margins; the
-eval metrics; Lightning's self.log) to observe(metrics=...): real tiny runs on CPU (issue 18 §1)."""
+eval metrics; Lightning's self.log) to observe(metrics=...): real tiny runs on CPU."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Judgments that know the task (issue 18): the profile from the fields, the learning check,
+"""Judgments that know the task: the profile from the fields, the learning check,
 RL and preference signals, zero-inflated losses, late rises and rises near zero, the truth score."""
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def test_the_score_against_the_ground_truth_of_real_logs_3():
     n = totals(scores)
     assert n["files"] == n["read_in_full"] == 12 and n["unread"] == 0
     assert n["healthy_danger"] == 0 and n["healthy_pages"] == 0 and n["wrong_dangers"] == 0
-    assert n["healthy_flapping"] == 0  # the medical LoRA's plateau episodes, the YOLO loss's range (issue 18)
+    assert n["healthy_flapping"] == 0  # the medical LoRA's plateau episodes, the YOLO loss's range
     assert n["named"] == n["faults"] == 5
     by = {s.file: s for s in scores}
     vit = by["hf-vit-skin-cancer-10ep-overfit-trainer_state.json"]

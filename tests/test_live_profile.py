@@ -1,4 +1,5 @@
-"""The live Monitor detects the task profile from the names observe is given (issue 18 §1)."""
+"""The live Monitor detects the task profile from the names observe is given
+(docs/decisions.md#the-task-profile-comes-from-the-logged-names)."""
 
 from __future__ import annotations
 

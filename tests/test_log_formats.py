@@ -1,4 +1,5 @@
-"""Every log read in full, or a one-line reason (issue 18, section 7).
+"""Every log read in full, or a one-line reason
+(docs/decisions.md#every-log-is-read-in-full-or-refused-with-a-reason).
 
 The synthetic logs are written with the print statements of each project (quoted beside each
 builder); the real-log test reads every file of the shared corpora and compares the records read

@@ -1,7 +1,7 @@
 """On CPU the exported peak memory is the process's high-water mark since the previous scrape:
 never below the current resident memory it is exported with (``ru_maxrss`` lags the live RSS;
 VmHWM does not), and windowed: a freed spike ages out after one scrape instead of holding
-TrainingMemoryNearLimit for the rest of the run (issue 19)."""
+TrainingMemoryNearLimit for the rest of the run."""
 
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ def test_a_nan_counts_once_per_bad_step_and_names_the_first_bad_layer(monitor, c
     assert value(parsed, "training_nonfinite_grad_first_layer_info", layer="blocks.1.mlp.fc") == 1
     assert math.isfinite(value(parsed, "training_loss"))  # step 39 was fine again
     # 3 non-finite records, recovered, within 10 % of the window: judged isolated, a warning that
-    # says so (issue 18: events are findings); ongoing or repeated would be a danger.
+    # says so (docs/decisions.md#events-are-findings); ongoing or repeated would be a danger.
     assert value(parsed, "training_health_status", check="nonfinite", component="") == 1
     assert "it starts at layer blocks.1.mlp.fc" in caplog.text
 

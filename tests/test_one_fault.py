@@ -1,4 +1,4 @@
-"""One fault, one page (issue 19): a NaN loss on one DDP rank is named on the other ranks as
+"""One fault, one page: a NaN loss on one DDP rank is named on the other ranks as
 coming through the all-reduce, not as starting at the model's last layer (a real 2-rank gloo
 job under torchrun)."""
 

@@ -482,7 +482,7 @@ def test_recording_rules_follow_level_metric_operations():
 
 
 def test_every_per_rank_aggregation_and_join_keeps_the_run_identity():
-    """`instance` tells apart concurrent runs that share a job label (issue 13, item 8)."""
+    """`instance` tells apart concurrent runs that share a job label."""
     for rule in recording_rules():
         if "rank" in rule.keeps:
             assert "instance" in rule.keeps, rule.record

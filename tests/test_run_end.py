@@ -1,5 +1,6 @@
 """How a run ends and what it is doing: the completion marker close() publishes and keeps
-scrapeable, the phase, and the heartbeat TrainingStalled watches (issue 13, items 7 and minor).
+scrapeable, the phase, and the heartbeat TrainingStalled watches
+(docs/decisions.md#only-close-marks-a-run-finished).
 
 Real monitors serving real HTTP, scraped by a thread that plays Prometheus.
 """
@@ -239,7 +240,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("ending", ["exit", "exit0", "crash", "exit1", "sigterm"])
 def test_a_script_without_close_says_completed_at_exit_unless_it_crashed(ending):
     """Only a normal end completes a run: an exception, sys.exit(1) and SIGTERM handled by
-    sys.exit(143) publish no completion marker (issue 19)."""
+    sys.exit(143) publish no completion marker."""
     import subprocess
     import sys
 

@@ -1,4 +1,4 @@
-"""The task's own signals judged offline and live alike (issue 18 §1): an RL gradient norm that
+"""The task's own signals judged offline and live alike: an RL gradient norm that
 collapses, a KL that runs away, an eval loss that rises while the eval metric still improves."""
 
 from __future__ import annotations

@@ -43,12 +43,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
         if name not in wanted:
             sub.add_parser(name, help=help_text, description=help_text)
             continue
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # not built yet in this checkout
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping
+from typing import Iterable
 
 from lossbeat.diagnosis.findings import Finding, Status
 from lossbeat.diagnosis.patterns import classify
@@ -216,7 +216,3 @@ def run(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `| head`: the reader left; that is not an error
         sys.stdout = None  # type: ignore[assignment]  # no flush error at exit
     return 1 if any(item.ok is False for item in items) else 0
-
-
-def items_as_mapping(items: Iterable[Item]) -> Mapping[int, Item]:
-    return {item.number: item for item in items}

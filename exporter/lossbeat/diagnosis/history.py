@@ -72,8 +72,8 @@ class EvalTrack:
         rise = (loss - self.best) / self.best if self.best > 0 else (math.inf if loss > self.best else 0.0)
         # Above the best by eval_rise, and by more than the evaluations' own noise: the best of many
         # noisy evaluations is their luckiest one, so a noisy eval loss sits above it most of the time
-        # (a small or shifting validation set: a TFT forecaster's val loss jumps 25-60 % and back
-        # between epochs while trending down, issue 18). The noise is the robust evaluation-to-evaluation
+        # (a small or shifting validation set: real-logs-2's TFT forecaster's val loss jumps 25-60 %
+        # and back between epochs while trending down). The noise is the robust evaluation-to-evaluation
         # noise of the last evaluations (second differences: a steady rise, real overfitting, is not
         # noise; see overfitting.noise_z).
         noise = robust_noise(self.recent.last(len(self.recent)))

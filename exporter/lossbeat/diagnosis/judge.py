@@ -68,8 +68,8 @@ class Judge:
         self._records += 1
         # Steps count from the first record before any judgment: a sparse log (every 10 steps) of a
         # short run was otherwise first judged at its 10th record, and a run of 3-8 records only once,
-        # at its end, where no warning can be confirmed (issue 18: four restarts of 3-8 records each,
-        # every one flat, read as good).
+        # at its end, where no warning can be confirmed (real-logs-2's custom fp16 log: four restarts
+        # of 3-8 records each, every one flat, read as good).
         if self._judged_at is None:
             self._judged_at = step
         return self._records % every == 0 or step - self._judged_at >= every or step < self._judged_at

@@ -86,7 +86,7 @@ def _lasts(s, noise: float, width: float, t: Thresholds, floor: float | None) ->
     """A rise within ``loss.trend_danger_z`` standard errors must last: the same comparison half a
     window earlier says so too. A bump shorter than half a window (a stretch of harder batches in a
     noisy per-record log) is tested at every diagnosis, and over the many diagnoses of a run one
-    passes 3 standard errors by chance (issue 18 §4, §5)."""
+    passes 3 standard errors by chance."""
     earlier = _compare(s, noise, width, t, floor, s.last_step - width / 2.0)
     return earlier is not None and earlier[5]
 
@@ -186,7 +186,7 @@ def check_loss_range(
         return Finding.unknown(check, component=component)
     mean = fsum(recent) / len(recent)
     initial = series.initial
-    # A start above any vocabulary is a fact of the run's start (issue 18 §6): a warning only while the
+    # A start above any vocabulary is a fact of the run's start: a warning only while the
     # run has not left it, by half, and is not seen leaving it (a significant fall from the first
     # records: the range judges where it settles). Judged from the third record of a sparse log, a
     # fast fall 19.2 -> 13.0 (a VLM fine-tune, healthy) had not halved yet.
@@ -208,7 +208,7 @@ def check_loss_range(
     # "Still falling" by the fall's size, not its significance: a high loss falling 5-8 % per window is
     # learning even where two windows of few noisy records cannot prove it (the plateau check says no
     # more either); keyed on significance, the exemption came and went with the fall's z and the range
-    # warning flapped (issue 18: a YOLO loss, 45.9 -> 3.4 over 40 epochs, above 5 for 60 % of the run).
+    # warning flapped (real-logs-3's YOLOv3 loss, 45.9 -> 3.4 over 40 epochs, above 5 for 60 % of the run).
     descending = trend.known and (
         trend.falling or (not trend.rising and not trend.watching and trend.ratio >= t.loss.plateau_max_fall)
     )
@@ -378,7 +378,7 @@ def check_loss_trend(
     # either way: absence of evidence of a fall is not evidence of its absence. The windows lack the
     # power to tell, so no plateau is entered on it; one already held stays until a significant fall.
     # Entering on it made noisy descents flap, plateau and back, as the fall's z crossed 3 by chance
-    # (issue 18: a YOLO loss falling 5-8 % per window, z 1.7-3, over 40 epochs).
+    # (real-logs-3's YOLOv3 loss falling 5-8 % per window, z 1.7-3, over 40 epochs).
     if held is not WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release:
         return Finding(
             check,
@@ -413,7 +413,7 @@ def _fall_lasts(trend: Trend, series, t: Thresholds, profile: Profile) -> bool:
     a fall too (beyond ``plateau_max_fall`` and ``fall_min_z``), as a rise must last before it is a
     danger. One stretch of easier batches, or a single step down, lifts the latest windows' fall
     past its threshold for a few diagnoses and is gone: leaving on it, a slow noisy descent went
-    plateau, falling, plateau again within a window (issue 18: a LoRA SFT's three plateau episodes
+    plateau, falling, plateau again within a window (real-logs-3's medical LoRA SFT: three plateau episodes
     in one epoch-long descent)."""
     s = getattr(series, "summary", None)
     if s is None or s.last_step is None or not math.isfinite(trend.window_steps):

@@ -77,8 +77,6 @@ SIGNALS: dict[str, tuple[str, ...]] = {
 }
 _ALIAS = {alias: name for name, aliases in SIGNALS.items() for alias in aliases}
 
-HIGHER_IS_BETTER = frozenset({"reward", "preference_accuracy", "eval_accuracy", "eval_f1", "margins"})
-
 _CLASSIFICATION = re.compile(
     r"^(?:eval|val|test)_(?:.+_)?(?:accuracy|acc|f1|matthews_correlation|mcc|auc|roc_auc|"
     r"precision|recall|balanced_accuracy)$"

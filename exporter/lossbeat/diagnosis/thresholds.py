@@ -547,7 +547,6 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
         raise ThresholdsError("gradients: expected vanishing < healthy_low < healthy_high < explosion")
     if not grads.layer_vanishing < grads.layer_explosion:
         raise ThresholdsError("gradients.layer_vanishing: must be below gradients.layer_explosion")
-    windows = _build(Windows, _section(doc, "windows"), "windows")
     learning_rate = _build(LearningRateThresholds, _section(doc, "learning_rate"), "learning_rate")
     if not learning_rate.too_small < learning_rate.too_large:
         raise ThresholdsError("learning_rate.too_small: must be below learning_rate.too_large")

@@ -8,7 +8,6 @@ scrape, and a scrape never blocks training.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -224,7 +223,3 @@ class MonitorCollector(Collector):
         for where, count in sorted(s.errors.items()):
             c.add_metric([s.rank, where], count)
         return c
-
-
-def _finite_or_nan(value: float) -> float:
-    return value if math.isfinite(value) else math.nan

@@ -77,9 +77,6 @@ SEEN_WINDOW = "2m"
 """Raw samples a lookback rule or alert reads: a scrape and the lookback group's interval, so a
 rank seen between two evaluations of the group is never missed (8 samples at 15 s)."""
 
-# Profiles whose loss is a sum of tasks: the range applies to each component.
-COMPONENT_PROFILES = frozenset({"multi-task"})
-
 # A target counts as a lossbeat exporter if it exposed the run info this recently.
 EXPORTER_SEEN_LOOKBACK = "6h"
 

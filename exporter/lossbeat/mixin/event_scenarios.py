@@ -1,5 +1,6 @@
 """The promtool scenarios of TrainingGradientNonFinite: one non-finite gradient the run went on
-from is a ticket; repeated ones, or ones the exporter judges ongoing, page (issue 18 §3)."""
+from is a ticket; repeated ones, or ones the exporter judges ongoing, page
+(docs/decisions.md#events-are-findings)."""
 
 from __future__ import annotations
 
