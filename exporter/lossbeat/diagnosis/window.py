@@ -185,8 +185,8 @@ class LossWindow:
         self.ring.clear()
 
 
-def median(values: list[float]) -> float:
-    """The median of a non-empty list (NaN for an empty one)."""
+def median(values: Sequence[float] | Ring) -> float:
+    """The median of a non-empty list or ring (NaN for an empty one)."""
     n = len(values)
     if not n:
         return math.nan
