@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping, Protocol
 
+from lossbeat.diagnosis.event_thresholds import EventThresholds
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 from lossbeat.diagnosis.window import median
 
 if TYPE_CHECKING:
-    from lossbeat.diagnosis.history import History
-    from lossbeat.diagnosis.run_memory import Regression
+    from lossbeat.diagnosis.run_memory import Regression, RunMemory
+    from lossbeat.diagnosis.series import LossSeries
+    from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = ["Event", "EventThresholds", "EventTrack", "check_events", "EVENT_CHECKS"]
 
@@ -45,12 +46,22 @@ _MEDIAN_SE = math.sqrt(math.pi / 2)  # a median of n normal records: sqrt(pi/2) 
 _AFTER_WINDOWS = 2  # the level after an event: over this many windows in a row (damage lasts)
 
 
-@dataclass(frozen=True)
-class EventThresholds:
-    repeated: int
-    """Events within the last ``windows.cv_steps`` records that make them repeated."""
-    worse_after: float
-    """The loss level after an event this fraction above the level before it: the event did damage."""
+class History(Protocol):
+    """What the event checks read of a :class:`~lossbeat.diagnosis.history.History` (which
+    imports this module: described here, not imported)."""
+
+    @property
+    def events(self) -> Mapping[str, EventTrack]: ...
+    @property
+    def thresholds(self) -> Thresholds: ...
+    @property
+    def loss(self) -> LossSeries: ...
+    @property
+    def memory(self) -> RunMemory: ...
+    @property
+    def grad_records(self) -> int: ...
+    @property
+    def steps_seen(self) -> int: ...
 
 
 class Event:

@@ -22,17 +22,40 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Protocol
 
 from lossbeat.diagnosis.window import median
 
 if TYPE_CHECKING:
-    from lossbeat.diagnosis.history import History
+    from lossbeat.diagnosis.series import LearningRateSchedule, LossSeries
     from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = ["Regression", "RunMemory"]
 
 _MEDIAN_SE = 1.25  # the standard error of a median of n records: about 1.25 sigma / sqrt(n)
+
+
+class _EvalBest(Protocol):
+    """What the run memory reads of an eval set's track (``EvalTrack``)."""
+
+    @property
+    def best(self) -> float: ...
+    @property
+    def best_step(self) -> int | None: ...
+
+
+class History(Protocol):
+    """What the run memory reads of a :class:`~lossbeat.diagnosis.history.History` (which
+    imports this module: described here, not imported)."""
+
+    @property
+    def thresholds(self) -> Thresholds: ...
+    @property
+    def loss(self) -> LossSeries: ...
+    @property
+    def lr(self) -> LearningRateSchedule: ...
+    @property
+    def evals(self) -> Mapping[str, _EvalBest]: ...
 
 
 class Regression(NamedTuple):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, TypeVar, overload
 
 import yaml
 
-from lossbeat.diagnosis.events import EventThresholds
+from lossbeat.diagnosis.event_thresholds import EventThresholds
 from lossbeat.diagnosis.policy_thresholds import MoEThresholds, RLPolicyThresholds, parse_policy
 from lossbeat.diagnosis.profiles import ClassPriorThresholds, RLThresholds
 
