@@ -22,10 +22,17 @@ that left the window is a GOOD note with its steps. Non-finite values are judged
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from typing import TYPE_CHECKING, Mapping, Protocol
 
+from lossbeat.diagnosis.event_thresholds import EventThresholds
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
-from lossbeat.diagnosis.window import Ring, median
+from lossbeat.diagnosis.window import median
+
+if TYPE_CHECKING:
+    from lossbeat.diagnosis.run_memory import Regression, RunMemory
+    from lossbeat.diagnosis.series import LossSeries
+    from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = ["Event", "EventThresholds", "EventTrack", "check_events", "EVENT_CHECKS"]
 
@@ -39,12 +46,22 @@ _MEDIAN_SE = math.sqrt(math.pi / 2)  # a median of n normal records: sqrt(pi/2) 
 _AFTER_WINDOWS = 2  # the level after an event: over this many windows in a row (damage lasts)
 
 
-@dataclass(frozen=True)
-class EventThresholds:
-    repeated: int
-    """Events within the last ``windows.cv_steps`` records that make them repeated."""
-    worse_after: float
-    """The loss level after an event this fraction above the level before it: the event did damage."""
+class History(Protocol):
+    """What the event checks read of a :class:`~lossbeat.diagnosis.history.History` (which
+    imports this module: described here, not imported)."""
+
+    @property
+    def events(self) -> Mapping[str, EventTrack]: ...
+    @property
+    def thresholds(self) -> Thresholds: ...
+    @property
+    def loss(self) -> LossSeries: ...
+    @property
+    def memory(self) -> RunMemory: ...
+    @property
+    def grad_records(self) -> int: ...
+    @property
+    def steps_seen(self) -> int: ...
 
 
 class Event:
@@ -71,7 +88,7 @@ class EventTrack:
     def __init__(self) -> None:
         self.total = 0
         self.first_steps: list[int] = []
-        self.recent = Ring(_KEPT)
+        self.recent: deque[Event] = deque(maxlen=_KEPT)  # a Ring holds floats; this holds Events
 
     def push(
         self, index: int, step: int, level_before: float, records_before: int, noise: float, loss_records: int
@@ -79,13 +96,15 @@ class EventTrack:
         self.total += 1
         if len(self.first_steps) < _FIRST:
             self.first_steps.append(step)
-        self.recent.push(Event(index, step, level_before, records_before, noise, loss_records))
+        self.recent.append(Event(index, step, level_before, records_before, noise, loss_records))
 
     def clear(self) -> None:
-        self.__init__()
+        self.total = 0
+        self.first_steps = []
+        self.recent = deque(maxlen=_KEPT)
 
     def within(self, now: int, window: int) -> list[Event]:
-        return [e for e in self.recent.last(len(self.recent)) if now - e.index < window]
+        return [e for e in self.recent if now - e.index < window]
 
 
 def _steps(steps: list[int], total: int) -> str:
@@ -93,7 +112,7 @@ def _steps(steps: list[int], total: int) -> str:
     return f"step{'s' if len(steps) > 1 else ''} {shown}" + (", ..." if total > len(steps[:_FIRST]) else "")
 
 
-def check_events(history, check: str, regression=None) -> Finding:
+def check_events(history: History, check: str, regression: Regression | None = None) -> Finding:
     """The finding for one kind of event (``loss_spikes`` or ``grad_explosions``).
 
     ``regression``: the run settled well above its best (:meth:`RunMemory.regressed`). Events are
@@ -176,14 +195,14 @@ def check_events(history, check: str, regression=None) -> Finding:
     )
 
 
-def _unrecovered(history, what: str, regression) -> Finding | None:
+def _unrecovered(history: History, what: str, regression: Regression | None) -> Finding | None:
     """A danger (the run settled well above its best since) or a warning while the loss is not back
     at its level before the earliest event of this kind it has not recovered from, once the windows
     after it have passed (the time a recovery takes)."""
     memory = history.memory
     step, last = memory.event_step, history.loss.summary.last_step
     track = history.events[next(c for c, w in EVENT_CHECKS.items() if w == what)]
-    latest = track.recent.back(0).step if len(track.recent) else None
+    latest = track.recent[-1].step if len(track.recent) else None
     # Events of this kind since the open one (its own, or the jump or explosion that started them).
     if step is None or latest is None or latest < step or last is None or not history.thresholds.profile.trend:
         return None
@@ -230,7 +249,7 @@ def _bursts(events: list[Event], window: int, repeated: int) -> list[tuple[Event
     return out
 
 
-def _measure_after(history, event: Event) -> None:
+def _measure_after(history: History, event: Event) -> None:
     """The loss level right after ``event``: the medians of the ``_AFTER_WINDOWS`` windows of
     ``windows.cv_steps`` finite losses that followed it, read once there are that many (while
     they are in the loss window; a diagnosis later than that reads what is left)."""
@@ -246,7 +265,7 @@ def _measure_after(history, event: Event) -> None:
     event.after = tuple(median(values[i : i + n]) for i in range(0, len(values) - n + 1, n)) or (median(values),)
 
 
-def _worse(history, event: Event, after: tuple[float, ...], rise_min: float) -> str:
+def _worse(history: History, event: Event, after: tuple[float, ...], rise_min: float) -> str:
     """Why the levels ``after`` are worse than the level before ``event``, each by more than
     ``rise_min`` of it and beyond its noise ('' if one is not, or cannot tell yet): the damage
     lasted, not one window's shift of the data's level.

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 from lossbeat.diagnosis.thresholds import GradientThresholds
 from lossbeat.diagnosis.window import median as _median
+
+if TYPE_CHECKING:
+    from lossbeat.diagnosis.series import GradBaseline
 
 __all__ = ["check_grad_norm", "check_layer_grad_norms"]
 
@@ -15,7 +18,7 @@ _CLIMB_RECORDS = 20
 _FIX = "clip gradients (clip_grad_norm_ to 1.0), lower the learning rate, check the recent batches and that inputs are normalised"
 
 
-def check_grad_norm(baseline, t: GradientThresholds) -> Finding:
+def check_grad_norm(baseline: GradBaseline, t: GradientThresholds) -> Finding:
     """Layer 4 (gradients): the recent grad norm against the run's baseline (:class:`GradBaseline`).
 
     Danger: the recent median jumped to ``jump_ratio`` x the rolling median, or

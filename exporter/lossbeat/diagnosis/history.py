@@ -59,7 +59,8 @@ class EvalTrack:
         self.recent = Ring(10)
         self.first = math.nan
 
-    def push(self, step: int, loss: float) -> None:
+    def push(self, step: int | None, loss: float) -> None:
+        """``step`` None: an evaluation before any training step (its ``best_step`` stays unknown)."""
         if not math.isfinite(loss):
             return
         if not self.count:
@@ -334,12 +335,16 @@ class History:
         kind = signal_kind(name) or (name if name in _CANONICAL else None)
         if kind is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             return
+        if step is None:
+            step = self.last_step
+            if step is None:  # before any step: a summary by steps has nowhere to put it (it raised)
+                return
         track = self.signals.get(kind)
         if track is None:
             if len(self.signals) >= MAX_SIGNALS:
                 return
             track = self.signals[kind] = SignalTrack()
-        track.push(self.last_step if step is None else step, float(value))
+        track.push(step, float(value))
 
     def add_eval(self, eval_loss: float, group: str = "", step: int | None = None) -> None:
         """Record an evaluation loss of eval set ``group`` ('' = the only or unnamed one)."""

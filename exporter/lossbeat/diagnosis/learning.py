@@ -18,11 +18,19 @@ Pure functions over a :class:`~lossbeat.diagnosis.history.History`.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 from lossbeat.diagnosis.prior import check_class_prior
 from lossbeat.diagnosis.thresholds import Profile, Thresholds
 from lossbeat.diagnosis.window import fsum, median, robust_noise
+
+if TYPE_CHECKING:
+    from lossbeat.diagnosis.history import History
+    from lossbeat.diagnosis.loss import Trend
+    from lossbeat.diagnosis.profiles import RLThresholds, SignalTrack
+    from lossbeat.diagnosis.run_memory import Regression
+    from lossbeat.diagnosis.series import LossSeries
 
 __all__ = ["check_learning", "learned", "chance_level", "MIN_CONSTANT_RECORDS"]
 
@@ -61,14 +69,15 @@ def chance_level(mean: float, se: float) -> int | None:
     return k if abs(mean - math.log(k)) <= tol else None
 
 
-def learned(history, t: Thresholds) -> bool | None:
+def learned(history: History, t: Thresholds) -> bool | None:
     """Whether the loss ever fell significantly below where it started (None: too early to say)."""
     series = history.loss
     if series.fell_once:  # once learned, learned: a later divergence is the trend's finding
         return True
     s = series.summary
     initial, noise = series.initial, series.noise
-    if s.first_step is None or not math.isfinite(initial):
+    first_step, last_step = s.first_step, s.last_step
+    if first_step is None or last_step is None or not math.isfinite(initial):  # both set by the first record
         return None
     if len(s) < t.windows.trend_min_records:
         # Few records: only a loss that never went below its first value says anything.
@@ -84,7 +93,7 @@ def learned(history, t: Thresholds) -> bool | None:
             return True
         return None
     width = max(1.0, 0.1 * s.span)
-    n_best, best = s.best(width, max(1, min(t.windows.trend_min_records, len(s) // 10)), s.last_step)
+    n_best, best = s.best(width, max(1, min(t.windows.trend_min_records, len(s) // 10)), last_step)
     if not n_best:
         return None
     floor = t.profile.volatility_floor or 0.0
@@ -95,18 +104,18 @@ def learned(history, t: Thresholds) -> bool | None:
         # The first record alone is one noisy value: a loss whose per-record noise is a third of its
         # level (SFT on small batches of variable length) cannot fall "significantly" below one record.
         # The mean of the run's first window (as wide as the best one) is measured as the best is.
-        n_first, first = s.window(s.first_step - 1, s.first_step + width)
+        n_first, first = s.window(first_step - 1, first_step + width)
         # Against full windows only (about as many records as the first): a partial one at the start
         # is a piece of the first window itself, lower by chance or by a loss that rose after it.
-        n_full, best = s.best(width, max(t.windows.trend_min_records, int(0.8 * n_first)), s.last_step)
-        if n_first >= t.windows.trend_min_records and n_full and s.last_step - s.first_step > 2 * width:
+        n_full, best = s.best(width, max(t.windows.trend_min_records, int(0.8 * n_first)), last_step)
+        if n_first >= t.windows.trend_min_records and n_full and last_step - first_step > 2 * width:
             fall = first - best
             se = noise * math.sqrt(1.0 / n_first + 1.0 / n_full)
             series.fell_once = fall > t.loss.plateau_max_fall * max(abs(first), floor) and fall > t.loss.fall_min_z * se
     return series.fell_once
 
 
-def _nothing_trained(history, profile: Profile) -> Finding | None:
+def _nothing_trained(history: History, profile: Profile) -> Finding | None:
     loss = history.loss
     run = loss.same_run
     value = loss.ring.back(0)
@@ -168,7 +177,7 @@ def _nothing_trained(history, profile: Profile) -> Finding | None:
     )
 
 
-def _eval_chance(history) -> tuple[int, float] | None:
+def _eval_chance(history: History) -> tuple[int, float] | None:
     for _group, track in history.evals.items():
         values = track.recent.last(len(track.recent))
         if len(values) < 2:
@@ -189,7 +198,7 @@ def _eval_chance(history) -> tuple[int, float] | None:
     return None
 
 
-def _rl(history, t: Thresholds) -> Finding | None:
+def _rl(history: History, t: Thresholds) -> Finding | None:
     sig = history.signals
     std, zero, reward = sig.get("reward_std"), sig.get("frac_reward_zero_std"), sig.get("reward")
     # Collapsed: every one of the last records (a zero-spread step now and then is a group that
@@ -205,8 +214,9 @@ def _rl(history, t: Thresholds) -> Finding | None:
         and zero.count >= rl.collapse_records
         and min(zero.recent.last(len(zero.recent))) >= rl.zero_std_fraction
     )
-    if std_gone or zero_all:
-        n = len((std if std_gone else zero).recent)
+    gone = std if std_gone else zero if zero_all else None  # not None exactly when std_gone or zero_all
+    if gone is not None:
+        n = len(gone.recent)
         which = (
             f"reward_std 0 on each of the last {n} records"
             if std_gone
@@ -262,7 +272,7 @@ def _rl(history, t: Thresholds) -> Finding | None:
     return None
 
 
-def _grad_collapsed(history, rl) -> str | None:
+def _grad_collapsed(history: History, rl: RLThresholds) -> str | None:
     """Why the RL run's gradient norm has collapsed, or None: exactly 0, or at most
     ``grad_collapse_ratio`` of the run's earlier level, on each of the last ``collapse_records``."""
     n = rl.collapse_records
@@ -285,7 +295,7 @@ def _grad_collapsed(history, rl) -> str | None:
     return None
 
 
-def _kl_runs_away(kl, rl) -> Finding | None:
+def _kl_runs_away(kl: SignalTrack | None, rl: RLThresholds) -> Finding | None:
     """A KL to the reference still multiplying late in the run (see ``rl.kl_growth``)."""
     if kl is None or kl.count < 20:
         return None
@@ -302,7 +312,7 @@ def _kl_runs_away(kl, rl) -> Finding | None:
     )
 
 
-def _preference(history, mean: float, se: float, falling: bool) -> Finding | None:
+def _preference(history: History, mean: float, se: float, falling: bool) -> Finding | None:
     acc = history.signals.get("preference_accuracy")
     k = chance_level(mean, se)
     if k == 2 and not falling:
@@ -320,7 +330,7 @@ def _preference(history, mean: float, se: float, falling: bool) -> Finding | Non
     return None
 
 
-def _never(loss, now: float) -> Finding:
+def _never(loss: LossSeries, now: float) -> Finding:
     return Finding(
         CHECK,
         WARNING,
@@ -332,7 +342,7 @@ def _never(loss, now: float) -> Finding:
     )
 
 
-def check_learning(history, trend, t: Thresholds, regression=None) -> Finding:
+def check_learning(history: History, trend: Trend, t: Thresholds, regression: Regression | None = None) -> Finding:
     """Whether the run learns (see the module). ``regression``: the run settled well above its
     best (:meth:`RunMemory.regressed`): it learned, then lost it, and is never said to be learning."""
     profile = t.profile
@@ -407,7 +417,7 @@ def check_learning(history, trend, t: Thresholds, regression=None) -> Finding:
     return Finding(CHECK, GOOD, f"the loss fell from {loss.initial:.4g} to {now:.4g}")
 
 
-def _lost(history, loss, level: float, regression) -> Finding | None:
+def _lost(history: History, loss: LossSeries, level: float, regression: Regression | None) -> Finding | None:
     """A run that learned and lost it (settled well above its best), or one whose loss is back at or
     above its first: never said to have fallen. ``level``: the loss level of the latest records."""
     if regression is not None:

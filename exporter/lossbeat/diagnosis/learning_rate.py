@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 from lossbeat.diagnosis.loss import Trend
 from lossbeat.diagnosis.thresholds import LearningRateThresholds, Profile
 
+if TYPE_CHECKING:
+    from lossbeat.diagnosis.run_memory import Regression
+    from lossbeat.diagnosis.series import LearningRateSchedule, LossSeries
+
 __all__ = ["check_learning_rate", "check_warmup"]
 
 
 def check_learning_rate(
-    schedule, trend: Trend, cv: float, t: LearningRateThresholds, learned: bool | None = None, regression=None
+    schedule: LearningRateSchedule,
+    trend: Trend,
+    cv: float,
+    t: LearningRateThresholds,
+    learned: bool | None = None,
+    regression: Regression | None = None,
 ) -> Finding:
     """``schedule``: a :class:`LearningRateSchedule` (the largest LR across param groups per step).
 
@@ -80,7 +90,7 @@ def check_learning_rate(
     return Finding(check, GOOD, f"learning rate {lr:.3g}")
 
 
-def _jumped(schedule, trend: Trend, regression) -> Finding | None:
+def _jumped(schedule: LearningRateSchedule, trend: Trend, regression: Regression | None) -> Finding | None:
     """A learning rate that jumped 10x or more mid-run, with the loss gone bad since (settled well
     above its best, or rising): the jump is the cause to name first."""
     step = schedule.jump_step
@@ -102,13 +112,19 @@ def _jumped(schedule, trend: Trend, regression) -> Finding | None:
     )
 
 
-def check_warmup(series, profile: Profile, t: LearningRateThresholds) -> Finding:
+def check_warmup(series: LossSeries, profile: Profile, t: LearningRateThresholds) -> Finding:
     """A run from scratch (starting above the usual range) should fall well below its start early on."""
     check = "warmup"
     first, at_check = series.initial, series.loss_at_warmup_check
     if not (math.isfinite(first) and math.isfinite(at_check)):
         return Finding.unknown(check)
-    if profile.loss_warn_high is None or not first > profile.loss_warn_high or series.first_step > t.warmup_check_step:
+    start = series.first_step  # set with the first finite loss, as ``first`` is
+    if (
+        profile.loss_warn_high is None
+        or not first > profile.loss_warn_high
+        or start is None
+        or start > t.warmup_check_step
+    ):
         # Starting inside the usual range (fine-tuning), or a log that starts mid-run (resumed).
         return Finding.unknown(check, "not the start of a run from scratch: the warmup check does not apply")
     if first > 0 and at_check > t.warmup_max_ratio * first:

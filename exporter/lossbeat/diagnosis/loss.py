@@ -8,11 +8,17 @@ loss-derived check says it cannot judge: its windows hold only stale values.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding, Status
 from lossbeat.diagnosis.thresholds import LossThresholds, OverfittingThresholds, Profile, Thresholds
-from lossbeat.diagnosis.window import fsum
+from lossbeat.diagnosis.window import StepSummary, fsum
+
+if TYPE_CHECKING:
+    from lossbeat.diagnosis.history import EvalTrack
+    from lossbeat.diagnosis.profiles import SignalTrack
+    from lossbeat.diagnosis.run_memory import Regression
+    from lossbeat.diagnosis.series import LossSeries
 
 __all__ = [
     "Trend",
@@ -31,6 +37,11 @@ _CHANCE_PROFILES = frozenset({"classification", "preference"})
 _CHANCE_TOLERANCE = 0.005  # relative distance to ln K that reads as "exactly" chance
 _MAX_CLASSES = 100
 _MAX_CLASSES_LOSS = math.log(_MAX_CLASSES) + 1.0
+
+EvalMetric = tuple[str, "SignalTrack", bool]
+"""An eval set's task metric: ``(name, its SignalTrack, higher_is_better)``."""
+_Comparison = tuple[float, float, float, float, float, bool, float]
+"""What :func:`_compare` returns: ``(ratio, z, recent, previous, best, rising, rise_z)``."""
 
 
 class Trend(NamedTuple):
@@ -54,11 +65,12 @@ class Trend(NamedTuple):
     """Higher beyond trend_min_z standard errors, but not yet lasting (a warning)."""
 
 
-def _compare(s, noise: float, width: float, t: Thresholds, floor: float | None, end: float | None = None):
+def _compare(
+    s: StepSummary, noise: float, width: float, t: Thresholds, floor: float | None, end: float
+) -> _Comparison | None:
     """(ratio, z, recent, previous, best, rising, rise_z) for windows of ``width`` steps ending at
-    ``end`` (default: the last step seen); ``rise_z``: the rise in standard errors."""
+    ``end`` (the last step seen, or earlier); ``rise_z``: the rise in standard errors."""
     w, loss = t.windows, t.loss
-    end = s.last_step if end is None else end
     n_recent, recent = s.window(end - width, end)
     n_previous, previous = s.window(end - 2 * width, end - width)
     if min(n_recent, n_previous) < w.trend_min_records or not math.isfinite(previous) or previous == 0:
@@ -82,16 +94,16 @@ def _compare(s, noise: float, width: float, t: Thresholds, floor: float | None, 
     return ratio, z, recent, previous, best, rising, rise_z
 
 
-def _lasts(s, noise: float, width: float, t: Thresholds, floor: float | None) -> bool:
+def _lasts(s: StepSummary, noise: float, width: float, t: Thresholds, floor: float | None, last: int) -> bool:
     """A rise within ``loss.trend_danger_z`` standard errors must last: the same comparison half a
     window earlier says so too. A bump shorter than half a window (a stretch of harder batches in a
     noisy per-record log) is tested at every diagnosis, and over the many diagnoses of a run one
     passes 3 standard errors by chance."""
-    earlier = _compare(s, noise, width, t, floor, s.last_step - width / 2.0)
+    earlier = _compare(s, noise, width, t, floor, last - width / 2.0)
     return earlier is not None and earlier[5]
 
 
-def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
+def trend_of(series: LossSeries, t: Thresholds, floor: float | None = None) -> Trend:
     """Compare the last ``trend_fraction`` of the steps seen with the same span before it.
 
     A rise is also looked for over windows of at most ``windows.rise_max_steps``: late in a
@@ -99,24 +111,25 @@ def trend_of(series, t: Thresholds, floor: float | None = None) -> Trend:
     30,000-step run would take 7,500 steps to see a +15 % regression)."""
     w, loss = t.windows, t.loss
     s = series.summary
-    if s.first_step is None:
+    last = s.last_step
+    if s.first_step is None or last is None:  # set together by the summary's first record
         return Trend(False)
     span = s.span
     width = max(float(w.trend_min_steps), w.trend_fraction * span)
     if 2 * width > span + s.width:  # the previous window must lie inside the run
         return Trend(False)
     noise = series.noise
-    got = _compare(s, noise, width, t, floor)
+    got = _compare(s, noise, width, t, floor, last)
     if got is None:
         return Trend(False)
     ratio, z, recent, previous, best, rising, rise_z = got
     watching = rising
-    rising = rising and (rise_z >= loss.trend_danger_z or _lasts(s, noise, width, t, floor))
+    rising = rising and (rise_z >= loss.trend_danger_z or _lasts(s, noise, width, t, floor, last))
     short = max(float(w.trend_min_steps), float(w.rise_max_steps))
     if not rising and short < width:
-        fast = _compare(s, noise, short, t, floor)
+        fast = _compare(s, noise, short, t, floor, last)
         if fast is not None and fast[5]:
-            confirmed = fast[6] >= loss.trend_danger_z or _lasts(s, noise, short, t, floor)
+            confirmed = fast[6] >= loss.trend_danger_z or _lasts(s, noise, short, t, floor, last)
             if confirmed or not watching:  # the shorter windows say it (the message quotes them)
                 ratio, z, recent, previous, best, _, rise_z = fast
                 width, rising, watching = short, confirmed, True
@@ -145,7 +158,7 @@ def uniform_classes(loss: float) -> int | None:
     return None
 
 
-def _start(series, profile: Profile) -> str:
+def _start(series: LossSeries, profile: Profile) -> str:
     initial = series.initial
     if not math.isfinite(initial):
         return ""
@@ -165,7 +178,7 @@ def _start(series, profile: Profile) -> str:
 
 
 def check_loss_range(
-    series, profile: Profile, t: Thresholds, trend: Trend, component: str = "", learned: bool | None = None
+    series: LossSeries, profile: Profile, t: Thresholds, trend: Trend, component: str = "", learned: bool | None = None
 ) -> Finding:
     """Layer 1: is the loss where this task's losses live, once the run has had time to learn?
 
@@ -278,7 +291,7 @@ def _unnamed(t: Thresholds) -> str:
 
 def check_loss_trend(
     trend: Trend,
-    series,
+    series: LossSeries,
     t: Thresholds,
     profile: Profile,
     schedule_ended: bool = False,
@@ -286,7 +299,7 @@ def check_loss_trend(
     component: str = "",
     held: Status = GOOD,
     learned: bool | None = None,
-    regression=None,
+    regression: Regression | None = None,
 ) -> Finding:
     """Layer 2: is the loss still falling, flat, or rising, over windows in steps?
 
@@ -408,7 +421,7 @@ def check_loss_trend(
     )
 
 
-def _fall_lasts(trend: Trend, series, t: Thresholds, profile: Profile) -> bool:
+def _fall_lasts(trend: Trend, series: LossSeries, t: Thresholds, profile: Profile) -> bool:
     """A plateau is left for a descent that lasts: the same comparison half a window earlier shows
     a fall too (beyond ``plateau_max_fall`` and ``fall_min_z``), as a rise must last before it is a
     danger. One stretch of easier batches, or a single step down, lifts the latest windows' fall
@@ -436,7 +449,7 @@ def _moved(pct: float) -> str:
     return f"rose {pct:.1f}%" if pct > 0 else f"fell {-pct:.1f}%"
 
 
-def robust_cv(series, profile: Profile) -> float:
+def robust_cv(series: LossSeries, profile: Profile) -> float:
     """Robust step-to-step noise over the loss level (the level floored by the profile's floor)."""
     floor = profile.volatility_floor
     level, noise = series.level, series.noise
@@ -494,14 +507,14 @@ def is_spike(value: float, level: float, noise: float, t: LossThresholds) -> boo
 
 
 def check_overfitting(
-    track,
+    track: EvalTrack | None,
     trend: Trend,
     t: OverfittingThresholds,
     component: str = "",
     learned: bool | None = None,
-    metric: tuple | None = None,
+    metric: EvalMetric | None = None,
     held: Status = GOOD,
-    regression=None,
+    regression: Regression | None = None,
 ) -> Finding:
     """Eval loss above its best for ``t.evals`` evaluations in a row while the training loss does not rise.
 
@@ -575,7 +588,7 @@ def check_overfitting(
 _METRIC_NAMES = {"eval_accuracy": "eval accuracy", "eval_f1": "eval F1", "eval_wer": "eval WER", "eval_cer": "eval CER"}
 
 
-def _still_improving(metric: tuple | None, track) -> str | None:
+def _still_improving(metric: EvalMetric | None, track: EvalTrack) -> str | None:
     """How the eval metric still improves past the eval loss's best evaluation, or None.
 
     Improved: the median of its latest 3 values beats its best block mean up to the eval loss's

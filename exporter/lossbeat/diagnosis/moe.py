@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
+from lossbeat.diagnosis.policy_thresholds import MoEThresholds
 
 __all__ = ["MoETrack", "check_moe_router", "is_router_loss", "ROUTER_LOSSES", "CHECK"]
 
@@ -61,12 +62,14 @@ class MoETrack:
         self.runs: dict[str, int] = {}
         self.window = window
 
-    def push(self, step: int, names: tuple[str, ...], imbalance: list[float], dead: list[float], experts) -> None:
+    def push(
+        self, step: int, names: tuple[str, ...], imbalance: list[float], dead: list[float], experts: list[int]
+    ) -> None:
         """One step's statistics (every step: references kept, nothing computed)."""
         self.step, self.names, self.imbalance, self.dead, self.experts = step, names, imbalance, dead, experts
 
 
-def check_moe_router(track: MoETrack | None, t) -> Finding | None:
+def check_moe_router(track: MoETrack | None, t: MoEThresholds) -> Finding | None:
     """The ``moe_router`` finding (None: no expert load was ever observed). ``t``: the ``moe`` thresholds."""
     if track is None or not track.names:
         return None
@@ -95,21 +98,21 @@ def check_moe_router(track: MoETrack | None, t) -> Finding | None:
             GOOD,
             f"{len(track.names)} MoE layer(s) balanced: highest imbalance {balanced:.3g}, {dead_total} dead expert(s)",
         )
-    run, name, why = worst
+    run, name, reasons = worst
     collapsed = sum(1 for n in track.names if runs.get(n, 0) >= t.collapse_diagnoses)
     if run >= t.collapse_diagnoses:
         more = f" (and {collapsed - 1} more layer(s))" if collapsed > 1 else ""
         return Finding(
             CHECK,
             DANGER,
-            f"the router of layer {name} collapsed{more}: {why}, on each of the last {run} diagnoses: its "
+            f"the router of layer {name} collapsed{more}: {reasons}, on each of the last {run} diagnoses: its "
             "tokens go to a few experts, the others train on nothing",
             _FIX,
         )
     return Finding(
         CHECK,
         WARNING,
-        f"the router of layer {name} is unbalanced: {why} ({run} diagnosis(es) in a row; collapsed after "
+        f"the router of layer {name} is unbalanced: {reasons} ({run} diagnosis(es) in a row; collapsed after "
         f"{t.collapse_diagnoses})",
         _FIX,
     )

@@ -8,9 +8,9 @@ imports nothing of it), so a bad value is a ``ThresholdsError`` naming its key l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypedDict
 
-__all__ = ["MoEThresholds", "RLPolicyThresholds", "parse_policy"]
+__all__ = ["MoEThresholds", "RLPolicyThresholds", "PolicyThresholds", "parse_policy"]
 
 
 @dataclass(frozen=True)
@@ -48,13 +48,20 @@ class RLPolicyThresholds:
     kl_for: str
 
 
+class PolicyThresholds(TypedDict):
+    """The two sections :func:`parse_policy` returns, keyed as ``Thresholds``' fields."""
+
+    moe: MoEThresholds
+    rl_policy: RLPolicyThresholds
+
+
 def parse_policy(
-    doc: Mapping,
-    section: Callable[[Mapping, str], Mapping],
+    doc: Mapping[str, Any],
+    section: Callable[[Mapping[str, Any], str], Mapping[str, Any]],
     number: Callable[..., Any],
-    durations: Callable[[Mapping, str, tuple[str, ...]], dict[str, str]],
+    durations: Callable[[Mapping[str, Any], str, tuple[str, ...]], dict[str, str]],
     error: type[Exception],
-) -> dict[str, Any]:
+) -> PolicyThresholds:
     """``{"moe": MoEThresholds, "rl_policy": RLPolicyThresholds}`` from the merged document."""
     moe = section(doc, "moe")
     _known(moe, "moe", ("dead_window_steps", "imbalance_max", "dead_fraction", "collapse_diagnoses", "for"), error)
@@ -89,7 +96,7 @@ def parse_policy(
     }
 
 
-def _known(doc: Mapping, where: str, keys: tuple[str, ...], error: type[Exception]) -> None:
+def _known(doc: Mapping[str, Any], where: str, keys: tuple[str, ...], error: type[Exception]) -> None:
     unknown = set(doc) - set(keys)
     if unknown:
         raise error(f"{where}.{sorted(unknown)[0]}: unknown key")

@@ -25,9 +25,13 @@ from __future__ import annotations
 import functools
 import math
 from fractions import Fraction
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from lossbeat.diagnosis.findings import WARNING, Finding
-from lossbeat.diagnosis.profiles import ClassPriorThresholds
+from lossbeat.diagnosis.profiles import ClassPriorThresholds, SignalTrack
+
+if TYPE_CHECKING:
+    from lossbeat.diagnosis.history import History
 
 __all__ = ["check_class_prior", "eval_set_size", "prior_entropy"]
 
@@ -47,7 +51,7 @@ def prior_entropy(a: float) -> float:
     return -(a * math.log(a) + (1.0 - a) * math.log(1.0 - a))
 
 
-def eval_set_size(accuracies, largest: int) -> int | None:
+def eval_set_size(accuracies: Iterable[float], largest: int) -> int | None:
     """The smallest n (at most ``largest``) for which every accuracy is a count / n, else None."""
     return _set_size(tuple(sorted(set(accuracies))), largest)
 
@@ -67,7 +71,7 @@ def _set_size(accuracies: tuple[float, ...], largest: int) -> int | None:
     return n
 
 
-def _aligned(acc, f1) -> tuple[list[float], list[float | None]]:
+def _aligned(acc: SignalTrack, f1: SignalTrack | None) -> tuple[list[float], Sequence[float | None]]:
     accs = acc.recent.last(len(acc.recent))
     if f1 is None or f1.count != acc.count:
         return accs, [None] * len(accs)
@@ -87,7 +91,7 @@ def _one_class(a: float, f: float, n: int) -> bool:
     return n * a - tp < 0.5  # no correct negative: F1 = 2a / (1 + a), the positives' share predicted for all
 
 
-def _train_mean(history) -> tuple[float, float]:
+def _train_mean(history: History) -> tuple[float, float]:
     values = history.loss.ring.last(len(history.loss.ring))
     tail = values[-max(1, len(values) // 4) :]
     noise = history.loss.noise
@@ -95,7 +99,7 @@ def _train_mean(history) -> tuple[float, float]:
     return (sum(tail) / len(tail) if tail else math.nan), se
 
 
-def check_class_prior(history, c: ClassPriorThresholds, ln2_start: bool) -> Finding | None:
+def check_class_prior(history: History, c: ClassPriorThresholds, ln2_start: bool) -> Finding | None:
     """A WARNING when the binary classifier predicts its class prior (see the module), else None.
     ``ln2_start``: the train or the first eval loss started at ln 2 (a binary task)."""
     acc, f1 = history.signals.get("eval_accuracy"), history.signals.get("eval_f1")
@@ -109,7 +113,9 @@ def check_class_prior(history, c: ClassPriorThresholds, ln2_start: bool) -> Find
     eval_loss = track.latest if track is not None and track.count else math.nan
     # The latest evaluation at the prior: one class never predicted right (an F1), else (no F1)
     # the first one, confirmed below by both losses at H(a).
-    at = next((i for i in range(len(accs) - 1, -1, -1) if f1s[i] is not None and _one_class(accs[i], f1s[i], n)), None)
+    at = next(
+        (i for i in range(len(accs) - 1, -1, -1) if (f := f1s[i]) is not None and _one_class(accs[i], f, n)), None
+    )
     if at is None and f1s[0] is None and accs[0] >= 0.5:
         at = 0
     if at is None:

@@ -292,19 +292,21 @@ class SignalTrack:
     def last_fifths(self) -> tuple[int, float, int, float]:
         """(count, mean) of the fifth of the steps seen before the last fifth, and of the last."""
         s = self.summary
-        if s.first_step is None:
+        last = s.last_step
+        if s.first_step is None or last is None:  # set together by the summary's first record
             return 0, math.nan, 0, math.nan
         width = max(1.0, 0.2 * s.span)
-        n0, m0 = s.window(s.last_step - 2 * width, s.last_step - width)
-        n1, m1 = s.window(s.last_step - width, s.last_step)
+        n0, m0 = s.window(last - 2 * width, last - width)
+        n1, m1 = s.window(last - width, last)
         return n0, m0, n1, m1
 
     def ends(self, fraction: float = 0.2) -> tuple[int, float, int, float]:
         """(count, mean) of the first and of the last ``fraction`` of the steps seen."""
         s = self.summary
-        if s.first_step is None:
+        first, last = s.first_step, s.last_step
+        if first is None or last is None:  # set together by the summary's first record
             return 0, math.nan, 0, math.nan
         width = max(1.0, fraction * s.span)
-        n0, m0 = s.window(s.first_step - 1, s.first_step + width)
-        n1, m1 = s.window(s.last_step - width, s.last_step)
+        n0, m0 = s.window(first - 1, first + width)
+        n1, m1 = s.window(last - width, last)
         return n0, m0, n1, m1

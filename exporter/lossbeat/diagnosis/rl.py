@@ -15,9 +15,15 @@ learns). The reward-spread collapse stays the ``learning`` check's (:mod:`lossbe
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding
 from lossbeat.diagnosis.moe import check_moe_router
+
+if TYPE_CHECKING:
+    from lossbeat.diagnosis.history import History
+    from lossbeat.diagnosis.profiles import SignalTrack
+    from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = ["check_rl_entropy", "check_rl_kl", "router_and_policy", "reward_stalled"]
 
@@ -32,7 +38,7 @@ _FIX_KL = (
 )
 
 
-def reward_stalled(reward, t) -> bool | None:
+def reward_stalled(reward: SignalTrack | None, t: Thresholds) -> bool | None:
     """Whether the reward's last fifth is not above the fifth before it by ``loss.fall_min_z``
     standard errors (None: no reward, or too few records)."""
     if reward is None or reward.count < t.rl_policy.min_records:
@@ -45,7 +51,7 @@ def reward_stalled(reward, t) -> bool | None:
     return not (m1 - m0 > t.loss.fall_min_z * se)
 
 
-def check_rl_entropy(history, t) -> Finding | None:
+def check_rl_entropy(history: History, t: Thresholds) -> Finding | None:
     entropy = history.signals.get("entropy")
     if entropy is None:
         return None
@@ -77,7 +83,7 @@ def check_rl_entropy(history, t) -> Finding | None:
     return Finding("rl_entropy", WARNING, f"{what}; {why}", _FIX_ENTROPY)
 
 
-def check_rl_kl(history, t) -> Finding | None:
+def check_rl_kl(history: History, t: Thresholds) -> Finding | None:
     kl = history.signals.get("kl")
     if kl is None or kl.count < 2:
         return None
@@ -106,7 +112,7 @@ def check_rl_kl(history, t) -> Finding | None:
     return Finding("rl_kl", GOOD, f"KL to the reference {now:.3g} (early {level:.3g})")
 
 
-def router_and_policy(history, t) -> list[Finding]:
+def router_and_policy(history: History, t: Thresholds) -> list[Finding]:
     """The router finding (when expert loads were observed) and, with the ``rl`` profile, the policy's."""
     out = [check_moe_router(getattr(history, "moe", None), t.moe)]
     if t.profile.name == "rl":

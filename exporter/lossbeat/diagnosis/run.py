@@ -12,6 +12,8 @@ from lossbeat.diagnosis.history import History
 from lossbeat.diagnosis.learning import check_learning, learned
 from lossbeat.diagnosis.learning_rate import check_learning_rate, check_warmup
 from lossbeat.diagnosis.loss import (
+    EvalMetric,
+    Trend,
     check_loss_range,
     check_loss_trend,
     check_loss_volatility,
@@ -21,6 +23,7 @@ from lossbeat.diagnosis.loss import (
 )
 from lossbeat.diagnosis.moe import is_router_loss
 from lossbeat.diagnosis.rl import router_and_policy
+from lossbeat.diagnosis.series import LossSeries
 
 __all__ = ["diagnose"]
 
@@ -137,7 +140,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
 _EVAL_METRICS = (("eval_accuracy", True), ("eval_f1", True), ("eval_wer", False), ("eval_cer", False))
 
 
-def _eval_metric(history: History) -> tuple | None:
+def _eval_metric(history: History) -> EvalMetric | None:
     """The eval set's task metric beside its loss (the first logged of accuracy, F1, WER, CER)."""
     for name, higher in _EVAL_METRICS:
         track = history.signals.get(name)
@@ -146,7 +149,7 @@ def _eval_metric(history: History) -> tuple | None:
     return None
 
 
-def _hides_trend(f: Finding, trend, series, did_learn: bool | None = None) -> Finding:
+def _hides_trend(f: Finding, trend: Trend, series: LossSeries, did_learn: bool | None = None) -> Finding:
     """Per-step losses of small or variable-length batches are noisy by nature: noise is a danger
     only when it grew against the run's own early noise while the loss stopped improving (it
     hides the trend), or in a run that never learned through it. Otherwise a warning that says why."""

@@ -22,13 +22,40 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Protocol
 
 from lossbeat.diagnosis.window import median
+
+if TYPE_CHECKING:
+    from lossbeat.diagnosis.series import LearningRateSchedule, LossSeries
+    from lossbeat.diagnosis.thresholds import Thresholds
 
 __all__ = ["Regression", "RunMemory"]
 
 _MEDIAN_SE = 1.25  # the standard error of a median of n records: about 1.25 sigma / sqrt(n)
+
+
+class _EvalBest(Protocol):
+    """What the run memory reads of an eval set's track (``EvalTrack``)."""
+
+    @property
+    def best(self) -> float: ...
+    @property
+    def best_step(self) -> int | None: ...
+
+
+class History(Protocol):
+    """What the run memory reads of a :class:`~lossbeat.diagnosis.history.History` (which
+    imports this module: described here, not imported)."""
+
+    @property
+    def thresholds(self) -> Thresholds: ...
+    @property
+    def loss(self) -> LossSeries: ...
+    @property
+    def lr(self) -> LearningRateSchedule: ...
+    @property
+    def evals(self) -> Mapping[str, _EvalBest]: ...
 
 
 class Regression(NamedTuple):
@@ -114,7 +141,9 @@ class RunMemory:
             self.event_step, self.event_kind, self.event_before, self.event_noise = step, kind, before, noise
             self.event_records = records
 
-    def restore(self, t, train: Iterable[tuple[int, float]], evals: Iterable[tuple[int, float]] = ()) -> int:
+    def restore(
+        self, t: Thresholds, train: Iterable[tuple[int, float]], evals: Iterable[tuple[int, float]] = ()
+    ) -> int:
         """What a resumed run's log or callback gives of its earlier steps (``(step, loss)`` in step
         order, and ``(step, eval loss)``): the first loss, the best smoothed level (the median of
         each ``loss.spike_min_steps`` consecutive finite records, as :meth:`update` takes it) and the
@@ -141,7 +170,7 @@ class RunMemory:
                 self.best_eval, self.best_eval_step = float(loss), int(step)
         return read
 
-    def update(self, history) -> None:
+    def update(self, history: History) -> None:
         """Read the run at a diagnosis: the best levels, a learning-rate jump, recovery. O(cv_steps)."""
         t = history.thresholds
         loss = history.loss
@@ -179,7 +208,7 @@ class RunMemory:
             self.left_best_step = None
 
     @staticmethod
-    def level(history) -> tuple[float, int]:
+    def level(history: History) -> tuple[float, int]:
         """The smoothed train loss now: the median of the latest ``loss.spike_min_steps`` finite records
         (the local level spikes are judged against; at least ``windows.trend_min_records``), and how
         many; (nan, 0) while fewer. Records, not steps: a sparse log's level is as fresh as a dense one's."""
@@ -189,7 +218,7 @@ class RunMemory:
             return math.nan, 0
         return median(values), len(values)
 
-    def regressed(self, history) -> Regression | None:
+    def regressed(self, history: History) -> Regression | None:
         """The run sits well above its best: ``loss.regress_max`` of the level (floored by the
         profile's ``volatility_floor``) and ``loss.trend_min_z`` standard errors of the two
         smoothed levels above it. None for a loss not meant to fall (RL) or before a best."""
@@ -212,15 +241,16 @@ class RunMemory:
         # for the trend's shortest window in steps. A burst of hard batches (a memorising model's
         # loss jumping 0.03 -> 0.4 for 20-40 records, then back) lifts the level, and is not a run
         # gone wrong.
-        since = self.left_best_step
+        since, last = self.left_best_step, history.loss.summary.last_step
         if (
             since is None
-            or history.loss.summary.last_step - since < t.windows.trend_min_steps
+            or last is None  # None only before the first record
+            or last - since < t.windows.trend_min_steps
             or history.loss.records - self.left_best_records < t.loss.spike_min_steps
         ):
             return None
         if self.event_step is not None and self.event_step >= self.best_step:
             went_wrong, cause = self.event_step, self.event_kind
         else:
-            went_wrong, cause = (self.left_best_step or history.loss.summary.last_step), ""
+            went_wrong, cause = (since or last), ""  # since: self.left_best_step
         return Regression(level, self.best, self.best_step, above, went_wrong, cause)

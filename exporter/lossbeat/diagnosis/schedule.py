@@ -61,9 +61,10 @@ class LRSchedule:
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.warmup_start_lr + (self.peak_lr - self.warmup_start_lr) * step / self.warmup_steps
-        if self.decay == "constant":
+        total = self.total_steps
+        if self.decay == "constant" or total is None:  # None only with "constant": __post_init__ says so
             return self.peak_lr
-        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        progress = min(1.0, (step - self.warmup_steps) / (total - self.warmup_steps))
         if self.decay == "linear":
             factor = 1.0 - progress
         else:
@@ -91,7 +92,7 @@ class ScheduleTracker:
         if scheduler_steps is not None:
             self._finding = self._check_counter(step, scheduler_steps)
         elif self.schedule is not None and lr is not None:
-            self._finding = self._check_lr(step, lr)
+            self._finding = self._check_lr(self.schedule, step, lr)
         return self._finding
 
     def _warn(self, message: str, fix: str) -> Finding:
@@ -100,8 +101,8 @@ class ScheduleTracker:
             return self._finding if self._finding.status else Finding("lr_schedule", GOOD, "LR follows the schedule")
         return Finding("lr_schedule", WARNING, message, fix)
 
-    def _check_lr(self, step: int, lr: float) -> Finding:
-        expected = self.schedule.lr_at(step)
+    def _check_lr(self, schedule: LRSchedule, step: int, lr: float) -> Finding:
+        expected = schedule.lr_at(step)
         if not math.isfinite(lr):
             return Finding("lr_schedule", DANGER, f"LR is {lr} at step {step}", "check the scheduler")
         scale = max(expected, 1e-12)

@@ -408,4 +408,4 @@ class LearningRateSchedule:
         return lr / self.peak if self.peak > 0 else math.nan
 
     def clear(self) -> None:
-        self.__init__(self.t)
+        LearningRateSchedule.__init__(self, self.t)  # this class's: self.__init__ may be a subclass's

@@ -14,15 +14,18 @@ import os
 import re
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping, TypeVar, overload
 
 import yaml
 
-from lossbeat.diagnosis.events import EventThresholds
+from lossbeat.diagnosis.event_thresholds import EventThresholds
 from lossbeat.diagnosis.policy_thresholds import MoEThresholds, RLPolicyThresholds, parse_policy
 from lossbeat.diagnosis.profiles import ClassPriorThresholds, RLThresholds
 
 __all__ = ["Thresholds", "Profile", "ThresholdsError", "load_thresholds", "DEFAULT_PATH"]
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DEFAULT_PATH = "thresholds.yaml"  # package data of ``lossbeat``
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
@@ -325,7 +328,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` (no tags beyond plain YAML), refusing a key given twice in one mapping:
     safe_load keeps the last silently, so an edited threshold could be overridden unnoticed."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
@@ -339,18 +342,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _default_document() -> dict:
+def _default_document() -> dict[str, Any]:
     """The packaged defaults, a fresh copy each call (parsed once: every Monitor loads them)."""
     return copy.deepcopy(_parsed_defaults())
 
 
 @functools.lru_cache(maxsize=1)
-def _parsed_defaults() -> dict:
+def _parsed_defaults() -> dict[str, Any]:
     text = resources.files("lossbeat").joinpath(DEFAULT_PATH).read_text(encoding="utf-8")
-    return yaml.safe_load(text)
+    doc: dict[str, Any] = yaml.safe_load(text)  # the packaged file: a mapping, checked by parse_thresholds
+    return doc
 
 
-def _merge(base: dict, override: Mapping, path: str = "") -> dict:
+def _merge(base: dict[str, Any], override: Mapping[str, Any], path: str = "") -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
         where = f"{path}.{key}" if path else str(key)
@@ -363,7 +367,17 @@ def _merge(base: dict, override: Mapping, path: str = "") -> dict:
     return out
 
 
-def _number(doc: Mapping, key: str, where: str, *, positive: bool = True, integer: bool = False):
+@overload
+def _number(
+    doc: Mapping[str, Any], key: str, where: str, *, positive: bool = ..., integer: Literal[False] = ...
+) -> float: ...
+@overload
+def _number(doc: Mapping[str, Any], key: str, where: str, *, positive: bool = ..., integer: Literal[True]) -> int: ...
+@overload
+def _number(doc: Mapping[str, Any], key: str, where: str, *, positive: bool = ..., integer: bool) -> int | float: ...
+def _number(
+    doc: Mapping[str, Any], key: str, where: str, *, positive: bool = True, integer: bool = False
+) -> int | float:
     if key not in doc:
         raise ThresholdsError(f"{where}.{key}: missing")
     value = doc[key]
@@ -378,15 +392,18 @@ def _number(doc: Mapping, key: str, where: str, *, positive: bool = True, intege
     return int(value) if integer else float(value)
 
 
-def _section(doc: Mapping, name: str) -> Mapping:
+def _section(doc: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     value = doc.get(name)
     if not isinstance(value, Mapping):
         raise ThresholdsError(f"{name}: expected a mapping, got {value!r}")
     return value
 
 
-def _build(cls, doc: Mapping, where: str, signed: tuple[str, ...] = ()):
-    kwargs = {}
+_D = TypeVar("_D", bound="DataclassInstance")
+
+
+def _build(cls: type[_D], doc: Mapping[str, Any], where: str, signed: tuple[str, ...] = ()) -> _D:
+    kwargs: dict[str, float] = {}
     for f in dataclasses.fields(cls):
         integer = f.type in ("int", int)
         kwargs[f.name] = _number(doc, f.name, where, positive=f.name not in signed, integer=integer)
@@ -438,8 +455,8 @@ def _profile(name: str, doc: Any) -> Profile:
     )
 
 
-def _alerts(doc: Mapping) -> AlertSettings:
-    kwargs = {}
+def _alerts(doc: Mapping[str, Any]) -> AlertSettings:
+    kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(AlertSettings):
         where = f"alerts.{f.name}"
         if f.name not in doc:
@@ -459,7 +476,7 @@ def _alerts(doc: Mapping) -> AlertSettings:
     return AlertSettings(**kwargs)
 
 
-def _durations(doc: Mapping, where: str, keys: tuple[str, ...]) -> dict[str, str]:
+def _durations(doc: Mapping[str, Any], where: str, keys: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for key in keys:
         value = doc.get(key)
@@ -469,21 +486,21 @@ def _durations(doc: Mapping, where: str, keys: tuple[str, ...]) -> dict[str, str
     return out
 
 
-def _fraction(doc: Mapping, key: str, where: str) -> float:
+def _fraction(doc: Mapping[str, Any], key: str, where: str) -> float:
     value = _number(doc, key, where)
     if not value < 1:
         raise ThresholdsError(f"{where}.{key}: expected a fraction between 0 and 1, got {value!r}")
     return value
 
 
-def _non_negative(doc: Mapping, key: str, where: str) -> int:
+def _non_negative(doc: Mapping[str, Any], key: str, where: str) -> int:
     value = _number(doc, key, where, positive=False, integer=True)
     if value < 0:
         raise ThresholdsError(f"{where}.{key}: must be >= 0, got {value!r}")
     return value
 
 
-def _memory(doc: Mapping) -> MemoryThresholds:
+def _memory(doc: Mapping[str, Any]) -> MemoryThresholds:
     where = "memory"
     known = {f.name for f in dataclasses.fields(MemoryThresholds)}
     unknown = set(doc) - known
@@ -498,7 +515,7 @@ def _memory(doc: Mapping) -> MemoryThresholds:
     )
 
 
-def _throughput(doc: Mapping) -> ThroughputThresholds:
+def _throughput(doc: Mapping[str, Any]) -> ThroughputThresholds:
     where = "throughput"
     unknown = set(doc) - {"drop_fraction", "rate_window", "baseline", "for", "steps", "baseline_blocks", "warmup_steps"}
     if unknown:
@@ -515,7 +532,7 @@ def _throughput(doc: Mapping) -> ThroughputThresholds:
     )
 
 
-def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
+def parse_thresholds(doc: Mapping[str, Any], source: str = "<document>") -> Thresholds:
     """Validate a complete thresholds document (already merged with defaults)."""
     if not isinstance(doc, Mapping):
         raise ThresholdsError(f"{source}: expected a mapping at the top level")
@@ -580,7 +597,7 @@ def parse_thresholds(doc: Mapping, source: str = "<document>") -> Thresholds:
     )
 
 
-def load_thresholds(path: str | os.PathLike | None = None, *, profile: str | None = None) -> Thresholds:
+def load_thresholds(path: str | os.PathLike[str] | None = None, *, profile: str | None = None) -> Thresholds:
     """Load the packaged defaults, overlaid with ``path`` when given.
 
     ``path`` may hold any subset of the keys; unknown keys are errors.

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 __all__ = ["Ring", "LossWindow", "StepSummary", "SortedValues", "NoiseWindow", "fsum", "median", "robust_noise"]
 
 
-def fsum(values) -> float:
+def fsum(values: Iterable[float]) -> float:
     """``math.fsum``, except that a sum beyond the float range is +-inf (data), not an OverflowError."""
     if type(values) is not list and type(values) is not tuple:  # read twice below: a generator once
         values = list(values)
@@ -185,8 +185,8 @@ class LossWindow:
         self.ring.clear()
 
 
-def median(values: list[float]) -> float:
-    """The median of a non-empty list (NaN for an empty one)."""
+def median(values: Sequence[float] | Ring) -> float:
+    """The median of a non-empty list or ring (NaN for an empty one)."""
     n = len(values)
     if not n:
         return math.nan
@@ -383,7 +383,7 @@ class StepSummary:
         self._starts_at = -1  # ... when _starts was read
         self._ordered = True  # blocks in ascending order (a step before the last block's breaks it)
         self._merges = 0
-        self._best_states: dict[tuple[int, int], tuple[int, int, float, float, int, float]] = {}
+        self._best_states: dict[tuple[int, int], tuple[int, float, float, int, float]] = {}
         """best()'s loop state over the blocks that no longer change, by (window blocks, min_count)."""
         self._window_sums: dict[tuple[int, int], tuple[float, float]] = {}
         """window()'s (count, sum) over blocks[i:j] that no longer change, by (i, j)."""
@@ -410,19 +410,20 @@ class StepSummary:
             self._added += 1
             if len(blocks) > self.capacity:
                 while len(self.blocks) > self.capacity:
-                    self._merge()
+                    self._merge(first)
                 width, blocks = self.width, self.blocks
                 last = blocks[-1]
         self.last_step = steps[-1]
 
-    def _merge(self) -> None:
+    def _merge(self, first_step: int) -> None:
+        """Merge neighbouring blocks; ``first_step``: the summary's (set by then, passed by extend())."""
         self.width *= 2
         self._merges += 1
         self._best_states.clear()
         self._window_sums.clear()
         merged: list[list[float]] = []
         for first, count, total in self.blocks:
-            start = self.first_step + (int(first) - self.first_step) // self.width * self.width
+            start = first_step + (int(first) - first_step) // self.width * self.width
             if merged and merged[-1][0] == start:
                 merged[-1][1] += count
                 merged[-1][2] += total
@@ -441,7 +442,8 @@ class StepSummary:
     @property
     def span(self) -> int:
         """Steps from the first value to the last (0 when empty)."""
-        return 0 if self.first_step is None else self.last_step - self.first_step
+        first, last = self.first_step, self.last_step
+        return 0 if first is None or last is None else last - first  # both set by the first extend()
 
     def window(self, start: float, end: float) -> tuple[int, float]:
         """(count, mean) of the values in blocks starting in ``(start, end]``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from lossbeat.exposition.metrics import HEALTH_CHECKS
 
@@ -84,7 +84,7 @@ class MonitorState:
         """The training_profile info labels (profile, source, fields): swapped whole."""
         self.learning_rates: dict[str, float] = {}
         self.layer_norms: dict[str, float] = {}
-        self.moe: tuple | None = None
+        self.moe: tuple[Sequence[str], Sequence[float], Sequence[float], Sequence[int]] | None = None
         """(MoE layer names, imbalances, dead experts, experts per layer) of the last expert load: swapped whole."""
         self.health: dict[tuple[str, str], int] = {(check, ""): 0 for check in HEALTH_CHECKS}
         self.first_nonfinite_layer: str | None = None

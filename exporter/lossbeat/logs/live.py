@@ -79,17 +79,18 @@ class LiveBuilder(RecordBuilder):
         self.sink.new_run(step)
         return True
 
-    def _resumes(self, step: int) -> bool:
+    def _resumes(self, step: int, last: int) -> bool:
         """True when ``step`` goes back by more than :data:`RESUME_INTERVALS` logging intervals
         without going back to the start: a run resumed from a checkpoint appending its redo to
         the same log (LLaMA-Factory's ``trainer_log.jsonl``, ``tee -a``). Its records are fed:
         the redo is the run's progress (its heartbeat, its faults), not a repeat. A step logged
-        again or a little behind (two ranks appending to one file) is still a repeat."""
+        again or a little behind (two ranks appending to one file) is still a repeat. ``last``: the
+        last step fed (``self.last_step``, not None here)."""
         interval = max(1, self._run.first_gap)
-        if step >= self.last_step - RESUME_INTERVALS * interval:
+        if step >= last - RESUME_INTERVALS * interval:
             return False
         self.resumes += 1
-        last, self.last_step = self.last_step, None
+        self.last_step = None
         resume = getattr(self.sink, "resume", None)  # a sink of its own may not follow resumes
         if resume is not None:
             resume(step, last)
@@ -111,7 +112,7 @@ class LiveBuilder(RecordBuilder):
         epoch: float | None = None,
     ) -> None:
         if not self._goes_back(step) and self.last_step is not None and step <= self.last_step:
-            if not self._resumes(step):
+            if not self._resumes(step, self.last_step):
                 self.skip("repeated or earlier steps (a live record is final: the first one kept)")
                 return
         self._add(step)

@@ -42,9 +42,10 @@ class ExpertLoadMeter:
         self.names: tuple[str, ...] = ()
         self.experts: list[int] = []
         """Experts of each layer (from the shapes: no host read)."""
-        self._last_seen: torch.Tensor | None = None
-        """``[layers, experts]`` int64: the step at which each expert last got a token."""
-        self._experts_t: torch.Tensor | None = None
+        self._last_seen = torch.zeros((0, 0), dtype=torch.int64)
+        """``[layers, experts]`` int64: the step at which each expert last got a token (no layer yet:
+        ``[0, 0]``, whose shape no measured step has)."""
+        self._experts_t = torch.zeros(0, dtype=torch.float32)
         self.dropped = 0
         """Layers left out (beyond ``MAX_MOE_LAYERS``) at the last step."""
         self._dtype: torch.dtype | None = None
@@ -81,7 +82,7 @@ class ExpertLoadMeter:
             # One [layers, experts] tensor; a layer with fewer experts is padded with -1 (never a
             # max, never counted: masked below).
             x = torch.nn.utils.rnn.pad_sequence(loads, batch_first=True, padding_value=-1.0).to(torch.float32)
-        if names != self.names or sizes != self.experts or self._last_seen is None or self._last_seen.shape != x.shape:
+        if names != self.names or sizes != self.experts or self._last_seen.shape != x.shape:
             # A new set of layers (the first step, or the caller's changed): its window starts now.
             self.names, self.experts = names, sizes
             self._last_seen = torch.full(x.shape, step, dtype=torch.int64, device=device)

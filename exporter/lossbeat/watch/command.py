@@ -90,7 +90,7 @@ class MonitorFeed:
                 return iter(())
             return collect()
 
-        collector.collect = gated
+        collector.collect = gated  # type: ignore[method-assign]  # this instance's scrapes wait for the replay
         return monitor
 
     def release_scrapes(self) -> None:
@@ -536,10 +536,11 @@ def follow(watchers: list[Watcher]) -> list[object]:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     command = getattr(args, "command_line", None) or None
+    program = command[0] if command else None  # RunEnd starts a process only for a command
     try:
         end = RunEnd(command, getattr(args, "pid", None), getattr(args, "end_file", None))
     except OSError as exc:
-        print(f"lossbeat watch: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+        print(f"lossbeat watch: cannot run {program!r}: {exc}", file=sys.stderr)
         return 2
     try:
         watchers = make_watchers(args, end if end.watched else None)

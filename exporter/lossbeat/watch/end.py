@@ -52,9 +52,9 @@ class RunEnd:
         except ValueError:
             return None  # being written, or not a status: not yet
 
-    def _pid_alive(self) -> bool:
+    def _pid_alive(self, pid: int) -> bool:
         try:
-            os.kill(self.pid, 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
@@ -70,7 +70,7 @@ class RunEnd:
         found = self._file_status()
         if found is not None:
             return found
-        if self.pid is not None and not self._pid_alive():
+        if self.pid is not None and not self._pid_alive(self.pid):
             self._gone_at = self._gone_at or time.monotonic()
             if not self.end_file or time.monotonic() - self._gone_at > _END_FILE_GRACE:
                 return UNKNOWN
