@@ -8,6 +8,7 @@ import math
 from typing import Any, Mapping
 
 from lossbeat.diagnosis import History
+from lossbeat.diagnosis.history import StepEvents
 from lossbeat.diagnosis.vitals import Vitals
 from lossbeat.exposition.state import LAYER_FIRST_EVENT_STEPS, MonitorState
 from lossbeat.monitor.guard import PARKED, SKIPPED
@@ -68,7 +69,7 @@ class StepApplier:
         overflows (no fault); more, or any later, are non-finite gradients."""
         if grad_norm is None and not known:
             return False  # nothing to tell from
-        if known or math.isfinite(grad_norm) or loss is None or not math.isfinite(loss):
+        if known or grad_norm is None or math.isfinite(grad_norm) or loss is None or not math.isfinite(loss):
             self._warmup = -1
             return False
         if self._warmup >= WARMUP_OVERFLOWS:
@@ -115,6 +116,7 @@ class StepApplier:
         if "grad_scale" in v:
             s.grad_scale = self.history.grad_scale = v["grad_scale"]
 
+        events: StepEvents | None
         if skipped:  # withheld by Monitor.step: counted as a skip, not as a fault the model took in
             events = self.history.add_step(record.step, None, None, lr_max, components)
             layer_nonfinite = False
@@ -208,7 +210,8 @@ class StepApplier:
             s.event_steps = {**s.event_steps, "nonfinite_loss": step}
             self.log("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, step)
         if events.nonfinite_grad or layer_nonfinite:
-            if layer_nonfinite:
+            origin: str | None
+            if layer_nonfinite and layer_norms is not None:
                 origin = _nonfinite_origin(layer_norms, loss, s.run_info.get("world_size", "1") != "1")
             else:  # no per-layer norms this step: the layer of this event (consecutive bad steps), never an earlier one's
                 origin = s.first_nonfinite_layer if self._nonfinite_run else None
@@ -304,7 +307,7 @@ def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float | None, seve
     return bad[-1]
 
 
-def _keep_first_event(s, step: int) -> None:
+def _keep_first_event(s: MonitorState, step: int) -> None:
     """Freeze the per-layer window around the run's first non-finite or exploding step: the steps
     before it now, the ones after it as they come (the latest window soon moves past it)."""
     s.layer_first_event_step = step

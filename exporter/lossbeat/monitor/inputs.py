@@ -244,7 +244,7 @@ def real_to_float(value: numbers.Real) -> float:
     try:
         return float(value)
     except OverflowError:  # a Fraction beyond float range: a huge value is data, not an error
-        return math.inf if value > 0 else -math.inf
+        return -math.inf if value < 0 else math.inf
 
 
 def _int_to_float(value: int) -> float:

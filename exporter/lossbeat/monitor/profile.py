@@ -11,7 +11,7 @@ the profile's thresholds from the next diagnosis on.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 from lossbeat.diagnosis import Judge
 from lossbeat.diagnosis.profiles import Detection, detect_profile
@@ -61,7 +61,7 @@ class ProfileChoice:
         if changed:
             log.info("lossbeat: judging this run with the %s", self.reason)
 
-    def evaluation(self, step: int, signals: dict, new_fields: tuple[str, ...]) -> None:
+    def evaluation(self, step: int, signals: Mapping[tuple[str, str], Any], new_fields: tuple[str, ...]) -> None:
         """``observe_eval(metrics=...)``: its names and known signals (not the hot path: tensors read here)."""
         if new_fields:
             self.seen(new_fields)

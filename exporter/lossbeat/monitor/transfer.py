@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable
 
 from lossbeat.monitor import loaded
+from lossbeat.monitor.loaded import DeviceLike, TensorLike
 
 __all__ = ["PendingStep", "DeviceTransfer", "start_host_copy", "unpack"]
 
@@ -134,8 +135,9 @@ def _read_cpu(parts: list[tuple[Any, Any]], into: dict[Any, Any], zero_d: bool =
     unpack(_as_float_list(packed), [(key, flat.numel()) for (key, _), flat in zip(parts, flats)], into)  # one host read
 
 
-def _as_float_list(t: Any) -> list[float]:
-    return t.tolist()
+def _as_float_list(t: TensorLike) -> list[float]:
+    floats: list[float] = t.tolist()  # a 1-d float64 tensor: a list of floats
+    return floats
 
 
 def with_lock_or_skip(lock: threading.Lock, timeout: float, fn: Callable[[], None]) -> bool:
@@ -193,7 +195,7 @@ class DeviceTransfer:
         device_parts: list[Any] = []
         cpu_parts: list[tuple[Any, Any]] = []
         layout: list[tuple[Any, int]] = []
-        device = None
+        device: DeviceLike | None = None  # set with the first device part
         has_lrs, has_components, has_signals = 0, False, False
         zero_d = True  # every CPU tensor so far a 0-d float one
         for key, value in values.items():
@@ -240,18 +242,17 @@ class DeviceTransfer:
         record = PendingStep(
             step, wall, duration, epoch, host, layout, None, None, layer_names, has_lrs, has_components, has_signals
         )
-        if not device_parts:
+        if device is None:  # no device part: the values are on the host already
             self._apply_or_queue(record, now)
             return
-        if device_parts:
-            packed = loaded.torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
-            if device.type == "cuda" and self.defer:
-                # The step's one device->host transfer, asynchronous: read at a later observe()
-                # (or scrape) once its event is done.
-                record.packed, record.event = start_host_copy(packed)
-            else:
-                # The step's one device->host transfer, synchronous (waits for the step's kernels).
-                record.packed = packed.cpu()
+        packed = loaded.torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
+        if device.type == "cuda" and self.defer:
+            # The step's one device->host transfer, asynchronous: read at a later observe()
+            # (or scrape) once its event is done.
+            record.packed, record.event = start_host_copy(packed)
+        else:
+            # The step's one device->host transfer, synchronous (waits for the step's kernels).
+            record.packed = packed.cpu()
         with self.lock:
             self.pending.append(record)
             self.last_submit = now
