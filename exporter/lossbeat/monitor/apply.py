@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from lossbeat.diagnosis import History
 from lossbeat.diagnosis.history import StepEvents
@@ -15,6 +15,7 @@ from lossbeat.monitor.guard import PARKED, SKIPPED
 from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.moe import apply_experts
 from lossbeat.monitor.ratelog import RateLimitedLog
+from lossbeat.monitor.record import HostStep
 from lossbeat.monitor.transfer import PendingStep
 
 __all__ = ["StepApplier", "derive_gauges", "ALL_LAYERS", "FROM_ANOTHER_RANK", "WARMUP_OVERFLOWS"]
@@ -82,7 +83,9 @@ class StepApplier:
         derive_gauges(self.state, self.history)
 
     def __call__(self, record: PendingStep) -> None:
-        s, v = self.state, record.arrived()
+        # cast: the transfer wrote every tensor's float (a vector's list) back in place before it
+        # applies the record (transfer.unpack, _read_cpu); what is left were floats already.
+        s, v = self.state, cast(HostStep, record.values)
         skipped = False
         if v.guard is not None:  # first: a bad step whose Monitor.step may still come waits, untouched, in the guard
             verdict = self.guard.record(v.guard, v.guard_index, record.step, v.loss, v.grad_norm, record)
@@ -91,7 +94,12 @@ class StepApplier:
             skipped = verdict == SKIPPED
         loss = v.loss  # None: a rank without a loss this step (a pipeline stage before the last)
         grad_norm = v.grad_norm
-        lrs, lr_max = _learning_rates(v.learning_rates)
+        lr_max: float | None
+        lrs = v.learning_rates
+        if lrs is not None and len(lrs) == 1:  # one LR (the usual): no scan, no call
+            (lr_max,) = lrs.values()
+        else:
+            lrs, lr_max = _learning_rates(lrs)
         components = v.components or None
         layers = v.layers
         layer_norms = without_grad = None

@@ -59,7 +59,7 @@ def step_values(
         if type(grad_norm) is float or _plain_0d(grad_norm)
         else scalar("grad_norm", grad_norm, optional=True),
         tokens=None if tokens is None else scalar("tokens", tokens),
-        grad_scale=loss_scale(grad_scaler),
+        grad_scale=None if grad_scaler is None else loss_scale(grad_scaler),
     )
     if optimizer is None and type(learning_rate) is float:
         values.learning_rates = {FIRST_LR: learning_rate}

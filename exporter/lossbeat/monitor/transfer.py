@@ -11,11 +11,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable, TypeGuard, cast
+from typing import Any, Callable, TypeGuard
 
 from lossbeat.monitor import loaded
 from lossbeat.monitor.loaded import DeviceLike, TensorLike
-from lossbeat.monitor.record import NAMED, SCALARS, VECTORS, DeviceStep, HostStep
+from lossbeat.monitor.record import VECTORS, DeviceStep
 
 __all__ = ["PendingStep", "DeviceTransfer", "start_host_copy", "unpack"]
 
@@ -62,12 +62,6 @@ class PendingStep:
         """CUDA event recorded after the copy; None when the values are already on the host."""
         self.layer_names = layer_names if layer_names is not None else []
 
-    def arrived(self) -> HostStep:
-        """The values, once applied: every one on the host."""
-        # cast: the transfer has written every tensor's float (a vector's list) back in place
-        # before it applies the record (unpack, _read_cpu); what is left were floats already.
-        return cast(HostStep, self.values)
-
 
 def start_host_copy(packed: Any) -> tuple[Any, Any]:
     """A pinned host buffer that a non-blocking copy of the CUDA tensor ``packed`` fills,
@@ -100,22 +94,47 @@ def _is_tensor(value: object) -> TypeGuard[TensorLike]:
 
 
 def _tensors(values: DeviceStep) -> list[Part]:
-    """The step's tensors, in field order; floats and host values stay where they are."""
+    """The step's tensors; floats and host values stay where they are. Every step: the fields
+    read one by one (no getattr by name), a tensor found with a type test (the usual) or, for a
+    subclass or before torch's names are bound, :func:`_is_tensor`; a float costs one test."""
     found: list[Part] = []
-    for name in SCALARS:
-        value = getattr(values, name)
-        if value is not None and type(value) is not float and _is_tensor(value):
-            found.append((name, None, value))
-    for name in NAMED:
-        named = getattr(values, name)
-        if named:
-            for label, value in named.items():
-                if type(value) is not float and _is_tensor(value):
-                    found.append((name, label, value))
-    for name in VECTORS:
-        value = getattr(values, name)
-        if value is not None and _is_tensor(value):
-            found.append((name, None, value))
+    tensor = loaded.Tensor
+    x = values.loss
+    if x is not None and type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+        found.append(("loss", None, x))
+    x = values.grad_norm
+    if x is not None and type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+        found.append(("grad_norm", None, x))
+    x = values.tokens
+    if x is not None and type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+        found.append(("tokens", None, x))
+    x = values.grad_scale
+    if x is not None and (type(x) is tensor or _is_tensor(x)):  # never a float
+        found.append(("grad_scale", None, x))
+    x = values.clip
+    if x is not None and (type(x) is tensor or _is_tensor(x)):  # never a float
+        found.append(("clip", None, x))
+    if values.learning_rates:
+        for label, x in values.learning_rates.items():
+            if type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+                found.append(("learning_rates", label, x))
+    if values.components:
+        for label, x in values.components.items():
+            if type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+                found.append(("components", label, x))
+    if values.signals:
+        for label, x in values.signals.items():
+            if type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+                found.append(("signals", label, x))
+    y = values.layers
+    if y is not None and (type(y) is tensor or _is_tensor(y)):
+        found.append(("layers", None, y))
+    y = values.guard
+    if y is not None and (type(y) is tensor or _is_tensor(y)):  # a list on the host path
+        found.append(("guard", None, y))
+    y = values.experts
+    if y is not None and (type(y) is tensor or _is_tensor(y)):
+        found.append(("experts", None, y))
     return found
 
 
@@ -145,13 +164,19 @@ def _read_cpu(parts: list[Part], into: DeviceStep, zero_d: bool = False) -> None
         if len(parts) == 1:
             name, label, value = parts[0]
             x = value.tolist()  # the step's one host read: a 0-d CPU tensor's value, no sync
-            _put(into, name, label, [x] if name in VECTORS else x)
+            if label is None:
+                setattr(into, name, [x] if name in VECTORS else x)
+            else:
+                _put(into, name, label, x)
             return
         # The step's one host read: one stack, one tolist() (not one read per tensor, which the
         # benchmarks count as a transfer each, and which would be a sync each on a device).
         read = torch.stack([value for _, _, value in parts]).tolist()
         for (name, label, _), x in zip(parts, read):
-            _put(into, name, label, [x] if name in VECTORS else x)
+            if label is None:
+                setattr(into, name, [x] if name in VECTORS else x)
+            else:
+                _put(into, name, label, x)
         return
     tensors = [value for _, _, value in parts]
     flats = [t.reshape(-1) if t.dtype == torch.float64 else t.reshape(-1).double() for t in tensors]
