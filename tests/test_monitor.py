@@ -815,6 +815,7 @@ class _StubEvent:
 def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
     """The CUDA path's bookkeeping, driven with stub events: a step whose copy is still
     in flight is applied later, in order, and only flush() (or too many in flight) waits."""
+    from lossbeat.monitor.record import StepValues
     from lossbeat.monitor.transfer import MAX_PENDING as _MAX_PENDING
     from lossbeat.monitor.transfer import PendingStep as _Pending
 
@@ -828,8 +829,8 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
                 0.0,
                 None,
                 None,
-                {},
-                [("loss", 1)],
+                StepValues(),
+                [("loss", None, 1)],
                 packed=torch.tensor([float(step + 1)], dtype=torch.float64),
                 event=event,
             )
@@ -848,7 +849,14 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
         events.append(event)
         monitor._transfer.pending.append(
             _Pending(
-                step, 0.0, None, None, {}, [("loss", 1)], packed=torch.tensor([1.0], dtype=torch.float64), event=event
+                step,
+                0.0,
+                None,
+                None,
+                StepValues(),
+                [("loss", None, 1)],
+                packed=torch.tensor([1.0], dtype=torch.float64),
+                event=event,
             )
         )
     assert monitor.blocking_waits == 0
@@ -864,6 +872,7 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
 def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatch):
     """On CUDA a step's values arrive a step late: the per-layer cadence must not follow them."""
     import lossbeat.measure.gradients as monitor_module  # the meter imports it when it measures
+    from lossbeat.monitor.record import StepValues
     from lossbeat.monitor.transfer import PendingStep as _Pending
 
     m = Monitor(MonitorConfig(port=0, layer_every=3), serve=False)
@@ -877,7 +886,14 @@ def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatc
     # A step still in flight holds every later step back until the cap makes observe() wait.
     m._transfer.pending.append(
         _Pending(
-            -1, 0.0, None, None, {}, [("loss", 1)], packed=torch.tensor([1.0], dtype=torch.float64), event=_StubEvent()
+            -1,
+            0.0,
+            None,
+            None,
+            StepValues(),
+            [("loss", None, 1)],
+            packed=torch.tensor([1.0], dtype=torch.float64),
+            event=_StubEvent(),
         )
     )
     trainer = Trainer()
@@ -906,6 +922,7 @@ def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(mo
     """A NaN just before a long evaluation shows at the next scrape, not at the next observe();
     the scrape never waits for the device (a pending copy stays pending)."""
     import lossbeat.monitor.transfer as monitor_module
+    from lossbeat.monitor.record import StepValues
     from lossbeat.monitor.transfer import PendingStep as _Pending
 
     # The loop's absence is the time since its last observe(): an hour for "it has just observed",
@@ -916,7 +933,14 @@ def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(mo
     for step, (event, loss) in enumerate(zip(events, (math.nan, 2.0)), start=1):
         monitor._transfer.pending.append(
             _Pending(
-                step, 0.0, None, None, {}, [("loss", 1)], packed=torch.tensor([loss], dtype=torch.float64), event=event
+                step,
+                0.0,
+                None,
+                None,
+                StepValues(),
+                [("loss", None, 1)],
+                packed=torch.tensor([loss], dtype=torch.float64),
+                event=event,
             )
         )
     events[0].done = True
@@ -936,6 +960,7 @@ def test_scrapes_and_observe_apply_deferred_steps_once_and_in_order(monkeypatch)
     import threading
 
     import lossbeat.monitor.transfer as monitor_module
+    from lossbeat.monitor.record import StepValues
     from lossbeat.monitor.transfer import PendingStep as _Pending
 
     monkeypatch.setattr(monitor_module, "SCRAPE_DRAIN_AFTER_S", 0.0)
@@ -962,8 +987,8 @@ def test_scrapes_and_observe_apply_deferred_steps_once_and_in_order(monkeypatch)
                         0.0,
                         None,
                         None,
-                        {},
-                        [("loss", 1)],
+                        StepValues(),
+                        [("loss", None, 1)],
                         packed=torch.tensor([1.0], dtype=torch.float64),
                         event=event,
                     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from lossbeat.measure.errors import ShardedMeasurementError, ShardHandshakeError
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from lossbeat.measure.gradients import GradientNorms, LayerGrouping
 
-__all__ = ["GradientMeter", "ShardedMeasurementError", "ShardHandshakeError"]
+__all__ = ["GradientMeter", "NormsInto", "ShardedMeasurementError", "ShardHandshakeError"]
 
 log = logging.getLogger("lossbeat")
 
@@ -28,6 +28,17 @@ REGROUP_CHECK_EVERY = 100
 # Steps measured ahead by ``measure_gradients(step=...)`` kept for their observe (a trainer that
 # passes its metrics on in bursts: OLMo-core's metrics_collect_interval); the oldest go first.
 MAX_STEPS_AHEAD = 256
+
+
+class NormsInto(Protocol):
+    """What a step's measurement writes (the monitor's step record: measure never imports monitor)."""
+
+    grad_norm: Any
+    """The global gradient norm (a device tensor here)."""
+    layers: Any
+    """The per-layer norms (a 1-d device tensor here)."""
+    clip: Any
+    """The clip coefficient (a device tensor here)."""
 
 
 class GradientMeter:
@@ -165,9 +176,9 @@ class GradientMeter:
         return None if norms is None else norms.global_norm
 
     def measure_step(
-        self, model: torch.nn.Module | None, need_global: bool, values: dict[Any, Any], step: int | None = None
+        self, model: torch.nn.Module | None, need_global: bool, values: NormsInto, step: int | None = None
     ) -> list[str]:
-        """Adds device tensors for the global and per-layer norms to ``values``; returns the layer names.
+        """Sets device tensors for the global and per-layer norms in ``values``; returns the layer names.
 
         Isolated: a failure here (an unsupported gradient, a sharded model some rank
         does not measure) is reported to ``on_error`` and the step is still recorded with
@@ -203,16 +214,16 @@ class GradientMeter:
             self.on_error("observe", e)
             return []
         if coefficient is not None:
-            values["clip"] = coefficient
+            values.clip = coefficient
         if norms is None:  # no parameter has a gradient this step
             return []
         return self._report(norms, need_global, values, self.grouping.layer_names if self.grouping else [])
 
     @staticmethod
-    def _report(norms: GradientNorms, need_global: bool, values: dict[Any, Any], names: list[str]) -> list[str]:
+    def _report(norms: GradientNorms, need_global: bool, values: NormsInto, names: list[str]) -> list[str]:
         if need_global:
-            values["grad_norm"] = norms.global_norm
+            values.grad_norm = norms.global_norm
         if norms.layer_norms is None:
             return []
-        values["layers"] = norms.layer_norms
+        values.layers = norms.layer_norms
         return names

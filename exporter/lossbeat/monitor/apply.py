@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from lossbeat.diagnosis import History
+from lossbeat.diagnosis.history import StepEvents
 from lossbeat.diagnosis.vitals import Vitals
 from lossbeat.exposition.state import LAYER_FIRST_EVENT_STEPS, MonitorState
 from lossbeat.monitor.guard import PARKED, SKIPPED
-from lossbeat.monitor.inputs import FIRST_LR
 from lossbeat.monitor.judgment import Judgment
 from lossbeat.monitor.moe import apply_experts
 from lossbeat.monitor.ratelog import RateLimitedLog
+from lossbeat.monitor.record import HostStep
 from lossbeat.monitor.transfer import PendingStep
 
 __all__ = ["StepApplier", "derive_gauges", "ALL_LAYERS", "FROM_ANOTHER_RANK", "WARMUP_OVERFLOWS"]
@@ -68,7 +69,7 @@ class StepApplier:
         overflows (no fault); more, or any later, are non-finite gradients."""
         if grad_norm is None and not known:
             return False  # nothing to tell from
-        if known or math.isfinite(grad_norm) or loss is None or not math.isfinite(loss):
+        if known or grad_norm is None or math.isfinite(grad_norm) or loss is None or not math.isfinite(loss):
             self._warmup = -1
             return False
         if self._warmup >= WARMUP_OVERFLOWS:
@@ -82,39 +83,42 @@ class StepApplier:
         derive_gauges(self.state, self.history)
 
     def __call__(self, record: PendingStep) -> None:
-        s, v = self.state, record.host
+        # cast: the transfer wrote every tensor's float (a vector's list) back in place before it
+        # applies the record (transfer.unpack, _read_cpu); what is left were floats already.
+        s, v = self.state, cast(HostStep, record.values)
         skipped = False
-        if "guard" in v:  # first: a bad step whose Monitor.step may still come waits, untouched, in the guard
-            verdict = self.guard.record(
-                v["guard"], v["guard_index"], record.step, v.get("loss"), v.get("grad_norm"), record
-            )
+        if v.guard is not None:  # first: a bad step whose Monitor.step may still come waits, untouched, in the guard
+            verdict = self.guard.record(v.guard, v.guard_index, record.step, v.loss, v.grad_norm, record)
             if verdict == PARKED:
                 return
             skipped = verdict == SKIPPED
-        loss = v.get("loss")  # None: a rank without a loss this step (a pipeline stage before the last)
-        grad_norm = v.get("grad_norm")
-        lr_max = v.get(FIRST_LR) if record.has_lrs == 1 else None  # one LR (the usual): no scan of the values
-        if lr_max is not None:
-            lrs: dict[str, float] | None = {"0": lr_max}
+        loss = v.loss  # None: a rank without a loss this step (a pipeline stage before the last)
+        grad_norm = v.grad_norm
+        lr_max: float | None
+        lrs = v.learning_rates
+        if lrs is not None and len(lrs) == 1:  # one LR (the usual): no scan, no call
+            (lr_max,) = lrs.values()
         else:
-            lrs, lr_max = _learning_rates(v) if record.has_lrs else (None, None)
-        components = _named(v, "component") if record.has_components else None
-        layers = v.get("layers")
+            lrs, lr_max = _learning_rates(lrs)
+        components = v.components or None
+        layers = v.layers
         layer_norms = without_grad = None
         if layers is not None:
             layer_norms, without_grad = _layer_norms(record.layer_names, layers)
         layer_nonfinite = layer_norms is not None and not all(map(math.isfinite, layer_norms.values()))
         # Under fp16 loss scaling an overflowing step is skipped by the scaler: routine, not a
         # fault, and no gradient sample. A scale collapsing is the fault (the nonfinite check).
-        overflow = "grad_scale" in v and (layer_nonfinite or (grad_norm is not None and not math.isfinite(grad_norm)))
+        scaled = v.grad_scale is not None
+        overflow = scaled and (layer_nonfinite or (grad_norm is not None and not math.isfinite(grad_norm)))
         if self._warmup >= 0:
-            overflow = self._warmup_overflow(grad_norm, loss, layers is not None or "grad_scale" in v) or overflow
+            overflow = self._warmup_overflow(grad_norm, loss, layers is not None or scaled) or overflow
         if overflow:
             grad_norm = layer_norms = None
             layer_nonfinite = False
-        if "grad_scale" in v:
-            s.grad_scale = self.history.grad_scale = v["grad_scale"]
+        if v.grad_scale is not None:
+            s.grad_scale = self.history.grad_scale = v.grad_scale
 
+        events: StepEvents | None
         if skipped:  # withheld by Monitor.step: counted as a skip, not as a fault the model took in
             events = self.history.add_step(record.step, None, None, lr_max, components)
             layer_nonfinite = False
@@ -124,12 +128,12 @@ class StepApplier:
                 events = self.history.add_step(record.step, loss, grad_norm, lr_max, components)
         if self.cross_rank.align_every:  # else record() has nothing to do
             self.cross_rank.record(record.step, grad_norm)
-        if "fields" in v and self.profile is not None:
-            self.profile.seen(v["fields"])
-        if "experts" in v:  # observe(expert_load=...): the routers' per-layer statistics
+        if v.fields and self.profile is not None:
+            self.profile.seen(v.fields)
+        if v.experts is not None:  # observe(expert_load=...): the routers' per-layer statistics
             apply_experts(s, self.history, v, record.step)
-        if record.has_signals:
-            self._signals(record.step, _named(v, "signal"))
+        if v.signals:
+            self._signals(record.step, v.signals)
         if loss is not None:
             s.loss = loss if math.isfinite(loss) else math.nan
         if grad_norm is not None:
@@ -148,8 +152,8 @@ class StepApplier:
             s.layer_norms = layer_norms
             s.layers_without_grad = without_grad
             self.history.layer_norms = layer_norms
-        if "clip" in v:
-            s.clip_coefficient = v["clip"]
+        if v.clip is not None:
+            s.clip_coefficient = v.clip
         # training_loss_cv and training_loss_trend_ratio are read at scrape time (derive_gauges).
         baseline = self.history.grad.median
         s.grad_norm_baseline = baseline if math.isfinite(baseline) else None
@@ -166,8 +170,8 @@ class StepApplier:
                 _keep_first_event(s, record.step)
 
         s.steps_total += 1
-        if "tokens" in v and math.isfinite(v["tokens"]):
-            s.tokens_total += max(v["tokens"], 0.0)
+        if v.tokens is not None and math.isfinite(v.tokens):
+            s.tokens_total += max(v.tokens, 0.0)
         if (
             events.nonfinite_loss
             or events.nonfinite_grad
@@ -208,7 +212,8 @@ class StepApplier:
             s.event_steps = {**s.event_steps, "nonfinite_loss": step}
             self.log("nonfinite_loss", logging.WARNING, "lossbeat: non-finite loss %s at step %d", loss, step)
         if events.nonfinite_grad or layer_nonfinite:
-            if layer_nonfinite:
+            origin: str | None
+            if layer_nonfinite and layer_norms is not None:
                 origin = _nonfinite_origin(layer_norms, loss, s.run_info.get("world_size", "1") != "1")
             else:  # no per-layer norms this step: the layer of this event (consecutive bad steps), never an earlier one's
                 origin = s.first_nonfinite_layer if self._nonfinite_run else None
@@ -260,18 +265,13 @@ def derive_gauges(state: MonitorState, history: History) -> None:
     state.loss_trend_ratio = None if math.isnan(trend) else trend
 
 
-def _named(v: Mapping[Any, float], kind: str) -> dict[str, float]:
-    """The values of one kind of ``(kind, name)`` key: ``"lr"``, ``"component"``, ``"signal"``."""
-    return {k[1]: x for k, x in v.items() if type(k) is tuple and k[0] == kind}
-
-
-def _learning_rates(v: Mapping[Any, float]) -> tuple[dict[str, float] | None, float | None]:
-    """Every param group's learning rate, and the largest (NaN when any is NaN)."""
-    lrs = _named(v, "lr")
+def _learning_rates(lrs: dict[str, float] | None) -> tuple[dict[str, float] | None, float | None]:
+    """Every param group's learning rate (the record's own dict, handed on), and the largest
+    (NaN when any is NaN)."""
     if not lrs:
         return None, None
     if len(lrs) == 1:
-        (lr_max,) = lrs.values()
+        (lr_max,) = lrs.values()  # one (the usual): no scan
         return lrs, lr_max
     lr_max = max(lrs.values())
     return lrs, math.nan if any(math.isnan(x) for x in lrs.values()) else lr_max
@@ -304,7 +304,7 @@ def _nonfinite_origin(layer_norms: Mapping[str, float], loss: float | None, seve
     return bad[-1]
 
 
-def _keep_first_event(s, step: int) -> None:
+def _keep_first_event(s: MonitorState, step: int) -> None:
     """Freeze the per-layer window around the run's first non-finite or exploding step: the steps
     before it now, the ones after it as they come (the latest window soon moves past it)."""
     s.layer_first_event_step = step

@@ -90,7 +90,7 @@ class MonitorConfig:
     """TLS certificate for /metrics (with keyfile)."""
     keyfile: str | None = None
     """TLS key for /metrics."""
-    web_config: str | os.PathLike | None = None
+    web_config: str | os.PathLike[str] | None = None
     """A web configuration file in the Prometheus exporter-toolkit format (TLS, mutual TLS, basic
     auth; see :mod:`lossbeat.exposition.webconfig`); None reads the path from ``LOSSBEAT_WEB_CONFIG`` if set."""
     strict_port: bool = False

@@ -18,7 +18,7 @@ import logging
 import math
 import numbers
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from prometheus_client.registry import CollectorRegistry
 
@@ -152,7 +152,7 @@ class Monitor:
                 port=self._server.port,
                 rank=ctx.rank,
                 job=config.run_name,
-                on_error=lambda: self.state.count_error("register"),
+                on_error=_error_counter(self.state, "register"),
             )
             # A script that ends without close() (or a framework callback that only flushes)
             # still says "completed" at exit, unless an uncaught exception ends it.
@@ -477,3 +477,12 @@ def _count_anomalies(state: MonitorState, log: RateLimitedLog, anomalies: list[s
             "(pass e.g. loss.mean()); observed as its mean (an empty one: skipped)",
             name,
         )
+
+
+def _error_counter(state: MonitorState, where: str) -> Callable[[], None]:
+    """A callback that counts one error at ``where`` (its count, which the callers have no use for, dropped)."""
+
+    def count() -> None:
+        state.count_error(where)
+
+    return count

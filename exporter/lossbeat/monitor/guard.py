@@ -48,6 +48,7 @@ from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.exposition.metrics import SKIP_REASONS
 from lossbeat.exposition.state import MonitorState
 from lossbeat.monitor import loaded, skipping
+from lossbeat.monitor.record import DeviceStep
 from lossbeat.monitor.transfer import MAX_PENDING
 
 if TYPE_CHECKING:
@@ -129,11 +130,11 @@ class Guard:
 
     # --- observe(): the decision, on the device -------------------------------------------
 
-    def decide(self, values: dict[Any, Any]) -> None:
-        """Adds ``values["guard"]`` (3 flags) and ``values["guard_index"]`` for the step's transfer."""
+    def decide(self, values: DeviceStep) -> None:
+        """Sets ``values.guard`` (3 flags) and ``values.guard_index`` for the step's transfer."""
         self.settle()
-        loss, grad = values.get("loss"), values.get("grad_norm")
-        scaled = values.get("grad_scale") is not None  # overflowing grads are the scaler's to skip
+        loss, grad = values.loss, values.grad_norm
+        scaled = values.grad_scale is not None  # overflowing grads are the scaler's to skip
         explosion_limit = self.history.grad.event_limit()
         spike_limit = self.history.loss.spike_limit() if self.spikes else math.inf
         tensors = [x for x in (loss, grad) if isinstance(x, loaded.Tensor)]
@@ -150,8 +151,8 @@ class Guard:
         self._current, self._stepped = (self.decisions, flags), set()
         if len(self._used) > 4 * MAX_PENDING:  # only the decisions whose flags may still be in flight
             self._used = {i for i in self._used if i >= self.decisions - 2 * MAX_PENDING}
-        values["guard"] = flags
-        values["guard_index"] = float(self.decisions)
+        values.guard = flags
+        values.guard_index = float(self.decisions)
         self.decisions += 1
 
     def settle(self) -> None:
@@ -402,12 +403,12 @@ def _device_flags(loss: Any, grad: Any, scaled: bool, explosion_limit: float, sp
     return torch.stack([nonfinite, explosion, spike]).to(torch.float32)
 
 
-def _host_flags(loss: Any, grad: Any, scaled: bool, explosion_limit: float, spike_limit: float) -> tuple[float, ...]:
+def _host_flags(loss: Any, grad: Any, scaled: bool, explosion_limit: float, spike_limit: float) -> list[float]:
     nonfinite = loss is not None and not math.isfinite(loss)
     nonfinite = nonfinite or (grad is not None and not scaled and not math.isfinite(grad))
     explosion = grad is not None and grad > explosion_limit
     spike = loss is not None and loss > spike_limit
-    return (float(nonfinite), float(explosion), float(spike))
+    return [float(nonfinite), float(explosion), float(spike)]
 
 
 class NoGuard:
@@ -416,7 +417,7 @@ class NoGuard:
     host_reads = 0
     decides = False  # observe() skips decide()
 
-    def decide(self, values: dict[Any, Any]) -> None:
+    def decide(self, values: DeviceStep) -> None:
         pass
 
     def record(self, *args: Any) -> str:

@@ -73,7 +73,8 @@ def _from_store() -> str:
         if dist is None or not dist.is_initialized():
             return ""
         store = dist.distributed_c10d._get_default_store()
-        return store.compare_set(_STORE_KEY, "", uuid.uuid4().hex[:12]).decode()
+        stored: bytes = store.compare_set(_STORE_KEY, "", uuid.uuid4().hex[:12])
+        return stored.decode()
     except Exception as exc:
         log.debug("lossbeat: no run identity from the process group's store (%s)", exc)
         return ""

@@ -10,9 +10,9 @@ from typing import Any, Mapping
 
 from lossbeat.diagnosis.profiles import signal_kind
 from lossbeat.monitor import loaded
+from lossbeat.monitor.record import FIRST_LR, DeviceStep, StepValues
 
 __all__ = [
-    "FIRST_LR",
     "step_values",
     "scalar",
     "per_step",
@@ -27,8 +27,6 @@ __all__ = [
     "check_epoch",
 ]
 
-FIRST_LR = ("lr", "0")
-"""The values' key of the first param group's learning rate, or of the one given without an optimizer."""
 MAX_PARAM_GROUPS = 32
 MAX_COMPONENTS = 32
 MAX_FIELDS = 64
@@ -47,35 +45,31 @@ def step_values(
     metrics: Mapping[str, Any] | None,
     model: Any,
     seen: set[str],
-) -> tuple[dict[Any, Any], list[str]]:
+) -> tuple[DeviceStep, list[str]]:
     """One ``observe`` call's values, validated, and the names of its per-step data that was not
     one value (reduced to its mean: counted by the caller, never raised). ``seen``: the
-    ``metrics`` names already given (the profile detection's); the new ones are ``values["fields"]``.
+    ``metrics`` names already given (the profile detection's); the new ones are ``values.fields``.
 
     Every step: floats and plain 0-d float tensors go through without a call, an argument left
     out costs one test."""
     anomalies: list[str] = []
-    values: dict[Any, Any] = {  # loss None: no loss on this rank
-        "loss": loss if type(loss) is float or _plain_0d(loss) else per_step("loss", loss, anomalies),
-        "grad_norm": grad_norm
+    values: DeviceStep = StepValues(  # loss None: no loss on this rank
+        loss=loss if type(loss) is float or _plain_0d(loss) else per_step("loss", loss, anomalies),
+        grad_norm=grad_norm
         if type(grad_norm) is float or _plain_0d(grad_norm)
         else scalar("grad_norm", grad_norm, optional=True),
-    }
-    if tokens is not None:
-        values["tokens"] = scalar("tokens", tokens)
-    if grad_scaler is not None:
-        values["grad_scale"] = loss_scale(grad_scaler)
+        tokens=None if tokens is None else scalar("tokens", tokens),
+        grad_scale=None if grad_scaler is None else loss_scale(grad_scaler),
+    )
     if optimizer is None and type(learning_rate) is float:
-        values[FIRST_LR] = learning_rate
+        values.learning_rates = {FIRST_LR: learning_rate}
     elif optimizer is not None or learning_rate is not None:
-        values.update(learning_rates(optimizer, learning_rate))
+        values.learning_rates = learning_rates(optimizer, learning_rate) or None
     if losses is not None:
-        values.update(components(losses, anomalies))
+        values.components = components(losses, anomalies) or None
     if metrics is not None:
-        found, new_fields = signals(metrics, seen, anomalies)
-        values.update(found)
-        if new_fields:
-            values["fields"] = new_fields
+        found, values.fields = signals(metrics, seen, anomalies)
+        values.signals = found or None
     if model is not None:
         check_model(model)
     return values, anomalies
@@ -117,9 +111,9 @@ def check_epoch(epoch: Any) -> float | None:
     return real_to_float(epoch)
 
 
-def learning_rates(optimizer: Any, learning_rate: Any) -> dict[Any, Any]:
-    """``{("lr", group label): value}`` from the optimizer's param groups and/or an explicit LR."""
-    out: dict[Any, Any] = {}
+def learning_rates(optimizer: Any, learning_rate: Any) -> dict[str, Any]:
+    """``{group label: value}`` from the optimizer's param groups and/or an explicit LR."""
+    out: dict[str, Any] = {}
     if optimizer is not None:
         groups = getattr(optimizer, "param_groups", None)
         if not isinstance(groups, (list, tuple)):
@@ -128,14 +122,14 @@ def learning_rates(optimizer: Any, learning_rate: Any) -> dict[Any, Any]:
             label = str(group.get("name", i)) if isinstance(group, Mapping) else str(i)
             lr = group.get("lr") if isinstance(group, Mapping) else None
             if lr is not None:
-                out[("lr", label)] = scalar(f"optimizer.param_groups[{i}]['lr']", lr)
+                out[label] = scalar(f"optimizer.param_groups[{i}]['lr']", lr)
     if learning_rate is not None:
-        out[("lr", "0" if not out else "explicit")] = scalar("learning_rate", learning_rate)
+        out[FIRST_LR if not out else "explicit"] = scalar("learning_rate", learning_rate)
     return out
 
 
-def components(losses: Mapping[str, Any] | None, anomalies: list[str] | None = None) -> dict[Any, Any]:
-    """``{("component", name): value}`` of a multi-task loss (at most MAX_COMPONENTS).
+def components(losses: Mapping[str, Any] | None, anomalies: list[str] | None = None) -> dict[str, Any]:
+    """``{name: value}`` of a multi-task loss (at most MAX_COMPONENTS).
 
     A component that is None is absent this step (an auxiliary loss some batches lack): skipped,
     not an error. A tensor of several values is :func:`per_step` data (reduced, noted)."""
@@ -143,20 +137,20 @@ def components(losses: Mapping[str, Any] | None, anomalies: list[str] | None = N
         return {}
     if not isinstance(losses, Mapping):
         raise TypeError(f"losses: expected a mapping of component name to loss, got {type(losses).__name__}")
-    out = {}
+    out: dict[str, Any] = {}
     for name, value in list(losses.items())[:MAX_COMPONENTS]:
         if not isinstance(name, str):
             raise TypeError(f"losses: component names must be strings, got {name!r}")
         value = per_step(f"losses[{name!r}]", value, anomalies)
         if value is not None:
-            out[("component", name)] = value
+            out[name] = value
     return out
 
 
 def signals(
     metrics: Mapping[str, Any] | None, seen: set[str], anomalies: list[str] | None = None
-) -> tuple[dict[Any, Any], tuple[str, ...]]:
-    """``({("signal", canonical name): value}, names not in ``seen``)`` from ``observe(metrics=...)``.
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``({canonical name: value}, names not in ``seen``)`` from ``observe(metrics=...)``.
 
     Every name counts for the profile detection (bounded: at most MAX_FIELDS names per run are
     remembered); the values of the names :data:`~lossbeat.diagnosis.profiles.SIGNALS` knows are
@@ -165,7 +159,7 @@ def signals(
         return {}, ()
     if not isinstance(metrics, Mapping):
         raise TypeError(f"metrics: expected a mapping of name to value, got {type(metrics).__name__}")
-    out: dict[Any, Any] = {}
+    out: dict[str, Any] = {}
     new = []
     for name, value in list(metrics.items())[:MAX_FIELDS]:
         if not isinstance(name, str):
@@ -174,7 +168,7 @@ def signals(
         if kind is not None:
             value = per_step(f"metrics[{name!r}]", value, anomalies)
             if value is not None:
-                out[("signal", kind)] = value
+                out[kind] = value
         elif value is not None and not isinstance(value, loaded.Tensor):
             scalar(f"metrics[{name!r}]", value)  # a wrong type raises, as for the signals
         if name not in seen and len(seen) < MAX_FIELDS:
@@ -244,7 +238,7 @@ def real_to_float(value: numbers.Real) -> float:
     try:
         return float(value)
     except OverflowError:  # a Fraction beyond float range: a huge value is data, not an error
-        return math.inf if value > 0 else -math.inf
+        return -math.inf if value < 0 else math.inf
 
 
 def _int_to_float(value: int) -> float:

@@ -110,7 +110,7 @@ def log_change(change: StatusChange) -> None:
     )
     tqdm = sys.modules.get("tqdm")
     bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
-    if bars:
+    if bars and tqdm is not None:
         try:  # tqdm's lock or a stale bar failing must not cost the line
             with tqdm.tqdm.external_write_mode(file=sys.stderr):
                 log.warning(message, *args)

@@ -9,7 +9,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from types import TracebackType
+from typing import Any, NoReturn
 
 __all__ = ["process", "watch_uncaught_exceptions", "linger"]
 
@@ -22,6 +23,7 @@ class _Process:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.running: Any = None
+        """The running Monitor, else None (``Any`` here: core imports this module, not the reverse)."""
         self.uncaught_exception_seen = False
 
     def forget(self, monitor: Any = None) -> None:
@@ -45,7 +47,7 @@ def watch_uncaught_exceptions() -> None:
     previous = sys.excepthook
     if not getattr(previous, "_lossbeat", False):
 
-        def hook(exc_type, exc, tb):
+        def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
             process.uncaught_exception_seen = True
             previous(exc_type, exc, tb)
 
@@ -54,7 +56,7 @@ def watch_uncaught_exceptions() -> None:
     exit_ = sys.exit
     if not getattr(exit_, "_lossbeat", False):
 
-        def exit_with_status(status: Any = None) -> None:
+        def exit_with_status(status: str | int | None = None) -> NoReturn:
             if failure_status(status):
                 process.uncaught_exception_seen = True
             exit_(status)

@@ -11,9 +11,58 @@ read ``torch.Tensor``.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Protocol, cast
 
-__all__ = ["torch", "Tensor", "FLOAT_DTYPES", "refresh", "distributed", "torch_version"]
+__all__ = [
+    "torch",
+    "Tensor",
+    "TensorLike",
+    "DeviceLike",
+    "FLOAT_DTYPES",
+    "refresh",
+    "distributed",
+    "torch_version",
+]
+
+
+class DeviceLike(Protocol):
+    """What the monitor reads of a ``torch.device``."""
+
+    @property
+    def type(self) -> str:
+        """``"cuda"``, ``"cpu"``, ..."""
+
+    @property
+    def index(self) -> int | None:
+        """The device's index (None: the current one)."""
+
+
+class TensorLike(Protocol):
+    """What the monitor reads of a ``torch.Tensor``, described without importing torch (a monitor
+    fed floats never loads it). dtypes are torch's, hence ``Any``."""
+
+    @property
+    def dtype(self) -> Any: ...
+    @property
+    def device(self) -> DeviceLike: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def requires_grad(self) -> bool: ...
+    @property
+    def is_meta(self) -> bool: ...
+    @property
+    def is_cpu(self) -> bool: ...
+    def dim(self) -> int: ...
+    def numel(self) -> int: ...
+    def is_complex(self) -> bool: ...
+    def detach(self) -> TensorLike: ...
+    def reshape(self, *shape: int | tuple[int, ...]) -> TensorLike: ...
+    def double(self) -> TensorLike: ...
+    def mean(self) -> TensorLike: ...
+    def to(self, *args: Any, **kwargs: Any) -> TensorLike: ...
+    def tolist(self) -> Any:
+        """A float for a 0-d tensor, else a (nested) list of floats."""
 
 
 class _NoTensor:
@@ -22,9 +71,11 @@ class _NoTensor:
 
 torch: Any = None
 """The torch module once the process has imported it, else None."""
-Tensor: type = _NoTensor
+# cast: _NoTensor describes no value (nothing is an instance of it), so narrowing with it as a
+# TensorLike's type is never wrong; from refresh() on it is torch.Tensor, which is one.
+Tensor = cast("type[TensorLike]", _NoTensor)
 """``torch.Tensor`` once torch is loaded: ``type(x) is loaded.Tensor`` is then the usual test."""
-FLOAT_DTYPES: frozenset = frozenset()
+FLOAT_DTYPES: frozenset[Any] = frozenset()  # torch.dtype values: torch is not imported
 """The floating-point dtypes a loss or a norm comes in, once torch is loaded."""
 
 

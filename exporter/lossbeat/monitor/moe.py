@@ -9,13 +9,9 @@ import logging
 from typing import Any, Mapping
 
 from lossbeat.diagnosis.moe import MoETrack
+from lossbeat.monitor.record import DeviceStep, HostStep
 
-__all__ = ["ExpertLoads", "apply_experts", "EXPERTS", "EXPERT_LAYERS", "EXPERT_SIZES"]
-
-EXPERTS = "experts"
-"""The step values' key of the packed per-layer statistics (a vector: imbalances, then dead experts)."""
-EXPERT_LAYERS = "expert_layers"
-EXPERT_SIZES = "expert_sizes"
+__all__ = ["ExpertLoads", "apply_experts"]
 
 
 class ExpertLoads:
@@ -29,7 +25,7 @@ class ExpertLoads:
         self.errors = 0
         """Steps whose expert load could not be measured (logged; the step itself is observed)."""
 
-    def add(self, step: int, expert_load: Mapping[str, Any], values: dict[Any, Any]) -> None:
+    def add(self, step: int, expert_load: Mapping[str, Any], values: DeviceStep) -> None:
         """Measure ``expert_load`` into ``values`` (device work only: no host read here)."""
         if not isinstance(expert_load, Mapping):
             raise TypeError(
@@ -52,13 +48,15 @@ class ExpertLoads:
                 logging.getLogger("lossbeat").exception("lossbeat: error measuring expert_load (step %d)", step)
             return
         if measured is not None:
-            values[EXPERT_LAYERS], values[EXPERTS] = measured
-            values[EXPERT_SIZES] = self.meter.experts
+            values.expert_layers, values.experts = measured
+            values.expert_sizes = self.meter.experts
 
 
-def apply_experts(state: Any, history: Any, values: Mapping[Any, Any], step: int) -> None:
+def apply_experts(state: Any, history: Any, values: HostStep, step: int) -> None:
     """One step's router statistics (host floats now) into the exported state and the check's track."""
-    names, packed, sizes = values[EXPERT_LAYERS], values[EXPERTS], values[EXPERT_SIZES]
+    names, packed, sizes = values.expert_layers, values.experts, values.expert_sizes
+    if names is None or packed is None or sizes is None:  # set together by ExpertLoads.add
+        return
     n = len(names)
     imbalance, dead = packed[:n], packed[n : 2 * n]
     state.moe = (names, imbalance, dead, sizes)  # swapped whole: a scrape reads all or nothing

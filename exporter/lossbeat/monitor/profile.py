@@ -11,7 +11,7 @@ the profile's thresholds from the next diagnosis on.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 from lossbeat.diagnosis import Judge
 from lossbeat.diagnosis.profiles import Detection, detect_profile
@@ -61,11 +61,11 @@ class ProfileChoice:
         if changed:
             log.info("lossbeat: judging this run with the %s", self.reason)
 
-    def evaluation(self, step: int, signals: dict, new_fields: tuple[str, ...]) -> None:
+    def evaluation(self, step: int, signals: Mapping[str, Any], new_fields: tuple[str, ...]) -> None:
         """``observe_eval(metrics=...)``: its names and known signals (not the hot path: tensors read here)."""
         if new_fields:
             self.seen(new_fields)
-        named = {k[1]: float(x.item()) if hasattr(x, "item") else x for k, x in signals.items()}
+        named = {k: float(x.item()) if hasattr(x, "item") else x for k, x in signals.items()}
         for name, x in named.items():
             self.judge.history.add_signal(name, x, step)
         if named:

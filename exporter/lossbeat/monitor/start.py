@@ -41,7 +41,7 @@ def start_exporter(
         raise TypeError(f"start_exporter: unknown setting {sorted(unknown)[0]!r}")
     config = MonitorConfig(port=port, addr=addr, **settings)
     with process.lock:
-        running = process.running
+        running: Monitor | None = process.running
         if running is not None and not running.closed:
             ignored = [
                 name for name in ("port", "addr", *settings) if getattr(running.config, name) != getattr(config, name)
@@ -57,5 +57,5 @@ def start_exporter(
                     ),
                 )
             return running
-        process.running = Monitor(config, rank_context=rank_context)
-        return process.running
+        monitor = process.running = Monitor(config, rank_context=rank_context)
+        return monitor

@@ -13,6 +13,7 @@ from lossbeat.exposition.state import MonitorState
 from lossbeat.measure.meter import GradientMeter
 from lossbeat.monitor import inputs
 from lossbeat.monitor.ratelog import RateLimitedLog
+from lossbeat.monitor.record import FIRST_LR, DeviceStep, StepValues
 from lossbeat.monitor.transfer import DeviceTransfer
 
 __all__ = ["StepPath"]
@@ -42,33 +43,30 @@ class StepPath:
         return now, None if last is None else now - last
 
     def floats(self, step: int, loss: float, grad_norm: float | None, learning_rate: float | None) -> None:
-        """A step of host floats only: the record the general path would build (the same keys, the
+        """A step of host floats only: the record the general path would build (the same fields, the
         same applier) without its scans of the arguments and values. No device work, so no graph
         capture check: nothing here could be captured."""
         now, duration = self._duration()
         try:
             transfer = self.transfer
+            values: DeviceStep = StepValues(
+                loss=loss,
+                grad_norm=grad_norm,
+                learning_rates=None if learning_rate is None else {FIRST_LR: learning_rate},
+            )
             if transfer.pending or self.meter.holds_norms or self.guard.decides:
                 # Steps in flight, norms measured ahead, or the guard's verdict: the general path.
                 inputs.refuse_graph_capture("observe")
-                values: dict[Any, Any] = {"loss": loss, "grad_norm": grad_norm}
-                if learning_rate is not None:
-                    values[inputs.FIRST_LR] = learning_rate
                 self._submit(step, now, duration, None, values, None)
                 return
             self.meter.submitted += 1
-            host: dict[Any, Any] = {"loss": loss}
-            if grad_norm is not None:
-                host["grad_norm"] = grad_norm
-            if learning_rate is not None:
-                host[inputs.FIRST_LR] = learning_rate
-            transfer.submit_host(step, time.time(), duration, host, 0 if learning_rate is None else 1, now)
+            transfer.submit_host(step, time.time(), duration, values, now)
             if self.cross_rank.work_time:  # else step_end has nothing to do (no model here)
                 self.cross_rank.step_end(None)
         except Exception:
             self._failed()
 
-    def submit(self, step: int, epoch: float | None, values: dict[Any, Any], model: Any) -> None:
+    def submit(self, step: int, epoch: float | None, values: DeviceStep, model: Any) -> None:
         """Any step: measure, decide, submit (the step's one host transfer), then drain → apply →
         judge what has arrived."""
         now, duration = self._duration()
@@ -78,7 +76,7 @@ class StepPath:
             self._failed()
 
     def _submit(
-        self, step: int, now: float, duration: float | None, epoch: float | None, values: dict[Any, Any], model: Any
+        self, step: int, now: float, duration: float | None, epoch: float | None, values: DeviceStep, model: Any
     ) -> None:
         transfer, meter = self.transfer, self.meter
         if transfer.pending:  # drain: the steps whose values arrived since (never any on CPU)
@@ -92,12 +90,12 @@ class StepPath:
         if model is not None or self.cross_rank.work_time:  # else step_end has nothing to do
             self.cross_rank.step_end(model)
 
-    def _measure(self, model: Any, values: dict[Any, Any], step: int) -> list[str]:
+    def _measure(self, model: Any, values: DeviceStep, step: int) -> list[str]:
         """The step's gradient norms as device tensors in ``values`` (no host read); the layer names."""
         try:
-            return self.meter.measure_step(model, values["grad_norm"] is None, values, step)
+            return self.meter.measure_step(model, values.grad_norm is None, values, step)
         except Exception:  # gradients we cannot measure: the step's loss and LR still count
-            values.pop("layers", None)
+            values.layers = None
             self.state.count_error("observe")
             self.log(
                 "error", logging.ERROR, "lossbeat: cannot measure the gradients; training continues", exc_info=True

@@ -11,9 +11,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 from lossbeat.monitor import loaded
+from lossbeat.monitor.loaded import DeviceLike, TensorLike
+from lossbeat.monitor.record import VECTORS, DeviceStep
 
 __all__ = ["PendingStep", "DeviceTransfer", "start_host_copy", "unpack"]
 
@@ -24,25 +26,18 @@ SCRAPE_DRAIN_AFTER_S = 1.0
 READ_LOCK_WAIT_S = 0.1  # a read waits this long for the step being applied (what it computes needs the lock)
 
 
+Part = tuple[str, str | None, TensorLike]
+"""A tensor of a step's values: its field, its label in a field of values by name (else None), the tensor."""
+Slice = tuple[str, str | None, int]
+"""Where one slice of the packed tensor goes: its field, its label (else None), its length."""
+
+
 class PendingStep:
     """One step whose device values are on their way to the host (or already there).
 
     A plain class with slots: one is built per observed step."""
 
-    __slots__ = (
-        "step",
-        "wall_time",
-        "duration",
-        "epoch",
-        "host",
-        "layout",
-        "packed",
-        "event",
-        "layer_names",
-        "has_lrs",
-        "has_components",
-        "has_signals",
-    )
+    __slots__ = ("step", "wall_time", "duration", "epoch", "values", "layout", "packed", "event", "layer_names")
 
     def __init__(
         self,
@@ -50,29 +45,22 @@ class PendingStep:
         wall_time: float,
         duration: float | None,
         epoch: float | None,
-        host: dict[Any, Any],
-        layout: list[tuple[Any, int]],
+        values: DeviceStep,
+        layout: list[Slice],
         packed: Any = None,
         event: Any = None,
         layer_names: list[str] | None = None,
-        has_lrs: int = 0,
-        has_components: bool = False,
-        has_signals: bool = False,
     ) -> None:
         self.step, self.wall_time, self.duration, self.epoch = step, wall_time, duration, epoch
-        self.host = host
-        """Values already on the host (Python floats)."""
+        self.values = values
+        """The step's values: each tensor's float is written back in place once it has arrived."""
         self.layout = layout
-        """(key, length) of each slice of the packed device tensor."""
+        """Where each slice of the packed device tensor goes."""
         self.packed = packed
         """The packed values: a pinned host buffer filling asynchronously, or a CPU tensor."""
         self.event = event
         """CUDA event recorded after the copy; None when the values are already on the host."""
         self.layer_names = layer_names if layer_names is not None else []
-        self.has_lrs = has_lrs
-        """How many learning rates the step has (one per param group, and an explicit one)."""
-        self.has_components, self.has_signals = has_components, has_signals
-        """Whether the step has loss components, and named signals (``observe(metrics=...)``)."""
 
 
 def start_host_copy(packed: Any) -> tuple[Any, Any]:
@@ -96,20 +84,76 @@ def start_host_copy(packed: Any) -> tuple[Any, Any]:
 
 
 _NO_PARTS: Any = ()  # a record's layout and layer names when it has neither (shared, never written)
-_VECTORS = ("layers", "guard", "experts")  # vectors; every other key is one value
 
 
-def unpack(values: list[float], layout: list[tuple[str, int]], into: dict[str, Any]) -> None:
+def _is_tensor(value: object) -> TypeGuard[TensorLike]:
+    """A tensor (inputs bound torch's names on seeing one; else they are bound here), not a host value."""
+    return isinstance(value, loaded.Tensor) or (
+        loaded.torch is None and loaded.refresh() is not None and isinstance(value, loaded.Tensor)
+    )
+
+
+def _tensors(values: DeviceStep) -> list[Part]:
+    """The step's tensors; floats and host values stay where they are. Every step: the fields
+    read one by one (no getattr by name), a tensor found with a type test (the usual) or, for a
+    subclass or before torch's names are bound, :func:`_is_tensor`; a float costs one test."""
+    found: list[Part] = []
+    tensor = loaded.Tensor
+    x = values.loss
+    if x is not None and type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+        found.append(("loss", None, x))
+    x = values.grad_norm
+    if x is not None and type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+        found.append(("grad_norm", None, x))
+    x = values.tokens
+    if x is not None and type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+        found.append(("tokens", None, x))
+    x = values.grad_scale
+    if x is not None and (type(x) is tensor or _is_tensor(x)):  # never a float
+        found.append(("grad_scale", None, x))
+    x = values.clip
+    if x is not None and (type(x) is tensor or _is_tensor(x)):  # never a float
+        found.append(("clip", None, x))
+    if values.learning_rates:
+        for label, x in values.learning_rates.items():
+            if type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+                found.append(("learning_rates", label, x))
+    if values.components:
+        for label, x in values.components.items():
+            if type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+                found.append(("components", label, x))
+    if values.signals:
+        for label, x in values.signals.items():
+            if type(x) is not float and (type(x) is tensor or _is_tensor(x)):
+                found.append(("signals", label, x))
+    y = values.layers
+    if y is not None and (type(y) is tensor or _is_tensor(y)):
+        found.append(("layers", None, y))
+    y = values.guard
+    if y is not None and (type(y) is tensor or _is_tensor(y)):  # a list on the host path
+        found.append(("guard", None, y))
+    y = values.experts
+    if y is not None and (type(y) is tensor or _is_tensor(y)):
+        found.append(("experts", None, y))
+    return found
+
+
+def _put(into: DeviceStep, name: str, label: str | None, x: float | list[float]) -> None:
+    """One value, on the host now, in place of its tensor."""
+    if label is None:
+        setattr(into, name, x)
+    else:
+        getattr(into, name)[label] = x
+
+
+def unpack(values: list[float], layout: list[Slice], into: DeviceStep) -> None:
     offset = 0
-    for key, length in layout:
-        if key in _VECTORS:
-            into[key] = values[offset : offset + length]
-        else:
-            into[key] = values[offset]
+    for name, label, length in layout:
+        _put(into, name, label, values[offset : offset + length] if name in VECTORS else values[offset])
         offset += length
 
 
-def _read_cpu(parts: list[tuple[Any, Any]], into: dict[Any, Any], zero_d: bool = False) -> None:
+def _read_cpu(parts: list[Part], into: DeviceStep, zero_d: bool = False) -> None:
     """CPU tensors' values, in the step's one host read (host memory: nothing to wait for).
     ``zero_d``: every one is a 0-d float tensor (a loss and a norm, the usual): one ``tolist()``
     of the one tensor, or of their ``stack`` (the float dtypes promote to one that holds each
@@ -118,24 +162,32 @@ def _read_cpu(parts: list[tuple[Any, Any]], into: dict[Any, Any], zero_d: bool =
     torch = loaded.torch  # CPU tensors: torch is loaded
     if zero_d:
         if len(parts) == 1:
-            key, value = parts[0]
+            name, label, value = parts[0]
             x = value.tolist()  # the step's one host read: a 0-d CPU tensor's value, no sync
-            into[key] = [x] if key in _VECTORS else x
+            if label is None:
+                setattr(into, name, [x] if name in VECTORS else x)
+            else:
+                _put(into, name, label, x)
             return
         # The step's one host read: one stack, one tolist() (not one read per tensor, which the
         # benchmarks count as a transfer each, and which would be a sync each on a device).
-        read = torch.stack([value for _, value in parts]).tolist()
-        for (key, _), x in zip(parts, read):
-            into[key] = [x] if key in _VECTORS else x
+        read = torch.stack([value for _, _, value in parts]).tolist()
+        for (name, label, _), x in zip(parts, read):
+            if label is None:
+                setattr(into, name, [x] if name in VECTORS else x)
+            else:
+                _put(into, name, label, x)
         return
-    tensors = [value for _, value in parts]
+    tensors = [value for _, _, value in parts]
     flats = [t.reshape(-1) if t.dtype == torch.float64 else t.reshape(-1).double() for t in tensors]
     packed = torch.cat(flats) if len(flats) > 1 else flats[0]
-    unpack(_as_float_list(packed), [(key, flat.numel()) for (key, _), flat in zip(parts, flats)], into)  # one host read
+    layout = [(name, label, flat.numel()) for (name, label, _), flat in zip(parts, flats)]
+    unpack(_as_float_list(packed), layout, into)  # the step's one host read
 
 
-def _as_float_list(t: Any) -> list[float]:
-    return t.tolist()
+def _as_float_list(t: TensorLike) -> list[float]:
+    floats: list[float] = t.tolist()  # a 1-d float64 tensor: a list of floats
+    return floats
 
 
 def with_lock_or_skip(lock: threading.Lock, timeout: float, fn: Callable[[], None]) -> bool:
@@ -181,43 +233,23 @@ class DeviceTransfer:
         wall: float,
         duration: float | None,
         epoch: float | None,
-        values: dict[Any, Any],
+        values: DeviceStep,
         layer_names: list[str],
         now: float | None = None,
     ) -> None:
-        """Pack ``values`` (floats and tensors) into one record and start its host copy.
+        """Pack the tensors of ``values`` into one and start its host copy (floats stay as they are).
 
         ``now``: ``time.perf_counter()`` at the call, when the caller has read it already."""
         now = time.perf_counter() if now is None else now
-        host: dict[Any, Any] = {}
         device_parts: list[Any] = []
-        cpu_parts: list[tuple[Any, Any]] = []
-        layout: list[tuple[Any, int]] = []
-        device = None
-        has_lrs, has_components, has_signals = 0, False, False
+        cpu_parts: list[Part] = []
+        layout: list[Slice] = []
+        device: DeviceLike | None = None  # set with the first device part
         zero_d = True  # every CPU tensor so far a 0-d float one
-        for key, value in values.items():
-            if type(key) is tuple:  # ("lr" | "signal" | "component", name): what the applier looks for
-                kind = key[0]
-                if kind == "lr":
-                    has_lrs += 1
-                elif kind == "signal":
-                    has_signals = True
-                else:
-                    has_components = True
-            if type(value) is float:
-                host[key] = value
-                continue
-            if value is None:
-                continue
-            # Not a float: a tensor (inputs bound torch's names on seeing one; else bound here) or a host value.
-            if not isinstance(value, loaded.Tensor) and (
-                loaded.torch is not None or loaded.refresh() is None or not isinstance(value, loaded.Tensor)
-            ):
-                host[key] = value
-                continue
+        for part in _tensors(values):
+            value = part[2]
             if value.is_cpu:
-                cpu_parts.append((key, value))
+                cpu_parts.append(part)
                 if zero_d and (value.dtype not in loaded.FLOAT_DTYPES or value.dim()):
                     zero_d = False
                 continue
@@ -231,41 +263,34 @@ class DeviceTransfer:
             elif flat.device != device:
                 flat = flat.to(device, non_blocking=True)
             device_parts.append(flat)
-            layout.append((key, flat.numel()))
+            layout.append((part[0], part[1], flat.numel()))
 
         if cpu_parts:  # CPU tensors: reading them waits for nothing
             self.host_transfers += 1
-            _read_cpu(cpu_parts, host, zero_d)
+            _read_cpu(cpu_parts, values, zero_d)
 
-        record = PendingStep(
-            step, wall, duration, epoch, host, layout, None, None, layer_names, has_lrs, has_components, has_signals
-        )
-        if not device_parts:
+        record = PendingStep(step, wall, duration, epoch, values, layout, None, None, layer_names)
+        if device is None:  # no device part: the values are on the host already
             self._apply_or_queue(record, now)
             return
-        if device_parts:
-            packed = loaded.torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
-            if device.type == "cuda" and self.defer:
-                # The step's one device->host transfer, asynchronous: read at a later observe()
-                # (or scrape) once its event is done.
-                record.packed, record.event = start_host_copy(packed)
-            else:
-                # The step's one device->host transfer, synchronous (waits for the step's kernels).
-                record.packed = packed.cpu()
+        packed = loaded.torch.cat(device_parts) if len(device_parts) > 1 else device_parts[0]
+        if device.type == "cuda" and self.defer:
+            # The step's one device->host transfer, asynchronous: read at a later observe()
+            # (or scrape) once its event is done.
+            record.packed, record.event = start_host_copy(packed)
+        else:
+            # The step's one device->host transfer, synchronous (waits for the step's kernels).
+            record.packed = packed.cpu()
         with self.lock:
             self.pending.append(record)
             self.last_submit = now
             self._drain_locked(block=False, may_wait=True)
 
-    def submit_host(
-        self, step: int, wall: float, duration: float | None, host: dict[Any, Any], has_lrs: int, now: float
-    ) -> None:
-        """:meth:`submit` of a step whose values are all host floats already (``host``: ``"loss"``,
-        ``"grad_norm"``, ``("lr", "0")``), without the scan of its values: applied now, or queued
-        behind the steps in flight."""
-        self._apply_or_queue(
-            PendingStep(step, wall, duration, None, host, _NO_PARTS, None, None, _NO_PARTS, has_lrs), now
-        )
+    def submit_host(self, step: int, wall: float, duration: float | None, values: DeviceStep, now: float) -> None:
+        """:meth:`submit` of a step whose values are all host floats already (a loss, a gradient
+        norm, one learning rate), without the scan of its values: applied now, or queued behind
+        the steps in flight."""
+        self._apply_or_queue(PendingStep(step, wall, duration, None, values, _NO_PARTS, None, None, _NO_PARTS), now)
 
     def _apply_or_queue(self, record: PendingStep, now: float) -> None:
         """A record with its values on the host: applied now when nothing is in flight before it
@@ -326,5 +351,5 @@ class DeviceTransfer:
             pending.popleft()
             if record.packed is not None:
                 self.host_transfers += 1
-                unpack(_as_float_list(record.packed), record.layout, record.host)
+                unpack(_as_float_list(record.packed), record.layout, record.values)
             self.apply(record)
