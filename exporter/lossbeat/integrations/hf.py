@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import threading
 from typing import Any
 
@@ -521,7 +522,7 @@ def _find_trainer() -> Any:
         from transformers import Trainer
     except ImportError:  # pragma: no cover - the callback needs transformers
         return None
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(8):
         if frame is None:
             return None
