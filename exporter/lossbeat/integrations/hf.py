@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 import threading
+import types
 from typing import Any
 
 import torch
