@@ -422,16 +422,7 @@ class Monitor:
         if completed or self.state.halted:  # a halted run lingers too: Prometheus reads training_halted
             if self._server is not None:  # until each scraper has read it
                 lifecycle.linger(self._server.scrapers, time.monotonic(), self.config.linger_seconds)
-        # After the linger, before the port closes: Prometheus drops the target having read the
-        # marker, no up=0; a crash leaves the entry for the prune, and the vanished series page.
-        if self._registration is not None:
-            self._registration.remove()
-        if self._server is not None:
-            self._server.close()
-        self._cross_rank.close()
-        for collector in (self._collector, self._cross_rank_collector):
-            with contextlib.suppress(KeyError):
-                self.registry.unregister(collector)
+        _stop_serving(self)
         lifecycle.process.forget(self)
         if halt is not None and completed:  # the stop the user asked for, not raised by a step yet
             raise halt
@@ -486,3 +477,17 @@ def _error_counter(state: MonitorState, where: str) -> Callable[[], None]:
         state.count_error(where)
 
     return count
+
+
+def _stop_serving(monitor: Monitor) -> None:
+    """After the linger, before the port closes: the file_sd entry goes first, so Prometheus drops
+    the target having read the completion marker (no up=0; a crash leaves the entry for the prune,
+    and the vanished series page); then the server, the cross-rank hooks and the collectors."""
+    if monitor._registration is not None:
+        monitor._registration.remove()
+    if monitor._server is not None:
+        monitor._server.close()
+    monitor._cross_rank.close()
+    for collector in (monitor._collector, monitor._cross_rank_collector):
+        with contextlib.suppress(KeyError):
+            monitor.registry.unregister(collector)
