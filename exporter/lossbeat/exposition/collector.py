@@ -43,9 +43,13 @@ class MonitorCollector(Collector):
         self._before_scrape = before_scrape
         """Applies device values that arrived since the training thread last looked (never waits)."""
         self._layer_lines: LayerLines | None = None
+        self.ready: Callable[[], bool] | None = None
+        """While this returns False a scrape renders none of the run's series (a gap, not zeros)."""
         # Who scrapes, and how often, is the endpoint's: lossbeat.exposition.scrapers, per scraper.
 
     def collect(self) -> Iterator[Metric]:
+        if self.ready is not None and not self.ready():
+            return
         s = self._state
         try:
             if self._before_scrape is not None:

@@ -340,6 +340,17 @@ class Monitor:
         measures from the latest step, evaluation, phase change or heartbeat. Cheap: no sync."""
         self.state.last_activity_time = time.time()
 
+    def time_next_step_from(self, started: float | None) -> None:
+        """Measure the next ``observe()``'s step duration from ``started`` (a ``time.perf_counter()``
+        value) instead of the last ``observe()``; None: the next step has no duration. For a caller
+        that replays steps timed elsewhere, as ``lossbeat watch`` does with a log's records."""
+        self._steps.last_perf = started
+
+    def hold_scrapes(self, ready: Callable[[], bool]) -> None:
+        """Until ``ready()`` is true a scrape renders none of this run's series: Prometheus sees a
+        gap, never counters at a value they are about to leave (``lossbeat watch`` replaying a log)."""
+        self._collector.ready = ready
+
     def _set_phase(self, name: str) -> None:
         current, since, totals = self.state.phase
         now = time.monotonic()

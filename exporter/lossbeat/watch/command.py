@@ -82,15 +82,9 @@ class MonitorFeed:
         gets no run series: a gap, after which the counters come back at their values, which
         the rules read as no new event. A watcher with nothing to replay (the log not written
         yet, ``--tail``) serves from the start."""
-        collector = monitor._collector
-        collect = collector.collect
-
-        def gated():
-            if not self._replayed.is_set() and not (self.reading and self._replayed.wait(REPLAY_SCRAPE_WAIT)):
-                return iter(())
-            return collect()
-
-        collector.collect = gated  # type: ignore[method-assign]  # this instance's scrapes wait for the replay
+        monitor.hold_scrapes(
+            lambda: self._replayed.is_set() or (self.reading and self._replayed.wait(REPLAY_SCRAPE_WAIT))
+        )
         return monitor
 
     def release_scrapes(self) -> None:
@@ -109,12 +103,12 @@ class MonitorFeed:
         m = self.monitor
         now = time.perf_counter()
         if self.replaying or self._last_read is None:
-            m._steps.last_perf = None  # a replayed record took no training time: no step duration
+            m.time_next_step_from(None)  # a replayed record took no training time: no step duration
         elif step > self._last_read[1]:
             # The Monitor's step time is the time since its last observe: here, the time per step
             # over the logging interval (a record every N steps is N steps apart).
             last_time, last_step = self._last_read
-            m._steps.last_perf = now - (now - last_time) / (step - last_step)
+            m.time_next_step_from(now - (now - last_time) / (step - last_step))
         self._last_read = None if self.replaying else (now, step)
         metrics, self._metrics = self._metrics or None, {}
         m.observe(step, loss=loss, grad_norm=grad_norm, learning_rate=learning_rate, epoch=epoch, metrics=metrics)
