@@ -1177,9 +1177,11 @@ def test_the_float_shortcut_builds_what_the_general_path_builds():
                 "grad_norm": s.grad_norm,
                 "recent": [tuple(str(x) for x in r) for r in s.recent.snapshot()],
                 "windows": (h.steps_seen, h.grad_records, list(h.grad_norms.last(50)), h.loss.noise, h.grad.median),
-                "findings": [
-                    (f.check, f.status, f.message) for f in m.report().findings if f.check != "throughput"
-                ],  # steps/s: the machine's, not the record's
+                "findings": [  # steps/s and memory are the machine's and the process's, not the record's
+                    (f.check, f.status, f.message)
+                    for f in m.report().findings
+                    if f.check not in ("throughput", "memory")
+                ],
                 "errors": dict(s.errors),
             }
         )
