@@ -24,6 +24,7 @@ from lossbeat.analyze.checklist import ITEMS as CHECKLIST_ITEMS
 from lossbeat.diagnosis.thresholds import Thresholds
 from lossbeat.exposition.metrics import METRICS
 from lossbeat.mixin.generated import add_generator_arguments, output_root, sync_files, thresholds_for
+from lossbeat.mixin.heatmaps import heatmap_options as heatmap_options_for
 from lossbeat.mixin.moe_rl_dashboard import OPTIONAL_METRICS as MOE_RL_METRICS
 from lossbeat.mixin.moe_rl_dashboard import moe_rl_panels
 
@@ -610,29 +611,10 @@ def _layers_panels(t: Thresholds) -> list[dict]:
     norm = _selector("training_layer_grad_norm")
     exploding, vanishing = f"{norm} > {_num(g.layer_explosion)}", f"{norm} < {_num(g.layer_vanishing)}"
     layer_steps = _thresholds("blue", (g.layer_vanishing, "green"), (g.layer_explosion, "red"))
-    heatmap_options = {
-        "calculate": False,
-        "cellGap": 1,
-        "color": {
-            "exponent": 0.5,
-            "fill": "dark-orange",
-            "mode": "scheme",
-            "reverse": False,
-            "scale": "linear",
-            "scheme": "Spectral",
-            "steps": 64,
-            # The colour scale spans exactly the healthy per-layer range: clipped at both ends.
-            "min": math.log10(g.layer_vanishing),
-            "max": math.log10(g.layer_explosion),
-        },
-        "exemplars": {"color": "rgba(255,0,255,0.7)"},
-        "filterValues": {"le": 1e-9},
-        "legend": {"show": True},
-        "rowsFrame": {"layout": "auto"},
-        "showValue": "never",
-        "tooltip": {"mode": "single", "showColorScale": True, "yHistogram": False},
-        "yAxis": {"axisPlacement": "left", "reverse": True},
-    }
+    # The colour scale spans exactly the healthy per-layer range: clipped at both ends.
+    heatmap_options = heatmap_options_for(
+        "Spectral", min=math.log10(g.layer_vanishing), max=math.log10(g.layer_explosion)
+    )
     return [
         _stat(
             "Exploding layers",
@@ -739,26 +721,7 @@ def _cluster_panels(t: Thresholds) -> list[dict]:
     run_info = _selector("training_run_info")
     work = _selector("training_rank_work_seconds")
     aligned = _selector("training_grad_norm_aligned")
-    heatmap_options = {
-        "calculate": False,
-        "cellGap": 1,
-        "color": {
-            "exponent": 0.5,
-            "fill": "dark-orange",
-            "mode": "scheme",
-            "reverse": False,
-            "scale": "linear",
-            "scheme": "Oranges",
-            "steps": 64,
-        },
-        "exemplars": {"color": "rgba(255,0,255,0.7)"},
-        "filterValues": {"le": 1e-9},
-        "legend": {"show": True},
-        "rowsFrame": {"layout": "auto"},
-        "showValue": "never",
-        "tooltip": {"mode": "single", "showColorScale": True, "yHistogram": False},
-        "yAxis": {"axisPlacement": "left", "reverse": False},
-    }
+    heatmap_options = heatmap_options_for("Oranges", rows_reversed=False)
     return [
         _timeseries(
             "Ranks reporting",

@@ -13,6 +13,7 @@ from typing import Callable
 
 from lossbeat.diagnosis.moe import ROUTER_LOSSES
 from lossbeat.diagnosis.thresholds import Thresholds
+from lossbeat.mixin.heatmaps import heatmap_options as heatmap_options_for
 
 __all__ = ["moe_rl_panels", "OPTIONAL_METRICS"]
 
@@ -33,29 +34,10 @@ def moe_rl_panels(
     dead = f"{selector('training_moe_dead_experts')} / {selector('training_moe_experts')}"
     routers = "|".join(sorted(ROUTER_LOSSES))
     signal = lambda names: selector("training_signal", matchers=f'signal=~"{names}"')  # noqa: E731
-    heatmap_options = {
-        "calculate": False,
-        "cellGap": 1,
-        "color": {
-            "exponent": 0.5,
-            "fill": "dark-orange",
-            "mode": "scheme",
-            "scale": "linear",
-            "scheme": "RdYlGn",
-            "steps": 64,
-            # Green at a uniform load (1), red from the collapse bound up.
-            "min": 1.0,
-            "max": float(moe.imbalance_max),
-            "reverse": True,
-        },
-        "exemplars": {"color": "rgba(255,0,255,0.7)"},
-        "filterValues": {"le": -math.inf},
-        "legend": {"show": True},
-        "rowsFrame": {"layout": "auto"},
-        "showValue": "never",
-        "tooltip": {"mode": "single", "showColorScale": True, "yHistogram": False},
-        "yAxis": {"axisPlacement": "left", "reverse": True},
-    }
+    # Green at a uniform load (1), red from the collapse bound up; no cell is hidden.
+    heatmap_options = heatmap_options_for(
+        "RdYlGn", reverse_colours=True, hide_below=-math.inf, min=1.0, max=float(moe.imbalance_max)
+    )
     return [
         panel(
             "heatmap",
