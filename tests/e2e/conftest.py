@@ -16,6 +16,7 @@ import yaml
 from conftest import require_binary
 
 from lossbeat.diagnosis.thresholds import load_thresholds
+from lossbeat.mixin.alert_rules import LOOKBACK_GROUP
 from lossbeat.mixin.rules import render_rules, render_stage_rules
 from lossbeat.mixin.stages import STAGES
 from lossbeat.stack.local import Stack, write_target_groups
@@ -52,16 +53,36 @@ def e2e_thresholds(e2e_overrides, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def e2e_rules(e2e_thresholds, tmp_path_factory) -> Path:
+def lookback_interval() -> str | None:
+    """The lookback group's evaluation interval in this module's rules, or None for the shipped
+    one (every minute). A module that waits on the event counters' memory scales it down with
+    its event window, as the other thresholds are scaled down for seconds-long tests."""
+    return None
+
+
+def _retime_lookback_group(text: str, interval: str) -> str:
+    doc = yaml.safe_load(text)
+    groups = [g for g in doc["groups"] if g["name"] == LOOKBACK_GROUP]
+    assert len(groups) == 1, [g["name"] for g in doc["groups"]]
+    groups[0]["interval"] = interval
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+@pytest.fixture(scope="module")
+def e2e_rules(e2e_thresholds, lookback_interval, tmp_path_factory) -> Path:
     """rules.yml from the test thresholds, and its two stages beside it (rules-shard.yml,
     rules-global.yml): what `lossbeat rules --output-dir` writes there (tests/test_generate.py runs
     the command), rendered in this process without the promtool tests, whose healthy shapes'
     replay would cost each module's stack 3 CPU-s."""
     out = tmp_path_factory.mktemp("rules")
     thresholds = load_thresholds(e2e_thresholds)
-    (out / "rules.yml").write_text(render_rules(thresholds), encoding="utf-8")
+    rendered = {"rules.yml": render_rules(thresholds)}
     for stage in STAGES:
-        (out / f"rules-{stage}.yml").write_text(render_stage_rules(thresholds, stage), encoding="utf-8")
+        rendered[f"rules-{stage}.yml"] = render_stage_rules(thresholds, stage)
+    for name, text in rendered.items():
+        if lookback_interval is not None and LOOKBACK_GROUP in text:
+            text = _retime_lookback_group(text, lookback_interval)
+        (out / name).write_text(text, encoding="utf-8")
     return out / "rules.yml"
 
 

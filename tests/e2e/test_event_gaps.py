@@ -14,12 +14,27 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from lossbeat.stack.local import write_target_groups
 
 from .e2e_harness import free_port, terminate, wait_for_page, wait_until
+from .stack_config import MEMORY_LOOKBACK_INTERVAL, MEMORY_THRESHOLDS, MEMORY_WATCH_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "e2e-event-gap"
+
+
+@pytest.fixture(scope="module")
+def e2e_overrides() -> dict:
+    return MEMORY_THRESHOLDS
+
+
+@pytest.fixture(scope="module")
+def lookback_interval() -> str:
+    return MEMORY_LOOKBACK_INTERVAL
+
+
 # One NaN loss at step 5, then a healthy run (10 steps/s) until killed.
 EXPORTER = """
 import math, sys, time
@@ -52,8 +67,7 @@ def test_a_nan_pages_once_across_a_scrape_gap(stack, prometheus, receiver, tmp_p
         time.sleep(2)
         proc.send_signal(signal.SIGCONT)
         wait_until(lambda: prometheus.query(f'up{{job="{JOB}"}} == 1'), 60, "scrapes answered again")
-        # Watch past the event window (1 m in these thresholds) and the lookback group's minute.
-        deadline = time.monotonic() + 100
+        deadline = time.monotonic() + MEMORY_WATCH_SECONDS
         while time.monotonic() < deadline:
             again = prometheus.alerts(alertname="TrainingLossNaN", job=JOB)
             assert not again, f"the old NaN paged again after the gap: {again}"

@@ -1,6 +1,6 @@
 """An old event does not page again after a Prometheus restart, end to end: a real Prometheus
 (its own, on the generated rules) scrapes a real exporter whose only NaN fired and ended; it is
-stopped for longer than its lookback delta (2 m here, 5 m by default: nothing before the
+stopped for longer than its lookback delta (30 s here, 5 m by default: nothing before the
 outage is an instant sample any more) and started again on the same TSDB. The NaN counter comes
 back at its value: no new event (the rules before read it as a new series and fired at once).
 """
@@ -13,15 +13,30 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from lossbeat.stack.local import find_binary
 
 from .e2e_harness import Prometheus, free_port, terminate, wait_until
+from .stack_config import MEMORY_LOOKBACK_INTERVAL, MEMORY_THRESHOLDS, MEMORY_WATCH_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
-LOOKBACK_DELTA = 120
-"""Prometheus's --query.lookback-delta here (default 300 s): the outage needs to outlast it."""
+
+
+@pytest.fixture(scope="module")
+def e2e_overrides() -> dict:
+    return MEMORY_THRESHOLDS
+
+
+@pytest.fixture(scope="module")
+def lookback_interval() -> str:
+    return MEMORY_LOOKBACK_INTERVAL
+
+
+LOOKBACK_DELTA = 30
+"""Prometheus's --query.lookback-delta here (default 300 s): the outage needs to outlast it, and it
+must outlast the lookback group's interval, whose rules read their own previous sample."""
 EXPORTER = """
 import math, sys, time
 from lossbeat import start_exporter
@@ -85,18 +100,17 @@ def test_an_old_nan_does_not_page_after_a_prometheus_restart(servers, e2e_rules,
     try:
         wait_until(lambda: _ask(lambda: prom.firing("TrainingLossNaN", job="restart")), 180, "the NaN to fire")
         wait_until(lambda: not prom.alerts(alertname="TrainingLossNaN", job="restart"), 240, "the NaN alert to end")
-        # The rules that remember the counter (the lookback group's, every minute) have done so.
+        # The rules that remember the counter (the lookback group's) have done so.
         memory = "job_run_id_instance_rank:training_nonfinite_loss:last_nonzero"
         if prom.rule_queries(memory):
             wait_until(lambda: prom.query(f'{memory}{{job="restart"}} == 1'), 120, "the counter remembered")
         terminate(server)
-        time.sleep(LOOKBACK_DELTA + 30)
+        time.sleep(LOOKBACK_DELTA + 10)
         server = _prometheus(config, tmp_path / "data", prom_port, tmp_path / "prometheus.log")
         wait_until(
             lambda: _ask(lambda: prom.query('training_nonfinite_loss_total{job="restart"} == 1')), 120, "scrapes again"
         )
-        # Watch past the event window (1 m in these thresholds) and a lookback-group minute.
-        deadline = time.monotonic() + 100
+        deadline = time.monotonic() + MEMORY_WATCH_SECONDS
         while time.monotonic() < deadline:
             again = prom.alerts(alertname="TrainingLossNaN", job="restart")
             assert not again, f"the old NaN fired again after the restart: {again}"

@@ -15,12 +15,25 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from lossbeat.stack.local import write_target_groups
 
 from .e2e_harness import free_port, terminate, wait_for_page, wait_until
+from .stack_config import MEMORY_LOOKBACK_INTERVAL, MEMORY_THRESHOLDS, MEMORY_WATCH_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "e2e-watch-restart"
+
+
+@pytest.fixture(scope="module")
+def e2e_overrides() -> dict:
+    return MEMORY_THRESHOLDS
+
+
+@pytest.fixture(scope="module")
+def lookback_interval() -> str:
+    return MEMORY_LOOKBACK_INTERVAL
 
 
 def _line(step: int) -> str:
@@ -69,7 +82,7 @@ def test_a_restarted_watcher_does_not_page_an_old_nan(stack, prometheus, receive
             120,
             "the restarted watcher scraped",
         )
-        deadline = time.monotonic() + 100
+        deadline = time.monotonic() + MEMORY_WATCH_SECONDS
         while time.monotonic() < deadline:
             again = prometheus.alerts(alertname="TrainingLossNaN", job=JOB)
             assert not again, f"the old NaN paged again after the watcher's restart: {again}"
