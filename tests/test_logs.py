@@ -312,6 +312,7 @@ def test_formats_list_is_complete():
         "nanochat",
         "olmo",
         "torchtitan",
+        "openrlhf",
         "kv-stdout",
         "tensorboard",
         "mlflow",

@@ -3,12 +3,14 @@ tokenizer built here, saved to a temporary folder: no download): the lossbeat HF
 TRL's logged entropy and KL to the monitor. A healthy run is silent; a policy forced to collapse
 (its final norm scaled up after a few steps: near-deterministic, far from the reference) is named
 (rl_entropy and rl_kl judged a danger) and paged (promtool over the monitor's own scrape), and
-``lossbeat analyze`` finds the same in the run's trainer_state.json. Plus the names of verl,
-OpenRLHF and prime-rl, and the checks on plain series."""
+``lossbeat analyze`` finds the same in the run's trainer_state.json, and in verl's and OpenRLHF's
+console logs. Plus the names of verl, OpenRLHF and prime-rl, and the checks on plain series."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 from conftest import require_module
@@ -262,3 +264,55 @@ def test_analyze_reads_verl_console_logs_names(tmp_path):
     assert collapsed.reached("rl_kl", status=collapsed.status.DANGER)
     healthy = analyze_file(good)
     assert not healthy.reached("rl_entropy") and not healthy.reached("rl_kl")
+
+
+OPENRLHF = Path(__file__).resolve().parent / "data" / "formats"  # written by OpenRLHF's own statements
+
+
+def _openrlhf_status(name: str, step: int) -> dict[str, float]:
+    """The status dict OpenRLHF printed at ``step``, read back with Python's own parser."""
+    import ast
+
+    for line in (OPENRLHF / name / "train.log").read_text(encoding="utf-8").splitlines():
+        if m := re.search(r"Global step (\d+): (\{.*\})$", line):
+            if int(m.group(1)) == step:
+                return ast.literal_eval(m.group(2))
+    raise AssertionError(f"no status line for step {step}")
+
+
+def test_openrlhf_console_log_is_read_with_its_names_mapped_to_the_signals():
+    from lossbeat.logs import detect_format, parse_log
+
+    path = OPENRLHF / "openrlhf-collapsed" / "train.log"
+    assert detect_format(path) == "openrlhf"
+    log = parse_log(path)
+    assert [r.step for r in log.train] == list(range(1, 81))  # the progress bars between them are skipped
+    assert sum(log.counts.skipped.values()) == 80 and not log.counts.unreadable
+    status = _openrlhf_status("openrlhf-collapsed", 30)
+    record = log.train[29]
+    assert (record.loss, record.grad_norm, record.learning_rate) == (
+        status["policy_loss"],
+        status["actor_grad_norm"],
+        status["actor_lr"],
+    )
+    signals = {name: dict(points) for name, points in log.signals.items()}
+    assert signals["entropy"][30] == status["entropy_loss"]  # OpenRLHF's entropy_loss is the mean entropy
+    assert signals["kl"][30] == status["kl"] and signals["ppo_kl"][30] == status["ppo_kl"]
+    assert signals["ppo_clip_ratio"][30] == status["ppo_clip_ratio"]
+    assert signals["reward"][30] == status["reward"] and signals["reward_std"][30] == status["group_reward_std"]
+
+
+def test_analyze_names_an_openrlhf_entropy_collapse_and_kl_explosion_and_exits_1(capsys):
+    from lossbeat.cli import main
+
+    t = load_thresholds()
+    healthy = OPENRLHF / "openrlhf-healthy" / "train.log"
+    collapsed = OPENRLHF / "openrlhf-collapsed" / "train.log"
+    assert main(["analyze", str(healthy)]) == 0
+    out = capsys.readouterr().out
+    assert "judged as profile rl" in out and "DANG" not in out
+    assert re.search(r"ok +rl_entropy", out) and re.search(r"ok +rl_kl", out)
+    assert main(["analyze", str(collapsed)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"DANG +rl_entropy +the policy's entropy fell to", out), out
+    assert re.search(rf"DANG +rl_kl .* above {t.rl_policy.kl_bound:g}", out), out

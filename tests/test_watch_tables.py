@@ -208,3 +208,27 @@ def test_table_formats_written_line_by_line_are_read_as_offline(tmp_path, name, 
     w.stop()
     t.join(20)
     out.close()
+
+
+def test_openrlhf_console_followed_live_feeds_the_rl_signals_and_names_the_collapse(tmp_path):
+    lines = (FORMATS / "openrlhf-collapsed" / "train.log").read_text(encoding="utf-8").splitlines()
+    log = tmp_path / "train.log"
+    out = Writer(log, "w")
+    w, t, result = start(log, idle_timeout=30)
+    for line in lines:  # the actors' progress bars and the trainer's status lines, as Ray prints them
+        out.write(line + "\n")
+    wait_for(records_are(w, 80), "every status line")
+    w.monitor.flush()
+    m = scrape(w.monitor.port)
+    last = lines[-1]
+    assert w.builder.format == "openrlhf" and w.builder.counts.train == 80
+    assert value(m, "training_step") == 80
+    assert value(m, "training_loss") == pytest.approx(float(last.split("'policy_loss': ")[1].split(",")[0]))
+    assert signal(m, "entropy") == pytest.approx(float(last.split("'entropy_loss': ")[1].split(",")[0]))
+    assert signal(m, "kl") == pytest.approx(float(last.split("'kl': ")[1].split(",")[0]))
+    assert w.monitor._judge.thresholds.profile.name == "rl"
+    found = {f.check: f.status.name for f in w.monitor.findings}
+    assert found["rl_entropy"] == "DANGER" and found["rl_kl"] == "DANGER", found
+    w.stop()
+    t.join(20)
+    out.close()

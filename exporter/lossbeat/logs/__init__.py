@@ -16,6 +16,7 @@ Formats (auto-detected by :func:`detect_format`, see docs/analyze.md):
 * ``nanochat``: karpathy/nanochat base / mid / SFT prints (``step 00123/05000 (2.46%) | loss: ...``)
 * ``olmo``: OLMo / OLMo-core console metrics (``[step=123/1000,epoch=0]`` then ``    train/CE loss=3.45``)
 * ``torchtitan``: torchtitan stdout (``step: 10  loss:  7.93  grad_norm:  1.23  memory: ...``)
+* ``openrlhf``: OpenRLHF's PPO / GRPO status lines (``✨ Global step 12: {'policy_loss': ..., 'kl': ...}``)
 * ``kv-stdout``: other printed ``key: value`` records with a step counter and a loss
   (DeepSpeed-Chat's ``epoch: 0|step: 3|...|act_loss: ...``, ``batch: 9, ..., loss: 55.8``)
 * ``tensorboard``: TensorBoard event files, or a directory of them (the ``tensorboard`` extra)
@@ -58,6 +59,7 @@ from lossbeat.logs.records import (
     RecordBuilder,
     TrainRecord,
 )
+from lossbeat.logs.rl_logs import OPENRLHF_STEP, parse_openrlhf
 from lossbeat.logs.source import Source, compressed, head_lines, open_source
 from lossbeat.logs.stdout_logs import (
     BUILD_NANOGPT,
@@ -123,6 +125,7 @@ FORMATS: tuple[str, ...] = (
     "nanochat",
     "olmo",
     "torchtitan",
+    "openrlhf",
     "kv-stdout",
     "tensorboard",
     "mlflow",
@@ -149,6 +152,7 @@ _LINE_FORMATS: dict[str, Callable[[Source, RecordBuilder], None]] = {
     "nanochat": parse_nanochat,
     "olmo": parse_olmo,
     "torchtitan": parse_torchtitan,
+    "openrlhf": parse_openrlhf,
     "kv-stdout": parse_kv_stdout,
     "sb3": parse_sb3,
     "detectron2": parse_detectron2,
@@ -193,6 +197,8 @@ def _detect(src: Source) -> str:
         return "lightning"
     # printed logs: lines unwrapped from JSON streams, without colour codes and launcher/logger prefixes
     text = head_lines(src)
+    if any(OPENRLHF_STEP.search(line) for line in text):
+        return "openrlhf"
     if any(re.match(r"^s:\d+\s+(trl|tel):", line) for line in text):
         return "llmc"
     if any(LLMC_STDOUT.match(line) and "loss" in line for line in text):
