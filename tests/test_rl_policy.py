@@ -129,11 +129,19 @@ def test_trl_grpo_healthy_policy_is_silent(healthy, tmp_path):
     monitor, logs, _ = healthy
     logged = [r for r in logs if "entropy" in r]
     assert len(logged) == STEPS
-    # The callback observes each step itself and passes a step's logged values with the next one:
-    # the last log of the run has no step after it.
-    assert monitor.history.signals["entropy"].count == STEPS - 1
-    assert monitor.state.signals["entropy"] == pytest.approx(logged[-2]["entropy"])
-    assert monitor.state.signals["kl"] == pytest.approx(logged[-2]["kl"])
+    # The callback observes each step itself and passes a step's logged values with the next one;
+    # the run's last log, which no step follows, at the end of training: every log reaches it.
+    assert monitor.history.signals["entropy"].count == STEPS
+    assert monitor.state.signals["entropy"] == pytest.approx(logged[-1]["entropy"])
+    assert monitor.state.signals["kl"] == pytest.approx(logged[-1]["kl"])
+    scraped = {
+        line.split('signal="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in generate_latest(monitor.registry).decode().splitlines()
+        if line.startswith("training_signal{")
+    }
+    assert scraped["entropy"] == pytest.approx(logged[-1]["entropy"]) and scraped["kl"] == pytest.approx(
+        logged[-1]["kl"]
+    )
     assert monitor._judge.thresholds.profile.name == "rl"
     entropy, kl = _finding(monitor.findings, "rl_entropy"), _finding(monitor.findings, "rl_kl")
     assert entropy.status.name == "GOOD" and entropy.known, entropy
