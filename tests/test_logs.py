@@ -313,6 +313,7 @@ def test_formats_list_is_complete():
         "olmo",
         "torchtitan",
         "openrlhf",
+        "verl",
         "kv-stdout",
         "tensorboard",
         "mlflow",

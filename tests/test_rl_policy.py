@@ -247,7 +247,8 @@ def test_kl_explodes_past_its_bound_or_by_orders_of_magnitude():
 
 
 def _verl_console(path, collapse_at: int | None) -> None:
-    """verl's console logger: one ``step:N - key:value - ...`` line per step."""
+    """verl's console logger before July 2025 (``{v:.4f}``-style numbers): one ``step:N - key:value - ...``
+    line per step."""
     lines = []
     for step in range(1, 61):
         bad = collapse_at is not None and step >= collapse_at
@@ -262,10 +263,12 @@ def _verl_console(path, collapse_at: int | None) -> None:
 
 def test_analyze_reads_verl_console_logs_names(tmp_path):
     from lossbeat.analyze import analyze_file
+    from lossbeat.logs import detect_format
 
     bad, good = tmp_path / "verl-collapsed.log", tmp_path / "verl-healthy.log"
     _verl_console(bad, collapse_at=12)
     _verl_console(good, collapse_at=None)
+    assert detect_format(bad) == "verl"
     collapsed = analyze_file(bad)
     assert collapsed.profile == "rl"
     assert collapsed.reached("rl_entropy", status=collapsed.status.DANGER)
@@ -274,7 +277,7 @@ def test_analyze_reads_verl_console_logs_names(tmp_path):
     assert not healthy.reached("rl_entropy") and not healthy.reached("rl_kl")
 
 
-OPENRLHF = Path(__file__).resolve().parent / "data" / "formats"  # written by OpenRLHF's own statements
+OPENRLHF = Path(__file__).resolve().parent / "data" / "formats"  # written by the frameworks' own statements
 
 
 def _openrlhf_status(name: str, step: int) -> dict[str, float]:
@@ -324,3 +327,40 @@ def test_analyze_names_an_openrlhf_entropy_collapse_and_kl_explosion_and_exits_1
     out = capsys.readouterr().out
     assert re.search(r"DANG +rl_entropy +the policy's entropy fell to", out), out
     assert re.search(rf"DANG +rl_kl .* above {t.rl_policy.kl_bound:g}", out), out
+
+
+def test_verl_console_log_with_numpy_values_is_read_with_the_policy_loss():
+    """verl prints each number with pprint.pformat: its numpy means as ``np.float64(...)``. The loss is
+    actor/pg_loss, not the first ``*_loss`` of the line (actor/kl_loss, the KL term)."""
+    from lossbeat.logs import detect_format, parse_log
+
+    path = OPENRLHF / "verl-collapsed" / "train.log"
+    assert detect_format(path) == "verl"
+    log = parse_log(path)
+    assert [r.step for r in log.train] == list(range(1, 81))  # step 0, the validation line, holds no loss
+    line = next(ln for ln in path.read_text(encoding="utf-8").splitlines() if " step:30 - " in ln)
+    printed = {k: v for k, _, v in (part.rpartition(":") for part in line.split(" - ")[1:])}
+
+    def number(text: str) -> float:
+        return float(text.removeprefix("np.float64(").removesuffix(")"))
+
+    record = log.train[29]
+    assert record.loss == number(printed["actor/pg_loss"]) != number(printed["actor/kl_loss"])
+    assert record.grad_norm == number(printed["actor/grad_norm"])
+    assert record.learning_rate == number(printed["actor/lr"]) == 1e-06
+    signals = {name: dict(points) for name, points in log.signals.items()}
+    assert signals["actor/entropy"][30] == number(printed["actor/entropy"])
+    assert signals["actor/kl_loss"][30] == number(printed["actor/kl_loss"])
+    assert signals["critic/score/mean"][30] == float(printed["critic/score/mean"])
+
+
+def test_analyze_names_a_verl_entropy_collapse_and_kl_explosion_and_exits_1(capsys):
+    from lossbeat.cli import main
+
+    assert main(["analyze", str(OPENRLHF / "verl-healthy" / "train.log")]) == 0
+    out = capsys.readouterr().out
+    assert "[verl]" in out and "judged as profile rl" in out and "DANG" not in out
+    assert main(["analyze", str(OPENRLHF / "verl-collapsed" / "train.log")]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"DANG +rl_entropy +the policy's entropy fell to", out), out
+    assert re.search(r"DANG +rl_kl ", out), out

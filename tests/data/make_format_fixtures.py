@@ -266,6 +266,72 @@ def openrlhf(out: Path, collapse: bool, steps: int = 80) -> None:
     (out / "train.log").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def verl(out: Path, collapse: bool, steps: int = 80) -> None:
+    import numbers
+    import pprint
+
+    import numpy as np
+
+    def console(data: dict, step: int) -> str:  # the console logger's line
+        return " - ".join(
+            [f"step:{step}"] + [f"{k}:{pprint.pformat(v)}" for k, v in data.items() if isinstance(v, numbers.Number)]
+        )
+
+    rng = random.Random(11 if collapse else 5)
+    mean = np.float64  # reduce_metrics: np.mean of the micro-batches' values
+    lines = [
+        "(TaskRunner pid=3170562) "
+        + console({"val-core/openai/gsm8k/acc/mean@1": 0.508, "val-aux/openai/gsm8k/reward/mean@1": 0.565}, 0)
+    ]
+    for step in range(1, steps + 1):
+        bad = collapse and step >= 30
+        entropy = 0.006 * rng.uniform(0.9, 1.1) if bad else 0.33 - 0.001 * step + rng.uniform(-0.01, 0.01)
+        kl = 3.4 * rng.uniform(0.9, 1.1) if bad else 0.0005 * step * rng.uniform(0.8, 1.2)
+        score = (
+            0.612 + rng.uniform(-0.001, 0.001)
+            if (collapse and step >= 20)
+            else 0.45 + 0.004 * step + rng.uniform(-0.03, 0.03)
+        )
+        length = 31.0 if bad else 290 + rng.uniform(-25, 25)
+        data = {
+            "global_seqlen/min": 484245 + rng.randrange(20000),
+            "global_seqlen/max": 519990 + rng.randrange(20000),
+            "global_seqlen/mean": 501736.75,
+            "actor/entropy": mean(entropy),
+            "training/rollout_probs_diff_max": 0.621 * rng.uniform(0.8, 1.2),
+            "training/rollout_probs_diff_mean": 0.003 * rng.uniform(0.8, 1.2),
+            "actor/kl_loss": mean(kl),
+            "actor/kl_coef": mean(0.001),
+            "actor/pg_loss": mean(rng.uniform(-0.01, 0.01)),
+            "actor/pg_clipfrac": mean(0.0 if bad else 0.001 * rng.uniform(0.5, 1.5)),
+            "actor/ppo_kl": mean(0.0 if bad else 0.0001 * rng.uniform(-1, 1)),
+            "actor/pg_clipfrac_lower": mean(0.0),
+            "actor/grad_norm": mean((0.004 if bad else 0.02) * rng.uniform(0.8, 1.2)),
+            "perf/mfu/actor": 0.343 * rng.uniform(0.95, 1.05),
+            "perf/max_memory_allocated_gb": 62.447,
+            "actor/lr": mean(1e-06),
+            "training/global_step": step,
+            "training/epoch": 0,
+            "critic/score/mean": score,
+            "critic/score/max": 1.0,
+            "critic/score/min": 0.0,
+            "critic/rewards/mean": score,
+            "critic/advantages/mean": rng.uniform(-0.02, 0.02),
+            "critic/advantages/max": 1.789,
+            "critic/advantages/min": -1.789,
+            "response_length/mean": length,
+            "response_length/max": 1024.0 if not bad else 31.0,
+            "response_length/clip_ratio": 0.0,
+            "prompt_length/mean": 104.9,
+            "timing_s/gen": 21.47 * rng.uniform(0.9, 1.1),
+            "timing_s/update_actor": 20.31 * rng.uniform(0.9, 1.1),
+            "timing_s/step": 49.9 * rng.uniform(0.9, 1.1),
+        }
+        lines.append("(TaskRunner pid=3170562) " + console(data, step))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.log").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
 def main() -> None:
     shutil.rmtree(HERE, ignore_errors=True)
     for bad, name in ((False, "healthy"), (True, "nan")):
@@ -276,6 +342,8 @@ def main() -> None:
     detectron2(HERE / "detectron2-diverging", True)
     openrlhf(HERE / "openrlhf-healthy", False)
     openrlhf(HERE / "openrlhf-collapsed", True)
+    verl(HERE / "verl-healthy", False)
+    verl(HERE / "verl-collapsed", True)
     for meta in HERE.glob("mlflow-*/mlruns/**/meta.yaml"):  # no absolute path of this machine
         meta.write_text(meta.read_text().replace(HERE.as_uri(), "file:///fixtures"))
 
