@@ -34,7 +34,7 @@ def _thresholds():
     return dataclasses.replace(t, rl_policy=dataclasses.replace(t.rl_policy, min_records=MIN_RECORDS))
 
 
-def _grpo(tmp_path, *, collapse: bool):
+def _grpo(tmp_path, *, collapse: bool, monitor: Monitor | None = None):
     require_module("trl")
     require_module("datasets")
     import torch
@@ -79,7 +79,8 @@ def _grpo(tmp_path, *, collapse: bool):
     def distinct_words(completions, **kwargs):
         return [len(set(c.split())) / 8 for c in completions]
 
-    monitor = Monitor(MonitorConfig(thresholds=_thresholds()), serve=False)
+    if monitor is None:
+        monitor = Monitor(MonitorConfig(thresholds=_thresholds()), serve=False)
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"),
         max_steps=STEPS,
