@@ -314,6 +314,29 @@ def test_openrlhf_console_log_is_read_with_its_names_mapped_to_the_signals():
     assert signals["reward"][30] == status["reward"] and signals["reward_std"][30] == status["group_reward_std"]
 
 
+def test_openrlhf_async_trainers_status_line_is_read_too(tmp_path):
+    """The streaming async trainer (``ppo_trainer_async.py``) logs the same dict without the ✨."""
+    from lossbeat.logs import parse_log
+
+    lines = [
+        f"(PPOTrainer pid=7) INFO 08-13 19:25:{step:02d} ppo_trainer_async.py:244] Global step {step}: "
+        f"{{'policy_loss': {0.01 * step}, 'entropy_loss': {1.0 - 0.01 * step}, 'kl': 0.002, 'ppo_kl': 0.0001, "
+        f"'actor_lr': 1e-06, 'actor_grad_norm': np.float64(0.5), 'rollout/reward_mean': 0.25}}"
+        for step in range(1, 4)
+    ]
+    path = tmp_path / "async.log"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    log = parse_log(path)
+    assert log.format == "openrlhf"
+    assert [(r.step, r.loss, r.grad_norm, r.learning_rate) for r in log.train] == [
+        (1, 0.01, 0.5, 1e-06),
+        (2, 0.02, 0.5, 1e-06),
+        (3, 0.03, 0.5, 1e-06),
+    ]
+    signals = {name: dict(points) for name, points in log.signals.items()}
+    assert signals["entropy"] == {1: 0.99, 2: 0.98, 3: 0.97} and signals["reward"] == {1: 0.25, 2: 0.25, 3: 0.25}
+
+
 def test_analyze_names_an_openrlhf_entropy_collapse_and_kl_explosion_and_exits_1(capsys):
     from lossbeat.cli import main
 
