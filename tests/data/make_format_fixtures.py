@@ -40,6 +40,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "formats"
@@ -181,6 +182,7 @@ def openrlhf(out: Path, collapse: bool, steps: int = 80) -> None:
 
     rng = random.Random(7 if collapse else 3)
     formatter = logging.Formatter(OPENRLHF_FORMAT, OPENRLHF_DATE_FORMAT)
+    formatter.converter = time.gmtime  # the same file in any time zone
     actor_keys = [
         "policy_loss",
         "entropy_loss",
