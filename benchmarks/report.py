@@ -86,6 +86,16 @@ def targets(results: dict) -> list[dict]:
                 "ok": left <= HEAP_LEFT_BYTES,
             }
         )
+    moe = results.get("moe")
+    if moe:
+        rows.append(
+            {
+                "target": f"expert_load ({moe['layers']} layers x {moe['experts']} experts) adds no host read (CPU)",
+                "measured": f"{moe['host_reads_per_step']:.2f} host reads per step with it, "
+                f"{moe['host_reads_per_step_without']:.2f} without",
+                "ok": moe["host_reads_per_step"] <= moe["host_reads_per_step_without"],
+            }
+        )
     for r in results.get("render", []):
         if r["layers"] == 1000:
             rows.append(
@@ -166,6 +176,30 @@ def _counts_table(device: str, models: dict) -> list[str]:
             )
         lines.append("")
     return lines
+
+
+def _moe_section(m: dict) -> list[str]:
+    env = m.get("environment", {})
+    return [
+        f"## Mixture of experts: observe(expert_load=...) at {m['layers']} layers x {m['experts']} experts",
+        "",
+        f"`benchmarks/moe_cost.py` on {m['device']} (measured {env.get('date', '?')}, lossbeat at "
+        f"{env.get('lossbeat_commit') or '?'}; no GPU here, so the device side is CPU time), {m['steps']} steps "
+        "of one routing each (4,096 tokens, top-8):",
+        "",
+        "| figure | with expert_load | without |",
+        "| --- | ---: | ---: |",
+        f"| host reads per step | {m['host_reads_per_step']:.2f} | {m['host_reads_per_step_without']:.2f} |",
+        f"| device reads per step (`.item()`, `.tolist()`) | {m['device_reads_per_step']:.2f} | - |",
+        f"| aten ops added per step (kernels) | {m['ops_per_step_added']:.0f} ({m['kernel_ops_per_step_added']:.0f}) | - |",
+        f"| observe() µs (median of 3 runs) | {m['observe_us']:.0f} | {m['observe_us_without']:.0f} |",
+        f"| values packed into the step's one transfer | {m['packed_values_per_step']} | - |",
+        f"| moe_router check µs (one judgment) | {m['moe_router_check_us']:.0f} | - |",
+        f"| training_moe_* series per rank (per layer, never per expert) | {m['moe_series_per_rank']} | 0 |",
+        f"| scrape ms (whole registry) | {m['scrape_ms_with_moe']:.2f} | {m['scrape_ms_without']:.2f} |",
+        f"| dead-expert window on the device | {m['window_bytes'] / 1024:.0f} KiB | - |",
+        "",
+    ]
 
 
 def render_markdown(results: dict, notes: str = "") -> str:
@@ -265,6 +299,8 @@ def render_markdown(results: dict, notes: str = "") -> str:
             f"- 0-d CPU tensor inputs: {u['tensor_0d']['us']:.1f} µs median (min {u['tensor_0d']['us_min']:.1f})",
             "",
         ]
+    if "moe" in results:
+        lines += _moe_section(results["moe"])
     if "memory" in results:
         m = results["memory"]
         lines += [

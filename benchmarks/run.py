@@ -4,6 +4,7 @@
     python benchmarks/run.py --quick    # under ~3 minutes: 1M and 10M, fewer rounds
     python benchmarks/run.py --gpu-only --json gpu.json --out gpu.md   # the CUDA part alone (~5 min)
     python benchmarks/run.py --merge-gpu gpu.json --update-committed   # adds those GPU tables to the committed ones
+    python benchmarks/run.py --moe-only --update-committed   # the expert_load cost alone (64 layers x 128 experts)
 
 Results go to ``--results-dir`` (default ``benchmarks/results/``, ignored by git), never over
 the committed ``benchmarks/RESULTS.md`` and ``results.json`` unless ``--update-committed``
@@ -37,6 +38,7 @@ sys.path.insert(0, str(HERE.parent))  # `python benchmarks/run.py` from anywhere
 import torch  # noqa: E402
 
 from benchmarks.models import MODEL_SPECS, build_workload  # noqa: E402
+from benchmarks.moe_cost import measure as measure_moe  # noqa: E402
 from benchmarks.observe_cost import measure_memory, measure_observe_us  # noqa: E402
 from benchmarks.overhead import count_variants, measure_overhead  # noqa: E402
 from benchmarks.render import measure_render, measure_scrape_overhead  # noqa: E402
@@ -53,6 +55,7 @@ PLANS = {
         "render_repeats": 20,
         "observe_calls": 5_000,
         "memory": (100_000, 20_000),
+        "moe_steps": 100,
         "cuda": [("10M", 3), ("1.3B", 2)],
     },
     # Seconds: proves every path of the harness (tests/test_readme_clean.py) on the tiny model; measures nothing.
@@ -64,6 +67,7 @@ PLANS = {
         "render_repeats": 2,
         "observe_calls": 200,
         "memory": (2_000, 1_000),
+        "moe_steps": 10,
         "cuda": [("10M", 1)],
         "third_party": False,
     },
@@ -75,6 +79,7 @@ PLANS = {
         "render_repeats": 50,
         "observe_calls": 20_000,
         "memory": (1_000_000, 100_000),
+        "moe_steps": 300,
         "cuda": [("10M", 10), ("1.3B", 4)],
     },
 }
@@ -196,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="GPU_JSON",
         help="fold a --gpu-only run's JSON into --json and rewrite --out; measures nothing",
     )
+    parser.add_argument(
+        "--moe-only",
+        action="store_true",
+        help="only observe(expert_load=...) at 64 layers x 128 experts, folded into --json's results",
+    )
     args = parser.parse_args(argv)
     folder = HERE if args.update_committed else args.results_dir
     args.out = args.out or folder / "RESULTS.md"
@@ -214,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gpu_only:
         return run_gpu_only(args)
+    if args.moe_only:
+        return run_moe_only(args)
     plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
     results, checkpoint = _start(args, quick=args.quick or args.smoke, **({"smoke": True} if args.smoke else {}))
     _log("observe() µs")
@@ -223,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     steps, traced = plan["memory"]
     _log(f"memory over {steps:,} observe() calls")
     results["memory"] = measure_memory(steps, traced)
+    checkpoint()
+    run_moe(plan["moe_steps"], results)
     checkpoint()
     third_party = plan.get("third_party", True)
     run_counts("cpu", plan["counted"], plan["count_steps"], results, third_party)
@@ -255,6 +269,24 @@ def _start(args: argparse.Namespace, **header) -> tuple[dict, Callable[[], None]
         write_outputs(results, args.out, args.json)
 
     return results, checkpoint
+
+
+def run_moe(steps: int, results: dict) -> None:
+    """observe(expert_load=...) at 64 MoE layers x 128 experts (benchmarks/moe_cost.py), on this machine's CPU."""
+    _log(f"expert_load at 64 layers x 128 experts: {steps} steps")
+    results["moe"] = {**measure_moe(steps, "cpu"), "environment": environment()}
+
+
+def run_moe_only(args: argparse.Namespace) -> int:
+    """The MoE cost alone, folded into the results of --json (else the committed ones): RESULTS.md rewritten."""
+    base = args.json if args.json.exists() else HERE / "results.json"
+    results = json.loads(base.read_text())
+    torch.set_num_threads(args.threads)
+    logging.getLogger("lossbeat").setLevel(logging.ERROR)
+    run_moe(PLANS["full"]["moe_steps"], results)
+    write_outputs(results, args.out, args.json)
+    _log(f"wrote the expert_load figures into {args.json} and {args.out}")
+    return 0
 
 
 def run_gpu_part(device: str, plan: list[tuple[str, int]], results: dict, checkpoint) -> None:

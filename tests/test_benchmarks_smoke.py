@@ -189,3 +189,23 @@ def test_gpu_plan_rehearsed_on_cpu_in_bf16_then_merged(tmp_path):
     assert "tiny-bf16 model on cuda" in markdown and "GPU tables: `run.py --gpu-only`" in markdown
     verdicts = {row["target"]: row for row in targets(merged)}
     assert verdicts["0 blocking syncs per step on the deferred CUDA path"]["ok"] is True
+
+
+def test_moe_cost_at_64_layers_by_128_experts_folded_into_the_results(tmp_path):
+    """``run.py --moe-only``: observe(expert_load=...) for 64 MoE layers x 128 experts, counted and
+    timed, added to a results file and rendered with its target."""
+    from benchmarks.run import main as run_main
+
+    cpu_json, cpu_md = tmp_path / "results.json", tmp_path / "RESULTS.md"
+    cpu_json.write_text(json.dumps({"quick": True, "seconds": 1.0, "environment": environment()}))
+    assert run_main(["--moe-only", "--json", str(cpu_json), "--out", str(cpu_md)]) == 0
+    moe = json.loads(cpu_json.read_text())["moe"]
+    assert (moe["layers"], moe["experts"]) == (64, 128)
+    assert moe["host_reads_per_step"] == moe["host_reads_per_step_without"] == 1.0  # in the step's one read
+    assert moe["device_reads_per_step"] == 0 and moe["packed_values_per_step"] == 2 * 64
+    assert moe["moe_series_per_rank"] == 3 * 64  # per layer, never per expert
+    assert moe["window_bytes"] == 64 * 1024
+    markdown = cpu_md.read_text()
+    assert "## Mixture of experts: observe(expert_load=...) at 64 layers x 128 experts" in markdown
+    verdicts = {row["target"]: row for row in targets(json.loads(cpu_json.read_text()))}
+    assert verdicts["expert_load (64 layers x 128 experts) adds no host read (CPU)"]["ok"] is True

@@ -73,7 +73,8 @@ def _hf_trainer(tmp_path, extra_logs, *, custom_loss: bool, compute_metrics=None
 
 def test_hf_trainer_grpo_like_logs_detect_rl_and_export_the_collapsed_reward_spread(tmp_path):
     """A custom compute_loss (as GRPO's): the callback observes each step from the loss the Trainer
-    backpropagates; each log's reward, reward_std, frac_reward_zero_std and kl go with the next step."""
+    backpropagates; each log's reward, reward_std, frac_reward_zero_std and kl go with the next step,
+    and the last log's, which no step follows, at the end of training: the last logged values are exported."""
 
     def rl(step):
         return {
@@ -92,19 +93,21 @@ def test_hf_trainer_grpo_like_logs_detect_rl_and_export_the_collapsed_reward_spr
     info = _profile(s)
     assert info["profile"] == "rl" and info["source"] == "detected"
     assert info["fields"].split(",")[:2] == ["reward", "reward_std"]
-    last = logged[-2]  # the log of step 5 went with step 6's observe; step 6's has no step after it
+    last = logged[-1]  # step 6's log has no step after it: passed at the end of training
+    assert last["reward"] != logged[-2]["reward"]
     assert sample_value(s, "training_signal", signal="reward") == pytest.approx(last["reward"])
     assert sample_value(s, "training_signal", signal="reward_std") == 0.0
     assert sample_value(s, "training_signal", signal="frac_reward_zero_std") == 1.0
     assert sample_value(s, "training_signal", signal="kl") == pytest.approx(last["kl"])
-    assert monitor.history.signals["reward"].count == 5
+    assert monitor.history.signals["reward"].count == 6
     assert monitor._judge.thresholds.profile.name == "rl"
     monitor.close()
 
 
 def test_hf_trainer_per_step_passes_dpo_logs_with_the_next_step_and_eval_metrics_with_the_eval(tmp_path):
     """The model's own loss (per-step mode): a log follows its step's observe, so its values go
-    with the next step's; compute_metrics' eval_accuracy goes with observe_eval."""
+    with the next step's (the last log's at the end of training); compute_metrics' eval_accuracy goes with
+    observe_eval."""
 
     def accuracy(pred):
         logits, labels = pred.predictions, pred.label_ids
@@ -125,12 +128,12 @@ def test_hf_trainer_per_step_passes_dpo_logs_with_the_next_step_and_eval_metrics
     assert callback.observed_steps == 6
     info = _profile(s)
     assert info["profile"] == "preference" and info["source"] == "detected"
-    passed = logged[-2]  # the log of step 5 went with step 6's observe; step 6's has no step after it
+    passed = logged[-1]  # step 6's log has no step after it: passed at the end of training
     assert sample_value(s, "training_signal", signal="margins") == pytest.approx(passed["rewards/margins"])
     assert sample_value(s, "training_signal", signal="preference_accuracy") == pytest.approx(
         passed["rewards/accuracies"]
     )
-    assert monitor.history.signals["margins"].count == 5
+    assert monitor.history.signals["margins"].count == 6
     assert len(evals) == 2 and "eval_accuracy" in evals[-1]
     assert sample_value(s, "training_signal", signal="eval_accuracy") == pytest.approx(evals[-1]["eval_accuracy"])
     assert monitor.history.signals["eval_accuracy"].count == 2  # once per evaluation, never with a step

@@ -312,6 +312,8 @@ def test_formats_list_is_complete():
         "nanochat",
         "olmo",
         "torchtitan",
+        "openrlhf",
+        "verl",
         "kv-stdout",
         "tensorboard",
         "mlflow",

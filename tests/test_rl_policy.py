@@ -3,12 +3,14 @@ tokenizer built here, saved to a temporary folder: no download): the lossbeat HF
 TRL's logged entropy and KL to the monitor. A healthy run is silent; a policy forced to collapse
 (its final norm scaled up after a few steps: near-deterministic, far from the reference) is named
 (rl_entropy and rl_kl judged a danger) and paged (promtool over the monitor's own scrape), and
-``lossbeat analyze`` finds the same in the run's trainer_state.json. Plus the names of verl,
-OpenRLHF and prime-rl, and the checks on plain series."""
+``lossbeat analyze`` finds the same in the run's trainer_state.json, and in verl's and OpenRLHF's
+console logs. Plus the names of verl, OpenRLHF and prime-rl, and the checks on plain series."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 from conftest import require_module
@@ -32,7 +34,7 @@ def _thresholds():
     return dataclasses.replace(t, rl_policy=dataclasses.replace(t.rl_policy, min_records=MIN_RECORDS))
 
 
-def _grpo(tmp_path, *, collapse: bool):
+def _grpo(tmp_path, *, collapse: bool, monitor: Monitor | None = None):
     require_module("trl")
     require_module("datasets")
     import torch
@@ -77,7 +79,8 @@ def _grpo(tmp_path, *, collapse: bool):
     def distinct_words(completions, **kwargs):
         return [len(set(c.split())) / 8 for c in completions]
 
-    monitor = Monitor(MonitorConfig(thresholds=_thresholds()), serve=False)
+    if monitor is None:
+        monitor = Monitor(MonitorConfig(thresholds=_thresholds()), serve=False)
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"),
         max_steps=STEPS,
@@ -127,11 +130,19 @@ def test_trl_grpo_healthy_policy_is_silent(healthy, tmp_path):
     monitor, logs, _ = healthy
     logged = [r for r in logs if "entropy" in r]
     assert len(logged) == STEPS
-    # The callback observes each step itself and passes a step's logged values with the next one:
-    # the last log of the run has no step after it.
-    assert monitor.history.signals["entropy"].count == STEPS - 1
-    assert monitor.state.signals["entropy"] == pytest.approx(logged[-2]["entropy"])
-    assert monitor.state.signals["kl"] == pytest.approx(logged[-2]["kl"])
+    # The callback observes each step itself and passes a step's logged values with the next one;
+    # the run's last log, which no step follows, at the end of training: every log reaches it.
+    assert monitor.history.signals["entropy"].count == STEPS
+    assert monitor.state.signals["entropy"] == pytest.approx(logged[-1]["entropy"])
+    assert monitor.state.signals["kl"] == pytest.approx(logged[-1]["kl"])
+    scraped = {
+        line.split('signal="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in generate_latest(monitor.registry).decode().splitlines()
+        if line.startswith("training_signal{")
+    }
+    assert scraped["entropy"] == pytest.approx(logged[-1]["entropy"]) and scraped["kl"] == pytest.approx(
+        logged[-1]["kl"]
+    )
     assert monitor._judge.thresholds.profile.name == "rl"
     entropy, kl = _finding(monitor.findings, "rl_entropy"), _finding(monitor.findings, "rl_kl")
     assert entropy.status.name == "GOOD" and entropy.known, entropy
@@ -237,7 +248,8 @@ def test_kl_explodes_past_its_bound_or_by_orders_of_magnitude():
 
 
 def _verl_console(path, collapse_at: int | None) -> None:
-    """verl's console logger: one ``step:N - key:value - ...`` line per step."""
+    """verl's console logger before July 2025 (``{v:.4f}``-style numbers): one ``step:N - key:value - ...``
+    line per step."""
     lines = []
     for step in range(1, 61):
         bad = collapse_at is not None and step >= collapse_at
@@ -252,13 +264,127 @@ def _verl_console(path, collapse_at: int | None) -> None:
 
 def test_analyze_reads_verl_console_logs_names(tmp_path):
     from lossbeat.analyze import analyze_file
+    from lossbeat.logs import detect_format
 
     bad, good = tmp_path / "verl-collapsed.log", tmp_path / "verl-healthy.log"
     _verl_console(bad, collapse_at=12)
     _verl_console(good, collapse_at=None)
+    assert detect_format(bad) == "verl"
     collapsed = analyze_file(bad)
     assert collapsed.profile == "rl"
     assert collapsed.reached("rl_entropy", status=collapsed.status.DANGER)
     assert collapsed.reached("rl_kl", status=collapsed.status.DANGER)
     healthy = analyze_file(good)
     assert not healthy.reached("rl_entropy") and not healthy.reached("rl_kl")
+
+
+OPENRLHF = Path(__file__).resolve().parent / "data" / "formats"  # written by the frameworks' own statements
+
+
+def _openrlhf_status(name: str, step: int) -> dict[str, float]:
+    """The status dict OpenRLHF printed at ``step``, read back with Python's own parser."""
+    import ast
+
+    for line in (OPENRLHF / name / "train.log").read_text(encoding="utf-8").splitlines():
+        if m := re.search(r"Global step (\d+): (\{.*\})$", line):
+            if int(m.group(1)) == step:
+                return ast.literal_eval(m.group(2))
+    raise AssertionError(f"no status line for step {step}")
+
+
+def test_openrlhf_console_log_is_read_with_its_names_mapped_to_the_signals():
+    from lossbeat.logs import detect_format, parse_log
+
+    path = OPENRLHF / "openrlhf-collapsed" / "train.log"
+    assert detect_format(path) == "openrlhf"
+    log = parse_log(path)
+    assert [r.step for r in log.train] == list(range(1, 81))  # the progress bars between them are skipped
+    assert sum(log.counts.skipped.values()) == 80 and not log.counts.unreadable
+    status = _openrlhf_status("openrlhf-collapsed", 30)
+    record = log.train[29]
+    assert (record.loss, record.grad_norm, record.learning_rate) == (
+        status["policy_loss"],
+        status["actor_grad_norm"],
+        status["actor_lr"],
+    )
+    signals = {name: dict(points) for name, points in log.signals.items()}
+    assert signals["entropy"][30] == status["entropy_loss"]  # OpenRLHF's entropy_loss is the mean entropy
+    assert signals["kl"][30] == status["kl"] and signals["ppo_kl"][30] == status["ppo_kl"]
+    assert signals["ppo_clip_ratio"][30] == status["ppo_clip_ratio"]
+    assert signals["reward"][30] == status["reward"] and signals["reward_std"][30] == status["group_reward_std"]
+
+
+def test_openrlhf_async_trainers_status_line_is_read_too(tmp_path):
+    """The streaming async trainer (``ppo_trainer_async.py``) logs the same dict without the ✨."""
+    from lossbeat.logs import parse_log
+
+    lines = [
+        f"(PPOTrainer pid=7) INFO 08-13 19:25:{step:02d} ppo_trainer_async.py:244] Global step {step}: "
+        f"{{'policy_loss': {0.01 * step}, 'entropy_loss': {1.0 - 0.01 * step}, 'kl': 0.002, 'ppo_kl': 0.0001, "
+        f"'actor_lr': 1e-06, 'actor_grad_norm': np.float64(0.5), 'rollout/reward_mean': 0.25}}"
+        for step in range(1, 4)
+    ]
+    path = tmp_path / "async.log"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    log = parse_log(path)
+    assert log.format == "openrlhf"
+    assert [(r.step, r.loss, r.grad_norm, r.learning_rate) for r in log.train] == [
+        (1, 0.01, 0.5, 1e-06),
+        (2, 0.02, 0.5, 1e-06),
+        (3, 0.03, 0.5, 1e-06),
+    ]
+    signals = {name: dict(points) for name, points in log.signals.items()}
+    assert signals["entropy"] == {1: 0.99, 2: 0.98, 3: 0.97} and signals["reward"] == {1: 0.25, 2: 0.25, 3: 0.25}
+
+
+def test_analyze_names_an_openrlhf_entropy_collapse_and_kl_explosion_and_exits_1(capsys):
+    from lossbeat.cli import main
+
+    t = load_thresholds()
+    healthy = OPENRLHF / "openrlhf-healthy" / "train.log"
+    collapsed = OPENRLHF / "openrlhf-collapsed" / "train.log"
+    assert main(["analyze", str(healthy)]) == 0
+    out = capsys.readouterr().out
+    assert "judged as profile rl" in out and "DANG" not in out
+    assert re.search(r"ok +rl_entropy", out) and re.search(r"ok +rl_kl", out)
+    assert main(["analyze", str(collapsed)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"DANG +rl_entropy +the policy's entropy fell to", out), out
+    assert re.search(rf"DANG +rl_kl .* above {t.rl_policy.kl_bound:g}", out), out
+
+
+def test_verl_console_log_with_numpy_values_is_read_with_the_policy_loss():
+    """verl prints each number with pprint.pformat: its numpy means as ``np.float64(...)``. The loss is
+    actor/pg_loss, not the first ``*_loss`` of the line (actor/kl_loss, the KL term)."""
+    from lossbeat.logs import detect_format, parse_log
+
+    path = OPENRLHF / "verl-collapsed" / "train.log"
+    assert detect_format(path) == "verl"
+    log = parse_log(path)
+    assert [r.step for r in log.train] == list(range(1, 81))  # step 0, the validation line, holds no loss
+    line = next(ln for ln in path.read_text(encoding="utf-8").splitlines() if " step:30 - " in ln)
+    printed = {k: v for k, _, v in (part.rpartition(":") for part in line.split(" - ")[1:])}
+
+    def number(text: str) -> float:
+        return float(text.removeprefix("np.float64(").removesuffix(")"))
+
+    record = log.train[29]
+    assert record.loss == number(printed["actor/pg_loss"]) != number(printed["actor/kl_loss"])
+    assert record.grad_norm == number(printed["actor/grad_norm"])
+    assert record.learning_rate == number(printed["actor/lr"]) == 1e-06
+    signals = {name: dict(points) for name, points in log.signals.items()}
+    assert signals["actor/entropy"][30] == number(printed["actor/entropy"])
+    assert signals["actor/kl_loss"][30] == number(printed["actor/kl_loss"])
+    assert signals["critic/score/mean"][30] == float(printed["critic/score/mean"])
+
+
+def test_analyze_names_a_verl_entropy_collapse_and_kl_explosion_and_exits_1(capsys):
+    from lossbeat.cli import main
+
+    assert main(["analyze", str(OPENRLHF / "verl-healthy" / "train.log")]) == 0
+    out = capsys.readouterr().out
+    assert "[verl]" in out and "judged as profile rl" in out and "DANG" not in out
+    assert main(["analyze", str(OPENRLHF / "verl-collapsed" / "train.log")]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"DANG +rl_entropy +the policy's entropy fell to", out), out
+    assert re.search(r"DANG +rl_kl ", out), out

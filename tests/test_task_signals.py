@@ -149,3 +149,26 @@ def test_a_real_log_fed_to_a_monitor_with_its_signals_gives_the_findings_analyze
         return sorted((f.check, f.component, f.status, f.message) for f in findings if f.check not in LIVE_ONLY_CHECKS)
 
     assert shared(live) == shared(offline.findings)
+
+
+def test_values_logged_after_their_step_are_judged_and_exported_without_a_step():
+    from prometheus_client import generate_latest
+
+    from lossbeat import NullMonitor
+
+    m = Monitor(MonitorConfig(run_name="t"), serve=False)
+    for step in range(1, 4):
+        m.observe(step, loss=2.0 - 0.1 * step, grad_norm=1.0)
+    m.observe_metrics(3, {"kl": 0.25, "reward_std": 0.5, "completions/mean_length": 7.0})
+    assert m.state.step == 3 and m.history.signals["kl"].count == 1  # no step added, the value kept
+    assert m.state.signals["kl"] == 0.25 and m._judge.thresholds.profile.name == "rl"
+    body = generate_latest(m.registry).decode().splitlines()
+    assert [ln.rsplit(" ", 1)[1] for ln in body if ln.startswith("training_signal{") and 'signal="kl"' in ln] == [
+        "0.25"
+    ]
+    with pytest.raises(TypeError, match="metrics"):
+        m.observe_metrics(3, [("kl", 0.25)])
+    with pytest.raises(TypeError, match="metrics"):
+        m.observe_metrics(3, {"kl": "high"})
+    m.close()
+    NullMonitor().observe_metrics(3, {"kl": 0.25})

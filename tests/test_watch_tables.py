@@ -208,3 +208,33 @@ def test_table_formats_written_line_by_line_are_read_as_offline(tmp_path, name, 
     w.stop()
     t.join(20)
     out.close()
+
+
+@pytest.mark.parametrize("fmt", ["openrlhf", "verl"])
+def test_rl_console_followed_live_feeds_the_rl_signals_and_names_the_collapse(tmp_path, fmt):
+    from lossbeat.logs import parse_log
+
+    source = FORMATS / f"{fmt}-collapsed" / "train.log"
+    offline = parse_log(source)
+    log = tmp_path / "train.log"
+    out = Writer(log, "w")
+    w, t, result = start(log, idle_timeout=30)
+    for line in source.read_text(encoding="utf-8").splitlines():  # as Ray prints the trainer's lines
+        out.write(line + "\n")
+    wait_for(records_are(w, 80), "every step line")
+    w.monitor.flush()
+    m = scrape(w.monitor.port)
+    assert w.builder.format == fmt and w.builder.counts.train == 80
+    last = offline.train[-1]
+    assert value(m, "training_step") == last.step == 80
+    assert value(m, "training_loss") == pytest.approx(last.loss)
+    signals = {name: dict(points)[80] for name, points in offline.signals.items()}
+    entropy = next(v for k, v in signals.items() if k in ("entropy", "actor/entropy"))
+    kl = next(v for k, v in signals.items() if k in ("kl", "actor/kl_loss"))
+    assert signal(m, "entropy") == pytest.approx(entropy) and signal(m, "kl") == pytest.approx(kl)
+    assert w.monitor._judge.thresholds.profile.name == "rl"
+    found = {f.check: f.status.name for f in w.monitor.findings}
+    assert found["rl_entropy"] == "DANGER" and found["rl_kl"] == "DANGER", found
+    w.stop()
+    t.join(20)
+    out.close()

@@ -14,7 +14,19 @@ Each run is a real one, written by the library named (no download, CPU, a few se
   here (no wheel for this torch); these are written exactly as its ``JSONWriter`` writes (one
   ``json.dumps(sort_keys=True)`` object per logging period: ``iteration``, ``total_loss``, the ``loss_*``
   terms, ``lr``, timing, and the evaluator's ``bbox/AP`` line), with the values of a Mask R-CNN run
-  (healthy) and of one whose loss climbs from iteration 600 (diverging).
+  (healthy) and of one whose loss climbs from iteration 600 (diverging);
+* ``openrlhf-healthy/train.log``, ``openrlhf-collapsed/train.log``: OpenRLHF needs Ray, vLLM and a GPU;
+  these are its console output written by its own statements, at OpenRLHF/OpenRLHF commit
+  3c3be6234e0cb353e76bb8019947db9dfe99fca7: the status line of ``openrlhf/trainer/ppo_trainer.py``
+  (line 547, ``logger.info(f"✨ Global step {global_step}: {log_status}")``) rendered by Python's
+  logging with the format and date format of ``openrlhf/utils/logging_utils.py``, behind the
+  ``(PPOTrainer pid=N)`` prefix Ray gives an actor's output; the status dict has the keys
+  ``PolicyModelActor.fit`` (``openrlhf/trainer/ray/ppo_actor.py``: a set's order) and
+  ``PPOTrainer.train_step`` put in it (timings, ``rollout/*``), GRPO without a critic; between
+  them the actor's tqdm bar with its ``set_postfix(short_status)``, drawn by tqdm itself. The
+  values are those of a GRPO run on math prompts (healthy: entropy and KL drift, reward rises)
+  and of one whose policy collapses at step 30 (entropy to 2% of its level, KL to the reference
+  past 3 nats, the reward flat).
 
     PYTHONPATH=exporter python3 tests/data/make_format_fixtures.py
 """
@@ -28,6 +40,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "formats"
@@ -157,6 +170,170 @@ def detectron2(out: Path, diverging: bool) -> None:
     (out / "metrics.json").write_text("\n".join(lines) + "\n")
 
 
+OPENRLHF_FORMAT = "%(levelname)s %(asctime)s %(filename)s:%(lineno)d] %(message)s"  # logging_utils._FORMAT
+OPENRLHF_DATE_FORMAT = "%m-%d %H:%M:%S"  # logging_utils._DATE_FORMAT
+
+
+def openrlhf(out: Path, collapse: bool, steps: int = 80) -> None:
+    import io
+    import logging
+
+    from tqdm import tqdm
+
+    rng = random.Random(7 if collapse else 3)
+    formatter = logging.Formatter(OPENRLHF_FORMAT, OPENRLHF_DATE_FORMAT)
+    formatter.converter = time.gmtime  # the same file in any time zone
+    actor_keys = [
+        "policy_loss",
+        "entropy_loss",
+        "actor_lr",
+        "actor_grad_norm",
+        "reward",
+        "kl",
+        "logprobs_diff",
+        "group_reward_std",
+        "return",
+        "ppo_clip_ratio",
+        "ppo_kl",
+        "response_length",
+        "truncated",
+        "total_length",
+    ]
+    rng.shuffle(actor_keys)  # PolicyModelActor.fit iterates a set of the keys
+    lines = []
+    clock = 1786620000.0
+    for step in range(1, steps + 1):
+        bad = collapse and step >= 30
+        entropy = 0.02 * rng.uniform(0.9, 1.1) if bad else 0.92 - 0.003 * step + rng.uniform(-0.02, 0.02)
+        kl = 3.2 * rng.uniform(0.9, 1.1) if bad else 0.0004 * step * rng.uniform(0.8, 1.2)
+        reward = 0.31 + rng.uniform(-0.002, 0.002) if (collapse and step >= 20) else 0.12 + 0.004 * step
+        reward += 0 if (collapse and step >= 20) else rng.uniform(-0.03, 0.03)
+        length = 40.0 if bad else 310 + rng.uniform(-20, 20)
+        actor = {
+            "policy_loss": rng.uniform(-0.02, 0.02),
+            "entropy_loss": entropy,
+            "actor_lr": 1e-06,
+            "actor_grad_norm": (0.04 if bad else 0.35) * rng.uniform(0.8, 1.2),
+            "reward": reward,
+            "kl": kl,
+            "logprobs_diff": -kl * 0.9,
+            "group_reward_std": 0.01 if bad else 0.38 * rng.uniform(0.9, 1.1),
+            "return": reward - 0.01 * kl,
+            "ppo_clip_ratio": 0.0 if bad else 0.002 * rng.uniform(0.5, 1.5),
+            "ppo_kl": 1e-05 if bad else 0.0003 * rng.uniform(0.5, 1.5),
+            "response_length": length,
+            "truncated": 0.0 if bad else 0.03,
+            "total_length": length + 150.0,
+        }
+        pbar = tqdm(total=4, desc="Train epoch [1/1]", file=io.StringIO())
+        pbar.set_postfix(  # the actor's short_status, formatted by tqdm itself
+            {
+                "act_loss": actor["policy_loss"],
+                "reward": actor["reward"],
+                "return": actor["return"],
+                "gen_len": actor["response_length"],
+                "tot_len": actor["total_length"],
+                "kl": actor["kl"],
+                "act_lr": actor["actor_lr"],
+                "grad_norm": actor["actor_grad_norm"],
+                "ent_loss": actor["entropy_loss"],
+            },
+            refresh=False,
+        )
+        # the bar's last draw (its earlier draws are overwritten with carriage returns)
+        bar = tqdm.format_meter(4, 4, 14.8, prefix="Train epoch [1/1]", postfix=pbar.postfix)
+        pbar.close()
+        lines.append("(PolicyModelActor pid=2841390) " + bar)
+        status = {k: actor[k] for k in actor_keys}
+        status.update(
+            {
+                "timing/make_experience": 21.3 * rng.uniform(0.9, 1.1),
+                "timing/ppo_train": 14.8 * rng.uniform(0.9, 1.1),
+                "timing/broadcast": 2.1 * rng.uniform(0.9, 1.1),
+                "rollout/reward_mean": reward,
+                "rollout/reward_std": 0.01 if bad else 0.41 * rng.uniform(0.9, 1.1),
+                "rollout/response_length_mean": length,
+                "rollout/truncated_rate": actor["truncated"],
+                "rollout/num_samples": 512.0,
+            }
+        )
+        status["timing/generation"] = 48.0 * rng.uniform(0.9, 1.1)
+        status["timing/step_total"] = sum(v for k, v in status.items() if k.startswith("timing/"))
+        clock += status["timing/step_total"]
+        record = logging.LogRecord("openrlhf.trainer.ppo_trainer", logging.INFO, "ppo_trainer.py", 547, "", None, None)
+        record.msg = f"✨ Global step {step}: {status}"
+        record.created = clock
+        lines.append("(PPOTrainer pid=2841177) " + formatter.format(record))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.log").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def verl(out: Path, collapse: bool, steps: int = 80) -> None:
+    import numbers
+    import pprint
+
+    import numpy as np
+
+    def console(data: dict, step: int) -> str:  # the console logger's line
+        return " - ".join(
+            [f"step:{step}"] + [f"{k}:{pprint.pformat(v)}" for k, v in data.items() if isinstance(v, numbers.Number)]
+        )
+
+    rng = random.Random(11 if collapse else 5)
+    mean = np.float64  # reduce_metrics: np.mean of the micro-batches' values
+    lines = [
+        "(TaskRunner pid=3170562) "
+        + console({"val-core/openai/gsm8k/acc/mean@1": 0.508, "val-aux/openai/gsm8k/reward/mean@1": 0.565}, 0)
+    ]
+    for step in range(1, steps + 1):
+        bad = collapse and step >= 30
+        entropy = 0.006 * rng.uniform(0.9, 1.1) if bad else 0.33 - 0.001 * step + rng.uniform(-0.01, 0.01)
+        kl = 3.4 * rng.uniform(0.9, 1.1) if bad else 0.0005 * step * rng.uniform(0.8, 1.2)
+        score = (
+            0.612 + rng.uniform(-0.001, 0.001)
+            if (collapse and step >= 20)
+            else 0.45 + 0.004 * step + rng.uniform(-0.03, 0.03)
+        )
+        length = 31.0 if bad else 290 + rng.uniform(-25, 25)
+        data = {
+            "global_seqlen/min": 484245 + rng.randrange(20000),
+            "global_seqlen/max": 519990 + rng.randrange(20000),
+            "global_seqlen/mean": 501736.75,
+            "actor/entropy": mean(entropy),
+            "training/rollout_probs_diff_max": 0.621 * rng.uniform(0.8, 1.2),
+            "training/rollout_probs_diff_mean": 0.003 * rng.uniform(0.8, 1.2),
+            "actor/kl_loss": mean(kl),
+            "actor/kl_coef": mean(0.001),
+            "actor/pg_loss": mean(rng.uniform(-0.01, 0.01)),
+            "actor/pg_clipfrac": mean(0.0 if bad else 0.001 * rng.uniform(0.5, 1.5)),
+            "actor/ppo_kl": mean(0.0 if bad else 0.0001 * rng.uniform(-1, 1)),
+            "actor/pg_clipfrac_lower": mean(0.0),
+            "actor/grad_norm": mean((0.004 if bad else 0.02) * rng.uniform(0.8, 1.2)),
+            "perf/mfu/actor": 0.343 * rng.uniform(0.95, 1.05),
+            "perf/max_memory_allocated_gb": 62.447,
+            "actor/lr": mean(1e-06),
+            "training/global_step": step,
+            "training/epoch": 0,
+            "critic/score/mean": score,
+            "critic/score/max": 1.0,
+            "critic/score/min": 0.0,
+            "critic/rewards/mean": score,
+            "critic/advantages/mean": rng.uniform(-0.02, 0.02),
+            "critic/advantages/max": 1.789,
+            "critic/advantages/min": -1.789,
+            "response_length/mean": length,
+            "response_length/max": 1024.0 if not bad else 31.0,
+            "response_length/clip_ratio": 0.0,
+            "prompt_length/mean": 104.9,
+            "timing_s/gen": 21.47 * rng.uniform(0.9, 1.1),
+            "timing_s/update_actor": 20.31 * rng.uniform(0.9, 1.1),
+            "timing_s/step": 49.9 * rng.uniform(0.9, 1.1),
+        }
+        lines.append("(TaskRunner pid=3170562) " + console(data, step))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.log").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
 def main() -> None:
     shutil.rmtree(HERE, ignore_errors=True)
     for bad, name in ((False, "healthy"), (True, "nan")):
@@ -165,6 +342,10 @@ def main() -> None:
         wandb_run(HERE / f"wandb-{name}" / "wandb", bad)
     detectron2(HERE / "detectron2-healthy", False)
     detectron2(HERE / "detectron2-diverging", True)
+    openrlhf(HERE / "openrlhf-healthy", False)
+    openrlhf(HERE / "openrlhf-collapsed", True)
+    verl(HERE / "verl-healthy", False)
+    verl(HERE / "verl-collapsed", True)
     for meta in HERE.glob("mlflow-*/mlruns/**/meta.yaml"):  # no absolute path of this machine
         meta.write_text(meta.read_text().replace(HERE.as_uri(), "file:///fixtures"))
 

@@ -2,7 +2,8 @@
 loopback (a tiny MoE trained on CPU, and a policy's logged entropy, KL and reward), scraped every
 second by the module's Prometheus with rules generated from thresholds whose ``for`` is seconds,
 routed by the shipped Alertmanager config. The collapsed runs page on the paging route; the
-healthy ones, scraped beside them for as long, fire nothing."""
+healthy ones, scraped beside them for as long, fire nothing. The same for a real TRL GRPOTrainer
+on CPU (a tiny random GPT-2), whose logged entropy and KL the HF callback passes."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def e2e_overrides() -> dict:
     return {
         **E2E_THRESHOLDS,
         "moe": {"for": "5s", "dead_window_steps": 20},
-        "rl_policy": {"entropy_for": "5s", "kl_for": "5s"},
+        # min_records 8: the TRL runs below are 14 steps long
+        "rl_policy": {"entropy_for": "5s", "kl_for": "5s", "min_records": 8},
     }
 
 
@@ -72,6 +74,32 @@ def test_collapsed_router_and_policy_page_and_healthy_ones_stay_silent(stack, re
         for job in ("e2e-moe-healthy", "e2e-rl-healthy"):
             assert [a for a in prometheus.alerts(job=job) if a["labels"]["alertname"] in PAGES] == []
             assert [d for d in receiver.received(job=job) if d.labels["alertname"] in PAGES] == []
+    finally:
+        write_target_groups(stack.targets_file, [])
+        for monitor in runs.values():
+            monitor.close(completed=False)
+
+
+def test_a_real_trl_grpo_policy_collapse_pages_and_a_healthy_one_stays_silent(
+    stack, receiver, prometheus, e2e_thresholds, tmp_path
+):
+    from test_rl_policy import _grpo
+
+    runs = {
+        "e2e-trl-collapsed": _grpo(tmp_path / "collapsed", collapse=True, monitor=_serve(e2e_thresholds))[0],
+        "e2e-trl-healthy": _grpo(tmp_path / "healthy", collapse=False, monitor=_serve(e2e_thresholds))[0],
+    }
+    write_target_groups(
+        stack.targets_file,
+        [{"targets": [f"127.0.0.1:{m.port}"], "labels": {"job": job}} for job, m in runs.items()],
+    )
+    try:
+        for alert in ("TrainingRLEntropyCollapse", "TrainingRLKLExploded"):
+            page = wait_for_page(receiver, alert, "e2e-trl-collapsed", timeout=90)
+            assert page.labels["severity"] == "critical"
+        wait_until(lambda: prometheus.query('up{job="e2e-trl-healthy"} == 1'), 30, "the healthy target scraped")
+        assert [a for a in prometheus.alerts(job="e2e-trl-healthy") if a["labels"]["alertname"] in PAGES] == []
+        assert [d for d in receiver.received(job="e2e-trl-healthy") if d.labels["alertname"] in PAGES] == []
     finally:
         write_target_groups(stack.targets_file, [])
         for monitor in runs.values():

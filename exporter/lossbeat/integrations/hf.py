@@ -23,6 +23,7 @@ from lossbeat.integrations._common import (
     deepspeed_grad_norm,
     eval_loss_from,
     flush_quietly,
+    log,
     phase_quietly,
     rank_monitor,
     task_metrics,
@@ -90,8 +91,9 @@ class LossbeatCallback(TrainerCallback):
       ``rewards/accuracies``, ...: the live profile detection and the RL and preference
       judgments read them; :func:`~lossbeat.integrations._common.task_metrics`). In per-step
       mode those values reach the monitor with the next step's ``observe`` (a log follows its
-      step's ``on_pre_optimizer_step``; the last log of a run, after its last step, is not
-      passed). Eval keys are left to ``on_evaluate`` so nothing is counted twice.
+      step's ``on_pre_optimizer_step``); those of the run's last log, after its last step, with
+      ``Monitor.observe_metrics`` in ``on_train_end``. Eval keys are left to ``on_evaluate`` so
+      nothing is counted twice.
     - ``on_evaluate``: ``Monitor.observe_eval(state.global_step, metrics[eval_key],
       metrics=...)``, with the evaluation's other values (``eval_accuracy``, ``eval_wer``,
       ``eval_rouge1``, ...: their names choose the classification or seq2seq profile).
@@ -112,8 +114,8 @@ class LossbeatCallback(TrainerCallback):
       for accelerate (``accelerator.optimizer_step_was_skipped``), which holds it as for an fp16
       overflow. Under fp16 a guard skip is the scaler's skip, so the schedule holds either way.
       Taken off at train end, or when the step raises.
-    - ``on_train_end``: removes the hook, flushes the monitor (an error there is
-      counted, never raised) and sets ``phase("checkpoint")``; close the monitor
+    - ``on_train_end``: passes the values of a log no step took (the run's last), removes the
+      hook, flushes the monitor (an error there is counted, never raised) and sets ``phase("checkpoint")``; close the monitor
       (``monitor.close()``) when the script's work is done.
 
     Under ``nn.DataParallel`` (one process, several GPUs: the Trainer wraps the model
@@ -352,11 +354,26 @@ class LossbeatCallback(TrainerCallback):
         self._remove_hook()
         self._reset()
         self._training = False
+        self._pass_last_log(state.global_step)
         # What follows train() (save_model, push_to_hub) takes no steps: not a stall for 10m.
         phase_quietly(self._monitor, "checkpoint")
         flush_quietly(self._monitor)
 
     # --- internals ---------------------------------------------------------------
+
+    def _pass_last_log(self, step: int) -> None:
+        """The values of a log no observed step took (the run's last log follows its last step),
+        for that step; an error is counted and logged, never raised into the Trainer."""
+        logged, self._logged = self._logged, None
+        if not logged or self._monitor is None:
+            return
+        try:
+            self._monitor.observe_metrics(step, logged)
+        except Exception:
+            state = getattr(self._monitor, "state", None)
+            if state is not None:
+                state.count_error("observe")
+            log.error("lossbeat: error passing the last logged values at the end of training", exc_info=True)
 
     def _guarded_step(self, closure: Any = None) -> Any:
         """The Trainer's ``optimizer.step()`` under a guard: the step observed in

@@ -16,6 +16,8 @@ Formats (auto-detected by :func:`detect_format`, see docs/analyze.md):
 * ``nanochat``: karpathy/nanochat base / mid / SFT prints (``step 00123/05000 (2.46%) | loss: ...``)
 * ``olmo``: OLMo / OLMo-core console metrics (``[step=123/1000,epoch=0]`` then ``    train/CE loss=3.45``)
 * ``torchtitan``: torchtitan stdout (``step: 10  loss:  7.93  grad_norm:  1.23  memory: ...``)
+* ``openrlhf``: OpenRLHF's PPO / GRPO status lines (``✨ Global step 12: {'policy_loss': ..., 'kl': ...}``)
+* ``verl``: verl's console logger (``step:12 - actor/entropy:np.float64(0.32) - actor/pg_loss:... - ...``)
 * ``kv-stdout``: other printed ``key: value`` records with a step counter and a loss
   (DeepSpeed-Chat's ``epoch: 0|step: 3|...|act_loss: ...``, ``batch: 9, ..., loss: 55.8``)
 * ``tensorboard``: TensorBoard event files, or a directory of them (the ``tensorboard`` extra)
@@ -58,6 +60,7 @@ from lossbeat.logs.records import (
     RecordBuilder,
     TrainRecord,
 )
+from lossbeat.logs.rl_logs import OPENRLHF_STEP, VERL_STEP, parse_openrlhf, parse_verl
 from lossbeat.logs.source import Source, compressed, head_lines, open_source
 from lossbeat.logs.stdout_logs import (
     BUILD_NANOGPT,
@@ -123,6 +126,8 @@ FORMATS: tuple[str, ...] = (
     "nanochat",
     "olmo",
     "torchtitan",
+    "openrlhf",
+    "verl",
     "kv-stdout",
     "tensorboard",
     "mlflow",
@@ -149,6 +154,8 @@ _LINE_FORMATS: dict[str, Callable[[Source, RecordBuilder], None]] = {
     "nanochat": parse_nanochat,
     "olmo": parse_olmo,
     "torchtitan": parse_torchtitan,
+    "openrlhf": parse_openrlhf,
+    "verl": parse_verl,
     "kv-stdout": parse_kv_stdout,
     "sb3": parse_sb3,
     "detectron2": parse_detectron2,
@@ -193,6 +200,8 @@ def _detect(src: Source) -> str:
         return "lightning"
     # printed logs: lines unwrapped from JSON streams, without colour codes and launcher/logger prefixes
     text = head_lines(src)
+    if any(OPENRLHF_STEP.search(line) for line in text):
+        return "openrlhf"
     if any(re.match(r"^s:\d+\s+(trl|tel):", line) for line in text):
         return "llmc"
     if any(LLMC_STDOUT.match(line) and "loss" in line for line in text):
@@ -214,6 +223,8 @@ def _detect(src: Source) -> str:
         return "olmo"
     if any(TORCHTITAN.match(line) for line in text):
         return "torchtitan"
+    if any(VERL_STEP.search(line) and "actor/" in line for line in text):
+        return "verl"
     if _count(is_kv_record, text) >= 2:
         return "kv-stdout"
     # what no one named: a table or printout whose names hold a loss

@@ -303,23 +303,16 @@ class Monitor:
 
         ``metrics``: its metrics (``{"eval_accuracy": 0.91}``): their names choose the profile too.
         Also a sign of progress: it refreshes the heartbeat TrainingStalled watches."""
-        step = inputs.check_step(step)
-        value = inputs.scalar("eval_loss", eval_loss)
-        signals, new_fields = inputs.signals(metrics, self._profile.names_seen)
-        self.state.last_activity_time = time.time()
-        try:
-            if type(value) is not float:  # a tensor
-                value = float(value.item())  # host sync: evaluation is not the per-step hot path
-            self.state.eval_loss = value if math.isfinite(value) else math.nan
-            self.state.evals_total += 1
-            self._transfer.drain(block=True)  # the steps before this evaluation first (host sync: not the hot path)
-            with self._transfer.lock:
-                self._profile.evaluation(step, signals, new_fields)
-            self._history.add_eval(value, step=step)
-            self._judgment.diagnose(step)  # judged after each evaluation, as `lossbeat analyze` does
-        except Exception:
-            self.state.count_error("observe")
-            self._log("error", logging.ERROR, "lossbeat: error in observe_eval()", exc_info=True)
+        _take_logged(self, inputs.check_step(step), inputs.scalar("eval_loss", eval_loss), metrics)
+
+    def observe_metrics(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        """Record named values logged for a step already observed, adding no step: a trainer's
+        log written after its step (the last one of a run has no next ``observe`` to go with).
+
+        As ``observe(metrics=...)``: their names choose the profile, the known signals are judged
+        and exported as ``training_signal{signal=...}``. Not for the hot path: the steps still
+        waiting for their device values are processed first."""
+        _take_logged(self, inputs.check_step(step), None, metrics)
 
     def phase(self, name: str) -> PhaseScope:
         """Say what the run is doing now: ``"train"``, ``"eval"`` or ``"checkpoint"``.
@@ -452,6 +445,30 @@ class Monitor:
             self.close(completed=not lifecycle.process.uncaught_exception_seen)
         except Exception:  # the interpreter is going away: never fail its exit
             logging.getLogger("lossbeat").debug("lossbeat: close at exit failed", exc_info=True)
+
+
+def _take_logged(monitor: Monitor, step: int, value: Any, metrics: Mapping[str, Any] | None) -> None:
+    """Values logged apart from a step: an evaluation's (``value``: its loss) or a log's written after its
+    step (``value`` None). The steps still waiting for their device values go first; then the values
+    are judged at ``step``. An error is counted and logged, never raised."""
+    signals, new_fields = inputs.signals(metrics, monitor._profile.names_seen)
+    monitor.state.last_activity_time = time.time()
+    try:
+        if value is not None:
+            if type(value) is not float:  # a tensor
+                value = float(value.item())  # host sync: evaluation is not the per-step hot path
+            monitor.state.eval_loss = value if math.isfinite(value) else math.nan
+            monitor.state.evals_total += 1
+        monitor._transfer.drain(block=True)  # the steps before these values first (host sync: not the hot path)
+        with monitor._transfer.lock:
+            monitor._profile.evaluation(step, signals, new_fields)
+        if value is not None:
+            monitor._history.add_eval(value, step=step)
+        monitor._judgment.diagnose(step)  # judged after each evaluation, as `lossbeat analyze` does
+    except Exception:
+        monitor.state.count_error("observe")
+        where = "observe_eval" if value is not None else "observe_metrics"
+        monitor._log("error", logging.ERROR, "lossbeat: error in %s()", where, exc_info=True)
 
 
 def _gradient_error(state: MonitorState, log: RateLimitedLog, where: str, error: Exception) -> None:

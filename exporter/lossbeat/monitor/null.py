@@ -44,6 +44,9 @@ class NullMonitor:
     def observe_eval(self, step: int, eval_loss: Any, **kwargs: Any) -> None:
         pass
 
+    def observe_metrics(self, step: int, metrics: Any) -> None:
+        pass
+
     def phase(self, name: str) -> PhaseScope:
         if name not in PHASES:
             raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {name!r}")

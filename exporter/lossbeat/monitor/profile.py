@@ -62,7 +62,8 @@ class ProfileChoice:
             log.info("lossbeat: judging this run with the %s", self.reason)
 
     def evaluation(self, step: int, signals: Mapping[str, Any], new_fields: tuple[str, ...]) -> None:
-        """``observe_eval(metrics=...)``: its names and known signals (not the hot path: tensors read here)."""
+        """``observe_eval(metrics=...)`` or ``observe_metrics``: the names and known signals (not the hot
+        path: tensors read here)."""
         if new_fields:
             self.seen(new_fields)
         named = {k: float(x.item()) if hasattr(x, "item") else x for k, x in signals.items()}
