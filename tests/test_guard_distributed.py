@@ -21,6 +21,8 @@ JOBS = {
             # Two optimizers sharing each step's decision; odd steps not observed (decided from the gradients).
             "guard-2-ddp-two-even": ("guard_worker", ["--wrap", "ddp", *TWO_EVEN]),
             "guard-2-fsdp2-two-even": ("guard_worker", ["--wrap", "fsdp2", *TWO_EVEN]),
+            # guard="stop": a x1e4 loss on one rank only, its exploding gradients averaged into every rank's.
+            "guard-2-ddp-stop": ("guard_worker", ["--wrap", "ddp", "--mode", "stop"]),
         },
     ),
     "guard-4-ranks": Job(4, {"guard-4-ddp": ("guard_worker", ["--wrap", "ddp"])}),
@@ -50,3 +52,18 @@ def test_every_rank_skips_the_same_steps_and_stays_equal(jobs, ranks, wrap, vari
     assert all(r["skipped"] == results[0]["skipped"] for r in results)
     assert results[0]["skipped"]["nonfinite"] == 2 + bool(variant)
     assert sum(results[0]["skipped"].values()) == 3 + bool(variant)
+
+
+def test_stop_on_a_loss_gone_bad_on_one_rank_halts_every_rank_at_the_same_step(jobs):
+    """Only the last rank's loss is x1e4; the explosion it causes is in every rank's averaged gradients.
+    Whether the explosion is a healthy new level (skipped) or a fault (stop) is one judgement for
+    the world: judged from each rank's own loss, the last rank stopped alone and rank 0 waited
+    for it in the next step's collective."""
+    results = jobs.results("guard-2-ddp-stop")
+    assert [r["world"] for r in results] == [2, 2]
+    for r in results:
+        assert r["halted"] == {"step": 30, "reason": "explosion", "loop_step": 30}, r
+        assert r["unchanged_at_faults"] == [True], r  # nothing of the bad step applied
+        assert r["skipped"] == {"explosion": 1} and r["skipped_at"] == [], r  # counted; the loop left at it
+        assert r["params_equal_across_ranks"] and r["params_finite"], r
+        assert r["completed"] is False, r
