@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
+from conftest import require
 from helpers.torchrun_jobs import Job, SharedJobs
 
 # The worker's faults: a NaN in one rank's local loss (step 30), a NaN in one rank's gradient
@@ -12,6 +15,15 @@ FAULT_STEPS = [30, 40, 50]
 # The 2-rank variants in one torchrun job (torchrun_jobs.py); one alone:
 # python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/guard_worker.py --wrap W --dir DIR
 TWO_EVEN = ["--optimizers", "two", "--observe", "even"]
+# The callbacks' faults (guard_callbacks_worker.py), on the last rank only: a NaN loss at optimizer
+# step 3, and a x1e4 loss at step 28 (its gradients, averaged into every rank's, explode).
+NAN_AT, SPIKE_AT = 3, 28
+# Without the framework the tests skip (CI fails them) before they ask: the job leaves its variants out.
+FRAMEWORKS = [
+    f
+    for f, modules in (("hf", ("transformers", "accelerate")), ("lightning", ("lightning",)))
+    if all(importlib.util.find_spec(m) for m in modules)
+]
 JOBS = {
     "guard-2-ranks": Job(
         2,
@@ -26,6 +38,20 @@ JOBS = {
         },
     ),
     "guard-4-ranks": Job(4, {"guard-4-ddp": ("guard_worker", ["--wrap", "ddp"])}),
+    # The HF Trainer's and Lightning's callbacks on DDP (guard_callbacks_worker.py); one alone:
+    # python -m torch.distributed.run --standalone --nproc-per-node 2 tests/workers/guard_callbacks_worker.py
+    #   --framework F --mode M --dir DIR
+    "guard-callbacks-2-ranks": Job(
+        2,
+        {
+            f"callbacks-{framework}-{mode}": (
+                "guard_callbacks_worker",
+                ["--framework", framework, "--mode", mode],
+            )
+            for framework in FRAMEWORKS
+            for mode in ("skip", "stop")
+        },
+    ),
 }
 
 
@@ -67,3 +93,37 @@ def test_stop_on_a_loss_gone_bad_on_one_rank_halts_every_rank_at_the_same_step(j
         assert r["skipped"] == {"explosion": 1} and r["skipped_at"] == [], r  # counted; the loop left at it
         assert r["params_equal_across_ranks"] and r["params_finite"], r
         assert r["completed"] is False, r
+
+
+@pytest.mark.parametrize("framework", ["hf", "lightning"])
+def test_the_callbacks_skip_a_bad_step_on_every_rank_and_train_on(jobs, framework):
+    """A NaN loss on one rank, then a x1e4 loss on one rank: each optimizer step is withheld on
+    both ranks (parameters and AdamW state bitwise as before it), the weights stay equal across
+    ranks and finite, and both ranks export the same skips."""
+    require(framework in FRAMEWORKS, f"{framework}'s trainer not importable; pip install -e .[test]")
+    results = jobs.results(f"callbacks-{framework}-skip")
+    assert [r["world"] for r in results] == [2, 2]
+    for r in results:
+        assert r["withheld_at"] == [NAN_AT, SPIKE_AT], r
+        assert r["global_step"] == SPIKE_AT + 4 and r["steps_observed"] == SPIKE_AT + 4, r  # trained on
+        assert r["halted"] is None and r["completed"], r
+        assert r["params_equal_across_ranks"] and r["params_finite"], r
+        assert r["undecided"] == 0, r
+        # The NaN, then the explosion (only one rank's loss is bad: a fault, not a new level).
+        assert r["exported_skips"] == {"nonfinite": 1.0, "explosion": 1.0, "spike": 0.0}, r
+
+
+@pytest.mark.parametrize("framework", ["hf", "lightning"])
+def test_the_callbacks_stop_every_rank_at_the_same_step_and_the_documented_save_works(jobs, framework):
+    """A x1e4 loss on one rank under guard="stop": TrainingHalted leaves train()/fit() on both ranks
+    at that step with nothing of it applied, and docs/guard.md's except block saves the weights
+    before it (the HF Trainer's save_model and save_state, Lightning's save_checkpoint)."""
+    require(framework in FRAMEWORKS, f"{framework}'s trainer not importable; pip install -e .[test]")
+    results = jobs.results(f"callbacks-{framework}-stop")
+    for r in results:
+        assert r["halted"] == {"step": SPIKE_AT, "reason": "explosion"}, r
+        assert r["global_step"] == SPIKE_AT - 1 and r["unchanged_at_halt"], r
+        assert r["params_equal_across_ranks"] and r["params_finite"], r
+        assert r["exported_skips"] == {"nonfinite": 0.0, "explosion": 1.0, "spike": 0.0}, r
+        assert r["completed"] is False, r
+    assert results[0]["saved_equal"] is True and results[0]["saved_state"] is True, results[0]
