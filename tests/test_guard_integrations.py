@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -447,3 +448,48 @@ def test_lightning_guard_refuses_a_held_schedule():
 
     with pytest.raises(ValueError, match="guard_schedule"):
         LossbeatCallback(guard="skip", guard_schedule="hold")
+
+
+# --- docs/guard.md: saving the last good state ------------------------------------------
+
+
+def test_the_documented_hf_except_block_saves_the_weights_before_the_bad_step(tmp_path):
+    """docs/guard.md's HF example, run as written: the saved model is the one before the NaN step."""
+    from test_guard import GUARD_DOC, documented_save
+
+    trainer, monitor, recorder = _hf_trainer(tmp_path, "stop")
+    with pytest.raises(TrainingHalted, match=f"at step {NAN_AT}: nonfinite"):
+        exec(
+            compile(documented_save("trainer.train()"), str(GUARD_DOC), "exec"),
+            {"trainer": trainer, "args": trainer.args},
+        )
+    saved = type(trainer.model).from_pretrained(tmp_path / "halted")
+    before = recorder.before[NAN_AT][0]
+    assert len(before) == len(list(saved.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, saved.parameters()))
+    assert all(torch.isfinite(p).all() for p in saved.parameters())
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert state["global_step"] == NAN_AT - 1
+    monitor.close(completed=False)
+    assert monitor.state.halted and not monitor.state.completed
+
+
+def test_the_documented_lightning_except_block_checkpoints_the_state_before_the_bad_step(tmp_path, monkeypatch):
+    """docs/guard.md's Lightning example, run as written: the checkpoint's weights and AdamW state
+    are those before the NaN step, and training resumes from it."""
+    from test_guard import GUARD_DOC, documented_save
+
+    trainer, module, data, monitor = _lightning_fit("stop")
+    monkeypatch.chdir(tmp_path)
+    names = {"trainer": trainer, "module": module, "datamodule": data}
+    with pytest.raises(TrainingHalted, match=f"at step {NAN_AT}: nonfinite"):
+        exec(compile(documented_save("trainer.fit("), str(GUARD_DOC), "exec"), names)
+    saved = torch.load(tmp_path / "halted.ckpt", weights_only=False)
+    assert saved["global_step"] == NAN_AT - 1
+    params, states = module.before[NAN_AT]
+    assert all(torch.equal(a, b) for a, b in zip(params, saved["state_dict"].values()))
+    adam = saved["optimizer_states"][0]["state"]
+    for i, before in enumerate(states):
+        assert before.keys() == adam[i].keys() and all(torch.equal(before[k], adam[i][k]) for k in before)
+    monitor.close(completed=False)
+    assert monitor.state.halted and not monitor.state.completed
