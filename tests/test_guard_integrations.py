@@ -493,3 +493,37 @@ def test_the_documented_lightning_except_block_checkpoints_the_state_before_the_
         assert before.keys() == adam[i].keys() and all(torch.equal(before[k], adam[i][k]) for k in before)
     monitor.close(completed=False)
     assert monitor.state.halted and not monitor.state.completed
+
+
+# --- a stop at the last step, with deferred reads (as on CUDA) --------------------------
+
+
+def _deferred(monitor: Monitor) -> None:
+    """As on CUDA with deferred reads: a halt is raised MAX_PENDING decisions after its bad step."""
+    from lossbeat.monitor import guard as guard_module
+
+    monitor._guard.lag = lambda: guard_module.MAX_PENDING
+
+
+def test_hf_a_stop_at_the_last_step_with_deferred_reads_leaves_train_and_is_not_completed(tmp_path):
+    """The NaN step is the run's last: no later monitor.step raises the halt, on_train_end's flush
+    does, out of train(); the step was withheld and the run never reads as completed."""
+    trainer, monitor, recorder = _hf_trainer(tmp_path, "stop", steps=NAN_AT)
+    _deferred(monitor)
+    with pytest.raises(TrainingHalted, match=f"at step {NAN_AT}: nonfinite"):
+        trainer.train()
+    _assert_bitwise_equal(recorder.before[NAN_AT], recorder.after[NAN_AT])
+    assert trainer.optimizer.step.__qualname__ == "AcceleratedOptimizer.step"
+    monitor.close()  # what a script's end does: the halt was raised already, so no second raise
+    assert monitor.state.halted and not monitor.state.completed
+
+
+def test_lightning_a_stop_at_the_last_step_with_deferred_reads_leaves_fit_and_is_not_completed():
+    trainer, module, data, monitor = _lightning_fit("stop", steps=NAN_AT)
+    _deferred(monitor)
+    with pytest.raises(TrainingHalted, match=f"at step {NAN_AT}: nonfinite"):
+        trainer.fit(module, data)
+    _assert_bitwise_equal(module.before[NAN_AT], module.after[NAN_AT])
+    assert "_wrapped_by_lr_sched" in dir(trainer.optimizers[0].step)  # the guard taken off: torch's wrapper again
+    monitor.close()
+    assert monitor.state.halted and not monitor.state.completed
