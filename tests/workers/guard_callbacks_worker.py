@@ -1,5 +1,6 @@
 """A torchrun worker for test_guard_distributed.py: the HF Trainer's and Lightning's LossbeatCallback
-with the optimizer guard on a real 2-rank gloo DDP job, a fault injected on the last rank only.
+with the optimizer guard on a real 2-rank gloo DDP job (the Trainer accumulating 2 micro-batches a
+step), a fault injected on the last rank only.
 
 The faults: the last rank's loss is NaN at optimizer step ``NAN_AT`` (its NaN gradients are
 averaged into every rank's), and x1e4 at ``SPIKE_AT``, once the gradient-norm baseline is
@@ -101,6 +102,7 @@ def run_hf(args: argparse.Namespace, monitor: Monitor, fault: Fault, record: dic
         output_dir=args.dir,
         max_steps=SPIKE_AT + 4,
         per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,  # the step's loss summed over its micro-batches, DDP syncing the last
         logging_steps=1,
         learning_rate=1e-3,
         max_grad_norm=1.0,
@@ -115,7 +117,7 @@ def run_hf(args: argparse.Namespace, monitor: Monitor, fault: Fault, record: dic
     trainer = Trainer(
         model=model,
         args=training,
-        train_dataset=Tokens(256, 1),
+        train_dataset=Tokens(512, 1),
         callbacks=[LossbeatCallback(monitor), Recorder()],
     )
     try:
