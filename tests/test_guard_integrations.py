@@ -527,3 +527,64 @@ def test_lightning_a_stop_at_the_last_step_with_deferred_reads_leaves_fit_and_is
     assert "_wrapped_by_lr_sched" in dir(trainer.optimizers[0].step)  # the guard taken off: torch's wrapper again
     monitor.close()
     assert monitor.state.halted and not monitor.state.completed
+
+
+def test_lightning_manual_optimization_withholds_both_optimizers_of_a_bad_step():
+    """Manual optimization with two optimizers (a GAN's players, Muon and AdamW): the step's one
+    decision withholds both, it is counted once, and the batches after it train both."""
+    L = require_module("lightning")
+    from lossbeat.integrations.lightning import LossbeatCallback
+
+    class TwoOptimizers(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+            self.unchanged: list[bool] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            opt_a, opt_b = self.optimizers()
+            loss = torch.nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+            if batch_idx + 1 == NAN_AT:
+                loss = loss * math.nan
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            self.manual_backward(loss)
+            before = _snapshot(opt_a, list(self.a.parameters())), _snapshot(opt_b, list(self.b.parameters()))
+            opt_a.step()
+            opt_b.step()
+            after = _snapshot(opt_a, list(self.a.parameters())), _snapshot(opt_b, list(self.b.parameters()))
+            self.unchanged.append(all(_same(x, y) for x, y in zip(before, after)))
+
+        def configure_optimizers(self):
+            return [torch.optim.AdamW(self.a.parameters(), lr=1e-2), torch.optim.SGD(self.b.parameters(), lr=1e-2)]
+
+    def _same(a, b) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and all(
+            k in sb and torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k]))
+            for sa, sb in zip(a[1], b[1])
+            for k in sa
+        )
+
+    torch.manual_seed(0)
+    x = torch.randn(48, 8)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
+    module = TwoOptimizers()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[LossbeatCallback(monitor)],
+    )
+    trainer.fit(module, data)
+    monitor.flush()
+    assert module.unchanged == [i + 1 == NAN_AT for i in range(6)]  # only the NaN batch left both untouched
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert _skipped(monitor) == {"nonfinite": 1, "explosion": 0, "spike": 0}
+    assert monitor.state.guard_undecided_steps == 0
