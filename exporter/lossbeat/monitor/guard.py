@@ -2,10 +2,10 @@
 
 ``observe`` decides on the device: a step is bad when its loss or grad norm is non-finite,
 when its grad norm departs from the run's baseline as an explosion event does, or (opt-in)
-when its loss spikes. The three flags are MAX-reduced over the world, so every rank skips the
-same steps, and travel to the host with the step's one transfer. The explosion flag is 2 where
-the loss went bad with it (above its spike limit) on any rank: whether an explosion may be a
-new level, or leads to a stop, is then the same judgement on every rank, whose losses differ. ``Monitor.step(optimizer)``
+when its loss spikes. The three flags, and a fourth that says whether the loss went bad (above
+its spike limit), are MAX-reduced over the world, so every rank skips the same steps, and travel
+to the host with the step's one transfer. Whether an explosion may be a new level, or leads to
+a stop, is then the same judgement on every rank, whose losses differ. ``Monitor.step(optimizer)``
 applies that decision to every optimizer stepped before the next ``observe``
 (:mod:`~lossbeat.monitor.skipping` withholds the update):
 
@@ -61,6 +61,7 @@ __all__ = ["Guard", "NoGuard", "TrainingHalted", "GUARD_MODES", "REASONS", "make
 GUARD_MODES = ("off", "skip", "stop")
 REASONS = SKIP_REASONS
 """The reasons a step is skipped, in the order of the flags (the first set one is counted)."""
+_BAD = len(REASONS)  # flags[:_BAD] decide a skip; the one after them (the loss went bad) only judges an explosion
 
 
 class TrainingHalted(RuntimeError):
@@ -184,7 +185,7 @@ class Guard:
         self._host = (index, tuple(flags))
         bad = next((reason for reason, f in zip(REASONS, flags) if f > 0), None)
         if bad is not None and index in self._used:  # Monitor.step withheld it already, on the device
-            self._count(index, bad, step, loss, grad_norm, loss_bad=flags[1] > 1)
+            self._count(index, bad, step, loss, grad_norm, loss_bad=flags[_BAD] > 0)
             return SKIPPED
         current = self._current
         if bad is not None and pending is not None and current is not None and current[0] == index:
@@ -199,7 +200,7 @@ class Guard:
         self, at: int, reason: str, step: int, loss: float | None, grad_norm: float | None, *, loss_bad: bool
     ) -> None:
         """One withheld step: counted, and judged for a new level or a halt. ``loss_bad``: the loss
-        went bad with the step on some rank (the reduced explosion flag), so it is no new level."""
+        went bad with the step on some rank (the reduced flag), so it is no new level."""
         self._consecutive += 1
         skipped = dict(self.state.skipped_steps)
         skipped[reason] = skipped.get(reason, 0) + 1
@@ -282,7 +283,7 @@ class Guard:
         if scheduler is not None:
             if applied is None and self.hold_schedule:
                 self.host_reads += 1
-                applied = not bool(flags.amax() > 0)  # host sync: guard_schedule="hold" on the device path
+                applied = not bool(flags[:_BAD].amax() > 0)  # host sync: guard_schedule="hold" on the device path
             if applied or not self.hold_schedule:
                 scheduler.step()
         self._raise_if_halted()
@@ -291,7 +292,7 @@ class Guard:
     def _apply_decision(self, optimizers: list[Any], grad_scaler: Any, index: int, flags: Any) -> bool | None:
         host = self._host
         if index == _UNDECIDED or (host is not None and host[0] == index):  # on the host: a Python branch
-            bad = flags if index == _UNDECIDED else any(f > 0 for f in host[1])  # type: ignore[index]
+            bad = flags if index == _UNDECIDED else any(f > 0 for f in host[1][:_BAD])  # type: ignore[index]
             if not bad:
                 skipping.plain_step(optimizers, grad_scaler)
             elif grad_scaler is not None:
@@ -299,7 +300,7 @@ class Guard:
 
                 skipping.skip_with_scaler(optimizers, grad_scaler, torch.ones((), dtype=torch.bool))
             return not bad
-        bad = flags.amax() > 0
+        bad = flags[:_BAD].amax() > 0
         if grad_scaler is not None:
             skipping.skip_with_scaler(optimizers, grad_scaler, bad)
             return None
@@ -390,7 +391,7 @@ def _as_tensor(x: Any, device: Any) -> Any:
 def _device_flags(
     loss: Any, grad: Any, scaled: bool, explosion_limit: float, spike_limit: float, loss_limit: float, device: Any
 ) -> Any:
-    """(non-finite, explosion, spike) as a float32 tensor; explosion is 2 where the loss went bad too."""
+    """(non-finite, explosion, spike, the loss above its spike limit) as a float32 tensor."""
     import torch
 
     false = torch.zeros((), dtype=torch.bool, device=device)
@@ -400,7 +401,9 @@ def _device_flags(
         nonfinite = ~torch.isfinite(lt)
         if math.isfinite(spike_limit):
             spike = lt > spike_limit
-        if math.isfinite(loss_limit):
+        if spike_limit == loss_limit:
+            loss_bad = spike
+        elif math.isfinite(loss_limit):
             loss_bad = lt > loss_limit
     if grad is not None:
         gt = _as_tensor(grad, device)
@@ -408,9 +411,7 @@ def _device_flags(
             nonfinite = nonfinite | ~torch.isfinite(gt)
         if math.isfinite(explosion_limit):
             explosion = gt > explosion_limit  # NaN compares False
-    flags = torch.stack([nonfinite, explosion, spike]).to(torch.float32)
-    flags[1] += (explosion & (loss_bad | nonfinite)).to(torch.float32)
-    return flags
+    return torch.stack([nonfinite, explosion, spike, loss_bad]).to(torch.float32)
 
 
 def _host_flags(
@@ -421,8 +422,8 @@ def _host_flags(
     nonfinite = nonfinite or (grad is not None and not scaled and not math.isfinite(grad))
     explosion = grad is not None and grad > explosion_limit
     spike = loss is not None and loss > spike_limit
-    loss_bad = nonfinite or (loss is not None and loss > loss_limit)
-    return [float(nonfinite), float(explosion) * (2.0 if loss_bad else 1.0), float(spike)]
+    loss_bad = loss is not None and loss > loss_limit
+    return [float(nonfinite), float(explosion), float(spike), float(loss_bad)]
 
 
 class NoGuard:
