@@ -325,6 +325,87 @@ def test_trl_reward_trainer_guard_acts_on_the_loss_its_compute_loss_backpropagat
     monitor.close(completed=mode == "skip")
 
 
+def test_trl_dpo_trainer_guard_skips_a_nan_step_of_its_preference_loss(tmp_path):
+    """TRL's DPOTrainer: the loss is the DPO loss of the policy against a reference model, computed
+    in compute_loss from log-probabilities (the model returns no loss). A NaN born in the policy's
+    forward at one step is withheld bitwise, counted once as a skip, and training goes on."""
+    require_module("trl")
+    from datasets import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    from lossbeat.integrations.hf import LossbeatCallback
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=32, n_positions=32, pad_token_id=0, bos_token_id=2, eos_token_id=2
+    )
+    model = GPT2LMHeadModel(config)
+    reference = GPT2LMHeadModel(config)
+    reference.load_state_dict(model.state_dict())  # given: TRL would otherwise load one by the model's name
+    g = torch.Generator().manual_seed(0)
+    words = lambda n: " ".join(f"w{int(i)}" for i in torch.randint(0, 29, (n,), generator=g))  # noqa: E731
+    data = Dataset.from_dict(
+        {
+            "prompt": [words(4) for _ in range(48)],
+            "chosen": [words(3) for _ in range(48)],
+            "rejected": [words(3) for _ in range(48)],
+        }
+    )
+    poison = {"on": False}
+    # The policy's last hidden states (TRL reads its log-probabilities without calling lm_head's forward).
+    model.transformer.ln_f.register_forward_hook(
+        lambda m, i, out: out * math.nan if poison["on"] and m.training else None
+    )
+
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.before, self.after = {}, {}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            poison["on"] = state.global_step + 1 == NAN_AT
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.before[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
+
+        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.after[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
+
+    monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
+    recorder = Recorder()
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+        max_length=16,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = DPOTrainer(
+        model=model,
+        ref_model=reference,
+        args=args,
+        train_dataset=data,
+        processing_class=_tiny_tokenizer(),
+        callbacks=[LossbeatCallback(monitor), recorder],
+    )
+    trainer.train()
+    monitor.flush()
+    _assert_bitwise_equal(recorder.before[NAN_AT], recorder.after[NAN_AT])
+    later = NAN_AT + 1
+    assert not torch.equal(recorder.before[later][0][0], recorder.after[later][0][0])  # trained on
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert monitor.state.skipped_steps == {"nonfinite": 1} and monitor.state.steps_total == 6
+    assert monitor.state.nonfinite_loss_total == 0 and monitor.state.guard_undecided_steps == 0
+    monitor.close()
+
+
 # --- Lightning ------------------------------------------------------------------------
 
 
