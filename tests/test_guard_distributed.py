@@ -35,6 +35,8 @@ JOBS = {
             "guard-2-fsdp2-two-even": ("guard_worker", ["--wrap", "fsdp2", *TWO_EVEN]),
             # guard="stop": a x1e4 loss on one rank only, its exploding gradients averaged into every rank's.
             "guard-2-ddp-stop": ("guard_worker", ["--wrap", "ddp", "--mode", "stop"]),
+            # guard="skip": the same loss gone bad on one rank for 30 steps in a row.
+            "guard-2-ddp-sustained": ("guard_worker", ["--wrap", "ddp", "--sustained"]),
         },
     ),
     "guard-4-ranks": Job(4, {"guard-4-ddp": ("guard_worker", ["--wrap", "ddp"])}),
@@ -93,6 +95,20 @@ def test_stop_on_a_loss_gone_bad_on_one_rank_halts_every_rank_at_the_same_step(j
         assert r["skipped"] == {"explosion": 1} and r["skipped_at"] == [], r  # counted; the loop left at it
         assert r["params_equal_across_ranks"] and r["params_finite"], r
         assert r["completed"] is False, r
+
+
+def test_a_loss_gone_bad_on_one_rank_for_good_is_no_new_level_on_any_rank(jobs):
+    """Only the last rank's loss is x1e4, from step 30 on: every rank skips the explosions, none
+    takes them in as a healthy new level (judged from its own loss, rank 0 did, after 8, and went
+    on alone while the last rank stopped), and every rank stops at the same step, after
+    guard.max_consecutive (16) skips in a row."""
+    results = jobs.results("guard-2-ddp-sustained")
+    for r in results:
+        assert r["halted"] == {"step": 46, "reason": "explosion", "loop_step": 46}, r
+        assert r["skipped_at"] == list(range(30, 46)) and r["skipped"] == {"explosion": 17}, r
+        assert r["unchanged_at_faults"] == [True] * 17, r
+        assert r["level_changes"] == 0, r
+        assert r["params_equal_across_ranks"] and r["params_finite"] and r["completed"] is False, r
 
 
 @pytest.mark.parametrize("framework", ["hf", "lightning"])

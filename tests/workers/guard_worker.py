@@ -21,6 +21,9 @@ observe() and monitor.step decides it from the gradients (without it, the fault 
 STOP_FAULTS = {30: "spike_one_rank"}
 """With ``--mode stop``: a loss gone bad on the last rank only, whose gradients, averaged into every
 rank's, explode everywhere; each rank sees a different loss and must stop at the same step."""
+SUSTAINED_FAULTS = {step: "spike_one_rank" for step in range(30, 60)}
+"""With ``--sustained``: the same loss gone bad on the last rank for 30 steps in a row: skipped as
+explosions until too many in a row stop every rank, never taken in as a new level by any."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizers", choices=("one", "two"), default="one")
     parser.add_argument("--observe", choices=("every", "even"), default="every")
     parser.add_argument("--mode", choices=("skip", "stop"), default="skip")
+    parser.add_argument("--sustained", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -57,6 +61,8 @@ def run(args: argparse.Namespace) -> dict:
     faults = {s: f for s, f in FAULTS.items() if s != UNOBSERVED or args.observe == "even"}
     if args.mode == "stop":
         faults = STOP_FAULTS
+    if args.sustained:
+        faults = SUSTAINED_FAULTS
     # With stop, spikes are not guarded (the default): the explosion alone, judged with each rank's loss.
     config = MonitorConfig(port=0, guard=args.mode, guard_spikes=args.mode == "skip", grad_norm_align_every=0)
     monitor = Monitor(config, serve=False)
@@ -84,6 +90,7 @@ def run(args: argparse.Namespace) -> dict:
         "undecided": monitor.state.guard_undecided_steps,
         "skipped": dict(monitor.state.skipped_steps),
         "halted": halted,
+        "level_changes": monitor.state.guard_level_changes,
         "params_equal_across_ranks": all(torch.equal(gathered[0], g) for g in gathered),
         "params_finite": bool(torch.isfinite(flat).all()),
         "last_loss_finite": math.isfinite(losses[-1]),
