@@ -134,7 +134,7 @@ class Guard:
     # --- observe(): the decision, on the device -------------------------------------------
 
     def decide(self, values: DeviceStep) -> None:
-        """Sets ``values.guard`` (3 flags) and ``values.guard_index`` for the step's transfer."""
+        """Sets ``values.guard`` (4 flags) and ``values.guard_index`` for the step's transfer."""
         self.settle()
         loss, grad = values.loss, values.grad_norm
         scaled = values.grad_scale is not None  # overflowing grads are the scaler's to skip
@@ -148,7 +148,7 @@ class Guard:
             device = tensors[0].device if tensors else _collective_device()
             flags = _device_flags(loss, grad, scaled, explosion_limit, spike_limit, loss_limit, device)
             if distributed:
-                # Every rank skips the same steps: a MAX of three flags, enqueued like any kernel.
+                # Every rank skips the same steps: a MAX of four flags, enqueued like any kernel.
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         else:
             flags = _host_flags(loss, grad, scaled, explosion_limit, spike_limit, loss_limit)
