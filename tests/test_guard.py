@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -393,3 +394,51 @@ def test_a_disabled_grad_scaler_is_no_scaler():
     assert _equal(snaps[4], snaps[4.5]) and not _equal(snaps[5], snaps[5.5])
     assert monitor.state.skipped_steps == {"nonfinite": 1}
     monitor.close()
+
+
+GUARD_DOC = Path(__file__).resolve().parents[1] / "docs" / "guard.md"
+
+
+def documented_save(marker: str) -> str:
+    """The code block of docs/guard.md's "Saving the last good state" that contains ``marker``."""
+    section = GUARD_DOC.read_text().split("### Saving the last good state", 1)[1].split("\n### ", 1)[0]
+    blocks = [b.split("\n", 1)[1] for b in section.split("```")[1::2] if b.startswith("python")]
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+@pytest.mark.parametrize("bad_at,deferred", [(3, False), (7, True)], ids=["mid-run", "last-step-deferred"])
+def test_the_documented_plain_loop_saves_the_last_good_state(tmp_path, monkeypatch, bad_at, deferred):
+    """docs/guard.md's plain-loop example, run as written (its `...` is this loop's forward and
+    backward): TrainingHalted is caught, the checkpoint holds the state before the bad step, and
+    the run reads as halted. With deferred reads (as on CUDA) a bad last step halts at close()."""
+    code = documented_save("for step, batch in enumerate(loader)")
+    body = (
+        "        loss = nn.functional.mse_loss(model(batch[0]), batch[1]) * (math.nan if step == bad_at else 1.0)\n"
+        "        optimizer.zero_grad()\n"
+        "        loss.backward()\n"
+        "        grad_norm = monitor.clip_grad_norm_(model, 1.0)\n"
+    )
+    assert code.count("        ...\n") == 1
+    code = code.replace("        ...\n", body)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = Monitor(MonitorConfig(port=0, guard="stop"), serve=False)
+    if deferred:
+        monitor._guard.lag = lambda: guard_module.MAX_PENDING  # as on CUDA with deferred reads
+    loader = [_batch(step) for step in range(bad_at + 1)]  # the bad step is the last one
+    names = {"torch": torch, "nn": nn, "math": math, "bad_at": bad_at}
+    names.update(model=model, optimizer=optimizer, monitor=monitor, loader=loader)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TrainingHalted) as raised:
+        exec(compile(code, str(GUARD_DOC), "exec"), names)
+    assert (raised.value.step, raised.value.reason) == (bad_at, "nonfinite")
+    saved = torch.load(tmp_path / "halted.pt")
+    assert saved["step"] == bad_at
+    # The last good state: every step before the bad one applied, the bad one not.
+    assert saved["optimizer"]["state"][0]["step"].item() == bad_at
+    reference = _model()
+    reference.load_state_dict(saved["model"])
+    assert all(torch.isfinite(p).all() for p in reference.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+    assert monitor.closed and monitor.state.halted and not monitor.state.completed

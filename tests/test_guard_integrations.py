@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -324,6 +325,87 @@ def test_trl_reward_trainer_guard_acts_on_the_loss_its_compute_loss_backpropagat
     monitor.close(completed=mode == "skip")
 
 
+def test_trl_dpo_trainer_guard_skips_a_nan_step_of_its_preference_loss(tmp_path):
+    """TRL's DPOTrainer: the loss is the DPO loss of the policy against a reference model, computed
+    in compute_loss from log-probabilities (the model returns no loss). A NaN born in the policy's
+    forward at one step is withheld bitwise, counted once as a skip, and training goes on."""
+    require_module("trl")
+    from datasets import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    from lossbeat.integrations.hf import LossbeatCallback
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=32, n_positions=32, pad_token_id=0, bos_token_id=2, eos_token_id=2
+    )
+    model = GPT2LMHeadModel(config)
+    reference = GPT2LMHeadModel(config)
+    reference.load_state_dict(model.state_dict())  # given: TRL would otherwise load one by the model's name
+    g = torch.Generator().manual_seed(0)
+    words = lambda n: " ".join(f"w{int(i)}" for i in torch.randint(0, 29, (n,), generator=g))  # noqa: E731
+    data = Dataset.from_dict(
+        {
+            "prompt": [words(4) for _ in range(48)],
+            "chosen": [words(3) for _ in range(48)],
+            "rejected": [words(3) for _ in range(48)],
+        }
+    )
+    poison = {"on": False}
+    # The policy's last hidden states (TRL reads its log-probabilities without calling lm_head's forward).
+    model.transformer.ln_f.register_forward_hook(
+        lambda m, i, out: out * math.nan if poison["on"] and m.training else None
+    )
+
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.before, self.after = {}, {}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            poison["on"] = state.global_step + 1 == NAN_AT
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.before[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
+
+        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.after[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
+
+    monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
+    recorder = Recorder()
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+        max_length=16,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = DPOTrainer(
+        model=model,
+        ref_model=reference,
+        args=args,
+        train_dataset=data,
+        processing_class=_tiny_tokenizer(),
+        callbacks=[LossbeatCallback(monitor), recorder],
+    )
+    trainer.train()
+    monitor.flush()
+    _assert_bitwise_equal(recorder.before[NAN_AT], recorder.after[NAN_AT])
+    later = NAN_AT + 1
+    assert not torch.equal(recorder.before[later][0][0], recorder.after[later][0][0])  # trained on
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert monitor.state.skipped_steps == {"nonfinite": 1} and monitor.state.steps_total == 6
+    assert monitor.state.nonfinite_loss_total == 0 and monitor.state.guard_undecided_steps == 0
+    monitor.close()
+
+
 # --- Lightning ------------------------------------------------------------------------
 
 
@@ -447,3 +529,143 @@ def test_lightning_guard_refuses_a_held_schedule():
 
     with pytest.raises(ValueError, match="guard_schedule"):
         LossbeatCallback(guard="skip", guard_schedule="hold")
+
+
+# --- docs/guard.md: saving the last good state ------------------------------------------
+
+
+def test_the_documented_hf_except_block_saves_the_weights_before_the_bad_step(tmp_path):
+    """docs/guard.md's HF example, run as written: the saved model is the one before the NaN step."""
+    from test_guard import GUARD_DOC, documented_save
+
+    trainer, monitor, recorder = _hf_trainer(tmp_path, "stop")
+    with pytest.raises(TrainingHalted, match=f"at step {NAN_AT}: nonfinite"):
+        exec(
+            compile(documented_save("trainer.train()"), str(GUARD_DOC), "exec"),
+            {"trainer": trainer, "args": trainer.args},
+        )
+    saved = type(trainer.model).from_pretrained(tmp_path / "halted")
+    before = recorder.before[NAN_AT][0]
+    assert len(before) == len(list(saved.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, saved.parameters()))
+    assert all(torch.isfinite(p).all() for p in saved.parameters())
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert state["global_step"] == NAN_AT - 1
+    monitor.close(completed=False)
+    assert monitor.state.halted and not monitor.state.completed
+
+
+def test_the_documented_lightning_except_block_checkpoints_the_state_before_the_bad_step(tmp_path, monkeypatch):
+    """docs/guard.md's Lightning example, run as written: the checkpoint's weights and AdamW state
+    are those before the NaN step, and training resumes from it."""
+    from test_guard import GUARD_DOC, documented_save
+
+    trainer, module, data, monitor = _lightning_fit("stop")
+    monkeypatch.chdir(tmp_path)
+    names = {"trainer": trainer, "module": module, "datamodule": data}
+    with pytest.raises(TrainingHalted, match=f"at step {NAN_AT}: nonfinite"):
+        exec(compile(documented_save("trainer.fit("), str(GUARD_DOC), "exec"), names)
+    saved = torch.load(tmp_path / "halted.ckpt", weights_only=False)
+    assert saved["global_step"] == NAN_AT - 1
+    params, states = module.before[NAN_AT]
+    assert all(torch.equal(a, b) for a, b in zip(params, saved["state_dict"].values()))
+    adam = saved["optimizer_states"][0]["state"]
+    for i, before in enumerate(states):
+        assert before.keys() == adam[i].keys() and all(torch.equal(before[k], adam[i][k]) for k in before)
+    monitor.close(completed=False)
+    assert monitor.state.halted and not monitor.state.completed
+
+
+# --- a stop at the last step, with deferred reads (as on CUDA) --------------------------
+
+
+def _deferred(monitor: Monitor) -> None:
+    """As on CUDA with deferred reads: a halt is raised MAX_PENDING decisions after its bad step."""
+    from lossbeat.monitor import guard as guard_module
+
+    monitor._guard.lag = lambda: guard_module.MAX_PENDING
+
+
+def test_hf_a_stop_at_the_last_step_with_deferred_reads_leaves_train_and_is_not_completed(tmp_path):
+    """The NaN step is the run's last: no later monitor.step raises the halt, on_train_end's flush
+    does, out of train(); the step was withheld and the run never reads as completed."""
+    trainer, monitor, recorder = _hf_trainer(tmp_path, "stop", steps=NAN_AT)
+    _deferred(monitor)
+    with pytest.raises(TrainingHalted, match=f"at step {NAN_AT}: nonfinite"):
+        trainer.train()
+    _assert_bitwise_equal(recorder.before[NAN_AT], recorder.after[NAN_AT])
+    assert trainer.optimizer.step.__qualname__ == "AcceleratedOptimizer.step"
+    monitor.close()  # what a script's end does: the halt was raised already, so no second raise
+    assert monitor.state.halted and not monitor.state.completed
+
+
+def test_lightning_a_stop_at_the_last_step_with_deferred_reads_leaves_fit_and_is_not_completed():
+    trainer, module, data, monitor = _lightning_fit("stop", steps=NAN_AT)
+    _deferred(monitor)
+    with pytest.raises(TrainingHalted, match=f"at step {NAN_AT}: nonfinite"):
+        trainer.fit(module, data)
+    _assert_bitwise_equal(module.before[NAN_AT], module.after[NAN_AT])
+    assert "_wrapped_by_lr_sched" in dir(trainer.optimizers[0].step)  # the guard taken off: torch's wrapper again
+    monitor.close()
+    assert monitor.state.halted and not monitor.state.completed
+
+
+def test_lightning_manual_optimization_withholds_both_optimizers_of_a_bad_step():
+    """Manual optimization with two optimizers (a GAN's players, Muon and AdamW): the step's one
+    decision withholds both, it is counted once, and the batches after it train both."""
+    L = require_module("lightning")
+    from lossbeat.integrations.lightning import LossbeatCallback
+
+    class TwoOptimizers(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+            self.unchanged: list[bool] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            opt_a, opt_b = self.optimizers()
+            loss = torch.nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+            if batch_idx + 1 == NAN_AT:
+                loss = loss * math.nan
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            self.manual_backward(loss)
+            before = _snapshot(opt_a, list(self.a.parameters())), _snapshot(opt_b, list(self.b.parameters()))
+            opt_a.step()
+            opt_b.step()
+            after = _snapshot(opt_a, list(self.a.parameters())), _snapshot(opt_b, list(self.b.parameters()))
+            self.unchanged.append(all(_same(x, y) for x, y in zip(before, after)))
+
+        def configure_optimizers(self):
+            return [torch.optim.AdamW(self.a.parameters(), lr=1e-2), torch.optim.SGD(self.b.parameters(), lr=1e-2)]
+
+    def _same(a, b) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and all(
+            k in sb and torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k]))
+            for sa, sb in zip(a[1], b[1])
+            for k in sa
+        )
+
+    torch.manual_seed(0)
+    x = torch.randn(48, 8)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
+    module = TwoOptimizers()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[LossbeatCallback(monitor)],
+    )
+    trainer.fit(module, data)
+    monitor.flush()
+    assert module.unchanged == [i + 1 == NAN_AT for i in range(6)]  # only the NaN batch left both untouched
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert _skipped(monitor) == {"nonfinite": 1, "explosion": 0, "spike": 0}
+    assert monitor.state.guard_undecided_steps == 0

@@ -21,6 +21,7 @@ from lossbeat.exposition.server import MetricsServer, RankContext
 
 WORKER = str(Path(__file__).resolve().parent / "workers" / "launch_worker.py")
 LIGHTNING_WORKER = str(Path(__file__).resolve().parent / "workers" / "lightning_launch_worker.py")
+LIGHTNING_HALT_WORKER = str(Path(__file__).resolve().parent / "workers" / "lightning_halt_worker.py")
 LAUNCHER_VARIABLES = (
     "RANK",
     "LOCAL_RANK",
@@ -240,6 +241,33 @@ def test_rank_context_precedence_and_bad_values(monkeypatch):
         RankContext(0, -1, 1)
     with pytest.raises(ValueError, match="world_size"):
         RankContext(0, 0, 0)
+
+
+def test_lightning_launched_ranks_stop_together_and_the_documented_save_keeps_the_last_good_state(tmp_path):
+    """Lightning's own ddp launcher (it runs the script again for rank 1), guard="stop" and a NaN
+    loss on rank 1 only: both ranks leave fit() with TrainingHalted at that step, and docs/guard.md's
+    Lightning example, run as written on each rank, checkpoints the weights and AdamW state from
+    just before it."""
+    require_module("lightning")
+    job = subprocess.run(
+        [sys.executable, LIGHTNING_HALT_WORKER, "--dir", str(tmp_path)],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    files = [tmp_path / f"halted.{rank}.json" for rank in (0, 1)]
+    deadline = time.monotonic() + 60  # rank 1 is Lightning's child: it may end after rank 0
+    while not all(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job.returncode == 0 and all(f.exists() for f in files), job.stdout[-4000:]
+    results = [json.loads(f.read_text()) for f in files]
+    for r in results:
+        assert (r["step"], r["reason"], r["global_step"]) == (3, "nonfinite", 2), r
+    assert results[0]["saved_global_step"] == 2, results[0]
+    assert results[0]["saved_weights_equal"] and results[0]["saved_adam_equal"], results[0]
 
 
 def test_lightning_node_rank_without_the_node_size_falls_back_to_the_local_rank(monkeypatch, caplog):

@@ -2,8 +2,10 @@
 
 ``observe`` decides on the device: a step is bad when its loss or grad norm is non-finite,
 when its grad norm departs from the run's baseline as an explosion event does, or (opt-in)
-when its loss spikes. The three flags are MAX-reduced over the world, so every rank skips the
-same steps, and travel to the host with the step's one transfer. ``Monitor.step(optimizer)``
+when its loss spikes. The three flags, and a fourth that says whether the loss went bad (above
+its spike limit), are MAX-reduced over the world, so every rank skips the same steps, and travel
+to the host with the step's one transfer. Whether an explosion may be a new level, or leads to
+a stop, is then the same judgement on every rank, whose losses differ. ``Monitor.step(optimizer)``
 applies that decision to every optimizer stepped before the next ``observe``
 (:mod:`~lossbeat.monitor.skipping` withholds the update):
 
@@ -59,6 +61,7 @@ __all__ = ["Guard", "NoGuard", "TrainingHalted", "GUARD_MODES", "REASONS", "make
 GUARD_MODES = ("off", "skip", "stop")
 REASONS = SKIP_REASONS
 """The reasons a step is skipped, in the order of the flags (the first set one is counted)."""
+_BAD = len(REASONS)  # flags[:_BAD] decide a skip; the one after them (the loss went bad) only judges an explosion
 
 
 class TrainingHalted(RuntimeError):
@@ -131,23 +134,24 @@ class Guard:
     # --- observe(): the decision, on the device -------------------------------------------
 
     def decide(self, values: DeviceStep) -> None:
-        """Sets ``values.guard`` (3 flags) and ``values.guard_index`` for the step's transfer."""
+        """Sets ``values.guard`` (4 flags) and ``values.guard_index`` for the step's transfer."""
         self.settle()
         loss, grad = values.loss, values.grad_norm
         scaled = values.grad_scale is not None  # overflowing grads are the scaler's to skip
         explosion_limit = self.history.grad.event_limit()
-        spike_limit = self.history.loss.spike_limit() if self.spikes else math.inf
+        loss_limit = self.history.loss.spike_limit()  # a loss above it is no healthy new level
+        spike_limit = loss_limit if self.spikes else math.inf
         tensors = [x for x in (loss, grad) if isinstance(x, loaded.Tensor)]
         dist = loaded.distributed()  # None without torch: no process group
         distributed = dist is not None and dist.is_initialized() and dist.get_world_size() > 1
         if tensors or distributed:
             device = tensors[0].device if tensors else _collective_device()
-            flags = _device_flags(loss, grad, scaled, explosion_limit, spike_limit, device)
+            flags = _device_flags(loss, grad, scaled, explosion_limit, spike_limit, loss_limit, device)
             if distributed:
-                # Every rank skips the same steps: a MAX of three flags, enqueued like any kernel.
+                # Every rank skips the same steps: a MAX of four flags, enqueued like any kernel.
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         else:
-            flags = _host_flags(loss, grad, scaled, explosion_limit, spike_limit)
+            flags = _host_flags(loss, grad, scaled, explosion_limit, spike_limit, loss_limit)
         self._current, self._stepped = (self.decisions, flags), set()
         if len(self._used) > 4 * MAX_PENDING:  # only the decisions whose flags may still be in flight
             self._used = {i for i in self._used if i >= self.decisions - 2 * MAX_PENDING}
@@ -181,7 +185,7 @@ class Guard:
         self._host = (index, tuple(flags))
         bad = next((reason for reason, f in zip(REASONS, flags) if f > 0), None)
         if bad is not None and index in self._used:  # Monitor.step withheld it already, on the device
-            self._count(index, bad, step, loss, grad_norm)
+            self._count(index, bad, step, loss, grad_norm, loss_bad=flags[_BAD] > 0)
             return SKIPPED
         current = self._current
         if bad is not None and pending is not None and current is not None and current[0] == index:
@@ -192,22 +196,22 @@ class Guard:
         self._level.clear()
         return APPLIED
 
-    def _count(self, at: int, reason: str, step: int, loss: float | None, grad_norm: float | None) -> None:
-        """One withheld step: counted, and judged for a new level or a halt."""
+    def _count(
+        self, at: int, reason: str, step: int, loss: float | None, grad_norm: float | None, *, loss_bad: bool
+    ) -> None:
+        """One withheld step: counted, and judged for a new level or a halt. ``loss_bad``: the loss
+        went bad with the step on some rank (the reduced flag), so it is no new level."""
         self._consecutive += 1
         skipped = dict(self.state.skipped_steps)
         skipped[reason] = skipped.get(reason, 0) + 1
         self.state.skipped_steps = skipped  # swapped whole: a scrape sees all or nothing
         self.state.guard_consecutive_skips = self._consecutive
-        # An explosion whose loss stays finite and below the spike limit may be a new level
-        # (layers unfrozen, a summed loss, a new data mix): after accept_level_after of them in a
-        # row it becomes the baseline. Only a non-finite value or a bad loss leads to a stop.
-        healthy = (
-            reason == "explosion"
-            and grad_norm is not None
-            and math.isfinite(grad_norm)
-            and (loss is None or (math.isfinite(loss) and not loss > self.history.loss.spike_limit()))
-        )
+        # An explosion whose loss stays finite and below the spike limit on every rank may be a
+        # new level (layers unfrozen, a summed loss, a new data mix): after accept_level_after of
+        # them in a row it becomes the baseline. Only a non-finite value or a bad loss leads to a
+        # stop. Judged from the reduced flags, not this rank's loss: a loss gone bad on one rank
+        # only would otherwise stop that rank alone, and leave the others waiting in a collective.
+        healthy = reason == "explosion" and grad_norm is not None and math.isfinite(grad_norm) and not loss_bad
         if not healthy:
             self._level.clear()
         else:
@@ -279,7 +283,7 @@ class Guard:
         if scheduler is not None:
             if applied is None and self.hold_schedule:
                 self.host_reads += 1
-                applied = not bool(flags.amax() > 0)  # host sync: guard_schedule="hold" on the device path
+                applied = not bool(flags[:_BAD].amax() > 0)  # host sync: guard_schedule="hold" on the device path
             if applied or not self.hold_schedule:
                 scheduler.step()
         self._raise_if_halted()
@@ -288,7 +292,7 @@ class Guard:
     def _apply_decision(self, optimizers: list[Any], grad_scaler: Any, index: int, flags: Any) -> bool | None:
         host = self._host
         if index == _UNDECIDED or (host is not None and host[0] == index):  # on the host: a Python branch
-            bad = flags if index == _UNDECIDED else any(f > 0 for f in host[1])  # type: ignore[index]
+            bad = flags if index == _UNDECIDED else any(f > 0 for f in host[1][:_BAD])  # type: ignore[index]
             if not bad:
                 skipping.plain_step(optimizers, grad_scaler)
             elif grad_scaler is not None:
@@ -296,7 +300,7 @@ class Guard:
 
                 skipping.skip_with_scaler(optimizers, grad_scaler, torch.ones((), dtype=torch.bool))
             return not bad
-        bad = flags.amax() > 0
+        bad = flags[:_BAD].amax() > 0
         if grad_scaler is not None:
             skipping.skip_with_scaler(optimizers, grad_scaler, bad)
             return None
@@ -332,7 +336,7 @@ class Guard:
         self._current = (_UNDECIDED, bad)
         if bad:  # on the host on every rank already: a halt is raised at once
             step = -1 if self.state.step is None else int(self.state.step) + 1
-            self._count(self.decisions - 1 - self.lag(), "nonfinite", step, None, None)
+            self._count(self.decisions - 1 - self.lag(), "nonfinite", step, None, None, loss_bad=True)
         else:
             self._consecutive = 0
             self.state.guard_consecutive_skips = 0
@@ -384,31 +388,42 @@ def _as_tensor(x: Any, device: Any) -> Any:
     return torch.tensor(float(x), device=device)
 
 
-def _device_flags(loss: Any, grad: Any, scaled: bool, explosion_limit: float, spike_limit: float, device: Any) -> Any:
+def _device_flags(
+    loss: Any, grad: Any, scaled: bool, explosion_limit: float, spike_limit: float, loss_limit: float, device: Any
+) -> Any:
+    """(non-finite, explosion, spike, the loss above its spike limit) as a float32 tensor."""
     import torch
 
     false = torch.zeros((), dtype=torch.bool, device=device)
-    nonfinite = explosion = spike = false
+    nonfinite = explosion = spike = loss_bad = false
     if loss is not None:
         lt = _as_tensor(loss, device)
         nonfinite = ~torch.isfinite(lt)
         if math.isfinite(spike_limit):
             spike = lt > spike_limit
+        if spike_limit == loss_limit:
+            loss_bad = spike
+        elif math.isfinite(loss_limit):
+            loss_bad = lt > loss_limit
     if grad is not None:
         gt = _as_tensor(grad, device)
         if not scaled:
             nonfinite = nonfinite | ~torch.isfinite(gt)
         if math.isfinite(explosion_limit):
             explosion = gt > explosion_limit  # NaN compares False
-    return torch.stack([nonfinite, explosion, spike]).to(torch.float32)
+    return torch.stack([nonfinite, explosion, spike, loss_bad]).to(torch.float32)
 
 
-def _host_flags(loss: Any, grad: Any, scaled: bool, explosion_limit: float, spike_limit: float) -> list[float]:
+def _host_flags(
+    loss: Any, grad: Any, scaled: bool, explosion_limit: float, spike_limit: float, loss_limit: float
+) -> list[float]:
+    """:func:`_device_flags` on floats."""
     nonfinite = loss is not None and not math.isfinite(loss)
     nonfinite = nonfinite or (grad is not None and not scaled and not math.isfinite(grad))
     explosion = grad is not None and grad > explosion_limit
     spike = loss is not None and loss > spike_limit
-    return [float(nonfinite), float(explosion), float(spike)]
+    loss_bad = loss is not None and loss > loss_limit
+    return [float(nonfinite), float(explosion), float(spike), float(loss_bad)]
 
 
 class NoGuard:

@@ -48,7 +48,7 @@ class StepValues(Generic[S, V]):
     layers: V | None = None
     """Per-layer gradient norms, in the layer grouping's order (-1: a layer without a gradient)."""
     guard: V | None = None
-    """The guard's three flags (non-finite, explosion, spike)."""
+    """The guard's flags: its three reasons (non-finite, explosion, spike), then the loss above its spike limit."""
     guard_index: float | None = None
     """The guard's decision index of the step."""
     experts: V | None = None
