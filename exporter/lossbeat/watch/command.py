@@ -148,11 +148,7 @@ class MonitorFeed:
         m.flush()
         self.release_scrapes()
         if last_growth is not None:
-            state = m.state
-            # the state's own fields, as observe() sets them: the last record's time is the log's
-            for name in ("last_step_time", "last_activity_time"):
-                if getattr(state, name) is not None:
-                    setattr(state, name, min(getattr(state, name), last_growth))
+            m.state.backdate(last_growth)  # the last record's time is the log's
 
 
 class Watcher:
