@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -278,31 +279,12 @@ def torch_tensor():
     return torch.arange(10.0)
 
 
-def test_formats_list_is_complete():
-    assert set(FORMATS) == {
-        "hf",
-        "hf-stdout",
-        "llamafactory",
-        "lightning",
-        "llmc",
-        "llmc-stdout",
-        "nanogpt",
-        "megatron",
-        "megatron-log",
-        "build-nanogpt",
-        "nanochat",
-        "olmo",
-        "torchtitan",
-        "kv-stdout",
-        "tensorboard",
-        "mlflow",
-        "wandb",
-        "sb3",
-        "detectron2",
-        "csv",
-        "jsonl",
-        "printout",
-    }
+def test_every_format_has_its_row_in_the_docs_formats_table():
+    """What ``--format`` accepts and detection returns is what docs/analyze.md's table describes, in its order."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "analyze.md").read_text(encoding="utf-8")
+    table = text[text.index("## Formats (auto-detected)") :]
+    table = table[: table.index("\n## ", 1)]
+    assert tuple(re.findall(r"^\| `([a-z0-9-]+)` \|", table, re.MULTILINE)) == FORMATS
 
 
 # --- broken inputs: one line naming the file and the problem ----------------------------------
