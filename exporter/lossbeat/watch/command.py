@@ -219,6 +219,14 @@ class Watcher:
     def stop(self) -> None:
         self._stop = True
 
+    def following(self) -> bool:
+        """Whether to go on following: not stopped, and not idle past ``idle_timeout``."""
+        return not (self._stop or self._idle())
+
+    def saw_data(self) -> None:
+        """New data was read: the idle timeout counts from now."""
+        self._last_data = time.monotonic()
+
     def _idle(self) -> bool:
         return self.idle_timeout is not None and time.monotonic() - self._last_data > self.idle_timeout
 
