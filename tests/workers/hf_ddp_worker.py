@@ -9,7 +9,7 @@ import argparse
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-from worker_exit import finish, write_result
+from worker_exit import run_rank
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.integrations.hf import LossbeatCallback
@@ -85,12 +85,5 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    args = parse_args()
-    result = run(args)
-    write_result(args.dir, result["rank"], result)
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    run_rank(run, parse_args(), join_group=False)  # the Trainer joins the group

@@ -20,7 +20,7 @@ from hf_ddp_worker import Tokens, cpu_args, tiny_gpt2
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import Trainer, TrainerCallback
-from worker_exit import finish, write_result
+from worker_exit import run_rank
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.integrations.hf import LossbeatCallback
@@ -145,12 +145,5 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    args = parse_args()
-    result = run(args)
-    write_result(args.dir, result["rank"], result)
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    run_rank(run, parse_args(), join_group=False)  # the Trainer joins the group

@@ -34,11 +34,14 @@ def finish() -> None:
     os._exit(0)
 
 
-def run_rank(run: Callable[[argparse.Namespace], dict], args: argparse.Namespace) -> None:
-    """A worker's rank started by torchrun: join the gloo group, ``run(args)``, write what it returns
-    for the test (``args.dir``), and :func:`finish`."""
-    dist.init_process_group("gloo")
-    write_result(args.dir, dist.get_rank(), run(args))
+def run_rank(run: Callable[[argparse.Namespace], dict], args: argparse.Namespace, *, join_group: bool = True) -> None:
+    """A worker's rank started by torchrun: join the gloo group (``join_group=False``: ``run`` joins
+    it, as a Trainer does), ``run(args)``, write what it returns for the test (``args.dir``), and
+    :func:`finish`."""
+    if join_group:
+        dist.init_process_group("gloo")
+    result = run(args)
+    write_result(args.dir, dist.get_rank(), result)
     finish()
 
 
