@@ -176,6 +176,10 @@ RUN_A, RUN_B = "gpu-a:8470", "gpu-b:8470"  # two runs under one job label, each 
 
 def _alert(name: str, rank: str, severity: str, instance: str = RUN_A) -> dict:
     run_id = {RUN_A: "101", RUN_B: "102"}[instance]  # each run its own identity (Slurm job id)
+    return _run_alert(name, run_id, instance, rank, severity=severity)
+
+
+def _run_alert(name: str, run_id: str, instance: str, rank: str, **extra: str) -> dict:
     return {
         "labels": {
             "alertname": name,
@@ -183,22 +187,23 @@ def _alert(name: str, rank: str, severity: str, instance: str = RUN_A) -> dict:
             "run_id": run_id,
             "instance": instance,
             "rank": rank,
-            "severity": severity,
+            "severity": "critical",
+            **extra,
         }
     }
 
 
-def _states(port: int) -> dict:
+def _states(port: int, run: str) -> dict:
+    """Each alert's status by (alertname, ``run`` label: instance or run_id, rank)."""
     return {
-        (a["labels"]["alertname"], a["labels"]["instance"], a["labels"]["rank"]): a["status"]
-        for a in _api(port, "alerts")
+        (a["labels"]["alertname"], a["labels"][run], a["labels"]["rank"]): a["status"] for a in _api(port, "alerts")
     }
 
 
-def _wait_suppressed(port: int, key: tuple) -> dict:
+def _wait_suppressed(port: int, key: tuple, run: str = "instance") -> dict:
     deadline = time.monotonic() + 10
     while True:
-        seen = _states(port)
+        seen = _states(port, run)
         if seen.get(key, {}).get("state") == "suppressed" or time.monotonic() > deadline:
             return seen
         time.sleep(0.2)
@@ -268,36 +273,6 @@ def test_real_alertmanager_pages_a_forward_nan_once(alertmanager):
     assert seen[("TrainingLossNaN", RUN_A, "0")]["state"] == "active"
 
 
-def _run_alert(name: str, run_id: str, instance: str, rank: str, **extra: str) -> dict:
-    return {
-        "labels": {
-            "alertname": name,
-            "job": "train",
-            "run_id": run_id,
-            "instance": instance,
-            "rank": rank,
-            "severity": "critical",
-            **extra,
-        }
-    }
-
-
-def _run_states(port: int) -> dict:
-    return {
-        (a["labels"]["alertname"], a["labels"]["run_id"], a["labels"]["rank"]): a["status"]
-        for a in _api(port, "alerts")
-    }
-
-
-def _wait_run_suppressed(port: int, key: tuple) -> dict:
-    deadline = time.monotonic() + 10
-    while True:
-        seen = _run_states(port)
-        if seen.get(key, {}).get("state") == "suppressed" or time.monotonic() > deadline:
-            return seen
-        time.sleep(0.2)
-
-
 def test_real_alertmanager_pages_a_nan_on_one_ddp_rank_once_for_the_run(alertmanager):
     """Rank 1's NaN loss reaches rank 0's gradients through the all-reduce: rank 0's
     TrainingGradientNonFinite (another rank, another instance) is held; run 102 is not."""
@@ -316,7 +291,7 @@ def test_real_alertmanager_pages_a_nan_on_one_ddp_rank_once_for_the_run(alertman
             _run_alert("TrainingGradientNonFinite", "102", "gpu-c:8470", "0", layer="blocks.2"),
         ],
     )
-    seen = _wait_run_suppressed(alertmanager, ("TrainingGradientNonFinite", "101", "0"))
+    seen = _wait_suppressed(alertmanager, ("TrainingGradientNonFinite", "101", "0"), run="run_id")
     assert seen[("TrainingGradientNonFinite", "101", "0")]["state"] == "suppressed"
     assert seen[("TrainingLossNaN", "101", "1")]["state"] == "active"
     assert seen[("TrainingGradientNonFinite", "102", "0")]["state"] == "active"
@@ -335,7 +310,7 @@ def test_real_alertmanager_pages_one_crash_once(alertmanager):
             _run_alert("TrainingStalled", "102", "gpu-c:8470", "0", phase="train"),
         ],
     )
-    seen = _wait_run_suppressed(alertmanager, ("TrainingStalled", "101", "0"))
+    seen = _wait_suppressed(alertmanager, ("TrainingStalled", "101", "0"), run="run_id")
     assert seen[("TrainingStalled", "101", "0")]["state"] == "suppressed"
     assert seen[("TrainingRankDown", "101", "1")]["state"] == "suppressed"
     assert seen[("TrainingExporterDown", "101", "1")]["state"] == "active"

@@ -103,6 +103,121 @@ def test_the_rule_checker_sees_a_violation(tmp_path):
         PACKAGE = saved
 
 
+STATE_OWNER = "exposition/state.py"
+MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "add", "remove", "discard"}
+
+
+def state_fields() -> set[str]:
+    """Every attribute MonitorState's own methods assign (its fields, public or not)."""
+    tree = ast.parse((PACKAGE / STATE_OWNER).read_text(encoding="utf-8"))
+    (cls,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MonitorState")
+    return {
+        target.attr
+        for node in ast.walk(cls)
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for target in ast.walk(target)
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+    }
+
+
+def _is_state(node: ast.AST, names: set[str]) -> bool:
+    return (isinstance(node, ast.Name) and node.id in names) or (
+        isinstance(node, ast.Attribute) and node.attr == "state"
+    )
+
+
+def state_writes(path: Path, fields: set[str]) -> list[str]:
+    """Where ``path`` writes a MonitorState field itself: an assignment (augmented, by subscript,
+    by ``setattr``) or a mutating call on one. A state is ``state``, ``<anything>.state``, a
+    parameter annotated ``MonitorState``, or a local name bound to one of these (``s = self.state``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    where = path.relative_to(PACKAGE) if path.is_relative_to(PACKAGE) else path.name
+    found: list[str] = []
+    scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]
+    for scope in scopes:
+        names = {"state"}
+        if not isinstance(scope, ast.Module):
+            every = [*scope.args.posonlyargs, *scope.args.args, *scope.args.kwonlyargs]
+            names.update(
+                a.arg for a in every if a.annotation is not None and "MonitorState" in ast.unparse(a.annotation)
+            )
+
+        for node in ast.walk(scope):  # aliases first: `s = self.state`, `s, v = self.state, values`
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    pairs = (
+                        zip(target.elts, node.value.elts)
+                        if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                        else [(target, node.value)]
+                    )
+                    names.update(t.id for t, v in pairs if isinstance(t, ast.Name) and _is_state(v, names))
+        for node in ast.walk(scope):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = list(node.targets)
+            elif isinstance(node, ast.Call):
+                func = node.func
+                if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args:
+                    if _is_state(node.args[0], names):
+                        found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+                elif (
+                    isinstance(func, ast.Attribute)
+                    and func.attr in MUTATORS
+                    and isinstance(func.value, ast.Attribute)
+                    and func.value.attr in fields
+                    and _is_state(func.value.value, names)
+                ):
+                    found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+            for target in targets:
+                for t in ast.walk(target):
+                    while isinstance(t, ast.Subscript):
+                        t = t.value
+                    if isinstance(t, ast.Attribute) and t.attr in fields and _is_state(t.value, names):
+                        found.append(f"{where}:{node.lineno} {ast.unparse(t)}")
+    return sorted(set(found))
+
+
+def test_only_the_state_writes_its_fields():
+    """MonitorState's fields change only through its methods: the order a scrape sees them move
+    in, and what is swapped whole, is decided in one module. Every other module reads them."""
+    fields = state_fields()
+    assert {"loss", "steps_total", "halted", "guard_consecutive_skips", "recent"} <= fields
+    writes = [w for p in sorted(PACKAGE.rglob("*.py")) if p != PACKAGE / STATE_OWNER for w in state_writes(p, fields)]
+    assert writes == [], "write these through a MonitorState method"
+
+
+def test_the_state_writer_check_sees_each_kind_of_write(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def apply(self, monitor, record):\n"
+        "    s, v = self.state, record\n"
+        "    s.loss = v\n"
+        "    monitor.state.steps_total += 1\n"
+        "    s.event_steps['spike'] = 3\n"
+        "    setattr(state, 'halted', True)\n"
+        "    self.state.recent.append(v)\n"
+        "    self.loss = v\n"  # not a state: allowed
+        "    print(s.loss, monitor.state.recent.snapshot())\n"  # reads: allowed
+        "    self.state.record_step(step=1)\n"  # the owner's method: allowed
+        "def keep(st: MonitorState):\n"
+        "    st.layer_first_event_left -= 1\n"
+    )
+    found = [w.split(" ", 1)[1] for w in state_writes(probe, state_fields())]
+    assert sorted(found) == [
+        "monitor.state.steps_total",
+        "s.event_steps",
+        "s.loss",
+        "self.state.recent.append(v)",
+        "setattr(state, 'halted', True)",
+        "st.layer_first_event_left",
+    ]
+
+
 def test_no_import_circles_between_modules():
     edges = {m: {t for t in ts if t.startswith("lossbeat.") and t in graph_modules()} for m, ts in graph().items()}
     # a package's __init__ re-exporting its own modules is not a circle of the design

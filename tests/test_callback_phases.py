@@ -123,8 +123,8 @@ def test_a_slow_lightning_validation_is_in_the_eval_phase_and_heartbeats():
 def test_a_slow_hf_evaluation_is_in_the_eval_phase_and_heartbeats(tmp_path):
     require_module("transformers")
     require_module("accelerate")
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-    from workers.hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer, TrainerCallback
+    from workers.hf_ddp_worker import Tokens, cpu_args, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback
 
@@ -144,20 +144,14 @@ def test_a_slow_hf_evaluation_is_in_the_eval_phase_and_heartbeats(tmp_path):
                 during.append(sample(monitor.port))
             return super().__getitem__(i)
 
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = cpu_args(
+        tmp_path,
         max_steps=3,
-        per_device_train_batch_size=4,
         per_device_eval_batch_size=1,
         logging_steps=1,
         eval_strategy="steps",
         eval_steps=2,
         learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
         dataloader_num_workers=0,
     )
     trainer = Trainer(
@@ -185,8 +179,8 @@ def test_an_hf_save_at_the_end_of_an_epoch_runs_in_the_checkpoint_phase(tmp_path
     and ``train`` once it is written; before, the save ran in ``train`` with no heartbeat."""
     require_module("transformers")
     require_module("accelerate")
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-    from workers.hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer, TrainerCallback
+    from workers.hf_ddp_worker import Tokens, cpu_args, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback
 
@@ -200,19 +194,14 @@ def test_an_hf_save_at_the_end_of_an_epoch_runs_in_the_checkpoint_phase(tmp_path
         def on_save(self, args, state, control, **kwargs):
             seen.setdefault("saved", sample(monitor.port)["phase"])
 
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = cpu_args(
+        tmp_path,
         max_steps=3,
-        per_device_train_batch_size=4,
         logging_steps=1,
         eval_strategy="no",
         save_strategy="epoch",
         save_only_model=True,
         learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
         dataloader_num_workers=0,
     )
     trainer = Trainer(

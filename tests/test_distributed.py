@@ -3,14 +3,13 @@
 import importlib.util
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import free_ports, require_module
 from helpers.scrape import scrape as scrape_series
-from helpers.torchrun_jobs import Job, SharedJobs
+from helpers.torchrun_jobs import Job, SharedJobs, torchrun
 
 WORKER = Path(__file__).resolve().parent / "workers" / "ddp_worker.py"
 
@@ -26,21 +25,7 @@ def scrape(port):
 
 def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):
     base = free_port_pair()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(WORKER),
-        "--port",
-        str(base),
-        "--dir",
-        str(tmp_path),
-        "--steps",
-        "20",
-    ]
+    cmd = torchrun(2, WORKER, "--port", str(base), "--dir", str(tmp_path), "--steps", "20")
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

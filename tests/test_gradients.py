@@ -24,6 +24,10 @@ class Net(nn.Module):
         return self.head(h).mean(1) * self.scale
 
 
+NET_LAYERS = ["scale", "embed", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp", "head"]
+"""Net's layers in model order (named_parameters() order: a module's own parameters come first)."""
+
+
 def backward(model, seed=0):
     torch.manual_seed(seed)
     x = torch.randint(0, 10, (4, 5))
@@ -41,17 +45,8 @@ def reference_layer_norms(model, grouping):
 
 
 def test_layer_names_follow_module_paths_in_model_order():
-    # Model order is named_parameters() order: a module's own parameters come first.
     grouping = LayerGrouping(Net())
-    assert grouping.layer_names == [
-        "scale",
-        "embed",
-        "blocks.0.attn",
-        "blocks.0.mlp",
-        "blocks.1.attn",
-        "blocks.1.mlp",
-        "head",
-    ]
+    assert grouping.layer_names == NET_LAYERS
 
 
 def test_wrapper_components_are_dropped_from_layer_names():
@@ -63,15 +58,7 @@ def test_wrapper_components_are_dropped_from_layer_names():
     names = [n for n, _ in compiled.named_parameters()]
     assert "_orig_mod.blocks.0._checkpoint_wrapped_module.attn.weight" in names
     grouping = LayerGrouping(compiled)
-    assert grouping.layer_names == [
-        "scale",
-        "embed",
-        "blocks.0.attn",
-        "blocks.0.mlp",
-        "blocks.1.attn",
-        "blocks.1.mlp",
-        "head",
-    ]
+    assert grouping.layer_names == NET_LAYERS
     assert not grouping.sharded and grouping.shard_groups == [()]  # no process group: nothing to reduce
     assert layer_name("_fsdp_wrapped_module.blocks.0._fsdp_wrapped_module._flat_param", None) == "blocks.0"
 

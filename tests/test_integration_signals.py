@@ -21,8 +21,8 @@ def _hf_trainer(tmp_path, extra_logs, *, custom_loss: bool, compute_metrics=None
     metrics; ``custom_loss``: its own ``compute_loss`` (no model loss: the callback's fallback mode)."""
     require_module("transformers")
     require_module("accelerate")
-    from transformers import Trainer, TrainingArguments
-    from workers.hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer
+    from workers.hf_ddp_worker import Tokens, cpu_args, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback
 
@@ -43,20 +43,7 @@ def _hf_trainer(tmp_path, extra_logs, *, custom_loss: bool, compute_metrics=None
 
     monitor = Monitor(MonitorConfig(port=0), serve=False)
     callback = LossbeatCallback(monitor)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=6,
-        per_device_train_batch_size=4,
-        logging_steps=1,
-        eval_strategy="steps",
-        eval_steps=3,
-        learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
+    args = cpu_args(tmp_path, max_steps=6, logging_steps=1, eval_strategy="steps", eval_steps=3, learning_rate=1e-3)
     trainer = TaskTrainer(
         model=tiny_gpt2(),
         args=args,

@@ -22,8 +22,8 @@ def _layers(samples: dict) -> dict[str, float]:
 def _hf_run(tmp_path, *, per_step: bool, max_grad_norm: float = 0.05):
     require_module("transformers")
     require_module("accelerate")
-    from transformers import Trainer, TrainingArguments
-    from workers.hf_ddp_worker import Tokens, tiny_gpt2  # imports transformers: only once it is known present
+    from transformers import Trainer
+    from workers.hf_ddp_worker import Tokens, cpu_args, tiny_gpt2  # imports transformers: only once it is known present
 
     from lossbeat.integrations.hf import LossbeatCallback
 
@@ -38,21 +38,15 @@ def _hf_run(tmp_path, *, per_step: bool, max_grad_norm: float = 0.05):
 
     monitor.measure_gradients = counted_measure
     callback = LossbeatCallback(monitor, per_step=per_step)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = cpu_args(
+        tmp_path,
         max_steps=6,
-        per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         logging_steps=1,
         eval_strategy="steps",
         eval_steps=3,
         learning_rate=1e-3,
         max_grad_norm=max_grad_norm,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
     )
     trainer = Trainer(
         model=model, args=args, train_dataset=Tokens(64, 1), eval_dataset=Tokens(8, 2), callbacks=[callback]
@@ -328,8 +322,8 @@ def test_hf_fp16_with_clipping_measures_before_the_clip_and_exports_each_steps_e
     The exported epoch is the one the Trainer gives each step, across epoch ends."""
     require_module("transformers")
     require_module("accelerate")
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-    from workers.hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer, TrainerCallback
+    from workers.hf_ddp_worker import Tokens, cpu_args, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback
 
@@ -340,20 +334,14 @@ def test_hf_fp16_with_clipping_measures_before_the_clip_and_exports_each_steps_e
         def on_step_end(self, args, state, control, **kwargs):
             epochs.append((monitor.state.epoch, state.epoch))
 
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = cpu_args(
+        tmp_path,
         max_steps=7,
-        per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         logging_steps=1,
         learning_rate=1e-3,
         max_grad_norm=0.05,
         fp16=True,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
     )
     # 20 samples: 5 micro-batches per epoch, the last step of each epoch has one.
     trainer = Trainer(
@@ -408,21 +396,13 @@ def test_a_failing_flush_at_train_end_is_counted_not_raised_into_the_trainer(tmp
     assert monitor.state.errors["observe"] == 1
 
     require_module("transformers")
-    from transformers import Trainer, TrainingArguments
-    from workers.hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer
+    from workers.hf_ddp_worker import Tokens, cpu_args, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback as HFCallback
 
     hf_monitor = _FailingFlush(MonitorConfig(port=0), serve=False)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = cpu_args(tmp_path, max_steps=2)
     Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(16, 1), callbacks=[HFCallback(hf_monitor)]).train()
     assert sample_value(registry_samples(hf_monitor), "training_steps_total") == 2
     assert hf_monitor.state.errors["observe"] == 1
@@ -434,8 +414,8 @@ def test_hf_callback_starts_its_exporter_when_training_begins_with_the_trainers_
     require_module("transformers")
     import urllib.request
 
-    from transformers import Trainer, TrainingArguments
-    from workers.hf_ddp_worker import Tokens, tiny_gpt2
+    from transformers import Trainer
+    from workers.hf_ddp_worker import Tokens, cpu_args, tiny_gpt2
 
     from lossbeat.integrations.hf import LossbeatCallback
 
@@ -443,15 +423,7 @@ def test_hf_callback_starts_its_exporter_when_training_begins_with_the_trainers_
         LossbeatCallback(run="x")
     callback = LossbeatCallback(port=0, addr="127.0.0.1", run_name="hf-rank-process")
     assert callback.monitor is None
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = cpu_args(tmp_path, max_steps=2)
     Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(16, 1), callbacks=[callback]).train()
     monitor = callback.monitor
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CORPORA, require_module
+from helpers.real_logs import REAL_LOGS_COUNTS
 
 from lossbeat.logs import LogFormatError, detect_format, parse_log
 
@@ -316,25 +317,11 @@ def test_key_value_records_name_the_loss_read(tmp_path):
 
 _NOT_LOGS = {"SOURCES.md", "RESULTS.md", "truth.json", "groundtruth.py", "groundtruth_stats.json"}
 
-# train records with a loss value, eval records, runs: from real-logs/SOURCES.md ("logged steps") and
-# real-logs-3/SOURCES.md (the record counts of each row); real-logs-2 and -4 have them in truth.json.
+# train records (with a loss value), eval records, runs: real-logs/ from its SOURCES.md (the table the
+# parsers' tests share), real-logs-3 from its SOURCES.md (the record counts of each row); real-logs-2
+# and -4 have them in truth.json.
 KNOWN = {
-    "real-logs/hf-tinyllama-1.1b-chat-lora-sft-trainer_state.json": (186, 14, 1),
-    "real-logs/hf-tinyllama-1.1b-chat-v1.0-dpo-trainer_state.json": (291, None, 1),
-    "real-logs/hf-qwen3-8b-lora-tcm-9epoch-perstep-trainer_state.json": (6687, None, 1),
-    "real-logs/hf-qwen3-8b-cpt-nsllm-llamafactory-trainer_state.json": (435, 0, 1),
-    "real-logs/hf-mistral-7b-lora-translator-ckpt8500-trainer_state.json": (850, 0, 1),
-    "real-logs/hf-qwen2.5-3b-lora-law-hugeloss-trainer_state.json": (6, 6, 1),
-    "real-logs/hf-llama3.1-8b-lora-token-compressor-plateau-trainer_state.json": (100, None, 1),
-    "real-logs/hf-whisper-large-v3-tr-lora-earlystop-trainer_state.json": (60, 6, 1),
-    "real-logs/hf-whisper-large-v2-ja-overfit-trainer_state.json": (200, 5, 1),
-    "real-logs/hf-t5-small-summarization-gradspike-trainer_state.json": (430, 0, 1),
-    "real-logs/hf-classifier-multi-eval-overfit-trainer_state.json": (30, 186, 1),
-    "real-logs/llamafactory-qwen2.5-3b-full-sft-7epoch-trainer_log.jsonl": (656, None, 1),
-    "real-logs/lightning-wikitext103-slm-resumed-metrics.csv": (1126, None, 1),
-    "real-logs/llmc-gpt2-124m-fineweb-main.log": (19560, 80, 1),
-    "real-logs/modded-nanogpt-muon-gpt2-124m-train.txt": (6200, 51, 1),
-    "real-logs/megatron-gpt3-15b-release-sm-golden_values.json": (2601, None, 1),
+    **{f"real-logs/{name}": (c.train, c.evals, 1) for name, c in REAL_LOGS_COUNTS.items()},
     "real-logs-3/hf-vit-skin-cancer-10ep-overfit-trainer_state.json": (892, 89, 1),
     "real-logs-3/hf-quality-lrqa-multichoice-stuck-at-ln4-trainer_state.json": (62, 62, 1),
     "real-logs-3/hf-eagle3-draft-model-gradspikes-trainer_state.json": (2000, None, 1),

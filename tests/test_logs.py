@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import REAL_LOGS, require_module
+from helpers.real_logs import REAL_LOGS_COUNTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,26 +20,6 @@ from lossbeat.logs import FORMATS, LogFormatError, detect_format, parse_log
 
 CORPUS = REAL_LOGS
 DATA = Path(__file__).resolve().parent / "data"
-
-# file: (format, train records, train records with a loss, eval records, eval groups) per SOURCES.md
-EXPECTED = {
-    "hf-tinyllama-1.1b-chat-lora-sft-trainer_state.json": ("hf", 186, 186, 14, [""]),
-    "hf-tinyllama-1.1b-chat-v1.0-dpo-trainer_state.json": ("hf", 291, 291, 29, [""]),
-    "hf-qwen3-8b-lora-tcm-9epoch-perstep-trainer_state.json": ("hf", 6687, 6687, 0, []),
-    "hf-qwen3-8b-cpt-nsllm-llamafactory-trainer_state.json": ("hf", 435, 435, 0, []),
-    "hf-mistral-7b-lora-translator-ckpt8500-trainer_state.json": ("hf", 850, 850, 0, []),
-    "hf-qwen2.5-3b-lora-law-hugeloss-trainer_state.json": ("hf", 6, 6, 6, [""]),
-    "hf-llama3.1-8b-lora-token-compressor-plateau-trainer_state.json": ("hf", 100, 100, 0, []),
-    "hf-whisper-large-v3-tr-lora-earlystop-trainer_state.json": ("hf", 60, 60, 6, [""]),
-    "hf-whisper-large-v2-ja-overfit-trainer_state.json": ("hf", 200, 200, 5, [""]),
-    "hf-t5-small-summarization-gradspike-trainer_state.json": ("hf", 430, 430, 0, []),
-    "hf-classifier-multi-eval-overfit-trainer_state.json": ("hf", 30, 30, 186, ["g0", "g1", "g2", "g3", "g4", "g5"]),
-    "llamafactory-qwen2.5-3b-full-sft-7epoch-trainer_log.jsonl": ("llamafactory", 656, 656, 0, []),
-    "lightning-wikitext103-slm-resumed-metrics.csv": ("lightning", 1126, 1126, 4, [""]),
-    "llmc-gpt2-124m-fineweb-main.log": ("llmc", 19560, 19560, 80, [""]),
-    "modded-nanogpt-muon-gpt2-124m-train.txt": ("nanogpt", 6200, 6200, 51, [""]),
-    "megatron-gpt3-15b-release-sm-golden_values.json": ("megatron", 2601, 2544, 0, []),
-}
 
 
 def _corpus(name: str) -> Path:
@@ -47,9 +29,9 @@ def _corpus(name: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", sorted(REAL_LOGS_COUNTS))
 def test_corpus_file_parses_with_sources_md_counts(name):
-    fmt, train, losses, evals, groups = EXPECTED[name]
+    fmt, train, losses, evals, groups = REAL_LOGS_COUNTS[name]
     path = _corpus(name)
     assert detect_format(path) == fmt
     log = parse_log(path)
@@ -140,7 +122,7 @@ def test_unknown_format_is_an_error(tmp_path):
 
 
 def test_every_corpus_file_is_one_run_and_says_what_it_read():
-    for name in EXPECTED:
+    for name in REAL_LOGS_COUNTS:
         log = parse_log(_corpus(name))
         assert len(log.segments) == 1, name
         assert log.notes[0].startswith(f"read {log.counts.read} "), name
@@ -297,33 +279,12 @@ def torch_tensor():
     return torch.arange(10.0)
 
 
-def test_formats_list_is_complete():
-    assert set(FORMATS) == {
-        "hf",
-        "hf-stdout",
-        "llamafactory",
-        "lightning",
-        "llmc",
-        "llmc-stdout",
-        "nanogpt",
-        "megatron",
-        "megatron-log",
-        "build-nanogpt",
-        "nanochat",
-        "olmo",
-        "torchtitan",
-        "openrlhf",
-        "verl",
-        "kv-stdout",
-        "tensorboard",
-        "mlflow",
-        "wandb",
-        "sb3",
-        "detectron2",
-        "csv",
-        "jsonl",
-        "printout",
-    }
+def test_every_format_has_its_row_in_the_docs_formats_table():
+    """What ``--format`` accepts and detection returns is what docs/analyze.md's table describes, in its order."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "analyze.md").read_text(encoding="utf-8")
+    table = text[text.index("## Formats (auto-detected)") :]
+    table = table[: table.index("\n## ", 1)]
+    assert tuple(re.findall(r"^\| `([a-z0-9-]+)` \|", table, re.MULTILINE)) == FORMATS
 
 
 # --- broken inputs: one line naming the file and the problem ----------------------------------

@@ -812,29 +812,33 @@ class _StubEvent:
         self.done = True
 
 
+def _in_flight(step: int, loss: float, event: _StubEvent):
+    """A step whose one value, its loss, is still on its way to the host until ``event`` is done."""
+    from lossbeat.monitor.record import StepValues
+    from lossbeat.monitor.transfer import PendingStep
+
+    return PendingStep(
+        step,
+        wall_time=0.0,
+        duration=None,
+        epoch=None,
+        values=StepValues(),
+        layout=[("loss", None, 1)],
+        packed=torch.tensor([loss], dtype=torch.float64),
+        event=event,
+    )
+
+
 def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
     """The CUDA path's bookkeeping, driven with stub events: a step whose copy is still
     in flight is applied later, in order, and only flush() (or too many in flight) waits."""
-    from lossbeat.monitor.record import StepValues
     from lossbeat.monitor.transfer import MAX_PENDING as _MAX_PENDING
-    from lossbeat.monitor.transfer import PendingStep as _Pending
 
     events = []
     for step in range(3):
         event = _StubEvent()
         events.append(event)
-        monitor._transfer.pending.append(
-            _Pending(
-                step,
-                0.0,
-                None,
-                None,
-                StepValues(),
-                [("loss", None, 1)],
-                packed=torch.tensor([float(step + 1)], dtype=torch.float64),
-                event=event,
-            )
-        )
+        monitor._transfer.pending.append(_in_flight(step, float(step + 1), event))
     monitor._transfer.drain(block=False)
     assert monitor.state.steps_total == 0  # nothing ready: nothing applied, nothing waited for
     events[1].done = True
@@ -847,18 +851,7 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
     for step in range(3, 3 + _MAX_PENDING + 1):
         event = _StubEvent()
         events.append(event)
-        monitor._transfer.pending.append(
-            _Pending(
-                step,
-                0.0,
-                None,
-                None,
-                StepValues(),
-                [("loss", None, 1)],
-                packed=torch.tensor([1.0], dtype=torch.float64),
-                event=event,
-            )
-        )
+        monitor._transfer.pending.append(_in_flight(step, 1.0, event))
     assert monitor.blocking_waits == 0
     monitor._transfer.drain(block=False)  # too many in flight: the oldest are waited for, down to the cap
     assert events[2].waited and len(monitor._transfer.pending) == _MAX_PENDING
@@ -872,8 +865,6 @@ def test_deferred_reads_apply_steps_in_order_once_their_copy_is_done(monitor):
 def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatch):
     """On CUDA a step's values arrive a step late: the per-layer cadence must not follow them."""
     import lossbeat.measure.gradients as monitor_module  # the meter imports it when it measures
-    from lossbeat.monitor.record import StepValues
-    from lossbeat.monitor.transfer import PendingStep as _Pending
 
     m = Monitor(MonitorConfig(port=0, layer_every=3), serve=False)
     per_layer = []
@@ -884,18 +875,7 @@ def test_layer_every_counts_submitted_steps_while_reads_are_in_flight(monkeypatc
         lambda grouping, layers, *a: per_layer.append(layers) or real(grouping, layers, *a),
     )
     # A step still in flight holds every later step back until the cap makes observe() wait.
-    m._transfer.pending.append(
-        _Pending(
-            -1,
-            0.0,
-            None,
-            None,
-            StepValues(),
-            [("loss", None, 1)],
-            packed=torch.tensor([1.0], dtype=torch.float64),
-            event=_StubEvent(),
-        )
-    )
+    m._transfer.pending.append(_in_flight(-1, 1.0, _StubEvent()))
     trainer = Trainer()
     loss, _ = trainer.backward()
     for step in range(9):
@@ -922,8 +902,6 @@ def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(mo
     """A NaN just before a long evaluation shows at the next scrape, not at the next observe();
     the scrape never waits for the device (a pending copy stays pending)."""
     import lossbeat.monitor.transfer as monitor_module
-    from lossbeat.monitor.record import StepValues
-    from lossbeat.monitor.transfer import PendingStep as _Pending
 
     # The loop's absence is the time since its last observe(): an hour for "it has just observed",
     # none for "it is away", so no scrape's verdict depends on how fast this machine is.
@@ -931,18 +909,7 @@ def test_a_scrape_applies_deferred_values_that_arrived_while_the_loop_is_away(mo
     monitor.observe(0, loss=1.0)
     events = [_StubEvent(), _StubEvent()]
     for step, (event, loss) in enumerate(zip(events, (math.nan, 2.0)), start=1):
-        monitor._transfer.pending.append(
-            _Pending(
-                step,
-                0.0,
-                None,
-                None,
-                StepValues(),
-                [("loss", None, 1)],
-                packed=torch.tensor([loss], dtype=torch.float64),
-                event=event,
-            )
-        )
+        monitor._transfer.pending.append(_in_flight(step, loss, event))
     events[0].done = True
     parsed = samples(metrics_text(monitor.port))  # the loop has just observed: the scrape leaves it be
     assert value(parsed, "training_steps_total") == 1
@@ -960,8 +927,6 @@ def test_scrapes_and_observe_apply_deferred_steps_once_and_in_order(monkeypatch)
     import threading
 
     import lossbeat.monitor.transfer as monitor_module
-    from lossbeat.monitor.record import StepValues
-    from lossbeat.monitor.transfer import PendingStep as _Pending
 
     monkeypatch.setattr(monitor_module, "SCRAPE_DRAIN_AFTER_S", 0.0)
     m = Monitor(MonitorConfig(port=0, log_status_changes=False), serve=False)
@@ -981,18 +946,7 @@ def test_scrapes_and_observe_apply_deferred_steps_once_and_in_order(monkeypatch)
             event = _StubEvent()
             event.done = step % 3 != 0  # some copies still in flight
             with m._transfer.lock:
-                m._transfer.pending.append(
-                    _Pending(
-                        step,
-                        0.0,
-                        None,
-                        None,
-                        StepValues(),
-                        [("loss", None, 1)],
-                        packed=torch.tensor([1.0], dtype=torch.float64),
-                        event=event,
-                    )
-                )
+                m._transfer.pending.append(_in_flight(step, 1.0, event))
             m._transfer.drain(block=False)
             if step % 3 == 0:
                 event.done = True

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
+
+from helpers.torchrun_jobs import torchrun
 
 from lossbeat.monitor.apply import ALL_LAYERS, FROM_ANOTHER_RANK, _nonfinite_origin
 
@@ -15,16 +16,7 @@ WORKER = Path(__file__).resolve().parent / "workers" / "ddp_nan_worker.py"
 
 
 def test_a_nan_on_one_ddp_rank_is_named_as_coming_from_another_rank_on_the_others(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(WORKER),
-        str(tmp_path),
-    ]
+    cmd = torchrun(2, WORKER, str(tmp_path))
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

@@ -12,11 +12,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers.torchrun_jobs import torchrun
 
 from lossbeat.exposition.registration import read_entries
 from lossbeat.stack.local import write_target_groups
@@ -44,22 +44,7 @@ def e2e_overrides() -> dict:
 
 def _start(tmp_path: Path, job: str, thresholds: Path, *faults: str) -> tuple[subprocess.Popen, Path]:
     sd = tmp_path / "sd"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(RANKS),
-        str(WORKER),
-        "--dir",
-        str(tmp_path),
-        "--job",
-        job,
-        "--thresholds",
-        str(thresholds),
-        *faults,
-    ]
+    cmd = torchrun(RANKS, WORKER, "--dir", str(tmp_path), "--job", job, "--thresholds", str(thresholds), *faults)
     with open(tmp_path / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(
             cmd,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers.torchrun_jobs import torchrun
 
 from lossbeat.exposition.registration import read_entries
 from lossbeat.stack.local import write_target_groups
@@ -41,23 +41,9 @@ def e2e_overrides() -> dict:
 
 def _start(folder: Path, job: str, thresholds: Path) -> subprocess.Popen:
     folder.mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(WORKER),
-        "--dir",
-        str(folder),
-        "--job",
-        job,
-        "--thresholds",
-        str(thresholds),
-        "--align-every",
-        "10",
-    ]
+    cmd = torchrun(
+        2, WORKER, "--dir", str(folder), "--job", job, "--thresholds", str(thresholds), "--align-every", "10"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "LOSSBEAT_RUN_ID")}
     with open(folder / "torchrun.log", "wb") as log:
         return subprocess.Popen(

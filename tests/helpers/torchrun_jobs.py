@@ -27,6 +27,20 @@ STALL_S = 300.0
 """A job is stopped when no variant started or finished for this long (a job of its own had 300 s)."""
 
 
+def torchrun(ranks: int, script: str | os.PathLike, *args: str) -> list[str]:
+    """The command that runs ``script`` with ``args`` in ``ranks`` local processes (torchrun, standalone)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        str(script),
+        *args,
+    ]
+
+
 @dataclass(frozen=True)
 class Job:
     """``variants``: {name: (worker module in tests/, its arguments without --dir)}, run in this order."""
@@ -45,17 +59,7 @@ def _run_once(folder: Path, ranks: int, variants: list) -> tuple[int | None, flo
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"dir": str(folder), "variants": variants}))
     log = folder / "output.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(ranks),
-        str(RUNNER),
-        "--spec",
-        str(spec),
-    ]
+    cmd = torchrun(ranks, RUNNER, "--spec", str(spec))
     launched = time.time()
     with open(log, "w") as out:
         # Its own session: a stalled job is stopped with its ranks, not the launcher alone.

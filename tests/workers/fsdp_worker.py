@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from worker_exit import finish, write_result
+from worker_exit import run_rank
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.demo import Block, ModelSize, SyntheticCorpus, TinyLM
@@ -123,12 +123,5 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    args = parse_args()
-    dist.init_process_group("gloo")
-    write_result(args.dir, dist.get_rank(), run(args))
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    run_rank(run, parse_args())

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from worker_exit import finish, write_result
+from worker_exit import run_rank
 
 from lossbeat import Monitor, MonitorConfig, TrainingHalted
 
@@ -141,12 +141,5 @@ def _snapshot(model: nn.Module, optimizers: list) -> list[torch.Tensor]:
     return out
 
 
-def main() -> None:
-    args = parse_args()
-    dist.init_process_group("gloo")
-    write_result(args.dir, dist.get_rank(), run(args))
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    run_rank(run, parse_args())

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-from worker_exit import finish, write_result
+from worker_exit import run_rank
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.integrations.hf import LossbeatCallback
@@ -35,6 +35,13 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     )
 
 
+def cpu_args(output_dir: object, **settings: object) -> TrainingArguments:
+    """A short CPU run's TrainingArguments, quiet (no report, checkpoint or progress bar) and seeded,
+    with ``settings`` (the steps, the logging, the evaluation) over those."""
+    quiet = {"report_to": [], "use_cpu": True, "save_strategy": "no", "disable_tqdm": True, "seed": 0}
+    return TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=4, **{**quiet, **settings})
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
@@ -46,20 +53,14 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     model = tiny_gpt2()
     monitor = Monitor(MonitorConfig(port=0, layer_ranks="all"), serve=False)  # layers compared across ranks
-    training = TrainingArguments(
-        output_dir=args.dir,
+    training = cpu_args(
+        args.dir,
         max_steps=4,
-        per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         logging_steps=1,
         learning_rate=1e-3,
         max_grad_norm=0.05,
-        report_to=[],
-        use_cpu=True,
         ddp_backend="gloo",
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
         # As runs whose every parameter is used set it: DDP then hands back the model's own loss tensor
         # (with unused parameters searched, a copy), which the Trainer scales in place.
         ddp_find_unused_parameters=False,
@@ -84,12 +85,5 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    args = parse_args()
-    result = run(args)
-    write_result(args.dir, result["rank"], result)
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    run_rank(run, parse_args(), join_group=False)  # the Trainer joins the group

@@ -16,11 +16,11 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from fsdp_worker import reference_norms
-from hf_ddp_worker import Tokens, tiny_gpt2
+from hf_ddp_worker import Tokens, cpu_args, tiny_gpt2
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import Trainer, TrainerCallback, TrainingArguments
-from worker_exit import finish, write_result
+from transformers import Trainer, TrainerCallback
+from worker_exit import run_rank
 
 from lossbeat import Monitor, MonitorConfig
 from lossbeat.integrations.hf import LossbeatCallback
@@ -86,20 +86,14 @@ def run(args: argparse.Namespace) -> dict:
         return measure(model, **kwargs)
 
     monitor.measure_gradients = counted_measure
-    training = TrainingArguments(
-        output_dir=args.dir,
+    training = cpu_args(
+        args.dir,
         max_steps=3,
-        per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         logging_steps=1,
         learning_rate=1e-3,
         max_grad_norm=args.max_grad_norm,
-        report_to=[],
-        use_cpu=True,
         ddp_backend="gloo",
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
         # Each GPT2Block its own FSDP unit (FSDP1: its own flat parameter), the rest in the root's.
         fsdp=True,
         fsdp_config={
@@ -151,12 +145,5 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    args = parse_args()
-    result = run(args)
-    write_result(args.dir, result["rank"], result)
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    run_rank(run, parse_args(), join_group=False)  # the Trainer joins the group

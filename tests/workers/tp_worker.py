@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-from worker_exit import finish, observe_alone, write_result
+from worker_exit import observe_alone, run_rank
 
 import lossbeat.measure.gradients
 from lossbeat import Monitor, MonitorConfig
@@ -201,12 +201,5 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    args = parse_args()
-    dist.init_process_group("gloo")
-    write_result(args.dir, dist.get_rank(), run(args))
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    run_rank(run, parse_args())

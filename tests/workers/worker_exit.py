@@ -1,12 +1,14 @@
-"""What the torchrun workers of test_distributed.py share: one rank observing a sharded or
-pipelined model alone, and how they end once their results are written."""
+"""What the torchrun workers of test_distributed.py share: how a rank starts, runs and writes its
+result, one rank observing a sharded or pipelined model alone, and how they end."""
 
+import argparse
 import json
 import logging
 import os
 import pathlib
 import sys
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -30,6 +32,17 @@ def finish() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_rank(run: Callable[[argparse.Namespace], dict], args: argparse.Namespace, *, join_group: bool = True) -> None:
+    """A worker's rank started by torchrun: join the gloo group (``join_group=False``: ``run`` joins
+    it, as a Trainer does), ``run(args)``, write what it returns for the test (``args.dir``), and
+    :func:`finish`."""
+    if join_group:
+        dist.init_process_group("gloo")
+    result = run(args)
+    write_result(args.dir, dist.get_rank(), result)
+    finish()
 
 
 def observe_alone(monitor, loss, model) -> dict:

@@ -296,6 +296,14 @@ def _stat(
     )
 
 
+def _heatmap(
+    title: str, description: str, unit: str, targets: list[dict], *, size: tuple[int, int], options: dict
+) -> dict:
+    """A heatmap of one row per series; ``options`` (:func:`~lossbeat.mixin.heatmaps.heatmap_options`) name its colours."""
+    custom = {"hideFrom": {"legend": False, "tooltip": False, "viz": False}, "scaleDistribution": {"type": "linear"}}
+    return _panel("heatmap", title, description, unit, targets, size=size, options=options, custom=custom)
+
+
 def _state_timeline(title: str, description: str, targets: list[dict], *, size: tuple[int, int]) -> dict:
     options = {
         "alignValue": "center",
@@ -644,8 +652,7 @@ def _layers_panels(t: Thresholds) -> list[dict]:
             size=(8, 4),
             thresholds=_thresholds("blue"),
         ),
-        _panel(
-            "heatmap",
+        _heatmap(
             "Gradient norm per layer (log10)",
             "log10 of each layer's gradient norm over time, the largest over the selected ranks; one "
             f"row per layer. The colour scale runs from {g.layer_vanishing} (vanishing, "
@@ -655,10 +662,6 @@ def _layers_panels(t: Thresholds) -> list[dict]:
             _targets((f"log10(max by (layer) ({norm}))", "{{layer}}")),
             size=(24, 12),
             options=heatmap_options,
-            custom={
-                "hideFrom": {"legend": False, "tooltip": False, "viz": False},
-                "scaleDistribution": {"type": "linear"},
-            },
         ),
         _timeseries(
             "Top 10 layers by gradient norm",
@@ -764,8 +767,7 @@ def _cluster_panels(t: Thresholds) -> list[dict]:
             thresholds=_thresholds("green", (c.grad_norm_rtol, "red")),
             threshold_style="dashed",
         ),
-        _panel(
-            "heatmap",
+        _heatmap(
             "Work time per rank",
             "Each rank's own work per step (training_rank_work_seconds: "
             "data wait + forward on the host, no collectives), one row per rank: a straggler is a darker row.",
@@ -773,10 +775,6 @@ def _cluster_panels(t: Thresholds) -> list[dict]:
             _targets((f"avg by (rank) ({work})", "{{rank}}")),
             size=(24, 10),
             options=heatmap_options,
-            custom={
-                "hideFrom": {"legend": False, "tooltip": False, "viz": False},
-                "scaleDistribution": {"type": "linear"},
-            },
         ),
         _timeseries(
             "Loss by rank",
@@ -909,7 +907,7 @@ def build_dashboards(thresholds: Thresholds) -> dict[str, dict]:
             f"Training health of PyTorch jobs: loss, gradients, learning rate, "
             f"diagnosis, events, throughput. {generated}",
             _overview_panels(thresholds)
-            + moe_rl_panels(thresholds, _panel, _timeseries, _targets, _selector, _thresholds),  # MoE, RL policy
+            + moe_rl_panels(thresholds, _heatmap, _timeseries, _targets, _selector, _thresholds),  # MoE, RL policy
         ),
         CLUSTER_FILE: _dashboard(
             "lossbeat-cluster",

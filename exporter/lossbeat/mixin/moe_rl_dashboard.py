@@ -23,7 +23,7 @@ OPTIONAL_METRICS = ("training_moe_", "training_signal{")
 
 def moe_rl_panels(
     t: Thresholds,
-    panel: Callable[..., dict],
+    heatmap: Callable[..., dict],
     timeseries: Callable[..., dict],
     targets: Callable[..., list],
     selector: Callable[..., str],
@@ -39,8 +39,7 @@ def moe_rl_panels(
         "RdYlGn", reverse_colours=True, hide_below=-math.inf, min=1.0, max=float(moe.imbalance_max)
     )
     return [
-        panel(
-            "heatmap",
+        heatmap(
             "Router load imbalance per layer",
             "Each MoE layer's load imbalance (the busiest expert's tokens over the mean per expert; 1 is uniform), "
             f"the largest over the selected ranks; one row per layer. Red from {moe.imbalance_max:g} "
@@ -49,10 +48,6 @@ def moe_rl_panels(
             targets((f"max by (layer) ({imbalance})", "{{layer}}")),
             size=(24, 10),
             options=heatmap_options,
-            custom={
-                "hideFrom": {"legend": False, "tooltip": False, "viz": False},
-                "scaleDistribution": {"type": "linear"},
-            },
         ),
         timeseries(
             "Dead experts per layer",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import math
 import numbers
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -331,7 +330,7 @@ class Monitor:
     def heartbeat(self) -> None:
         """Mark progress without a step (an evaluation batch, a checkpoint shard): TrainingStalled
         measures from the latest step, evaluation, phase change or heartbeat. Cheap: no sync."""
-        self.state.last_activity_time = time.time()
+        self.state.mark_activity()
 
     def time_next_step_from(self, started: float | None) -> None:
         """Measure the next ``observe()``'s step duration from ``started`` (a ``time.perf_counter()``
@@ -345,13 +344,9 @@ class Monitor:
         self._collector.ready = ready
 
     def _set_phase(self, name: str) -> None:
-        current, since, totals = self.state.phase
-        now = time.monotonic()
-        if name != current:
-            totals = {**totals, current: totals.get(current, 0.0) + now - since}
-            self.state.phase = (name, now, totals)  # one swap: a scrape sees all or nothing
+        if self.state.enter_phase(name, time.monotonic()):
             self._steps.last_perf = None  # the step that spans a phase change is no step time
-        self.state.last_activity_time = time.time()
+        self.state.mark_activity()
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip gradients like ``torch.nn.utils.clip_grad_norm_`` and measure them in the same pass.
@@ -394,7 +389,7 @@ class Monitor:
     def _raise_pending_halt(self) -> None:
         halt = self._guard.pending_halt()
         if halt is not None:
-            self.state.halted = True
+            self.state.halt()
             raise halt
 
     def report(self) -> Report:
@@ -421,8 +416,9 @@ class Monitor:
             self.state.count_error("observe")
         halt = self._guard.pending_halt()  # a stop among the last steps: the run did not complete
         self.closed = True
-        self.state.halted = self.state.halted or halt is not None
-        self.state.completed = completed and not self.state.halted
+        if halt is not None:
+            self.state.halt()
+        self.state.finish(completed=completed)
         if completed or self.state.halted:  # a halted run lingers too: Prometheus reads training_halted
             if self._server is not None:  # until each scraper has read it
                 lifecycle.linger(self._server.scrapers, time.monotonic(), self.config.linger_seconds)
@@ -452,13 +448,12 @@ def _take_logged(monitor: Monitor, step: int, value: Any, metrics: Mapping[str, 
     step (``value`` None). The steps still waiting for their device values go first; then the values
     are judged at ``step``. An error is counted and logged, never raised."""
     signals, new_fields = inputs.signals(metrics, monitor._profile.names_seen)
-    monitor.state.last_activity_time = time.time()
+    monitor.state.mark_activity()
     try:
         if value is not None:
             if type(value) is not float:  # a tensor
                 value = float(value.item())  # host sync: evaluation is not the per-step hot path
-            monitor.state.eval_loss = value if math.isfinite(value) else math.nan
-            monitor.state.evals_total += 1
+            monitor.state.record_eval(value)
         monitor._transfer.drain(block=True)  # the steps before these values first (host sync: not the hot path)
         with monitor._transfer.lock:
             monitor._profile.evaluation(step, signals, new_fields)

@@ -192,7 +192,7 @@ class Guard:
             self._parked = (index, pending)
             return PARKED
         self._consecutive = 0  # applied, or never stepped through the guard: the model took it in
-        self.state.guard_consecutive_skips = 0
+        self.state.clear_consecutive_skips()
         self._level.clear()
         return APPLIED
 
@@ -202,10 +202,7 @@ class Guard:
         """One withheld step: counted, and judged for a new level or a halt. ``loss_bad``: the loss
         went bad with the step on some rank (the reduced flag), so it is no new level."""
         self._consecutive += 1
-        skipped = dict(self.state.skipped_steps)
-        skipped[reason] = skipped.get(reason, 0) + 1
-        self.state.skipped_steps = skipped  # swapped whole: a scrape sees all or nothing
-        self.state.guard_consecutive_skips = self._consecutive
+        self.state.count_skip(reason, self._consecutive)
         # An explosion whose loss stays finite and below the spike limit on every rank may be a
         # new level (layers unfrozen, a summed loss, a new data mix): after accept_level_after of
         # them in a row it becomes the baseline. Only a non-finite value or a bad loss leads to a
@@ -232,8 +229,7 @@ class Guard:
         self.history.grad.extend(steps, norms)
         self._level.clear()
         self._consecutive = 0
-        self.state.guard_consecutive_skips = 0
-        self.state.guard_level_changes += 1
+        self.state.count_level_change()
         _log.warning(
             "lossbeat: the gradient norm stayed at a new level (%.4g) with a healthy loss for %d steps "
             "up to step %d: accepted as the run's baseline",
@@ -322,8 +318,7 @@ class Guard:
         """A training step observe() did not decide (not called for it, or it failed): decided now
         from the gradients of every optimizer the guard has seen, non-finite values only, and shared
         by the optimizers stepped after it. Under a GradScaler its own overflow check skips them."""
-        self.state.guard_undecided_steps += 1
-        if self.state.guard_undecided_steps == 1:
+        if self.state.count_undecided_step() == 1:
             _log.warning(
                 "lossbeat: Monitor.step() without a decision from observe() for this step (observe "
                 "not called, or it failed): the guard decides it from the gradients (non-finite only)"
@@ -339,7 +334,7 @@ class Guard:
             self._count(self.decisions - 1 - self.lag(), "nonfinite", step, None, None, loss_bad=True)
         else:
             self._consecutive = 0
-            self.state.guard_consecutive_skips = 0
+            self.state.clear_consecutive_skips()
         return self._current
 
     def _device_step(self, optimizer: Any, bad: torch.Tensor) -> bool | None:
@@ -362,7 +357,7 @@ class Guard:
     def _raise_if_halted(self) -> None:
         halt = self._halt
         if halt is not None and self.decisions - 1 >= halt[0]:
-            self.state.halted = True
+            self.state.halt()
             raise halt[1]
 
     def pending_halt(self) -> TrainingHalted | None:
@@ -464,7 +459,7 @@ def make_guard(
     state: MonitorState,
     defer: bool,
 ) -> Guard | NoGuard:
-    state.guard_mode = mode
+    state.set_guard_mode(mode)
     if mode == "off":
         return NoGuard()
     return Guard(

@@ -29,7 +29,7 @@ class Judgment:
         self.log = log_limited
         self.findings: tuple[Finding, ...] = ()
         """The findings of the last diagnosis."""
-        state.grad_norm_ceiling = judge.thresholds.gradients.explosion  # for the status page
+        state.set_grad_norm_ceiling(judge.thresholds.gradients.explosion)  # for the status page
         self._evals_seen = 0
         self._health_from: tuple[int, int] = (-1, -1)  # (findings, history resets) the health dict holds
 
@@ -54,7 +54,7 @@ class Judgment:
                     changes.append(StatusChange(Status(was), f, step))
             pattern = self.vitals.pattern(findings, step)  # named from the Judge's findings (none of the vitals')
             findings = findings + vitals
-            s.pattern = (pattern.name if pattern else None, self.vitals.pattern_since)
+            s.set_pattern(pattern.name if pattern else None, self.vitals.pattern_since)
         except Exception:
             s.count_error("diagnose")
             self.log("diagnose", logging.ERROR, "lossbeat: error in the diagnosis", exc_info=True)
@@ -66,13 +66,13 @@ class Judgment:
             health = dict(s.health)
             for f in findings:
                 health[(f.check, f.component)] = int(f.status)
-            s.health = health
+            s.set_health(health)
             self._health_from = source
         self.findings = tuple(findings)
-        s.findings_source = self.findings  # the status page reads them as plain tuples, when it asks
+        s.set_findings(self.findings)  # the status page reads them as plain tuples, when it asks
         if s.evals_total != self._evals_seen and s.eval_loss is not None:  # judged after each evaluation
             self._evals_seen = s.evals_total
-            s.evals.append((step, s.eval_loss))
+            s.keep_eval(step, s.eval_loss)
         if self.log_status_changes:
             for change in changes:
                 log_change(change)

@@ -59,7 +59,7 @@ def apply_experts(state: Any, history: Any, values: HostStep, step: int) -> None
         return
     n = len(names)
     imbalance, dead = packed[:n], packed[n : 2 * n]
-    state.moe = (names, imbalance, dead, sizes)  # swapped whole: a scrape reads all or nothing
+    state.set_moe(names, imbalance, dead, sizes)
     track = getattr(history, "moe", None)
     if track is None:
         track = history.moe = MoETrack(history.thresholds.moe.dead_window_steps)

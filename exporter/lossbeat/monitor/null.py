@@ -28,7 +28,7 @@ class PhaseScope:
 
     def __exit__(self, *exc: object) -> None:
         if self._monitor is not None and not self._monitor.closed:
-            self._monitor._set_phase(self.previous)
+            self._monitor.phase(self.previous)  # the phase before, again (the scope it returns unused)
 
 
 class NullMonitor:

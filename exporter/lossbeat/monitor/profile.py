@@ -70,12 +70,9 @@ class ProfileChoice:
         for name, x in named.items():
             self.judge.history.add_signal(name, x, step)
         if named:
-            self.state.signals = {**self.state.signals, **named}
+            self.state.merge_signals(named)
 
     def _publish(self) -> None:
-        s = self.state
         source = "given" if self.given is not None else "detected" if self.detection.profile else "default"
         fields = ",".join(self.detection.fields[:_SHOWN]) if source == "detected" else ""
-        s.profile_info = {"profile": self.name, "source": source, "fields": fields}
-        if s.run_info.get("profile") != self.name:
-            s.run_info = {**s.run_info, "profile": self.name}
+        self.state.set_profile(self.name, source, fields)

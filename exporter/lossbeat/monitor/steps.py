@@ -86,7 +86,8 @@ class StepPath:
         if self.guard.decides:  # guard="skip"/"stop": the step's verdict, on the device
             self.guard.decide(values)
         transfer.submit(step, time.time(), duration, epoch, values, layer_names, now)
-        self.state.cuda_device = transfer.cuda_device
+        if transfer.cuda_device != self.state.cuda_device:  # set once, not a call a step
+            self.state.set_cuda_device(transfer.cuda_device)
         if model is not None or self.cross_rank.work_time:  # else step_end has nothing to do
             self.cross_rank.step_end(model)
 

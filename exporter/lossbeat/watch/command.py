@@ -148,11 +148,7 @@ class MonitorFeed:
         m.flush()
         self.release_scrapes()
         if last_growth is not None:
-            state = m.state
-            # the state's own fields, as observe() sets them: the last record's time is the log's
-            for name in ("last_step_time", "last_activity_time"):
-                if getattr(state, name) is not None:
-                    setattr(state, name, min(getattr(state, name), last_growth))
+            m.state.backdate(last_growth)  # the last record's time is the log's
 
 
 class Watcher:
@@ -222,6 +218,14 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop = True
+
+    def following(self) -> bool:
+        """Whether to go on following: not stopped, and not idle past ``idle_timeout``."""
+        return not (self._stop or self._idle())
+
+    def saw_data(self) -> None:
+        """New data was read: the idle timeout counts from now."""
+        self._last_data = time.monotonic()
 
     def _idle(self) -> bool:
         return self.idle_timeout is not None and time.monotonic() - self._last_data > self.idle_timeout

@@ -50,7 +50,7 @@ def follow_mlflow(w) -> None:
     followers: dict[str, Follower] = {}
     pending: dict[int, dict[str, str]] = {}
     finishing = False
-    while not (w._stop or w._idle()):
+    while w.following():
         latest = _latest_run(w.path)
         if latest is None:
             time.sleep(w.poll_interval)
@@ -79,7 +79,7 @@ def follow_mlflow(w) -> None:
                 pending.setdefault(point[1], {})[name] = point[0]
                 got = True
         if got:
-            w._last_data = time.monotonic()
+            w.saw_data()
         # a step is whole once a later one was written (each file is written in step order)
         ready = [s for s in sorted(pending) if not got or s < max(pending)]
         for step in ready:
@@ -96,7 +96,7 @@ def follow_mlflow(w) -> None:
             continue
         elif status in ("FAILED", "KILLED"):
             _log.warning("lossbeat watch: the MLflow run ended %s", status)
-            w._stop = True
+            w.stop()
         if feed.completed:
             break
         time.sleep(w.poll_interval)
@@ -114,7 +114,7 @@ def follow_wandb(w) -> None:
     fh: BinaryIO | None = None
     rows: WandbRows | None = None
     try:
-        while not (w._stop or w._idle()):
+        while w.following():
             if fh is None:
                 file = wandb_file(w.path)
                 if file is None:
@@ -126,12 +126,12 @@ def follow_wandb(w) -> None:
             assert rows is not None and file is not None  # both set when fh was opened
             data = fh.read(_CHUNK)
             if data:
-                w._last_data = time.monotonic()
+                w.saw_data()
                 rows.feed(data)
                 if rows.exit is not None:
                     if rows.exit != 0:
                         _log.warning("lossbeat watch: the W&B run exited with code %s", rows.exit)
-                        w._stop = True
+                        w.stop()
                     break
                 continue
             if feed.replaying:
