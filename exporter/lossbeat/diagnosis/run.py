@@ -76,7 +76,9 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
         ),
         check_grad_norm(history.grad, t.gradients),
         check_layer_grad_norms(history.layer_norms, t.gradients),
-        check_learning_rate(schedule, trend, cv, t.learning_rate, learned=did_learn, regression=regression),
+        check_learning_rate(
+            schedule, trend, cv, t.learning_rate, learned=did_learn, regression=regression, loss=loss
+        ),
         check_warmup(loss, profile, t.learning_rate),
         check_overfitting(
             history.evals.get(""),

@@ -143,6 +143,8 @@ class LearningRateThresholds:
     """LR below this fraction of its peak, after a gradual decay: the end of the schedule."""
     gradual_min_fraction: float
     """The decay from half the peak to ``decayed_fraction`` took at least this fraction of the steps before it."""
+    collapse_fraction: float
+    """An LR that falls in one record from near its peak to this fraction of it or less has collapsed."""
 
 
 @dataclass(frozen=True)
