@@ -13,6 +13,7 @@ import math
 from typing import Mapping
 
 from lossbeat.diagnosis.events import EVENT_CHECKS, EventTrack
+from lossbeat.diagnosis.gradients import LayerLevels
 from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
 from lossbeat.diagnosis.run_memory import RunMemory
 from lossbeat.diagnosis.series import GradBaseline, LearningRateSchedule, LossSeries
@@ -112,6 +113,8 @@ class History:
         self.nonfinite_seen = 0
         self.last_nonfinite_at: int | None = None  # steps_seen at the last non-finite value
         self.layer_norms: Mapping[str, float] = {}
+        self.layer_levels = LayerLevels()
+        """Each layer's own earlier level and how long it has vanished below it (per diagnosis)."""
         self.grad_scale: float | None = None  # fp16 GradScaler's loss scale, when one is observed
         self.signals: dict[str, SignalTrack] = {}
         """Named signals beside the loss (:data:`lossbeat.diagnosis.profiles.SIGNALS`), by canonical name."""

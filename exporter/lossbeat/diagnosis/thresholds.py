@@ -119,6 +119,10 @@ class GradientThresholds:
     """A layer's grad norm above which that layer explodes."""
     layer_vanishing: float
     """A layer's grad norm below which that layer vanishes."""
+    layer_vanished_drop: float
+    """A layer's grad norm below this fraction of its own earlier level (and below layer_vanishing) ..."""
+    layer_vanished_diagnoses: int
+    """... at this many diagnoses in a row: the layer stopped learning (danger)."""
     loss_scale_min: float
     """fp16 loss scaling: a GradScaler scale below this means nearly every step overflows."""
 
