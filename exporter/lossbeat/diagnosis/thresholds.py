@@ -190,6 +190,10 @@ class MemoryThresholds:
     """Memory samples (one per diagnosis) in the live check's slope window."""
     warmup_samples: int
     """Samples skipped at the start of a run (allocation of weights and optimizer state)."""
+    leak_growth: float
+    """Steady growth (three thirds rising, no plateau) by this fraction of the first third's level: a leak."""
+    leak_min_samples: int
+    """Samples (after the warm-up) before the steady-growth judgment."""
 
 
 @dataclass(frozen=True)
@@ -517,6 +521,8 @@ def _memory(doc: Mapping[str, Any]) -> MemoryThresholds:
         growth_fraction=_fraction(doc, "growth_fraction", where),
         samples=_number(doc, "samples", where, integer=True),
         warmup_samples=_non_negative(doc, "warmup_samples", where),
+        leak_growth=_number(doc, "leak_growth", where),
+        leak_min_samples=_number(doc, "leak_min_samples", where, integer=True),
         **_durations(doc, where, ("window", "oom_horizon", "near_limit_for", "growing_for")),
     )
 

@@ -94,7 +94,13 @@ class Vitals:
         if self._step_times:
             self._add_times()
         return [
-            check_memory(self._memory.last(len(self._memory)), self._peak, self._limit, self.t.memory),
+            check_memory(
+                self._memory.last(len(self._memory)),
+                self._peak,
+                self._limit,
+                self.t.memory,
+                self.t.windows.diagnose_every,
+            ),
             self._throughput.finding(),
             self._schedule.update(step, lr, counter),
         ]
