@@ -163,6 +163,20 @@ class ThroughputTracker:
         if level is None or recent is None:
             return Finding.unknown(check, "not enough timed steps yet")
         ratio = level / recent  # steps/s now over the run's own steps/s
+        slow = self._slow.last(len(self._slow))  # the slow blocks in a row, the latest one among them
+        if len(slow) >= self.t.danger_blocks and all(
+            level / b < self.t.danger_fraction for b in slow[-self.t.danger_blocks :]
+        ):
+            return Finding(
+                check,
+                DANGER,
+                f"throughput fell to {ratio:.0%} of the run's own level and stayed there for {len(slow)} blocks of "
+                f"{self.t.steps} steps ({1 / recent:.3g} steps/s, was {1 / level:.3g}): each step now costs "
+                f"{1 / ratio:.1f}x what it did",
+                "find the slow part: a throttled or failing GPU (nvidia-smi -q -d PERFORMANCE,CLOCK), a node swapping, "
+                "a data-loader stall (workers, storage); if the run must go on, restart it on healthy nodes from its "
+                "last checkpoint",
+            )
         if ratio < self.t.drop_fraction:
             return Finding(
                 check,

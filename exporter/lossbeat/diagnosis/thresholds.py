@@ -212,6 +212,10 @@ class ThroughputThresholds:
     """Live check: the run's level is the median of this many normal blocks."""
     warmup_steps: int
     """Live check: steps ignored at the start (compilation, warm-up)."""
+    danger_fraction: float
+    """Live check: steps/s below this fraction of the run's level in ``danger_blocks`` blocks in a row: danger."""
+    danger_blocks: int
+    """Live check: slow blocks in a row before a several-fold drop is a danger."""
 
 
 @dataclass(frozen=True)
@@ -529,7 +533,17 @@ def _memory(doc: Mapping[str, Any]) -> MemoryThresholds:
 
 def _throughput(doc: Mapping[str, Any]) -> ThroughputThresholds:
     where = "throughput"
-    unknown = set(doc) - {"drop_fraction", "rate_window", "baseline", "for", "steps", "baseline_blocks", "warmup_steps"}
+    unknown = set(doc) - {
+        "drop_fraction",
+        "rate_window",
+        "baseline",
+        "for",
+        "steps",
+        "baseline_blocks",
+        "warmup_steps",
+        "danger_fraction",
+        "danger_blocks",
+    }
     if unknown:
         raise ThresholdsError(f"{where}.{sorted(unknown)[0]}: unknown key")
     durations = _durations(doc, where, ("rate_window", "baseline", "for"))
@@ -541,6 +555,8 @@ def _throughput(doc: Mapping[str, Any]) -> ThroughputThresholds:
         steps=_number(doc, "steps", where, integer=True),
         baseline_blocks=_number(doc, "baseline_blocks", where, integer=True),
         warmup_steps=_non_negative(doc, "warmup_steps", where),
+        danger_fraction=_fraction(doc, "danger_fraction", where),
+        danger_blocks=_number(doc, "danger_blocks", where, integer=True),
     )
 
 
