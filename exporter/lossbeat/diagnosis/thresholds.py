@@ -119,10 +119,10 @@ class GradientThresholds:
     """A layer's grad norm above which that layer explodes."""
     layer_vanishing: float
     """A layer's grad norm below which that layer vanishes."""
+    # A layer's grad norm below this fraction of its own earlier level (and below layer_vanishing) ...
     layer_vanished_drop: float
-    """A layer's grad norm below this fraction of its own earlier level (and below layer_vanishing) ..."""
+    # ... at this many diagnoses in a row: the layer stopped learning (danger).
     layer_vanished_diagnoses: int
-    """... at this many diagnoses in a row: the layer stopped learning (danger)."""
     loss_scale_min: float
     """fp16 loss scaling: a GradScaler scale below this means nearly every step overflows."""
 
@@ -147,8 +147,8 @@ class LearningRateThresholds:
     """LR below this fraction of its peak, after a gradual decay: the end of the schedule."""
     gradual_min_fraction: float
     """The decay from half the peak to ``decayed_fraction`` took at least this fraction of the steps before it."""
+    # An LR that falls in one record from near its peak to this fraction of it or less has collapsed.
     collapse_fraction: float
-    """An LR that falls in one record from near its peak to this fraction of it or less has collapsed."""
 
 
 @dataclass(frozen=True)
@@ -190,10 +190,10 @@ class MemoryThresholds:
     """Memory samples (one per diagnosis) in the live check's slope window."""
     warmup_samples: int
     """Samples skipped at the start of a run (allocation of weights and optimizer state)."""
+    # Steady growth (three thirds rising, no plateau) by this fraction of the first third's level: a leak.
     leak_growth: float
-    """Steady growth (three thirds rising, no plateau) by this fraction of the first third's level: a leak."""
+    # Samples (after the warm-up) before the steady-growth judgment.
     leak_min_samples: int
-    """Samples (after the warm-up) before the steady-growth judgment."""
 
 
 @dataclass(frozen=True)
@@ -212,10 +212,10 @@ class ThroughputThresholds:
     """Live check: the run's level is the median of this many normal blocks."""
     warmup_steps: int
     """Live check: steps ignored at the start (compilation, warm-up)."""
+    # Live check: steps/s below this fraction of the run's level in ``danger_blocks`` blocks in a row: danger.
     danger_fraction: float
-    """Live check: steps/s below this fraction of the run's level in ``danger_blocks`` blocks in a row: danger."""
+    # Live check: slow blocks in a row before a several-fold drop is a danger.
     danger_blocks: int
-    """Live check: slow blocks in a row before a several-fold drop is a danger."""
 
 
 @dataclass(frozen=True)
