@@ -133,6 +133,17 @@ class RunMemory:
         self.lr_jump_seen: int | None = None
         """The step of the last learning-rate jump already noted (each is noted once)."""
 
+    def resume(self, step: int) -> None:
+        """The run went back to ``step`` (a resume from a checkpoint): the first loss and the best levels
+        stay (the run reached them), what the abandoned steps from ``step`` on opened does not: an event
+        not recovered from and the step it left its best. The counts of records restart with the windows."""
+        if self.event_step is not None and self.event_step >= step:
+            self.event_step, self.event_kind, self.event_before = None, "", math.nan
+        self.event_records = 0
+        self.left_best_step, self.left_best_records = None, 0
+        if self.lr_jump_seen is not None and self.lr_jump_seen >= step:
+            self.lr_jump_seen = None
+
     def note_event(self, kind: str, step: int, before: float, noise: float, records: int) -> None:
         """An event at ``step`` with the loss level ``before`` it, after ``records`` finite losses:
         remembered unless an earlier one is still open (a burst is measured against the level before
