@@ -112,3 +112,67 @@ def test_analyze_of_a_log_with_a_resume_keeps_the_first_segments_memory(tmp_path
     assert run.status is Status.DANGER
     trend = next(f for f in run.findings if f.check == "loss_trend")
     assert "above its best" in trend.message and "(step 7" in trend.message, trend.message  # a step before 800
+
+
+def test_the_lightning_callback_keeps_the_run_memory_in_the_checkpoint(tmp_path):
+    """A Lightning fit resumed from its checkpoint: the callback's state in the checkpoint (a few
+    numbers) gives the resumed fit's monitor the run memory of the earlier fit: its first loss and
+    best levels, which the resumed steps alone cannot give. Without that state (an earlier fit run
+    without the callback), the ModelCheckpoint's best eval loss is what the checkpoint has."""
+    import pytest
+
+    L = pytest.importorskip("lightning")
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lossbeat.integrations.lightning import LossbeatCallback
+
+    class Regressor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, 3 * x.sum(1, keepdim=True)), batch_size=8)
+
+    def fit(where, steps: int, callbacks: list, resume: bool = False) -> None:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            val_check_interval=10,
+            limit_val_batches=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=where, monitor="val_loss", save_last=True), *callbacks],
+        )
+        trainer.fit(Regressor(), data, data, ckpt_path=str(where / "last.ckpt") if resume else None)
+
+    earlier = _monitor()
+    fit(tmp_path / "a", 30, [LossbeatCallback(earlier)])
+    before = earlier.history.memory
+    assert before.first > 10 and before.best_step is not None  # a loss of ~70 falling fast
+    resumed = _monitor()
+    fit(tmp_path / "a", 40, [LossbeatCallback(resumed)], resume=True)
+    memory = resumed.history.memory
+    assert memory.first == before.first  # the earlier fit's first loss, not the resumed one's
+    assert memory.best <= before.best  # the earlier best stays unless the resumed fit did better
+    assert memory.best_eval_step is not None and memory.best_eval_step <= 30  # an earlier evaluation
+    assert sum(resumed.state.errors.values()) == 0
+
+    fit(tmp_path / "b", 30, [])  # no callback in the earlier fit: the checkpoint has no run memory
+    bare = _monitor()
+    fit(tmp_path / "b", 40, [LossbeatCallback(bare)], resume=True)
+    assert bare.history.memory.best_eval_step is not None and bare.history.memory.best_eval_step <= 30
+    assert math.isnan(bare.history.memory.first) or bare.history.memory.first < before.first

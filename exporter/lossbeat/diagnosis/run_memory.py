@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 __all__ = ["Regression", "RunMemory"]
 
 _MEDIAN_SE = 1.25  # the standard error of a median of n records: about 1.25 sigma / sqrt(n)
+_MISSING = object()
+_FLOATS = frozenset({"best", "best_eval", "first", "event_before", "event_noise"})
+_OPTIONAL_INTS = frozenset({"best_step", "best_eval_step", "left_best_step", "event_step", "lr_jump_seen"})
 
 
 class _EvalBest(Protocol):
@@ -132,6 +135,29 @@ class RunMemory:
         """Finite losses recorded before that event: recovery is read from records after it only."""
         self.lr_jump_seen: int | None = None
         """The step of the last learning-rate jump already noted (each is noted once)."""
+
+    def state(self) -> dict[str, float | int | str | None]:
+        """What a checkpoint keeps of the run memory (plain values, O(1)), for :meth:`load` at a resume."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def load(self, state: Mapping[str, object]) -> int:
+        """Restore what :meth:`state` gave (a resumed run's checkpoint); keys or values of another kind are
+        left out (a checkpoint of another version). Returns the values taken."""
+        taken = 0
+        for name in self.__slots__:
+            value = state.get(name, _MISSING)
+            if isinstance(value, bool) or value is _MISSING:
+                continue
+            if name in _FLOATS:
+                ok = isinstance(value, (int, float))
+            elif name in _OPTIONAL_INTS:
+                ok = value is None or isinstance(value, int)
+            else:
+                ok = isinstance(value, type(getattr(self, name)))
+            if ok:
+                setattr(self, name, float(value) if name in _FLOATS else value)  # type: ignore[arg-type]
+                taken += 1
+        return taken
 
     def resume(self, step: int) -> None:
         """The run went back to ``step`` (a resume from a checkpoint): the first loss and the best levels
