@@ -19,6 +19,7 @@ _LR = re.compile(r"^(?:lr-[^,]*?|lr|learning_rate|train/learning_rate)$")
 _NOT_LR = re.compile(r"-(?:momentum|beta\d?|weight_decay)$")
 # Lightning's grad_norm() utility: one column per parameter or module, "grad_2.0_norm/<name>".
 _LAYER = re.compile(r"^grad_(?:2(?:\.0)?)_norm/(.+)$")
+_MAX_LAYERS = 64
 _VITALS = {"step_time": "step_time", "memory_allocated": "memory_allocated"}
 """Columns read as the run's vitals (a step's wall time in seconds, allocated memory in bytes), by signal."""
 
@@ -94,7 +95,11 @@ def parse_lightning(src: Source, out: RecordBuilder) -> None:
         others = f"; not read: {', '.join(lr_cols[1:])}" if len(lr_cols) > 1 else ""
         out.note(f"learning rate from column {lr_col!r}{others}")
     vitals = {c: _VITALS[c] for c in columns if c in _VITALS}
-    vitals.update({c: f"layer_grad_norm/{m.group(1)}" for c in columns if (m := _LAYER.match(c))})
+    layers = {c: f"layer_grad_norm/{m.group(1)}" for c in columns if (m := _LAYER.match(c))}
+    if len(layers) > _MAX_LAYERS:  # every value is kept until the replay: bounded by columns as by records
+        out.note(f"per-layer grad norms: the first {_MAX_LAYERS} of {len(layers)} columns read")
+        layers = dict(list(layers.items())[:_MAX_LAYERS])
+    vitals.update(layers)
     if vitals:
         out.note(f"vitals from columns: {', '.join(list(vitals)[:6])}{', ...' if len(vitals) > 6 else ''}")
     unused = [
