@@ -11,7 +11,8 @@ from lossbeat.diagnosis import Status
 from lossbeat.monitor import core as monitor_module
 
 
-def test_healthy_demo_learns_and_raises_no_danger():
+def test_healthy_demo_learns_and_raises_no_danger(tmp_path):
+    csv = tmp_path / "metrics.csv"
     result = subprocess.run(
         # Batches of 16, as run_demo's: a quarter of the default's compute, and it learns as surely.
         [
@@ -26,6 +27,8 @@ def test_healthy_demo_learns_and_raises_no_danger():
             "--batch-size",
             "16",
             "--no-progress",
+            "--metrics-csv",
+            str(csv),
         ],
         capture_output=True,
         text=True,
@@ -38,6 +41,68 @@ def test_healthy_demo_learns_and_raises_no_danger():
     assert "grad_explosions 0" in result.stdout
     mean_loss = float(result.stdout.split("mean loss ")[1].split()[0])
     assert 0.5 < mean_loss < 1.6  # learned from ~4.2 (ln 64) into the healthy band
+    for check in ("layer_grad_norm", "memory", "throughput"):  # judged live, and all fine
+        assert f"  ok   {check} " in result.stdout
+    analyzed = subprocess.run(
+        [sys.executable, "-m", "lossbeat", "analyze", str(csv)], capture_output=True, text=True, timeout=120
+    )
+    assert analyzed.returncode == 0, analyzed.stdout
+    assert "ok   layer_grad_norm" in analyzed.stdout and "ok   throughput" in analyzed.stdout  # read from its log
+
+
+# Each fault, the run that shows it (steps, fault step) and what its end-of-run report must say.
+# The run lengths are the least each judgment needs: the throughput's level takes two blocks of 50
+# steps after its 100 warm-up steps, the memory's trend 12 samples after 10 warm-up diagnoses, the
+# plateau a window of 100 steps after the LR's collapse. The slow run is paced (--step-time), so
+# that its normal and slow steps take 1 and 4 slots of wall time whatever the machine's load.
+FAULT_RUNS = {
+    "nan": (120, 100, "nonfinite", "still non-finite"),
+    "explode": (120, 100, "grad_norm", "exploding gradients"),
+    "vanish": (160, 100, "layer_grad_norm", "blocks.0.attn.qkv"),
+    "lr-high": (200, 100, "learning_rate", "the learning rate jumped"),
+    "plateau": (220, 100, "learning_rate", "a plateau, the model stopped learning"),
+    "leak": (250, 130, "memory", "a leak"),
+    "slow": (310, 200, "throughput", "throughput fell"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAULT_RUNS))
+def fault_run(request, tmp_path_factory):
+    """One demo run per fault, with the log it writes: its report, its metrics.csv."""
+    fault = request.param
+    steps, at, _, _ = FAULT_RUNS[fault]
+    csv = tmp_path_factory.mktemp(fault) / "metrics.csv"
+    argv = ["--steps", str(steps), "--fault", fault, "--fault-step", str(at), "--metrics-csv", str(csv)]
+    if fault == "slow":
+        argv += ["--step-time", "0.05"]
+    result = subprocess.run(
+        [sys.executable, "-m", "lossbeat", "demo", "--port", "0", "--no-progress", "--batch-size", "16", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return fault, result.stdout, csv
+
+
+def test_every_fault_ends_in_a_danger_that_names_it(fault_run):
+    fault, report, _ = fault_run
+    _, _, check, words = FAULT_RUNS[fault]
+    line = next((x for x in report.splitlines() if x.split()[1:2] == [check]), "")
+    assert line.split()[:1] == ["DANG"], f"{fault}: {line or report}"
+    assert words in line, f"{fault}: {line}"
+
+
+def test_analyze_of_every_faults_log_exits_1(fault_run):
+    fault, _, csv = fault_run
+    _, _, check, words = FAULT_RUNS[fault]
+    result = subprocess.run(
+        [sys.executable, "-m", "lossbeat", "analyze", str(csv)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1, f"{fault}: {result.stdout}{result.stderr}"
+    final = result.stdout.split("final diagnosis")[1]
+    line = next((x for x in final.splitlines() if x.split()[1:2] == [check]), "")
+    assert line.split()[:1] == ["DANG"] and words in line, f"{fault}: {line or final}"
 
 
 def run_demo(*argv):
@@ -136,7 +201,8 @@ def test_plateau_fault_flags_the_learning_rate_and_the_trend():
     # The trend compares windows of at least 100 steps: flat on both sides of step 300.
     report, _ = run_demo("--steps", "400", "--fault", "plateau", "--fault-step", "100")
     findings = {f.check: f for f in report.findings}
-    assert findings["learning_rate"].status is Status.WARNING and "too small" in findings["learning_rate"].fix
+    lr = findings["learning_rate"]  # 2e-3 -> 1e-8 at once, mid-schedule: the model stopped learning
+    assert lr.status is Status.DANGER and "collapsed" in lr.message and "at step 100" in lr.message
     assert findings["loss_trend"].status is Status.WARNING  # plateau
 
 

@@ -183,14 +183,24 @@ def test_a_run_flat_from_its_start_is_not_excused_by_a_decayed_schedule():
     assert learning.status is Status.WARNING and learning.message.startswith("never learned")
 
 
-def test_a_real_plateau_is_a_warning_and_an_lr_dropped_at_once_is_named():
+def test_a_real_plateau_is_a_warning_and_an_lr_that_collapsed_at_once_a_danger():
     n = noise(9, 0.05)
     lr = lambda s: 3e-4 if s < 1000 else 1e-8  # noqa: E731  (dropped, not decayed)
     a = run(range(3000), lambda s: (healthy(s) if s < 1000 else healthy(1000)) + n(), lr=lr)
     assert final(a, "loss_trend").status is Status.WARNING and "plateaued" in final(a, "loss_trend").message
-    assert final(a, "learning_rate").status is Status.WARNING
-    assert "not reached by a gradual decay" in final(a, "learning_rate").message
     assert len(changes(a, "loss_trend")) == 1  # entered once, stays
+    # 3e-4 -> 1e-8 in one step, the loss flat since: the model stopped learning mid-schedule.
+    f = final(a, "learning_rate")
+    assert f.status is Status.DANGER and "collapsed" in f.message and "at step 1000" in f.message
+    assert "before step 1000" in f.fix
+
+
+def test_an_lr_step_decay_of_10x_is_no_collapse():
+    # A milestone schedule divides the LR by 10 at once: small LR, flat loss, not a collapse.
+    n = noise(9, 0.05)
+    lr = lambda s: 3e-4 if s < 1000 else 3e-5  # noqa: E731
+    a = run(range(3000), lambda s: (healthy(s) if s < 1000 else healthy(1000)) + n(), lr=lr)
+    assert not a.reached("learning_rate", Status.DANGER)
 
 
 def test_a_rising_loss_is_a_danger():

@@ -591,3 +591,29 @@ def test_tensorboard_lightning_tags_and_a_sparser_lr(tmp_path):
     log = parse_log(tmp_path)
     assert [r.learning_rate for r in log.train][9:12] == pytest.approx([1e-3, 5e-4, 5e-4])  # held until the next LR
     assert [(e.step, e.loss) for e in log.evals] == [(39, pytest.approx(1.9))]
+
+
+def test_a_lightning_csv_gives_its_layer_norms_step_times_and_memory_to_the_replay(tmp_path):
+    """Lightning's grad_norm() columns, a step time and the allocated memory are read as the run's vitals
+    (at most 64 layer columns: every value is kept until the replay) and judged as live: a layer that
+    vanished against its own level mid-run is a danger offline too."""
+    from lossbeat.analyze import analyze_runs
+    from lossbeat.logs import parse_log
+
+    layers = [f"l{i}" for i in range(70)]
+    header = "step,train_loss,step_time,memory_allocated," + ",".join(f"grad_2.0_norm/{n}" for n in layers)
+    rows = []
+    for step in range(200):
+        norms = [0.5 if i or step < 100 else 1e-10 for i in range(len(layers))]  # l0 cut off at step 100
+        rows.append(f"{step},{2.0 - step * 0.002},0.1,{1e9},{','.join(map(repr, norms))}")
+    path = tmp_path / "metrics.csv"
+    path.write_text(header + "\n" + "\n".join(rows) + "\n")
+    log = parse_log(path, "lightning")
+    assert "per-layer grad norms: the first 64 of 70 columns read" in log.notes
+    names = {n for n in log.signals if n.startswith("layer_grad_norm/")}
+    assert len(names) == 64 and "layer_grad_norm/l0" in names
+    assert len(log.signals["step_time"]) == 200 and len(log.signals["memory_allocated"]) == 200
+    (run,) = analyze_runs(path).runs
+    layer = next(f for f in run.findings if f.check == "layer_grad_norm")
+    assert layer.status.name == "DANGER" and "l0 " in layer.message, layer.message
+    assert next(f for f in run.findings if f.check == "throughput").status.name == "GOOD"

@@ -74,3 +74,105 @@ def test_the_hf_callback_restores_the_memory_at_a_resume():
     memory = monitor.history.memory
     assert memory.best_step is not None and memory.best_step < 1000 and 0.95 < memory.best < 1.1
     assert memory.best_eval == 1.2 and memory.first == EARLIER[9][1]
+
+
+def test_a_resume_that_goes_back_to_a_checkpoint_keeps_the_run_memory():
+    """One stream (lossbeat watch of a log, a monitor fed again from a checkpoint): steps 0-999 reach
+    about 1.0, then the run goes back to its checkpoint at step 800 and settles at 2.0. The windows
+    restart there; the first loss and the best level stay, and the end is judged against them."""
+    resumed = _monitor()
+    for step, loss in EARLIER:
+        resumed.observe(step, loss=loss, grad_norm=0.5, learning_rate=1e-3)
+    _resume(resumed, 800, 400, 2.0)
+    memory = resumed.history.memory
+    assert resumed.history.resets == 1
+    assert 0.95 < memory.best < 1.05 and memory.best_step < 1000 and memory.first > 3.5  # the first segment's
+    trend = next(f for f in resumed.report().findings if f.check == "loss_trend")
+    assert trend.status is Status.DANGER and "above its best" in trend.message, trend.message
+
+    restarted = _monitor()  # back to step 0: a restart or another run, which owes nothing to the first
+    for step, loss in EARLIER:
+        restarted.observe(step, loss=loss, grad_norm=0.5, learning_rate=1e-3)
+    _resume(restarted, 0, 400, 2.0)
+    assert restarted.history.memory.best > 1.9
+    assert next(f for f in restarted.report().findings if f.check == "loss_trend").status is not Status.DANGER
+
+
+def test_analyze_of_a_log_with_a_resume_keeps_the_first_segments_memory(tmp_path):
+    """A metrics.csv that goes back from step 999 to the checkpoint at 800 and settles at 2.0: the
+    resumed steps replace the abandoned ones in one run, judged against the best of the first."""
+    from lossbeat.analyze import analyze_runs
+
+    noise = random.Random(1)
+    rows = [f"{step},{loss!r}" for step, loss in EARLIER]
+    rows += [f"{step},{2.0 + noise.gauss(0, 0.02)!r}" for step in range(800, 1200)]
+    csv = tmp_path / "metrics.csv"
+    csv.write_text("step,train_loss\n" + "\n".join(rows) + "\n")
+    (run,) = analyze_runs(csv).runs
+    assert run.status is Status.DANGER
+    trend = next(f for f in run.findings if f.check == "loss_trend")
+    assert "above its best" in trend.message and "(step 7" in trend.message, trend.message  # a step before 800
+
+
+def test_the_lightning_callback_keeps_the_run_memory_in_the_checkpoint(tmp_path):
+    """A Lightning fit resumed from its checkpoint: the callback's state in the checkpoint (a few
+    numbers) gives the resumed fit's monitor the run memory of the earlier fit: its first loss and
+    best levels, which the resumed steps alone cannot give. Without that state (an earlier fit run
+    without the callback), the ModelCheckpoint's best eval loss is what the checkpoint has."""
+    import pytest
+
+    L = pytest.importorskip("lightning")
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lossbeat.integrations.lightning import LossbeatCallback
+
+    class Regressor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, 3 * x.sum(1, keepdim=True)), batch_size=8)
+
+    def fit(where, steps: int, callbacks: list, resume: bool = False) -> None:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            val_check_interval=10,
+            limit_val_batches=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=where, monitor="val_loss", save_last=True), *callbacks],
+        )
+        trainer.fit(Regressor(), data, data, ckpt_path=str(where / "last.ckpt") if resume else None)
+
+    earlier = _monitor()
+    fit(tmp_path / "a", 30, [LossbeatCallback(earlier)])
+    before = earlier.history.memory
+    assert before.first > 10 and before.best_step is not None  # a loss of ~70 falling fast
+    resumed = _monitor()
+    fit(tmp_path / "a", 40, [LossbeatCallback(resumed)], resume=True)
+    memory = resumed.history.memory
+    assert memory.first == before.first  # the earlier fit's first loss, not the resumed one's
+    assert memory.best <= before.best  # the earlier best stays unless the resumed fit did better
+    assert memory.best_eval_step is not None and memory.best_eval_step <= 30  # an earlier evaluation
+    assert sum(resumed.state.errors.values()) == 0
+
+    fit(tmp_path / "b", 30, [])  # no callback in the earlier fit: the checkpoint has no run memory
+    bare = _monitor()
+    fit(tmp_path / "b", 40, [LossbeatCallback(bare)], resume=True)
+    assert bare.history.memory.best_eval_step is not None and bare.history.memory.best_eval_step <= 30
+    assert math.isnan(bare.history.memory.first) or bare.history.memory.first < before.first

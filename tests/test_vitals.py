@@ -33,13 +33,26 @@ def test_memory_near_the_limit_is_danger():
 def test_memory_that_keeps_growing_warns_and_flat_or_noisy_memory_does_not():
     limit = 80 * GIB
     n = T.memory.samples
-    growing = [10 * GIB + i * 0.2 * GIB for i in range(n)]  # thirds' medians 8 GiB apart: 10 % of the limit
-    assert check_memory(growing, max(growing), limit, T.memory).status is Status.WARNING
+    growing = [40 * GIB + i * 0.15 * GIB for i in range(n)]  # thirds' medians 6 GiB apart: 7.5 % of the limit
+    assert check_memory(growing, max(growing), limit, T.memory).status is Status.WARNING  # +15 %: not a leak's trend
     flat = [10 * GIB + (i % 3) * 0.01 * GIB for i in range(n)]
     assert check_memory(flat, max(flat), limit, T.memory).status is Status.GOOD
     one_bump = [10 * GIB] * n
     one_bump[n // 2] = 15 * GIB  # an evaluation's activations, freed again
     assert check_memory(one_bump, 15 * GIB, limit, T.memory).status is Status.GOOD
+
+
+def test_memory_that_grows_with_no_plateau_is_a_leak_whatever_its_share_of_the_limit():
+    limit = 22 * GIB
+    n = T.memory.leak_min_samples + 3
+    leak = [0.3 * GIB + i * 0.04 * GIB for i in range(n)]  # 40 MiB a diagnosis, 4 % of the limit at the end
+    f = check_memory(leak, max(leak), limit, T.memory, every=10)
+    assert f.status is Status.DANGER and "a leak" in f.message and "more steps" in f.message
+    # A log has no limit: the trend alone still says so.
+    assert check_memory(leak, None, None, T.memory).status is Status.DANGER
+    filled = leak[: n // 3] + [leak[n // 3]] * (n - n // 3)  # grew, then stopped: a cache that filled
+    assert check_memory(filled, max(filled), limit, T.memory).status is Status.GOOD
+    assert check_memory(leak[: T.memory.leak_min_samples - 1], None, None, T.memory).known is False  # too few
 
 
 def test_memory_without_samples_or_limit_is_not_judged():
@@ -63,14 +76,20 @@ def test_a_run_four_times_slower_warns_and_a_steady_one_does_not():
     assert _tracker(normal).finding().status is Status.GOOD
     slowed = _tracker(normal + [0.4] * tp.steps)
     f = slowed.finding()
-    assert f.status is Status.WARNING and "fell to" in f.message
+    assert f.status is Status.WARNING and "fell to" in f.message  # one slow block: a checkpoint, maybe
+    for _ in range(tp.steps * (tp.danger_blocks - 1)):
+        slowed.add(0.4)
+    assert slowed.finding().status is Status.DANGER  # and stayed there
+    slower = _tracker(normal + [0.3] * (tp.steps * tp.danger_blocks))  # 40 % of the speed: a warning still
+    assert slower.finding().status is Status.WARNING
 
 
 def test_a_long_slowdown_stays_reported_until_it_is_the_new_normal():
     tp = T.throughput
     normal = [0.1] * (tp.warmup_steps + 5 * tp.steps)
     tracker = _tracker(normal + [0.4] * (tp.steps * (tp.baseline_blocks - 1)))
-    assert tracker.finding().status is Status.WARNING  # the drop did not become its own level
+    f = tracker.finding()  # the drop did not become its own level; 4x for many blocks: a danger
+    assert f.status is Status.DANGER and "stayed there" in f.message and "4.0x" in f.message
     for _ in range(tp.steps):
         tracker.add(0.4)
     assert tracker.finding().status is Status.GOOD  # baseline_blocks slow blocks: the new normal

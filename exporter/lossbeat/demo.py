@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import time
@@ -249,8 +250,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-csv",
         metavar="FILE",
-        help="also write the run's per-step loss, grad norm and LR, and its eval losses, to FILE as a "
-        "Lightning metrics.csv (for lossbeat analyze)",
+        help="also write the run's per-step loss, grad norm, LR, step time, memory and per-layer grad norms, "
+        "and its eval losses, to FILE as a Lightning metrics.csv (for lossbeat analyze)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -278,6 +279,27 @@ def _scale_gradients_from(model: TinyLM, layer: str, factor: float, start: int, 
         p.register_hook(
             lambda g, _m=model: g * factor if (_m.training_step == start if once else _m.training_step >= start) else g
         )
+
+
+def _layer_norms(layers: list[tuple[str, list[torch.Tensor]]]) -> list[float]:
+    """Each module's gradient norm over its own parameters (0 for a module with no gradient)."""
+    norms = []
+    for _, params in layers:
+        grads = [p.grad.detach().norm() for p in params if p.grad is not None]
+        norms.append(torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros(()))
+    return [float(x) for x in torch.stack(norms).tolist()]  # one host sync for all of them
+
+
+def _resident_bytes() -> float:
+    """The process's resident memory (what the monitor reads on CPU), from /proc; nan elsewhere."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return float(statm.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return math.nan
+
+
+_PAGE = float(os.sysconf("SC_PAGE_SIZE")) if hasattr(os, "sysconf") else 4096.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -334,8 +356,13 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(args.steps, not args.no_progress and sys.stderr.isatty())
     pace = Pace(args.step_time)
     metrics = open(args.metrics_csv, "w", encoding="utf-8") if args.metrics_csv else None
+    # The per-layer columns are named as Lightning's grad_norm() utility logs them (one per module here).
+    layers = [(name, list(m.parameters(recurse=False))) for name, m in model.named_modules()]
+    layers = [(name, params) for name, params in layers if params]
     if metrics is not None:
-        metrics.write("step,train_loss,grad_norm,lr-AdamW,val_loss\n")
+        columns = ",".join(f"grad_2.0_norm/{name}" for name, _ in layers)
+        metrics.write(f"step,train_loss,grad_norm,lr-AdamW,val_loss,step_time,memory_allocated,{columns}\n")
+    step_began: float | None = None  # the previous step's start: a step's wall time, its sleeps included
     try:
         for step in range(args.steps):
             if stop["now"]:
@@ -363,6 +390,9 @@ def run(args: argparse.Namespace) -> int:
                 scaler.unscale_(optimizer)  # measure and clip the real gradients
             else:
                 loss.backward()
+            # The CSV's per-layer norms, before clipping as the monitor measures them: the demo's own
+            # reads (one host sync a step), only when asked for.
+            layer_norms = _layer_norms(layers) if metrics is not None else []
             grad_norm = monitor.clip_grad_norm_(model, 1.0)
             monitor.observe(
                 step,
@@ -386,7 +416,13 @@ def run(args: argparse.Namespace) -> int:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if metrics is not None:  # the demo's own reads (a host sync), only when asked for
-                metrics.write(f"{step},{float(loss.detach())!r},{float(grad_norm)!r},{lr!r},\n")
+                now = time.perf_counter()
+                took = "" if step_began is None else repr(now - step_began)
+                step_began = now
+                norms = ",".join(map(repr, layer_norms))
+                metrics.write(
+                    f"{step},{float(loss.detach())!r},{float(grad_norm)!r},{lr!r},,{took},{_resident_bytes()!r},{norms}\n"
+                )
             if progress.enabled:
                 progress.update(step, float(loss.detach()), lr, float(grad_norm), force=step == args.steps - 1)
 
@@ -397,7 +433,8 @@ def run(args: argparse.Namespace) -> int:
                     monitor.observe_eval(step, eval_loss)
                     model.train()
                 if metrics is not None:
-                    metrics.write(f"{step},,,,{float(eval_loss)!r}\n")
+                    metrics.write(f"{step},,,,{float(eval_loss)!r},,{',' * len(layers)}\n")
+                    step_began = None  # the next step's time would hold the evaluation's
             if "leak" in active:
                 leaked.append(torch.ones(LEAK_BYTES_PER_STEP // 4))  # filled: the pages are resident
             step_started = time.perf_counter() - step_started

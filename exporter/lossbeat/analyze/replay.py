@@ -14,8 +14,11 @@ import math
 from dataclasses import dataclass, field
 
 from lossbeat.diagnosis import Finding, Judge, Status, StatusChange
+from lossbeat.diagnosis.history import History
 from lossbeat.diagnosis.patterns import Pattern, PatternTracker
+from lossbeat.diagnosis.resources import ThroughputTracker, check_memory
 from lossbeat.diagnosis.thresholds import Thresholds
+from lossbeat.diagnosis.window import Ring
 from lossbeat.logs import EvalRecord, ParsedLog, TrainRecord
 
 __all__ = ["Analysis", "WorstFinding", "replay", "EVENT_KINDS"]
@@ -90,11 +93,60 @@ def _merged(train: list[TrainRecord], evals: list[EvalRecord]):
             i += 1
 
 
+_LAYER = "layer_grad_norm/"
+
+
+class _Vitals:
+    """What a log may carry of the run's vitals, judged as the live monitor judges them: step times
+    (``step_time``, seconds) in throughput blocks, allocated memory (``memory_allocated``, bytes)
+    sampled at each diagnosis after the same warm-up, per-layer grad norms (``layer_grad_norm/<name>``)
+    into the History the Judge reads. Bounded as live: a block, a ring of samples, one float a layer."""
+
+    def __init__(self, t: Thresholds, history: History) -> None:
+        self.t, self.history = t, history
+        self.throughput = ThroughputTracker(t.throughput)
+        self.times = False
+        self.memory = Ring(t.memory.samples)
+        self.memory_now = math.nan
+        self.memory_seen = 0
+        self.layers: dict[str, float] = {}
+
+    def take(self, name: str, value: float) -> bool:
+        """Take a vital signal; False for any other signal (the History's)."""
+        if name == "step_time":
+            self.times = True
+            self.throughput.add(value)
+        elif name == "memory_allocated":
+            if math.isfinite(value):
+                self.memory_now = value
+        elif name.startswith(_LAYER):
+            self.layers[name[len(_LAYER) :]] = value
+            self.history.layer_norms = self.layers
+        else:
+            return False
+        return True
+
+    def findings(self) -> list[Finding]:
+        """At each diagnosis: sample the memory, judge memory and throughput (only what the log carries)."""
+        out = []
+        if math.isfinite(self.memory_now):
+            self.memory_seen += 1
+            if self.memory_seen > self.t.memory.warmup_samples:
+                self.memory.push(self.memory_now)
+            samples = self.memory.last(len(self.memory))
+            if samples:  # no limit in a log: the leak is judged by its trend alone
+                out.append(check_memory(samples, None, None, self.t.memory, self.t.windows.diagnose_every))
+        if self.times:
+            out.append(self.throughput.finding())
+        return out
+
+
 class _Replay:
     def __init__(self, log: ParsedLog, thresholds: Thresholds) -> None:
         self.t = thresholds
         self.judge = Judge(thresholds)
         self.history = self.judge.history
+        self.vitals = _Vitals(thresholds, self.history)
         self.patterns = PatternTracker()
         self.a = Analysis(
             log.path, log.format, notes=list(log.notes), eval_groups=tuple(log.eval_groups), eval_records=len(log.evals)
@@ -125,6 +177,7 @@ class _Replay:
 
     def diagnose(self, step: int) -> list[Finding]:
         findings, changes = self.judge.judge(step)
+        findings = findings + self.vitals.findings()  # as the live monitor adds its vitals to the Judge's
         a = self.a
         a.status_changes += len(changes)
         a.changes.extend(changes[: max(0, _MAX_CHANGES - len(a.changes))])
@@ -148,7 +201,8 @@ def replay(log: ParsedLog, thresholds: Thresholds) -> Analysis:
             signals.setdefault(step, []).append((name, value))
     for record in _merged(log.train, log.evals):
         for name, value in signals.pop(record.step, ()):  # the signals of a step, before its judgment
-            r.history.add_signal(name, value, record.step)
+            if not r.vitals.take(name, value):
+                r.history.add_signal(name, value, record.step)
         if isinstance(record, TrainRecord):
             r.train(record)
         else:

@@ -12,7 +12,9 @@ from lossbeat.diagnosis.window import median as _median
 if TYPE_CHECKING:
     from lossbeat.diagnosis.series import GradBaseline
 
-__all__ = ["check_grad_norm", "check_layer_grad_norms"]
+__all__ = ["check_grad_norm", "check_layer_grad_norms", "LayerLevels"]
+
+_MAX_LAYERS = 4096  # layers remembered (the monitor groups parameters into far fewer)
 
 _CLIMB_RECORDS = 20
 _FIX = "clip gradients (clip_grad_norm_ to 1.0), lower the learning rate, check the recent batches and that inputs are normalised"
@@ -69,11 +71,64 @@ def check_grad_norm(baseline: GradBaseline, t: GradientThresholds) -> Finding:
     return Finding(check, GOOD, f"gradient norm {recent:.3g} (baseline {median:.3g}{above})")
 
 
-def check_layer_grad_norms(layer_norms: Mapping[str, float], t: GradientThresholds, shown: int = 3) -> Finding:
-    """Layers whose own grad norm is out of bounds (non-finite layers are the nonfinite check's)."""
+class LayerLevels:
+    """Each layer's own highest grad norm at a diagnosis, and the diagnoses in a row its norm has sat
+    below ``layer_vanishing`` and ``layer_vanished_drop`` x that level. Bounded: one float and one int
+    per layer, at most ``_MAX_LAYERS`` layers."""
+
+    __slots__ = ("level", "vanished")
+
+    def __init__(self) -> None:
+        self.level: dict[str, float] = {}
+        self.vanished: dict[str, int] = {}
+
+    def update(self, layer_norms: Mapping[str, float], t: GradientThresholds) -> None:
+        """Read the layers' latest norms at a diagnosis (one pass over the layers)."""
+        level, vanished = self.level, self.vanished
+        for name, value in layer_norms.items():
+            if not math.isfinite(value):
+                continue  # the nonfinite check's
+            top = level.get(name)
+            if top is None:
+                if len(level) >= _MAX_LAYERS:
+                    continue
+                top = level[name] = 0.0
+            if value > top:
+                level[name] = top = value
+            gone = value < t.layer_vanishing and value < t.layer_vanished_drop * top
+            vanished[name] = vanished.get(name, 0) + 1 if gone else 0
+
+    def stopped(self, t: GradientThresholds) -> list[tuple[str, float]]:
+        """The layers whose gradients vanished against their own level and stayed so: (name, level)."""
+        return [(n, self.level[n]) for n, k in self.vanished.items() if k >= t.layer_vanished_diagnoses]
+
+
+def check_layer_grad_norms(
+    layer_norms: Mapping[str, float], t: GradientThresholds, shown: int = 3, levels: LayerLevels | None = None
+) -> Finding:
+    """Layers whose own grad norm is out of bounds (non-finite layers are the nonfinite check's).
+
+    A layer whose gradients fell by orders of magnitude below its own earlier level mid-run, and stayed
+    there (``levels``), has stopped learning: a danger (the article's cheat sheet), whatever the rest does.
+    """
     check = "layer_grad_norm"
     if not layer_norms:
         return Finding.unknown(check)
+    stopped = levels.stopped(t) if levels is not None else []
+    if stopped:
+        names = ", ".join(
+            f"{n} ({layer_norms.get(n, math.nan):.3g}, was up to {top:.3g})" for n, top in stopped[:shown]
+        )
+        return Finding(
+            check,
+            DANGER,
+            f"{len(stopped)} layer(s) whose gradients vanished more than {1 / t.layer_vanished_drop:.0f}x below "
+            f"their own level mid-run and stayed there for {t.layer_vanished_diagnoses}+ diagnoses: {names}; "
+            "they have stopped learning",
+            "find what cut these layers off: a hook or a mask that scales their gradients, a detach() or "
+            "no_grad() around them, a frozen parameter group, a saturated activation or gate; the rest of the "
+            "model trains without them",
+        )
     exploding = sorted(
         ((n, v) for n, v in layer_norms.items() if math.isfinite(v) and v > t.layer_explosion),
         key=lambda item: -item[1],

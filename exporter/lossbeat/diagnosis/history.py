@@ -13,6 +13,7 @@ import math
 from typing import Mapping
 
 from lossbeat.diagnosis.events import EVENT_CHECKS, EventTrack
+from lossbeat.diagnosis.gradients import LayerLevels
 from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
 from lossbeat.diagnosis.run_memory import RunMemory
 from lossbeat.diagnosis.series import GradBaseline, LearningRateSchedule, LossSeries
@@ -112,6 +113,8 @@ class History:
         self.nonfinite_seen = 0
         self.last_nonfinite_at: int | None = None  # steps_seen at the last non-finite value
         self.layer_norms: Mapping[str, float] = {}
+        self.layer_levels = LayerLevels()
+        """Each layer's own earlier level and how long it has vanished below it (per diagnosis)."""
         self.grad_scale: float | None = None  # fp16 GradScaler's loss scale, when one is observed
         self.signals: dict[str, SignalTrack] = {}
         """Named signals beside the loss (:data:`lossbeat.diagnosis.profiles.SIGNALS`), by canonical name."""
@@ -164,8 +167,10 @@ class History:
             elif hasattr(part, "t"):
                 part.t = thresholds
 
-    def reset_windows(self) -> None:
-        """The step went backwards (a restart, or another run appended): old windows no longer apply."""
+    def reset_windows(self, resumed_at: int | None = None) -> None:
+        """The step went backwards (a restart, or another run appended): old windows no longer apply.
+        ``resumed_at``: the step a resume from a checkpoint went back to; the run memory is kept, less
+        what the abandoned steps after it opened (:meth:`RunMemory.resume`)."""
         self.flush()
         self.resets += 1
         self.loss.clear()
@@ -181,7 +186,10 @@ class History:
         self.nonfinite_recent.clear()
         for track in self.events.values():
             track.clear()
-        self.memory.clear()
+        if resumed_at is None:
+            self.memory.clear()
+        else:
+            self.memory.resume(resumed_at)
 
     def _level_before(self, pushed: bool) -> tuple[float, int]:
         """The loss level before this record's event: the median of the ``windows.cv_steps``
@@ -207,7 +215,10 @@ class History:
         events = StepEvents()
         self.steps_seen += 1
         if self.last_step is not None and step < self.last_step:
-            self.reset_windows()
+            # Back past the run's first step: a restart or another run. Back to a step after it: a
+            # resume from a checkpoint, whose run memory (first loss, best levels) still holds.
+            first = self.loss.first_step
+            self.reset_windows(resumed_at=step if first is not None and step > first else None)
         self.last_step = step
 
         pushed = False  # this record's loss is in the loss ring (an event's level before excludes it)

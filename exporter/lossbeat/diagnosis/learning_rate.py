@@ -23,6 +23,7 @@ def check_learning_rate(
     t: LearningRateThresholds,
     learned: bool | None = None,
     regression: Regression | None = None,
+    loss: LossSeries | None = None,
 ) -> Finding:
     """``schedule``: a :class:`LearningRateSchedule` (the largest LR across param groups per step).
 
@@ -41,6 +42,9 @@ def check_learning_rate(
     jumped = _jumped(schedule, trend, regression)
     if jumped is not None:
         return jumped
+    collapsed = _collapsed(schedule, loss, t) if loss is not None else None
+    if collapsed is not None:
+        return collapsed
     ended = schedule.ended
     if len(recent) >= 5 and recent[-5:].count(0) == 5:  # each of the last 5 == 0
         if ended:
@@ -109,6 +113,42 @@ def _jumped(schedule: LearningRateSchedule, trend: Trend, regression: Regression
         f"({schedule.jump_from:.3g} -> {schedule.jump_to:.3g}) and {bad}",
         "restore the learning rate schedule (a scheduler stepped with the wrong count, a resumed run that lost "
         "its scheduler state, a param group's LR set by hand) and go back to a checkpoint from before the jump",
+    )
+
+
+def _collapsed(schedule: LearningRateSchedule, loss: LossSeries, t: LearningRateThresholds) -> Finding | None:
+    """A learning rate that fell at once from near its peak to ``collapse_fraction`` of it or less, mid-run
+    and still there, with the loss flat since (it fell less than ``too_small_min_decrease`` of its level
+    from the first half of the steps since the fall to the second, at least ``windows.trend_min_steps``
+    after it): the model stopped learning. A gradual decay
+    (cosine, linear, step decays of 10x) never sets the collapse; only a scheduler or a setting gone wrong."""
+    step, last = schedule.collapse_step, loss.summary.last_step
+    lr = schedule.recent.back(0) if len(schedule.recent) else math.nan
+    if step is None or last is None or not lr <= t.collapse_fraction * schedule.peak:
+        return None
+    width = float(loss.t.windows.trend_min_steps)
+    if last - step < width:
+        return None  # not yet a window of steps since the fall
+    # The first half of the steps since the fall against the second: flat since, or still falling.
+    half = (last - step) / 2
+    n_before, before = loss.summary.window(step - 1, step - 1 + half)
+    n_now, now = loss.summary.window(last - half, last)
+    least = loss.t.windows.trend_min_records
+    if min(n_before, n_now) < least or not (math.isfinite(before) and math.isfinite(now)) or before == 0:
+        return None
+    fell = (before - now) / abs(before)
+    if fell >= t.too_small_min_decrease:
+        return None  # still learning at the small LR (a fine-tune's last phase at 1e-7 can)
+    return Finding(
+        "learning_rate",
+        DANGER,
+        f"the learning rate collapsed {schedule.collapse_from / max(schedule.collapse_to, 1e-300):.3g}x at step "
+        f"{step} ({schedule.collapse_from:.3g} -> {schedule.collapse_to:.3g}, {lr:.3g} now) mid-schedule, and the "
+        f"loss has been flat since ({before:.4g} just after, {now:.4g} over the last {half:.0f} steps): a plateau, the model "
+        "stopped learning; every step from here costs compute and buys nothing",
+        "restore the learning rate schedule (a scheduler stepped past its end or with the wrong count, a resumed "
+        "run that lost its scheduler state, a param group's LR set by hand) and resume from the last checkpoint "
+        f"before step {step}",
     )
 
 

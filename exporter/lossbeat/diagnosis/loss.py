@@ -158,7 +158,9 @@ def uniform_classes(loss: float) -> int | None:
     return None
 
 
-def _start(series: LossSeries, profile: Profile) -> str:
+def _start(series: LossSeries, profile: Profile, named: bool = True) -> str:
+    """The run's first loss, explained only as far as the numbers and the task say: ``named`` False (no
+    task named or detected, the default profile's guess) keeps to what the value itself shows."""
     initial = series.initial
     if not math.isfinite(initial):
         return ""
@@ -174,6 +176,14 @@ def _start(series: LossSeries, profile: Profile) -> str:
         )
     if profile.name == "preference" and abs(initial - math.log(2)) < 0.02:
         return f"initial loss {initial:.4g} = ln 2: the policy starts equal to its reference, as expected"
+    if not named:
+        # An unknown task: a start above any vocabulary is another scale, not a cross-entropy's start, and
+        # one inside the usual range is not proof of a fine-tune (a regression's MSE starts there too).
+        return f"initial loss {initial:.4g} (no task named or detected: no chance level to read it against)"
+    if not plausible and profile.loss_init_high is not None:
+        return (
+            f"initial loss {initial:.4g}, above {profile.loss_init_high:g}: more than any plausible vocabulary explains"
+        )
     return f"initial loss {initial:.4g}: a model that already knows the task (fine-tuning)"
 
 
@@ -212,8 +222,14 @@ def check_loss_range(
         return Finding(
             check,
             WARNING,
-            f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, more than a uniform prediction over "
-            f"any plausible vocabulary or class count (now {mean:.4g})" + _unnamed(t),
+            (
+                f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, more than a uniform prediction over "
+                f"any plausible vocabulary or class count (now {mean:.4g})"
+                if getattr(t, "profile_named", True)
+                else f"initial loss {initial:.4g} is above {profile.loss_init_high:g}, the highest start the "
+                f"{profile.name} profile expects (now {mean:.4g})"
+            )
+            + _unnamed(t),
             "check the initialisation, the labels (ignored index, shifted targets) and the loss reduction "
             "(a sum instead of a mean, or a missing division by the accumulation steps)",
             component,
@@ -227,7 +243,7 @@ def check_loss_range(
     )
     learning = series.span < t.loss.range_after_steps and not (trend.known and not descending)
     if learning:
-        start = _start(series, profile)
+        start = _start(series, profile, named=getattr(t, "profile_named", True))
         return Finding(
             check,
             GOOD,

@@ -21,11 +21,15 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.2f} GiB"
 
 
-def check_memory(allocated: Sequence[float], peak: float | None, limit: float | None, t: MemoryThresholds) -> Finding:
-    """``allocated``: memory samples (bytes), one per diagnosis, oldest first, the run's
-    first ``t.warmup_samples`` already dropped by the caller; ``peak``: peak allocated bytes;
+def check_memory(
+    allocated: Sequence[float], peak: float | None, limit: float | None, t: MemoryThresholds, every: int = 1
+) -> Finding:
+    """``allocated``: memory samples (bytes), one per diagnosis (``every`` steps apart), oldest first, the
+    run's first ``t.warmup_samples`` already dropped by the caller; ``peak``: peak allocated bytes;
     ``limit``: the device's (or the process's) memory limit in bytes."""
     check = "memory"
+    if allocated and not (limit and limit > 0):  # a log's samples: no limit, the trend alone
+        return _steady_growth(allocated, None, t, every) or Finding.unknown(check, "no known memory limit")
     if not allocated or not limit or not limit > 0:
         return Finding.unknown(check, "no memory samples or no known limit")
     current = allocated[-1]
@@ -38,6 +42,9 @@ def check_memory(allocated: Sequence[float], peak: float | None, limit: float | 
             "lower the micro-batch size and raise gradient accumulation, enable activation checkpointing, "
             "or free cached tensors (torch.cuda.empty_cache() only hides fragmentation)",
         )
+    leak = _steady_growth(allocated, limit, t, every)
+    if leak is not None:
+        return leak
     if len(allocated) < max(6, t.samples // 2):
         return Finding(check, GOOD, f"memory {_gib(current)} ({current / limit:.0%} of the limit)", known=True)
     # Medians of the window's first and last thirds: robust to one eval's or one step's bump.
@@ -52,10 +59,42 @@ def check_memory(allocated: Sequence[float], peak: float | None, limit: float | 
             WARNING,
             f"memory keeps growing: {_gib(first)} -> {_gib(last)} over the last {len(allocated)} samples "
             f"(+{growth / limit:.1%} of the limit): a leak",
-            "look for tensors kept across steps (losses appended without .item() or .detach(), "
-            "growing caches, a graph retained by retain_graph=True)",
+            _LEAK_FIX,
         )
     return Finding(check, GOOD, f"memory stable at {_gib(current)} ({current / limit:.0%} of the limit)")
+
+
+_LEAK_FIX = (
+    "look for tensors kept across steps (losses appended without .item() or .detach(), "
+    "growing caches, a graph retained by retain_graph=True)"
+)
+
+
+def _steady_growth(allocated: Sequence[float], limit: float | None, t: MemoryThresholds, every: int) -> Finding | None:
+    """A leak by its trend, whatever fraction of the limit it holds now: the medians of the samples' three
+    thirds each higher than the one before, the last third still climbing at least half as fast as the
+    first two did (no plateau: a cache that fills and stops is not a leak), and the growth at least
+    ``t.leak_growth`` of the first third's level. At that rate it reaches the limit: the message says when."""
+    n = len(allocated)
+    if n < t.leak_min_samples:
+        return None
+    third = n // 3
+    first, middle, last = median(allocated[:third]), median(allocated[third:-third]), median(allocated[-third:])
+    if not (0 < first < middle < last) or last - middle < 0.5 * (middle - first) or last < (1 + t.leak_growth) * first:
+        return None
+    per_sample = (last - first) / max(1, n - third)  # the centres of the first and last thirds, n - third apart
+    if limit is not None:
+        steps = max(0.0, limit - allocated[-1]) / per_sample * max(1, every)
+        projection = f"at this rate it reaches the {_gib(limit)} limit in about {steps:,.0f} more steps"
+    else:
+        projection = "at a constant rate it reaches any limit"
+    return Finding(
+        "memory",
+        DANGER,
+        f"memory grows steadily with no plateau: {_gib(first)} -> {_gib(last)} over the last {n} samples "
+        f"(+{(last - first) / first:.0%}, {per_sample / max(1, every) / 2**20:.3g} MiB a step): a leak; {projection}",
+        _LEAK_FIX,
+    )
 
 
 class ThroughputTracker:
@@ -124,6 +163,20 @@ class ThroughputTracker:
         if level is None or recent is None:
             return Finding.unknown(check, "not enough timed steps yet")
         ratio = level / recent  # steps/s now over the run's own steps/s
+        slow = self._slow.last(len(self._slow))  # the slow blocks in a row, the latest one among them
+        if len(slow) >= self.t.danger_blocks and all(
+            level / b < self.t.danger_fraction for b in slow[-self.t.danger_blocks :]
+        ):
+            return Finding(
+                check,
+                DANGER,
+                f"throughput fell to {ratio:.0%} of the run's own level and stayed there for {len(slow)} blocks of "
+                f"{self.t.steps} steps ({1 / recent:.3g} steps/s, was {1 / level:.3g}): each step now costs "
+                f"{1 / ratio:.1f}x what it did",
+                "find the slow part: a throttled or failing GPU (nvidia-smi -q -d PERFORMANCE,CLOCK), a node swapping, "
+                "a data-loader stall (workers, storage); if the run must go on, restart it on healthy nodes from its "
+                "last checkpoint",
+            )
         if ratio < self.t.drop_fraction:
             return Finding(
                 check,

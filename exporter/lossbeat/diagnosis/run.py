@@ -48,6 +48,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     did_learn = learned(history, t)
     memory = history.memory
     memory.update(history)
+    history.layer_levels.update(history.layer_norms, t.gradients)
     regression = memory.regressed(history)
     findings = [
         check_loss_range(loss, profile, t, trend, learned=did_learn),
@@ -75,8 +76,8 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
             did_learn,
         ),
         check_grad_norm(history.grad, t.gradients),
-        check_layer_grad_norms(history.layer_norms, t.gradients),
-        check_learning_rate(schedule, trend, cv, t.learning_rate, learned=did_learn, regression=regression),
+        check_layer_grad_norms(history.layer_norms, t.gradients, levels=history.layer_levels),
+        check_learning_rate(schedule, trend, cv, t.learning_rate, learned=did_learn, regression=regression, loss=loss),
         check_warmup(loss, profile, t.learning_rate),
         check_overfitting(
             history.evals.get(""),

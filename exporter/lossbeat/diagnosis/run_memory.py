@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 __all__ = ["Regression", "RunMemory"]
 
 _MEDIAN_SE = 1.25  # the standard error of a median of n records: about 1.25 sigma / sqrt(n)
+_MISSING = object()
+_FLOATS = frozenset({"best", "best_eval", "first", "event_before", "event_noise"})
+_OPTIONAL_INTS = frozenset({"best_step", "best_eval_step", "left_best_step", "event_step", "lr_jump_seen"})
 
 
 class _EvalBest(Protocol):
@@ -132,6 +135,40 @@ class RunMemory:
         """Finite losses recorded before that event: recovery is read from records after it only."""
         self.lr_jump_seen: int | None = None
         """The step of the last learning-rate jump already noted (each is noted once)."""
+
+    def state(self) -> dict[str, float | int | str | None]:
+        """What a checkpoint keeps of the run memory (plain values, O(1)), for :meth:`load` at a resume."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def load(self, state: Mapping[str, object]) -> int:
+        """Restore what :meth:`state` gave (a resumed run's checkpoint); keys or values of another kind are
+        left out (a checkpoint of another version). Returns the values taken."""
+        taken = 0
+        for name in self.__slots__:
+            value = state.get(name, _MISSING)
+            if isinstance(value, bool) or value is _MISSING:
+                continue
+            if name in _FLOATS:
+                ok = isinstance(value, (int, float))
+            elif name in _OPTIONAL_INTS:
+                ok = value is None or isinstance(value, int)
+            else:
+                ok = isinstance(value, type(getattr(self, name)))
+            if ok:
+                setattr(self, name, float(value) if name in _FLOATS else value)  # type: ignore[arg-type]
+                taken += 1
+        return taken
+
+    def resume(self, step: int) -> None:
+        """The run went back to ``step`` (a resume from a checkpoint): the first loss and the best levels
+        stay (the run reached them), what the abandoned steps from ``step`` on opened does not: an event
+        not recovered from and the step it left its best. The counts of records restart with the windows."""
+        if self.event_step is not None and self.event_step >= step:
+            self.event_step, self.event_kind, self.event_before = None, "", math.nan
+        self.event_records = 0
+        self.left_best_step, self.left_best_records = None, 0
+        if self.lr_jump_seen is not None and self.lr_jump_seen >= step:
+            self.lr_jump_seen = None
 
     def note_event(self, kind: str, step: int, before: float, noise: float, records: int) -> None:
         """An event at ``step`` with the loss level ``before`` it, after ``records`` finite losses:

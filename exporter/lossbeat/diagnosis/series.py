@@ -360,6 +360,11 @@ class LearningRateSchedule:
         after ``_STEADY`` records that moved less than 2x each (a warmup climbs, a restart returns
         to its peak: neither is a jump)."""
         self.jump_from = self.jump_to = math.nan
+        self.collapse_step: int | None = None
+        """The step at which the LR last fell at once, in one record, from near its peak (at least
+        ``decayed_fraction`` of it) to ``learning_rate.collapse_fraction`` of it or less; None once it
+        climbs back to half its peak (a gradual decay never sets it)."""
+        self.collapse_from = self.collapse_to = math.nan
         self._previous = math.nan
         self._steady = 0
 
@@ -371,6 +376,7 @@ class LearningRateSchedule:
         self.recent.extend(lrs)
         peak, first, below, decayed = self.peak, self.first_step, self.below_half_at, self.decayed_at
         fraction = self.t.learning_rate.decayed_fraction
+        collapse = self.t.learning_rate.collapse_fraction
         previous, steady = self._previous, self._steady
         for step, lr in zip(steps, lrs):
             if not math.isfinite(lr):
@@ -379,12 +385,15 @@ class LearningRateSchedule:
                 first = step
             if previous > 0 and lr >= _JUMP * previous and lr > peak and steady >= _STEADY:
                 self.jump_step, self.jump_from, self.jump_to = step, previous, lr
+            if previous >= fraction * peak > 0 and lr <= collapse * peak and lr <= collapse * previous:
+                self.collapse_step, self.collapse_from, self.collapse_to = step, previous, lr
             steady = steady + 1 if previous > 0 and 0.5 * previous <= lr <= 2.0 * previous else 0
             previous = lr
             if lr > peak:
                 peak = lr
             if lr >= 0.5 * peak:  # (re)starts: a warm restart begins a new decay
                 below = decayed = None
+                self.collapse_step = None
                 continue
             if below is None:
                 below = step

@@ -119,6 +119,10 @@ class GradientThresholds:
     """A layer's grad norm above which that layer explodes."""
     layer_vanishing: float
     """A layer's grad norm below which that layer vanishes."""
+    # A layer's grad norm below this fraction of its own earlier level (and below layer_vanishing) ...
+    layer_vanished_drop: float
+    # ... at this many diagnoses in a row: the layer stopped learning (danger).
+    layer_vanished_diagnoses: int
     loss_scale_min: float
     """fp16 loss scaling: a GradScaler scale below this means nearly every step overflows."""
 
@@ -143,6 +147,8 @@ class LearningRateThresholds:
     """LR below this fraction of its peak, after a gradual decay: the end of the schedule."""
     gradual_min_fraction: float
     """The decay from half the peak to ``decayed_fraction`` took at least this fraction of the steps before it."""
+    # An LR that falls in one record from near its peak to this fraction of it or less has collapsed.
+    collapse_fraction: float
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,10 @@ class MemoryThresholds:
     """Memory samples (one per diagnosis) in the live check's slope window."""
     warmup_samples: int
     """Samples skipped at the start of a run (allocation of weights and optimizer state)."""
+    # Steady growth (three thirds rising, no plateau) by this fraction of the first third's level: a leak.
+    leak_growth: float
+    # Samples (after the warm-up) before the steady-growth judgment.
+    leak_min_samples: int
 
 
 @dataclass(frozen=True)
@@ -202,6 +212,10 @@ class ThroughputThresholds:
     """Live check: the run's level is the median of this many normal blocks."""
     warmup_steps: int
     """Live check: steps ignored at the start (compilation, warm-up)."""
+    # Live check: steps/s below this fraction of the run's level in ``danger_blocks`` blocks in a row: danger.
+    danger_fraction: float
+    # Live check: slow blocks in a row before a several-fold drop is a danger.
+    danger_blocks: int
 
 
 @dataclass(frozen=True)
@@ -511,13 +525,25 @@ def _memory(doc: Mapping[str, Any]) -> MemoryThresholds:
         growth_fraction=_fraction(doc, "growth_fraction", where),
         samples=_number(doc, "samples", where, integer=True),
         warmup_samples=_non_negative(doc, "warmup_samples", where),
+        leak_growth=_number(doc, "leak_growth", where),
+        leak_min_samples=_number(doc, "leak_min_samples", where, integer=True),
         **_durations(doc, where, ("window", "oom_horizon", "near_limit_for", "growing_for")),
     )
 
 
 def _throughput(doc: Mapping[str, Any]) -> ThroughputThresholds:
     where = "throughput"
-    unknown = set(doc) - {"drop_fraction", "rate_window", "baseline", "for", "steps", "baseline_blocks", "warmup_steps"}
+    unknown = set(doc) - {
+        "drop_fraction",
+        "rate_window",
+        "baseline",
+        "for",
+        "steps",
+        "baseline_blocks",
+        "warmup_steps",
+        "danger_fraction",
+        "danger_blocks",
+    }
     if unknown:
         raise ThresholdsError(f"{where}.{sorted(unknown)[0]}: unknown key")
     durations = _durations(doc, where, ("rate_window", "baseline", "for"))
@@ -529,6 +555,8 @@ def _throughput(doc: Mapping[str, Any]) -> ThroughputThresholds:
         steps=_number(doc, "steps", where, integer=True),
         baseline_blocks=_number(doc, "baseline_blocks", where, integer=True),
         warmup_steps=_non_negative(doc, "warmup_steps", where),
+        danger_fraction=_fraction(doc, "danger_fraction", where),
+        danger_blocks=_number(doc, "danger_blocks", where, integer=True),
     )
 
 

@@ -22,8 +22,9 @@ __all__ = ["Vitals", "as_schedule", "LIVE_ONLY_CHECKS"]
 _HELD_TIMES = 256  # step times held for the next diagnosis at most (it comes every windows.diagnose_every)
 
 LIVE_ONLY_CHECKS = frozenset({"layer_grad_norm", "memory", "throughput", "lr_schedule"})
-"""Checks only a live process can make (per-layer norms, memory, step times, the scheduler's
-counter): logs do not carry them, so ``lossbeat analyze`` leaves them unjudged."""
+"""Checks a live process makes from what it measures (per-layer norms, memory, step times, the
+scheduler's counter): most logs do not carry them, and ``lossbeat analyze`` judges them only from a
+log that does (a Lightning metrics.csv with ``grad_2.0_norm/*``, ``step_time``, ``memory_allocated``)."""
 
 
 def as_schedule(value: Any) -> tuple[LRSchedule | None, Any]:
@@ -94,7 +95,13 @@ class Vitals:
         if self._step_times:
             self._add_times()
         return [
-            check_memory(self._memory.last(len(self._memory)), self._peak, self._limit, self.t.memory),
+            check_memory(
+                self._memory.last(len(self._memory)),
+                self._peak,
+                self._limit,
+                self.t.memory,
+                self.t.windows.diagnose_every,
+            ),
             self._throughput.finding(),
             self._schedule.update(step, lr, counter),
         ]

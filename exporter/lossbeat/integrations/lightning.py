@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from typing import Any
 
 import torch
@@ -123,6 +125,7 @@ class LossbeatCallback(Callback):
         self._updated = False  # the guard ran the scaler's update: Lightning's own call is skipped
         self._fitting = False  # between on_train_start and on_train_end: evaluations return to "train"
         self._names_passed: set[str] = set()  # logged names given to the monitor (each once; signals always)
+        self._resumed: Any = None  # the run memory of the checkpoint a fit resumed from, until applied
 
     @property
     def monitor(self) -> Monitor | NullMonitor | None:
@@ -145,6 +148,23 @@ class LossbeatCallback(Callback):
         state["_monitor"] = self._given
         state["_patches"], state["_decided"] = [], None
         return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in each checkpoint: the run memory (first loss, best levels with their steps, the open
+        event; a few numbers), so that a fit resumed from it is judged against the run's best."""
+        memory = getattr(getattr(self._monitor, "history", None), "memory", None)
+        return {"run_memory": memory.state()} if memory is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A resumed fit's checkpoint: its run memory, applied now or once the rank's monitor exists."""
+        self._resumed = state_dict.get("run_memory") if isinstance(state_dict, dict) else None
+        self._apply_resumed()
+
+    def _apply_resumed(self) -> None:
+        memory = getattr(getattr(self._monitor, "history", None), "memory", None)
+        if memory is not None and isinstance(self._resumed, dict):
+            memory.load(self._resumed)
+            self._resumed = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
@@ -261,6 +281,8 @@ class LossbeatCallback(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._fitting = True
+        self._apply_resumed()
+        _restore_resumed(self._monitor, trainer)
         phase_quietly(self._monitor, "train")  # after the sanity check's validation
         self._unguard()
         monitor = self._monitor
@@ -336,6 +358,35 @@ class LossbeatCallback(Callback):
         for patch in reversed(self._patches):
             patch.restore()
         self._patches, self._decided, self._updated = [], None, False
+
+
+_EVAL_LOSS = re.compile(r"^(?:val|valid|validation|eval)[_/]?loss(?:_epoch)?$")
+_STEP_IN_PATH = re.compile(r"step=(\d+)")
+
+
+def _restore_resumed(monitor: Monitor | NullMonitor | None, trainer: Any) -> None:
+    """A fit resumed from a checkpoint (``global_step`` > 0) whose earlier fit ran without this callback
+    (no run memory in the checkpoint): a ModelCheckpoint that monitors the eval loss restores its best
+    score, the run memory's best eval (with its step where the file name has one). The earlier train
+    losses are not there: Lightning's CSVLogger deletes the metrics.csv it writes to again, and other
+    loggers keep their history outside the process. Never raises."""
+    try:
+        memory = getattr(getattr(monitor, "history", None), "memory", None)  # None: a rank that judges nothing
+        step = int(getattr(trainer, "global_step", 0) or 0)
+        if memory is None or step <= 0 or isinstance(monitor, NullMonitor) or monitor is None:
+            return
+        evals: list[tuple[int, float]] = []
+        for callback in getattr(trainer, "checkpoint_callbacks", None) or ():
+            score, name = getattr(callback, "best_model_score", None), getattr(callback, "monitor", None) or ""
+            found = _STEP_IN_PATH.search(os.path.basename(getattr(callback, "best_model_path", "") or ""))
+            if score is not None and _EVAL_LOSS.match(name) and found and not math.isfinite(memory.best_eval):
+                evals.append((int(found.group(1)), float(score)))
+        if evals:
+            memory.restore(monitor.thresholds, (), sorted(evals))
+    except Exception:  # the run goes on without the earlier steps; the exporter never stops it
+        state = getattr(monitor, "state", None)
+        if state is not None:
+            state.count_error("restore")
 
 
 def _check_schedule(guard: str, schedule: str) -> None:

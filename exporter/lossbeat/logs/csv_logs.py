@@ -17,6 +17,11 @@ _GRAD = ("grad_norm", "train/grad_norm", "grad_2.0_norm_total", "grad_norm_total
 # LearningRateMonitor: "lr-AdamW", "lr-AdamW/pg1", "lr-SGD-momentum" (momentum and weight decay are not LRs).
 _LR = re.compile(r"^(?:lr-[^,]*?|lr|learning_rate|train/learning_rate)$")
 _NOT_LR = re.compile(r"-(?:momentum|beta\d?|weight_decay)$")
+# Lightning's grad_norm() utility: one column per parameter or module, "grad_2.0_norm/<name>".
+_LAYER = re.compile(r"^grad_(?:2(?:\.0)?)_norm/(.+)$")
+_MAX_LAYERS = 64
+_VITALS = {"step_time": "step_time", "memory_allocated": "memory_allocated"}
+"""Columns read as the run's vitals (a step's wall time in seconds, allocated memory in bytes), by signal."""
 
 
 _EVAL_PREFIX = re.compile(r"^(?:val|valid|validation|eval|evaluation|dev)(?:[_/\-. ]|$)", re.I)
@@ -89,10 +94,18 @@ def parse_lightning(src: Source, out: RecordBuilder) -> None:
     if lr_col:
         others = f"; not read: {', '.join(lr_cols[1:])}" if len(lr_cols) > 1 else ""
         out.note(f"learning rate from column {lr_col!r}{others}")
+    vitals = {c: _VITALS[c] for c in columns if c in _VITALS}
+    layers = {c: f"layer_grad_norm/{m.group(1)}" for c in columns if (m := _LAYER.match(c))}
+    if len(layers) > _MAX_LAYERS:  # every value is kept until the replay: bounded by columns as by records
+        out.note(f"per-layer grad norms: the first {_MAX_LAYERS} of {len(layers)} columns read")
+        layers = dict(list(layers.items())[:_MAX_LAYERS])
+    vitals.update(layers)
+    if vitals:
+        out.note(f"vitals from columns: {', '.join(list(vitals)[:6])}{', ...' if len(vitals) > 6 else ''}")
     unused = [
         c
         for c in columns
-        if c not in {train_col, eval_col, grad_col, *lr_cols, *train_others, *eval_others, "step", "epoch"}
+        if c not in {train_col, eval_col, grad_col, *lr_cols, *train_others, *eval_others, *vitals, "step", "epoch"}
     ]
     if unused:
         out.note(f"columns not read: {', '.join(unused[:12])}{', ...' if len(unused) > 12 else ''}")
@@ -134,6 +147,9 @@ def parse_lightning(src: Source, out: RecordBuilder) -> None:
             else:
                 lr_steps.append(int(step))
                 lr_values.append(lr)
+        for col, name in vitals.items():
+            if row.get(col) not in (None, ""):
+                out.signal(int(step), name, value(col))
         loss = value(train_col)
         if train_col and row.get(train_col) not in (None, ""):
             rows.append((out.where, int(step), loss, value(grad_col), value("epoch")))
