@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_ports, require_module
+from helpers.processes import kill_tree
 from helpers.scrape import scrape as scrape_series
 from helpers.torchrun_jobs import Job, SharedJobs, torchrun
 
@@ -41,7 +42,7 @@ def test_each_rank_serves_port_plus_local_rank_with_its_rank_label(tmp_path):
             job.wait(timeout=60)
         finally:
             if job.poll() is None:
-                job.kill()
+                kill_tree(job)
     assert job.returncode == 0
     for r, metrics in ranks.items():
         steps = metrics["training_steps_total"]

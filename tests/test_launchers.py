@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_ports, require_module
+from helpers.processes import kill_tree
 from test_distributed import scrape
 
 from lossbeat.exposition.server import MetricsServer, RankContext
@@ -81,7 +82,7 @@ def run_ranks(tmp_path: Path, launches: list[tuple[list[str], dict[str, str]]], 
                 job.wait(timeout=60)
             finally:
                 if job.poll() is None:
-                    job.kill()
+                    kill_tree(job)
     assert [j.returncode for j in jobs] == [0] * len(jobs), "\n".join(j.stdout.read() for j in jobs)
     return out
 

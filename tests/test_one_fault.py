@@ -8,6 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
+from helpers.processes import kill_tree
 from helpers.torchrun_jobs import torchrun
 
 from lossbeat.monitor.apply import ALL_LAYERS, FROM_ANOTHER_RANK, _nonfinite_origin
@@ -17,8 +18,13 @@ WORKER = Path(__file__).resolve().parent / "workers" / "ddp_nan_worker.py"
 
 def test_a_nan_on_one_ddp_rank_is_named_as_coming_from_another_rank_on_the_others(tmp_path):
     cmd = torchrun(2, WORKER, str(tmp_path))
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            kill_tree(job)
+    assert job.returncode == 0, output[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     # Rank 1 holds the fault: its NaN loss (TrainingLossNaN pages; it poisons all its layers).
     assert not rank1["loss_finite"] and rank1["nonfinite_loss_total"] == 1

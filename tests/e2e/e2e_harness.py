@@ -17,6 +17,7 @@ from typing import Callable, TypeVar
 
 import pytest
 from conftest import free_ports
+from helpers.processes import kill_tree
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
@@ -230,15 +231,15 @@ class DemoRun:
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 10) -> None:
-    """Stop a child we started: SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    """Stop a child we started: SIGTERM, then SIGKILL after ``timeout`` seconds, with everything it
+    started (a launcher's ranks)."""
     if proc.poll() is not None:
         return
     proc.terminate()
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout)
+        kill_tree(proc)
 
 
 def wait_for_page(receiver: WebhookReceiver, alertname: str, job: str, timeout: float, path: str = "/page") -> Delivery:

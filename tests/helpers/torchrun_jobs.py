@@ -13,7 +13,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from helpers.processes import kill_tree
 
 RUNNER = Path(__file__).resolve().parents[1] / "workers" / "variants_worker.py"
 STALL_S = 300.0
@@ -62,8 +63,7 @@ def _run_once(folder: Path, ranks: int, variants: list) -> tuple[int | None, flo
     cmd = torchrun(ranks, RUNNER, "--spec", str(spec))
     launched = time.time()
     with open(log, "w") as out:
-        # Its own session: a stalled job is stopped with its ranks, not the launcher alone.
-        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
             seen, deadline = -1, time.monotonic() + STALL_S
             while job.poll() is None:
@@ -75,8 +75,8 @@ def _run_once(folder: Path, ranks: int, variants: list) -> tuple[int | None, flo
                 time.sleep(0.25)
         finally:
             stalled = job.poll() is None
-            if stalled:
-                os.killpg(job.pid, signal.SIGKILL)
+            if stalled:  # the launcher with its ranks, which run in sessions of their own
+                kill_tree(job)
             job.wait()
     return (None if stalled else job.returncode), launched, log
 
