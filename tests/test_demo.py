@@ -15,6 +15,8 @@ def test_healthy_demo_learns_and_raises_no_danger(tmp_path):
     csv = tmp_path / "metrics.csv"
     result = subprocess.run(
         # Batches of 16, as run_demo's: a quarter of the default's compute, and it learns as surely.
+        # Paced like the slow fault's run (a step every 50 ms, several times what one takes), so that
+        # the throughput judged ok is the run's and not the machine's load.
         [
             sys.executable,
             "-m",
@@ -26,6 +28,8 @@ def test_healthy_demo_learns_and_raises_no_danger(tmp_path):
             "400",
             "--batch-size",
             "16",
+            "--step-time",
+            "0.05",
             "--no-progress",
             "--metrics-csv",
             str(csv),
