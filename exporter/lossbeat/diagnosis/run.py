@@ -48,7 +48,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     did_learn = learned(history, t)
     memory = history.memory
     memory.update(history)
-    history.layer_levels.update(history.layer_norms, t.gradients)
+    history.update_layer_levels()
     regression = memory.regressed(history)
     findings = [
         check_loss_range(loss, profile, t, trend, learned=did_learn),
