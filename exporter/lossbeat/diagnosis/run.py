@@ -57,8 +57,8 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
             loss,
             t,
             profile,
-            ended,
-            schedule.fraction_of_peak,
+            schedule_ended=ended,
+            lr_fraction=schedule.fraction_of_peak,
             held=held.get(("loss_trend", ""), GOOD),
             learned=did_learn,
             regression=regression,
@@ -119,9 +119,9 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
                 series,
                 t,
                 component_profile,
-                ended,
-                schedule.fraction_of_peak,
-                name,
+                schedule_ended=ended,
+                lr_fraction=schedule.fraction_of_peak,
+                component=name,
                 held=held.get(("loss_trend", name), GOOD),
             )
         )
