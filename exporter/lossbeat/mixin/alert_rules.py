@@ -940,12 +940,24 @@ def _range_alert(t: Thresholds) -> AlertRule:
 
 
 def _loss_alerts(t: Thresholds) -> list[AlertRule]:
+    """The loss's alerts: its trend (rising, flat), its noise, its spikes, its range, and overfitting."""
+    return [
+        *_loss_trend_alerts(t),
+        _loss_volatile_alert(t),
+        *_loss_spike_alerts(t),
+        _range_alert(t),
+        _overfitting_alert(t),
+    ]
+
+
+def _loss_trend_alerts(t: Thresholds) -> list[AlertRule]:
+    """The loss judged rising (critical) or flat (warning) across its trend windows."""
     a, loss = t.alerts, t.loss
     windows = (
         f"windows of {number(100 * t.windows.trend_fraction)}% of the steps seen "
         f"(at least {t.windows.trend_min_steps} steps)"
     )
-    rules = [
+    return [
         AlertRule(
             name="TrainingLossDiverging",
             group="lossbeat.loss",
@@ -986,25 +998,37 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             action="raise the LR or restart it (cosine with restarts); check the data",
             keeps=TARGET + ("check", "component"),
         ),
-        AlertRule(
-            name="TrainingLossVolatile",
-            group="lossbeat.loss",
-            severity="warning",
-            expr=f"{_status('loss_volatility', None)} == 2\n",
-            for_=a.volatile_for,
-            summary="The training loss oscillates strongly",
-            description=(
-                f"The exporter judges (status {VALUE}) the loss of {WHO} (component '{{{{ $labels.component }}}}') very volatile: its "
-                f"step-to-step noise around the trend is at least {number(loss.cv_danger)} of its level, "
-                f"for at least {a.volatile_for}."
-            ),
-            condition=(
-                f"robust step-to-step noise / loss level (over {t.windows.cv_steps} records, around the trend) "
-                f">= {number(loss.cv_danger)} for {a.volatile_for}"
-            ),
-            action="lower the LR to a third, raise the batch size",
-            keeps=TARGET + ("check", "component"),
+    ]
+
+
+def _loss_volatile_alert(t: Thresholds) -> AlertRule:
+    """The loss's step-to-step noise judged too large for its level."""
+    a, loss = t.alerts, t.loss
+    return AlertRule(
+        name="TrainingLossVolatile",
+        group="lossbeat.loss",
+        severity="warning",
+        expr=f"{_status('loss_volatility', None)} == 2\n",
+        for_=a.volatile_for,
+        summary="The training loss oscillates strongly",
+        description=(
+            f"The exporter judges (status {VALUE}) the loss of {WHO} (component '{{{{ $labels.component }}}}') very volatile: its "
+            f"step-to-step noise around the trend is at least {number(loss.cv_danger)} of its level, "
+            f"for at least {a.volatile_for}."
         ),
+        condition=(
+            f"robust step-to-step noise / loss level (over {t.windows.cv_steps} records, around the trend) "
+            f">= {number(loss.cv_danger)} for {a.volatile_for}"
+        ),
+        action="lower the LR to a third, raise the batch size",
+        keeps=TARGET + ("check", "component"),
+    )
+
+
+def _loss_spike_alerts(t: Thresholds) -> list[AlertRule]:
+    """Loss spikes repeated within a window (warning), or judged to have done damage (critical)."""
+    a, loss = t.alerts, t.loss
+    return [
         AlertRule(
             name="TrainingLossSpikes",
             group="lossbeat.loss",
@@ -1045,33 +1069,36 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             action="roll back to the checkpoint before the spikes; lower the LR, clip gradients, inspect those batches",
             keeps=TARGET + ("check", "component"),
         ),
-        _range_alert(t),
-        AlertRule(
-            name="TrainingOverfitting",
-            group="lossbeat.loss",
-            severity="warning",
-            # The exporter's judgment only: it knows the best eval loss of the whole run and
-            # requires `overfitting.evals` evaluations in a row above it (one blip is noise).
-            expr=(f"training_eval_loss\n  and {ON_TARGET} {_status('overfitting')} >= 1\n"),
-            for_=a.overfitting_for,
-            summary="Eval loss rises while the training loss falls",
-            description=(
-                f"The eval loss of {WHO} is {VALUE}, more than {number(100 * t.overfitting.eval_rise)}% above "
-                f"its best, and above it by more than {number(t.overfitting.noise_z)}x the evaluations' own noise, "
-                f"for {t.overfitting.evals} evaluations in a row while the training loss does not rise: "
-                "the model is overfitting."
-            ),
-            condition=(
-                f"eval loss > {number(100 * t.overfitting.eval_rise)}% above its best and beyond "
-                f"{number(t.overfitting.noise_z)}x its own noise for {t.overfitting.evals} evaluations in a row "
-                "while the training loss does not rise "
-                f"(the exporter's judgment); for {a.overfitting_for}"
-            ),
-            action="early stop at the best checkpoint; weight decay, dropout, more data",
-            keeps=TARGET,
-        ),
     ]
-    return rules
+
+
+def _overfitting_alert(t: Thresholds) -> AlertRule:
+    """The eval loss rising above its best while the training loss does not: the exporter's judgment."""
+    a = t.alerts
+    return AlertRule(
+        name="TrainingOverfitting",
+        group="lossbeat.loss",
+        severity="warning",
+        # The exporter's judgment only: it knows the best eval loss of the whole run and
+        # requires `overfitting.evals` evaluations in a row above it (one blip is noise).
+        expr=(f"training_eval_loss\n  and {ON_TARGET} {_status('overfitting')} >= 1\n"),
+        for_=a.overfitting_for,
+        summary="Eval loss rises while the training loss falls",
+        description=(
+            f"The eval loss of {WHO} is {VALUE}, more than {number(100 * t.overfitting.eval_rise)}% above "
+            f"its best, and above it by more than {number(t.overfitting.noise_z)}x the evaluations' own noise, "
+            f"for {t.overfitting.evals} evaluations in a row while the training loss does not rise: "
+            "the model is overfitting."
+        ),
+        condition=(
+            f"eval loss > {number(100 * t.overfitting.eval_rise)}% above its best and beyond "
+            f"{number(t.overfitting.noise_z)}x its own noise for {t.overfitting.evals} evaluations in a row "
+            "while the training loss does not rise "
+            f"(the exporter's judgment); for {a.overfitting_for}"
+        ),
+        action="early stop at the best checkpoint; weight decay, dropout, more data",
+        keeps=TARGET,
+    )
 
 
 def _progress_alerts(t: Thresholds) -> list[AlertRule]:
