@@ -792,6 +792,16 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
 
 
 def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
+    """The gradient norm's alerts: explosions (sustained, repeated, isolated), vanishing, and per layer."""
+    return [
+        *_grad_explosion_alerts(t),
+        _grad_vanishing_alert(t),
+        *_layer_gradient_alerts(t),
+    ]
+
+
+def _grad_explosion_alerts(t: Thresholds) -> list[AlertRule]:
+    """The global gradient norm judged exploding, its explosions repeated (both page), or one absorbed."""
     a, g = t.alerts, t.gradients
     explosion = number(g.explosion)
     explosions = _events(t)["grad_explosions"]
@@ -862,21 +872,33 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             action="look at the batch of that step; check that gradients are clipped",
             keeps=TARGET,
         ),
-        AlertRule(
-            name="TrainingGradientVanishing",
-            group="lossbeat.gradients",
-            severity="warning",
-            expr=f"training_grad_norm < {number(g.vanishing)}\n",
-            for_=a.vanishing_for,
-            summary="The gradient norm is vanishingly small",
-            description=(
-                f"The global gradient norm of {WHO} is {VALUE}, below {number(g.vanishing)} "
-                f"for at least {a.vanishing_for}: the weights barely move."
-            ),
-            condition=f"global grad norm < {number(g.vanishing)} for {a.vanishing_for}",
-            action="check the LR schedule; residual connections, normalisation, ReLU/GELU",
-            keeps=TARGET,
+    ]
+
+
+def _grad_vanishing_alert(t: Thresholds) -> AlertRule:
+    """The global gradient norm below the vanishing bound."""
+    a, g = t.alerts, t.gradients
+    return AlertRule(
+        name="TrainingGradientVanishing",
+        group="lossbeat.gradients",
+        severity="warning",
+        expr=f"training_grad_norm < {number(g.vanishing)}\n",
+        for_=a.vanishing_for,
+        summary="The gradient norm is vanishingly small",
+        description=(
+            f"The global gradient norm of {WHO} is {VALUE}, below {number(g.vanishing)} "
+            f"for at least {a.vanishing_for}: the weights barely move."
         ),
+        condition=f"global grad norm < {number(g.vanishing)} for {a.vanishing_for}",
+        action="check the LR schedule; residual connections, normalisation, ReLU/GELU",
+        keeps=TARGET,
+    )
+
+
+def _layer_gradient_alerts(t: Thresholds) -> list[AlertRule]:
+    """One layer's gradient norm above its explosion bound or below its vanishing bound."""
+    a, g = t.alerts, t.gradients
+    return [
         AlertRule(
             name="TrainingLayerGradientExplosion",
             group="lossbeat.gradients",
