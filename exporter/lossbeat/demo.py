@@ -327,11 +327,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
 
-    if "explode" in faults:
-        _scale_gradients_from(model, EXPLODING_LAYER, 1e4, fault_step, once=args.guard != "off")
-    if "vanish" in faults:
-        _scale_gradients_from(model, VANISHING_LAYER, 1e-9, fault_step)
-
+    _inject_gradient_faults(model, faults, fault_step, args.guard)
     stop = {"now": False}
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     progress = Progress(args.steps, not args.no_progress and sys.stderr.isatty())
@@ -363,13 +359,27 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous_handler)
         loop.close()
     print(monitor.report(), flush=True)
-    if args.linger > 0:
-        print(f"lossbeat demo: serving /metrics for {args.linger:g} more seconds", flush=True)
-        deadline = time.monotonic() + args.linger
-        while time.monotonic() < deadline and not stop["now"]:
-            time.sleep(0.1)
+    _linger(args.linger, stop)
     monitor.close()
     return 0
+
+
+def _inject_gradient_faults(model: TinyLM, faults: set[str], fault_step: int, guard: str) -> None:
+    """The faults made by scaling one layer's gradients: ``explode`` (at ``fault_step`` only under
+    a guard, from it on otherwise) and ``vanish`` (from ``fault_step`` on)."""
+    if "explode" in faults:
+        _scale_gradients_from(model, EXPLODING_LAYER, 1e4, fault_step, once=guard != "off")
+    if "vanish" in faults:
+        _scale_gradients_from(model, VANISHING_LAYER, 1e-9, fault_step)
+
+
+def _linger(seconds: float, stop: dict[str, bool]) -> None:
+    """``--linger``: keep serving /metrics after training, until SIGTERM."""
+    if seconds > 0:
+        print(f"lossbeat demo: serving /metrics for {seconds:g} more seconds", flush=True)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not stop["now"]:
+            time.sleep(0.1)
 
 
 def _check_args(args: argparse.Namespace) -> None:
