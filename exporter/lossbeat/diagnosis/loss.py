@@ -330,20 +330,18 @@ def check_loss_trend(
     beyond ``plateau_max_fall / hysteresis.release`` (value hysteresis).
     """
     found = _trend_unjudged(trend, series, profile, component, regression)
+    if found is not None:
+        return found
+    span = f"{trend.window_steps:.0f} steps"  # formatted once: every finding below names it
+    found = _trend_rising(trend, span, component)
     if found is None:
-        found = _trend_rising(trend, component)
+        found = _trend_falling(trend, span, series, t, profile, component, held, schedule_ended, lr_fraction, learned)
     if found is None:
-        found = _trend_falling(trend, series, t, profile, component, held, schedule_ended, lr_fraction, learned)
-    if found is None:
-        found = _trend_flat(trend, t, profile, component, held, learned)
+        found = _trend_flat(trend, span, t, profile, component, held, learned)
     return found
 
 
 _TREND = "loss_trend"
-
-
-def _span(trend: Trend) -> str:
-    return f"{trend.window_steps:.0f} steps"
 
 
 def _against_before(trend: Trend) -> float:
@@ -372,9 +370,8 @@ def _trend_unjudged(
     return None
 
 
-def _trend_rising(trend: Trend, component: str) -> Finding | None:
+def _trend_rising(trend: Trend, span: str, component: str) -> Finding | None:
     """A lasting rise (danger), or one beyond the noise not yet lasting half a window (watching)."""
-    span = _span(trend)
     if trend.rising:
         best = (
             f"; {(trend.recent - trend.best) / abs(trend.best) * 100:.0f}% above the best level {trend.best:.4g}"
@@ -404,6 +401,7 @@ def _trend_rising(trend: Trend, component: str) -> Finding | None:
 
 def _trend_falling(
     trend: Trend,
+    span: str,
     series: LossSeries,
     t: Thresholds,
     profile: Profile,
@@ -416,7 +414,7 @@ def _trend_falling(
     """A fall that counts (a plateau held is left only for a lasting fall beyond its threshold /
     release), or a flat end of a decayed schedule after the run learned: both good."""
     release = t.hysteresis.release
-    pct, span = trend.ratio * 100, _span(trend)
+    pct = trend.ratio * 100
     if held is WARNING:  # a plateau is left for a fall beyond its threshold / release ...
         falling = (
             trend.falling
@@ -440,12 +438,12 @@ def _trend_falling(
 
 
 def _trend_flat(
-    trend: Trend, t: Thresholds, profile: Profile, component: str, held: Status, learned: bool | None
+    trend: Trend, span: str, t: Thresholds, profile: Profile, component: str, held: Status, learned: bool | None
 ) -> Finding:
     """A loss neither rising nor falling enough: a slow fall at the threshold, a fall within the
     windows' noise, a loss flat near zero (all good), else a plateau."""
     release = t.hysteresis.release
-    pct, span = trend.ratio * 100, _span(trend)
+    pct = trend.ratio * 100
     # ... and entered only below its threshold x release: a descent at the threshold does not flap.
     if (
         held is not WARNING
