@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -104,13 +105,29 @@ def test_the_rule_checker_sees_a_violation(tmp_path):
 
 
 STATE_OWNER = "exposition/state.py"
+HISTORY_OWNER = "diagnosis/history.py"
 MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "add", "remove", "discard"}
 
 
-def state_fields() -> set[str]:
-    """Every attribute MonitorState's own methods assign (its fields, public or not)."""
-    tree = ast.parse((PACKAGE / STATE_OWNER).read_text(encoding="utf-8"))
-    (cls,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MonitorState")
+@dataclass(frozen=True)
+class Owner:
+    """A class whose fields only its own methods write, and how other modules hold an instance:
+    under one of ``held_as`` (a name, or an attribute of anything: ``self.state``, ``monitor._history``),
+    or in a parameter annotated with the class."""
+
+    path: str
+    cls: str
+    held_as: frozenset[str]
+
+
+STATE = Owner(STATE_OWNER, "MonitorState", frozenset({"state"}))
+HISTORY = Owner(HISTORY_OWNER, "History", frozenset({"history", "_history"}))
+
+
+def state_fields(owner: Owner = STATE) -> set[str]:
+    """Every attribute the owner's own methods assign (its fields, public or not)."""
+    tree = ast.parse((PACKAGE / owner.path).read_text(encoding="utf-8"))
+    (cls,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner.cls)
     return {
         target.attr
         for node in ast.walk(cls)
@@ -121,26 +138,29 @@ def state_fields() -> set[str]:
     }
 
 
-def _is_state(node: ast.AST, names: set[str]) -> bool:
+def _is_state(node: ast.AST, names: set[str], owner: Owner = STATE) -> bool:
     return (isinstance(node, ast.Name) and node.id in names) or (
-        isinstance(node, ast.Attribute) and node.attr == "state"
+        isinstance(node, ast.Attribute) and node.attr in owner.held_as
     )
 
 
-def state_writes(path: Path, fields: set[str]) -> list[str]:
-    """Where ``path`` writes a MonitorState field itself: an assignment (augmented, by subscript,
-    by ``setattr``) or a mutating call on one. A state is ``state``, ``<anything>.state``, a
-    parameter annotated ``MonitorState``, or a local name bound to one of these (``s = self.state``)."""
+def state_writes(path: Path, fields: set[str], owner: Owner = STATE) -> list[str]:
+    """Where ``path`` writes a field of the owner's class itself: an assignment (augmented, by
+    subscript, by ``setattr``) or a mutating call on one. An instance is a name in ``held_as``
+    (``state``), ``<anything>.state``, a parameter annotated ``MonitorState``, or a local name
+    bound to one of these (``s = self.state``); the same with ``history`` for a History."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     where = path.relative_to(PACKAGE) if path.is_relative_to(PACKAGE) else path.name
     found: list[str] = []
     scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]
     for scope in scopes:
-        names = {"state"}
+        names = set(owner.held_as)
         if not isinstance(scope, ast.Module):
             every = [*scope.args.posonlyargs, *scope.args.args, *scope.args.kwonlyargs]
             names.update(
-                a.arg for a in every if a.annotation is not None and "MonitorState" in ast.unparse(a.annotation)
+                a.arg
+                for a in every
+                if a.annotation is not None and re.search(rf"\b{owner.cls}\b", ast.unparse(a.annotation))
             )
 
         for node in ast.walk(scope):  # aliases first: `s = self.state`, `s, v = self.state, values`
@@ -151,7 +171,7 @@ def state_writes(path: Path, fields: set[str]) -> list[str]:
                         if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
                         else [(target, node.value)]
                     )
-                    names.update(t.id for t, v in pairs if isinstance(t, ast.Name) and _is_state(v, names))
+                    names.update(t.id for t, v in pairs if isinstance(t, ast.Name) and _is_state(v, names, owner))
         for node in ast.walk(scope):
             targets: list[ast.AST] = []
             if isinstance(node, ast.Assign):
@@ -163,21 +183,21 @@ def state_writes(path: Path, fields: set[str]) -> list[str]:
             elif isinstance(node, ast.Call):
                 func = node.func
                 if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args:
-                    if _is_state(node.args[0], names):
+                    if _is_state(node.args[0], names, owner):
                         found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
                 elif (
                     isinstance(func, ast.Attribute)
                     and func.attr in MUTATORS
                     and isinstance(func.value, ast.Attribute)
                     and func.value.attr in fields
-                    and _is_state(func.value.value, names)
+                    and _is_state(func.value.value, names, owner)
                 ):
                     found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
             for target in targets:
                 for t in ast.walk(target):
                     while isinstance(t, ast.Subscript):
                         t = t.value
-                    if isinstance(t, ast.Attribute) and t.attr in fields and _is_state(t.value, names):
+                    if isinstance(t, ast.Attribute) and t.attr in fields and _is_state(t.value, names, owner):
                         found.append(f"{where}:{node.lineno} {ast.unparse(t)}")
     return sorted(set(found))
 
@@ -189,6 +209,46 @@ def test_only_the_state_writes_its_fields():
     assert {"loss", "steps_total", "halted", "guard_consecutive_skips", "recent"} <= fields
     writes = [w for p in sorted(PACKAGE.rglob("*.py")) if p != PACKAGE / STATE_OWNER for w in state_writes(p, fields)]
     assert writes == [], "write these through a MonitorState method"
+
+
+def test_only_the_history_writes_its_fields():
+    """History's fields (the windows, the layer norms, the loss scale, the router track) change
+    only through its methods, wherever the history is held: the monitor's step, the replay of a
+    log and the checks all go through the one class that keeps its windows and memory consistent."""
+    fields = state_fields(HISTORY)
+    assert {"loss", "grad", "layer_norms", "grad_scale", "moe", "grad_level_peak", "memory"} <= fields
+    writes = [
+        w
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if p != PACKAGE / HISTORY_OWNER
+        for w in state_writes(p, fields, HISTORY)
+    ]
+    assert writes == [], "write these through a History method"
+
+
+def test_the_history_writer_check_sees_each_kind_of_write(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def apply(self, monitor, scale):\n"
+        "    h = monitor._history\n"
+        "    h.grad_scale = scale\n"
+        "    self.history.layer_norms = {}\n"
+        "    self.history.grad.clear()\n"
+        "    history.grad_level_peak += 1.0\n"
+        "    self.history.set_grad_scale(scale)\n"  # the owner's method: allowed
+        "    print(h.grad_scale, self.history.loss.noise)\n"  # reads: allowed
+        "    self.state.loss = scale\n"  # another owner's field: not this check's
+        "def judge(past: History | None):\n"
+        "    past.moe = None\n"
+    )
+    found = [w.split(" ", 1)[1] for w in state_writes(probe, state_fields(HISTORY), HISTORY)]
+    assert sorted(found) == [
+        "h.grad_scale",
+        "history.grad_level_peak",
+        "past.moe",
+        "self.history.grad.clear()",
+        "self.history.layer_norms",
+    ]
 
 
 def test_the_state_writer_check_sees_each_kind_of_write(tmp_path):

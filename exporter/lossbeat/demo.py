@@ -36,7 +36,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -303,14 +303,10 @@ _PAGE = float(os.sysconf("SC_PAGE_SIZE")) if hasattr(os, "sysconf") else 4096.0
 
 
 def run(args: argparse.Namespace) -> int:
-    from lossbeat.monitor import TrainingHalted, start_exporter
+    """``lossbeat demo``: train the tiny model with the faults asked for, fed to a served monitor."""
+    from lossbeat.monitor import TrainingHalted
 
-    if args.steps < 1:
-        raise SystemExit("lossbeat demo: --steps must be >= 1")
-    if args.step_time < 0 or args.step_delay < 0:
-        raise SystemExit("lossbeat demo: --step-time and --step-delay must be >= 0")
-    if args.step_time and args.step_delay:
-        raise SystemExit("lossbeat demo: --step-time or --step-delay, not both")
+    _check_args(args)
     fault_step = args.fault_step if args.fault_step is not None else args.steps // 2
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # small model: threads cost more than they give on a 2-core machine
@@ -319,9 +315,90 @@ def run(args: argparse.Namespace) -> int:
     corpus = SyntheticCorpus(size.vocab, size.context, seed=args.seed)
     held_out = SyntheticCorpus(size.vocab, size.context, seed=args.seed + 1).batch(256)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    monitor = _start_monitor(args)
+    if monitor is None:
+        return 1
+    faults = set(args.fault)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if args.grad_scaler else None
+    print(
+        f"lossbeat demo: {sum(p.numel() for p in model.parameters()):,} parameters; "
+        f"metrics on http://{args.addr}:{monitor.port}/metrics"
+        + (f"; fault {','.join(args.fault)} at step {fault_step}" if faults else ""),
+        flush=True,
+    )
+
+    _inject_gradient_faults(model, faults, fault_step, args.guard)
+    stop = {"now": False}
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    progress = Progress(args.steps, not args.no_progress and sys.stderr.isatty())
+    loop = _TrainingLoop(
+        args=args,
+        monitor=monitor,
+        model=model,
+        corpus=corpus,
+        held_out=held_out,
+        optimizer=optimizer,
+        scaler=scaler,
+        faults=faults,
+        fault_step=fault_step,
+        progress=progress,
+    )
+    try:
+        for step in range(args.steps):
+            if stop["now"]:
+                break
+            loop.step(step)
+    except TrainingHalted as halted:  # the guard stopped the run: no bad step reached the weights
+        progress.close()
+        print(f"lossbeat demo: {halted}", file=sys.stderr, flush=True)
+        print(monitor.report(), flush=True)
+        monitor.close(completed=False)
+        return 3
+    finally:
+        progress.close()
+        signal.signal(signal.SIGTERM, previous_handler)
+        loop.close()
+    print(monitor.report(), flush=True)
+    _linger(args.linger, stop)
+    monitor.close()
+    return 0
+
+
+def _inject_gradient_faults(model: TinyLM, faults: set[str], fault_step: int, guard: str) -> None:
+    """The faults made by scaling one layer's gradients: ``explode`` (at ``fault_step`` only under
+    a guard, from it on otherwise) and ``vanish`` (from ``fault_step`` on)."""
+    if "explode" in faults:
+        _scale_gradients_from(model, EXPLODING_LAYER, 1e4, fault_step, once=guard != "off")
+    if "vanish" in faults:
+        _scale_gradients_from(model, VANISHING_LAYER, 1e-9, fault_step)
+
+
+def _linger(seconds: float, stop: dict[str, bool]) -> None:
+    """``--linger``: keep serving /metrics after training, until SIGTERM."""
+    if seconds > 0:
+        print(f"lossbeat demo: serving /metrics for {seconds:g} more seconds", flush=True)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not stop["now"]:
+            time.sleep(0.1)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Raises SystemExit for a flag value the demo cannot run with."""
+    if args.steps < 1:
+        raise SystemExit("lossbeat demo: --steps must be >= 1")
+    if args.step_time < 0 or args.step_delay < 0:
+        raise SystemExit("lossbeat demo: --step-time and --step-delay must be >= 0")
+    if args.step_time and args.step_delay:
+        raise SystemExit("lossbeat demo: --step-time or --step-delay, not both")
+
+
+def _start_monitor(args: argparse.Namespace) -> Any:
+    """The demo's served monitor; None (the reason printed) when its port is taken."""
+    from lossbeat.monitor import start_exporter
+
     profile = args.profile or ("multi-task" if args.multi_task else None)
     try:
-        monitor = start_exporter(
+        return start_exporter(
             args.port,
             addr=args.addr,
             thresholds=args.thresholds,
@@ -335,132 +412,159 @@ def run(args: argparse.Namespace) -> int:
         )
     except OSError as exc:  # a busy port: the message names it and the fix; no traceback
         print(str(exc) if str(exc).startswith("lossbeat") else f"lossbeat demo: {exc}", file=sys.stderr)
-        return 1
-    faults = set(args.fault)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if args.grad_scaler else None
-    print(
-        f"lossbeat demo: {sum(p.numel() for p in model.parameters()):,} parameters; "
-        f"metrics on http://{args.addr}:{monitor.port}/metrics"
-        + (f"; fault {','.join(args.fault)} at step {fault_step}" if faults else ""),
-        flush=True,
-    )
+        return None
 
-    if "explode" in faults:
-        _scale_gradients_from(model, EXPLODING_LAYER, 1e4, fault_step, once=args.guard != "off")
-    if "vanish" in faults:
-        _scale_gradients_from(model, VANISHING_LAYER, 1e-9, fault_step)
 
-    leaked: list[torch.Tensor] = []  # the ``leak`` fault's tensors, never freed
-    stop = {"now": False}
-    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    progress = Progress(args.steps, not args.no_progress and sys.stderr.isatty())
-    pace = Pace(args.step_time)
-    metrics = open(args.metrics_csv, "w", encoding="utf-8") if args.metrics_csv else None
-    # The per-layer columns are named as Lightning's grad_norm() utility logs them (one per module here).
-    layers = [(name, list(m.parameters(recurse=False))) for name, m in model.named_modules()]
-    layers = [(name, params) for name, params in layers if params]
-    if metrics is not None:
-        columns = ",".join(f"grad_2.0_norm/{name}" for name, _ in layers)
-        metrics.write(f"step,train_loss,grad_norm,lr-AdamW,val_loss,step_time,memory_allocated,{columns}\n")
-    step_began: float | None = None  # the previous step's start: a step's wall time, its sleeps included
-    try:
-        for step in range(args.steps):
-            if stop["now"]:
-                break
-            step_started = time.perf_counter()
-            model.training_step = step
-            active = faults if step >= fault_step else set()
-            lr = learning_rate_at(step, args.steps, args.lr, warmup=20)
-            if "lr-high" in active:
-                lr = 0.3
-            elif "plateau" in active:
-                lr = 1e-8
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+class _TrainingLoop:
+    """The demo's steps, one at a time: the faults, the backward pass, the monitor's observation,
+    the optimizer step, the metrics.csv rows, the evaluations and the pacing."""
 
-            tokens, targets, noisy = corpus.batch_with_noise(args.batch_size)
-            components = model.losses(tokens, targets, noisy) if args.multi_task else None
-            # cast: sum() of tensors is a tensor; its type counts the int start it never returns here
-            loss = cast(torch.Tensor, sum(components.values())) if components else model(tokens, targets)
-            if "nan" in active and (args.guard == "off" or step == fault_step):
-                loss = loss * float("nan")
-                components = {name: value * float("nan") for name, value in components.items()} if components else None
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)  # measure and clip the real gradients
-            else:
-                loss.backward()
-            # The CSV's per-layer norms, before clipping as the monitor measures them: the demo's own
-            # reads (one host sync a step), only when asked for.
-            layer_norms = _layer_norms(layers) if metrics is not None else []
-            grad_norm = monitor.clip_grad_norm_(model, 1.0)
-            monitor.observe(
-                step,
-                loss=loss,
-                optimizer=optimizer,
-                grad_norm=grad_norm,
-                model=model,
-                tokens=tokens.numel(),
-                epoch=step / 100,
-                losses=components,
-                grad_scaler=scaler,
-            )
-            if args.guard != "off":  # the guard decides, on the device; with a scaler, its step and update
-                monitor.step(optimizer, grad_scaler=scaler)
-            elif scaler is not None:  # skips a step whose gradients are not finite, lowers the scale
-                scaler.step(optimizer)
-                scaler.update()
-            # The demo reads its own values for the progress bar and for skipping
-            # non-finite steps (as GradScaler does): a host sync of the demo, not lossbeat's.
-            elif "nan" not in faults or bool(torch.isfinite(grad_norm)):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if metrics is not None:  # the demo's own reads (a host sync), only when asked for
-                now = time.perf_counter()
-                took = "" if step_began is None else repr(now - step_began)
-                step_began = now
-                norms = ",".join(map(repr, layer_norms))
-                metrics.write(
-                    f"{step},{float(loss.detach())!r},{float(grad_norm)!r},{lr!r},,{took},{_resident_bytes()!r},{norms}\n"
-                )
-            if progress.enabled:
-                progress.update(step, float(loss.detach()), lr, float(grad_norm), force=step == args.steps - 1)
+    def __init__(
+        self,
+        *,
+        args: argparse.Namespace,
+        monitor: Any,
+        model: TinyLM,
+        corpus: SyntheticCorpus,
+        held_out: tuple[torch.Tensor, torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        faults: set[str],
+        fault_step: int,
+        progress: Progress,
+    ) -> None:
+        self.args, self.monitor, self.model, self.corpus, self.held_out = args, monitor, model, corpus, held_out
+        self.optimizer, self.scaler, self.faults, self.fault_step = optimizer, scaler, faults, fault_step
+        self.progress = progress
+        self.pace = Pace(args.step_time)
+        self.leaked: list[torch.Tensor] = []  # the ``leak`` fault's tensors, never freed
+        self.metrics = open(args.metrics_csv, "w", encoding="utf-8") if args.metrics_csv else None
+        # The per-layer columns are named as Lightning's grad_norm() utility logs them (one per module here).
+        layers = [(name, list(m.parameters(recurse=False))) for name, m in model.named_modules()]
+        self.layers = [(name, params) for name, params in layers if params]
+        if self.metrics is not None:
+            columns = ",".join(f"grad_2.0_norm/{name}" for name, _ in self.layers)
+            self.metrics.write(f"step,train_loss,grad_norm,lr-AdamW,val_loss,step_time,memory_allocated,{columns}\n")
+        self.step_began: float | None = None  # the previous step's start: a step's wall time, its sleeps included
 
-            if args.eval_every and (step + 1) % args.eval_every == 0:
-                with torch.no_grad(), monitor.phase("eval"):
-                    model.eval()
-                    eval_loss = model(*held_out)
-                    monitor.observe_eval(step, eval_loss)
-                    model.train()
-                if metrics is not None:
-                    metrics.write(f"{step},,,,{float(eval_loss)!r},,{',' * len(layers)}\n")
-                    step_began = None  # the next step's time would hold the evaluation's
-            if "leak" in active:
-                leaked.append(torch.ones(LEAK_BYTES_PER_STEP // 4))  # filled: the pages are resident
-            step_started = time.perf_counter() - step_started
-            if args.step_time:
-                pace.wait(4 if "slow" in active else 1)
-            else:
-                if "slow" in active:
-                    time.sleep(3 * (step_started + args.step_delay))
-                if args.step_delay:
-                    time.sleep(args.step_delay)
-    except TrainingHalted as halted:  # the guard stopped the run: no bad step reached the weights
-        progress.close()
-        print(f"lossbeat demo: {halted}", file=sys.stderr, flush=True)
-        print(monitor.report(), flush=True)
-        monitor.close(completed=False)
-        return 3
-    finally:
-        progress.close()
-        signal.signal(signal.SIGTERM, previous_handler)
-        if metrics is not None:
-            metrics.close()
-    print(monitor.report(), flush=True)
-    if args.linger > 0:
-        print(f"lossbeat demo: serving /metrics for {args.linger:g} more seconds", flush=True)
-        deadline = time.monotonic() + args.linger
-        while time.monotonic() < deadline and not stop["now"]:
-            time.sleep(0.1)
-    monitor.close()
-    return 0
+    def close(self) -> None:
+        """Close the metrics.csv, if one is written."""
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def step(self, step: int) -> None:
+        """One training step, its evaluation when due, and the wait the pacing asks for."""
+        args = self.args
+        step_started = time.perf_counter()
+        self.model.training_step = step
+        active = self.faults if step >= self.fault_step else set()
+        lr = self._set_learning_rate(step, active)
+        loss, components, tokens = self._backward(step, active)
+        # The CSV's per-layer norms, before clipping as the monitor measures them: the demo's own
+        # reads (one host sync a step), only when asked for.
+        layer_norms = _layer_norms(self.layers) if self.metrics is not None else []
+        grad_norm = self._observe(step, loss, components, tokens)
+        self._optimizer_step(grad_norm)
+        if self.metrics is not None:  # the demo's own reads (a host sync), only when asked for
+            self._write_row(step, loss, grad_norm, lr, layer_norms)
+        if self.progress.enabled:
+            self.progress.update(step, float(loss.detach()), lr, float(grad_norm), force=step == args.steps - 1)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            self._evaluate(step)
+        if "leak" in active:
+            self.leaked.append(torch.ones(LEAK_BYTES_PER_STEP // 4))  # filled: the pages are resident
+        step_started = time.perf_counter() - step_started
+        if args.step_time:
+            self.pace.wait(4 if "slow" in active else 1)
+        else:
+            if "slow" in active:
+                time.sleep(3 * (step_started + args.step_delay))
+            if args.step_delay:
+                time.sleep(args.step_delay)
+
+    def _set_learning_rate(self, step: int, active: set[str]) -> float:
+        """The schedule's LR at ``step``, or a fault's."""
+        lr = learning_rate_at(step, self.args.steps, self.args.lr, warmup=20)
+        if "lr-high" in active:
+            lr = 0.3
+        elif "plateau" in active:
+            lr = 1e-8
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _backward(self, step: int, active: set[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None, int]:
+        """A batch's loss (and its components, multi-task), made NaN by the fault, backpropagated;
+        the batch's token count."""
+        args = self.args
+        tokens, targets, noisy = self.corpus.batch_with_noise(args.batch_size)
+        components = self.model.losses(tokens, targets, noisy) if args.multi_task else None
+        # cast: sum() of tensors is a tensor; its type counts the int start it never returns here
+        loss = cast(torch.Tensor, sum(components.values())) if components else self.model(tokens, targets)
+        if "nan" in active and (args.guard == "off" or step == self.fault_step):
+            loss = loss * float("nan")
+            components = {name: value * float("nan") for name, value in components.items()} if components else None
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)  # measure and clip the real gradients
+        else:
+            loss.backward()
+        return loss, components, tokens.numel()
+
+    def _observe(
+        self, step: int, loss: torch.Tensor, components: dict[str, torch.Tensor] | None, tokens: int
+    ) -> torch.Tensor:
+        """Clip through the monitor and observe the step; the gradient norm before clipping."""
+        monitor = self.monitor
+        grad_norm = monitor.clip_grad_norm_(self.model, 1.0)
+        monitor.observe(
+            step,
+            loss=loss,
+            optimizer=self.optimizer,
+            grad_norm=grad_norm,
+            model=self.model,
+            tokens=tokens,
+            epoch=step / 100,
+            losses=components,
+            grad_scaler=self.scaler,
+        )
+        return grad_norm
+
+    def _optimizer_step(self, grad_norm: torch.Tensor) -> None:
+        """The optimizer's step: through the guard, the GradScaler, or skipped when the fault made it NaN."""
+        optimizer, scaler = self.optimizer, self.scaler
+        if self.args.guard != "off":  # the guard decides, on the device; with a scaler, its step and update
+            self.monitor.step(optimizer, grad_scaler=scaler)
+        elif scaler is not None:  # skips a step whose gradients are not finite, lowers the scale
+            scaler.step(optimizer)
+            scaler.update()
+        # The demo reads its own values for the progress bar and for skipping
+        # non-finite steps (as GradScaler does): a host sync of the demo, not lossbeat's.
+        elif "nan" not in self.faults or bool(torch.isfinite(grad_norm)):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _write_row(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, layer_norms: list[float]
+    ) -> None:
+        """The step's metrics.csv row (the demo's own host reads)."""
+        assert self.metrics is not None
+        now = time.perf_counter()
+        took = "" if self.step_began is None else repr(now - self.step_began)
+        self.step_began = now
+        norms = ",".join(map(repr, layer_norms))
+        self.metrics.write(
+            f"{step},{float(loss.detach())!r},{float(grad_norm)!r},{lr!r},,{took},{_resident_bytes()!r},{norms}\n"
+        )
+
+    def _evaluate(self, step: int) -> None:
+        """The held-out loss, in the monitor's "eval" phase; its metrics.csv row."""
+        model, monitor = self.model, self.monitor
+        with torch.no_grad(), monitor.phase("eval"):
+            model.eval()
+            eval_loss = model(*self.held_out)
+            monitor.observe_eval(step, eval_loss)
+            model.train()
+        if self.metrics is not None:
+            self.metrics.write(f"{step},,,,{float(eval_loss)!r},,{',' * len(self.layers)}\n")
+            self.step_began = None  # the next step's time would hold the evaluation's

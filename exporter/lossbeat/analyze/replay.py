@@ -121,7 +121,7 @@ class _Vitals:
                 self.memory_now = value
         elif name.startswith(_LAYER):
             self.layers[name[len(_LAYER) :]] = value
-            self.history.layer_norms = self.layers
+            self.history.set_layer_norms(self.layers)
         else:
             return False
         return True

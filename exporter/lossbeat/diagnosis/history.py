@@ -14,6 +14,7 @@ from typing import Mapping
 
 from lossbeat.diagnosis.events import EVENT_CHECKS, EventTrack
 from lossbeat.diagnosis.gradients import LayerLevels
+from lossbeat.diagnosis.moe import MoETrack
 from lossbeat.diagnosis.profiles import MAX_SIGNALS, SIGNALS, SignalTrack, signal_kind
 from lossbeat.diagnosis.run_memory import RunMemory
 from lossbeat.diagnosis.series import GradBaseline, LearningRateSchedule, LossSeries
@@ -116,6 +117,8 @@ class History:
         self.layer_levels = LayerLevels()
         """Each layer's own earlier level and how long it has vanished below it (per diagnosis)."""
         self.grad_scale: float | None = None  # fp16 GradScaler's loss scale, when one is observed
+        self.moe: MoETrack | None = None
+        """The routers' latest per-layer statistics (``observe(expert_load=...)``), once a step has them."""
         self.signals: dict[str, SignalTrack] = {}
         """Named signals beside the loss (:data:`lossbeat.diagnosis.profiles.SIGNALS`), by canonical name."""
         self.grad_level_peak = math.nan
@@ -339,6 +342,39 @@ class History:
         if lrs:
             self.lr.extend(lr_steps, lrs)
         self.nonfinite_recent.extend((0.0,) * n)
+
+    def set_grad_scale(self, scale: float) -> None:
+        """The fp16 GradScaler's loss scale at the latest step that carried one."""
+        self.grad_scale = scale
+
+    def set_layer_norms(self, norms: Mapping[str, float]) -> None:
+        """The per-layer gradient norms of the latest step that measured them (kept, not copied)."""
+        self.layer_norms = norms
+
+    def add_router_stats(
+        self, step: int, names: tuple[str, ...], imbalance: list[float], dead: list[float], experts: list[int]
+    ) -> None:
+        """One step's per-layer router statistics, into the router check's track (made at the first)."""
+        track = self.moe
+        if track is None:
+            track = self.moe = MoETrack(self.thresholds.moe.dead_window_steps)
+        track.push(step, names, imbalance, dead, experts)
+
+    def rebase_grad(self, steps: tuple[int, ...], norms: tuple[float, ...]) -> None:
+        """The gradient-norm baseline starts again from ``norms`` (a new level the guard accepted),
+        after the records held back for a batch, which came before it."""
+        self.flush()
+        self.grad.clear()
+        self.grad.extend(steps, norms)
+
+    def note_grad_level(self, level: float) -> None:
+        """A diagnosis's grad-norm baseline median: kept as :attr:`grad_level_peak` when finite and higher."""
+        if math.isfinite(level) and not level <= self.grad_level_peak:
+            self.grad_level_peak = level
+
+    def update_layer_levels(self) -> None:
+        """At a diagnosis: each layer's own level and how long it has vanished, from the latest norms."""
+        self.layer_levels.update(self.layer_norms, self.thresholds.gradients)
 
     def add_signal(self, name: str, value: float, step: int | None = None) -> None:
         """Record a named signal (``reward_std``, ``rewards/accuracies``, ...); names outside

@@ -284,8 +284,7 @@ def _grad_collapsed(history: History, rl: RLThresholds) -> str | None:
     # The earlier level: the highest median of the records before the latest ones a diagnosis has
     # seen (kept on the history: the window itself follows a collapse within its length).
     before = median(values[:-n])
-    if math.isfinite(before) and not before <= history.grad_level_peak:
-        history.grad_level_peak = before
+    history.note_grad_level(before)
     level, last = history.grad_level_peak, values[-n:]
     if level > 0 and max(last) <= rl.grad_collapse_ratio * level:
         return (

@@ -310,6 +310,7 @@ def check_loss_trend(
     series: LossSeries,
     t: Thresholds,
     profile: Profile,
+    *,
     schedule_ended: bool = False,
     lr_fraction: float = math.nan,
     component: str = "",
@@ -328,48 +329,92 @@ def check_loss_trend(
     ``held``: the status the check holds now; a plateau is left only for a fall
     beyond ``plateau_max_fall / hysteresis.release`` (value hysteresis).
     """
-    check = "loss_trend"
+    found = _trend_unjudged(trend, series, profile, component, regression)
+    if found is not None:
+        return found
+    span = f"{trend.window_steps:.0f} steps"  # formatted once: every finding below names it
+    found = _trend_rising(trend, span, component)
+    if found is None:
+        found = _trend_falling(trend, span, series, t, profile, component, held, schedule_ended, lr_fraction, learned)
+    if found is None:
+        found = _trend_flat(trend, span, t, profile, component, held, learned)
+    return found
+
+
+_TREND = "loss_trend"
+
+
+def _against_before(trend: Trend) -> float:
+    """The latest window's move against the window before, in %."""
+    return (trend.recent - trend.previous) / abs(trend.previous) * 100 if trend.previous else math.inf
+
+
+def _trend_unjudged(
+    trend: Trend, series: LossSeries, profile: Profile, component: str, regression: Regression | None
+) -> Finding | None:
+    """What the windows cannot say or need not: a non-finite loss, a loss not meant to fall, a run
+    settled above its best (a danger whatever the windows say), windows not known yet."""
     if series.nonfinite_run:
-        return Finding.unknown(check, NONFINITE, component)
+        return Finding.unknown(_TREND, NONFINITE, component)
     if not profile.trend:
-        return Finding.unknown(check, f"profile {profile.name}: this loss is not meant to fall", component)
+        return Finding.unknown(_TREND, f"profile {profile.name}: this loss is not meant to fall", component)
     if regression is not None:
         now = (
             f"; {_moved(-trend.ratio * 100)} over the last {trend.window_steps:.0f} steps, not back at its best"
             if trend.known
             else ""
         )
-        return Finding(check, DANGER, f"{regression.describe()}{now}", regression.fix(), component)
+        return Finding(_TREND, DANGER, f"{regression.describe()}{now}", regression.fix(), component)
     if not trend.known:
-        return Finding.unknown(check, component=component)
-    pct, span = trend.ratio * 100, f"{trend.window_steps:.0f} steps"
+        return Finding.unknown(_TREND, component=component)
+    return None
+
+
+def _trend_rising(trend: Trend, span: str, component: str) -> Finding | None:
+    """A lasting rise (danger), or one beyond the noise not yet lasting half a window (watching)."""
     if trend.rising:
         best = (
             f"; {(trend.recent - trend.best) / abs(trend.best) * 100:.0f}% above the best level {trend.best:.4g}"
             if math.isfinite(trend.best) and trend.best and trend.recent > trend.best
             else ""
         )
-        against = (trend.recent - trend.previous) / abs(trend.previous) * 100 if trend.previous else math.inf
         return Finding(
-            check,
+            _TREND,
             DANGER,
-            f"loss is rising: {trend.recent:.4g} over the last {span}, {_moved(against)} against the window before "
-            f"({trend.previous:.4g}){best}",
+            f"loss is rising: {trend.recent:.4g} over the last {span}, {_moved(_against_before(trend))} against the "
+            f"window before ({trend.previous:.4g}){best}",
             "lower the learning rate, enable gradient clipping, and check the data of the recent steps",
             component,
         )
     if trend.watching:
-        against = (trend.recent - trend.previous) / abs(trend.previous) * 100 if trend.previous else math.inf
         return Finding(
-            check,
+            _TREND,
             WARNING,
-            f"loss {_moved(against)} over the last {span} against the window before ({trend.recent:.4g} against "
-            f"{trend.previous:.4g}): beyond its noise, not yet lasting half a window: watching",
+            f"loss {_moved(_against_before(trend))} over the last {span} against the window before ({trend.recent:.4g} "
+            f"against {trend.previous:.4g}): beyond its noise, not yet lasting half a window: watching",
             "if it keeps rising: lower the learning rate, enable gradient clipping, and check the data of the recent "
             "steps",
             component,
         )
+    return None
+
+
+def _trend_falling(
+    trend: Trend,
+    span: str,
+    series: LossSeries,
+    t: Thresholds,
+    profile: Profile,
+    component: str,
+    held: Status,
+    schedule_ended: bool,
+    lr_fraction: float,
+    learned: bool | None,
+) -> Finding | None:
+    """A fall that counts (a plateau held is left only for a lasting fall beyond its threshold /
+    release), or a flat end of a decayed schedule after the run learned: both good."""
     release = t.hysteresis.release
+    pct = trend.ratio * 100
     if held is WARNING:  # a plateau is left for a fall beyond its threshold / release ...
         falling = (
             trend.falling
@@ -380,15 +425,25 @@ def check_loss_trend(
     else:
         falling = trend.falling
     if falling:
-        return Finding(check, GOOD, f"loss falling ({pct:.1f}% over the last {span})", component=component)
+        return Finding(_TREND, GOOD, f"loss falling ({pct:.1f}% over the last {span})", component=component)
     if schedule_ended and learned is not False:
         return Finding(
-            check,
+            _TREND,
             GOOD,
             f"loss flat ({_moved(-pct)} over the last {span}) at the end of a decayed LR schedule "
             f"(LR at {lr_fraction * 100:.2g}% of its peak): expected",
             component=component,
         )
+    return None
+
+
+def _trend_flat(
+    trend: Trend, span: str, t: Thresholds, profile: Profile, component: str, held: Status, learned: bool | None
+) -> Finding:
+    """A loss neither rising nor falling enough: a slow fall at the threshold, a fall within the
+    windows' noise, a loss flat near zero (all good), else a plateau."""
+    release = t.hysteresis.release
+    pct = trend.ratio * 100
     # ... and entered only below its threshold x release: a descent at the threshold does not flap.
     if (
         held is not WARNING
@@ -397,7 +452,7 @@ def check_loss_trend(
         and trend.z >= t.loss.fall_min_z * release
     ):
         return Finding(
-            check,
+            _TREND,
             GOOD,
             f"loss falling slowly ({pct:.1f}% over the last {span}), at the plateau threshold",
             component=component,
@@ -410,7 +465,7 @@ def check_loss_trend(
     # (real-logs-3's YOLOv3 loss falling 5-8 % per window, z 1.7-3, over 40 epochs).
     if held is not WARNING and not trend.rising and trend.ratio >= t.loss.plateau_max_fall * release:
         return Finding(
-            check,
+            _TREND,
             GOOD,
             f"loss {_moved(-pct)} over the last {span}, within the noise of the "
             "windows: too few records to call it falling or a plateau",
@@ -420,10 +475,10 @@ def check_loss_trend(
     near_zero = 0.1 * (floor or 0.0) * (release if held is WARNING else 1.0 / release)
     if floor is not None and abs(trend.recent) < near_zero:
         return Finding(
-            check, GOOD, f"loss flat near zero ({trend.recent:.3g}): nothing left to fall", component=component
+            _TREND, GOOD, f"loss flat near zero ({trend.recent:.3g}): nothing left to fall", component=component
         )
     return Finding(
-        check,
+        _TREND,
         WARNING,
         f"loss has plateaued: {_moved(-pct)} over the last {span} "
         + (

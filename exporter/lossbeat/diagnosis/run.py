@@ -48,7 +48,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
     did_learn = learned(history, t)
     memory = history.memory
     memory.update(history)
-    history.layer_levels.update(history.layer_norms, t.gradients)
+    history.update_layer_levels()
     regression = memory.regressed(history)
     findings = [
         check_loss_range(loss, profile, t, trend, learned=did_learn),
@@ -57,8 +57,8 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
             loss,
             t,
             profile,
-            ended,
-            schedule.fraction_of_peak,
+            schedule_ended=ended,
+            lr_fraction=schedule.fraction_of_peak,
             held=held.get(("loss_trend", ""), GOOD),
             learned=did_learn,
             regression=regression,
@@ -119,9 +119,9 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
                 series,
                 t,
                 component_profile,
-                ended,
-                schedule.fraction_of_peak,
-                name,
+                schedule_ended=ended,
+                lr_fraction=schedule.fraction_of_peak,
+                component=name,
                 held=held.get(("loss_trend", name), GOOD),
             )
         )

@@ -14,6 +14,8 @@ from lossbeat.exposition.server import RankContext
 from lossbeat.monitor import Monitor, MonitorConfig, NullMonitor, TrainingHalted, start_exporter
 
 __all__ = [
+    "RankMonitorCallback",
+    "CountsObservedSteps",
     "check_monitor",
     "rank_monitor",
     "flush_quietly",
@@ -66,6 +68,46 @@ def rank_monitor(
             )
         return given
     return start_exporter(rank_context=ranks, **settings)
+
+
+class RankMonitorCallback:
+    """What every framework's callback holds: the monitor it was given (or None), the process
+    it was given in, and the exporter settings for the rank's own monitor, checked at once.
+
+    ``monitor`` is the one given until the callback starts the rank's (:meth:`_start_monitor`,
+    from the framework's first hook in the rank process).
+    """
+
+    _monitor: Monitor | NullMonitor | None
+
+    def _keep_monitor(self, monitor: Monitor | NullMonitor | None, settings: dict[str, Any]) -> None:
+        """Check ``monitor`` and ``settings`` (:func:`check_monitor`) and keep them for the rank."""
+        check_monitor(monitor, settings)
+        self._monitor = monitor
+        self._given = monitor
+        self._given_in_pid = os.getpid()
+        self._settings = settings
+
+    def _start_monitor(self, ranks: RankContext) -> Monitor | NullMonitor:
+        """The rank process's monitor (:func:`rank_monitor`), kept as :attr:`monitor`."""
+        self._monitor = rank_monitor(self._given, self._given_in_pid, self._settings, ranks)
+        return self._monitor
+
+    @property
+    def monitor(self) -> Monitor | NullMonitor | None:
+        """The monitor fed: the one given, else the rank's exporter once training has begun (None before)."""
+        return self._monitor
+
+
+class CountsObservedSteps:
+    """A callback that counts the optimizer steps it observed with their gradients."""
+
+    _observed_steps: int = 0
+
+    @property
+    def observed_steps(self) -> int:
+        """Optimizer steps observed with their gradients; 0 when the callback reads only logged steps."""
+        return self._observed_steps
 
 
 def flush_quietly(monitor: Monitor | NullMonitor | None) -> None:

@@ -19,13 +19,13 @@ except ImportError:  # pragma: no cover - the Trainer itself needs accelerate
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import (
     AfterBackward,
-    check_monitor,
+    CountsObservedSteps,
+    RankMonitorCallback,
     deepspeed_grad_norm,
     eval_loss_from,
     flush_quietly,
     log,
     phase_quietly,
-    rank_monitor,
     task_metrics,
     uses_deepspeed,
 )
@@ -35,7 +35,7 @@ from lossbeat.monitor import Monitor, NullMonitor
 __all__ = ["LossbeatCallback"]
 
 
-class LossbeatCallback(TrainerCallback):
+class LossbeatCallback(RankMonitorCallback, CountsObservedSteps, TrainerCallback):
     r"""Feed a ``transformers.Trainer`` run to a lossbeat :class:`~lossbeat.monitor.Monitor`.
 
     Per-step mode (the default, used when the model's output carries a
@@ -169,13 +169,9 @@ class LossbeatCallback(TrainerCallback):
         per_step: bool = True,
         **settings: Any,
     ) -> None:
-        check_monitor(monitor, settings)
+        self._keep_monitor(monitor, settings)
         if settings_guard(monitor, settings)[0] != "off" and not per_step:
             raise ValueError("guard: the guard decides each step in on_pre_optimizer_step; it needs per_step=True")
-        self._monitor = monitor
-        self._given = monitor
-        self._given_in_pid = os.getpid()
-        self._settings = settings
         self._started_in = os.getpid()
         self.eval_key = eval_key
         self.per_step = bool(per_step)
@@ -187,7 +183,6 @@ class LossbeatCallback(TrainerCallback):
         self._model: torch.nn.Module | None = None
         self._shares = False
         self._share_scale = 1.0
-        self._observed_steps = 0
         self._hook: Any = None
         self._after_backward: AfterBackward | None = None
         self._measure_pre_clip = False
@@ -200,16 +195,6 @@ class LossbeatCallback(TrainerCallback):
         self._training = False  # between on_train_begin and on_train_end: evaluations return to "train"
         self._names_passed: set[str] = set()  # logged names given to the monitor (each once; signals always)
         self._logged: dict[str, Any] | None = None  # per-step mode: a log's task values, for the next observe
-
-    @property
-    def monitor(self) -> Monitor | NullMonitor | None:
-        """The monitor fed: the one given, else the rank's exporter once training has begun (None before)."""
-        return self._monitor
-
-    @property
-    def observed_steps(self) -> int:
-        """Optimizer steps observed in ``on_pre_optimizer_step``; 0 in fallback mode."""
-        return self._observed_steps
 
     # --- hooks -------------------------------------------------------------------
 
@@ -419,8 +404,9 @@ class LossbeatCallback(TrainerCallback):
         """The monitor, started in this (rank) process on first use."""
         if self._monitor is None or self._monitor is self._given or self._started_in != os.getpid():
             ranks = RankContext(args.process_index, args.local_process_index, args.world_size, "trainer")
-            self._monitor = rank_monitor(self._given, self._given_in_pid, self._settings, ranks)
+            monitor = self._start_monitor(ranks)
             self._started_in = os.getpid()  # a forked child that trains again starts its own
+            return monitor
         return self._monitor
 
     def _captured_training_step(self, *args: Any, **kwargs: Any) -> Any:

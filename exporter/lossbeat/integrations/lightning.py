@@ -12,11 +12,11 @@ from lightning.pytorch.callbacks import Callback
 
 from lossbeat.exposition.server import RankContext
 from lossbeat.integrations._common import (
-    check_monitor,
+    CountsObservedSteps,
+    RankMonitorCallback,
     eval_loss_from,
     flush_quietly,
     phase_quietly,
-    rank_monitor,
     task_metrics,
 )
 from lossbeat.integrations._guard import Patch, guard_mode, settings_guard
@@ -25,7 +25,7 @@ from lossbeat.monitor import Monitor, NullMonitor
 __all__ = ["LossbeatCallback"]
 
 
-class LossbeatCallback(Callback):
+class LossbeatCallback(RankMonitorCallback, CountsObservedSteps, Callback):
     r"""Feed a Lightning run to a lossbeat :class:`~lossbeat.monitor.Monitor`, one observation per optimizer step.
 
     Hooks and the fields they feed:
@@ -110,32 +110,17 @@ class LossbeatCallback(Callback):
     def __init__(
         self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None, **settings: Any
     ) -> None:
-        check_monitor(monitor, settings)
+        self._keep_monitor(monitor, settings)
         _check_schedule(*settings_guard(monitor, settings))
-        self._monitor = monitor
-        self._given = monitor
-        self._given_in_pid = os.getpid()
-        self._settings = settings
         self.eval_key = eval_key
         self._loss_sum: torch.Tensor | None = None
         self._observed_at: int | None = None  # trainer.global_step at the last observation
-        self._observed_steps = 0
         self._patches: list[Patch] = []  # the guarded steps (guard="skip"/"stop"), for the fit
         self._decided: Any = None  # the optimizer whose step on_before_optimizer_step observed
         self._updated = False  # the guard ran the scaler's update: Lightning's own call is skipped
         self._fitting = False  # between on_train_start and on_train_end: evaluations return to "train"
         self._names_passed: set[str] = set()  # logged names given to the monitor (each once; signals always)
         self._resumed: Any = None  # the run memory of the checkpoint a fit resumed from, until applied
-
-    @property
-    def monitor(self) -> Monitor | NullMonitor | None:
-        """The monitor fed: the one given, else the rank's exporter once ``fit`` has set up (None before)."""
-        return self._monitor
-
-    @property
-    def observed_steps(self) -> int:
-        """Optimizer steps observed with gradients (``on_before_optimizer_step``)."""
-        return self._observed_steps
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the trainer to its ranks: they start their own exporters in setup().
@@ -170,7 +155,7 @@ class LossbeatCallback(Callback):
         if stage != "fit":
             return
         ranks = RankContext(trainer.global_rank, trainer.local_rank, trainer.world_size, "trainer")
-        self._monitor = rank_monitor(self._given, self._given_in_pid, self._settings, ranks)
+        self._start_monitor(ranks)
         self._names_passed = set()
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import re
 from typing import Any, ClassVar
 
@@ -13,7 +12,7 @@ from olmo_core.train.callbacks import Callback, EvaluatorCallback
 from olmo_core.train.common import OPTIM_GRAD_NORM_METRIC, TRAIN_CE_LOSS_METRIC
 
 from lossbeat.exposition.server import RankContext
-from lossbeat.integrations._common import check_monitor, flush_quietly, phase_quietly, rank_monitor
+from lossbeat.integrations._common import RankMonitorCallback, flush_quietly, phase_quietly
 from lossbeat.integrations._guard import refuse_guard
 from lossbeat.monitor import Monitor, NullMonitor
 
@@ -26,7 +25,7 @@ _LR_KEY = re.compile(r"^optim/LR \(group (\d+)\)$")
 _TOKENS_KEY = "throughput/total tokens"
 
 
-class LossbeatCallback(Callback):
+class LossbeatCallback(RankMonitorCallback, Callback):
     r"""Feed an OLMo-core ``Trainer`` run to a lossbeat :class:`~lossbeat.monitor.Monitor`.
 
     It exports the metrics the trainer already gathers, read where the trainer has already
@@ -95,12 +94,8 @@ class LossbeatCallback(Callback):
     def __init__(
         self, monitor: Monitor | NullMonitor | None = None, *, eval_key: str | None = None, **settings: Any
     ) -> None:
-        check_monitor(monitor, settings)
+        self._keep_monitor(monitor, settings)
         refuse_guard(monitor, settings, "OLMo-core", "OLMo-core's own SkipStepAdamW/SkipStepLion skip spikes")
-        self._monitor = monitor
-        self._given = monitor
-        self._given_in_pid = os.getpid()
-        self._settings = settings
         self.eval_key = eval_key
         self._observed_at = 0  # the last step observed (the trainer passes on step 0's and repeats)
         self._tokens_seen: float | None = None
@@ -113,15 +108,10 @@ class LossbeatCallback(Callback):
         copied._settings = copy.deepcopy(self._settings, memo)
         return copied
 
-    @property
-    def monitor(self) -> Monitor | NullMonitor | None:
-        """The monitor fed: the one given, else the rank's exporter once training starts (None before)."""
-        return self._monitor
-
     def pre_train(self) -> None:
         if self._monitor is None or self._given is not None:
             ranks = RankContext(get_rank(), get_local_rank(), get_world_size(), "trainer")
-            self._monitor = rank_monitor(self._given, self._given_in_pid, self._settings, ranks)
+            self._start_monitor(ranks)
         phase_quietly(self._monitor, "train")
 
     def pre_step(self, batch: dict[str, Any]) -> None:

@@ -792,6 +792,16 @@ def _gradient_nonfinite_alerts(t: Thresholds) -> list[AlertRule]:
 
 
 def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
+    """The gradient norm's alerts: explosions (sustained, repeated, isolated), vanishing, and per layer."""
+    return [
+        *_grad_explosion_alerts(t),
+        _grad_vanishing_alert(t),
+        *_layer_gradient_alerts(t),
+    ]
+
+
+def _grad_explosion_alerts(t: Thresholds) -> list[AlertRule]:
+    """The global gradient norm judged exploding, its explosions repeated (both page), or one absorbed."""
     a, g = t.alerts, t.gradients
     explosion = number(g.explosion)
     explosions = _events(t)["grad_explosions"]
@@ -862,21 +872,33 @@ def _gradient_alerts(t: Thresholds) -> list[AlertRule]:
             action="look at the batch of that step; check that gradients are clipped",
             keeps=TARGET,
         ),
-        AlertRule(
-            name="TrainingGradientVanishing",
-            group="lossbeat.gradients",
-            severity="warning",
-            expr=f"training_grad_norm < {number(g.vanishing)}\n",
-            for_=a.vanishing_for,
-            summary="The gradient norm is vanishingly small",
-            description=(
-                f"The global gradient norm of {WHO} is {VALUE}, below {number(g.vanishing)} "
-                f"for at least {a.vanishing_for}: the weights barely move."
-            ),
-            condition=f"global grad norm < {number(g.vanishing)} for {a.vanishing_for}",
-            action="check the LR schedule; residual connections, normalisation, ReLU/GELU",
-            keeps=TARGET,
+    ]
+
+
+def _grad_vanishing_alert(t: Thresholds) -> AlertRule:
+    """The global gradient norm below the vanishing bound."""
+    a, g = t.alerts, t.gradients
+    return AlertRule(
+        name="TrainingGradientVanishing",
+        group="lossbeat.gradients",
+        severity="warning",
+        expr=f"training_grad_norm < {number(g.vanishing)}\n",
+        for_=a.vanishing_for,
+        summary="The gradient norm is vanishingly small",
+        description=(
+            f"The global gradient norm of {WHO} is {VALUE}, below {number(g.vanishing)} "
+            f"for at least {a.vanishing_for}: the weights barely move."
         ),
+        condition=f"global grad norm < {number(g.vanishing)} for {a.vanishing_for}",
+        action="check the LR schedule; residual connections, normalisation, ReLU/GELU",
+        keeps=TARGET,
+    )
+
+
+def _layer_gradient_alerts(t: Thresholds) -> list[AlertRule]:
+    """One layer's gradient norm above its explosion bound or below its vanishing bound."""
+    a, g = t.alerts, t.gradients
+    return [
         AlertRule(
             name="TrainingLayerGradientExplosion",
             group="lossbeat.gradients",
@@ -940,12 +962,24 @@ def _range_alert(t: Thresholds) -> AlertRule:
 
 
 def _loss_alerts(t: Thresholds) -> list[AlertRule]:
+    """The loss's alerts: its trend (rising, flat), its noise, its spikes, its range, and overfitting."""
+    return [
+        *_loss_trend_alerts(t),
+        _loss_volatile_alert(t),
+        *_loss_spike_alerts(t),
+        _range_alert(t),
+        _overfitting_alert(t),
+    ]
+
+
+def _loss_trend_alerts(t: Thresholds) -> list[AlertRule]:
+    """The loss judged rising (critical) or flat (warning) across its trend windows."""
     a, loss = t.alerts, t.loss
     windows = (
         f"windows of {number(100 * t.windows.trend_fraction)}% of the steps seen "
         f"(at least {t.windows.trend_min_steps} steps)"
     )
-    rules = [
+    return [
         AlertRule(
             name="TrainingLossDiverging",
             group="lossbeat.loss",
@@ -986,25 +1020,37 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             action="raise the LR or restart it (cosine with restarts); check the data",
             keeps=TARGET + ("check", "component"),
         ),
-        AlertRule(
-            name="TrainingLossVolatile",
-            group="lossbeat.loss",
-            severity="warning",
-            expr=f"{_status('loss_volatility', None)} == 2\n",
-            for_=a.volatile_for,
-            summary="The training loss oscillates strongly",
-            description=(
-                f"The exporter judges (status {VALUE}) the loss of {WHO} (component '{{{{ $labels.component }}}}') very volatile: its "
-                f"step-to-step noise around the trend is at least {number(loss.cv_danger)} of its level, "
-                f"for at least {a.volatile_for}."
-            ),
-            condition=(
-                f"robust step-to-step noise / loss level (over {t.windows.cv_steps} records, around the trend) "
-                f">= {number(loss.cv_danger)} for {a.volatile_for}"
-            ),
-            action="lower the LR to a third, raise the batch size",
-            keeps=TARGET + ("check", "component"),
+    ]
+
+
+def _loss_volatile_alert(t: Thresholds) -> AlertRule:
+    """The loss's step-to-step noise judged too large for its level."""
+    a, loss = t.alerts, t.loss
+    return AlertRule(
+        name="TrainingLossVolatile",
+        group="lossbeat.loss",
+        severity="warning",
+        expr=f"{_status('loss_volatility', None)} == 2\n",
+        for_=a.volatile_for,
+        summary="The training loss oscillates strongly",
+        description=(
+            f"The exporter judges (status {VALUE}) the loss of {WHO} (component '{{{{ $labels.component }}}}') very volatile: its "
+            f"step-to-step noise around the trend is at least {number(loss.cv_danger)} of its level, "
+            f"for at least {a.volatile_for}."
         ),
+        condition=(
+            f"robust step-to-step noise / loss level (over {t.windows.cv_steps} records, around the trend) "
+            f">= {number(loss.cv_danger)} for {a.volatile_for}"
+        ),
+        action="lower the LR to a third, raise the batch size",
+        keeps=TARGET + ("check", "component"),
+    )
+
+
+def _loss_spike_alerts(t: Thresholds) -> list[AlertRule]:
+    """Loss spikes repeated within a window (warning), or judged to have done damage (critical)."""
+    a, loss = t.alerts, t.loss
+    return [
         AlertRule(
             name="TrainingLossSpikes",
             group="lossbeat.loss",
@@ -1045,33 +1091,36 @@ def _loss_alerts(t: Thresholds) -> list[AlertRule]:
             action="roll back to the checkpoint before the spikes; lower the LR, clip gradients, inspect those batches",
             keeps=TARGET + ("check", "component"),
         ),
-        _range_alert(t),
-        AlertRule(
-            name="TrainingOverfitting",
-            group="lossbeat.loss",
-            severity="warning",
-            # The exporter's judgment only: it knows the best eval loss of the whole run and
-            # requires `overfitting.evals` evaluations in a row above it (one blip is noise).
-            expr=(f"training_eval_loss\n  and {ON_TARGET} {_status('overfitting')} >= 1\n"),
-            for_=a.overfitting_for,
-            summary="Eval loss rises while the training loss falls",
-            description=(
-                f"The eval loss of {WHO} is {VALUE}, more than {number(100 * t.overfitting.eval_rise)}% above "
-                f"its best, and above it by more than {number(t.overfitting.noise_z)}x the evaluations' own noise, "
-                f"for {t.overfitting.evals} evaluations in a row while the training loss does not rise: "
-                "the model is overfitting."
-            ),
-            condition=(
-                f"eval loss > {number(100 * t.overfitting.eval_rise)}% above its best and beyond "
-                f"{number(t.overfitting.noise_z)}x its own noise for {t.overfitting.evals} evaluations in a row "
-                "while the training loss does not rise "
-                f"(the exporter's judgment); for {a.overfitting_for}"
-            ),
-            action="early stop at the best checkpoint; weight decay, dropout, more data",
-            keeps=TARGET,
-        ),
     ]
-    return rules
+
+
+def _overfitting_alert(t: Thresholds) -> AlertRule:
+    """The eval loss rising above its best while the training loss does not: the exporter's judgment."""
+    a = t.alerts
+    return AlertRule(
+        name="TrainingOverfitting",
+        group="lossbeat.loss",
+        severity="warning",
+        # The exporter's judgment only: it knows the best eval loss of the whole run and
+        # requires `overfitting.evals` evaluations in a row above it (one blip is noise).
+        expr=(f"training_eval_loss\n  and {ON_TARGET} {_status('overfitting')} >= 1\n"),
+        for_=a.overfitting_for,
+        summary="Eval loss rises while the training loss falls",
+        description=(
+            f"The eval loss of {WHO} is {VALUE}, more than {number(100 * t.overfitting.eval_rise)}% above "
+            f"its best, and above it by more than {number(t.overfitting.noise_z)}x the evaluations' own noise, "
+            f"for {t.overfitting.evals} evaluations in a row while the training loss does not rise: "
+            "the model is overfitting."
+        ),
+        condition=(
+            f"eval loss > {number(100 * t.overfitting.eval_rise)}% above its best and beyond "
+            f"{number(t.overfitting.noise_z)}x its own noise for {t.overfitting.evals} evaluations in a row "
+            "while the training loss does not rise "
+            f"(the exporter's judgment); for {a.overfitting_for}"
+        ),
+        action="early stop at the best checkpoint; weight decay, dropout, more data",
+        keeps=TARGET,
+    )
 
 
 def _progress_alerts(t: Thresholds) -> list[AlertRule]:
@@ -1284,132 +1333,157 @@ def _resource_alerts(t: Thresholds) -> list[AlertRule]:
 
 def _cluster_alerts(t: Thresholds) -> list[AlertRule]:
     """Alerts that compare the ranks of one job with each other, from series every rank already exports."""
-    a, c = t.alerts, t.cross_rank
-    job, job_rank = _by(JOB), _by(JOB_RANK)
+    return [
+        _rank_down_alert(t),
+        _loss_spread_alert(t),
+        _straggler_alert(t),
+        _grad_mismatch_alert(t),
+    ]
+
+
+def _rank_down_alert(t: Thresholds) -> AlertRule:
+    """Fewer ranks report than the job's world size, by the missing rank when it reported before."""
+    a, job = t.alerts, _by(JOB)
     # The ranks present (reporting now, or gone after their completion marker: ranks that
     # finished before rank 0's final eval or upload are not down) and the runs short of their
     # world size are recording rules (RANK_PRESENT, RANKS_SHORT: PromQL cannot read a label as
     # a number, count_values writes the count into one to compare); the missing ranks are the
     # ones seen in the last RANK_SEEN_LOOKBACK (recorded by the lookback group) not present.
     short, gone, grace = RANKS_SHORT, RANK_GONE, RANK_DISCOVERY_GRACE
+    return AlertRule(
+        name="TrainingRankDown",
+        group="lossbeat.cross_rank",
+        severity="critical",
+        # The missing ranks that reported in the last hour, by name; else rank="unknown", once
+        # the run has reported for the discovery grace (its shards' counts of that long ago).
+        expr=(
+            f"topk by ({job}) (1, {short})\n* on({job}) group_right(world_size)\n{gone}\n"
+            f"or on({job})\n"
+            f'label_replace({short}, "rank", "unknown", "__name__", ".*")\n'
+            f"  and on({job}) {PRESENT_COUNT} offset {grace}\n"
+        ),
+        for_=a.rank_down_for,
+        summary="Fewer ranks report metrics than the job's world size",
+        description=(
+            f'Only {{{{ $value | printf "%.0f" }}}} of the {{{{ $labels.world_size }}}} ranks of job '
+            "{{ $labels.job }} report metrics; missing: rank {{ $labels.rank }} (unknown: it has not "
+            f"reported in the last {RANK_SEEN_LOOKBACK}). A rank died, hangs without serving, or was never "
+            "discovered, while the others go on."
+        ),
+        condition=(
+            f"distinct ranks reporting `training_run_info` (or gone after their completion marker) < its "
+            f"`world_size` for {a.rank_down_for}, per run; names ranks seen in the last {RANK_SEEN_LOOKBACK}; "
+            f"ranks never seen count once the run has reported for {RANK_DISCOVERY_GRACE}"
+        ),
+        action="find the missing rank's node and process (OOM, crash, hang); restart from the last checkpoint",
+        keeps=JOB_RANK + ("world_size",),
+    )
+
+
+def _loss_spread_alert(t: Thresholds) -> AlertRule:
+    """One rank's loss far from the job's other ranks."""
+    a, c = t.alerts, t.cross_rank
+    job, job_rank = _by(JOB), _by(JOB_RANK)
     z, rel, ranks = number(c.loss_spread_z), number(c.loss_spread_min_relative), c.min_ranks
     mean, median = LOSS_AVG_5M, "job:training_loss:median_avg_over_time5m"
     robust_z = f"{level(JOB_RANK)}:training_loss:robust_z5m"
+    return AlertRule(
+        name="TrainingLossRankSpread",
+        group="lossbeat.cross_rank",
+        severity="warning",
+        expr=(
+            f"(\n  {robust_z} > {z}\nor\n  {robust_z} < -{z}\n)\n"
+            f"and on({job_rank})\n"
+            f"  abs({mean} - on({job}) group_left {median})\n"
+            f"    > on({job}) group_left() ({rel} * abs({median}))\n"
+            f"and on({job})\n"
+            f"  count by ({job}) ({mean}) >= {ranks}\n"
+        ),
+        for_=a.loss_spread_for,
+        summary="One rank's loss departs from the job's other ranks",
+        description=(
+            f"The 5m mean loss of {WHO} has a robust z-score of {VALUE} against the job's ranks "
+            f"(beyond +-{z}, and more than {number(100 * c.loss_spread_min_relative)}% from the job's median): "
+            "its data shard or its node differs from the others."
+        ),
+        condition=(
+            f"a rank's 5m mean loss has |robust z| > {z} across the job's ranks (median / MAD) and departs "
+            f"> {number(100 * c.loss_spread_min_relative)}% from the median, with >= {ranks} ranks; for {a.loss_spread_for}"
+        ),
+        action="check that rank's data shard (sampler seed, file list) and its node (GPU errors, ECC)",
+        keeps=JOB_RANK,
+    )
+
+
+def _straggler_alert(t: Thresholds) -> AlertRule:
+    """One rank's host work per step consistently above the job's median."""
+    a, c = t.alerts, t.cross_rank
+    job, ranks = _by(JOB), c.min_ranks
     work_median = "job:training_rank_work_seconds:median_avg_over_time5m"
-    return [
-        AlertRule(
-            name="TrainingRankDown",
-            group="lossbeat.cross_rank",
-            severity="critical",
-            # The missing ranks that reported in the last hour, by name; else rank="unknown", once
-            # the run has reported for the discovery grace (its shards' counts of that long ago).
-            expr=(
-                f"topk by ({job}) (1, {short})\n* on({job}) group_right(world_size)\n{gone}\n"
-                f"or on({job})\n"
-                f'label_replace({short}, "rank", "unknown", "__name__", ".*")\n'
-                f"  and on({job}) {PRESENT_COUNT} offset {grace}\n"
-            ),
-            for_=a.rank_down_for,
-            summary="Fewer ranks report metrics than the job's world size",
-            description=(
-                f'Only {{{{ $value | printf "%.0f" }}}} of the {{{{ $labels.world_size }}}} ranks of job '
-                "{{ $labels.job }} report metrics; missing: rank {{ $labels.rank }} (unknown: it has not "
-                f"reported in the last {RANK_SEEN_LOOKBACK}). A rank died, hangs without serving, or was never "
-                "discovered, while the others go on."
-            ),
-            condition=(
-                f"distinct ranks reporting `training_run_info` (or gone after their completion marker) < its "
-                f"`world_size` for {a.rank_down_for}, per run; names ranks seen in the last {RANK_SEEN_LOOKBACK}; "
-                f"ranks never seen count once the run has reported for {RANK_DISCOVERY_GRACE}"
-            ),
-            action="find the missing rank's node and process (OOM, crash, hang); restart from the last checkpoint",
-            keeps=JOB_RANK + ("world_size",),
+    return AlertRule(
+        name="TrainingStraggler",
+        group="lossbeat.cross_rank",
+        severity="warning",
+        expr=(
+            f"{WORK_AVG_5M}\n"
+            f"  / on({job}) group_left {work_median}\n"
+            f"> {number(c.straggler_ratio)}\n"
+            f"and\n"
+            f"{WORK_AVG_5M}\n"
+            f"  - on({job}) group_left {work_median}\n"
+            f"> {number(c.straggler_min_seconds)}\n"
+            f"and on({job})\n"
+            f"  count by ({job}) ({WORK_AVG_5M}) >= {ranks}\n"
         ),
-        AlertRule(
-            name="TrainingLossRankSpread",
-            group="lossbeat.cross_rank",
-            severity="warning",
-            expr=(
-                f"(\n  {robust_z} > {z}\nor\n  {robust_z} < -{z}\n)\n"
-                f"and on({job_rank})\n"
-                f"  abs({mean} - on({job}) group_left {median})\n"
-                f"    > on({job}) group_left() ({rel} * abs({median}))\n"
-                f"and on({job})\n"
-                f"  count by ({job}) ({mean}) >= {ranks}\n"
-            ),
-            for_=a.loss_spread_for,
-            summary="One rank's loss departs from the job's other ranks",
-            description=(
-                f"The 5m mean loss of {WHO} has a robust z-score of {VALUE} against the job's ranks "
-                f"(beyond +-{z}, and more than {number(100 * c.loss_spread_min_relative)}% from the job's median): "
-                "its data shard or its node differs from the others."
-            ),
-            condition=(
-                f"a rank's 5m mean loss has |robust z| > {z} across the job's ranks (median / MAD) and departs "
-                f"> {number(100 * c.loss_spread_min_relative)}% from the median, with >= {ranks} ranks; for {a.loss_spread_for}"
-            ),
-            action="check that rank's data shard (sampler seed, file list) and its node (GPU errors, ECC)",
-            keeps=JOB_RANK,
+        for_=a.straggler_for,
+        summary="One rank is consistently slower than the others",
+        description=(
+            f"{WHO_CAP} (instance {{{{ $labels.instance }}}}) spends {VALUE}x the job's median on its own "
+            "work per step, timed on the host (`training_rank_work_seconds`: data loading, optimizer step "
+            "and forward): every other rank waits for it in each all-reduce. Host time: under asynchronous "
+            "CUDA a slow GPU does not show here, and a host that waits for its device (`loss.item()` to log "
+            "on rank 0 only) is charged that wait."
         ),
-        AlertRule(
-            name="TrainingStraggler",
-            group="lossbeat.cross_rank",
-            severity="warning",
-            expr=(
-                f"{WORK_AVG_5M}\n"
-                f"  / on({job}) group_left {work_median}\n"
-                f"> {number(c.straggler_ratio)}\n"
-                f"and\n"
-                f"{WORK_AVG_5M}\n"
-                f"  - on({job}) group_left {work_median}\n"
-                f"> {number(c.straggler_min_seconds)}\n"
-                f"and on({job})\n"
-                f"  count by ({job}) ({WORK_AVG_5M}) >= {ranks}\n"
-            ),
-            for_=a.straggler_for,
-            summary="One rank is consistently slower than the others",
-            description=(
-                f"{WHO_CAP} (instance {{{{ $labels.instance }}}}) spends {VALUE}x the job's median on its own "
-                "work per step, timed on the host (`training_rank_work_seconds`: data loading, optimizer step "
-                "and forward): every other rank waits for it in each all-reduce. Host time: under asynchronous "
-                "CUDA a slow GPU does not show here, and a host that waits for its device (`loss.item()` to log "
-                "on rank 0 only) is charged that wait."
-            ),
-            condition=(
-                f"a rank's 5m mean work time > {number(c.straggler_ratio)}x the job's median and "
-                f"> median + {number(c.straggler_min_seconds)}s, with >= {ranks} ranks; for {a.straggler_for}"
-            ),
-            action="check that rank's data loading (workers, storage), its host (CPU contention) and any "
-            "host-device sync it alone does (rank-0 logging); a slow GPU needs DCGM, not this alert",
-            keeps=TARGET,
+        condition=(
+            f"a rank's 5m mean work time > {number(c.straggler_ratio)}x the job's median and "
+            f"> median + {number(c.straggler_min_seconds)}s, with >= {ranks} ranks; for {a.straggler_for}"
         ),
-        AlertRule(
-            name="TrainingRankGradientMismatch",
-            group="lossbeat.cross_rank",
-            severity="critical",
-            expr=(
-                f"last_over_time({ALIGNED_DEPARTURE}[{ALIGNED_LOOKBACK}]) > {number(c.grad_norm_rtol)}\n"
-                f"and on({job})\n"
-                f"  count by ({job}) (last_over_time({ALIGNED_DEPARTURE}[{ALIGNED_LOOKBACK}])) >= 2\n"
-            ),
-            for_=a.grad_mismatch_for,
-            summary="Data-parallel replicas disagree on the gradient norm",
-            description=(
-                f"At the job's latest aligned step that every rank reached, the global gradient norm of {WHO} "
-                "differs from the median of "
-                f"the job's ranks by {VALUE} of it; after the all-reduce every replica must "
-                f"hold the same gradients (tolerance {number(c.grad_norm_rtol)}): silent data corruption or "
-                "desynchronised replicas."
-            ),
-            condition=(
-                f"a rank's global grad norm at the job's latest step multiple of `grad_norm_align_every` that "
-                f"every rank reached differs from the ranks' median by > {number(100 * c.grad_norm_rtol)}%; "
-                f"for {a.grad_mismatch_for}"
-            ),
-            action="stop the job; run GPU diagnostics on that rank's node; restart from a checkpoint without it",
-            keeps=JOB_RANK,
+        action="check that rank's data loading (workers, storage), its host (CPU contention) and any "
+        "host-device sync it alone does (rank-0 logging); a slow GPU needs DCGM, not this alert",
+        keeps=TARGET,
+    )
+
+
+def _grad_mismatch_alert(t: Thresholds) -> AlertRule:
+    """Data-parallel replicas that disagree on the gradient norm they should share."""
+    a, c = t.alerts, t.cross_rank
+    job = _by(JOB)
+    return AlertRule(
+        name="TrainingRankGradientMismatch",
+        group="lossbeat.cross_rank",
+        severity="critical",
+        expr=(
+            f"last_over_time({ALIGNED_DEPARTURE}[{ALIGNED_LOOKBACK}]) > {number(c.grad_norm_rtol)}\n"
+            f"and on({job})\n"
+            f"  count by ({job}) (last_over_time({ALIGNED_DEPARTURE}[{ALIGNED_LOOKBACK}])) >= 2\n"
         ),
-    ]
+        for_=a.grad_mismatch_for,
+        summary="Data-parallel replicas disagree on the gradient norm",
+        description=(
+            f"At the job's latest aligned step that every rank reached, the global gradient norm of {WHO} "
+            "differs from the median of "
+            f"the job's ranks by {VALUE} of it; after the all-reduce every replica must "
+            f"hold the same gradients (tolerance {number(c.grad_norm_rtol)}): silent data corruption or "
+            "desynchronised replicas."
+        ),
+        condition=(
+            f"a rank's global grad norm at the job's latest step multiple of `grad_norm_align_every` that "
+            f"every rank reached differs from the ranks' median by > {number(100 * c.grad_norm_rtol)}%; "
+            f"for {a.grad_mismatch_for}"
+        ),
+        action="stop the job; run GPU diagnostics on that rank's node; restart from a checkpoint without it",
+        keeps=JOB_RANK,
+    )
 
 
 def _guard_alerts(t: Thresholds) -> list[AlertRule]:

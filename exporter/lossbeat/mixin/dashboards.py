@@ -416,22 +416,23 @@ def _checklist_panels() -> list[dict]:
 
 
 def _overview_panels(t: Thresholds) -> list[dict]:
-    g, loss, lr, profile = t.gradients, t.loss, t.learning_rate, t.profile
-    events = [
-        ("training_nonfinite_loss_total", "non-finite loss"),
-        ("training_nonfinite_grad_total", "non-finite grad"),
-        ("training_loss_spikes_total", "loss spike"),
-        ("training_grad_explosions_total", "grad explosion"),
-        ("training_grad_scaler_overflows_total", "fp16 overflow (skipped)"),
-    ]
-    loss_steps = []
-    if profile.loss_warn_low is not None:
-        loss_steps.append((profile.loss_warn_low, "green"))
-    if profile.loss_warn_high is not None:
-        loss_steps.append((profile.loss_warn_high, "red"))
-    loss_base = "orange" if profile.loss_warn_low is not None else "green"
+    """The overview dashboard, row by row: the daily checklist, the headline numbers, the curves of
+    one step, the events and errors, the speed, the alerts and runs."""
+    return (
+        _checklist_panels()
+        + _overview_stats(t)
+        + _overview_curves(t)
+        + _overview_events()
+        + _overview_speed()
+        + _overview_tables()
+    )
+
+
+def _overview_stats(t: Thresholds) -> list[dict]:
+    """The headline numbers: health, the loss's CV and trend, the time since the last step, the step."""
+    loss = t.loss
     stalled = _seconds(t.alerts.stalled_after)
-    return _checklist_panels() + [
+    return [
         _stat(
             "Health",
             "Worst diagnosis over every check and the selected ranks: good, warning or danger.",
@@ -479,6 +480,19 @@ def _overview_panels(t: Thresholds) -> list[dict]:
             thresholds=_thresholds("blue"),
             defaults={"decimals": 0},
         ),
+    ]
+
+
+def _overview_curves(t: Thresholds) -> list[dict]:
+    """What each step measures: loss, gradient norm, health per check, LR, clipping, the fp16 loss scale."""
+    g, lr, profile = t.gradients, t.learning_rate, t.profile
+    loss_steps = []
+    if profile.loss_warn_low is not None:
+        loss_steps.append((profile.loss_warn_low, "green"))
+    if profile.loss_warn_high is not None:
+        loss_steps.append((profile.loss_warn_high, "red"))
+    loss_base = "orange" if profile.loss_warn_low is not None else "green"
+    return [
         _timeseries(
             "Loss",
             "Training loss per step (gaps where it was not finite), evaluation loss and "
@@ -538,6 +552,22 @@ def _overview_panels(t: Thresholds) -> list[dict]:
             threshold_style="dashed",
             log_scale=True,
         ),
+    ]
+
+
+_OVERVIEW_EVENTS = (
+    ("training_nonfinite_loss_total", "non-finite loss"),
+    ("training_nonfinite_grad_total", "non-finite grad"),
+    ("training_loss_spikes_total", "loss spike"),
+    ("training_grad_explosions_total", "grad explosion"),
+    ("training_grad_scaler_overflows_total", "fp16 overflow (skipped)"),
+)
+"""The event counters the overview's Events panel shows, with their legends."""
+
+
+def _overview_events() -> list[dict]:
+    """The events counted per rate interval, and lossbeat's own errors."""
+    return [
         _timeseries(
             "Events",
             "Steps with a non-finite loss or gradient, loss spikes, gradient explosions and "
@@ -547,7 +577,7 @@ def _overview_panels(t: Thresholds) -> list[dict]:
             _targets(
                 *[
                     (f"sum by (rank) ({_counter('increase', metric)})", f"{label} rank {{{{rank}}}}")
-                    for metric, label in events
+                    for metric, label in _OVERVIEW_EVENTS
                 ]
             ),
             bars=True,
@@ -560,6 +590,12 @@ def _overview_panels(t: Thresholds) -> list[dict]:
             _targets((f"sum by (where) ({_counter('increase', 'training_exporter_errors_total')})", "{{where}}")),
             bars=True,
         ),
+    ]
+
+
+def _overview_speed() -> list[dict]:
+    """How fast the run goes and what it holds: steps and tokens per second, step duration, memory."""
+    return [
         _timeseries(
             "Steps per second",
             "Optimizer steps per second per rank.",
@@ -595,6 +631,12 @@ def _overview_panels(t: Thresholds) -> list[dict]:
                 (_selector("training_memory_peak_bytes"), "peak {{device}} rank {{rank}}"),
             ),
         ),
+    ]
+
+
+def _overview_tables() -> list[dict]:
+    """The alerts firing now and the runs' metadata."""
+    return [
         _table(
             "Firing alerts",
             "lossbeat alerts firing now (ALERTS from Prometheus' rule evaluation). "

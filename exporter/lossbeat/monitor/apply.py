@@ -116,7 +116,7 @@ class StepApplier:
             grad_norm = layer_norms = None
             layer_nonfinite = False
         if v.grad_scale is not None:
-            self.history.grad_scale = v.grad_scale
+            self.history.set_grad_scale(v.grad_scale)
 
         events: StepEvents | None
         if skipped:  # withheld by Monitor.step: counted as a skip, not as a fault the model took in
@@ -135,7 +135,7 @@ class StepApplier:
         if v.signals:
             self._signals(record.step, v.signals)
         if layer_norms is not None:
-            self.history.layer_norms = layer_norms
+            self.history.set_layer_norms(layer_norms)
         # training_loss_cv and training_loss_trend_ratio are read at scrape time (derive_gauges).
         baseline = self.history.grad.median
         s.record_step(  # by position, in the signature's order: keywords cost a step 0.2 µs

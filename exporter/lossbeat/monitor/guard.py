@@ -224,9 +224,7 @@ class Guard:
         """The skipped norms become the baseline: explosions are judged again against the new level
         once ``windows.baseline_min_records`` norms of it are in."""
         steps, norms = zip(*self._level)
-        self.history.flush()  # the records held back for a batch enter before the new level
-        self.history.grad.clear()
-        self.history.grad.extend(steps, norms)
+        self.history.rebase_grad(steps, norms)
         self._level.clear()
         self._consecutive = 0
         self.state.count_level_change()

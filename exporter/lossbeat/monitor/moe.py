@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from lossbeat.diagnosis.moe import MoETrack
+from lossbeat.diagnosis.history import History
 from lossbeat.monitor.record import DeviceStep, HostStep
 
 __all__ = ["ExpertLoads", "apply_experts"]
@@ -52,7 +52,7 @@ class ExpertLoads:
             values.expert_sizes = self.meter.experts
 
 
-def apply_experts(state: Any, history: Any, values: HostStep, step: int) -> None:
+def apply_experts(state: Any, history: History, values: HostStep, step: int) -> None:
     """One step's router statistics (host floats now) into the exported state and the check's track."""
     names, packed, sizes = values.expert_layers, values.experts, values.expert_sizes
     if names is None or packed is None or sizes is None:  # set together by ExpertLoads.add
@@ -60,7 +60,4 @@ def apply_experts(state: Any, history: Any, values: HostStep, step: int) -> None
     n = len(names)
     imbalance, dead = packed[:n], packed[n : 2 * n]
     state.set_moe(names, imbalance, dead, sizes)
-    track = getattr(history, "moe", None)
-    if track is None:
-        track = history.moe = MoETrack(history.thresholds.moe.dead_window_steps)
-    track.push(step, names, imbalance, dead, sizes)
+    history.add_router_stats(step, names, imbalance, dead, sizes)
