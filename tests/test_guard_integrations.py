@@ -33,6 +33,35 @@ def _snapshot(optimizer: torch.optim.Optimizer, params) -> tuple[list[torch.Tens
     return [p.detach().clone() for p in params], state
 
 
+class _WeightsRecorder:
+    """An HF TrainerCallback that snapshots the weights and AdamW state around each optimizer step
+    and keeps each step's LR; given ``poison``, it switches ``poison["on"]`` on for step NAN_AT."""
+
+    @staticmethod
+    def make(poison: dict | None = None):
+        from transformers import TrainerCallback
+
+        class Recorder(TrainerCallback):
+            def __init__(self) -> None:
+                self.before, self.after, self.lrs = {}, {}, {}
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                if poison is not None:
+                    poison["on"] = state.global_step + 1 == NAN_AT
+
+            def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+                self.before[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
+
+            def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+                self.after[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
+
+            def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+                if lr_scheduler is not None:
+                    self.lrs[state.global_step] = lr_scheduler.get_last_lr()[0]
+
+        return Recorder()
+
+
 def _assert_bitwise_equal(before, after) -> None:
     (params_a, state_a), (params_b, state_b) = before, after
     assert len(params_a) == len(params_b) > 0
@@ -51,7 +80,7 @@ def _assert_bitwise_equal(before, after) -> None:
 def _hf_trainer(tmp_path, guard: str, steps: int = 6):
     require_module("transformers")
     require_module("accelerate")
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from workers.hf_ddp_worker import Tokens
 
     from lossbeat.integrations.hf import LossbeatCallback
@@ -71,27 +100,12 @@ def _hf_trainer(tmp_path, guard: str, steps: int = 6):
                 type(self).losses[type(self).calls] = out.loss.item()
             return out
 
-    class Recorder(TrainerCallback):
-        """Snapshots of the weights and AdamW state around each optimizer step, and the losses."""
-
-        def __init__(self) -> None:
-            self.before, self.after, self.lrs = {}, {}, {}
-
-        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-            self.before[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
-
-        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-            self.after[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
-
-        def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
-            self.lrs[state.global_step] = lr_scheduler.get_last_lr()[0]
-
     torch.manual_seed(0)
     model = NaNAtStep(
         GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
     )
     monitor = Monitor(MonitorConfig(port=0, guard=guard), serve=False)
-    recorder = Recorder()
+    recorder = _WeightsRecorder.make()
     args = TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=steps,
@@ -253,7 +267,7 @@ def test_trl_reward_trainer_guard_acts_on_the_loss_its_compute_loss_backpropagat
     returns no loss): the guard still skips the NaN step, bitwise, and training goes on; or stops."""
     require_module("trl")
     from datasets import Dataset
-    from transformers import GPT2Config, GPT2ForSequenceClassification, TrainerCallback
+    from transformers import GPT2Config, GPT2ForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
     from lossbeat.integrations.hf import LossbeatCallback
@@ -265,23 +279,10 @@ def test_trl_reward_trainer_guard_acts_on_the_loss_its_compute_loss_backpropagat
     rows = [torch.randint(3, 32, (2, 6), generator=g).tolist() for _ in range(48)]
     data = Dataset.from_dict({"chosen_ids": [r[0] for r in rows], "rejected_ids": [r[1] for r in rows]})
 
-    class Recorder(TrainerCallback):
-        def __init__(self) -> None:
-            self.before, self.after = {}, {}
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            poison["on"] = state.global_step + 1 == NAN_AT
-
-        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-            self.before[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
-
-        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-            self.after[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
-
     poison = {"on": False}
     model.score.register_forward_hook(lambda m, i, out: out * math.nan if poison["on"] and m.training else None)
     monitor = Monitor(MonitorConfig(port=0, guard=mode), serve=False)
-    recorder = Recorder()
+    recorder = _WeightsRecorder.make(poison)
     args = RewardConfig(
         output_dir=str(tmp_path),
         max_steps=6,
@@ -331,7 +332,7 @@ def test_trl_dpo_trainer_guard_skips_a_nan_step_of_its_preference_loss(tmp_path)
     forward at one step is withheld bitwise, counted once as a skip, and training goes on."""
     require_module("trl")
     from datasets import Dataset
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+    from transformers import GPT2Config, GPT2LMHeadModel
     from trl import DPOConfig, DPOTrainer
 
     from lossbeat.integrations.hf import LossbeatCallback
@@ -358,21 +359,8 @@ def test_trl_dpo_trainer_guard_skips_a_nan_step_of_its_preference_loss(tmp_path)
         lambda m, i, out: out * math.nan if poison["on"] and m.training else None
     )
 
-    class Recorder(TrainerCallback):
-        def __init__(self) -> None:
-            self.before, self.after = {}, {}
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            poison["on"] = state.global_step + 1 == NAN_AT
-
-        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-            self.before[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
-
-        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-            self.after[state.global_step + 1] = _snapshot(optimizer.optimizer, list(model.parameters()))
-
     monitor = Monitor(MonitorConfig(port=0, guard="skip"), serve=False)
-    recorder = Recorder()
+    recorder = _WeightsRecorder.make(poison)
     args = DPOConfig(
         output_dir=str(tmp_path),
         max_steps=6,

@@ -14,25 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from lossbeat.stack.local import write_target_groups
 
 from .e2e_harness import free_port, terminate, wait_for_page, wait_until
-from .stack_config import MEMORY_LOOKBACK_INTERVAL, MEMORY_THRESHOLDS, MEMORY_WATCH_SECONDS
+from .scaled_memory import e2e_overrides, lookback_interval  # noqa: F401 (this module's stack)
+from .stack_config import MEMORY_WATCH_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "e2e-event-gap"
-
-
-@pytest.fixture(scope="module")
-def e2e_overrides() -> dict:
-    return MEMORY_THRESHOLDS
-
-
-@pytest.fixture(scope="module")
-def lookback_interval() -> str:
-    return MEMORY_LOOKBACK_INTERVAL
 
 
 # One NaN loss at step 5, then a healthy run (10 steps/s) until killed.

@@ -13,25 +13,15 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from lossbeat.stack.local import find_binary
 
 from .e2e_harness import Prometheus, free_port, terminate, wait_until
-from .stack_config import MEMORY_LOOKBACK_INTERVAL, MEMORY_THRESHOLDS, MEMORY_WATCH_SECONDS
+from .scaled_memory import e2e_overrides, lookback_interval  # noqa: F401 (this module's stack)
+from .stack_config import MEMORY_WATCH_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def e2e_overrides() -> dict:
-    return MEMORY_THRESHOLDS
-
-
-@pytest.fixture(scope="module")
-def lookback_interval() -> str:
-    return MEMORY_LOOKBACK_INTERVAL
 
 
 LOOKBACK_DELTA = 30
