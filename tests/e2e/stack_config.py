@@ -33,11 +33,11 @@ E2E_THRESHOLDS = {
 # For the modules that watch an old event not page again (a gap, a restart): the event window and
 # the lookback group that remembers the counters (every minute when shipped) scaled down together,
 # so that the memory is recorded well within one window, as the shipped 5m window and 1m group do.
-MEMORY_LOOKBACK_INTERVAL = "10s"
-MEMORY_THRESHOLDS = {"alerts": {**E2E_THRESHOLDS["alerts"], "event_window": "30s"}}
-MEMORY_WATCH_SECONDS = 30 + 10 + 20
+MEMORY_LOOKBACK_INTERVAL = "5s"
+MEMORY_THRESHOLDS = {"alerts": {**E2E_THRESHOLDS["alerts"], "event_window": "20s"}}
+MEMORY_WATCH_SECONDS = 20 + 5 + 15
 """How long those modules watch for a second page: past a whole event window and a lookback
-evaluation after the counter is back, with 20 s to spare (a page would come within seconds)."""
+evaluation after the counter is back, with 15 s to spare (a page would come within seconds)."""
 
 # Alertmanager timing for tests: send a new group after 1 s, not the shipped 30 s.
 E2E_ALERTMANAGER_TIMING = {"group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"}

@@ -1,6 +1,6 @@
 """An old event does not page again after a Prometheus restart, end to end: a real Prometheus
 (its own, on the generated rules) scrapes a real exporter whose only NaN fired and ended; it is
-stopped for longer than its lookback delta (30 s here, 5 m by default: nothing before the
+stopped for longer than its lookback delta (20 s here, 5 m by default: nothing before the
 outage is an instant sample any more) and started again on the same TSDB. The NaN counter comes
 back at its value: no new event (the rules before read it as a new series and fired at once).
 """
@@ -24,7 +24,7 @@ from .stack_config import MEMORY_WATCH_SECONDS
 ROOT = Path(__file__).resolve().parents[2]
 
 
-LOOKBACK_DELTA = 30
+LOOKBACK_DELTA = 20
 """Prometheus's --query.lookback-delta here (default 300 s): the outage needs to outlast it, and it
 must outlast the lookback group's interval, whose rules read their own previous sample."""
 EXPORTER = """
