@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import require_binary
+from conftest import require_binary, require_module
 from helpers.paging import pages, scrape_series
 from prometheus_client import generate_latest
 
@@ -156,7 +156,7 @@ def test_a_collapsed_router_is_named_and_paged_for_its_layer_only(tmp_path):
 
 
 def test_expert_load_from_hf_router_logits_and_router_hooks_count_the_routing():
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers")
     cfg = transformers.MixtralConfig(
         vocab_size=64,
         hidden_size=16,

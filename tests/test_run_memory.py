@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+from conftest import require_module
 from prometheus_client import CollectorRegistry
 
 from lossbeat import Monitor, MonitorConfig
@@ -55,9 +56,8 @@ def test_restoring_is_bounded_and_skips_what_is_not_a_loss():
 def test_the_hf_callback_restores_the_memory_at_a_resume():
     """A Trainer resumed from a checkpoint restores state.log_history (the earlier logged steps)
     before on_train_begin: the callback gives them to the run memory."""
-    import pytest
 
-    pytest.importorskip("transformers")
+    require_module("transformers")
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     from lossbeat.integrations.hf import LossbeatCallback
@@ -119,9 +119,8 @@ def test_the_lightning_callback_keeps_the_run_memory_in_the_checkpoint(tmp_path)
     numbers) gives the resumed fit's monitor the run memory of the earlier fit: its first loss and
     best levels, which the resumed steps alone cannot give. Without that state (an earlier fit run
     without the callback), the ModelCheckpoint's best eval loss is what the checkpoint has."""
-    import pytest
 
-    L = pytest.importorskip("lightning")
+    L = require_module("lightning")
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
