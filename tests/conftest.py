@@ -48,20 +48,27 @@ def require_module(name: str) -> ModuleType:
         raise AssertionError("unreachable") from e
 
 
+_PORT_PICKER = random.SystemRandom()
+
+
 def free_ports(count: int = 1) -> int:
     """The first of ``count`` consecutive free loopback ports, below the kernel's ephemeral range.
 
     ``bind(0)`` hands out ports from that range (ip_local_port_range), where every other bind(0)
     and every outgoing connection draws too: between this probe and the bind of a process the test
     then starts (a minute later on a loaded machine) one of them may take the port, and the
-    process serves elsewhere. Below the range only another probe like this one can pick it."""
+    process serves elsewhere. Below the range only another probe like this one can pick it.
+
+    The pick comes from a private generator seeded by the OS: a trainer run in-process (an HF
+    ``Trainer``, Lightning's ``seed_everything``) reseeds the global ``random`` with the same seed
+    in every test process, and the processes would then probe the same ports in the same order."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
             ephemeral = int(fh.read().split()[0])
     except (OSError, ValueError):
         ephemeral = 32768
     for _ in range(200):
-        base = random.randrange(10000, ephemeral - count)
+        base = _PORT_PICKER.randrange(10000, ephemeral - count)
         probes: list[socket.socket] = []
         try:
             for port in range(base, base + count):

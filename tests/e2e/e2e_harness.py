@@ -4,6 +4,7 @@ a demo training process and bounded waits. No mocks: these talk HTTP on loopback
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -189,9 +190,19 @@ class DemoRun:
         def serving():
             if self.proc.poll() is not None:
                 pytest.fail(f"demo exited early ({self.proc.returncode}):\n{self.log_tail()}")
-            return exporter_samples(self.port)
+            announced = self.announced_port()
+            if announced is not None and announced != self.port:
+                # Another process took the port: whatever answers on it is not this run.
+                pytest.fail(f"the demo serves on :{announced}, not the :{self.port} given:\n{self.log_tail()}")
+            return announced is not None and exporter_samples(self.port)
 
         wait_until(serving, timeout, f"the demo exporter on :{self.port}")
+
+    def announced_port(self) -> int | None:
+        """The port the demo says it serves on (its first line), once it has said so."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        match = re.search(r"metrics on http://[^:/]+:(\d+)/metrics", text)
+        return int(match.group(1)) if match else None
 
     def first_time(self, metric_prefix: str, timeout: float) -> float:
         """Wall time at which the exporter first shows a sample starting with ``metric_prefix`` > 0.
