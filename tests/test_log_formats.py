@@ -60,6 +60,24 @@ def test_hf_stdout_string_values_and_an_epoch_going_back_without_a_bar(tmp_path)
     assert len(first.train) == 4 and len(second.train) == 3 and not log.counts.unreadable
 
 
+def test_hf_stdout_keeps_the_fields_beside_the_loss_as_a_trainer_state_would(tmp_path):
+    """TRL's GRPOTrainer prints the same dict trainer_state.json logs: its reward spread and KL are
+    read as signals and its field names name the task, string values (transformers >= 4.5x) too."""
+    dicts = [
+        f"{{'loss': '0.0002', 'grad_norm': '0.002', 'learning_rate': '5e-06', 'reward': '{-1 + i / 10:.3g}', "
+        f"'reward_std': '{0.5 - i / 10:.3g}', 'frac_reward_zero_std': '{i / 5:.3g}', 'kl': '0.01', "
+        f"'completions/clipped_ratio': '1', 'epoch': '{(i + 1) / 10:.3g}'}}"
+        for i in range(5)
+    ]
+    dicts.append("{'eval_loss': '0.5', 'eval_accuracy': '0.75', 'epoch': '0.5'}")
+    log = parse_log(write(tmp_path, "grpo.log", "\n".join(dicts) + "\n"))
+    assert log.format == "hf-stdout" and len(log.train) == 5
+    assert log.signals["reward_std"] == [(1, 0.5), (2, 0.4), (3, 0.3), (4, 0.2), (5, 0.1)]
+    assert log.signals["frac_reward_zero_std"][-1] == (5, 0.8)
+    assert log.signals["kl"][0] == (1, 0.01) and log.signals["eval_accuracy"] == [(5, 0.75)]
+    assert {"reward_std", "frac_reward_zero_std", "completions/clipped_ratio"} <= set(log.fields)
+
+
 def test_hf_stdout_in_a_notebook_and_in_a_kaggle_stream(tmp_path):
     texts = [_hf(3.0 - i / 10, i / 10) + "\n" for i in range(1, 7)] + ["{'eval_loss': 2.5, 'epoch': 0.6}\n"]
     notebook = {

@@ -211,6 +211,7 @@ def test_the_frameworks_names_map_to_the_signals(name, kind):
 def test_verl_names_alone_detect_rl():
     assert detect_profile(["actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac"]).profile == "rl"
     assert detect_profile(["entropy", "mean_token_accuracy"]).profile is None  # TRL's SFTTrainer logs entropy too
+    assert detect_profile(["eval_mean_token_accuracy", "eval_entropy"]).profile is None  # nor a classifier
 
 
 def _history(entropy, reward=None, kl=None):

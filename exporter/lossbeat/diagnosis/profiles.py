@@ -238,7 +238,8 @@ def detect_profile(fields: Iterable[str]) -> Detection:
     seq = [f for f in names if _SEQ2SEQ.match(f)]
     if seq:
         return Detection("seq2seq", tuple(seq))
-    cls = [f for f in names if _CLASSIFICATION.match(f)]
+    # A token accuracy (TRL's SFT logs eval_mean_token_accuracy) is a language model's, not a classifier's.
+    cls = [f for f in names if _CLASSIFICATION.match(f) and "token" not in f]
     if cls:
         return Detection("classification", tuple(cls))
     reg = [f for f in names if _REGRESSION.match(f)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from lossbeat.diagnosis.profiles import is_signal
 from lossbeat.logs.records import RecordBuilder, log_interval
 from lossbeat.logs.source import Source, parse_number, text_lines
 
@@ -314,6 +315,7 @@ def parse_hf_stdout(src: Source, out: RecordBuilder) -> None:
             _hf_eval(out, steps[i - 1] if i else 0, pending)
             pending = next(evals, None)
         out.where = where
+        _hf_signals(out, step, items)
         lr_key = "learning_rate" if "learning_rate" in items else ("lr" if "lr" in items else None)
         out.train(
             step,
@@ -372,8 +374,21 @@ def _unquoted(raw: str | None) -> str | None:
     return raw
 
 
+def _hf_signals(out: RecordBuilder, step: int, items: dict[str, str]) -> None:
+    """The dict's names (the task profile is detected from them) and its named signals beside the
+    loss (reward, reward_std, kl, entropy, rewards/margins, eval_accuracy, ...), as a
+    trainer_state.json's log_history gives them: the same dict, printed."""
+    out.field_names(items)
+    for key, raw in items.items():
+        if is_signal(key):
+            value, ok = parse_number(_unquoted(raw))
+            if ok:
+                out.signal(step, key, value)
+
+
 def _hf_eval(out: RecordBuilder, step: int, pending: tuple[str, int, dict[str, str]]) -> None:
     out.where = pending[0]
+    _hf_signals(out, step, pending[2])
     for key, value in pending[2].items():
         m = _HF_EVAL.match(key)
         if m and (loss := _py_number(out, key, value)) is not None:
