@@ -284,6 +284,32 @@ def test_while_the_loss_is_nan_the_loss_checks_cannot_judge():
     assert a.event_steps["nonfinite_loss"][0] == 1500
 
 
+def test_a_loss_that_climbs_into_a_nan_is_named_a_divergence():
+    """The finite records before the NaN say whether the run diverged into it (an LR too high:
+    the cure is the LR) or one batch broke it: a climb well above where the loss was is a
+    loss_trend danger, in a run that blew up within its first records as in a long one."""
+    short = [5.47, 7.25, 8.04, 8.47, 8.18, 9.55, 9.52, 8.99]  # nanochat's SFT: NaN from the 9th step
+    a = run(range(1, 40), lambda s: short[s - 1] if s <= len(short) else math.nan)
+    f = final(a, "loss_trend")
+    assert f.status is Status.DANGER and "diverged before it went non-finite" in f.message, f.message
+    assert "(to step 8)" in f.message and "7.25" in f.message
+    wobble = noise(3, 0.02)
+    climb = run(range(3000), lambda s: math.nan if s >= 2900 else (2.0 + wobble() if s < 2800 else 3.0 + wobble()))
+    f = final(climb, "loss_trend")
+    assert f.status is Status.DANGER and "50% above" in f.message, f.message
+
+
+def test_a_nan_out_of_a_steady_or_noisy_loss_names_no_divergence():
+    """One bad batch in a healthy run, however noisy its per-step loss (a third of its level, as a
+    small-batch SFT has), or a loss that went NaN while falling: the trend cannot be judged."""
+    for seed in range(20):
+        jitter = noise(seed, 0.35)
+        noisy = run(range(600), lambda s, jitter=jitter: math.nan if s >= 560 else max(0.05, 1.0 + jitter()))
+        assert not final(noisy, "loss_trend").known, (seed, final(noisy, "loss_trend").message)
+    falling = run(range(1, 30), lambda s: math.nan if s > 20 else 5.0 - 0.1 * s)
+    assert not final(falling, "loss_trend").known
+
+
 def test_non_finite_values_never_enter_the_windows():
     history = History(T)
     for i in range(30):

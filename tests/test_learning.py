@@ -225,15 +225,18 @@ REAL4 = DATA / "real-logs-4"
 def test_the_score_against_the_truth_of_real_logs_4():
     """Scored against real-logs-4's truth.json: no healthy run reaches a danger (a noisy Gemma SFT whose
     per-step noise is a third of its level while it learns), no danger the truth rules out, and the
-    faults named. Two are still missed (docs/analyze.md): a GRPO log whose string-valued fields name
-    no RL task, and a divergence that ends in NaN before it settles."""
+    faults named: among them a GRPO run printed by the Trainer (its reward spread collapsed), and a
+    divergence that ends in NaN before it settles."""
     scores = score_dir(REAL4)
     n = totals(scores)
     assert n["files"] == n["read_in_full"] == 18 and n["unread"] == 0
     assert n["healthy_danger"] == 0 and n["healthy_pages"] == 0 and n["healthy_flapping"] == 0
     assert n["wrong_dangers"] == 0
-    assert n["faults"] == 13 and n["named"] >= 11
+    assert n["faults"] == n["named"] == 13
     by = {s.file: s for s in scores}
+    grpo = by["hfstdout-strvalues-trl-grpo-reward-collapse-kaggle-vsr-new.log"]
+    assert grpo.profile == "rl" and grpo.named == ["no_learning"]
+    assert by["nanochat-stdout-d2-sft-diverges-then-nan-sft_run.log"].named == ["divergence", "nan"]
     gemma = next(s for f, s in by.items() if f.startswith("tensorboard-gemma4-"))
     assert gemma.worst == "warning" and "no_learning" not in gemma.found
     lora = by["hf-state-llama3-8b-lora-lr2e-3-gradexplosion-divergence-trainer_state.json"]

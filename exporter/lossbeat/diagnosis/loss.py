@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from lossbeat.diagnosis.findings import DANGER, GOOD, WARNING, Finding, Status
 from lossbeat.diagnosis.thresholds import LossThresholds, OverfittingThresholds, Profile, Thresholds
-from lossbeat.diagnosis.window import StepSummary, fsum
+from lossbeat.diagnosis.window import StepSummary, fsum, median
 
 if TYPE_CHECKING:
     from lossbeat.diagnosis.history import EvalTrack
@@ -317,8 +317,12 @@ def check_loss_trend(
     held: Status = GOOD,
     learned: bool | None = None,
     regression: Regression | None = None,
+    best: float = math.inf,
 ) -> Finding:
     """Layer 2: is the loss still falling, flat, or rising, over windows in steps?
+
+    ``best``: the run's best smoothed loss (:class:`RunMemory`); while the loss is non-finite, a
+    climb above it in the finite records before the NaN is named (the run diverged into it).
 
     ``regression``: the run settled well above its best (:meth:`RunMemory.regressed`): a danger
     whatever the latest windows say (falling from an explosion's peak is no recovery).
@@ -329,7 +333,7 @@ def check_loss_trend(
     ``held``: the status the check holds now; a plateau is left only for a fall
     beyond ``plateau_max_fall / hysteresis.release`` (value hysteresis).
     """
-    found = _trend_unjudged(trend, series, profile, component, regression)
+    found = _trend_unjudged(trend, series, t, profile, component, regression, best)
     if found is not None:
         return found
     span = f"{trend.window_steps:.0f} steps"  # formatted once: every finding below names it
@@ -350,14 +354,22 @@ def _against_before(trend: Trend) -> float:
 
 
 def _trend_unjudged(
-    trend: Trend, series: LossSeries, profile: Profile, component: str, regression: Regression | None
+    trend: Trend,
+    series: LossSeries,
+    t: Thresholds,
+    profile: Profile,
+    component: str,
+    regression: Regression | None,
+    best: float,
 ) -> Finding | None:
-    """What the windows cannot say or need not: a non-finite loss, a loss not meant to fall, a run
-    settled above its best (a danger whatever the windows say), windows not known yet."""
-    if series.nonfinite_run:
-        return Finding.unknown(_TREND, NONFINITE, component)
+    """What the windows cannot say or need not: a non-finite loss (a danger when the loss climbed
+    into it), a loss not meant to fall, a run settled above its best (a danger whatever the
+    windows say), windows not known yet."""
     if not profile.trend:
         return Finding.unknown(_TREND, f"profile {profile.name}: this loss is not meant to fall", component)
+    if series.nonfinite_run:
+        climb = _climb_before_nonfinite(series, t, profile, best)
+        return Finding.unknown(_TREND, NONFINITE, component) if climb is None else climb.finding(component)
     if regression is not None:
         now = (
             f"; {_moved(-trend.ratio * 100)} over the last {trend.window_steps:.0f} steps, not back at its best"
@@ -367,6 +379,58 @@ def _trend_unjudged(
         return Finding(_TREND, DANGER, f"{regression.describe()}{now}", regression.fix(), component)
     if not trend.known:
         return Finding.unknown(_TREND, component=component)
+    return None
+
+
+class _Climb(NamedTuple):
+    """The finite loss rose well above its best level before it went non-finite."""
+
+    base: float
+    level: float
+    records: int
+    last_finite_step: int
+    against: str
+    """What ``base`` is: "its best level" or "where it was" (the first of the records read)."""
+
+    def finding(self, component: str) -> Finding:
+        rise = (self.level - self.base) / abs(self.base) * 100 if self.base else math.inf
+        return Finding(
+            _TREND,
+            DANGER,
+            f"the loss diverged before it went non-finite: {self.level:.4g} over its last {self.records} finite "
+            f"records (to step {self.last_finite_step}), {rise:.0f}% above {self.against}, {self.base:.4g}; "
+            "then non-finite",
+            "lower the learning rate and clip gradients: the loss climbed for several steps before the NaN (an "
+            "instability, not one bad batch); resume from the last checkpoint before the climb",
+            component,
+        )
+
+
+def _climb_before_nonfinite(series: LossSeries, t: Thresholds, profile: Profile, best: float) -> _Climb | None:
+    """Whether the finite records before the current non-finite run (the ring's newest: a
+    non-finite loss is never pushed) climbed well above where they were: the median of their
+    last ``k`` records above the median of the ring's first ``k`` (``loss.trend_min_z`` standard
+    errors, as a rising trend is judged), or above the run's best smoothed level (``trend_danger_z``,
+    as a run settled above its best: that best is the lowest of many levels), and by
+    ``loss.regress_max`` of it. ``k`` is ``loss.spike_min_steps``, fewer in a run that went
+    non-finite within its first records (a third of them, at least 3)."""
+    values = series.ring.last(len(series.ring))
+    n = len(values)
+    k = min(t.loss.spike_min_steps, max(3, n // 3))
+    last_step = series.summary.last_step
+    if n < 2 * k or last_step is None:
+        return None
+    level = median(values[-k:])
+    noise = series.noise
+    se = 1.25 * noise * math.sqrt(2.0 / k) if math.isfinite(noise) else 0.0  # of a difference of two medians
+    for base, z, against in (
+        (median(values[:k]), t.loss.trend_min_z, f"its level {n - k} finite records earlier"),
+        (best, t.loss.trend_danger_z, "its best level"),
+    ):
+        scale = max(abs(base), profile.volatility_floor or 0.0)
+        rise = level - base
+        if math.isfinite(rise) and rise > t.loss.regress_max * scale and rise > z * se:
+            return _Climb(base, level, k, last_step, against)
     return None
 
 

@@ -62,6 +62,7 @@ def diagnose(history: History, held: Mapping[tuple[str, str], Status] | None = N
             held=held.get(("loss_trend", ""), GOOD),
             learned=did_learn,
             regression=regression,
+            best=memory.best,
         ),
         _hides_trend(
             check_loss_volatility(
