@@ -291,10 +291,12 @@ def _layer_norms(layers: list[tuple[str, list[torch.Tensor]]]) -> list[float]:
 
 
 def _resident_bytes() -> float:
-    """The process's resident memory (what the monitor reads on CPU), from /proc; nan elsewhere."""
+    """The process's resident anonymous memory (what the monitor reads on CPU: resident less the
+    file-backed and shared pages), from /proc; nan elsewhere."""
     try:
         with open("/proc/self/statm", "rb") as statm:
-            return float(statm.read().split()[1]) * _PAGE
+            fields = statm.read().split()
+            return (float(fields[1]) - float(fields[2])) * _PAGE
     except (OSError, IndexError, ValueError):
         return math.nan
 

@@ -133,14 +133,14 @@ _SPECS = [
     MetricSpec(
         "training_memory_allocated_bytes",
         "gauge",
-        "Device memory allocated by tensors (CUDA), or process resident memory on CPU.",
+        "Device memory allocated by tensors (CUDA), or the process's resident anonymous memory on CPU (mapped files left out).",
         ("device",),
         unit="bytes",
     ),
     MetricSpec(
         "training_memory_peak_bytes",
         "gauge",
-        "Peak device memory allocated (CUDA), or peak process resident memory on CPU.",
+        "Peak device memory allocated (CUDA), or the process's peak resident anonymous memory on CPU.",
         ("device",),
         unit="bytes",
     ),

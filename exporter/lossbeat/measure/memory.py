@@ -13,8 +13,12 @@ reads the peak since lossbeat's last reading, not the lifetime peak.)
 On CUDA the peak is what would run out: the allocator's peak allocated bytes plus the memory
 outside the allocator (the CUDA context, NCCL buffers, other processes: the device's total
 minus its free memory, ``torch.cuda.mem_get_info``, a driver query without a device sync,
-minus the allocator's reserved bytes). On CPU: the process's resident set and its windowed
-peak, and the limit the process lives under (the cgroup's memory limit, else the machine's RAM).
+minus the allocator's reserved bytes). On CPU: the memory the process allocated itself that is
+resident (its anonymous pages: heap, tensors), its windowed peak, and the limit the process lives
+under (the cgroup's memory limit, else the machine's RAM). The file pages it maps are left out: a
+memory-mapped dataset (nanoGPT's ``np.memmap``, HF datasets' Arrow files, safetensors weights)
+grows the resident set by every page an epoch touches, page cache the kernel reclaims at will,
+which would read as a leak. Shared memory is left out with them (``statm`` counts both as shared).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class MemoryReading(NamedTuple):
     device: str
     """``cuda:N`` or ``cpu``: the ``device`` label."""
     allocated: float
-    """Bytes allocated by tensors (CUDA) or resident (CPU)."""
+    """Bytes allocated by tensors (CUDA), or resident and allocated by the process (CPU: its
+    anonymous pages, not the files it maps)."""
     peak: float
     """Peak in use since this reader's previous reading (never below ``allocated``); on CUDA
     including the memory outside the allocator (context, NCCL, other processes)."""
@@ -91,9 +96,10 @@ def _cuda_total(device: int) -> float:
 
 
 def _cpu_memory() -> tuple[float, float]:
-    """(resident, peak resident since the last reset) bytes of this process. The kernel's
-    high-water mark (VmHWM) is reset after each read (``5`` > /proc/self/clear_refs); it is only
-    updated at some events and can read below the live RSS, so the peak is at least the RSS."""
+    """(resident, peak resident since the last reset) bytes this process allocated (its file-backed
+    and shared pages left out: see the module). The kernel's high-water mark (VmHWM) is reset after
+    each read (``5`` > /proc/self/clear_refs); it is only updated at some events and can read below
+    the live RSS, so the peak is at least the resident size."""
     current = peak = math.nan
     with _lock:
         try:
@@ -141,13 +147,17 @@ class _ProcFiles:
             self._clear = -1  # without it (Linux < 4.0, a sandbox) the peak stays a lifetime one
 
     def read(self) -> tuple[float, float]:
-        """(resident, peak resident) bytes."""
+        """(resident, peak resident) bytes the process allocated: anonymous pages. statm's third
+        field counts the resident file-backed and shared pages; the kernel keeps no high-water
+        mark of anonymous pages alone, so the peak is the resident one less today's shared pages
+        (the mapped files are what moves slowly, the spikes are allocations)."""
         self._open()
+        fields = os.pread(self._statm, 256, 0).split()
+        resident, shared = float(fields[1]) * _PAGE, float(fields[2]) * _PAGE
         if self._rusage_peak:
-            resident = float(os.pread(self._statm, 256, 0).split()[1]) * _PAGE
-            return resident, resident_peak_kib() * 1024.0
+            return resident - shared, resident_peak_kib() * 1024.0 - shared
         status = os.pread(self._status, 8192, 0)
-        current, peak = _status_kib(status, b"\nVmRSS:") * 1024, _status_kib(status, b"\nVmHWM:") * 1024
+        current, peak = resident - shared, _status_kib(status, b"\nVmHWM:") * 1024 - shared
         if self._rusage_peak is None and self._clear >= 0:
             # Just after a reset VmHWM is the resident size; getrusage's peak, if it is the same
             # mark, is no higher (a page or two of growth since aside).

@@ -624,7 +624,7 @@ def _overview_speed() -> list[dict]:
         ),
         _timeseries(
             "Memory",
-            "Device memory allocated by tensors and its peak (CUDA), or the process resident memory on CPU.",
+            "Device memory allocated by tensors and its peak (CUDA), or the process's resident anonymous memory on CPU (mapped files left out).",
             METRICS["training_memory_allocated_bytes"].unit,
             _targets(
                 (_selector("training_memory_allocated_bytes"), "allocated {{device}} rank {{rank}}"),
