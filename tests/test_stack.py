@@ -205,9 +205,19 @@ def test_receiver_records_webhooks_and_serves_the_runbooks(tmp_path):
     try:
         payload = {"receiver": "page", "status": "firing", "alerts": [{"status": "firing", "labels": NAN}]}
         assert _post(f"{url}/page", payload) == 200
-        with pytest.raises(urllib.error.HTTPError) as bad:
-            urllib.request.urlopen(urllib.request.Request(f"{url}/page", data=b"{nope", method="POST"), timeout=10)
-        assert bad.value.code == 400
+        json_type = {"Content-Type": "application/json"}
+        for body, headers, code in (
+            (b"{nope", json_type, 400),
+            (b"[1, 2]", json_type, 400),  # not an object
+            (b'{"alerts": ["firing"]}', json_type, 400),  # an alert that is not an object
+            # What a web page can send to 127.0.0.1 without a preflight: text/plain, a form.
+            (json.dumps(payload).encode(), {"Content-Type": "text/plain"}, 415),
+            (json.dumps(payload).encode(), {"Content-Type": "application/x-www-form-urlencoded"}, 415),
+        ):
+            with pytest.raises(urllib.error.HTTPError) as bad:
+                request = urllib.request.Request(f"{url}/page", data=body, headers=headers, method="POST")
+                urllib.request.urlopen(request, timeout=10)
+            assert bad.value.code == code, body
         (note,) = read_notifications(log)
         assert note["receiver"] == "page" and note["path"] == "/page"
         assert note["alerts"] == [{"labels": NAN, "annotations": {}, "status": "firing", "startsAt": None}]

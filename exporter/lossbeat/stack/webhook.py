@@ -166,7 +166,15 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+        # Alertmanager posts application/json. A web page can post to 127.0.0.1 too, but without
+        # a CORS preflight (which this server never answers) only as text/plain or a form.
+        if self.headers.get_content_type() != "application/json":
+            self._reply(415, b"expected Content-Type: application/json\n")
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
         if length <= 0 or length > MAX_BODY:
             self._reply(413 if length > MAX_BODY else 400, b"bad length\n")
             return
@@ -174,6 +182,10 @@ class _Handler(BaseHTTPRequestHandler):
             payload = json.loads(self.rfile.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError):
             self._reply(400, b"not JSON\n")
+            return
+        alerts = payload.get("alerts", []) if isinstance(payload, dict) else None
+        if not isinstance(alerts, list) or not all(isinstance(a, dict) for a in alerts):
+            self._reply(400, b"not an Alertmanager notification: an object whose alerts are objects\n")
             return
         record = {
             "received_at": time.time(),
@@ -187,7 +199,7 @@ class _Handler(BaseHTTPRequestHandler):
                     "status": a.get("status"),
                     "startsAt": a.get("startsAt"),
                 }
-                for a in payload.get("alerts", [])
+                for a in alerts
             ],
         }
         with self.server.lock, open(self.server.log, "a", encoding="utf-8") as fh:
