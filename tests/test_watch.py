@@ -310,6 +310,42 @@ def test_live_parsers_read_real_logs_as_the_offline_ones(name, fmt):
     assert len(got) == len(want) and all(same), [(a, b) for a, b in zip(got, want) if str(a) != str(b)][:5]
 
 
+def test_live_printed_trainer_dicts_hand_on_their_signals_before_their_record():
+    """A TRL GRPO run printed by the Trainer: its reward spread and KL reach the watcher's monitor
+    (which names the task from them) with the record they belong to, as offline."""
+    got: list = []
+
+    class Sink:
+        def metrics(self, step, values):
+            got.append(("metrics", step, values))
+
+        def train(self, step, loss, *rest):
+            got.append(("train", step, loss))
+
+        def eval(self, *a):
+            pass
+
+        def new_run(self, step):
+            pass
+
+        def complete(self, why):
+            pass
+
+    lines = [
+        "{'loss': '0.0002', 'grad_norm': '0.002', 'learning_rate': '5e-06', 'reward': '-1.5', 'reward_std': '0.25', "
+        "'kl': '0.01', 'epoch': '0.1'}\n",
+        "{'loss': '0.0001', 'reward_std': '0', 'frac_reward_zero_std': '1', 'epoch': '0.2'}\n",
+    ]
+    builder = LiveBuilder("grpo.log", "hf-stdout", Sink())
+    live_parser("hf-stdout")(Source("grpo.log", 0, b"", "utf-8", "", lines=iter(lines)), builder)
+    metrics = [(s, n, v) for kind, s, values in got if kind == "metrics" for n, v in values.items()]
+    assert ("train", 1, 0.0002) in got and ("train", 2, 0.0001) in got
+    assert {(1, "reward", -1.5), (1, "reward_std", 0.25), (1, "kl", 0.01)} <= set(metrics)
+    assert {(2, "reward_std", 0.0), (2, "frac_reward_zero_std", 1.0)} <= set(metrics)
+    first_train = got.index(("train", 1, 0.0002))
+    assert all(got.index(m) < first_train for m in got if m[0] == "metrics" and m[1] == 1)
+
+
 def test_command_exits_0_at_completion(tmp_path):
     log = tmp_path / "train.log"
     log.write_text(hf_line(2.0, 0.1) + "{'train_runtime': 3.0, 'train_loss': 2.0, 'epoch': 1.0}\n")

@@ -20,7 +20,7 @@ from lossbeat.logs import _LINE_FORMATS, FORMATS
 from lossbeat.logs.json_logs import read_llamafactory_line
 from lossbeat.logs.records import _MIN_STEPS_BEFORE_RESTART, LogFormatError, RecordBuilder, _Run
 from lossbeat.logs.source import Source, iter_lines, text_lines
-from lossbeat.logs.text_logs import _HF_EVAL, HF_DICT, _dict_items, _py_number
+from lossbeat.logs.text_logs import _HF_EVAL, HF_DICT, _dict_items, _py_number, hf_signals
 
 __all__ = ["LiveSink", "LiveBuilder", "live_parser", "LIVE_FORMATS", "RESUME_INTERVALS"]
 
@@ -157,6 +157,7 @@ def parse_hf_stdout_live(src: Source, out: LiveBuilder) -> None:
                     out.hf_records = 0  # the epoch went back: a new run in the same log
                 out.hf_epoch = epoch if epoch is not None else out.hf_epoch
                 out.hf_records += 1
+                hf_signals(out, out.hf_records, items)  # handed on before the record they belong to
                 lr_key = "learning_rate" if "learning_rate" in items else ("lr" if "lr" in items else None)
                 out.train(
                     out.hf_records,
@@ -166,6 +167,7 @@ def parse_hf_stdout_live(src: Source, out: LiveBuilder) -> None:
                     epoch,
                 )
             elif any(_HF_EVAL.match(k) for k in items):
+                hf_signals(out, out.last_step or 0, items)
                 for key, value in items.items():
                     g = _HF_EVAL.match(key)
                     if g and (loss := _py_number(out, key, value)) is not None:

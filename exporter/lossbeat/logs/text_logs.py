@@ -19,6 +19,7 @@ __all__ = [
     "parse_nanogpt",
     "parse_megatron_log",
     "parse_hf_stdout",
+    "hf_signals",
     "LLMC_MAIN",
     "LLMC_STDOUT",
     "NANOGPT",
@@ -315,7 +316,7 @@ def parse_hf_stdout(src: Source, out: RecordBuilder) -> None:
             _hf_eval(out, steps[i - 1] if i else 0, pending)
             pending = next(evals, None)
         out.where = where
-        _hf_signals(out, step, items)
+        hf_signals(out, step, items)
         lr_key = "learning_rate" if "learning_rate" in items else ("lr" if "lr" in items else None)
         out.train(
             step,
@@ -374,7 +375,7 @@ def _unquoted(raw: str | None) -> str | None:
     return raw
 
 
-def _hf_signals(out: RecordBuilder, step: int, items: dict[str, str]) -> None:
+def hf_signals(out: RecordBuilder, step: int, items: dict[str, str]) -> None:
     """The dict's names (the task profile is detected from them) and its named signals beside the
     loss (reward, reward_std, kl, entropy, rewards/margins, eval_accuracy, ...), as a
     trainer_state.json's log_history gives them: the same dict, printed."""
@@ -388,7 +389,7 @@ def _hf_signals(out: RecordBuilder, step: int, items: dict[str, str]) -> None:
 
 def _hf_eval(out: RecordBuilder, step: int, pending: tuple[str, int, dict[str, str]]) -> None:
     out.where = pending[0]
-    _hf_signals(out, step, pending[2])
+    hf_signals(out, step, pending[2])
     for key, value in pending[2].items():
         m = _HF_EVAL.match(key)
         if m and (loss := _py_number(out, key, value)) is not None:
