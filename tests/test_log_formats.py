@@ -286,6 +286,45 @@ def test_olmo_and_olmo_core_console_metrics(tmp_path):
     assert [(e.step, e.loss, e.group) for e in log.evals] == [(30, 3.9, "lm/c4_en-validation")]
 
 
+def _composer_block(progress: str, prefix: str, metrics: dict[str, object]) -> list[str]:
+    # ConsoleLogger.log_to_console: f"{progress}" + ":", then f"\n\t {prefix}{name}: {value}" per metric,
+    # floats as f"{value:.4f}" (format_log_data_value)
+    return [progress + ":"] + [
+        f"\t {prefix}{k}: {v:.4f}" if isinstance(v, float) else f"\t {prefix}{k}: {v}" for k, v in metrics.items()
+    ]
+
+
+def test_composer_console_logger_with_evals_and_epoch_progress(tmp_path):
+    lines = ["*" * 30, "Config:", "max_duration: 4ba", "*" * 30]
+    for b in range(1, 5):
+        metrics = {"time/batch": b - 1, "loss/train/total": 3.0 - b / 10, "metrics/train/LanguageCrossEntropy": 2.9}
+        metrics |= {"lr-DecoupledAdamW/group0": 6e-4 * b, "l2_norm/grad/global": float("nan") if b == 3 else 0.5}
+        lines += _composer_block(f"[batch={b}/4]", "Train ", metrics)
+    lines += ["[Eval batch=1/10] Eval on eval data", "[Eval batch=6/10] Eval on eval data"]
+    lines += _composer_block(
+        "[Eval batch=10/10] Eval on eval data", "Eval ", {"metrics/eval/LanguageCrossEntropy": 2.5}
+    )
+    lines += _composer_block(
+        "[Eval batch=2/2] Eval on gsm8k data", "Eval ", {"metrics/gsm8k/LanguageCrossEntropy": 1.25}
+    )
+    log = parse_log(write(tmp_path, "composer.log", "\n".join(lines) + "\n"))
+    assert log.format == "composer"
+    assert [(r.step, r.loss, r.learning_rate) for r in log.train] == [
+        (1, 2.9, 6e-4),
+        (2, 2.8, 1.2e-3),
+        (3, 2.7, 1.8e-3),
+        (4, 2.6, 2.4e-3),
+    ]
+    assert math.isnan(log.train[2].grad_norm) and log.train[3].grad_norm == 0.5
+    assert [(e.step, e.loss, e.group) for e in log.evals] == [(4, 2.5, ""), (4, 1.25, "gsm8k")]
+    # A duration in epochs counts batches within the epoch: the step goes on across epochs.
+    epochs = []
+    for epoch, batch in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        epochs += _composer_block(f"[epoch={epoch}][batch={batch}/2]", "Train ", {"loss/train/total": 1.0 + batch})
+    log = parse_log(write(tmp_path, "composer-epochs.log", "\n".join(epochs) + "\n"))
+    assert log.format == "composer" and [r.step for r in log.train] == [1, 2, 3, 4] and len(log.segments) == 1
+
+
 def test_torchtitan_with_colour_codes_and_rank_prefixes(tmp_path):
     # logger.info(f"{color.red}step: {step:2}  {color.green}loss: {loss:7.4f}  {color.orange}grad_norm: {grad_norm:7.4f}
     #   {color.turquoise}memory: ...GiB(...%)  {color.blue}tps: {round(tps):,}  {color.cyan}tflops: ...  mfu: ...%{color.reset}")

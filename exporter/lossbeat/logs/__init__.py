@@ -16,6 +16,7 @@ Formats (auto-detected by :func:`detect_format`, see docs/analyze.md):
 * ``nanochat``: karpathy/nanochat base / mid / SFT prints (``step 00123/05000 (2.46%) | loss: ...``)
 * ``olmo``: OLMo / OLMo-core console metrics (``[step=123/1000,epoch=0]`` then ``    train/CE loss=3.45``)
 * ``torchtitan``: torchtitan stdout (``step: 10  loss:  7.93  grad_norm:  1.23  memory: ...``)
+* ``composer``: MosaicML Composer / llm-foundry console metrics (``[batch=10/100]:`` then ``Train loss/train/total: 2.3``)
 * ``openrlhf``: OpenRLHF's PPO / GRPO status lines (``✨ Global step 12: {'policy_loss': ..., 'kl': ...}``)
 * ``verl``: verl's console logger (``step:12 - actor/entropy:np.float64(0.32) - actor/pg_loss:... - ...``)
 * ``kv-stdout``: other printed ``key: value`` records with a step counter and a loss
@@ -65,11 +66,13 @@ from lossbeat.logs.source import Source, compressed, head_lines, open_source
 from lossbeat.logs.stdout_logs import (
     BUILD_NANOGPT,
     BUILD_NANOGPT_LOGTXT,
+    COMPOSER_HEADER,
     NANOCHAT,
     OLMO_STEP,
     TORCHTITAN,
     is_kv_record,
     parse_build_nanogpt,
+    parse_composer,
     parse_kv_stdout,
     parse_nanochat,
     parse_olmo,
@@ -126,6 +129,7 @@ FORMATS: tuple[str, ...] = (
     "nanochat",
     "olmo",
     "torchtitan",
+    "composer",
     "openrlhf",
     "verl",
     "kv-stdout",
@@ -154,6 +158,7 @@ _LINE_FORMATS: dict[str, Callable[[Source, RecordBuilder], None]] = {
     "nanochat": parse_nanochat,
     "olmo": parse_olmo,
     "torchtitan": parse_torchtitan,
+    "composer": parse_composer,
     "openrlhf": parse_openrlhf,
     "verl": parse_verl,
     "kv-stdout": parse_kv_stdout,
@@ -223,6 +228,8 @@ def _detect(src: Source) -> str:
         return "olmo"
     if any(TORCHTITAN.match(line) for line in text):
         return "torchtitan"
+    if any(COMPOSER_HEADER.match(line) for line in text) and any(line.startswith("Train loss/") for line in text):
+        return "composer"
     if any(VERL_STEP.search(line) and "actor/" in line for line in text):
         return "verl"
     if _count(is_kv_record, text) >= 2:

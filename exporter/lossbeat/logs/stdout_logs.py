@@ -13,6 +13,8 @@
 * ``torchtitan``: ``step: {step:2}  loss: {loss:7.4f}  grad_norm: {norm:7.4f}  memory: ...  tps: ...``
   (colour codes and ``[rank0]:[titan] ... - INFO -`` prefixes are removed by :func:`text_lines`),
   ``validate step: ...  loss: ...``;
+* ``composer``: MosaicML Composer / llm-foundry's ConsoleLogger, a ``[batch=N/M]:`` header then
+  tab-indented ``Train loss/train/total: ...`` lines, and ``Eval metrics/<label>/LanguageCrossEntropy``;
 * ``kv-stdout``: any other printed ``key: value`` records with a step counter (``step``, ``iter``,
   ``iteration``, ``batch``) and a loss (``loss``, or the first ``*_loss``: DeepSpeed-Chat's
   ``epoch: 0|step: 3|ppo_ep: 1|act_loss: ...``, ``batch: 9, time: ..., loss: 55.8``). The loss key read
@@ -32,12 +34,14 @@ __all__ = [
     "parse_nanochat",
     "parse_olmo",
     "parse_torchtitan",
+    "parse_composer",
     "parse_kv_stdout",
     "BUILD_NANOGPT",
     "BUILD_NANOGPT_LOGTXT",
     "NANOCHAT",
     "OLMO_STEP",
     "TORCHTITAN",
+    "COMPOSER_HEADER",
     "is_kv_record",
 ]
 
@@ -201,6 +205,82 @@ def parse_torchtitan(src: Source, out: RecordBuilder) -> None:
             )
         else:
             out.skip(_NOT_RECORD)
+
+
+# --- composer -------------------------------------------------------------------------------------
+
+COMPOSER_HEADER = re.compile(
+    r"^(?:\[epoch=(\d+)\])?\[(batch|token|sample|iteration)=(\d+)(?:/(\d+))?\]:?\s*$"
+    r"|^\[Eval batch=\d+(?:/\d+)?\] Eval on (.+?) data:?\s*$"
+)
+_COMPOSER_METRIC = re.compile(r"^(Train|Eval) (\S.*?): (\S+)\s*$")
+_COMPOSER_LOSS = re.compile(r"^loss/train(?:/total)?$")
+_COMPOSER_EVAL = re.compile(r"^metrics/(.+)/(?:LanguageCrossEntropy|CrossEntropy|loss)$")
+_COMPOSER_LR = re.compile(r"^lr-[^/]+/group0$")
+
+
+def parse_composer(src: Source, out: RecordBuilder) -> None:
+    """MosaicML Composer's (and llm-foundry's) ConsoleLogger: a progress header, ``[batch=N/M]:``
+    (``[epoch=E][batch=B/T]:`` for a duration in epochs, B counted within the epoch; ``[token=...]``),
+    then one tab-indented ``Train name: value`` line per metric: ``loss/train/total``,
+    ``l2_norm/grad/global`` (OptimizerMonitor), ``lr-<Optimizer>/group0`` (LRMonitor). An eval
+    prints ``[Eval batch=n/n] Eval on <label> data:`` then ``Eval metrics/<label>/LanguageCrossEntropy:
+    ...``: it belongs to the last train step. The step is the global batch (``time/batch`` + 1 where
+    the header counts tokens or samples)."""
+    block: dict[str, str] = {}
+    header: re.Match[str] | None = None
+    step = 0
+    where = ""
+
+    def flush() -> None:
+        nonlocal step
+        if header is None or not block:
+            return
+        out.where = where
+        if header.group(5) is not None:  # an eval block
+            used = False
+            for key, value in block.items():
+                if (e := _COMPOSER_EVAL.match(key)) and (loss := _number(out, key, value)) is not None:
+                    out.eval(step, loss, "" if e.group(1) == "eval" else e.group(1))
+                    used = True
+            if not used:
+                out.skip("eval blocks without an eval loss")
+            return
+        epoch, unit, total = header.group(1), header.group(2), header.group(4)
+        count = int(header.group(3))
+        batch, ok = parse_number(block.get("time/batch"))
+        if unit == "batch" and epoch is not None and total is not None:
+            step = (int(epoch) - 1) * int(total) + count
+        elif unit == "batch":
+            step = count
+        elif ok and batch is not None:
+            step = int(batch) + 1
+        else:
+            step += 1
+        train_loss = next((v for k, v in block.items() if _COMPOSER_LOSS.match(k)), None)
+        if train_loss is None:
+            out.skip("metric blocks without a train loss")
+            return
+        out.field_names(block)
+        for key, value in block.items():
+            if is_signal(key):
+                out.signal(step, key, _number(out, key, value))
+        out.train(
+            step,
+            _number(out, "loss/train/total", train_loss),
+            _number(out, "l2_norm/grad/global", block.get("l2_norm/grad/global")),
+            _number(out, "lr", next((v for k, v in block.items() if _COMPOSER_LR.match(k)), None)),
+        )
+
+    for line in text_lines(src, out):
+        if m := COMPOSER_HEADER.match(line):
+            flush()
+            header, block, where = m, {}, out.where
+        elif header is not None and (m := _COMPOSER_METRIC.match(line)):
+            block[m.group(2)] = m.group(3)
+        else:
+            out.skip(_NOT_RECORD)
+    flush()
 
 
 # --- key: value records ---------------------------------------------------------------------------
