@@ -233,3 +233,30 @@ def test_the_generic_reader_does_not_take_files_the_named_parsers_read(tmp_path)
     assert detect_format(kv) == "kv-stdout"
     nano = ROOT / "tests" / "data" / "nanogpt-karpathy-stdout.log"
     assert detect_format(nano) == "nanogpt"
+
+
+def test_a_printout_line_headed_by_its_phase_gives_that_phases_loss(tmp_path):
+    """timm prints its validation as "Test: [48/48] ... Loss: 4.1": never the train loss. A line
+    headed "Val" without a step is an eval record at the step of the train record before it."""
+    lines = []
+    for epoch in range(3):
+        for batch in range(0, 500, 100):
+            loss = 6.0 - epoch - batch / 1000
+            lines.append(
+                f"Train: {epoch} [{batch:>4}/500 ({batch // 5:>3d}%)]  Loss: {loss:.3f} ({loss + 0.05:.2f})  "
+                "Time: 0.512s,  500.12/s  LR: 1.000e-03  Data: 0.012 (0.015)"
+            )
+        lines.append(f"Test: [  48/48]  Time: 0.1 (0.2)  Loss:  {9.0 + epoch:.4f} ({9.0 + epoch:.4f})  Acc@1: 50.0")
+    path = tmp_path / "timm.log"
+    path.write_text("\n".join(lines) + "\n")
+    log = parse_log(path)
+    assert log.format == "printout" and len(log.train) == 15
+    assert max(r.loss for r in log.train) < 6.5  # the 9.x test losses stayed out of the train loss
+    piped = [f"epoch {e} | step {e * 100} | loss {3.0 - e / 10:.2f} | lr 0.001" for e in range(1, 11)]
+    piped.insert(5, "Val | loss 2.75 | acc 0.8")  # after step 500
+    piped.append("Validation: loss=2.5")
+    path = tmp_path / "piped.log"
+    path.write_text("\n".join(piped) + "\n")
+    log = parse_log(path)
+    assert [r.step for r in log.train] == list(range(100, 1001, 100))
+    assert [(e.step, e.loss) for e in log.evals] == [(500, 2.75), (1000, 2.5)]

@@ -84,6 +84,7 @@ class TableReader:
         self._offset: float = 0  # grows by an epoch's largest step (a float, -inf before any)
         self._epoch_max = -math.inf
         self._last_raw: float | None = None
+        self._last_step: int | None = None  # the step of the last row read
         self._last_epoch: float | None = None
         self._per_epoch = False
 
@@ -154,9 +155,12 @@ class TableReader:
             out.skip("rows before any loss column")
             return
         step = self._step(row, cols)
+        if step is None and self._last_step is not None and cols.step not in row and _eval_alone(row, cols):
+            step = self._last_step  # an eval line that prints no step ("Val | loss 2.3"): the step before it
         if step is None:
             out.skip("rows without a step")
             return
+        self._last_step = step
         for name, raw in row.items():
             if is_signal(name) and name not in (cols.loss, cols.eval):
                 value, ok = parse_number(raw)
@@ -388,15 +392,34 @@ def is_printout(lines: list[str]) -> bool:
     return False
 
 
+def _eval_alone(row: Mapping[str, Any], cols: Columns) -> bool:
+    """The row holds an eval loss and no train loss."""
+    return (
+        cols.eval is not None
+        and row.get(cols.eval) not in (None, "")
+        and (cols.loss is None or row.get(cols.loss) in (None, ""))
+    )
+
+
+# A line headed by its phase ("Test: [48/48]  Loss: 4.1", timm's validation; "Val | loss 2.3"): its
+# losses are that phase's, never the train loss.
+_PHASE_NAMES = {"valid": "val", "validation": "val", "evaluation": "eval", "testing": "test"}
+_PHASE = re.compile(r"^\s*(val|valid|validation|eval|evaluation|dev|test|testing)(?=[\s:|\-\[(]|$)", re.I)
+
+
 def parse_printout(src: Source, out: RecordBuilder) -> None:
     """Printed ``key value`` records (``|``, ``,`` or spaces between pairs; ``:`` or ``=`` or a space
-    between key and value; ``[100/600]`` read as 100). Lines without a pair are not records."""
+    between key and value; ``[100/600]`` read as 100). Lines without a pair are not records. The
+    losses of a line headed by a phase (``Test:``, ``Val |``) are named for it (``test_loss``)."""
     reader = TableReader(out)
     for line in text_lines(src, out):
         pairs = printout_pairs(line)
         if not pairs:
             out.skip("lines that are not records (banners, progress, warnings)")
             continue
+        if phase := _PHASE.match(line):
+            name = _PHASE_NAMES.get(phase.group(1).lower(), phase.group(1).lower())
+            pairs = {(f"{name}_{k}" if "loss" in k and not k.startswith(name) else k): v for k, v in pairs.items()}
         reader.row(pairs, out.where)
     reader.finish()
 
