@@ -323,6 +323,10 @@ def test_composer_console_logger_with_evals_and_epoch_progress(tmp_path):
         epochs += _composer_block(f"[epoch={epoch}][batch={batch}/2]", "Train ", {"loss/train/total": 1.0 + batch})
     log = parse_log(write(tmp_path, "composer-epochs.log", "\n".join(epochs) + "\n"))
     assert log.format == "composer" and [r.step for r in log.train] == [1, 2, 3, 4] and len(log.segments) == 1
+    # srun --label before each line, the metric lines' indentation after it
+    labelled = [f"0: {line.replace(chr(9), '      ')}" for line in lines]
+    log = parse_log(write(tmp_path, "composer-srun.log", "\n".join(labelled) + "\n"))
+    assert log.format == "composer" and [r.loss for r in log.train] == [2.9, 2.8, 2.7, 2.6] and len(log.evals) == 2
 
 
 def test_torchtitan_with_colour_codes_and_rank_prefixes(tmp_path):

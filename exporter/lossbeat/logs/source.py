@@ -238,7 +238,7 @@ def clean_line(line: str) -> str:
         for rx in _PREFIXES:
             m = rx.match(text)
             if m and m.end():
-                text = text[m.end() :]
+                text = text[m.end() :].lstrip()  # "0:       Train loss: ..." is the line "Train loss: ..."
                 break
         else:
             break

@@ -213,7 +213,7 @@ COMPOSER_HEADER = re.compile(
     r"^(?:\[epoch=(\d+)\])?\[(batch|token|sample|iteration)=(\d+)(?:/(\d+))?\]:?\s*$"
     r"|^\[Eval batch=\d+(?:/\d+)?\] Eval on (.+?) data:?\s*$"
 )
-_COMPOSER_METRIC = re.compile(r"^(Train|Eval) (\S.*?): (\S+)\s*$")
+_COMPOSER_METRIC = re.compile(r"^\s*(Train|Eval) (\S.*?): (\S+)\s*$")
 _COMPOSER_LOSS = re.compile(r"^loss/train(?:/total)?$")
 _COMPOSER_EVAL = re.compile(r"^metrics/(.+)/(?:LanguageCrossEntropy|CrossEntropy|loss)$")
 _COMPOSER_LR = re.compile(r"^lr-[^/]+/group0$")
