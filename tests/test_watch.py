@@ -404,6 +404,29 @@ def test_real_hf_printed_log_written_in_odd_chunks_is_read_whole(tmp_path):
     assert w.monitor.history is not None
 
 
+def test_a_steps_scalars_written_apart_stay_one_record(tmp_path):
+    """A SummaryWriter writes a step's scalars as separate events; polls that fall between them
+    (here 0.1 s of them) must not hand the step on without its grad norm."""
+    from conftest import require_module
+
+    require_module("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir = tmp_path / "runs" / "exp"
+    w, t, result = start(run_dir)
+    writer = SummaryWriter(str(run_dir))
+    for step in (1, 2):
+        writer.add_scalar("train/loss", 3.0 - step / 10, step)
+        writer.flush()
+        time.sleep(0.1)  # ten polls find nothing new
+        writer.add_scalar("train/grad_norm", 0.5 * step, step)
+        writer.flush()
+        wait_for(step_is(w, step), f"step {step}")
+        assert value(scrape(w.monitor.port), "training_grad_norm") == 0.5 * step
+    writer.close()
+    stop(w, t)
+
+
 def test_tensorboard_run_dir_written_by_a_real_summary_writer(tmp_path):
     from conftest import require_module
 

@@ -5,11 +5,12 @@ wider header, as stable-baselines3 does), a live MLflow run folder, a W&B run fi
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 from conftest import require_module
-from test_watch import Writer, scrape, start, value, wait_for
+from test_watch import Writer, scrape, start, step_is, value, wait_for
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
 
@@ -155,6 +156,26 @@ def test_a_real_mlflow_run_followed_while_mlflow_writes_it(tmp_path, monkeypatch
     assert w.builder.counts.train == 10
     assert w.monitor.state.completed
     assert w.feed.completed == "the MLflow run's status is FINISHED"
+
+
+def test_an_mlflow_steps_metrics_logged_apart_stay_one_record(tmp_path, monkeypatch):
+    """Each metric has its own file: polls that fall between a step's files (here 0.1 s of them)
+    must not hand the step on without its grad norm."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow = require_module("mlflow")
+    store = tmp_path / "mlruns"
+    mlflow.set_tracking_uri(store.as_uri())
+    mlflow.set_experiment("watched")
+    w, t, result = start(store, idle_timeout=60)
+    with mlflow.start_run():
+        for step in (1, 2):
+            mlflow.log_metric("loss", 2.0 / step, step=step)
+            time.sleep(0.1)  # ten polls find nothing new
+            mlflow.log_metric("grad_norm", 0.5 * step, step=step)
+            wait_for(step_is(w, step), f"step {step}")
+            assert value(scrape(w.monitor.port), "training_grad_norm") == 0.5 * step
+    t.join(30)
+    assert result == ["completed"] and w.builder.counts.train == 2
 
 
 def test_map_naming_a_column_the_followed_file_lacks_ends_the_watch_in_one_line(tmp_path, capsys):

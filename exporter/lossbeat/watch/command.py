@@ -42,7 +42,7 @@ from lossbeat.watch.events import EventFollower
 from lossbeat.watch.events import records as event_records
 from lossbeat.watch.follow import Follower
 from lossbeat.watch.ranks import RANK_FIELD, assign_ranks
-from lossbeat.watch.runs import follow_mlflow, follow_wandb
+from lossbeat.watch.runs import follow_mlflow, follow_wandb, settle_seconds
 
 __all__ = ["Watcher", "MonitorFeed", "add_arguments", "make_watchers", "follow", "run", "EXIT_COMPLETED", "EXIT_IDLE"]
 
@@ -338,13 +338,13 @@ class Watcher:
         self.builder = builder = LiveBuilder(self.path, "tensorboard", self.feed)
         builder.counts.unit = "events"
         pending: dict = {}
-        _log.info("lossbeat watch: following %s (tensorboard) on port %s", self.path, self.monitor.port)
-        while not (self._stop or self._idle()):
-            scalars = follower.poll()
-            if scalars:
-                self._last_data = time.monotonic()
-                builder.counts.read += len(scalars)
-            for kind, step, *rest in event_records(scalars, pending, flush=not scalars):
+        # A step's scalars are events of their own, written one after another: a poll between two of
+        # them finds nothing new. The step is handed on when another step's events arrive, or once
+        # nothing new came for this long, not at the first empty poll (its grad norm would be lost).
+        settle = settle_seconds(self.poll_interval)
+
+        def hand_on(scalars: list, flush: bool) -> None:
+            for kind, step, *rest in event_records(scalars, pending, flush=flush):
                 builder.where = f"step {step}"
                 if kind == "train":
                     builder.train(step, *rest)
@@ -352,12 +352,21 @@ class Watcher:
                     builder.eval(step, *rest)
                 else:
                     builder.complete("the HF Trainer logged its final summary (train/train_runtime)")
+
+        _log.info("lossbeat watch: following %s (tensorboard) on port %s", self.path, self.monitor.port)
+        while not (self._stop or self._idle()):
+            scalars = follower.poll()
+            if scalars:
+                self._last_data = time.monotonic()
+                builder.counts.read += len(scalars)
+            hand_on(scalars, flush=not scalars and time.monotonic() - self._last_data >= settle)
             if self.feed.completed:
                 return
             if not scalars:
                 if self.feed.replaying and follower.file is not None:
                     self.feed.end_replay(os.path.getmtime(follower.file) if os.path.exists(follower.file) else None)
                 time.sleep(self.poll_interval)
+        hand_on([], flush=True)  # the last step, read before the stop
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

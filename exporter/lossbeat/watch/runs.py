@@ -2,8 +2,8 @@
 
 **MLflow** (file store): each metric file of the run (``metrics/<name>``) is followed on its own
 (:class:`~lossbeat.watch.follow.Follower`: appended lines, never re-read); a step's values are
-gathered from every file and handed on as one row once a later step has been written, or when a
-poll finds nothing new. The run folder is the latest run (by start time) under the path; a newer
+gathered from every file and handed on as one row once a later step has been written, or once
+nothing new came for :func:`settle_seconds`. The run folder is the latest run (by start time) under the path; a newer
 run appearing is a new run. The run's ``meta.yaml`` turning FINISHED completes it; FAILED or KILLED
 ends the watch as not completed.
 
@@ -28,10 +28,18 @@ from lossbeat.logs.tables import TableReader
 from lossbeat.logs.wandb_run import WandbRows, wandb_file
 from lossbeat.watch.follow import Follower
 
-__all__ = ["follow_mlflow", "follow_wandb"]
+__all__ = ["follow_mlflow", "follow_wandb", "settle_seconds"]
 
 _log = logging.getLogger("lossbeat.watch")
 _CHUNK = 1 << 20
+_SETTLE_S = 0.5
+
+
+def settle_seconds(poll_interval: float) -> float:
+    """How long nothing new must come before a step written piece by piece (a TensorBoard event
+    per scalar, an MLflow file per metric) is handed on: a poll that falls between two of its
+    pieces finds nothing new, and handing it on then would lose the rest."""
+    return max(_SETTLE_S, 2 * poll_interval)
 
 
 def _latest_run(path: str) -> str | None:
@@ -50,6 +58,7 @@ def follow_mlflow(w) -> None:
     followers: dict[str, Follower] = {}
     pending: dict[int, dict[str, str]] = {}
     finishing = False
+    settle, last_got = settle_seconds(w.poll_interval), time.monotonic()
     while w.following():
         latest = _latest_run(w.path)
         if latest is None:
@@ -80,8 +89,11 @@ def follow_mlflow(w) -> None:
                 got = True
         if got:
             w.saw_data()
-        # a step is whole once a later one was written (each file is written in step order)
-        ready = [s for s in sorted(pending) if not got or s < max(pending)]
+            last_got = time.monotonic()
+        # A step is whole once a later one was written (each file is written in step order), or
+        # once nothing new came for `settle` seconds, or the run finished.
+        settled = not got and (finishing or time.monotonic() - last_got >= settle)
+        ready = [s for s in sorted(pending) if settled or s < max(pending)]
         for step in ready:
             reader.row({STEP_KEY: step, **pending.pop(step)}, f"step {step}")
         if got:
