@@ -138,13 +138,18 @@ def test_a_real_ppo_run_followed_while_stable_baselines3_writes_it(tmp_path):
     t.join(20)
 
 
-def test_a_real_mlflow_run_followed_while_mlflow_writes_it(tmp_path, monkeypatch):
+def _mlflow_followed(tmp_path: Path, monkeypatch):
+    """The real mlflow client on a file store under ``tmp_path``, and a watcher following it."""
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     mlflow = require_module("mlflow")
     store = tmp_path / "mlruns"
     mlflow.set_tracking_uri(store.as_uri())
     mlflow.set_experiment("watched")
-    w, t, result = start(store, idle_timeout=60)
+    return mlflow, start(store, idle_timeout=60)
+
+
+def test_a_real_mlflow_run_followed_while_mlflow_writes_it(tmp_path, monkeypatch):
+    mlflow, (w, t, result) = _mlflow_followed(tmp_path, monkeypatch)
     with mlflow.start_run():
         for step in range(1, 11):
             loss = 2.0 / step if step < 10 else float("nan")
@@ -161,12 +166,7 @@ def test_a_real_mlflow_run_followed_while_mlflow_writes_it(tmp_path, monkeypatch
 def test_an_mlflow_steps_metrics_logged_apart_stay_one_record(tmp_path, monkeypatch):
     """Each metric has its own file: polls that fall between a step's files (here 0.1 s of them)
     must not hand the step on without its grad norm."""
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    mlflow = require_module("mlflow")
-    store = tmp_path / "mlruns"
-    mlflow.set_tracking_uri(store.as_uri())
-    mlflow.set_experiment("watched")
-    w, t, result = start(store, idle_timeout=60)
+    mlflow, (w, t, result) = _mlflow_followed(tmp_path, monkeypatch)
     with mlflow.start_run():
         for step in (1, 2):
             mlflow.log_metric("loss", 2.0 / step, step=step)
