@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import signal
 import sys
 import time
@@ -41,6 +40,8 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lossbeat.measure.memory import anonymous_resident_bytes
 
 __all__ = ["TinyLM", "ModelSize", "SyntheticCorpus", "add_arguments", "run", "FAULTS"]
 
@@ -288,20 +289,6 @@ def _layer_norms(layers: list[tuple[str, list[torch.Tensor]]]) -> list[float]:
         grads = [p.grad.detach().norm() for p in params if p.grad is not None]
         norms.append(torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros(()))
     return [float(x) for x in torch.stack(norms).tolist()]  # one host sync for all of them
-
-
-def _resident_bytes() -> float:
-    """The process's resident anonymous memory (what the monitor reads on CPU: resident less the
-    file-backed and shared pages), from /proc; nan elsewhere."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            fields = statm.read().split()
-            return (float(fields[1]) - float(fields[2])) * _PAGE
-    except (OSError, IndexError, ValueError):
-        return math.nan
-
-
-_PAGE = float(os.sysconf("SC_PAGE_SIZE")) if hasattr(os, "sysconf") else 4096.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -556,7 +543,7 @@ class _TrainingLoop:
         self.step_began = now
         norms = ",".join(map(repr, layer_norms))
         self.metrics.write(
-            f"{step},{float(loss.detach())!r},{float(grad_norm)!r},{lr!r},,{took},{_resident_bytes()!r},{norms}\n"
+            f"{step},{float(loss.detach())!r},{float(grad_norm)!r},{lr!r},,{took},{anonymous_resident_bytes()!r},{norms}\n"
         )
 
     def _evaluate(self, step: int) -> None:

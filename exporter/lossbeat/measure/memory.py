@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import NamedTuple
 
-__all__ = ["MemoryReading", "read_memory"]
+__all__ = ["MemoryReading", "read_memory", "anonymous_resident_bytes"]
 
 
 class MemoryReading(NamedTuple):
@@ -151,9 +151,7 @@ class _ProcFiles:
         field counts the resident file-backed and shared pages; the kernel keeps no high-water
         mark of anonymous pages alone, so the peak is the resident one less today's shared pages
         (the mapped files are what moves slowly, the spikes are allocations)."""
-        self._open()
-        fields = os.pread(self._statm, 256, 0).split()
-        resident, shared = float(fields[1]) * _PAGE, float(fields[2]) * _PAGE
+        resident, shared = self.statm()
         if self._rusage_peak:
             return resident - shared, resident_peak_kib() * 1024.0 - shared
         status = os.pread(self._status, 8192, 0)
@@ -167,6 +165,12 @@ class _ProcFiles:
             self._rusage_peak = math.isfinite(hwm) and resident_peak_kib() <= hwm + 1024
         return current, peak
 
+    def statm(self) -> tuple[float, float]:
+        """(resident, resident file-backed and shared) bytes, from /proc/self/statm's one line."""
+        self._open()
+        fields = os.pread(self._statm, 256, 0).split()
+        return float(fields[1]) * _PAGE, float(fields[2]) * _PAGE
+
     def reset_peak(self) -> None:
         """Reset VmHWM to the current RSS (Linux >= 4.0); without it the peak stays a lifetime one."""
         if self._clear >= 0:
@@ -177,6 +181,17 @@ class _ProcFiles:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def anonymous_resident_bytes() -> float:
+    """The resident memory the process allocated (what the CPU reading takes as allocated), with
+    no peak reset and no reader's window; NaN where /proc is not there."""
+    with _lock:
+        try:
+            resident, shared = _PROC.statm()
+        except (OSError, ValueError, IndexError):
+            return math.nan
+    return resident - shared
 
 
 def resident_peak_kib() -> float:
