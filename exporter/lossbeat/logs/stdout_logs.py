@@ -246,17 +246,12 @@ def parse_composer(src: Source, out: RecordBuilder) -> None:
             if not used:
                 out.skip("eval blocks without an eval loss")
             return
-        epoch, unit, total = header.group(1), header.group(2), header.group(4)
-        count = int(header.group(3))
-        batch, ok = parse_number(block.get("time/batch"))
-        if unit == "batch" and epoch is not None and total is not None:
-            step = (int(epoch) - 1) * int(total) + count
-        elif unit == "batch":
-            step = count
-        elif ok and batch is not None:
-            step = int(batch) + 1
-        else:
-            step += 1
+        epoch, unit, count, total = header.group(1), header.group(2), int(header.group(3)), header.group(4)
+        if unit == "batch":
+            step = count if epoch is None or total is None else (int(epoch) - 1) * int(total) + count
+        else:  # a token or sample count: the batch is in the block
+            batch, ok = parse_number(block.get("time/batch"))
+            step = int(batch) + 1 if ok and batch is not None else step + 1
         train_loss = next((v for k, v in block.items() if _COMPOSER_LOSS.match(k)), None)
         if train_loss is None:
             out.skip("metric blocks without a train loss")

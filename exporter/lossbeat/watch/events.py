@@ -4,8 +4,8 @@ TensorBoard's own loader reads each file once, resuming at its end on the next p
 half written is left for the next one). The newest event file of the directory is followed; a
 newer one (a resumed or restarted run) is switched to after the rest of the old one is read.
 The scalars of one step arrive as separate events: a step's record is handed on when an event
-of another step arrives, or once nothing new came for a moment (``lossbeat.watch.runs.settle_seconds``). Tags are mapped by name as the
-offline reader does (``train/loss``, ``train/grad_norm``, ``train/learning_rate``, ``eval/loss``...).
+of another step arrives, or once nothing new came for a moment (``lossbeat.watch.runs.settle_seconds``).
+Tags are mapped by name as the offline reader does (``train/loss``, ``train/grad_norm``, ``train/learning_rate``, ``eval/loss``...).
 The HF Trainer's final summary (``train/train_runtime``, ``train/train_loss``, ...) says the run
 ended: it completes the run, and its mean ``train_loss`` is no step's loss.
 """
